@@ -1,0 +1,1 @@
+"""pagedkv: shared pieces of the block manager and compute node (logging, generated protocol)."""
