@@ -1,1 +1,141 @@
+"""Paged-KV kernels: write K/V into slots, copy blocks, paged attention (decode and prefill).
 
+Layouts (per layer):
+- caches: `[num_blocks, num_kv_heads, block_size, head_dim]`, the same for K and V;
+- `block_tables` int32 `[num_seqs, max_blocks_per_seq]` (entries past a sequence's last block
+  are padding and never read); `seq_lens` int32 `[num_seqs]`, the context length including the
+  current token(s);
+- `slot_mapping` int64 `[num_tokens]`, `block_id * block_size + offset`, negative = skip;
+- `block_mapping` int64 `[num_pairs, 2]` of (src, dst), applied in order.
+
+Every entry point validates its arguments (`KernelInputError` on bad input, nothing mutated)
+and then dispatches to a backend:
+- `"cpu"`: Numba `njit(parallel=True)` kernels in `kernels.cpu`;
+- `"cuda"`: Numba CUDA kernels in `kernels.cuda` (imported lazily so the CPU path never pays
+  for, or depends on, numba.cuda);
+- `"auto"`: by where the data lives — a CUDA torch tensor or Numba device array selects cuda,
+  anything else cpu.
+
+Backends receive the validated arguments unchanged (NumPy arrays or torch tensors, `out`
+possibly None) and return the output array; they do their own zero-copy conversion.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from kernels import _validate
+from kernels._validate import KernelInputError, is_device_array
+
+Backend = Literal["auto", "cpu", "cuda"]
+
+__all__ = [
+    "Backend",
+    "KernelInputError",
+    "copy_blocks",
+    "paged_attention_decode",
+    "paged_prefill_attention",
+    "write_slots",
+]
+
+
+def _backend_module(backend: str, data: Sequence[Any]) -> Any:
+    """Resolve `backend` against where `data` (the caches and outputs) lives."""
+    on_device = [is_device_array(x) for x in data if x is not None]
+    if backend == "auto":
+        backend = "cuda" if any(on_device) else "cpu"
+    if backend == "cpu":
+        if any(on_device):
+            raise KernelInputError("backend='cpu' was given GPU-resident arrays")
+        from kernels import cpu
+
+        return cpu
+    if backend == "cuda":
+        from kernels import cuda
+
+        return cuda
+    raise KernelInputError(f"backend must be 'auto', 'cpu' or 'cuda', got {backend!r}")
+
+
+def paged_attention_decode(
+    query: Any,
+    key_cache: Any,
+    value_cache: Any,
+    block_tables: Any,
+    seq_lens: Any,
+    scale: float,
+    out: Any | None = None,
+    backend: Backend = "auto",
+) -> Any:
+    """Attention of one query token per sequence over its paged context.
+
+    query/out `[num_seqs, num_heads, head_dim]`; `num_heads` is a multiple of `num_kv_heads`
+    (query head h reads KV head `h // (num_heads // num_kv_heads)`). Accumulates in float32;
+    the output has the query's dtype unless `out` is given. Returns `out`.
+    """
+    scale = _validate.check_decode(
+        query, key_cache, value_cache, block_tables, seq_lens, scale, out
+    )
+    module = _backend_module(backend, (query, key_cache, value_cache, out))
+    return module.paged_attention_decode(
+        query, key_cache, value_cache, block_tables, seq_lens, scale, out
+    )
+
+
+def paged_prefill_attention(
+    query: Any,
+    key_cache: Any,
+    value_cache: Any,
+    block_tables: Any,
+    seq_lens: Any,
+    query_start_loc: Any,
+    scale: float,
+    out: Any | None = None,
+    backend: Backend = "auto",
+) -> Any:
+    """Causal attention of many query tokens per sequence over the paged prefix + themselves.
+
+    query/out `[total_query_tokens, num_heads, head_dim]`; sequence s owns query rows
+    `query_start_loc[s] … query_start_loc[s+1]-1`, its j-th token at absolute position
+    `seq_len - q_len + j`, attending to positions `0 … seq_len - q_len + j`. The new tokens'
+    K/V must already be in the cache (`write_slots` first). Returns `out`.
+    """
+    scale = _validate.check_prefill(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out
+    )
+    module = _backend_module(backend, (query, key_cache, value_cache, out))
+    return module.paged_prefill_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out
+    )
+
+
+def write_slots(
+    key: Any,
+    value: Any,
+    key_cache: Any,
+    value_cache: Any,
+    slot_mapping: Any,
+    backend: Backend = "auto",
+) -> None:
+    """Store new tokens' K/V (`[num_tokens, num_kv_heads, head_dim]`, the cache's dtype) at
+    their slots; negative slots are skipped, duplicate non-negative slots are rejected."""
+    _validate.check_write_slots(key, value, key_cache, value_cache, slot_mapping)
+    module = _backend_module(backend, (key, value, key_cache, value_cache))
+    module.write_slots(key, value, key_cache, value_cache, slot_mapping)
+
+
+def copy_blocks(
+    key_caches: Sequence[Any],
+    value_caches: Sequence[Any],
+    block_mapping: Any,
+    backend: Backend = "auto",
+) -> None:
+    """Copy blocks src → dst in every layer's K and V cache.
+
+    Pairs apply in order with sequential semantics: a pair sees what earlier pairs wrote (e.g.
+    a defrag move A→B followed by a CoW B→C copies A's original bytes into C).
+    """
+    _validate.check_copy_blocks(key_caches, value_caches, block_mapping)
+    module = _backend_module(backend, (*key_caches, *value_caches))
+    module.copy_blocks(key_caches, value_caches, block_mapping)
