@@ -1,0 +1,104 @@
+"""The `Store` protocol and the options every backend understands.
+
+A store is the block manager's durable memory: an append-only journal of mutations (one
+record per mutating RPC, written in one transaction per group commit) plus the latest
+snapshot of the service state. Recovery is "snapshot + replay every later record through
+the deterministic core". Exactly one block manager may write a database at a time, so every
+backend takes a single-writer lock when it opens and holds it until `close()`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+from block_manager.store.records import JournalRecord, NewRecord, Recovered
+
+
+@dataclass(slots=True, frozen=True)
+class StoreOptions:
+    """Tuning knobs shared by all backends.
+
+    Request-id window: a journal record is always kept while no snapshot covers it. Once a
+    snapshot covers it, it is kept (so `lookup_request` still answers a retry) while it is
+    among the newest `max_retained_requests` records AND younger than
+    `request_retention_s`; the next snapshot prunes it after that. So a retry that arrives
+    within `request_retention_s` of the original and within `max_retained_requests`
+    later mutations is always answered from the record. Bounding both keeps the journal
+    small when AppendSlots batches of hundreds of sequences arrive every few milliseconds.
+    """
+
+    request_retention_s: float = 600.0
+    max_retained_requests: int = 10_000
+    # SQLite only: "FULL" fsyncs the WAL on every commit (durable against power loss);
+    # "NORMAL" only on checkpoints (durable against a process crash only). See sqlite.py.
+    sqlite_synchronous: Literal["FULL", "NORMAL"] = "FULL"
+    sqlite_busy_timeout_ms: int = 5_000
+    # How long `open_store` waits for another writer to release the lock before
+    # raising `StoreLocked` (0: fail at once). A restarting manager whose predecessor was
+    # just killed may need a moment until the database notices the dead session.
+    lock_wait_s: float = 0.0
+    snapshot_compress_level: int = 1
+    clock: Callable[[], float] = field(default=time.time)
+
+
+@dataclass(slots=True, frozen=True)
+class StoreStats:
+    backend: str
+    last_seq_no: int
+    snapshot_seq_no: int
+    num_journal_records: int
+
+
+@runtime_checkable
+class Store(Protocol):
+    """The contract between the block manager service and its persistence.
+
+    All methods are synchronous and thread-safe; the service calls them from a writer
+    thread (or `asyncio.to_thread`) so the event loop never blocks on I/O.
+    """
+
+    @property
+    def last_seq_no(self) -> int:
+        """Highest seq_no assigned so far (0 for an empty store)."""
+        ...
+
+    def recover(self) -> Recovered:
+        """Latest snapshot (or None) and every later record, in seq_no order."""
+        ...
+
+    def append(self, records: Sequence[NewRecord]) -> list[int]:
+        """Journal a batch in ONE transaction; durable when it returns.
+
+        Returns the assigned seq_nos (strictly increasing, in batch order). On any error
+        nothing of the batch is stored.
+        """
+        ...
+
+    def write_snapshot(self, seq_no: int, state: dict) -> None:
+        """Atomically store `state` as of `seq_no` and prune what it makes redundant."""
+        ...
+
+    def lookup_request(self, request_id: str) -> JournalRecord | None:
+        """The journaled record of `request_id`, if still within the retention window."""
+        ...
+
+    def stats(self) -> StoreStats: ...
+
+    def close(self) -> None:
+        """Release the writer lock and connections; idempotent."""
+        ...
+
+
+def prune_bounds(
+    snapshot_seq_no: int, last_seq_no: int, now: float, options: StoreOptions
+) -> tuple[int, int, float]:
+    """Return `(max_covered, max_by_count, min_created_at)`: a record is pruned when
+    `seq_no <= max_covered and (seq_no <= max_by_count or created_at < min_created_at)`."""
+    return (
+        snapshot_seq_no,
+        last_seq_no - options.max_retained_requests,
+        now - options.request_retention_s,
+    )

@@ -1,0 +1,125 @@
+"""Journal record types and the canonical JSON codec shared by every backend.
+
+Canonical JSON (sorted keys, no whitespace, no NaN/Infinity) makes the encoding of a
+request a pure function of its content. That is what lets the service compare a retried
+request with the recorded one by digest, and keeps journal rows small on the hot path
+(an AppendSlots batch of 512 sequences is journaled once per scheduler step).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from block_manager.store.errors import DuplicateRequestId, InvalidRecord
+
+MAX_REQUEST_ID_LEN = 256
+MAX_OP_LEN = 64
+
+_ENCODER = json.JSONEncoder(
+    ensure_ascii=False, allow_nan=False, sort_keys=True, separators=(",", ":")
+)
+
+
+def canonical_json(obj: Any) -> str:
+    """Encode `obj` as canonical, compact JSON; `InvalidRecord` if it is not encodable."""
+    try:
+        return _ENCODER.encode(obj)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRecord(f"not JSON-serialisable: {exc}") from exc
+
+
+def payload_digest(payload: Any) -> str:
+    """sha256 hex of the canonical JSON of `payload` (the request-id conflict check)."""
+    return hashlib.sha256(canonical_json(payload).encode("utf-8")).hexdigest()
+
+
+def decode_json(text: str | bytes) -> Any:
+    return json.loads(text)
+
+
+@dataclass(slots=True, frozen=True)
+class NewRecord:
+    """One mutation as the service hands it to the store.
+
+    `payload` must be enough to replay the operation deterministically through the core;
+    `result` is the response returned verbatim when the same `request_id` is retried.
+    """
+
+    request_id: str
+    op: str
+    payload: dict
+    result: dict
+    payload_digest: str
+
+
+@dataclass(slots=True, frozen=True)
+class JournalRecord:
+    """A journaled mutation: a `NewRecord` plus the store-assigned, strictly increasing
+    `seq_no`.
+
+    `payload` and `result` come back JSON-decoded, i.e. tuples read back as lists, the
+    same on every backend (the memory store round-trips through JSON too).
+    """
+
+    seq_no: int
+    request_id: str
+    op: str
+    payload: dict
+    result: dict
+    payload_digest: str
+    created_at: float
+
+
+@dataclass(slots=True, frozen=True)
+class Recovered:
+    """What `Store.recover` returns: the latest snapshot (or None) and every journal
+    record after it, in `seq_no` order."""
+
+    snapshot: dict | None
+    snapshot_seq_no: int
+    records: list[JournalRecord]
+
+
+@dataclass(slots=True, frozen=True)
+class EncodedRecord:
+    """A validated `NewRecord` with its JSON already encoded (done before any I/O, so a
+    bad record fails the batch before a transaction starts)."""
+
+    request_id: str
+    op: str
+    payload: str
+    result: str
+    payload_digest: str
+
+
+def encode_records(records: Any) -> list[EncodedRecord]:
+    """Validate and encode a batch; `InvalidRecord` / `DuplicateRequestId` on bad input."""
+    encoded: list[EncodedRecord] = []
+    seen: set[str] = set()
+    for record in records:
+        if not isinstance(record, NewRecord):
+            raise InvalidRecord(f"expected NewRecord, got {type(record).__name__}")
+        if not isinstance(record.request_id, str) or not 0 < len(record.request_id) <= MAX_REQUEST_ID_LEN:
+            raise InvalidRecord(f"request_id must be a string of 1..{MAX_REQUEST_ID_LEN} chars")
+        if not isinstance(record.op, str) or not 0 < len(record.op) <= MAX_OP_LEN:
+            raise InvalidRecord(f"op must be a string of 1..{MAX_OP_LEN} chars")
+        if not isinstance(record.payload, dict) or not isinstance(record.result, dict):
+            raise InvalidRecord("payload and result must be dicts")
+        if not isinstance(record.payload_digest, str):
+            raise InvalidRecord("payload_digest must be a string")
+        if record.request_id in seen:
+            raise DuplicateRequestId(f"request id {record.request_id!r} repeated in one batch")
+        seen.add(record.request_id)
+        encoded.append(
+            EncodedRecord(
+                request_id=record.request_id,
+                op=record.op,
+                payload=canonical_json(record.payload),
+                result=canonical_json(record.result),
+                payload_digest=record.payload_digest,
+            )
+        )
+    return encoded

@@ -1,0 +1,215 @@
+"""`SqlStore`: the journal store over SQLAlchemy Core (SQLite or PostgreSQL).
+
+All writes go through ONE dedicated writer connection, serialised by a thread lock: the
+block manager has a single writer by design (group commit batches concurrent RPCs into one
+`append`), and on PostgreSQL that connection is the one holding the advisory lock. Reads for
+`lookup_request` use the engine's pool so a retry lookup never waits behind a commit.
+
+seq_nos are assigned here, not by the database: the single-writer lock makes an in-process
+counter safe, and it lets `append` insert a whole batch in one `executemany` without a
+round trip per row to learn ids. The counter only advances after a commit succeeds.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from sqlalchemy import Connection, Engine, delete, func, or_, select
+from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
+
+from block_manager.store.base import StoreOptions, StoreStats, prune_bounds
+from block_manager.store.errors import DuplicateRequestId, StoreError
+from block_manager.store.records import JournalRecord, NewRecord, Recovered, decode_json, encode_records
+from block_manager.store.schema import ensure_schema, journal, snapshots
+from block_manager.store.snapshot import (
+    ENCODING_JSON_ZLIB,
+    check_snapshot_seq_no,
+    decode_snapshot,
+    encode_snapshot,
+)
+
+
+class SqlStore:
+    def __init__(
+        self,
+        backend: str,
+        engine: Engine,
+        writer: Connection,
+        options: StoreOptions,
+        release_lock: Callable[[], None],
+    ) -> None:
+        """Take over an engine and a writer connection that already holds the lock.
+
+        Use `open_store`; on failure here the caller releases the lock.
+        """
+        self.backend = backend
+        self._engine = engine
+        self._writer = writer
+        self._options = options
+        self._release_lock = release_lock
+        self._write_lock = threading.Lock()
+        self._broken: str | None = None
+        self._closed = False
+        with self._writer.begin():
+            ensure_schema(self._writer)
+            last_journal = self._writer.execute(select(func.max(journal.c.seq_no))).scalar()
+            last_snapshot = self._writer.execute(select(func.max(snapshots.c.seq_no))).scalar()
+        self._snapshot_seq_no = int(last_snapshot or 0)
+        self._last_seq_no = max(int(last_journal or 0), self._snapshot_seq_no)
+
+    @property
+    def last_seq_no(self) -> int:
+        return self._last_seq_no
+
+    def recover(self) -> Recovered:
+        with self._write_lock:
+            self._check_usable()
+            with self._guard("recover"), self._writer.begin():
+                row = self._writer.execute(
+                    select(snapshots.c.seq_no, snapshots.c.encoding, snapshots.c.state)
+                    .order_by(snapshots.c.seq_no.desc())
+                    .limit(1)
+                ).first()
+                snapshot_seq_no = 0 if row is None else int(row.seq_no)
+                rows = self._writer.execute(
+                    select(journal)
+                    .where(journal.c.seq_no > snapshot_seq_no)
+                    .order_by(journal.c.seq_no)
+                ).all()
+            snapshot = None if row is None else decode_snapshot(row.encoding, bytes(row.state))
+            return Recovered(snapshot, snapshot_seq_no, [_row_to_record(r) for r in rows])
+
+    def append(self, records: Sequence[NewRecord]) -> list[int]:
+        encoded = encode_records(records)
+        if not encoded:
+            return []
+        with self._write_lock:
+            self._check_usable()
+            now = float(self._options.clock())
+            first = self._last_seq_no + 1
+            rows = [
+                {
+                    "seq_no": first + i,
+                    "request_id": rec.request_id,
+                    "op": rec.op,
+                    "payload": rec.payload,
+                    "result": rec.result,
+                    "payload_digest": rec.payload_digest,
+                    "created_at": now,
+                }
+                for i, rec in enumerate(encoded)
+            ]
+            try:
+                with self._guard("append"), self._writer.begin():
+                    self._writer.execute(journal.insert(), rows)
+            except IntegrityError as exc:
+                raise DuplicateRequestId(
+                    "a request id of this batch is already journaled; nothing was written"
+                ) from exc
+            self._last_seq_no += len(rows)
+            return list(range(first, first + len(rows)))
+
+    def write_snapshot(self, seq_no: int, state: dict) -> None:
+        blob = encode_snapshot(state, self._options.snapshot_compress_level)
+        with self._write_lock:
+            self._check_usable()
+            check_snapshot_seq_no(seq_no, self._snapshot_seq_no, self._last_seq_no)
+            now = float(self._options.clock())
+            covered, by_count, min_created = prune_bounds(
+                seq_no, self._last_seq_no, now, self._options
+            )
+            with self._guard("write_snapshot"), self._writer.begin():
+                self._writer.execute(delete(snapshots))
+                self._writer.execute(
+                    snapshots.insert().values(
+                        seq_no=seq_no, encoding=ENCODING_JSON_ZLIB, state=blob, created_at=now
+                    )
+                )
+                self._writer.execute(
+                    delete(journal).where(
+                        journal.c.seq_no <= covered,
+                        or_(journal.c.seq_no <= by_count, journal.c.created_at < min_created),
+                    )
+                )
+            self._snapshot_seq_no = seq_no
+
+    def lookup_request(self, request_id: str) -> JournalRecord | None:
+        self._check_usable()
+        with self._guard("lookup_request"), self._engine.connect() as conn:
+            row = conn.execute(select(journal).where(journal.c.request_id == request_id)).first()
+        return None if row is None else _row_to_record(row)
+
+    def stats(self) -> StoreStats:
+        self._check_usable()
+        with self._guard("stats"), self._engine.connect() as conn:
+            count = conn.execute(select(func.count()).select_from(journal)).scalar_one()
+        return StoreStats(self.backend, self._last_seq_no, self._snapshot_seq_no, int(count))
+
+    def close(self) -> None:
+        with self._write_lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._writer.close()
+                self._engine.dispose()
+            finally:
+                self._release_lock()
+
+    def __enter__(self) -> SqlStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise StoreError("store is closed")
+        if self._broken is not None:
+            raise StoreError(f"store is unusable after a failed {self._broken}; reopen it")
+
+    def _guard(self, what: str) -> _DbErrors:
+        return _DbErrors(self, what)
+
+
+class _DbErrors:
+    """Turn database errors into `StoreError`.
+
+    A failed write leaves the caller's in-memory state ahead of the journal (and on
+    PostgreSQL may mean the lock-holding session is gone), so the store refuses further
+    use: the service must stop and recover rather than keep acknowledging.
+    """
+
+    __slots__ = ("_store", "_what")
+
+    def __init__(self, store: SqlStore, what: str) -> None:
+        self._store = store
+        self._what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None or isinstance(exc, IntegrityError):
+            return False
+        if isinstance(exc, SQLAlchemyError):
+            if self._what in ("append", "write_snapshot", "recover") or (
+                isinstance(exc, DBAPIError) and exc.connection_invalidated
+            ):
+                self._store._broken = self._what
+            raise StoreError(f"{self._what} failed: {exc.__class__.__name__}: {exc}") from exc
+        return False
+
+
+def _row_to_record(row: Any) -> JournalRecord:
+    return JournalRecord(
+        seq_no=int(row.seq_no),
+        request_id=row.request_id,
+        op=row.op,
+        payload=decode_json(row.payload),
+        result=decode_json(row.result),
+        payload_digest=row.payload_digest,
+        created_at=float(row.created_at),
+    )
