@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from block_manager.store import StoreOptions, open_store
+from block_manager.store.base import Store
+
+Opener = Callable[..., Store]
+
+
+@pytest.fixture(params=["memory", "sqlite", "postgres"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "memory":
+        return "memory://"
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'journal.db'}"
+    return request.getfixturevalue("fresh_postgres_url")
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def durable_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'journal.db'}"
+    return request.getfixturevalue("fresh_postgres_url")
+
+
+@pytest.fixture
+def opened() -> object:
+    """Open stores through this and they are closed at teardown."""
+    stores: list[Store] = []
+
+    def _open(url: str, options: StoreOptions | None = None) -> Store:
+        store = open_store(url, options)
+        stores.append(store)
+        return store
+
+    yield _open
+    for store in stores:
+        store.close()
