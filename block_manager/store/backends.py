@@ -71,12 +71,17 @@ def _open_sqlite(url: URL, options: StoreOptions) -> SqlStore:
             cur.close()
 
         writer = engine.connect()
-        return SqlStore("sqlite", engine, writer, options, lock.release)
     except SQLAlchemyError as exc:
         lock.release()
         raise StoreError(f"cannot open SQLite store {path}: {exc}") from exc
-    except BaseException:
+    try:
+        return SqlStore("sqlite", engine, writer, options, lock.release)
+    except BaseException as exc:
+        writer.close()
+        engine.dispose()
         lock.release()
+        if isinstance(exc, SQLAlchemyError):
+            raise StoreError(f"cannot open SQLite store {path}: {exc}") from exc
         raise
 
 
