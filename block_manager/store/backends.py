@@ -4,10 +4,11 @@ SQLite durability (`synchronous`): in WAL mode, FULL fsyncs the WAL file on ever
 so an acknowledged mutation survives a power loss or kernel crash; NORMAL fsyncs only at
 checkpoints, so a commit survives a process crash (SIGKILL) but the last commits may be lost
 on power loss. The block manager acknowledges a mutation only after `append` returns and
-promises it is durable, so FULL is the default. Measured on this project's 2-core dev VM
-(`bench/bench_store.py`, see BENCHMARKS.md): a 1-record commit costs ~0.6 ms with FULL vs
-~0.15 ms with NORMAL, and a 256-sequence AppendSlots record ~0.8 ms vs ~0.3 ms; with group
-commit one fsync covers every RPC of a batch, so FULL stays well inside a scheduler step.
+promises it is durable, so FULL is the default. Measured with `bench/bench_store.py` on
+the 2-core dev VM (p50 commit latency, one record per transaction): 1-sequence record
+0.74 ms FULL vs 0.18 ms NORMAL; a columnar 256-sequence AppendSlots record 1.0 ms vs
+0.45 ms. That is one fsync per commit, and group commit shares it between every RPC of a
+batch (16 records in one transaction: 1.2 ms FULL), so FULL stays inside a scheduler step.
 """
 
 from __future__ import annotations
