@@ -1,0 +1,126 @@
+"""The batched append: one call per scheduler step for every running sequence.
+
+This is the hot path (256 decode appends must take well under a millisecond), so the
+loop is written flat: one dict lookup per sequence, integer arithmetic for the common
+case of a token landing inside the last block, shared empty tuples for "no new block"
+and "no copy", and hashing only when a block actually fills up.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence as Seq
+
+from block_manager.core.errors import CoreError, InvalidRequest, OutOfBlocks, UnknownSequence
+from block_manager.core.hashing import hash_block_bytes, salt_bytes
+from block_manager.core.pool import Pool
+from block_manager.core.sequence import Sequence
+from block_manager.core.slots import slot_range
+from block_manager.core.types import AppendFailure, AppendRequest, AppendResult, PoolId, SeqId
+
+_EMPTY: tuple = ()
+_INT64_MIN = -(1 << 63)
+_INT64_MAX = (1 << 63) - 1
+
+
+def _validate_tokens(token_ids: tuple[int, ...], n: int) -> None:
+    if len(token_ids) != n:
+        raise InvalidRequest(f"{len(token_ids)} token ids for {n} new tokens")
+    for t in token_ids:
+        if type(t) is not int or not _INT64_MIN <= t <= _INT64_MAX:
+            raise InvalidRequest(f"token id {t!r} is not an int64 integer")
+
+
+def _hash_full_blocks(pool: Pool, seq: Sequence) -> None:
+    """Hash and register every block the tail has filled (chained on the previous one)."""
+    bs = pool.block_size
+    tail = seq.tail_token_ids
+    salt_enc = salt_bytes(seq.salt)
+    hashes = seq.block_hashes
+    while len(tail) >= bs:
+        block_tokens = tuple(tail[:bs])
+        del tail[:bs]
+        parent = hashes[-1] if hashes else None
+        h = hash_block_bytes(parent, array("q", block_tokens), salt_enc)
+        pool.register(seq.block_table[len(hashes)], h, parent, seq.salt, block_tokens)
+        hashes.append(h)
+
+
+def append_batch(
+    pools: dict[PoolId, Pool],
+    seqs: dict[SeqId, Sequence],
+    requests: Seq[AppendRequest],
+) -> list[AppendResult | AppendFailure]:
+    """Append slots for a batch of sequences; see `BlockManager.append_slots`."""
+    results: list[AppendResult | AppendFailure] = []
+    append = results.append
+    seen: set[SeqId] = set()
+    touched: dict[PoolId, None] = {}
+    for req in requests:
+        sid = req.seq_id
+        seq = seqs.get(sid)
+        n = req.num_new_tokens
+        toks = req.token_ids
+        try:
+            if seq is None:
+                raise UnknownSequence(f"unknown sequence {sid!r}")
+            if sid in seen:
+                raise InvalidRequest(f"sequence {sid!r} appears twice in one batch")
+            seen.add(sid)
+            if type(n) is not int or n <= 0:
+                raise InvalidRequest(f"num_new_tokens must be a positive int, got {n!r}")
+            if toks is not None:
+                _validate_tokens(toks, n)
+            pool = pools[seq.pool_id]
+            bs = pool.block_size
+            table = seq.block_table
+            old = seq.num_tokens
+            new = old + n
+            num_new_blocks = (new + bs - 1) // bs - len(table)
+            cow = old % bs != 0 and pool.ref_cnt[table[-1]] > 1
+            if num_new_blocks + cow > pool.num_available:
+                raise OutOfBlocks(
+                    f"pool {seq.pool_id!r}: sequence {sid!r} needs {num_new_blocks + cow} "
+                    f"blocks, {pool.num_available} available"
+                )
+        except CoreError as exc:
+            append(AppendFailure(sid, exc))
+            continue
+        touched[seq.pool_id] = None
+
+        copy_ops: tuple = _EMPTY
+        new_block_ids: tuple = _EMPTY
+        if cow:
+            src = table[-1]
+            dst = pool.take_block()
+            table[-1] = dst
+            pool.release_block(src)
+            copy_ops = (pool.add_copy_op(src, dst, "cow"),)
+            pool.cow_copies += 1
+        if num_new_blocks:
+            take = pool.take_block
+            fresh = [take() for _ in range(num_new_blocks)]
+            table.extend(fresh)
+            new_block_ids = tuple(fresh)
+        if cow or num_new_blocks:
+            seq.version += 1
+        seq.num_tokens = new
+        if n == 1:
+            slots: tuple[int, ...] = (table[old // bs] * bs + old % bs,)
+        else:
+            slots = slot_range(table, bs, old, new)
+
+        if seq.hashing:
+            if toks is None:
+                # Content unknown from here on: the chain cannot continue.
+                seq.hashing = False
+                seq.tail_token_ids = []
+                seq.block_hashes = []
+            else:
+                seq.tail_token_ids.extend(toks)
+                if len(seq.tail_token_ids) >= bs:
+                    _hash_full_blocks(pool, seq)
+        append(AppendResult(sid, slots, new_block_ids, copy_ops, seq.version, new))
+    for pool_id in touched:
+        pools[pool_id].num_steps += 1
+    return results

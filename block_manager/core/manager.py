@@ -1,0 +1,448 @@
+"""`BlockManager`: the deterministic state machine over pools, sequences and blocks.
+
+Every public method either raises a `CoreError` before touching anything or completes
+fully, so the service can journal a call and replay it to the same state. Nothing here
+reads a clock, draws random numbers or iterates an unordered collection whose order
+could leak into a result.
+
+Copy-op safety contract (compute nodes rely on it): a pool's copy ops (copy-on-write and
+defrag moves) are applied by its node strictly in op_id order and *before any forward
+that writes K/V*. So even when a CoW source block is released and handed to another
+sequence before the node ran the copy, the copy still reads the old content: the new
+owner's first write happens in a later forward, after the copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence as Seq
+
+from block_manager.core import defrag as _defrag
+from block_manager.core.append import append_batch
+from block_manager.core.errors import (
+    FailedPrecondition, InvalidRequest, OutOfBlocks, PoolDraining, SequenceExists,
+    UnknownPlan, UnknownPool, UnknownSequence, VersionConflict,
+)
+from block_manager.core.hashing import hash_prefix, token_array
+from block_manager.core.pool import Pool
+from block_manager.core.sequence import Sequence
+from block_manager.core.slots import slot_range
+from block_manager.core.types import (
+    AllocateResult, AppendFailure, AppendRequest, AppendResult, BlockId, CopyOp, DefragKind,
+    DefragPlan, DefragPolicy, PlanId, PoolId, PoolMetrics, RouteEntry, SeqId, SequenceView,
+)
+
+MAX_POOL_BLOCKS = 1 << 24
+
+
+def _check_count(name: str, value: object, minimum: int) -> int:
+    if type(value) is not int or value < minimum:
+        raise InvalidRequest(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+class BlockManager:
+    """Pools, sequences and their block tables; see docs/core_api.md for the contract."""
+
+    def __init__(
+        self,
+        *,
+        watermark: float = 0.01,
+        enable_prefix_caching: bool = True,
+        defrag_policy: DefragPolicy | None = None,
+    ) -> None:
+        if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not (
+            0.0 <= watermark < 1.0
+        ):
+            raise InvalidRequest(f"watermark must be in [0, 1), got {watermark!r}")
+        self.watermark = float(watermark)
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.defrag_policy = defrag_policy if defrag_policy is not None else DefragPolicy()
+        self._pools: dict[PoolId, Pool] = {}
+        self._seqs: dict[SeqId, Sequence] = {}
+        self._next_plan_id = 1
+
+    # ---- lookups --------------------------------------------------------------------
+    def _pool(self, pool_id: PoolId) -> Pool:
+        pool = self._pools.get(pool_id)
+        if pool is None:
+            raise UnknownPool(f"unknown pool {pool_id!r}")
+        return pool
+
+    def _seq(self, seq_id: SeqId) -> Sequence:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise UnknownSequence(f"unknown sequence {seq_id!r}")
+        return seq
+
+    def _watermark_blocks(self, pool: Pool) -> int:
+        return int(self.watermark * pool.num_blocks)
+
+    @property
+    def pool_ids(self) -> list[PoolId]:
+        return list(self._pools)
+
+    # ---- pools ----------------------------------------------------------------------
+    def add_pool(self, pool_id: PoolId, num_blocks: int, block_size: int) -> None:
+        if not isinstance(pool_id, str) or not pool_id:
+            raise InvalidRequest(f"pool id must be a non-empty string, got {pool_id!r}")
+        if pool_id in self._pools:
+            raise InvalidRequest(f"pool {pool_id!r} already exists")
+        _check_count("num_blocks", num_blocks, 1)
+        _check_count("block_size", block_size, 1)
+        if num_blocks > MAX_POOL_BLOCKS:
+            raise InvalidRequest(f"num_blocks {num_blocks} exceeds {MAX_POOL_BLOCKS}")
+        self._pools[pool_id] = Pool(pool_id, num_blocks, block_size)
+
+    def remove_pool(self, pool_id: PoolId) -> list[SeqId]:
+        """Drop a pool with its sequences, pending ops and plan; returns the dropped ids."""
+        pool = self._pool(pool_id)
+        dropped = list(pool.seqs)
+        for sid in dropped:
+            del self._seqs[sid]
+        del self._pools[pool_id]
+        return dropped
+
+    def set_draining(self, pool_id: PoolId, draining: bool) -> None:
+        self._pool(pool_id).draining = bool(draining)
+
+    # ---- allocation -----------------------------------------------------------------
+    def can_allocate(self, pool_id: PoolId, num_tokens: int) -> bool:
+        """Whether a fresh (uncached) prompt of `num_tokens` would be admitted now."""
+        pool = self._pool(pool_id)
+        _check_count("num_tokens", num_tokens, 1)
+        if pool.draining:
+            return False
+        needed = -(-num_tokens // pool.block_size)
+        return needed <= pool.num_available - self._watermark_blocks(pool)
+
+    def allocate(
+        self,
+        seq_id: SeqId,
+        pool_id: PoolId,
+        token_ids: Seq[int] | None = None,
+        *,
+        num_tokens: int | None = None,
+        salt: str | None = None,
+    ) -> AllocateResult:
+        """Create a sequence for a prompt, reusing prefix-cached full blocks.
+
+        All or nothing. Admission keeps `watermark * num_blocks` free-or-evictable blocks
+        in reserve for running sequences' appends. When every block of the prompt is
+        cached, the last block is still computed (num_cached_tokens <= num_tokens - 1):
+        the model needs at least one query token to produce the next token's logits, and
+        recomputing a whole block keeps the slot mapping block-aligned.
+        Passing `num_tokens` instead of `token_ids` disables hashing for the sequence.
+        """
+        if not isinstance(seq_id, str) or not seq_id:
+            raise InvalidRequest(f"sequence id must be a non-empty string, got {seq_id!r}")
+        if seq_id in self._seqs:
+            raise SequenceExists(f"sequence {seq_id!r} already exists")
+        pool = self._pool(pool_id)
+        if pool.draining:
+            raise PoolDraining(f"pool {pool_id!r} is draining")
+        if (token_ids is None) == (num_tokens is None):
+            raise InvalidRequest("give exactly one of token_ids and num_tokens")
+        if salt is not None and not isinstance(salt, str):
+            raise InvalidRequest(f"salt must be a string or None, got {type(salt).__name__}")
+        tokens = token_array(token_ids) if token_ids is not None else None
+        total = len(tokens) if tokens is not None else _check_count("num_tokens", num_tokens, 1)
+        if total == 0:
+            raise InvalidRequest("empty prompt")
+        bs = pool.block_size
+        hashing = tokens is not None and self.enable_prefix_caching
+        hashes = hash_prefix(tokens, bs, salt) if hashing else []
+        hits = self._prefix_hits(pool, tokens, hashes, salt) if hashing else []
+        num_new = -(-total // bs) - len(hits)
+        hits_in_queue = sum(1 for b in hits if pool.ref_cnt[b] == 0)
+        available = pool.num_available - hits_in_queue - self._watermark_blocks(pool)
+        if num_new > available:
+            raise OutOfBlocks(
+                f"pool {pool_id!r}: {num_new} blocks needed, {max(available, 0)} available "
+                f"above the watermark"
+            )
+
+        for b in hits:
+            pool.share_block(b)
+        table = hits + [pool.take_block() for _ in range(num_new)]
+        seq = Sequence(seq_id, pool_id, table, total, 1, salt, hashing)
+        num_cached = len(hits) * bs
+        if hashing:
+            parent = hashes[len(hits) - 1] if hits else None
+            for i in range(len(hits), len(hashes)):
+                block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
+                pool.register(table[i], hashes[i], parent, salt, block_tokens)
+                parent = hashes[i]
+            seq.block_hashes = hashes
+            seq.tail_token_ids = tokens[len(hashes) * bs :].tolist()
+            pool.prefix_query_tokens += total
+            pool.prefix_hit_tokens += num_cached
+        self._seqs[seq_id] = seq
+        pool.seqs[seq_id] = seq
+        return AllocateResult(
+            seq_id, pool_id, tuple(table), num_cached, slot_range(table, bs, num_cached, total), 1
+        )
+
+    def _prefix_hits(self, pool: Pool, tokens, hashes: list[bytes], salt: str | None) -> list[int]:
+        """Blocks of the longest cached prefix, capped to leave one token to compute."""
+        bs = pool.block_size
+        max_hits = min(len(hashes), (len(tokens) - 1) // bs)
+        hits: list[int] = []
+        parent = None
+        for i in range(max_hits):
+            b = pool.lookup(hashes[i], parent, salt, tuple(tokens[i * bs : (i + 1) * bs]))
+            if b is None:
+                break
+            hits.append(b)
+            parent = hashes[i]
+        return hits
+
+    def can_append(self, seq_id: SeqId, num_new_tokens: int) -> bool:
+        """Whether `append_slots` would succeed for this sequence alone (appends may use
+        the watermark reserve)."""
+        seq = self._seq(seq_id)
+        _check_count("num_new_tokens", num_new_tokens, 1)
+        pool = self._pools[seq.pool_id]
+        bs = pool.block_size
+        needed = -(-(seq.num_tokens + num_new_tokens) // bs) - len(seq.block_table)
+        if seq.num_tokens % bs and pool.ref_cnt[seq.block_table[-1]] > 1:
+            needed += 1
+        return needed <= pool.num_available
+
+    def append_slots(self, requests: Seq[AppendRequest]) -> list[AppendResult | AppendFailure]:
+        """Add slots for one scheduler step's batch of sequences.
+
+        Per sequence: the slot of every new token, blocks added at block boundaries, and a
+        copy-on-write op when the partial last block is shared (ref_cnt > 1: the sequence
+        gets a fresh block, the node copies the old one first). A sequence that fails
+        (unknown, malformed, out of blocks) gets an `AppendFailure` and is unchanged; the
+        others proceed in request order. Counts one step for each pool touched.
+        """
+        return append_batch(self._pools, self._seqs, requests)
+
+    def fork(self, parent: SeqId, child_ids: Seq[SeqId]) -> list[SequenceView]:
+        """Children share every block of the parent (ref counts up, nothing copied); the
+        first write into a shared partial block triggers copy-on-write."""
+        src = self._seq(parent)
+        children = list(child_ids)
+        if not children:
+            raise InvalidRequest("fork needs at least one child id")
+        if len(set(children)) != len(children):
+            raise InvalidRequest("duplicate child ids")
+        for cid in children:
+            if not isinstance(cid, str) or not cid:
+                raise InvalidRequest(f"sequence id must be a non-empty string, got {cid!r}")
+            if cid in self._seqs:
+                raise SequenceExists(f"sequence {cid!r} already exists")
+        pool = self._pools[src.pool_id]
+        views: list[SequenceView] = []
+        for cid in children:
+            for b in src.block_table:
+                pool.share_block(b)
+            child = Sequence(
+                cid, src.pool_id, list(src.block_table), src.num_tokens, 1, src.salt,
+                src.hashing, list(src.tail_token_ids), list(src.block_hashes),
+            )
+            self._seqs[cid] = child
+            pool.seqs[cid] = child
+            views.append(child.view())
+        return views
+
+    def free(self, seq_ids: Seq[SeqId]) -> None:
+        """Release sequences. Full hashed blocks that drop to ref_cnt 0 stay cached (the
+        sequence's tail is evicted first); other blocks are free at once."""
+        ids = list(seq_ids)
+        if len(set(ids)) != len(ids):
+            raise InvalidRequest("duplicate sequence ids in free")
+        for sid in ids:
+            self._seq(sid)
+        for sid in ids:
+            seq = self._seqs.pop(sid)
+            pool = self._pools[seq.pool_id]
+            del pool.seqs[sid]
+            for b in reversed(seq.block_table):
+                pool.release_block(b)
+
+    # ---- views ----------------------------------------------------------------------
+    def get_sequence(self, seq_id: SeqId) -> SequenceView:
+        return self._seq(seq_id).view()
+
+    def get_tables(
+        self, seq_ids: Seq[SeqId], known_versions: Mapping[SeqId, int] | None = None
+    ) -> list[SequenceView]:
+        """Views of the sequences whose table is newer than the caller's version."""
+        known = known_versions or {}
+        seqs = [self._seq(sid) for sid in seq_ids]
+        out: list[SequenceView] = []
+        for seq in seqs:
+            have = known.get(seq.seq_id)
+            if have is not None and have > seq.version:
+                raise VersionConflict(
+                    f"sequence {seq.seq_id!r}: caller has version {have}, core {seq.version}"
+                )
+            if have is None or have < seq.version:
+                out.append(seq.view())
+        return out
+
+    def sequences(self, pool_id: PoolId | None = None) -> list[SequenceView]:
+        if pool_id is None:
+            return [s.view() for s in self._seqs.values()]
+        return [s.view() for s in self._pool(pool_id).seqs.values()]
+
+    # ---- copy ops -------------------------------------------------------------------
+    def pending_copy_ops(self, pool_id: PoolId, after_op_id: int = 0) -> list[CopyOp]:
+        """Unacknowledged copy ops of the pool with op_id > after_op_id, in order."""
+        return self._pool(pool_id).pending_copy_ops(after_op_id)
+
+    def ack_copy_ops(self, pool_id: PoolId, up_to_op_id: int) -> None:
+        """The node applied every op with op_id <= up_to_op_id; they are dropped."""
+        pool = self._pool(pool_id)
+        _check_count("up_to_op_id", up_to_op_id, 0)
+        pool.ack_copy_ops(up_to_op_id)
+
+    # ---- prefix cache ---------------------------------------------------------------
+    def route(self, token_ids: Seq[int], salt: str | None = None) -> list[RouteEntry]:
+        """Pools that admit new sequences, best first: longest cached prefix, then most
+        free-or-evictable blocks, then pool id."""
+        tokens = token_array(token_ids)
+        if not tokens:
+            raise InvalidRequest("empty prompt")
+        hashes_by_size: dict[int, list[bytes]] = {}
+        entries: list[RouteEntry] = []
+        for pool in self._pools.values():
+            if pool.draining:
+                continue
+            cached = 0
+            if self.enable_prefix_caching:
+                hashes = hashes_by_size.get(pool.block_size)
+                if hashes is None:
+                    hashes = hash_prefix(tokens, pool.block_size, salt)
+                    hashes_by_size[pool.block_size] = hashes
+                cached = len(self._prefix_hits(pool, tokens, hashes, salt)) * pool.block_size
+            entries.append(RouteEntry(pool.pool_id, cached, pool.num_available))
+        entries.sort(key=lambda e: (-e.num_cached_tokens, -e.num_free_blocks, e.pool_id))
+        return entries
+
+    def evict(self, pool_id: PoolId, num_blocks: int) -> int:
+        """Evict up to `num_blocks` cached blocks (LRU); returns how many were evicted."""
+        pool = self._pool(pool_id)
+        _check_count("num_blocks", num_blocks, 0)
+        return pool.evict(num_blocks)
+
+    def reset_prefix_cache(self, pool_id: PoolId | None = None) -> int:
+        """Forget all content hashes (of one pool or all); cached blocks become free.
+        Returns the number of cached blocks dropped."""
+        pools = [self._pool(pool_id)] if pool_id is not None else list(self._pools.values())
+        return sum(p.reset_prefix_cache() for p in pools)
+
+    # ---- defragmentation ------------------------------------------------------------
+    def plan_defrag(
+        self, pool_id: PoolId, kind: DefragKind = "compaction", max_moves: int | None = None
+    ) -> DefragPlan | None:
+        """Reserve destinations and queue the copies of a defrag plan (None: nothing to
+        do). See `block_manager.core.defrag` for the algorithms and the commit rules."""
+        pool = self._pool(pool_id)
+        if kind not in ("compaction", "contiguity"):
+            raise InvalidRequest(f"unknown defrag kind {kind!r}")
+        if max_moves is not None:
+            _check_count("max_moves", max_moves, 1)
+        if pool.plan is not None:
+            raise FailedPrecondition(
+                f"pool {pool_id!r} already has outstanding plan {pool.plan.plan_id}"
+            )
+        if kind == "compaction":
+            pairs = _defrag.plan_compaction(pool, max_moves)
+        else:
+            pairs = _defrag.plan_contiguity(pool, max_moves)
+        if not pairs:
+            return None
+        plan_id = PlanId(self._next_plan_id)
+        self._next_plan_id += 1
+        state = _defrag.reserve(pool, plan_id, kind, pairs)
+        return DefragPlan(plan_id, pool_id, kind, tuple(state.moves))
+
+    def _plan_pool(self, plan_id: PlanId) -> Pool:
+        for pool in self._pools.values():
+            if pool.plan is not None and pool.plan.plan_id == plan_id:
+                return pool
+        raise UnknownPlan(f"unknown defrag plan {plan_id!r}")
+
+    def commit_defrag(self, plan_id: PlanId) -> list[SeqId]:
+        """Rewrite every table holding a moved block (all sharers, versions bumped), move
+        hash identity to the destination and free the sources. Requires every move to
+        be acknowledged by the node (FailedPrecondition otherwise). Returns the ids of
+        the sequences whose tables changed."""
+        pool = self._plan_pool(plan_id)
+        return _defrag.commit(pool)
+
+    def abort_defrag(self, plan_id: PlanId) -> None:
+        """Roll a plan back: destinations return to the free queue, sources are unpinned."""
+        pool = self._plan_pool(plan_id)
+        _defrag.abort(pool)
+
+    def get_defrag_plan(self, pool_id: PoolId) -> DefragPlan | None:
+        pool = self._pool(pool_id)
+        if pool.plan is None:
+            return None
+        p = pool.plan
+        return DefragPlan(p.plan_id, pool_id, p.kind, tuple(p.moves))
+
+    def defrag_due(self, pool_id: PoolId) -> DefragKind | None:
+        """Which defragmentation the policy asks for now ("compaction"/"contiguity"), or
+        None. Pure query: it changes nothing."""
+        return _defrag.due(self._pool(pool_id), self.defrag_policy)
+
+    # ---- metrics, fsck, snapshots ---------------------------------------------------
+    def metrics(self, pool_id: PoolId) -> PoolMetrics:
+        pool = self._pool(pool_id)
+        bs = pool.block_size
+        num_tokens = 0
+        partial: dict[int, int] = {}
+        for seq in pool.seqs.values():
+            num_tokens += seq.num_tokens
+            fill = seq.num_tokens % bs
+            if fill:
+                partial[seq.block_table[-1]] = fill
+        waste = sum(bs - fill for fill in partial.values())
+        return PoolMetrics(
+            pool_id=pool.pool_id,
+            num_blocks=pool.num_blocks,
+            block_size=bs,
+            num_free_blocks=pool.num_free,
+            num_used_blocks=pool.num_used,
+            num_cached_blocks=pool.num_cached,
+            num_reserved_blocks=pool.num_reserved,
+            usage=pool.num_used / pool.num_blocks,
+            high_water_mark=pool.high_water_mark(),
+            num_tokens=num_tokens,
+            allocated_slots=pool.num_used * bs,
+            waste_slots=waste,
+            prefix_query_tokens=pool.prefix_query_tokens,
+            prefix_hit_tokens=pool.prefix_hit_tokens,
+            cow_copies=pool.cow_copies,
+            evictions=pool.evictions,
+            defrag_moves=pool.defrag_moves,
+            num_sequences=len(pool.seqs),
+            contiguity=_defrag.contiguity_score(pool),
+        )
+
+    def fsck(self) -> list[str]:
+        """Check every invariant; human-readable violations, empty when healthy."""
+        from block_manager.core.fsck import fsck
+
+        return fsck(self)
+
+    def to_snapshot(self) -> dict:
+        """The complete state as a JSON-serialisable dict (see core/snapshot.py)."""
+        from block_manager.core.snapshot import to_snapshot
+
+        return to_snapshot(self)
+
+    @classmethod
+    def from_snapshot(cls, data: dict) -> BlockManager:
+        """Rebuild a manager from `to_snapshot()` output; InvalidRequest if malformed."""
+        from block_manager.core.snapshot import from_snapshot
+
+        return from_snapshot(cls, data)
+
+
+__all__ = ["BlockManager", "BlockId"]

@@ -1,0 +1,233 @@
+"""One pool's blocks: reference counts, the free and cached queues, the prefix index and
+the pool's queue of copy ops.
+
+Eviction order is kept in two intrusive lists that together form the vLLM-style free
+queue: `free_list` (never-hashed blocks; freed ones are pushed at the front and reused
+first) followed by `cached_list` (ref_cnt 0 but hashed, least recently freed first).
+Allocation pops the free list and only then evicts from the front of the cached list,
+so a cached block is only ever given up when no plain free block is left. Keeping the
+two apart also makes `evict(n)` O(n) instead of skipping over free blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from block_manager.core.block_list import BlockList
+from block_manager.core.errors import InvalidRequest
+from block_manager.core.hashing import BlockHash
+from block_manager.core.sequence import Sequence
+from block_manager.core.types import BlockId, CopyKind, CopyOp, DefragKind, PlanId, PoolId, SeqId
+
+
+@dataclass(slots=True, frozen=True)
+class BlockMeta:
+    """Identity of a hashed block: what a prefix hit is confirmed against."""
+
+    block_hash: BlockHash
+    parent_hash: BlockHash | None
+    salt: str | None
+    token_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class PlanState:
+    """An outstanding defrag plan: destinations reserved, sources pinned."""
+
+    plan_id: PlanId
+    kind: DefragKind
+    moves: list[CopyOp]
+
+    @property
+    def last_op_id(self) -> int:
+        return self.moves[-1].op_id
+
+
+class Pool:
+    """Bookkeeping of one compute node's blocks; the manager orchestrates, the pool keeps
+    its own counters consistent on every transition."""
+
+    __slots__ = (
+        "pool_id", "num_blocks", "block_size", "draining", "ref_cnt", "free_list",
+        "cached_list", "meta", "prefix_index", "reserved", "pinned", "num_used",
+        "num_reserved", "seqs", "copy_ops", "next_op_id", "acked_op_id", "plan",
+        "num_steps", "last_defrag_step", "prefix_query_tokens", "prefix_hit_tokens",
+        "cow_copies", "evictions", "defrag_moves",
+    )
+
+    def __init__(self, pool_id: PoolId, num_blocks: int, block_size: int) -> None:
+        self.pool_id = pool_id
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.draining = False
+        self.ref_cnt = [0] * num_blocks
+        self.free_list = BlockList(num_blocks)
+        self.cached_list = BlockList(num_blocks)
+        for b in range(num_blocks):
+            self.free_list.push_back(b)
+        self.meta: list[BlockMeta | None] = [None] * num_blocks
+        self.prefix_index: dict[BlockHash, int] = {}
+        # reserved: a defrag destination, or a pinned source whose last reference went
+        # away while the plan was outstanding (held until commit/abort, never reused).
+        self.reserved = bytearray(num_blocks)
+        self.pinned = bytearray(num_blocks)
+        self.num_used = 0
+        self.num_reserved = 0
+        self.seqs: dict[SeqId, Sequence] = {}
+        self.copy_ops: deque[CopyOp] = deque()
+        self.next_op_id = 1
+        self.acked_op_id = 0
+        self.plan: PlanState | None = None
+        self.num_steps = 0
+        self.last_defrag_step = 0
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.cow_copies = 0
+        self.evictions = 0
+        self.defrag_moves = 0
+
+    # ---- capacity -------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self.free_list)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.cached_list)
+
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation can take now: free plus evictable cached ones."""
+        return len(self.free_list) + len(self.cached_list)
+
+    # ---- block transitions ----------------------------------------------------------
+    def take_block(self) -> int:
+        """Pop a block for a new owner (ref_cnt 1), evicting the LRU cached block if no
+        free one is left. The caller has checked `num_available`."""
+        b = self.free_list.pop_front()
+        if b is None:
+            b = self.cached_list.pop_front()
+            if b is None:
+                raise InvalidRequest("internal: take_block on an exhausted pool")
+            self.drop_hash(b)
+            self.evictions += 1
+        self.ref_cnt[b] = 1
+        self.num_used += 1
+        return b
+
+    def share_block(self, b: int) -> None:
+        """One more table holds `b` (a prefix hit or a fork); a cached block leaves the
+        eviction queue in O(1)."""
+        if self.ref_cnt[b] == 0:
+            self.cached_list.remove(b)
+            self.num_used += 1
+        self.ref_cnt[b] += 1
+
+    def release_block(self, b: int) -> None:
+        """One table fewer holds `b`; at zero it becomes cached (hashed), free, or — when
+        it is the source of an outstanding defrag move — held by the plan."""
+        cnt = self.ref_cnt[b] - 1
+        self.ref_cnt[b] = cnt
+        if cnt:
+            return
+        self.num_used -= 1
+        if self.pinned[b]:
+            self.drop_hash(b)
+            self.reserved[b] = 1
+            self.num_reserved += 1
+        elif self.meta[b] is not None:
+            self.cached_list.push_back(b)
+        else:
+            self.free_list.push_front(b)
+
+    # ---- prefix index ---------------------------------------------------------------
+    def lookup(
+        self, block_hash: BlockHash, parent: BlockHash | None, salt: str | None,
+        token_ids: tuple[int, ...],
+    ) -> int | None:
+        """Block holding exactly this content, confirmed against the stored tokens."""
+        b = self.prefix_index.get(block_hash)
+        if b is None:
+            return None
+        m = self.meta[b]
+        if m is None or m.token_ids != token_ids or m.parent_hash != parent or m.salt != salt:
+            return None
+        return b
+
+    def register(
+        self, b: int, block_hash: BlockHash, parent: BlockHash | None, salt: str | None,
+        token_ids: tuple[int, ...],
+    ) -> None:
+        """Make full block `b` findable by its hash. The first block with a given hash
+        keeps it; a later duplicate stays anonymous (freed to the front, reused first)."""
+        if block_hash in self.prefix_index or self.meta[b] is not None:
+            return
+        self.prefix_index[block_hash] = b
+        self.meta[b] = BlockMeta(block_hash, parent, salt, token_ids)
+
+    def drop_hash(self, b: int) -> None:
+        m = self.meta[b]
+        if m is not None:
+            del self.prefix_index[m.block_hash]
+            self.meta[b] = None
+
+    def evict(self, num_blocks: int) -> int:
+        """Evict up to `num_blocks` cached blocks, least recently freed first."""
+        n = 0
+        while n < num_blocks:
+            b = self.cached_list.pop_front()
+            if b is None:
+                break
+            self.drop_hash(b)
+            self.free_list.push_back(b)
+            self.evictions += 1
+            n += 1
+        return n
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every hash; cached blocks become plain free blocks. Returns how many
+        cached blocks were dropped."""
+        n = 0
+        while True:
+            b = self.cached_list.pop_front()
+            if b is None:
+                break
+            self.free_list.push_back(b)
+            n += 1
+        for b in list(self.prefix_index.values()):
+            self.meta[b] = None
+        self.prefix_index.clear()
+        return n
+
+    # ---- copy ops -------------------------------------------------------------------
+    def add_copy_op(self, src: int, dst: int, kind: CopyKind) -> CopyOp:
+        op = CopyOp(self.next_op_id, BlockId(src), BlockId(dst), kind)
+        self.next_op_id += 1
+        self.copy_ops.append(op)
+        return op
+
+    def pending_copy_ops(self, after_op_id: int) -> list[CopyOp]:
+        return [op for op in self.copy_ops if op.op_id > after_op_id]
+
+    def ack_copy_ops(self, up_to_op_id: int) -> None:
+        if up_to_op_id >= self.next_op_id:
+            raise InvalidRequest(
+                f"pool {self.pool_id!r}: ack up to op {up_to_op_id} but the last issued op "
+                f"is {self.next_op_id - 1}"
+            )
+        if up_to_op_id <= self.acked_op_id:
+            return
+        ops = self.copy_ops
+        while ops and ops[0].op_id <= up_to_op_id:
+            ops.popleft()
+        self.acked_op_id = up_to_op_id
+
+    # ---- gauges ---------------------------------------------------------------------
+    def high_water_mark(self) -> int:
+        """1 + the highest id of a block with ref_cnt > 0 (0 when none is used)."""
+        ref = self.ref_cnt
+        for b in range(self.num_blocks - 1, -1, -1):
+            if ref[b]:
+                return b + 1
+        return 0

@@ -1,0 +1,187 @@
+"""Complete, JSON-serialisable snapshots of a `BlockManager`.
+
+Recovery is "latest snapshot + replay of the journaled calls after it", so a snapshot
+must carry everything a later call can observe: free-queue *order* (it decides which
+block the next allocation gets), counters, next ids, pending copy ops, the outstanding
+plan and step counters. Hashes are hex strings, tuples become lists, and the layout is
+plain so `to_snapshot(from_snapshot(d)) == d` holds after a JSON round trip.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from block_manager.core.errors import CoreError, InvalidRequest
+from block_manager.core.pool import BlockMeta, PlanState, Pool
+from block_manager.core.sequence import Sequence
+from block_manager.core.types import BlockId, CopyOp, DefragPolicy, PlanId, PoolId, SeqId
+
+if TYPE_CHECKING:
+    from block_manager.core.manager import BlockManager
+
+FORMAT = 1
+_COUNTERS = (
+    "num_used", "num_reserved", "next_op_id", "acked_op_id", "num_steps", "last_defrag_step",
+    "prefix_query_tokens", "prefix_hit_tokens", "cow_copies", "evictions", "defrag_moves",
+)
+
+
+def _hex(h: bytes | None) -> str | None:
+    return None if h is None else h.hex()
+
+
+def _unhex(s: str | None) -> bytes | None:
+    return None if s is None else bytes.fromhex(s)
+
+
+def _op(op: CopyOp) -> list:
+    return [op.op_id, op.src, op.dst, op.kind]
+
+
+def _unop(d: list) -> CopyOp:
+    op_id, src, dst, kind = d
+    if kind not in ("cow", "defrag"):
+        raise ValueError(f"copy op kind {kind!r}")
+    return CopyOp(int(op_id), BlockId(int(src)), BlockId(int(dst)), kind)
+
+
+def _pool_to_dict(pool: Pool) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "pool_id": pool.pool_id,
+        "num_blocks": pool.num_blocks,
+        "block_size": pool.block_size,
+        "draining": pool.draining,
+        "ref_cnt": list(pool.ref_cnt),
+        "free_list": list(pool.free_list),
+        "cached_list": list(pool.cached_list),
+        "hashed_blocks": [
+            [b, m.block_hash.hex(), _hex(m.parent_hash), m.salt, list(m.token_ids)]
+            for b, m in enumerate(pool.meta)
+            if m is not None
+        ],
+        "reserved": [b for b in range(pool.num_blocks) if pool.reserved[b]],
+        "pinned": [b for b in range(pool.num_blocks) if pool.pinned[b]],
+        "copy_ops": [_op(op) for op in pool.copy_ops],
+        "plan": None
+        if pool.plan is None
+        else {
+            "plan_id": pool.plan.plan_id,
+            "kind": pool.plan.kind,
+            "moves": [_op(op) for op in pool.plan.moves],
+        },
+        "sequences": [
+            {
+                "seq_id": s.seq_id,
+                "block_table": list(s.block_table),
+                "num_tokens": s.num_tokens,
+                "version": s.version,
+                "salt": s.salt,
+                "hashing": s.hashing,
+                "tail_token_ids": list(s.tail_token_ids),
+                "block_hashes": [h.hex() for h in s.block_hashes],
+            }
+            for s in pool.seqs.values()
+        ],
+    }
+    for name in _COUNTERS:
+        d[name] = getattr(pool, name)
+    return d
+
+
+def to_snapshot(manager: BlockManager) -> dict[str, Any]:
+    policy = manager.defrag_policy
+    return {
+        "format": FORMAT,
+        "watermark": manager.watermark,
+        "enable_prefix_caching": manager.enable_prefix_caching,
+        "defrag_policy": {
+            "every_n_steps": policy.every_n_steps,
+            "max_high_water_ratio": policy.max_high_water_ratio,
+            "min_contiguity": policy.min_contiguity,
+        },
+        "next_plan_id": manager._next_plan_id,
+        "seq_order": list(manager._seqs),
+        "pools": [_pool_to_dict(p) for p in manager._pools.values()],
+    }
+
+
+def _pool_from_dict(d: dict[str, Any]) -> Pool:
+    pool = Pool(PoolId(d["pool_id"]), int(d["num_blocks"]), int(d["block_size"]))
+    n = pool.num_blocks
+    pool.draining = bool(d["draining"])
+    ref = [int(x) for x in d["ref_cnt"]]
+    if len(ref) != n:
+        raise ValueError("ref_cnt length differs from num_blocks")
+    pool.ref_cnt = ref
+    while pool.free_list.pop_front() is not None:
+        pass
+    for name, lst in (("free_list", pool.free_list), ("cached_list", pool.cached_list)):
+        for b in d[name]:
+            if not 0 <= b < n or b in pool.free_list or b in pool.cached_list:
+                raise ValueError(f"{name}: bad or repeated block {b}")
+            lst.push_back(int(b))
+    for b, h, parent, salt, tokens in d["hashed_blocks"]:
+        meta = BlockMeta(bytes.fromhex(h), _unhex(parent), salt, tuple(int(t) for t in tokens))
+        if meta.block_hash in pool.prefix_index:
+            raise ValueError("two blocks with one hash")
+        pool.meta[b] = meta
+        pool.prefix_index[meta.block_hash] = int(b)
+    for b in d["reserved"]:
+        pool.reserved[b] = 1
+    for b in d["pinned"]:
+        pool.pinned[b] = 1
+    pool.copy_ops = deque(_unop(op) for op in d["copy_ops"])
+    plan = d["plan"]
+    if plan is not None:
+        if plan["kind"] not in ("compaction", "contiguity") or not plan["moves"]:
+            raise ValueError("bad plan")
+        pool.plan = PlanState(PlanId(int(plan["plan_id"])), plan["kind"],
+                              [_unop(op) for op in plan["moves"]])
+    for name in _COUNTERS:
+        setattr(pool, name, int(d[name]))
+    for s in d["sequences"]:
+        seq = Sequence(
+            SeqId(s["seq_id"]), pool.pool_id, [int(b) for b in s["block_table"]],
+            int(s["num_tokens"]), int(s["version"]), s["salt"], bool(s["hashing"]),
+            [int(t) for t in s["tail_token_ids"]], [bytes.fromhex(h) for h in s["block_hashes"]],
+        )
+        pool.seqs[seq.seq_id] = seq
+    return pool
+
+
+def from_snapshot(cls: type[BlockManager], data: dict[str, Any]) -> BlockManager:
+    try:
+        if data.get("format") != FORMAT:
+            raise ValueError(f"snapshot format {data.get('format')!r}, expected {FORMAT}")
+        pol = data["defrag_policy"]
+        manager = cls(
+            watermark=data["watermark"],
+            enable_prefix_caching=data["enable_prefix_caching"],
+            defrag_policy=DefragPolicy(
+                pol["every_n_steps"], pol["max_high_water_ratio"], pol["min_contiguity"]
+            ),
+        )
+        manager._next_plan_id = int(data["next_plan_id"])
+        seqs: dict[SeqId, Sequence] = {}
+        for pd in data["pools"]:
+            pool = _pool_from_dict(pd)
+            if pool.pool_id in manager._pools:
+                raise ValueError(f"duplicate pool {pool.pool_id!r}")
+            manager._pools[pool.pool_id] = pool
+            for sid, seq in pool.seqs.items():
+                if sid in seqs:
+                    raise ValueError(f"duplicate sequence {sid!r}")
+                seqs[sid] = seq
+        order = data["seq_order"]
+        if sorted(order) != sorted(seqs):
+            raise ValueError("seq_order does not list exactly the pools' sequences")
+        manager._seqs = {SeqId(sid): seqs[sid] for sid in order}
+    except CoreError as exc:
+        raise InvalidRequest(f"malformed snapshot: {exc}") from None
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        raise InvalidRequest(f"malformed snapshot: {type(exc).__name__}: {exc}") from None
+    problems = manager.fsck()
+    if problems:
+        raise InvalidRequest(f"snapshot fails fsck: {problems[:5]}")
+    return manager

@@ -1,0 +1,172 @@
+"""Ids and the plain data classes the core speaks.
+
+The core never hands out its internal mutable objects: every result is a small
+value object (tuples, not lists) so callers cannot corrupt bookkeeping by mutating
+what they were given, and so results compare by value in tests and journal replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, NewType
+
+from block_manager.core.errors import CoreError
+
+SeqId = NewType("SeqId", str)
+PoolId = NewType("PoolId", str)
+BlockId = NewType("BlockId", int)
+PlanId = NewType("PlanId", int)
+
+CopyKind = Literal["cow", "defrag"]
+DefragKind = Literal["compaction", "contiguity"]
+
+
+@dataclass(slots=True, frozen=True)
+class CopyOp:
+    """Copy the K/V of block `src` into block `dst` (all layers) on the pool's node.
+
+    `op_id` increases per pool; a compute node applies a pool's pending ops strictly in
+    `op_id` order, before any forward that writes, and then acknowledges them.
+    """
+
+    op_id: int
+    src: BlockId
+    dst: BlockId
+    kind: CopyKind
+
+
+@dataclass(slots=True, frozen=True)
+class AllocateResult:
+    """What a new sequence got: its table, how much of the prompt was cached, and where
+    the rest of the prompt's K/V must be written.
+
+    `slot_mapping` covers tokens `num_cached_tokens … num_tokens-1` (slot =
+    block_id * block_size + offset).
+    """
+
+    seq_id: SeqId
+    pool_id: PoolId
+    block_table: tuple[BlockId, ...]
+    num_cached_tokens: int
+    slot_mapping: tuple[int, ...]
+    version: int
+
+
+@dataclass(slots=True, frozen=True)
+class AppendRequest:
+    """One sequence's share of a scheduler step: `num_new_tokens` slots to add.
+
+    `token_ids`, when given, must have `num_new_tokens` entries; they let the core hash
+    blocks that become full so later prompts can hit them. Omitting them stops hashing
+    for that sequence (the chain cannot be continued without the content).
+    """
+
+    seq_id: SeqId
+    num_new_tokens: int
+    token_ids: tuple[int, ...] | None = None
+
+
+@dataclass(slots=True)
+class AppendResult:
+    """Slots for the new tokens of one sequence, the blocks it gained, and the copies
+    (copy-on-write) the node must run before writing them.
+
+    Not frozen only because it is built 256 times per scheduler step on the hot path
+    (frozen init is several times slower); treat it as read-only.
+    """
+
+    seq_id: SeqId
+    slot_mapping: tuple[int, ...]
+    new_block_ids: tuple[BlockId, ...]
+    copy_ops: tuple[CopyOp, ...]
+    version: int
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class AppendFailure:
+    """A per-sequence failure inside a batched append; that sequence is unchanged."""
+
+    seq_id: SeqId
+    error: CoreError
+
+
+@dataclass(slots=True, frozen=True)
+class SequenceView:
+    """A read-only copy of one sequence's table.
+
+    `version` changes whenever `block_table` changes (new block, copy-on-write, defrag),
+    not when tokens are added inside the last block; `num_tokens` is current at the time
+    the view was taken.
+    """
+
+    seq_id: SeqId
+    pool_id: PoolId
+    block_table: tuple[BlockId, ...]
+    num_tokens: int
+    version: int
+
+
+@dataclass(slots=True, frozen=True)
+class RouteEntry:
+    """One candidate pool for a prompt, as ranked by `BlockManager.route`."""
+
+    pool_id: PoolId
+    num_cached_tokens: int
+    num_free_blocks: int
+
+
+@dataclass(slots=True, frozen=True)
+class DefragPlan:
+    """Moves of one outstanding defragmentation plan (each also a pending CopyOp)."""
+
+    plan_id: PlanId
+    pool_id: PoolId
+    kind: DefragKind
+    moves: tuple[CopyOp, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class DefragPolicy:
+    """When `defrag_due` proposes a defragmentation.
+
+    Any threshold set to None is disabled. `every_n_steps` counts `append_slots` calls
+    touching the pool since the last committed plan; `max_high_water_ratio` compares the
+    high-water mark with the number of used blocks; `min_contiguity` is the lowest
+    acceptable contiguity score (see `defrag.contiguity_score`).
+    """
+
+    every_n_steps: int | None = 1000
+    max_high_water_ratio: float | None = 1.5
+    min_contiguity: float | None = 0.5
+
+
+@dataclass(slots=True, frozen=True)
+class PoolMetrics:
+    """Point-in-time counters and gauges of one pool.
+
+    `waste_slots` is internal fragmentation: slots of used blocks that hold no token
+    (only partial last blocks contribute; a block shared by forks counts once).
+    Prefix counters are in tokens: `prefix_query_tokens` are prompt tokens looked up,
+    `prefix_hit_tokens` those served from the cache.
+    """
+
+    pool_id: PoolId
+    num_blocks: int
+    block_size: int
+    num_free_blocks: int
+    num_used_blocks: int
+    num_cached_blocks: int
+    num_reserved_blocks: int
+    usage: float
+    high_water_mark: int
+    num_tokens: int
+    allocated_slots: int
+    waste_slots: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    cow_copies: int
+    evictions: int
+    defrag_moves: int
+    num_sequences: int
+    contiguity: float

@@ -1,0 +1,376 @@
+"""Unit tests of allocate / append / fork / free and their error paths."""
+
+from __future__ import annotations
+
+import pytest
+
+from block_manager.core import (
+    AppendFailure, AppendRequest, AppendResult, BlockManager, InvalidRequest, OutOfBlocks,
+    PoolDraining, SequenceExists, UnknownPool, UnknownSequence,
+)
+
+
+def make(num_blocks: int = 16, block_size: int = 4, **kw) -> BlockManager:
+    m = BlockManager(watermark=kw.pop("watermark", 0.0), **kw)
+    m.add_pool("p", num_blocks, block_size)
+    return m
+
+
+def test_allocate_fresh_prompt_gets_slots_for_every_token() -> None:
+    m = make()
+    r = m.allocate("a", "p", list(range(10)))
+    assert r.block_table == (0, 1, 2)
+    assert r.num_cached_tokens == 0
+    assert r.slot_mapping == tuple(range(10))
+    assert r.version == 1
+    assert m.fsck() == []
+
+
+def test_allocate_num_tokens_only() -> None:
+    m = make()
+    r = m.allocate("a", "p", num_tokens=5)
+    assert len(r.block_table) == 2
+    assert len(r.slot_mapping) == 5
+    # No tokens: no hashing, so an identical prompt later cannot hit.
+    r2 = m.allocate("b", "p", num_tokens=5)
+    assert r2.num_cached_tokens == 0
+
+
+def test_prefix_hit_shares_full_blocks() -> None:
+    m = make()
+    a = m.allocate("a", "p", list(range(10)))
+    b = m.allocate("b", "p", list(range(10)))
+    assert b.num_cached_tokens == 8
+    assert b.block_table[:2] == a.block_table[:2]
+    assert b.block_table[2] != a.block_table[2]
+    bs = 4
+    assert b.slot_mapping == tuple(b.block_table[2] * bs + i for i in range(2))
+    met = m.metrics("p")
+    assert met.prefix_query_tokens == 20 and met.prefix_hit_tokens == 8
+    assert m.fsck() == []
+
+
+def test_full_prompt_hit_keeps_last_token_to_compute() -> None:
+    m = make()
+    m.allocate("a", "p", list(range(8)))
+    b = m.allocate("b", "p", list(range(8)))
+    assert b.num_cached_tokens == 4
+    assert len(b.slot_mapping) == 4
+
+
+def test_salt_isolates_tenants() -> None:
+    m = make()
+    m.allocate("a", "p", list(range(9)), salt="t1")
+    assert m.allocate("b", "p", list(range(9)), salt="t2").num_cached_tokens == 0
+    assert m.allocate("c", "p", list(range(9)), salt="t1").num_cached_tokens == 8
+    assert m.allocate("d", "p", list(range(9))).num_cached_tokens == 0
+
+
+def test_prefix_caching_switch_off() -> None:
+    m = make(enable_prefix_caching=False)
+    m.allocate("a", "p", list(range(9)))
+    assert m.allocate("b", "p", list(range(9))).num_cached_tokens == 0
+    assert m.metrics("p").prefix_query_tokens == 0
+
+
+def test_freed_hashed_blocks_stay_cached_and_are_reused() -> None:
+    m = make()
+    a = m.allocate("a", "p", list(range(10)))
+    m.free(["a"])
+    met = m.metrics("p")
+    assert met.num_cached_blocks == 2 and met.num_free_blocks == 14 and met.num_used_blocks == 0
+    b = m.allocate("b", "p", list(range(10)))
+    assert b.num_cached_tokens == 8
+    assert b.block_table[:2] == a.block_table[:2]
+    assert m.fsck() == []
+
+
+def test_eviction_order_tail_first_and_counted() -> None:
+    m = make(num_blocks=5)
+    m.allocate("a", "p", list(range(12)))  # 3 full hashed blocks 0,1,2
+    m.free(["a"])
+    assert m.metrics("p").num_cached_blocks == 3
+    # Needs 3 blocks: the free ones (3, 4) first, then evicts a's tail block (2).
+    r = m.allocate("b", "p", num_tokens=12)
+    assert r.block_table == (3, 4, 2)
+    assert m.metrics("p").evictions == 1
+    m.free(["b"])
+    # a's first two blocks are still a usable prefix.
+    assert m.allocate("c", "p", list(range(9))).num_cached_tokens == 8
+    assert m.fsck() == []
+
+
+def test_allocate_errors_leave_state_unchanged() -> None:
+    m = make(num_blocks=4)
+    m.allocate("a", "p", list(range(5)))
+    before = m.to_snapshot()
+    cases = [
+        (lambda: m.allocate("a", "p", [1]), SequenceExists),
+        (lambda: m.allocate("x", "nope", [1]), UnknownPool),
+        (lambda: m.allocate("x", "p"), InvalidRequest),
+        (lambda: m.allocate("x", "p", [1], num_tokens=1), InvalidRequest),
+        (lambda: m.allocate("x", "p", []), InvalidRequest),
+        (lambda: m.allocate("x", "p", num_tokens=0), InvalidRequest),
+        (lambda: m.allocate("x", "p", num_tokens=-3), InvalidRequest),
+        (lambda: m.allocate("x", "p", ["a"]), InvalidRequest),
+        (lambda: m.allocate("x", "p", [1 << 70]), InvalidRequest),
+        (lambda: m.allocate("x", "p", [1], salt=3), InvalidRequest),
+        (lambda: m.allocate("", "p", [1]), InvalidRequest),
+        (lambda: m.allocate("x", "p", list(range(100))), OutOfBlocks),
+    ]
+    for call, exc in cases:
+        with pytest.raises(exc):
+            call()
+        assert m.to_snapshot() == before
+
+
+def test_out_of_blocks_with_partial_prefix_hit_changes_nothing() -> None:
+    m = make(num_blocks=4)
+    m.allocate("a", "p", list(range(8)))
+    m.free(["a"])  # two cached blocks
+    before = m.to_snapshot()
+    with pytest.raises(OutOfBlocks):
+        m.allocate("b", "p", list(range(8)) + list(range(100, 113)))
+    assert m.to_snapshot() == before
+
+
+def test_watermark_admission_but_appends_use_reserve() -> None:
+    m = BlockManager(watermark=0.25)
+    m.add_pool("p", 8, 4)  # reserve: 2 blocks
+    assert m.can_allocate("p", 24)
+    assert not m.can_allocate("p", 25)
+    m.allocate("a", "p", num_tokens=24)  # 6 blocks, leaves 2
+    with pytest.raises(OutOfBlocks):
+        m.allocate("b", "p", num_tokens=1)
+    res = m.append_slots([AppendRequest("a", 8)])
+    assert isinstance(res[0], AppendResult) and len(res[0].new_block_ids) == 2
+    assert m.metrics("p").num_free_blocks == 0
+
+
+def test_draining_pool_refuses_allocate() -> None:
+    m = make()
+    m.set_draining("p", True)
+    assert not m.can_allocate("p", 1)
+    with pytest.raises(PoolDraining):
+        m.allocate("a", "p", [1])
+    m.set_draining("p", False)
+    m.allocate("a", "p", [1])
+
+
+def test_append_decode_within_block_and_across_boundary() -> None:
+    m = make()
+    m.allocate("a", "p", list(range(3)))
+    (r,) = m.append_slots([AppendRequest("a", 1, (3,))])
+    assert isinstance(r, AppendResult)
+    assert r.slot_mapping == (3,) and r.new_block_ids == () and r.version == 1 and r.num_tokens == 4
+    (r,) = m.append_slots([AppendRequest("a", 1, (4,))])
+    assert r.new_block_ids == (1,) and r.slot_mapping == (4,) and r.version == 2
+    (r,) = m.append_slots([AppendRequest("a", 6)])
+    assert r.slot_mapping == (5, 6, 7, 8, 9, 10) and r.new_block_ids == (2,)
+    assert m.get_sequence("a").block_table == (0, 1, 2)
+    assert m.fsck() == []
+
+
+def test_append_hashes_blocks_as_they_fill() -> None:
+    m = make()
+    m.allocate("a", "p", [0, 1, 2])
+    m.append_slots([AppendRequest("a", 3, (3, 4, 5))])
+    m.append_slots([AppendRequest("a", 3, (6, 7, 8))])
+    # Same content as a prompt: blocks 0..1 hit.
+    assert m.allocate("b", "p", list(range(9))).num_cached_tokens == 8
+    # Without tokens hashing stops for "a".
+    m.append_slots([AppendRequest("a", 3)])
+    m.append_slots([AppendRequest("a", 1, (12,))])
+    assert m.allocate("c", "p", list(range(13))).num_cached_tokens == 8
+    assert m.fsck() == []
+
+
+def test_append_per_sequence_failures_leave_those_sequences_unchanged() -> None:
+    m = make(num_blocks=8)
+    for sid in "abcdef":
+        m.allocate(sid, "p", [1, 2, 3, 4])
+    m.fork("f", ["g"])
+    before = {v.seq_id: v for v in m.sequences()}
+    res = m.append_slots([
+        AppendRequest("a", 1, (9,)),
+        AppendRequest("zz", 1),
+        AppendRequest("b", 0),
+        AppendRequest("c", 2, (1,)),
+        AppendRequest("d", 100),
+        AppendRequest("e", 1, ("x",)),  # type: ignore[arg-type]
+        AppendRequest("a", 1),
+        AppendRequest("f", 1, (1,)),
+    ])
+    assert isinstance(res[0], AppendResult) and isinstance(res[7], AppendResult)
+    assert all(isinstance(r, AppendFailure) for r in res[1:7])
+    kinds = [type(r.error) for r in res[1:7]]  # type: ignore[union-attr]
+    assert kinds == [UnknownSequence, InvalidRequest, InvalidRequest, OutOfBlocks,
+                     InvalidRequest, InvalidRequest]
+    for sid in "bcde":
+        assert m.get_sequence(sid) == before[sid]
+    assert m.get_sequence("a").num_tokens == 5
+    assert m.fsck() == []
+
+
+def test_append_out_of_blocks_for_copy_on_write_changes_nothing() -> None:
+    m = make(num_blocks=2)
+    m.allocate("a", "p", [1, 2, 3, 4, 5])  # blocks 0, 1 (partial)
+    m.fork("a", ["b"])
+    before = m.to_snapshot()
+    (r,) = m.append_slots([AppendRequest("b", 1, (6,))])
+    assert isinstance(r, AppendFailure) and isinstance(r.error, OutOfBlocks)
+    assert m.to_snapshot() == before
+
+
+def test_fork_shares_then_copy_on_write() -> None:
+    m = make()
+    m.allocate("a", "p", list(range(6)))
+    (c,) = m.fork("a", ["c"])
+    assert c.block_table == (0, 1) and c.num_tokens == 6 and c.version == 1
+    met = m.metrics("p")
+    assert met.num_used_blocks == 2 and met.waste_slots == 2
+    (r,) = m.append_slots([AppendRequest("c", 1, (6,))])
+    assert len(r.copy_ops) == 1
+    op = r.copy_ops[0]
+    assert (op.src, op.kind) == (1, "cow") and op.dst not in (0, 1)
+    assert r.slot_mapping == (op.dst * 4 + 2,)
+    assert m.get_sequence("c").block_table == (0, op.dst) and r.version == 2
+    # The parent now owns block 1 alone: no copy.
+    (r2,) = m.append_slots([AppendRequest("a", 1, (6,))])
+    assert r2.copy_ops == () and r2.slot_mapping == (6,)
+    assert m.pending_copy_ops("p") == [op]
+    assert m.metrics("p").cow_copies == 1
+    assert m.fsck() == []
+
+
+def test_fork_children_inherit_hashing() -> None:
+    m = make()
+    m.allocate("a", "p", list(range(6)))
+    m.fork("a", ["c"])
+    m.append_slots([AppendRequest("c", 2, (6, 7))])
+    assert m.allocate("d", "p", list(range(9))).num_cached_tokens == 8
+
+
+def test_fork_errors() -> None:
+    m = make()
+    m.allocate("a", "p", [1])
+    m.allocate("b", "p", [1])
+    before = m.to_snapshot()
+    for call, exc in [
+        (lambda: m.fork("zz", ["c"]), UnknownSequence),
+        (lambda: m.fork("a", []), InvalidRequest),
+        (lambda: m.fork("a", ["c", "c"]), InvalidRequest),
+        (lambda: m.fork("a", ["c", "b"]), SequenceExists),
+        (lambda: m.fork("a", ["c", ""]), InvalidRequest),
+    ]:
+        with pytest.raises(exc):
+            call()
+        assert m.to_snapshot() == before
+
+
+def test_free_validates_everything_first() -> None:
+    m = make()
+    m.allocate("a", "p", [1])
+    m.allocate("b", "p", [1])
+    before = m.to_snapshot()
+    with pytest.raises(UnknownSequence):
+        m.free(["a", "zz"])
+    with pytest.raises(InvalidRequest):
+        m.free(["a", "a"])
+    assert m.to_snapshot() == before
+    m.free(["a", "b"])
+    with pytest.raises(UnknownSequence):
+        m.free(["a"])
+    assert m.metrics("p").num_free_blocks == 16
+
+
+def test_free_everything_returns_all_blocks() -> None:
+    m = make()
+    m.allocate("a", "p", list(range(10)))
+    m.fork("a", ["b", "c"])
+    m.append_slots([AppendRequest("b", 3, (1, 2, 3)), AppendRequest("c", 1, (5,))])
+    m.free(["a", "b", "c"])
+    met = m.metrics("p")
+    assert met.num_used_blocks == 0 and met.num_free_blocks + met.num_cached_blocks == 16
+    assert m.fsck() == []
+
+
+def test_get_tables_only_newer() -> None:
+    m = make()
+    m.allocate("a", "p", [1, 2, 3, 4])
+    m.allocate("b", "p", [1])
+    assert [v.seq_id for v in m.get_tables(["a", "b"], {"a": 1})] == ["b"]
+    m.append_slots([AppendRequest("a", 1)])
+    assert [v.seq_id for v in m.get_tables(["a", "b"], {"a": 1, "b": 1})] == ["a"]
+    with pytest.raises(UnknownSequence):
+        m.get_tables(["a", "zz"])
+
+
+def test_pools_and_route() -> None:
+    m = BlockManager(watermark=0)
+    m.add_pool("n1", 16, 4)
+    m.add_pool("n2", 32, 4)
+    m.add_pool("n3", 8, 8)
+    with pytest.raises(InvalidRequest):
+        m.add_pool("n1", 4, 4)
+    for bad in [("x", 0, 4), ("x", 4, 0), ("", 4, 4), ("x", 4.0, 4), ("x", True, 4)]:
+        with pytest.raises(InvalidRequest):
+            m.add_pool(*bad)  # type: ignore[arg-type]
+    prompt = list(range(20))
+    assert [e.pool_id for e in m.route(prompt)] == ["n2", "n1", "n3"]
+    m.allocate("a", "n1", prompt)
+    ranked = m.route(prompt + [7])
+    assert ranked[0].pool_id == "n1" and ranked[0].num_cached_tokens == 20
+    m.set_draining("n1", True)
+    assert "n1" not in [e.pool_id for e in m.route(prompt)]
+    assert m.remove_pool("n1") == ["a"]
+    with pytest.raises(UnknownSequence):
+        m.get_sequence("a")
+    assert m.fsck() == []
+
+
+def test_copy_op_ack() -> None:
+    m = make()
+    m.allocate("a", "p", [1, 2])
+    m.fork("a", ["b", "c"])
+    m.append_slots([AppendRequest("b", 1), AppendRequest("c", 1)])
+    ops = m.pending_copy_ops("p")
+    assert [o.op_id for o in ops] == [1, 2]
+    assert m.pending_copy_ops("p", after_op_id=1) == ops[1:]
+    with pytest.raises(InvalidRequest):
+        m.ack_copy_ops("p", 3)
+    with pytest.raises(InvalidRequest):
+        m.ack_copy_ops("p", -1)
+    m.ack_copy_ops("p", 1)
+    assert m.pending_copy_ops("p") == ops[1:]
+    m.ack_copy_ops("p", 1)
+    m.ack_copy_ops("p", 2)
+    assert m.pending_copy_ops("p") == []
+
+
+def test_evict_and_reset_prefix_cache() -> None:
+    m = make()
+    m.allocate("a", "p", list(range(12)))
+    m.allocate("b", "p", list(range(50, 58)))
+    m.free(["a"])
+    assert m.evict("p", 1) == 1
+    assert m.metrics("p").num_cached_blocks == 2
+    assert m.reset_prefix_cache() == 2
+    met = m.metrics("p")
+    assert met.num_cached_blocks == 0 and met.num_free_blocks == 14
+    m.free(["b"])  # its hashes were dropped too: freed, not cached
+    assert m.metrics("p").num_cached_blocks == 0
+    assert m.allocate("c", "p", list(range(12))).num_cached_tokens == 0
+    assert m.fsck() == []
+
+
+def test_can_append() -> None:
+    m = make(num_blocks=2)
+    m.allocate("a", "p", [1, 2, 3])
+    assert m.can_append("a", 5)
+    assert not m.can_append("a", 6)
+    m.fork("a", ["b"])
+    assert m.can_append("a", 1)  # one block for the copy
+    assert not m.can_append("a", 2)
+    with pytest.raises(UnknownSequence):
+        m.can_append("zz", 1)
