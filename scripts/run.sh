@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One entry point for people and CI: sets up .venv (torch==2.13.0 first, then the
-# project) if needed, then runs the main job (`demo`) or the whole test suite (`test`).
+# project) if needed, then runs the main job (`demo`) or the whole test suite (`test`);
+# `setup` only installs (the Dockerfile uses it, so images install exactly as people do).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${PAGEDKV_VENV:-.venv}
+case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
 stamp="$VENV/.pagedkv-installed"
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
@@ -15,11 +17,12 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   "$VENV/bin/pip" install -q -e ".[dev]"
   touch "$stamp"
 fi
-export PATH="$PWD/$VENV/bin:$PATH"
+export PATH="$VENV/bin:$PATH"
 cmd=${1:-demo}
 shift || true
 case "$cmd" in
+  setup) exit 0 ;;
   demo) exec "$VENV/bin/pagedkv-demo" "$@" ;;
   test) exec "$VENV/bin/python" -m pytest "$@" ;;
-  *) echo "usage: scripts/run.sh demo|test [args...]" >&2; exit 2 ;;
+  *) echo "usage: scripts/run.sh setup|demo|test [args...]" >&2; exit 2 ;;
 esac
