@@ -1,0 +1,200 @@
+"""CPU decode and prefill attention against the float64 reference.
+
+Tolerances: the reference sees exactly the same (already fp16/bf16-rounded) K/V and query
+values, so the kernels' only error sources are float32 accumulation with fast-math
+reassociation (measured ~1e-6 relative) and the final rounding to the output dtype
+(≤ 2^-11 relative per element for fp16, 2^-8 for bf16). Hence per (token, head) relative L2
+error bounds of 1e-4 (fp32 output), 1e-3 (fp16 output, the issue's bound) and 8e-3 (bf16).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from paged_cases import assert_close_rel, expected_decode, expected_prefill, make_case
+
+import kernels
+from kernels.cpu import decode as cpu_decode
+
+REL = {"float32": 1e-4, "float16": 1e-3, "bfloat16": 8e-3}
+
+# Ragged: length 1, exactly one full block, one past a block, partial last blocks, and a
+# context long enough for several split-K partitions (512 tokens each).
+DECODE_LENS = [1, 16, 17, 100, 1100, 33]
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "float32"])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads"), [(4, 4), (16, 4), (16, 2), (8, 1)], ids=["mha", "gqa4", "gqa8", "mqa"]
+)
+@pytest.mark.parametrize("split", [False, True], ids=["single", "splitk"])
+def test_decode_matches_reference(kv_dtype: str, num_heads: int, num_kv_heads: int, split: bool) -> None:
+    rng = np.random.default_rng(zlib.crc32(f"{kv_dtype}{num_heads}{split}".encode()))
+    case = make_case(rng, DECODE_LENS, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                     kv_dtype=kv_dtype)
+    out = np.full(case.query.shape, np.nan, np.float32)  # poison: unwritten elements stay NaN
+    got = cpu_decode.paged_attention_decode(
+        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+        case.scale, out=out, split=split,
+    )
+    assert got is out
+    assert_close_rel(out, expected_decode(case), REL["float32"])
+
+
+@pytest.mark.parametrize("query_dtype", ["float16", "float32"])
+def test_decode_public_api_output_dtype_follows_query(query_dtype: str) -> None:
+    rng = np.random.default_rng(7)
+    case = make_case(rng, [5, 64, 300], num_heads=8, num_kv_heads=2, head_dim=64,
+                     query_dtype=query_dtype)
+    out = kernels.paged_attention_decode(
+        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, case.scale
+    )
+    assert isinstance(out, np.ndarray) and out.dtype == np.dtype(query_dtype)
+    assert_close_rel(out, expected_decode(case), REL[query_dtype])
+
+
+def test_decode_torch_bf16_cache_and_fp16_query_zero_copy() -> None:
+    rng = np.random.default_rng(8)
+    case = make_case(rng, [3, 40, 129], num_heads=8, num_kv_heads=2, head_dim=64,
+                     kv_dtype="bfloat16")
+    query = torch.from_numpy(np.asarray(case.query)).to(torch.float16)
+    case.query = query
+    out = torch.full(query.shape, float("nan"), dtype=torch.float16)
+    got = kernels.paged_attention_decode(
+        query, case.key_cache, case.value_cache, torch.from_numpy(case.block_tables),
+        torch.from_numpy(case.seq_lens), case.scale, out=out,
+    )
+    assert got is out
+    assert_close_rel(out, expected_decode(case), REL["float16"])
+
+
+def test_decode_out_may_have_other_dtype_than_query() -> None:
+    rng = np.random.default_rng(9)
+    case = make_case(rng, [20, 70], num_heads=4, num_kv_heads=2, head_dim=32,
+                     query_dtype="float16")
+    out = np.full(case.query.shape, np.nan, np.float32)
+    got = kernels.paged_attention_decode(
+        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+        case.scale, out=out,
+    )
+    assert got is out
+    assert_close_rel(out, expected_decode(case), REL["float32"])
+
+
+def test_split_rule_uses_split_only_for_few_items_and_long_contexts() -> None:
+    threads = cpu_decode.numba.get_num_threads()
+    assert cpu_decode.use_split(1, 1, 4096, 16)
+    assert not cpu_decode.use_split(1, 1, 300, 16)  # one partition: nothing to split
+    assert not cpu_decode.use_split(2 * threads, 8, 4096, 16)
+
+
+def test_decode_split_and_single_agree_closely() -> None:
+    rng = np.random.default_rng(10)
+    case = make_case(rng, [2000, 700], num_heads=8, num_kv_heads=1, head_dim=64)
+    args = (case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+            case.scale)
+    single = cpu_decode.paged_attention_decode(*args, split=False)
+    split = cpu_decode.paged_attention_decode(*args, split=True)
+    np.testing.assert_allclose(split, single, rtol=1e-4, atol=1e-5)
+
+
+def test_decode_empty_batch_returns_empty() -> None:
+    rng = np.random.default_rng(11)
+    case = make_case(rng, [4], num_heads=2, num_kv_heads=1, head_dim=16)
+    out = kernels.paged_attention_decode(
+        np.zeros((0, 2, 16), np.float32), case.key_cache, case.value_cache,
+        np.zeros((0, 2), np.int32), np.zeros((0,), np.int32), 1.0,
+    )
+    assert out.shape == (0, 2, 16)
+
+
+def test_decode_nan_in_cache_propagates() -> None:
+    """fast-math keeps NaN semantics (no `nnan`): a corrupted block shows up as NaN."""
+    rng = np.random.default_rng(12)
+    case = make_case(rng, [20, 20], num_heads=2, num_kv_heads=1, head_dim=16,
+                     kv_dtype="float16")
+    block = case.block_tables[0, 1]
+    case.value_cache[block, 0, 2, 5] = np.nan
+    out = kernels.paged_attention_decode(
+        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, case.scale
+    )
+    assert np.isnan(out[0]).any()
+    assert np.isfinite(out[1]).all()
+
+
+# (seq_len, q_len): chunked prefill onto a cached prefix, a full-prompt prefill, a single
+# token, exactly one full block, a q_len spanning several query tiles.
+PREFILL_SHAPES = [(1, 1), (16, 16), (40, 17), (300, 33), (700, 5), (64, 64)]
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "float32"])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads"), [(4, 4), (16, 4), (16, 2), (8, 1)], ids=["mha", "gqa4", "gqa8", "mqa"]
+)
+def test_prefill_matches_reference(kv_dtype: str, num_heads: int, num_kv_heads: int) -> None:
+    rng = np.random.default_rng(zlib.crc32(f"{kv_dtype}{num_heads}prefill".encode()))
+    case = make_case(rng, [s for s, _ in PREFILL_SHAPES], num_heads=num_heads,
+                     num_kv_heads=num_kv_heads, head_dim=64,
+                     query_lens=[q for _, q in PREFILL_SHAPES], kv_dtype=kv_dtype)
+    out = np.full(case.query.shape, np.nan, np.float32)
+    got = kernels.paged_prefill_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+        case.query_start_loc, case.scale, out=out,
+    )
+    assert got is out
+    assert_close_rel(out, expected_prefill(case), REL["float32"])
+
+
+def test_prefill_torch_fp16_and_empty_sequences() -> None:
+    rng = np.random.default_rng(13)
+    # The middle sequence has no query tokens this step (q_len 0): it must be skipped.
+    case = make_case(rng, [50, 30, 90], num_heads=8, num_kv_heads=2, head_dim=64,
+                     query_lens=[20, 0, 7], query_dtype="float16")
+    query = torch.from_numpy(case.query)
+    out = kernels.paged_prefill_attention(
+        query, torch.from_numpy(case.key_cache), torch.from_numpy(case.value_cache),
+        torch.from_numpy(case.block_tables), torch.from_numpy(case.seq_lens),
+        torch.from_numpy(case.query_start_loc), case.scale,
+    )
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.float16
+    assert_close_rel(out, expected_prefill(case), REL["float16"])
+
+
+def test_prefill_last_token_equals_decode() -> None:
+    """A prefill query at the last position sees the same context as a decode query."""
+    rng = np.random.default_rng(14)
+    case = make_case(rng, [77], num_heads=4, num_kv_heads=2, head_dim=32, query_lens=[9])
+    prefill = kernels.paged_prefill_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+        case.query_start_loc, case.scale,
+    )
+    decode = kernels.paged_attention_decode(
+        case.query[-1:], case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+        case.scale,
+    )
+    np.testing.assert_allclose(prefill[-1], decode[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_dtype", ["float16", "float32", "bfloat16"])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_decode_and_prefill_sweep(kv_dtype: str, block_size: int) -> None:
+    rng = np.random.default_rng(block_size)
+    lens = [int(n) for n in rng.integers(1, 2500, size=12)] + [block_size, 1]
+    case = make_case(rng, lens, num_heads=32, num_kv_heads=8, block_size=block_size,
+                     kv_dtype=kv_dtype)
+    out = kernels.paged_attention_decode(
+        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, case.scale
+    )
+    assert_close_rel(out, expected_decode(case), REL["float32"])
+    q_lens = [min(n, int(q)) for n, q in zip(lens, rng.integers(1, 80, size=len(lens)))]
+    case = make_case(rng, lens, num_heads=32, num_kv_heads=8, block_size=block_size,
+                     kv_dtype=kv_dtype, query_lens=q_lens)
+    out = kernels.paged_prefill_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+        case.query_start_loc, case.scale,
+    )
+    assert_close_rel(out, expected_prefill(case), REL["float32"])
