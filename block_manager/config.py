@@ -1,0 +1,122 @@
+"""Block manager service configuration: defaults < YAML file < `PAGEDKV_*` environment.
+
+    block-manager serve --config block_manager.yaml
+    PAGEDKV_DATABASE_URL=postgresql+psycopg://bm@db:5432/bm block-manager serve
+    PAGEDKV_DEFRAG__EVERY_N_STEPS=500            # nested fields use "__"
+
+Environment beats the file so a container can override one knob without a new file.
+Validation errors surface as `ConfigError` with every problem listed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
+
+from block_manager.core.types import DefragPolicy
+from block_manager.state import StateConfig
+
+
+class ConfigError(ValueError):
+    """The configuration file or environment is invalid."""
+
+
+class DefragSettings(BaseModel):
+    """When the service runs the core's defrag policy, and how long a plan may wait."""
+
+    enabled: bool = True
+    every_n_steps: int | None = Field(default=1000, ge=1)
+    max_high_water_ratio: float | None = Field(default=1.5, gt=1.0)
+    min_contiguity: float | None = Field(default=0.5, ge=0.0, le=1.0)
+    max_moves: int | None = Field(default=256, ge=1)
+    # A plan whose moves are not all acknowledged by the node within this time is
+    # aborted (destinations released, tables unchanged).
+    timeout_s: float = Field(default=30.0, gt=0)
+
+    def policy(self) -> DefragPolicy:
+        return DefragPolicy(
+            every_n_steps=self.every_n_steps,
+            max_high_water_ratio=self.max_high_water_ratio,
+            min_contiguity=self.min_contiguity,
+        )
+
+
+class BlockManagerConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PAGEDKV_", env_nested_delimiter="__", extra="forbid")
+
+    listen_address: str = "127.0.0.1:50051"
+    database_url: str = "sqlite:///./block_manager.db"
+    block_size: int = Field(default=16, ge=1, le=4096)
+    max_blocks: int = Field(default=1 << 20, ge=1, le=1 << 24)
+    prefetch_window: int = Field(default=4, ge=0)
+    watermark: float = Field(default=0.01, ge=0.0, lt=1.0)
+    enable_prefix_caching: bool = True
+    lease_ttl_s: float = Field(default=10.0, gt=0)
+    defrag: DefragSettings = DefragSettings()
+    # Snapshot after this many seconds or journal records, whichever comes first
+    # (checked after each group commit: an idle server writes none).
+    snapshot_interval_s: float = Field(default=60.0, gt=0)
+    snapshot_every_records: int = Field(default=10_000, ge=1)
+    request_retention_s: float = Field(default=600.0, gt=0)
+    max_retained_requests: int = Field(default=10_000, ge=1)
+    max_batch: int = Field(default=4096, ge=1)
+    metrics_address: str = "127.0.0.1"
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)   # None: no endpoint; 0: ephemeral
+    admin_token: str | None = None
+    shutdown_grace_s: float = Field(default=5.0, ge=0)
+    log_level: str = "INFO"
+
+    @field_validator("admin_token")
+    @classmethod
+    def _empty_token_is_none(cls, v: str | None) -> str | None:
+        return v or None
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        yaml_file = init_settings.init_kwargs.pop("_yaml_file", None)  # type: ignore[attr-defined]
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if yaml_file is not None:
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=yaml_file))
+        return tuple(sources)
+
+    def state_config(self) -> StateConfig:
+        return StateConfig(
+            default_block_size=self.block_size,
+            max_blocks=self.max_blocks,
+            prefetch_window=self.prefetch_window,
+            watermark=self.watermark,
+            enable_prefix_caching=self.enable_prefix_caching,
+            lease_ttl_s=self.lease_ttl_s,
+            defrag_policy=self.defrag.policy(),
+            max_batch=self.max_batch,
+        )
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> BlockManagerConfig:
+    """Defaults < YAML `path` < environment < `overrides`; `ConfigError` when invalid."""
+    kwargs: dict[str, Any] = dict(overrides)
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        kwargs["_yaml_file"] = p
+    try:
+        return BlockManagerConfig(**kwargs)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ConfigError(f"invalid configuration: {problems}") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read configuration: {exc}") from None
+
+
+__all__ = ["BlockManagerConfig", "ConfigError", "DefragSettings", "load_config"]

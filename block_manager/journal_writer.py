@@ -1,0 +1,147 @@
+"""Group commit: concurrent RPCs' journal records go to the store in one transaction.
+
+RPC handlers apply their mutation to the in-memory state on the event loop (which
+serialises them), then `await writer.commit(record)`. A single flusher task drains
+everything queued since the previous transaction into the next `store.append` call, run on
+one dedicated thread so the event loop never blocks on I/O. While a transaction is in
+flight, new records pile up and share the next one — the batch grows with load, which is
+what keeps durable throughput close to in-memory throughput.
+
+Records are committed in the order they were applied, so the journal order is the order
+of state changes and replay reproduces it. If a transaction fails, the state already holds
+changes the journal lacks: every waiter gets `JournalFailure` and `on_failure` is called so
+the server stops serving (fail-stop) instead of acknowledging what it could lose.
+
+Snapshots are written by the flusher too, at a moment when nothing is queued or in
+flight, so the state it serialises corresponds exactly to the last committed seq_no.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from block_manager.errors import JournalFailure
+from block_manager.store import MemoryStore, NewRecord, Store
+from pagedkv.logging import get_logger
+
+log = get_logger(__name__)
+
+
+class JournalWriter:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        snapshot_fn: Callable[[], dict[str, Any]],
+        snapshot_interval_s: float,
+        snapshot_every_records: int,
+        on_failure: Callable[[BaseException], None],
+        on_commit: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.store = store
+        self._snapshot_fn = snapshot_fn
+        self._snapshot_interval_s = snapshot_interval_s
+        self._snapshot_every_records = snapshot_every_records
+        self._on_failure = on_failure
+        self._on_commit = on_commit
+        # The memory store does no I/O: appending inline avoids a thread hop per batch.
+        self._inline = isinstance(store, MemoryStore)
+        self._executor = None if self._inline else ThreadPoolExecutor(1, thread_name_prefix="journal")
+        self._pending: list[tuple[NewRecord, asyncio.Future[int]]] = []
+        self._flusher: asyncio.Task[None] | None = None
+        self._failed: BaseException | None = None
+        self.last_seq_no = store.last_seq_no
+        self.snapshot_seq_no = 0
+        self._records_since_snapshot = 0
+        self._last_snapshot_at = time.monotonic()
+        self.num_transactions = 0
+        self.num_records = 0
+
+    @property
+    def failed(self) -> bool:
+        return self._failed is not None
+
+    async def commit(self, record: NewRecord) -> int:
+        """Queue `record`; returns its seq_no once the transaction holding it committed."""
+        if self._failed is not None:
+            raise JournalFailure("the journal failed earlier; the server is stopping")
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._pending.append((record, fut))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush_loop(), name="journal-flusher")
+        return await asyncio.shield(fut)
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._executor is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _flush_loop(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending, []
+            try:
+                seq_nos = await self._run(self.store.append, [r for r, _ in batch])
+            except BaseException as exc:  # noqa: BLE001 - any store failure is fatal for the journal
+                self._fail(exc, batch)
+                return
+            self.num_transactions += 1
+            self.num_records += len(batch)
+            for (_, fut), seq_no in zip(batch, seq_nos, strict=True):
+                if not fut.done():
+                    fut.set_result(seq_no)
+            self.last_seq_no = seq_nos[-1]
+            self._records_since_snapshot += len(batch)
+            if self._on_commit is not None:
+                self._on_commit(len(batch), self.last_seq_no)
+            if not self._pending and self._snapshot_due():
+                await self.snapshot()
+
+    def _fail(self, exc: BaseException, batch: list[tuple[NewRecord, asyncio.Future[int]]]) -> None:
+        self._failed = exc
+        log.error("journal append failed; stopping", error=repr(exc), num_records=len(batch))
+        waiters = batch + self._pending
+        self._pending = []
+        for _, fut in waiters:
+            if not fut.done():
+                fut.set_exception(JournalFailure("journal write failed"))
+        self._on_failure(exc)
+
+    def _snapshot_due(self) -> bool:
+        return self._records_since_snapshot >= self._snapshot_every_records or (
+            self._records_since_snapshot > 0 and time.monotonic() - self._last_snapshot_at >= self._snapshot_interval_s
+        )
+
+    async def snapshot(self) -> None:
+        """Write a snapshot of the state as of `last_seq_no` (call with nothing queued)."""
+        seq_no = self.last_seq_no
+        state = self._snapshot_fn()  # on the loop: consistent with seq_no
+        self._records_since_snapshot = 0
+        self._last_snapshot_at = time.monotonic()
+        try:
+            await self._run(self.store.write_snapshot, seq_no, state)
+        except Exception as exc:  # noqa: BLE001 - a failed snapshot is retried later
+            log.warning("snapshot failed; will retry", error=repr(exc), seq_no=seq_no)
+            self._records_since_snapshot = self._snapshot_every_records
+            return
+        self.snapshot_seq_no = seq_no
+        log.info("snapshot written", seq_no=seq_no)
+
+    async def drain(self) -> None:
+        """Wait until everything queued so far is committed (or failed)."""
+        while self._flusher is not None and not self._flusher.done():
+            await asyncio.shield(self._flusher)
+
+    async def close(self, *, final_snapshot: bool) -> None:
+        await self.drain()
+        if final_snapshot and self._failed is None and self.last_seq_no > self.snapshot_seq_no:
+            await self.snapshot()
+        await self._run(self.store.close)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+
+__all__ = ["JournalWriter"]

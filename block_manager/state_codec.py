@@ -1,0 +1,133 @@
+"""Validation helpers and core-result → JSON-shaped dict conversion for `state.py`.
+
+Results are journaled verbatim (they are what a retried request id gets back), so they
+are plain dicts of lists/ints/strings; the servicer turns them into protobuf messages.
+Copy ops are compact `[op_id, src, dst, kind]` lists because AppendSlots results are
+journaled once per scheduler step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from block_manager.core.errors import InvalidRequest
+from block_manager.core.types import AllocateResult, AppendResult, CopyOp, DefragPlan, SequenceView
+
+MAX_ID_LEN = 256
+
+
+def check_count(name: str, value: object, minimum: int, maximum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise InvalidRequest(f"{name} must be an integer in [{minimum}, {maximum}], got {value!r}")
+    return value
+
+
+def check_optional_str(name: str, value: object, max_len: int) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > max_len:
+        raise InvalidRequest(f"{name} must be a string of at most {max_len} characters")
+    return value
+
+
+def check_id(name: str, value: object) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_LEN:
+        raise InvalidRequest(f"{name} must be a non-empty string of at most {MAX_ID_LEN} characters, got {value!r}")
+    return value
+
+
+def check_ids(name: str, values: Sequence[object]) -> None:
+    """Every id a valid string and no id twice."""
+    for v in values:
+        check_id(name, v)
+    if len(set(values)) != len(values):
+        raise InvalidRequest(f"duplicate {name}s in one request")
+
+
+def check_tokens(value: object) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise InvalidRequest("token_ids must be a list of integers")
+    return tuple(value)
+
+
+def check_allocate_item(item: object) -> None:
+    if not isinstance(item, dict):
+        raise InvalidRequest("allocate item must be a mapping")
+    check_id("seq_id", item.get("seq_id"))
+    check_id("pool_id", item.get("pool_id"))
+    check_tokens(item.get("token_ids"))
+    num_tokens = item.get("num_tokens")
+    if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int)):
+        raise InvalidRequest("num_tokens must be an integer")
+    check_optional_str("salt", item.get("salt"), 1024)
+
+
+def check_append_item(item: object) -> tuple[str, int, tuple[int, ...] | None]:
+    if not isinstance(item, (list, tuple)) or len(item) != 3:
+        raise InvalidRequest("append item must be [seq_id, num_new_tokens, token_ids|null]")
+    sid, n, toks = item
+    return check_id("seq_id", sid), n, check_tokens(toks)
+
+
+def op_list(op: CopyOp) -> list[Any]:
+    return [op.op_id, op.src, op.dst, op.kind]
+
+
+def allocation_dict(res: AllocateResult) -> dict[str, Any]:
+    return {
+        "seq_id": res.seq_id,
+        "pool_id": res.pool_id,
+        "block_table": list(res.block_table),
+        "num_cached_tokens": res.num_cached_tokens,
+        "slot_mapping": list(res.slot_mapping),
+        "version": res.version,
+    }
+
+
+def append_dict(res: AppendResult) -> dict[str, Any]:
+    return {
+        "seq_id": res.seq_id,
+        "slot_mapping": list(res.slot_mapping),
+        "new_block_ids": list(res.new_block_ids),
+        "copy_ops": [op_list(op) for op in res.copy_ops],
+        "version": res.version,
+        "num_tokens": res.num_tokens,
+    }
+
+
+def table_dict(view: SequenceView) -> dict[str, Any]:
+    return {
+        "seq_id": view.seq_id,
+        "pool_id": view.pool_id,
+        "block_table": list(view.block_table),
+        "num_tokens": view.num_tokens,
+        "version": view.version,
+    }
+
+
+def plan_dict(plan: DefragPlan) -> dict[str, Any]:
+    return {
+        "plan_id": plan.plan_id,
+        "pool_id": plan.pool_id,
+        "kind": plan.kind,
+        "moves": [op_list(m) for m in plan.moves],
+    }
+
+
+__all__ = [
+    "allocation_dict",
+    "append_dict",
+    "check_allocate_item",
+    "check_append_item",
+    "check_count",
+    "check_id",
+    "check_ids",
+    "check_optional_str",
+    "check_tokens",
+    "op_list",
+    "plan_dict",
+    "table_dict",
+]
