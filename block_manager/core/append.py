@@ -11,7 +11,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence as Seq
 
-from block_manager.core.errors import CoreError, InvalidRequest, OutOfBlocks, UnknownSequence
+from block_manager.core.errors import InvalidRequest, OutOfBlocks, UnknownSequence
 from block_manager.core.hashing import hash_block_bytes, salt_bytes
 from block_manager.core.pool import Pool
 from block_manager.core.sequence import Sequence
@@ -23,12 +23,43 @@ _INT64_MIN = -(1 << 63)
 _INT64_MAX = (1 << 63) - 1
 
 
-def _validate_tokens(token_ids: tuple[int, ...], n: int) -> None:
-    if len(token_ids) != n:
-        raise InvalidRequest(f"{len(token_ids)} token ids for {n} new tokens")
-    for t in token_ids:
-        if type(t) is not int or not _INT64_MIN <= t <= _INT64_MAX:
-            raise InvalidRequest(f"token id {t!r} is not an int64 integer")
+def _failure(
+    seqs: dict[SeqId, Sequence], pools: dict[PoolId, Pool], seen: set[SeqId], req: AppendRequest
+) -> AppendFailure | None:
+    """The error for a request, or None when it is valid (the slow, precise path)."""
+    sid = req.seq_id
+    n = req.num_new_tokens
+    toks = req.token_ids
+    seq = seqs.get(sid)
+    if seq is None:
+        return AppendFailure(sid, UnknownSequence(f"unknown sequence {sid!r}"))
+    if sid in seen:
+        return AppendFailure(sid, InvalidRequest(f"sequence {sid!r} appears twice in one batch"))
+    if type(n) is not int or n <= 0:
+        return AppendFailure(
+            sid, InvalidRequest(f"num_new_tokens must be a positive int, got {n!r}")
+        )
+    if toks is not None:
+        if len(toks) != n:
+            return AppendFailure(sid, InvalidRequest(f"{len(toks)} token ids for {n} new tokens"))
+        for t in toks:
+            if type(t) is not int or not _INT64_MIN <= t <= _INT64_MAX:
+                return AppendFailure(sid, InvalidRequest(f"token id {t!r} is not an int64 integer"))
+    pool = pools[seq.pool_id]
+    bs = pool.block_size
+    table = seq.block_table
+    needed = (seq.num_tokens + n + bs - 1) // bs - len(table)
+    if seq.num_tokens % bs and pool.ref_cnt[table[-1]] > 1:
+        needed += 1
+    if needed > pool.num_available:
+        return AppendFailure(
+            sid,
+            OutOfBlocks(
+                f"pool {seq.pool_id!r}: sequence {sid!r} needs {needed} blocks, "
+                f"{pool.num_available} available"
+            ),
+        )
+    return None
 
 
 def _hash_full_blocks(pool: Pool, seq: Sequence) -> None:
@@ -55,61 +86,74 @@ def append_batch(
     results: list[AppendResult | AppendFailure] = []
     append = results.append
     seen: set[SeqId] = set()
-    touched: dict[PoolId, None] = {}
+    seen_add = seen.add
+    get_seq = seqs.get
+    touched: dict[PoolId, Pool] = {}
+    last_pool: Pool | None = None
     for req in requests:
         sid = req.seq_id
-        seq = seqs.get(sid)
+        seq = get_seq(sid)
         n = req.num_new_tokens
         toks = req.token_ids
-        try:
-            if seq is None:
-                raise UnknownSequence(f"unknown sequence {sid!r}")
-            if sid in seen:
-                raise InvalidRequest(f"sequence {sid!r} appears twice in one batch")
-            seen.add(sid)
-            if type(n) is not int or n <= 0:
-                raise InvalidRequest(f"num_new_tokens must be a positive int, got {n!r}")
-            if toks is not None:
-                _validate_tokens(toks, n)
-            pool = pools[seq.pool_id]
-            bs = pool.block_size
-            table = seq.block_table
-            old = seq.num_tokens
-            new = old + n
+        # Cheap screen for the common valid request; anything odd takes the precise path.
+        bad = seq is None or sid in seen or type(n) is not int or n <= 0
+        if not bad and toks is not None:
+            if len(toks) != n:
+                bad = True
+            else:
+                for t in toks:
+                    if type(t) is not int or not _INT64_MIN <= t <= _INT64_MAX:
+                        bad = True
+                        break
+        if bad:
+            append(_failure(seqs, pools, seen, req))  # type: ignore[arg-type]
+            if seq is not None:
+                seen_add(sid)
+            continue
+        seen_add(sid)
+        pool = pools[seq.pool_id]
+        bs = pool.block_size
+        table = seq.block_table
+        old = seq.num_tokens
+        new = old + n
+        off = old % bs
+        if n == 1 and off and pool.ref_cnt[table[-1]] == 1:
+            # Decode inside an unshared partial block: no block, no copy, same table.
+            seq.num_tokens = new
+            slots: tuple[int, ...] = (table[-1] * bs + off,)
+            copy_ops: tuple = _EMPTY
+            new_block_ids: tuple = _EMPTY
+        else:
             num_new_blocks = (new + bs - 1) // bs - len(table)
-            cow = old % bs != 0 and pool.ref_cnt[table[-1]] > 1
+            cow = off != 0 and pool.ref_cnt[table[-1]] > 1
             if num_new_blocks + cow > pool.num_available:
-                raise OutOfBlocks(
+                append(AppendFailure(sid, OutOfBlocks(
                     f"pool {seq.pool_id!r}: sequence {sid!r} needs {num_new_blocks + cow} "
                     f"blocks, {pool.num_available} available"
-                )
-        except CoreError as exc:
-            append(AppendFailure(sid, exc))
-            continue
-        touched[seq.pool_id] = None
-
-        copy_ops: tuple = _EMPTY
-        new_block_ids: tuple = _EMPTY
-        if cow:
-            src = table[-1]
-            dst = pool.take_block()
-            table[-1] = dst
-            pool.release_block(src)
-            copy_ops = (pool.add_copy_op(src, dst, "cow"),)
-            pool.cow_copies += 1
-        if num_new_blocks:
-            take = pool.take_block
-            fresh = [take() for _ in range(num_new_blocks)]
-            table.extend(fresh)
-            new_block_ids = tuple(fresh)
-        if cow or num_new_blocks:
+                )))
+                continue
+            copy_ops = _EMPTY
+            new_block_ids = _EMPTY
+            if cow:
+                src = table[-1]
+                dst = pool.take_block()
+                table[-1] = dst
+                pool.release_block(src)
+                copy_ops = (pool.add_copy_op(src, dst, "cow"),)
+                pool.cow_copies += 1
+            if num_new_blocks:
+                take = pool.take_block
+                fresh = [take() for _ in range(num_new_blocks)]
+                table.extend(fresh)
+                new_block_ids = tuple(fresh)
             seq.version += 1
-        seq.num_tokens = new
-        if n == 1:
-            slots: tuple[int, ...] = (table[old // bs] * bs + old % bs,)
-        else:
-            slots = slot_range(table, bs, old, new)
-
+            seq.num_tokens = new
+            if n == 1:
+                slots = (table[old // bs] * bs + off,)
+            else:
+                slots = slot_range(table, bs, old, new)
+        if pool is not last_pool:
+            touched[seq.pool_id] = last_pool = pool
         if seq.hashing:
             if toks is None:
                 # Content unknown from here on: the chain cannot continue.
@@ -117,10 +161,11 @@ def append_batch(
                 seq.tail_token_ids = []
                 seq.block_hashes = []
             else:
-                seq.tail_token_ids.extend(toks)
-                if len(seq.tail_token_ids) >= bs:
+                tail = seq.tail_token_ids
+                tail.extend(toks)
+                if len(tail) >= bs:
                     _hash_full_blocks(pool, seq)
         append(AppendResult(sid, slots, new_block_ids, copy_ops, seq.version, new))
-    for pool_id in touched:
-        pools[pool_id].num_steps += 1
+    for pool in touched.values():
+        pool.num_steps += 1
     return results
