@@ -128,3 +128,23 @@ def test_acknowledged_records_survive_sigkill(durable_url: str, opened) -> None:
     for request_id, seq_no in acked.items():
         found = store.lookup_request(request_id)
         assert found is not None and found.seq_no == seq_no
+
+
+def test_postgres_store_fails_closed_when_its_session_dies(fresh_postgres_url: str, opened) -> None:
+    """Losing the writer session loses the advisory lock: the store must refuse to write
+    from then on (never acknowledge unfenced), and a successor can take over."""
+    store = opened(fresh_postgres_url)
+    store.append([make_record("before")])
+    with store._writer.begin():
+        pid = store._writer.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+    admin = create_engine(fresh_postgres_url)
+    with admin.begin() as conn:
+        assert conn.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid}).scalar_one()
+    admin.dispose()
+    with pytest.raises(StoreError):
+        store.append([make_record("lost")])
+    with pytest.raises(StoreError, match="unusable"):
+        store.append([make_record("later")])
+    successor = opened(fresh_postgres_url, StoreOptions(lock_wait_s=10.0))
+    assert [r.request_id for r in successor.recover().records] == ["before"]
+    assert successor.append([make_record("after")]) == [2]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 from store_helpers import FakeClock, make_record
@@ -114,23 +115,23 @@ def test_duplicate_request_id_mid_batch_writes_nothing(store_url: str, opened) -
     assert store.append([make_record("new-1")]) == [2]
 
 
-@pytest.mark.parametrize(
-    "bad",
-    [
-        NewRecord("", "op", {}, {}, ""),
-        NewRecord("x" * 257, "op", {}, {}, ""),
-        NewRecord("id", "", {}, {}, ""),
-        NewRecord("id", "op", {"x": float("nan")}, {}, ""),
-        NewRecord("id", "op", {"x": object()}, {}, ""),
-        NewRecord("id", "op", [], {}, ""),  # type: ignore[arg-type]
-        NewRecord("id", "op", {}, {}, None),  # type: ignore[arg-type]
-        ("id", "op", {}, {}, ""),
-    ],
-)
-def test_invalid_records_are_refused_and_write_nothing(store_url: str, opened, bad) -> None:
+BAD_RECORDS = [
+    NewRecord("", "op", {}, {}, ""),
+    NewRecord("x" * 257, "op", {}, {}, ""),
+    NewRecord("id", "", {}, {}, ""),
+    NewRecord("id", "op", {"x": float("nan")}, {}, ""),
+    NewRecord("id", "op", {"x": object()}, {}, ""),
+    NewRecord("id", "op", [], {}, ""),  # type: ignore[arg-type]
+    NewRecord("id", "op", {}, {}, None),  # type: ignore[arg-type]
+    ("id", "op", {}, {}, ""),
+]
+
+
+def test_invalid_records_are_refused_and_write_nothing(store_url: str, opened) -> None:
     store = opened(store_url)
-    with pytest.raises(InvalidRecord):
-        store.append([make_record("good"), bad])
+    for bad in BAD_RECORDS:
+        with pytest.raises(InvalidRecord):
+            store.append([make_record("good"), bad])
     assert store.recover().records == []
     assert store.last_seq_no == 0
 
@@ -195,3 +196,36 @@ def test_random_workload_matches_the_memory_store(durable_url: str, opened) -> N
             assert durable.lookup_request(rid) == reference.lookup_request(rid)
     assert durable.recover() == reference.recover()
     assert durable.stats().num_journal_records == reference.stats().num_journal_records
+
+
+def test_payload_digest_is_canonical() -> None:
+    assert payload_digest({"b": [1, 2], "a": "é"}) == payload_digest({"a": "é", "b": (1, 2)})
+    assert payload_digest({"a": 1}) != payload_digest({"a": 2})
+    with pytest.raises(InvalidRecord):
+        payload_digest({"a": float("inf")})
+
+
+def test_concurrent_appends_and_lookups_are_serialised(store_url: str, opened) -> None:
+    store = opened(store_url)
+    errors: list[BaseException] = []
+
+    def writer(w: int) -> None:
+        try:
+            for i in range(15):
+                seq_nos = store.append([make_record(f"w{w}-{i}-{k}") for k in range(1 + i % 2)])
+                found = store.lookup_request(f"w{w}-{i}-0")
+                if found is None or found.seq_no != seq_nos[0]:
+                    raise AssertionError(f"lookup of w{w}-{i}-0 gave {found}")
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors
+    records = store.recover().records
+    expected = 4 * sum(1 + i % 2 for i in range(15))
+    assert [r.seq_no for r in records] == list(range(1, expected + 1))
+    assert len({r.request_id for r in records}) == expected
