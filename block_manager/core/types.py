@@ -52,13 +52,15 @@ class AllocateResult:
     version: int
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class AppendRequest:
     """One sequence's share of a scheduler step: `num_new_tokens` slots to add.
 
     `token_ids`, when given, must have `num_new_tokens` entries; they let the core hash
     blocks that become full so later prompts can hit them. Omitting them stops hashing
     for that sequence (the chain cannot be continued without the content).
+    Not frozen: callers build hundreds per step and frozen init costs ~3x; the core
+    copies what it keeps, so mutating a request afterwards is harmless.
     """
 
     seq_id: SeqId
