@@ -33,8 +33,6 @@ def open_store(url: str, options: StoreOptions | None = None) -> MemoryStore | S
     if it was written by a newer schema, `StoreError` for a bad URL or unreachable database.
     """
     options = options or StoreOptions()
-    if options.sqlite_synchronous not in ("FULL", "NORMAL"):
-        raise StoreError(f"sqlite_synchronous must be FULL or NORMAL, not {options.sqlite_synchronous!r}")
     if url == "memory://" or url == "memory:":
         return MemoryStore(options)
     try:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
+from block_manager.store.errors import StoreError
 from block_manager.store.records import JournalRecord, NewRecord, Recovered
 
 
@@ -42,6 +43,18 @@ class StoreOptions:
     lock_wait_s: float = 0.0
     snapshot_compress_level: int = 1
     clock: Callable[[], float] = field(default=time.time)
+
+    def __post_init__(self) -> None:
+        if self.request_retention_s < 0 or self.max_retained_requests < 0:
+            raise StoreError("request_retention_s and max_retained_requests must be >= 0")
+        if self.sqlite_synchronous not in ("FULL", "NORMAL"):
+            raise StoreError(
+                f"sqlite_synchronous must be FULL or NORMAL, not {self.sqlite_synchronous!r}"
+            )
+        if self.sqlite_busy_timeout_ms < 0 or self.lock_wait_s < 0:
+            raise StoreError("sqlite_busy_timeout_ms and lock_wait_s must be >= 0")
+        if not -1 <= self.snapshot_compress_level <= 9:
+            raise StoreError("snapshot_compress_level must be in -1..9 (zlib)")
 
 
 @dataclass(slots=True, frozen=True)
@@ -83,6 +96,14 @@ class Store(Protocol):
 
     def lookup_request(self, request_id: str) -> JournalRecord | None:
         """The journaled record of `request_id`, if still within the retention window."""
+        ...
+
+    def records_after(self, seq_no: int, limit: int = 1000) -> list[JournalRecord]:
+        """Up to `limit` retained records with seq_no > `seq_no`, in order.
+
+        For followers of the journal (the KV event stream). Records pruned by a snapshot
+        are gone: a caller that sees its next seq_no missing must resync from state.
+        """
         ...
 
     def stats(self) -> StoreStats: ...

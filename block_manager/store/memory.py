@@ -19,6 +19,8 @@ from block_manager.store.records import (
     NewRecord,
     Recovered,
     canonical_json,
+    check_records_after_args,
+    check_request_id,
     decode_json,
     encode_records,
 )
@@ -90,6 +92,7 @@ class MemoryStore:
                 del self._seq_no_by_request_id[rec.request_id]
 
     def lookup_request(self, request_id: str) -> JournalRecord | None:
+        check_request_id(request_id)
         with self._lock:
             self._check_open()
             seq_no = self._seq_no_by_request_id.get(request_id)
@@ -97,6 +100,18 @@ class MemoryStore:
                 return None
             rec, created_at = self._journal[seq_no]
             return _to_journal_record(seq_no, rec, created_at)
+
+    def records_after(self, seq_no: int, limit: int = 1000) -> list[JournalRecord]:
+        check_records_after_args(seq_no, limit)
+        with self._lock:
+            self._check_open()
+            out: list[JournalRecord] = []
+            for s, (rec, created_at) in self._journal.items():
+                if s > seq_no:
+                    out.append(_to_journal_record(s, rec, created_at))
+                    if len(out) == limit:
+                        break
+            return out
 
     def stats(self) -> StoreStats:
         with self._lock:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,7 +96,7 @@ class EncodedRecord:
     payload_digest: str
 
 
-def encode_records(records: Any) -> list[EncodedRecord]:
+def encode_records(records: Sequence[NewRecord]) -> list[EncodedRecord]:
     """Validate and encode a batch; `InvalidRecord` / `DuplicateRequestId` on bad input."""
     encoded: list[EncodedRecord] = []
     seen: set[str] = set()
@@ -123,3 +124,14 @@ def encode_records(records: Any) -> list[EncodedRecord]:
             )
         )
     return encoded
+
+
+def check_records_after_args(seq_no: int, limit: int) -> None:
+    for name, value in (("seq_no", seq_no), ("limit", limit)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidRecord(f"{name} must be an int >= 0, got {value!r}")
+
+
+def check_request_id(request_id: str) -> None:
+    if not isinstance(request_id, str):
+        raise InvalidRecord(f"request_id must be a string, got {type(request_id).__name__}")

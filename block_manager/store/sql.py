@@ -21,7 +21,15 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
 
 from block_manager.store.base import StoreOptions, StoreStats, prune_bounds
 from block_manager.store.errors import DuplicateRequestId, StoreError
-from block_manager.store.records import JournalRecord, NewRecord, Recovered, decode_json, encode_records
+from block_manager.store.records import (
+    JournalRecord,
+    NewRecord,
+    Recovered,
+    check_records_after_args,
+    check_request_id,
+    decode_json,
+    encode_records,
+)
 from block_manager.store.schema import ensure_schema, journal, snapshots
 from block_manager.store.snapshot import (
     ENCODING_JSON_ZLIB,
@@ -136,10 +144,20 @@ class SqlStore:
             self._snapshot_seq_no = seq_no
 
     def lookup_request(self, request_id: str) -> JournalRecord | None:
+        check_request_id(request_id)
         self._check_usable()
         with self._guard("lookup_request"), self._engine.connect() as conn:
             row = conn.execute(select(journal).where(journal.c.request_id == request_id)).first()
         return None if row is None else _row_to_record(row)
+
+    def records_after(self, seq_no: int, limit: int = 1000) -> list[JournalRecord]:
+        check_records_after_args(seq_no, limit)
+        self._check_usable()
+        with self._guard("records_after"), self._engine.connect() as conn:
+            rows = conn.execute(
+                select(journal).where(journal.c.seq_no > seq_no).order_by(journal.c.seq_no).limit(limit)
+            ).all()
+        return [_row_to_record(r) for r in rows]
 
     def stats(self) -> StoreStats:
         self._check_usable()

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -28,7 +28,7 @@ def durable_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 @pytest.fixture
-def opened() -> object:
+def opened() -> Iterator[Opener]:
     """Open stores through this and they are closed at teardown."""
     stores: list[Store] = []
 

@@ -229,3 +229,34 @@ def test_concurrent_appends_and_lookups_are_serialised(store_url: str, opened) -
     expected = 4 * sum(1 + i % 2 for i in range(15))
     assert [r.seq_no for r in records] == list(range(1, expected + 1))
     assert len({r.request_id for r in records}) == expected
+
+
+def test_records_after_pages_through_retained_records(store_url: str, opened) -> None:
+    store = opened(store_url, StoreOptions(max_retained_requests=3))
+    store.append([make_record(f"r{i}") for i in range(8)])
+    assert [r.seq_no for r in store.records_after(0, limit=3)] == [1, 2, 3]
+    assert [r.seq_no for r in store.records_after(6)] == [7, 8]
+    assert store.records_after(8) == []
+    store.write_snapshot(6, {})
+    # Records 1..5 are pruned (covered and beyond the newest 3): a follower sees the gap.
+    assert [r.seq_no for r in store.records_after(0)] == [6, 7, 8]
+    for bad in ((-1, 10), (0, -1), ("0", 10), (0, True)):
+        with pytest.raises(InvalidRecord):
+            store.records_after(*bad)
+    with pytest.raises(InvalidRecord):
+        store.lookup_request(7)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"request_retention_s": -1.0},
+        {"max_retained_requests": -5},
+        {"sqlite_synchronous": "OFF"},
+        {"lock_wait_s": -0.1},
+        {"snapshot_compress_level": 12},
+    ],
+)
+def test_bad_options_are_refused(kwargs: dict) -> None:
+    with pytest.raises(StoreError):
+        StoreOptions(**kwargs)
