@@ -32,6 +32,8 @@ class DefragSettings(BaseModel):
     max_high_water_ratio: float | None = Field(default=1.5, gt=1.0)
     min_contiguity: float | None = Field(default=0.5, ge=0.0, le=1.0)
     max_moves: int | None = Field(default=256, ge=1)
+    # The policy check scans a pool's tables: run it every this many AppendSlots calls.
+    check_every_steps: int = Field(default=100, ge=1)
     # A plan whose moves are not all acknowledged by the node within this time is
     # aborted (destinations released, tables unchanged).
     timeout_s: float = Field(default=30.0, gt=0)
@@ -63,6 +65,8 @@ class BlockManagerConfig(BaseSettings):
     request_retention_s: float = Field(default=600.0, gt=0)
     max_retained_requests: int = Field(default=10_000, ge=1)
     max_batch: int = Field(default=4096, ge=1)
+    # A restart right after a crash may find the old session's lock not yet released.
+    store_lock_wait_s: float = Field(default=10.0, ge=0)
     metrics_address: str = "127.0.0.1"
     metrics_port: int | None = Field(default=None, ge=0, le=65535)   # None: no endpoint; 0: ephemeral
     admin_token: str | None = None

@@ -139,7 +139,11 @@ class NodeRegistry:
         return NodeLease(nid, epoch, self.lease_ttl_s, now + self.lease_ttl_s)
 
     def heartbeat(self, node_id: str, epoch: int, now: float) -> NodeLease:
+        """Renew the lease; NodeFenced if it already lapsed (even before the expiry is
+        processed: a node that missed its deadline must not be revived by a late beat)."""
         node = self.check_epoch(node_id, epoch)
+        if node.lease_deadline <= now:
+            raise NodeFenced(f"node {node_id!r} epoch {epoch}: lease expired; register again")
         node.lease_deadline = now + self.lease_ttl_s
         return NodeLease(node.node_id, node.epoch, self.lease_ttl_s, node.lease_deadline)
 

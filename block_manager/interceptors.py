@@ -1,0 +1,117 @@
+"""Server interceptors: admin-token auth, and the ONE place domain errors become statuses.
+
+`ErrorMappingInterceptor` wraps every unary handler: it binds the request id, node and
+epoch into structlog's context for the duration of the call, times it for the latency
+histogram, and turns an escaping exception into a status via `errors.status_for` —
+domain errors keep their message, anything else becomes INTERNAL with a generic message
+while the exception is logged with its traceback. Handlers never call `context.abort`
+for domain errors themselves, so the mapping cannot drift between RPCs.
+
+`AdminAuthInterceptor` guards `BlockManagerAdmin` with `authorization: Bearer <token>`
+when a token is configured; health and reflection stay open.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import structlog
+
+from block_manager.errors import status_for
+from block_manager.metrics import ServiceMetrics
+from pagedkv.logging import get_logger
+
+log = get_logger(__name__)
+
+ADMIN_SERVICE = "pagedkv.v1.BlockManagerAdmin"
+_CONTEXT_FIELDS = ("request_id", "node_id", "epoch")
+
+Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+
+
+def _wrap_unary(handler: grpc.RpcMethodHandler, fn: Callable[[Handler], Handler]) -> grpc.RpcMethodHandler:
+    if handler is None or handler.unary_unary is None:
+        return handler
+    return grpc.unary_unary_rpc_method_handler(
+        fn(handler.unary_unary),
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, metrics: ServiceMetrics | None = None) -> None:
+        self._metrics = metrics
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        method = details.method
+        if not method.startswith("/pagedkv."):
+            return handler  # health, reflection: not ours to map
+        short = method.rsplit("/", 1)[-1]
+        return _wrap_unary(handler, lambda behavior: self._mapped(behavior, short))
+
+    def _mapped(self, behavior: Handler, method: str) -> Handler:
+        metrics = self._metrics
+
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            ctx = {f: getattr(request, f) for f in _CONTEXT_FIELDS if getattr(request, f, None)}
+            t0 = time.perf_counter()
+            code = grpc.StatusCode.OK
+            with structlog.contextvars.bound_contextvars(rpc=method, **ctx):
+                try:
+                    return await behavior(request, context)
+                except grpc.aio.AbortError:
+                    code = context.code() or grpc.StatusCode.UNKNOWN  # type: ignore[assignment]
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the single mapping point
+                    mapped = status_for(exc)
+                    if mapped is None:
+                        code = grpc.StatusCode.INTERNAL
+                        log.exception("internal error")
+                        await context.abort(code, "internal error")
+                    code = mapped
+                    log.info("rpc failed", code=mapped.name, error=str(exc), error_type=type(exc).__name__)
+                    await context.abort(mapped, str(exc) or type(exc).__name__)
+                finally:
+                    if metrics is not None:
+                        metrics.observe_rpc(method, code.name, time.perf_counter() - t0)
+
+        return call
+
+
+class AdminAuthInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, token: str | None) -> None:
+        self._expected = f"Bearer {token}".encode() if token else None
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if self._expected is None or not details.method.startswith(f"/{ADMIN_SERVICE}/"):
+            return handler
+        supplied = b""
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                supplied = value.encode() if isinstance(value, str) else value
+        if hmac.compare_digest(supplied, self._expected):
+            return handler
+
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            log.warning("admin call rejected", rpc=details.method)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid admin bearer token")
+
+        return _wrap_unary(handler, lambda _behavior: deny)
+
+
+__all__ = ["ADMIN_SERVICE", "AdminAuthInterceptor", "ErrorMappingInterceptor"]

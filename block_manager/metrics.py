@@ -1,0 +1,148 @@
+"""Prometheus metrics of one block manager server (its own `CollectorRegistry`).
+
+Pool gauges and counters are not mirrored on every mutation: a custom collector reads the
+core's `PoolMetrics` at scrape time. The scrape runs on the HTTP server's thread, so it
+hops onto the event loop (`run_coroutine_threadsafe`) to read a consistent state without
+locks. Per-RPC latency is a histogram labelled by method and status code, observed by the
+error-mapping interceptor. Names follow vLLM's (`*_kv_cache_usage_perc`,
+`*_prefix_cache_queries_total`, ...) with the `pagedkv_` prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from block_manager.runtime import ServiceRuntime
+
+RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+BLOCK_STATES = ("free", "used", "cached", "reserved")
+
+
+class _StateCollector(Collector):
+    def __init__(self, runtime: ServiceRuntime, loop: asyncio.AbstractEventLoop) -> None:
+        self._runtime = runtime
+        self._loop = loop
+
+    def _read(self) -> dict[str, Any]:
+        rt = self._runtime
+        pools = [rt.state.core.metrics(pid) for pid in rt.state.core.pool_ids]
+        nodes = rt.state.registry.nodes()
+        return {
+            "pools": pools,
+            "nodes_active": sum(1 for n in nodes if n.active and not n.draining),
+            "nodes_draining": sum(1 for n in nodes if n.active and n.draining),
+            "nodes_fenced": sum(1 for n in nodes if n.fenced),
+            "journal_records": rt.writer.num_records,
+            "journal_transactions": rt.writer.num_transactions,
+            "last_seq_no": rt.writer.last_seq_no,
+            "serving": 1.0 if rt.phase == "serving" else 0.0,
+        }
+
+    async def _read_async(self) -> dict[str, Any]:
+        return self._read()
+
+    def _snapshot(self) -> dict[str, Any] | None:
+        if self._loop.is_closed():
+            return None
+        try:
+            if threading.get_ident() == getattr(self._loop, "_thread_id", None):
+                return self._read()
+            return asyncio.run_coroutine_threadsafe(self._read_async(), self._loop).result(timeout=5.0)
+        except Exception:  # noqa: BLE001 - a scrape during shutdown yields nothing
+            return None
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        if snap is None:
+            return
+        usage = GaugeMetricFamily("pagedkv_kv_cache_usage_perc", "Fraction of the pool's blocks in use (0-1).", labels=["pool"])
+        blocks = GaugeMetricFamily("pagedkv_blocks", "Blocks of the pool by state.", labels=["pool", "state"])
+        hwm = GaugeMetricFamily("pagedkv_high_water_mark", "Highest used block id + 1.", labels=["pool"])
+        waste = GaugeMetricFamily("pagedkv_waste_slots", "Allocated slots holding no token.", labels=["pool"])
+        seqs = GaugeMetricFamily("pagedkv_sequences", "Live sequences on the pool.", labels=["pool"])
+        contiguity = GaugeMetricFamily("pagedkv_contiguity", "Fraction of physically adjacent logical block pairs.", labels=["pool"])
+        queries = CounterMetricFamily("pagedkv_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels=["pool"])
+        hits = CounterMetricFamily("pagedkv_prefix_cache_hits", "Prompt tokens served from the prefix cache.", labels=["pool"])
+        cow = CounterMetricFamily("pagedkv_cow_copies", "Copy-on-write block copies.", labels=["pool"])
+        evictions = CounterMetricFamily("pagedkv_evictions", "Cached blocks evicted.", labels=["pool"])
+        moves = CounterMetricFamily("pagedkv_defrag_moves", "Blocks moved by committed defrag plans.", labels=["pool"])
+        for m in snap["pools"]:
+            pool = [m.pool_id]
+            usage.add_metric(pool, m.usage)
+            for state, value in zip(
+                BLOCK_STATES, (m.num_free_blocks, m.num_used_blocks, m.num_cached_blocks, m.num_reserved_blocks), strict=True
+            ):
+                blocks.add_metric([m.pool_id, state], value)
+            hwm.add_metric(pool, m.high_water_mark)
+            waste.add_metric(pool, m.waste_slots)
+            seqs.add_metric(pool, m.num_sequences)
+            contiguity.add_metric(pool, m.contiguity)
+            queries.add_metric(pool, m.prefix_query_tokens)
+            hits.add_metric(pool, m.prefix_hit_tokens)
+            cow.add_metric(pool, m.cow_copies)
+            evictions.add_metric(pool, m.evictions)
+            moves.add_metric(pool, m.defrag_moves)
+        yield from (usage, blocks, hwm, waste, seqs, contiguity, queries, hits, cow, evictions, moves)
+        nodes = GaugeMetricFamily("pagedkv_nodes", "Registered nodes by state.", labels=["state"])
+        for state in ("active", "draining", "fenced"):
+            nodes.add_metric([state], snap[f"nodes_{state}"])
+        yield nodes
+        yield CounterMetricFamily("pagedkv_journal_records", "Journal records committed.", value=snap["journal_records"])
+        yield CounterMetricFamily(
+            "pagedkv_journal_transactions", "Journal transactions (group commits).", value=snap["journal_transactions"]
+        )
+        yield GaugeMetricFamily("pagedkv_journal_last_seq_no", "Last committed journal seq_no.", value=snap["last_seq_no"])
+        yield GaugeMetricFamily("pagedkv_serving", "1 while the server accepts mutations.", value=snap["serving"])
+
+
+class ServiceMetrics:
+    """The registry, the RPC instruments and (optionally) the HTTP endpoint."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.rpc_latency = Histogram(
+            "pagedkv_rpc_latency_seconds",
+            "Server-side RPC latency.",
+            ["method", "code"],
+            buckets=RPC_BUCKETS,
+            registry=self.registry,
+        )
+        self.rpc_requests = Counter(
+            "pagedkv_rpc_requests", "RPCs handled.", ["method", "code"], registry=self.registry
+        )
+        self._http: Any = None
+        self._thread: threading.Thread | None = None
+        self.port: int | None = None
+
+    def attach(self, runtime: ServiceRuntime, loop: asyncio.AbstractEventLoop) -> None:
+        self.registry.register(_StateCollector(runtime, loop))
+
+    def observe_rpc(self, method: str, code: str, seconds: float) -> None:
+        self.rpc_latency.labels(method, code).observe(seconds)
+        self.rpc_requests.labels(method, code).inc()
+
+    def serve(self, address: str, port: int) -> int:
+        """Start the text endpoint (`GET /metrics`); returns the bound port."""
+        self._http, self._thread = start_http_server(port, addr=address, registry=self.registry)
+        self.port = int(self._http.server_port)
+        return self.port
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+__all__ = ["ServiceMetrics"]

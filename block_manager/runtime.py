@@ -1,0 +1,260 @@
+"""The service runtime: state machine + durability + idempotency + lease timer.
+
+`mutate()` is the single entry point of every mutating RPC (and of the server's own
+decisions: lease expiry, defrag plans and their timeouts):
+
+1. a request id seen before returns its recorded result (waiting for its commit if it
+   is still in flight) — or `RequestIdConflict` when the payload digest differs;
+2. otherwise the op is applied to the in-memory state on the event loop (which
+   serialises mutations), journaled through the group-commit writer, and the result is
+   returned only after the transaction committed.
+
+Ops that fail raise with the state unchanged and record nothing; ops that change nothing
+(e.g. an Allocate whose every item failed) are answered but not journaled.
+
+Recovery (`start`) runs off the event loop — the state is not reachable meanwhile,
+every RPC gets UNAVAILABLE — and replays the journal through `ServiceState.apply`, the
+same code the live RPCs use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from block_manager.config import BlockManagerConfig
+from block_manager.errors import RecoveryError, RequestIdConflict, ServerUnavailable
+from block_manager.journal_writer import JournalWriter
+from block_manager.state import ServiceState
+from block_manager.store import MemoryStore, NewRecord, Store
+from block_manager.store.records import JournalRecord
+from pagedkv.logging import get_logger
+
+log = get_logger(__name__)
+
+Phase = Literal["recovering", "serving", "draining", "failed", "stopped"]
+
+
+@dataclass(slots=True)
+class _Recorded:
+    digest: str
+    result: dict[str, Any]
+    committed: asyncio.Future[int] | None  # None: known committed (replayed / looked up)
+
+
+class ServiceRuntime:
+    def __init__(self, config: BlockManagerConfig, store: Store, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.store = store
+        self.clock = clock
+        self.state = ServiceState(config.state_config())
+        self.phase: Phase = "recovering"
+        self.started_at = time.monotonic()
+        self.num_replayed = 0
+        self.recovery_s = 0.0
+        self.recovery_problems: list[str] = []
+        self._requests: OrderedDict[str, _Recorded] = OrderedDict()
+        self._store_lookup_until = 0.0
+        self._lease_timer: asyncio.TimerHandle | None = None
+        self._listeners: list[Callable[[str, dict[str, Any], dict[str, Any]], None]] = []
+        self._phase_listeners: list[Callable[[Phase], None]] = []
+        self.writer = JournalWriter(
+            store,
+            snapshot_fn=lambda: self.state.to_snapshot(),
+            snapshot_interval_s=config.snapshot_interval_s,
+            snapshot_every_records=config.snapshot_every_records,
+            on_failure=self._journal_failed,
+        )
+        self.on_applied(self._after_apply)
+
+    # ---- lifecycle ------------------------------------------------------------------
+    def on_phase(self, listener: Callable[[Phase], None]) -> None:
+        self._phase_listeners.append(listener)
+
+    def on_applied(self, listener: Callable[[str, dict[str, Any], dict[str, Any]], None]) -> None:
+        """`listener(op, payload, result)` after every journaled op (defrag runner, timers)."""
+        self._listeners.append(listener)
+
+    def _set_phase(self, phase: Phase) -> None:
+        if self.phase == phase:
+            return
+        self.phase = phase
+        log.info("phase", phase=phase)
+        for listener in self._phase_listeners:
+            listener(phase)
+
+    async def start(self) -> None:
+        """Recover from the store, then serve."""
+        t0 = time.perf_counter()
+        try:
+            state, records, snapshot_seq_no = await asyncio.to_thread(self._recover)
+        except Exception as exc:
+            self._set_phase("failed")
+            raise RecoveryError(f"recovery failed: {exc}") from exc
+        self.state = state
+        self.writer.snapshot_seq_no = snapshot_seq_no
+        self.writer.last_seq_no = self.store.last_seq_no
+        for rec in records[-self.config.max_retained_requests :]:
+            self._remember(rec.request_id, _Recorded(rec.payload_digest, rec.result, None))
+        if not isinstance(self.store, MemoryStore):
+            # Records older than the snapshot are not replayed but may still be retained
+            # by the store for retries; ask it on a miss while such retries can arrive.
+            self._store_lookup_until = time.monotonic() + self.config.request_retention_s
+        self.num_replayed = len(records)
+        self.recovery_s = time.perf_counter() - t0
+        self.recovery_problems = self.state.fsck()
+        if self.recovery_problems:
+            log.error("fsck after recovery found problems", problems=self.recovery_problems[:20])
+        log.info("recovered", records=len(records), snapshot_seq_no=snapshot_seq_no, seconds=round(self.recovery_s, 3))
+        self._set_phase("serving")
+        self.schedule_lease_check()
+
+    def _recover(self) -> tuple[ServiceState, list[JournalRecord], int]:
+        recovered = self.store.recover()
+        now = self.clock()
+        cfg = self.config.state_config()
+        if recovered.snapshot is not None:
+            state = ServiceState.from_snapshot(recovered.snapshot, cfg, now)
+        else:
+            state = ServiceState(cfg)
+        for rec in recovered.records:
+            try:
+                state.apply(rec.op, rec.payload, now)
+            except Exception as exc:
+                raise RecoveryError(f"journal record {rec.seq_no} ({rec.op}) does not replay: {exc}") from exc
+        state.registry.renew_all(now)
+        return state, recovered.records, recovered.snapshot_seq_no
+
+    def begin_drain(self) -> None:
+        if self.phase == "serving":
+            self._set_phase("draining")
+
+    async def close(self) -> None:
+        if self._lease_timer is not None:
+            self._lease_timer.cancel()
+        final = self.phase in ("serving", "draining")
+        self._set_phase("stopped")
+        await self.writer.close(final_snapshot=final)
+
+    def _after_apply(self, op: str, payload: dict[str, Any], result: dict[str, Any]) -> None:
+        if op == "register_node":
+            self.schedule_lease_check()
+
+    def _journal_failed(self, exc: BaseException) -> None:
+        self._set_phase("failed")
+
+    # ---- guards ---------------------------------------------------------------------
+    def check_readable(self) -> None:
+        if self.phase in ("recovering", "failed", "stopped"):
+            raise ServerUnavailable(f"block manager is {self.phase}")
+
+    def check_writable(self) -> None:
+        if self.phase != "serving":
+            raise ServerUnavailable(f"block manager is {self.phase}")
+
+    # ---- mutations ------------------------------------------------------------------
+    def _remember(self, request_id: str, rec: _Recorded) -> None:
+        self._requests[request_id] = rec
+        self._requests.move_to_end(request_id)
+        while len(self._requests) > self.config.max_retained_requests:
+            self._requests.popitem(last=False)
+
+    async def _recorded(self, request_id: str, digest: str) -> dict[str, Any] | None:
+        rec = self._requests.get(request_id)
+        if rec is None and time.monotonic() < self._store_lookup_until:
+            found = await asyncio.to_thread(self.store.lookup_request, request_id)
+            rec = self._requests.get(request_id)  # may have landed meanwhile
+            if rec is None and found is not None:
+                rec = _Recorded(found.payload_digest, found.result, None)
+        if rec is None:
+            return None
+        if rec.digest != digest:
+            raise RequestIdConflict(f"request id {request_id!r} was used for a different request")
+        if rec.committed is not None:
+            await asyncio.shield(rec.committed)
+        return rec.result
+
+    async def mutate(
+        self, op: str, request_id: str, digest: str, payload: dict[str, Any], *, internal: bool = False
+    ) -> dict[str, Any]:
+        """Apply + journal one op idempotently; see the module docstring."""
+        if internal:
+            self.check_readable()
+        else:
+            self.check_writable()
+        recorded = await self._recorded(request_id, digest)
+        if recorded is not None:
+            return recorded
+        applied = self.state.apply(op, payload, self.clock())
+        if not applied.mutated:
+            return applied.result
+        record = NewRecord(request_id, op, payload, applied.result, digest)
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._remember(request_id, _Recorded(digest, applied.result, fut))
+        for listener in self._listeners:
+            listener(op, payload, applied.result)
+        try:
+            fut.set_result(await self.writer.commit(record))
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: waiters re-raise it, nobody else must log it
+            raise
+        return applied.result
+
+    # ---- leases ---------------------------------------------------------------------
+    def heartbeat(self, node_id: str, epoch: int) -> float:
+        self.check_readable()
+        lease = self.state.registry.heartbeat(node_id, epoch, self.clock())
+        return lease.lease_ttl_s
+
+    def schedule_lease_check(self) -> None:
+        """Arm one timer at the earliest lease deadline (re-armed after it fires or after a
+        registration); no periodic polling."""
+        if self._lease_timer is not None:
+            self._lease_timer.cancel()
+            self._lease_timer = None
+        if self.phase not in ("serving", "draining"):
+            return
+        deadline = self.state.registry.next_deadline()
+        if deadline is None:
+            return
+        delay = max(0.0, deadline - self.clock()) + 0.001
+        self._lease_timer = asyncio.get_running_loop().call_later(delay, self._on_lease_timer)
+
+    def _on_lease_timer(self) -> None:
+        self._lease_timer = None
+        expired = self.state.registry.expired(self.clock())
+        if expired:
+            asyncio.get_running_loop().create_task(self._expire([(n.node_id, n.epoch) for n in expired]))
+        else:
+            self.schedule_lease_check()
+
+    async def _expire(self, nodes: list[tuple[str, int]]) -> None:
+        for node_id, epoch in nodes:
+            payload = {"node_id": node_id, "epoch": epoch}
+            try:
+                result = await self.mutate("expire_node", f"expire:{node_id}:{epoch}", f"expire:{node_id}:{epoch}", payload, internal=True)
+            except Exception as exc:  # noqa: BLE001 - logged; the next timer retries
+                log.error("lease expiry failed", node=node_id, epoch=epoch, error=repr(exc))
+                continue
+            log.warning("lease expired; node fenced", node=node_id, epoch=epoch, dropped=len(result["dropped_seq_ids"]))
+        self.schedule_lease_check()
+
+    # ---- stats ----------------------------------------------------------------------
+    @property
+    def uptime_s(self) -> float:
+        return time.monotonic() - self.started_at
+
+    @property
+    def store_kind(self) -> str:
+        try:
+            return str(self.store.stats().backend)
+        except Exception:  # noqa: BLE001 - informational only
+            return "unknown"
+
+
+__all__ = ["Phase", "ServiceRuntime"]
