@@ -73,6 +73,8 @@ class Store(Protocol):
     thread (or `asyncio.to_thread`) so the event loop never blocks on I/O.
     """
 
+    backend: str  # "memory", "sqlite" or "postgresql"
+
     @property
     def last_seq_no(self) -> int:
         """Highest seq_no assigned so far (0 for an empty store)."""

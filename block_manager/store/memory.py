@@ -28,6 +28,8 @@ from block_manager.store.snapshot import check_snapshot_seq_no
 
 
 class MemoryStore:
+    backend = "memory"
+
     def __init__(self, options: StoreOptions | None = None) -> None:
         self._options = options or StoreOptions()
         self._lock = threading.Lock()
@@ -115,7 +117,7 @@ class MemoryStore:
 
     def stats(self) -> StoreStats:
         with self._lock:
-            return StoreStats("memory", self._last_seq_no, self._snapshot_seq_no, len(self._journal))
+            return StoreStats(self.backend, self._last_seq_no, self._snapshot_seq_no, len(self._journal))
 
     def close(self) -> None:
         self._closed = True

@@ -222,12 +222,18 @@ class _DbErrors:
 
 
 def _row_to_record(row: Any) -> JournalRecord:
+    try:
+        payload, result = decode_json(row.payload), decode_json(row.result)
+    except ValueError as exc:
+        raise StoreError(f"journal record {row.seq_no} is unreadable: {exc}") from exc
+    if not isinstance(payload, dict) or not isinstance(result, dict):
+        raise StoreError(f"journal record {row.seq_no} is not a JSON object")
     return JournalRecord(
         seq_no=int(row.seq_no),
         request_id=row.request_id,
         op=row.op,
-        payload=decode_json(row.payload),
-        result=decode_json(row.result),
+        payload=payload,
+        result=result,
         payload_digest=row.payload_digest,
         created_at=float(row.created_at),
     )

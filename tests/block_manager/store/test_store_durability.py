@@ -148,3 +148,35 @@ def test_postgres_store_fails_closed_when_its_session_dies(fresh_postgres_url: s
     successor = opened(fresh_postgres_url, StoreOptions(lock_wait_s=10.0))
     assert [r.request_id for r in successor.recover().records] == ["before"]
     assert successor.append([make_record("after")]) == [2]
+
+
+@pytest.mark.parametrize(
+    ("sql", "what"),
+    [
+        ("UPDATE snapshots SET state = :junk", "snapshot"),
+        ("UPDATE journal SET payload = 'not json' WHERE seq_no = 2", "journal record 2"),
+        ("UPDATE journal SET result = '[1]' WHERE seq_no = 2", "journal record 2"),
+    ],
+)
+def test_corrupt_rows_are_a_store_error_not_a_crash(durable_url: str, opened, sql: str, what: str) -> None:
+    store = opened(durable_url)
+    store.append([make_record("a"), make_record("b")])
+    store.write_snapshot(1, {"v": 1})
+    store.close()
+    engine = create_engine(durable_url)
+    with engine.begin() as conn:
+        conn.execute(text(sql), {"junk": b"\x00garbage"} if ":junk" in sql else {})
+    engine.dispose()
+    with pytest.raises(StoreError, match=what):
+        opened(durable_url).recover()
+
+
+def test_postgres_fixture_runs_a_durable_private_server(postgres_url: str) -> None:
+    engine = create_engine(postgres_url)
+    try:
+        with engine.connect() as conn:
+            assert conn.execute(text("SHOW fsync")).scalar() == "on"
+            assert conn.execute(text("SHOW listen_addresses")).scalar() == "127.0.0.1"
+    finally:
+        engine.dispose()
+    assert "@127.0.0.1:" in postgres_url

@@ -25,6 +25,7 @@ def test_empty_store_recovers_nothing(store_url: str, opened) -> None:
     assert store.recover() == Recovered(None, 0, [])
     assert store.last_seq_no == 0
     assert store.lookup_request("nope") is None
+    assert store.stats().backend == store.backend == store_url.split(":")[0].split("+")[0]
 
 
 def test_append_assigns_increasing_seq_nos_and_recovers_in_order(store_url: str, opened) -> None:
