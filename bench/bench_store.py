@@ -4,7 +4,8 @@ Journal: `append` of one record per transaction, sized like the record the servi
 an AppendSlots RPC of 1 / 64 / 256 sequences, plus a group commit of 16 one-sequence records
 in one transaction. Reports records/s and p50/p99 commit latency on memory://, SQLite
 (synchronous FULL and NORMAL, WAL) and a throwaway PostgreSQL cluster (fsync=on).
-Snapshot: write and recover a state holding 100k blocks in use.
+Snapshot: write and recover the core's state with 100k blocks in use (with and without
+prefix-cache token ids).
 
     .venv/bin/python bench/bench_store.py [--appends 300] [--no-postgres] [--json]
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import shutil
 import statistics
 import sys
@@ -72,29 +74,23 @@ def append_slots_record(request_id: str, num_seqs: int, step: int, columnar: boo
     return NewRecord(request_id, "append_slots", payload, result, payload_digest(payload))
 
 
-def snapshot_state(num_blocks_in_use: int = 100_000, blocks_per_seq: int = 32) -> dict:
-    """A service state with `num_blocks_in_use` blocks held by sequences (plus ref counts
-    and content hashes for the full blocks): the size class of a real 100k-block snapshot."""
-    num_seqs = num_blocks_in_use // blocks_per_seq
-    sequences = {
-        f"seq-{s:06d}": {
-            "block_table": list(range(s * blocks_per_seq, (s + 1) * blocks_per_seq)),
-            "num_tokens": blocks_per_seq * BLOCK_SIZE - 3,
-            "version": 40 + s % 7,
-        }
-        for s in range(num_seqs)
-    }
-    return {
-        "pools": {
-            "node-0": {
-                "num_blocks": 131_072,
-                "block_size": BLOCK_SIZE,
-                "ref_cnt": [1] * num_blocks_in_use,
-                "block_hash": [f"{(b * 2654435761) % (1 << 64):016x}" for b in range(num_blocks_in_use)],
-                "sequences": sequences,
-            }
-        }
-    }
+def snapshot_state(with_token_ids: bool, num_seqs: int = 3125, blocks_per_seq: int = 32) -> dict:
+    """The real core's `to_snapshot()` with 100k blocks in use (3125 sequences x 32 blocks
+    in a 131072-block pool). With token ids, every full block is hashed and keeps its tokens
+    (prefix-cache hits are confirmed against them), which dominates the snapshot size."""
+    from block_manager.core.manager import BlockManager
+
+    rng = random.Random(0)
+    manager = BlockManager()
+    manager.add_pool("node-0", 131_072, BLOCK_SIZE)
+    num_tokens = blocks_per_seq * BLOCK_SIZE - 3
+    for s in range(num_seqs):
+        seq_id = f"seq-{s:06d}"
+        if with_token_ids:
+            manager.allocate(seq_id, "node-0", [rng.randrange(32_000) for _ in range(num_tokens)])
+        else:
+            manager.allocate(seq_id, "node-0", num_tokens=num_tokens)
+    return {"core": manager.to_snapshot()}
 
 
 @contextmanager
@@ -160,6 +156,7 @@ def bench_appends(
 
 
 def bench_snapshot(url: str, options: StoreOptions, state: dict) -> dict:
+    """Time `write_snapshot` (encode + compress + commit) and a cold open + `recover`."""
     store = open_store(url, options)
     try:
         store.append([append_slots_record("s0", 1, 0)])
@@ -169,9 +166,7 @@ def bench_snapshot(url: str, options: StoreOptions, state: dict) -> dict:
     finally:
         store.close()
     t = time.perf_counter()
-    store = open_store(url, options) if not url.startswith("memory") else None
-    if store is None:
-        return {"write_s": write_s, "recover_s": float("nan")}
+    store = open_store(url, options)
     try:
         recovered = store.recover()
         recover_s = time.perf_counter() - t
@@ -190,9 +185,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     # (sequences per record, records per transaction, columnar)
     shapes = [(1, 1, True), (64, 1, True), (256, 1, True), (512, 1, True), (256, 1, False), (1, 16, True)]
-    state = snapshot_state()
-    state_json = canonical_json(state)
-    results: dict = {"appends": [], "snapshot": []}
+    states = {"ids only": snapshot_state(False), "with tokens": snapshot_state(True)}
+    results: dict = {"appends": [], "snapshot": [], "snapshot_sizes": {}}
+    for label, state in states.items():
+        raw = canonical_json(state).encode()
+        results["snapshot_sizes"][label] = {
+            "json_bytes": len(raw), "zlib_bytes": len(zlib.compress(raw, 1)),
+        }
     with backends(not args.no_postgres) as rows:
         for name, make_url, options in rows:
             for num_seqs, per_txn, columnar in shapes:
@@ -200,11 +199,11 @@ def main(argv: list[str] | None = None) -> None:
                 results["appends"].append(
                     {"backend": name, "seqs": num_seqs, "per_txn": per_txn, "columnar": columnar, **r}
                 )
-            if name != "memory":
-                s = bench_snapshot(make_url(), options, state)
-                results["snapshot"].append({"backend": name, **s})
-    results["snapshot_json_bytes"] = len(state_json)
-    results["snapshot_zlib_bytes"] = len(zlib.compress(state_json.encode(), 1))
+            if name == "memory":
+                continue
+            for label, state in states.items():
+                snap = bench_snapshot(make_url(), options, state)
+                results["snapshot"].append({"backend": name, "state": label, **snap})
     if args.json:
         print(json.dumps(results, indent=2))
         return
@@ -216,13 +215,12 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['backend']:<14} {shape:<18} {r['record_bytes']:>7} {r['records_per_s']:>10.0f} "
             f"{r['commits_per_s']:>10.0f} {r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f}"
         )
-    print(
-        f"\nsnapshot: 100k blocks in use, {results['snapshot_json_bytes'] / 1e6:.2f} MB JSON, "
-        f"{results['snapshot_zlib_bytes'] / 1e6:.2f} MB stored (zlib level 1)"
-    )
-    print(f"{'backend':<14} {'write s':>8} {'open+recover s':>15}")
-    for s in results["snapshot"]:
-        print(f"{s['backend']:<14} {s['write_s']:>8.3f} {s['recover_s']:>15.3f}")
+    print("\nsnapshot of the core with 100k blocks in use:")
+    for label, size in results["snapshot_sizes"].items():
+        print(f"  {label}: {size['json_bytes'] / 1e6:.1f} MB JSON, {size['zlib_bytes'] / 1e6:.1f} MB stored (zlib 1)")
+    print(f"{'backend':<14} {'state':<12} {'write s':>8} {'open+recover s':>15}")
+    for snap in results["snapshot"]:
+        print(f"{snap['backend']:<14} {snap['state']:<12} {snap['write_s']:>8.3f} {snap['recover_s']:>15.3f}")
 
 
 if __name__ == "__main__":
