@@ -145,8 +145,11 @@ class ForwardRequest(_message.Message):
     SEQUENCES_FIELD_NUMBER: _builtins.int
     LAYERS_FIELD_NUMBER: _builtins.int
     FREED_SEQ_IDS_FIELD_NUMBER: _builtins.int
+    SCALE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """for logs; a retry rewrites the same slots (idempotent)"""
+    scale: _builtins.float
+    """Softmax scale; 0 = 1/sqrt(head_dim)."""
     @_builtins.property
     def sequences(self) -> _containers.RepeatedCompositeFieldContainer[Global___ForwardSequence]:
         """1..max_batch, distinct seq_ids"""
@@ -166,10 +169,11 @@ class ForwardRequest(_message.Message):
         sequences: _abc.Iterable[Global___ForwardSequence] | None = ...,
         layers: _abc.Iterable[Global___LayerInput] | None = ...,
         freed_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
+        scale: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["freed_seq_ids", b"freed_seq_ids", "layers", b"layers", "request_id", b"request_id", "sequences", b"sequences"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["freed_seq_ids", b"freed_seq_ids", "layers", b"layers", "request_id", b"request_id", "scale", b"scale", "sequences", b"sequences"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

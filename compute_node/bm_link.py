@@ -1,0 +1,151 @@
+"""The node's side of the block manager protocol: register, heartbeat, tables, copy-op acks.
+
+A thin async wrapper over the generated stub that turns gRPC statuses into the few outcomes
+the node acts on (`LinkFenced`, `LinkUnavailable`, `LinkNotFound`, `LinkRejected`) and counts
+every call, so a Forward can report how many block manager round trips it cost.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from compute_node.tables import CachedTable, SeqId
+from pagedkv.v1 import block_manager_pb2 as bm_pb
+from pagedkv.v1 import block_manager_pb2_grpc as bm_grpc
+
+# Statuses after which the same call may succeed later (block manager restarting,
+# recovering, overloaded, or the network between us).
+RETRYABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN,
+    }
+)
+
+
+class LinkError(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class LinkUnavailable(LinkError):
+    """Transient: retry later with the same epoch."""
+
+
+class LinkFenced(LinkError):
+    """FAILED_PRECONDITION: a stale epoch, or (for GetTables) a sequence dropped by fencing."""
+
+
+class LinkNotFound(LinkError):
+    """Unknown sequence or node."""
+
+
+class LinkRejected(LinkError):
+    """Any other refusal (INVALID_ARGUMENT, ABORTED, INTERNAL, ...)."""
+
+
+@dataclass(slots=True, frozen=True)
+class Registration:
+    epoch: int
+    lease_ttl_s: float
+    block_size: int
+    num_blocks: int
+    prefetch_window: int
+
+
+@dataclass(slots=True, frozen=True)
+class TablesReply:
+    tables: list[CachedTable]
+    copy_ops: list[tuple[int, int, int, str]]   # (op_id, src, dst, kind), op_id ascending
+
+
+def _translate(exc: grpc.aio.AioRpcError) -> LinkError:
+    code, details = exc.code(), exc.details() or ""
+    if code in RETRYABLE:
+        return LinkUnavailable(code, details)
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return LinkFenced(code, details)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return LinkNotFound(code, details)
+    return LinkRejected(code, details)
+
+
+class BlockManagerLink:
+    """One channel to the block manager, shared by the heartbeat task and forwards."""
+
+    def __init__(self, address: str, node_id: str, timeout_s: float) -> None:
+        self.address = address
+        self.node_id = node_id
+        self.timeout_s = timeout_s
+        self.num_rpcs = 0
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = bm_grpc.BlockManagerStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def register(
+        self, *, num_layers: int, num_kv_heads: int, head_dim: int,
+        dtype: str, device: str, block_size: int | None, num_blocks: int, address: str,
+    ) -> Registration:
+        """Register the pool; every call starts a new epoch (fencing any previous one)."""
+        request = bm_pb.RegisterNodeRequest(
+            request_id=f"register-{self.node_id}-{uuid.uuid4().hex}",
+            node_id=self.node_id,
+            num_blocks=num_blocks,
+            block_size=block_size or 0,
+            geometry=bm_pb.KvGeometry(
+                num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device
+            ),
+            address=address,
+        )
+        reply = await self._call(self._stub.RegisterNode, request)
+        return Registration(
+            epoch=int(reply.epoch),
+            lease_ttl_s=float(reply.lease_ttl_s),
+            block_size=int(reply.block_size),
+            num_blocks=int(reply.num_blocks),
+            prefetch_window=int(reply.prefetch_window),
+        )
+
+    async def heartbeat(self, epoch: int) -> bm_pb.HeartbeatResponse:
+        return await self._call(self._stub.Heartbeat, bm_pb.HeartbeatRequest(node_id=self.node_id, epoch=epoch))
+
+    async def get_tables(
+        self, epoch: int, seq_ids: list[SeqId], known_versions: dict[SeqId, int], after_op_id: int
+    ) -> TablesReply:
+        request = bm_pb.GetTablesRequest(
+            node_id=self.node_id, epoch=epoch, seq_ids=seq_ids, known_versions=known_versions,
+            after_op_id=after_op_id,
+        )
+        reply = await self._call(self._stub.GetTables, request)
+        tables = [
+            CachedTable(SeqId(t.seq_id), tuple(int(b) for b in t.block_table), int(t.version))
+            for t in reply.tables
+        ]
+        ops = [(int(op.op_id), int(op.src), int(op.dst), op.kind) for op in reply.copy_ops]
+        return TablesReply(tables, ops)
+
+    async def ack_copy_ops(self, epoch: int, up_to_op_id: int) -> list[int]:
+        """Acknowledge ops ≤ up_to; returns the defrag plans this committed."""
+        request = bm_pb.AckCopyOpsRequest(
+            request_id=f"ack-{self.node_id}-{epoch}-{up_to_op_id}",
+            node_id=self.node_id, epoch=epoch, up_to_op_id=up_to_op_id,
+        )
+        reply = await self._call(self._stub.AckCopyOps, request)
+        return [int(p) for p in reply.committed_plan_ids]
+
+    async def _call(self, method, request):  # type: ignore[no-untyped-def]
+        self.num_rpcs += 1
+        try:
+            return await method(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise _translate(exc) from None

@@ -1,0 +1,63 @@
+"""`compute-node` command line.
+
+    compute-node serve --config compute_node.yaml [--listen HOST:PORT] [--block-manager HOST:PORT]
+                       [--node-id ID] [--num-blocks N] [--metrics-port P] [--port-file FILE]
+
+Configuration errors are one line on stderr with exit code 2; start-up failures exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="compute-node", description="pagedkv compute node")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="run the compute node gRPC service")
+    p.add_argument("--config", type=Path, help="YAML config file (PAGEDKV_CN_* environment variables override it)")
+    p.add_argument("--listen", help="listen address HOST:PORT (overrides config)")
+    p.add_argument("--block-manager", help="block manager address HOST:PORT (overrides config)")
+    p.add_argument("--node-id", help="node id, also the pool id (overrides config)")
+    p.add_argument("--num-blocks", type=int, help="blocks in the pool (overrides config)")
+    p.add_argument("--metrics-port", type=int, help="Prometheus endpoint port (0: ephemeral)")
+    p.add_argument("--port-file", type=Path, help="write the bound gRPC port here once listening")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from compute_node.config import ConfigError, load_config
+    from compute_node.server import serve
+    from pagedkv.logging import configure_logging
+
+    overrides = {
+        k: v
+        for k, v in (
+            ("listen_address", args.listen),
+            ("block_manager_address", args.block_manager),
+            ("node_id", args.node_id),
+            ("num_blocks", args.num_blocks),
+            ("metrics_port", args.metrics_port),
+        )
+        if v is not None
+    }
+    if args.num_blocks is not None:
+        overrides["memory_budget_bytes"] = None
+    try:
+        config = load_config(args.config, **overrides)
+    except ConfigError as exc:
+        print(f"compute-node: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    configure_logging(config.log_level)
+    return asyncio.run(serve(config, args.port_file))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

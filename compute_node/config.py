@@ -1,0 +1,117 @@
+"""Compute node configuration: defaults < YAML file < `PAGEDKV_CN_*` environment < overrides.
+
+    compute-node serve --config compute_node.yaml
+    PAGEDKV_CN_NODE_ID=gpu0 PAGEDKV_CN_BLOCK_MANAGER_ADDRESS=bm:50051 compute-node serve
+    PAGEDKV_CN_GEOMETRY__NUM_LAYERS=32              # nested fields use "__"
+
+The pool size is either `num_blocks` (default 1024) or derived from `memory_budget_bytes`,
+which then needs an explicit `block_size`; with `num_blocks` the block size may be left unset
+and the block manager's default is used (learned at registration).
+Validation errors surface as `ConfigError` with every problem listed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+DType = Literal["float16", "bfloat16", "float32"]
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+DEFAULT_NUM_BLOCKS = 1024
+
+
+class ConfigError(ValueError):
+    """The configuration file or environment is invalid."""
+
+
+class GeometrySettings(BaseModel):
+    """The model's attention shape: what one token's K/V looks like in every layer."""
+
+    num_layers: int = Field(default=2, ge=1, le=1024)
+    num_kv_heads: int = Field(default=2, ge=1, le=1024)
+    head_dim: int = Field(default=64, ge=1, le=1024)
+    dtype: DType = "float16"
+
+
+class ComputeNodeConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PAGEDKV_CN_", env_nested_delimiter="__", extra="forbid")
+
+    node_id: str = Field(default="node-0", pattern=r"^[A-Za-z0-9._:\-]{1,128}$")
+    listen_address: str = "127.0.0.1:50061"
+    # What the node tells routers to dial; defaults to the bound listen address.
+    advertise_address: str | None = None
+    block_manager_address: str = "127.0.0.1:50051"
+    geometry: GeometrySettings = GeometrySettings()
+    # None: use the block manager's default block size (learned at registration).
+    block_size: int | None = Field(default=None, ge=1, le=4096)
+    num_blocks: int | None = Field(default=None, ge=1, le=1 << 24)
+    memory_budget_bytes: int | None = Field(default=None, ge=1)
+    # "auto": CUDA when torch sees a GPU, else the CPU; or an explicit "cpu" / "cuda:N".
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    max_batch: int = Field(default=4096, ge=1)
+    # Block tables kept in the node's cache (least recently used beyond this are dropped).
+    table_cache_size: int = Field(default=65536, ge=1)
+    # Deadline of each node -> block manager call, and the pause between registration
+    # / heartbeat retries while the block manager is unreachable.
+    rpc_timeout_s: float = Field(default=5.0, gt=0)
+    retry_interval_s: float = Field(default=0.5, gt=0)
+    metrics_address: str = "127.0.0.1"
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)   # None: no endpoint; 0: ephemeral
+    shutdown_grace_s: float = Field(default=5.0, ge=0)
+    log_level: str = "INFO"
+
+    @model_validator(mode="after")
+    def _one_pool_size(self) -> ComputeNodeConfig:
+        if self.num_blocks is not None and self.memory_budget_bytes is not None:
+            raise ValueError("set at most one of num_blocks or memory_budget_bytes")
+        if self.memory_budget_bytes is not None:
+            # The pool size is derived before registering, so the block size must be known.
+            if self.block_size is None:
+                raise ValueError("memory_budget_bytes needs an explicit block_size")
+            g = self.geometry
+            block_bytes = 2 * g.num_layers * g.num_kv_heads * g.head_dim * self.block_size * _ITEMSIZE[g.dtype]
+            if self.memory_budget_bytes < block_bytes:
+                raise ValueError(f"memory_budget_bytes {self.memory_budget_bytes} is below one block ({block_bytes} bytes)")
+        elif self.num_blocks is None:
+            self.num_blocks = DEFAULT_NUM_BLOCKS
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        yaml_file = init_settings.init_kwargs.pop("_yaml_file", None)  # type: ignore[attr-defined]
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if yaml_file is not None:
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=yaml_file))
+        return tuple(sources)
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> ComputeNodeConfig:
+    """Defaults < YAML `path` < environment < `overrides`; `ConfigError` when invalid."""
+    kwargs: dict[str, Any] = dict(overrides)
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        kwargs["_yaml_file"] = p
+    try:
+        return ComputeNodeConfig(**kwargs)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ConfigError(f"invalid configuration: {problems}") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read configuration: {exc}") from None

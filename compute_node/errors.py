@@ -1,0 +1,52 @@
+"""Typed errors of the compute node, each with the gRPC status the servicer answers with.
+
+The engine raises these before it writes anything, so an error status always means the pool
+is untouched. Anything else that escapes becomes INTERNAL with a generic message (and the
+exception is logged), never a crashed server.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class ComputeNodeError(Exception):
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidForward(ComputeNodeError):
+    """Malformed request: shapes, dtypes, layers, slots that are not the sequence's own."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class UnknownSequence(ComputeNodeError):
+    """The block manager has no such sequence in this node's pool."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class StaleTable(ComputeNodeError):
+    """The request needs a table version the block manager does not have (yet), or the table
+    changed under slots computed for an older version: the caller should refresh and retry."""
+
+    code = grpc.StatusCode.ABORTED
+
+
+class NodeFenced(ComputeNodeError):
+    """The node's epoch was fenced by the block manager: its sequences are gone. The node
+    re-registers (new epoch, empty pool); the caller must re-admit its sequences."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class NotRegistered(ComputeNodeError):
+    """The node has no live registration (starting up, or the block manager is unreachable)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class BlockManagerUnavailable(ComputeNodeError):
+    """A node → block manager call failed transiently; retrying the Forward is safe."""
+
+    code = grpc.StatusCode.UNAVAILABLE

@@ -1,0 +1,139 @@
+"""The node's KV memory: one K and one V tensor per layer, and the kernels that touch them.
+
+Each layer's cache is a torch tensor `[num_blocks, num_kv_heads, block_size, head_dim]`. On a
+GPU the tensors live in CUDA memory and the `kernels` dispatcher sends them to the Numba CUDA
+kernels (zero copy through the CUDA array interface, on torch's current stream); on a host
+without one they are CPU tensors and the Numba CPU kernels read the same memory. The pool is
+the only object that holds those tensors, so every byte written to KV memory goes through the
+four methods below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import kernels
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+}
+
+
+@dataclass(slots=True, frozen=True)
+class PoolGeometry:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_size: int
+    num_blocks: int
+
+    @property
+    def itemsize(self) -> int:
+        return TORCH_DTYPES[self.dtype].itemsize
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token in one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V of one block in every layer: what one block id costs in memory."""
+        return self.num_layers * self.block_size * self.bytes_per_token
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+
+def blocks_for_budget(
+    budget_bytes: int, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str, block_size: int
+) -> int:
+    """How many whole blocks fit in `budget_bytes` (at least 1 is required)."""
+    probe = PoolGeometry(num_layers, num_kv_heads, head_dim, dtype, block_size, 1)
+    return budget_bytes // probe.bytes_per_block
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' picks the first CUDA device when torch sees one, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but torch sees no CUDA device")
+    return resolved
+
+
+class KvPool:
+    """Per-layer K/V caches of one device plus the kernel calls over them."""
+
+    def __init__(self, geometry: PoolGeometry, device: torch.device) -> None:
+        self.geometry = geometry
+        self.device = device
+        self.backend: kernels.Backend = "cuda" if device.type == "cuda" else "cpu"
+        shape = (geometry.num_blocks, geometry.num_kv_heads, geometry.block_size, geometry.head_dim)
+        dtype = TORCH_DTYPES[geometry.dtype]
+        # Zero-filled rather than empty: a block is never read before it is written, but a
+        # deterministic pool makes a bug that breaks that rule visible instead of random.
+        self.key_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(geometry.num_layers)]
+        self.value_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(geometry.num_layers)]
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Apply copy ops (src → dst) in order, in every layer."""
+        if not pairs:
+            return
+        mapping = torch.tensor(pairs, dtype=torch.int64).reshape(len(pairs), 2)
+        if self.backend == "cuda":
+            mapping = mapping.to(self.device)
+        kernels.copy_blocks(self.key_caches, self.value_caches, mapping, backend=self.backend)
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store new tokens' K/V `[num_tokens, num_kv_heads, head_dim]` at their slots."""
+        kernels.write_slots(
+            key, value, self.key_caches[layer], self.value_caches[layer], slot_mapping, backend=self.backend
+        )
+
+    def decode(
+        self, layer: int, query: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """One query token per sequence over its whole paged context."""
+        return kernels.paged_attention_decode(
+            query, self.key_caches[layer], self.value_caches[layer], block_tables, seq_lens, scale,
+            backend=self.backend,
+        )
+
+    def prefill(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Many query tokens per sequence, causal over the paged prefix plus themselves."""
+        return kernels.paged_prefill_attention(
+            query, self.key_caches[layer], self.value_caches[layer], block_tables, seq_lens,
+            query_start_loc, scale, backend=self.backend,
+        )
+
+    def read_tokens(self, layer: int, slots: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """K and V `[n, num_kv_heads, head_dim]` stored at `slots` (float32 host copies; tests
+        and diagnostics only, never on the hot path)."""
+        bs = self.geometry.block_size
+        idx = torch.tensor(list(slots), dtype=torch.int64)
+        blocks, offsets = idx // bs, idx % bs
+        k = self.key_caches[layer][blocks, :, offsets].float().cpu().numpy()
+        v = self.value_caches[layer][blocks, :, offsets].float().cpu().numpy()
+        return k, v

@@ -1,0 +1,74 @@
+"""Protocol ↔ domain translation for `pagedkv.v1.ComputeNode`.
+
+The servicer decodes a request into a `ForwardBatch`, hands it to the `ComputeNode` and encodes
+the outputs; typed `ComputeNodeError`s become their gRPC status, anything else becomes INTERNAL
+with a generic message (the exception is logged with the request id, never sent to the caller).
+"""
+
+from __future__ import annotations
+
+import grpc
+import structlog
+
+from compute_node.errors import ComputeNodeError, NotRegistered
+from compute_node.forward import parse_forward
+from compute_node.node import ComputeNode
+from compute_node.wire import encode_tensor
+from pagedkv.v1 import compute_node_pb2 as pb
+from pagedkv.v1 import compute_node_pb2_grpc as pb_grpc
+
+
+class ComputeNodeServicer(pb_grpc.ComputeNodeServicer):
+    def __init__(self, node: ComputeNode) -> None:
+        self.node = node
+
+    async def Forward(self, request: pb.ForwardRequest, context: grpc.aio.ServicerContext) -> pb.ForwardResponse:
+        node = self.node
+        structlog.contextvars.bind_contextvars(request_id=request.request_id, rpc="Forward")
+        try:
+            geometry = node.geometry
+            if geometry is None:
+                raise NotRegistered("the node has not registered its pool yet")
+            batch = parse_forward(request, geometry, node.config.max_batch)
+            result = await node.forward(batch)
+        except ComputeNodeError as exc:
+            node.metrics.forwards.labels(exc.code.name).inc()
+            node.log.info("forward_rejected", code=exc.code.name, error=str(exc))
+            await context.abort(exc.code, str(exc))
+        except Exception:
+            node.metrics.forwards.labels("INTERNAL").inc()
+            node.log.exception("forward_failed")
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error (logged on the compute node)")
+        finally:
+            structlog.contextvars.unbind_contextvars("request_id", "rpc")
+        node.metrics.forwards.labels("OK").inc()
+        s = result.stats
+        return pb.ForwardResponse(
+            outputs=[pb.LayerOutput(layer=layer, output=encode_tensor(out)) for layer, out in result.outputs],
+            stats=pb.ForwardStats(
+                table_fetch_s=s.table_fetch_s, copy_ops_s=s.copy_ops_s, write_s=s.write_s,
+                attention_s=s.attention_s, total_s=s.total_s, num_block_manager_rpcs=s.num_block_manager_rpcs,
+                num_copy_ops=s.num_copy_ops, kv_bytes_read=s.kv_bytes_read,
+            ),
+        )
+
+    async def GetNodeInfo(
+        self, request: pb.GetNodeInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetNodeInfoResponse:
+        node = self.node
+        g = node.config.geometry
+        geometry = node.geometry
+        return pb.GetNodeInfoResponse(
+            node_id=node.config.node_id,
+            epoch=node.epoch,
+            registered=node.registration is not None,
+            num_layers=g.num_layers,
+            num_kv_heads=g.num_kv_heads,
+            head_dim=g.head_dim,
+            dtype=g.dtype,
+            device=str(node.device),
+            block_size=0 if geometry is None else geometry.block_size,
+            num_blocks=0 if geometry is None else geometry.num_blocks,
+            last_applied_op_id=node.last_applied_op_id,
+            num_cached_tables=len(node.tables),
+        )
