@@ -4,6 +4,21 @@ The service journals every mutating RPC as a `NewRecord` (group-committed with `
 writes periodic snapshots with `write_snapshot`, answers retried request ids from
 `lookup_request`, and on start-up rebuilds its state from `recover()`: the latest snapshot
 plus every later record, replayed in seq_no order through the deterministic core.
+
+URLs for `open_store`:
+- `sqlite:///path/to/journal.db` (the default deployment): WAL, `synchronous=FULL`, and an
+  exclusive `flock` on `journal.db.lock` so one block manager owns the file;
+- `postgresql+psycopg://user@host:port/db` (or `postgresql://`): a session-level advisory
+  lock held by the writer connection; all writes go through that connection;
+- `memory://`: same semantics, no durability (in-memory mode, benchmarks).
+
+Guarantees: `append` is one transaction and durable when it returns (nothing of a failed
+batch is stored); `write_snapshot` is atomic and keeps only the latest snapshot; a record a
+snapshot covers stays answerable by `lookup_request` while it is within the retention window
+(`StoreOptions.request_retention_s`, default 600 s, and the newest
+`max_retained_requests`, default 10 000). After any database failure during a write the
+store refuses further use (fail-stop): the caller's in-memory state may be ahead of the
+journal, and on PostgreSQL the lock may be gone.
 """
 
 from block_manager.store.backends import open_store
