@@ -1,0 +1,57 @@
+"""Client library of the block manager service: sync and asyncio data-plane clients, the
+scheduler-step helper, an admin-plane client and typed errors. See `step.py` for the
+deferred in-block append protocol that keeps decode at <= 1 round trip per step."""
+
+from block_manager.client.admin import AdminClient
+from block_manager.client.async_client import AsyncBlockManagerClient, AsyncStep
+from block_manager.client.errors import (
+    AbortedError,
+    AlreadyExistsError,
+    BlockManagerError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    OutOfBlocksError,
+    StepStateError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+from block_manager.client.retry import NO_RETRY, ClientStats, RetryPolicy, new_request_id
+from block_manager.client.step import SeqSlots, SequenceTracker, StepResult
+from block_manager.client.sync_client import BlockManagerClient, SyncStep
+from block_manager.client.types import AllocateSpec, HeartbeatResult, ItemFailure, NodeRegistration, PoolRoute, TablesUpdate
+
+__all__ = [
+    "AbortedError",
+    "AdminClient",
+    "AllocateSpec",
+    "AlreadyExistsError",
+    "AsyncBlockManagerClient",
+    "AsyncStep",
+    "BlockManagerClient",
+    "BlockManagerError",
+    "ClientStats",
+    "DeadlineExceededError",
+    "FailedPreconditionError",
+    "HeartbeatResult",
+    "InternalError",
+    "InvalidArgumentError",
+    "ItemFailure",
+    "NO_RETRY",
+    "NodeRegistration",
+    "NotFoundError",
+    "OutOfBlocksError",
+    "PoolRoute",
+    "RetryPolicy",
+    "SeqSlots",
+    "SequenceTracker",
+    "StepResult",
+    "StepStateError",
+    "SyncStep",
+    "TablesUpdate",
+    "UnauthenticatedError",
+    "UnavailableError",
+    "new_request_id",
+]

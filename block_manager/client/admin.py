@@ -1,0 +1,103 @@
+"""Synchronous admin-plane client (`BlockManagerAdmin`).
+
+Operators' calls are rare and read by humans or scripts, so answers come back as plain
+JSON-shaped dicts (proto field names, every field present, 64-bit ints as numbers) —
+exactly what `block-manager admin --json` prints. The bearer token, when given, rides on
+every call as `authorization: Bearer <token>`. Reads are retried like data-plane reads;
+mutating admin calls carry a request id reused on retry.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from block_manager.client.errors import error_from_rpc
+from block_manager.client.retry import ClientStats, RetryPolicy, new_request_id
+from block_manager.client.sync_client import CHANNEL_OPTIONS, DEFAULT_TIMEOUT_S
+from pagedkv.v1 import block_manager_pb2 as pb
+from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
+
+
+def message_dict(msg: Message) -> dict[str, Any]:
+    return json_format.MessageToDict(
+        msg, always_print_fields_with_no_presence=True, preserving_proto_field_name=True, unquote_int64_if_possible=True
+    )
+
+
+class AdminClient:
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        retry: RetryPolicy | None = None,
+        channel: grpc.Channel | None = None,
+    ) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self.retry = retry or RetryPolicy()
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._own_channel = channel is None
+        self._channel = channel if channel is not None else grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.BlockManagerAdminStub(self._channel)
+        self._rng = random.Random()
+        self.stats = ClientStats()
+
+    def close(self) -> None:
+        if self._own_channel:
+            self._channel.close()
+
+    def __enter__(self) -> AdminClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, request: Message) -> dict[str, Any]:
+        fn = getattr(self._stub, method)
+        attempt = 0
+        while True:
+            attempt += 1
+            self.stats.record_attempt(method, attempt > 1)
+            try:
+                return message_dict(fn(request, timeout=self.timeout_s, metadata=self._metadata))
+            except grpc.RpcError as exc:
+                if self.retry.should_retry(exc.code(), attempt):  # type: ignore[attr-defined]
+                    time.sleep(self.retry.backoff_s(attempt, self._rng))
+                    continue
+                self.stats.errors += 1
+                raise error_from_rpc(exc, method) from exc
+
+    def status(self) -> dict[str, Any]:
+        return self._call("Status", pb.StatusRequest())
+
+    def list_nodes(self) -> dict[str, Any]:
+        return self._call("ListNodes", pb.ListNodesRequest())
+
+    def list_sequences(self, pool_id: str = "", limit: int = 0) -> dict[str, Any]:
+        return self._call("ListSequences", pb.ListSequencesRequest(pool_id=pool_id, limit=limit))
+
+    def describe_sequence(self, seq_id: str) -> dict[str, Any]:
+        return self._call("DescribeSequence", pb.DescribeSequenceRequest(seq_id=seq_id))
+
+    def drain_node(self, node_id: str, *, undrain: bool = False) -> dict[str, Any]:
+        return self._call("DrainNode", pb.DrainNodeRequest(request_id=new_request_id(), node_id=node_id, undrain=undrain))
+
+    def fsck(self) -> dict[str, Any]:
+        return self._call("Fsck", pb.FsckRequest())
+
+    def reset_prefix_cache(self, pool_id: str = "") -> dict[str, Any]:
+        return self._call("ResetPrefixCache", pb.ResetPrefixCacheRequest(request_id=new_request_id(), pool_id=pool_id))
+
+    def trigger_defrag(self, pool_id: str = "", kind: str = "") -> dict[str, Any]:
+        return self._call("TriggerDefrag", pb.TriggerDefragRequest(request_id=new_request_id(), pool_id=pool_id, kind=kind))
+
+
+__all__ = ["AdminClient", "message_dict"]
