@@ -1,16 +1,19 @@
 """Numba helpers shared by the CPU attention kernels: tile widening and one online-softmax step.
 
 The attention kernels walk a sequence's block table one block at a time. For each block they
-widen the K (then V) tile of one KV head to a float32 scratch tile, score it against every query
-head of the GQA group, and fold the scores into a running max / running sum / unnormalised
-accumulator (online softmax). Reading each K/V byte once per KV head — not once per query head —
-is what makes the kernels memory-bound rather than compute-bound, as on the GPU.
+widen the K and V tiles of one KV head to float32 scratch tiles, score the K tile against every
+query head of the GQA group, and fold the scores into a running max / running sum /
+unnormalised accumulator (online softmax). Reading each K/V byte once per KV head — not once
+per query head — is what keeps the kernels memory-bound rather than compute-bound, as on the
+GPU. Inner loops run over contiguous 1-D rows so LLVM vectorises them.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 from kernels.cpu._host import KIND_BF16, KIND_F16
 
@@ -18,8 +21,22 @@ from kernels.cpu._host import KIND_BF16, KIND_F16
 # cache must reach the output instead of being optimised into garbage.
 FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 
-# 2**112 rescales a float16 exponent (bias 15) placed in a float32 exponent field (bias 127).
-_F16_EXP_RESCALE = np.float32(2.0**112)
+
+@intrinsic
+def half_bits_to_f32(typingctx, bits):
+    """IEEE half (as uint16 bits) → float32, exactly (subnormals, Inf and NaN included).
+
+    Numba's CPU target has no float16 type, but LLVM does: a bitcast to `half` and an `fpext`
+    compile to the hardware conversion (x86 F16C `vcvtph2ps`, AArch64 `fcvt`), and vectorise —
+    about 4x faster than converting with integer bit tricks.
+    """
+    if bits != types.uint16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
@@ -27,44 +44,38 @@ def load_tile(cache, block, head, num_tokens, kv_kind, tile_f32, tile_u32):
     """Widen `cache[block, head, :num_tokens, :]` to float32 into `tile_f32`.
 
     `cache` is the uint16 view of a `[num_blocks, num_kv_heads, block_size, head_dim]` cache
-    (fp32: two little-endian halves per element); `tile_u32` aliases `tile_f32`.
-    fp16 → fp32 is done with integer moves plus one exact multiply so that the loop
-    vectorises: shifting the 15 magnitude bits left by 13 puts the fp16 exponent/mantissa into
-    the float32 fields, and multiplying by 2**112 fixes the exponent bias — which also turns
-    fp16 subnormals into the right float32 values. Inf/NaN (exponent all ones) get the float32
-    all-ones exponent first, so the multiply leaves them Inf/NaN.
+    (fp32: two little-endian halves per element, so its last dim is 2 * head_dim);
+    `tile_u32` aliases `tile_f32` (bf16 and fp32 are assembled as bits).
     """
     head_dim = tile_f32.shape[1]
-    if kv_kind == KIND_F16:
-        for t in range(num_tokens):
+    for t in range(num_tokens):
+        src = cache[block, head, t]
+        if kv_kind == KIND_F16:
+            dst = tile_f32[t]
             for d in range(head_dim):
-                h = np.uint32(cache[block, head, t, d])
-                bits = ((h & 0x8000) << 16) | ((h & 0x7FFF) << 13)
-                if (h & 0x7C00) == 0x7C00:
-                    bits |= np.uint32(0x7F800000)
-                tile_u32[t, d] = bits
+                dst[d] = half_bits_to_f32(src[d])
+        elif kv_kind == KIND_BF16:
+            bits = tile_u32[t]
             for d in range(head_dim):
-                tile_f32[t, d] *= _F16_EXP_RESCALE
-    elif kv_kind == KIND_BF16:
-        for t in range(num_tokens):
+                bits[d] = np.uint32(src[d]) << 16  # bf16 is the top half of a float32
+        else:
+            bits = tile_u32[t]
             for d in range(head_dim):
-                tile_u32[t, d] = np.uint32(cache[block, head, t, d]) << 16
-    else:
-        for t in range(num_tokens):
-            for d in range(head_dim):
-                low = np.uint32(cache[block, head, t, 2 * d])
-                tile_u32[t, d] = low | (np.uint32(cache[block, head, t, 2 * d + 1]) << 16)
+                bits[d] = np.uint32(src[2 * d]) | (np.uint32(src[2 * d + 1]) << 16)
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def score_tile(q, q_row, k_tile, num_tokens, scores, row):
-    """scores[row, t] = q[q_row] · k_tile[t] for the first `num_tokens` tokens (q pre-scaled)."""
-    head_dim = k_tile.shape[1]
+def score_tile(q_rows, row, k_tile, num_tokens, scores):
+    """scores[row, t] = q_rows[row] · k_tile[t] for t < num_tokens (q_rows pre-scaled)."""
+    q = q_rows[row]
+    out = scores[row]
+    head_dim = q.shape[0]
     for t in range(num_tokens):
+        k = k_tile[t]
         dot = np.float32(0.0)
         for d in range(head_dim):
-            dot += q[q_row, d] * k_tile[t, d]
-        scores[row, t] = dot
+            dot += q[d] * k[d]
+        out[t] = dot
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
@@ -75,24 +86,30 @@ def online_softmax_step(scores, row, num_tokens, v_tile, m, l, acc):
     running sum of exp(logit - m) * v. Rescaling by exp(m_old - m_new) keeps every exponent
     ≤ 0, so nothing overflows however large the logits are; m starts at -inf, and the first
     block always has a visible token, so exp(-inf) = 0 wipes the empty initial state.
+    Overwrites `scores[row, :num_tokens]` with the probabilities.
     """
-    block_max = scores[row, 0]
+    p = scores[row]
+    block_max = p[0]
     for t in range(1, num_tokens):
-        if scores[row, t] > block_max:
-            block_max = scores[row, t]
+        block_max = max(block_max, p[t])
     m_old = m[row]
-    m_new = block_max if block_max > m_old else m_old
+    m_new = max(block_max, m_old)
     alpha = np.float32(np.exp(m_old - m_new))
-    head_dim = acc.shape[1]
-    if alpha != 1.0:
-        for d in range(head_dim):
-            acc[row, d] *= alpha
     total = np.float32(0.0)
     for t in range(num_tokens):
-        p = np.float32(np.exp(scores[row, t] - m_new))
-        total += p
+        e = np.float32(np.exp(p[t] - m_new))
+        p[t] = e
+        total += e
+    a = acc[row]
+    head_dim = a.shape[0]
+    if alpha != 1.0:
         for d in range(head_dim):
-            acc[row, d] += p * v_tile[t, d]
+            a[d] *= alpha
+    for t in range(num_tokens):
+        weight = p[t]
+        v = v_tile[t]
+        for d in range(head_dim):
+            a[d] += weight * v[d]
     l[row] = l[row] * alpha + total
     m[row] = m_new
 
@@ -119,5 +136,5 @@ def attend_blocks(q_group, key_cache, value_cache, kv_kind, table_row, seq_len, 
         load_tile(key_cache, block, kv_head, num_tokens, kv_kind, k_tile, k_bits)
         load_tile(value_cache, block, kv_head, num_tokens, kv_kind, v_tile, v_bits)
         for g in range(group):
-            score_tile(q_group, g, k_tile, num_tokens, scores, g)
+            score_tile(q_group, g, k_tile, num_tokens, scores)
             online_softmax_step(scores, g, num_tokens, v_tile, m, l, acc)

@@ -68,7 +68,7 @@ def _prefill_kernel(query, key_cache, value_cache, kv_kind, block_tables, seq_le
                     continue
                 for g in range(group):
                     r = j * group + g
-                    score_tile(q_rows, r, k_tile, visible, scores, r)
+                    score_tile(q_rows, r, k_tile, visible, scores)
                     online_softmax_step(scores, r, visible, v_tile, m, l, acc)
         for j in range(num_q):
             for g in range(group):
