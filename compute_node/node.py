@@ -95,6 +95,9 @@ class ComputeNode:
         self._stopping = asyncio.Event()
         self._registered = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # Block manager calls made under the lock by the current forward (heartbeats run
+        # concurrently and are not counted).
+        self._forward_rpcs = 0
         # Called with True when the node (re-)registers and False when it is fenced; the
         # server flips its health status from here.
         self.on_registration: Callable[[bool], None] | None = None
@@ -229,7 +232,7 @@ class ComputeNode:
             epoch = self.registration.epoch
             pool = self.pool
             self.tables.drop(batch.freed_seq_ids)
-            rpcs_before = self.link.num_rpcs
+            self._forward_rpcs = 0
             t0 = time.perf_counter()
             tables, ops = await self._resolve_tables_locked(batch, epoch)
             t1 = time.perf_counter()
@@ -242,7 +245,7 @@ class ComputeNode:
             stats = ForwardStats(
                 table_fetch_s=t1 - t0, copy_ops_s=t3 - t2, write_s=timings.write_s,
                 attention_s=timings.attention_s, total_s=time.perf_counter() - t_start,
-                num_block_manager_rpcs=self.link.num_rpcs - rpcs_before, num_copy_ops=len(ops),
+                num_block_manager_rpcs=self._forward_rpcs, num_copy_ops=len(ops),
                 kv_bytes_read=plan.kv_bytes_read,
             )
             self.metrics.cached_tables.set(len(self.tables))
@@ -294,6 +297,7 @@ class ComputeNode:
         return resolved, ops
 
     async def _get_tables_locked(self, epoch: int, seq_ids: list[SeqId], known: dict[SeqId, int]):  # type: ignore[no-untyped-def]
+        self._forward_rpcs += 1
         try:
             reply = await self.link.get_tables(epoch, seq_ids, known, self.last_applied_op_id)
             self.metrics.bm_rpcs.labels("GetTables").inc()
@@ -307,6 +311,7 @@ class ComputeNode:
     async def _fenced_or_dropped_locked(self, epoch: int, exc: LinkFenced) -> None:
         """FAILED_PRECONDITION from GetTables is either our epoch (fenced) or one of the
         sequences (dropped with an older epoch): a heartbeat tells which."""
+        self._forward_rpcs += 1
         try:
             await self.link.heartbeat(epoch)
         except (LinkFenced, LinkNotFound):
@@ -342,6 +347,7 @@ class ComputeNode:
             self.log.info("copy_ops_applied", num_ops=len(ops), up_to_op_id=self.last_applied_op_id)
         if self.last_acked_op_id >= self.last_applied_op_id:
             return
+        self._forward_rpcs += 1
         try:
             committed = await self.link.ack_copy_ops(epoch, self.last_applied_op_id)
             self.metrics.bm_rpcs.labels("AckCopyOps").inc()
