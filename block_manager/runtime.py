@@ -189,6 +189,11 @@ class ServiceRuntime:
         recorded = await self._recorded(request_id, digest)
         if recorded is not None:
             return recorded
+        while not self.writer.gate_open:
+            await self.writer.wait_gate()
+            recorded = await self._recorded(request_id, digest)
+            if recorded is not None:
+                return recorded
         applied = self.state.apply(op, payload, self.clock())
         if not applied.mutated:
             return applied.result

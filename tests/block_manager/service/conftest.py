@@ -8,24 +8,9 @@ from typing import Any
 import grpc
 import pytest
 
-from block_manager.config import BlockManagerConfig, load_config
 from block_manager.server import BlockManagerServer
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
-from tests.block_manager.service.service_helpers import Harness
-
-
-def service_config(**overrides: Any) -> BlockManagerConfig:
-    base: dict[str, Any] = {
-        "listen_address": "127.0.0.1:0",
-        "database_url": "memory://",
-        "block_size": 4,
-        "lease_ttl_s": 30.0,
-        "watermark": 0.0,
-        "shutdown_grace_s": 0.5,
-    }
-    base.setdefault("defrag", {"enabled": False})
-    base.update(overrides)
-    return load_config(**base)
+from tests.block_manager.service.service_helpers import Harness, service_config
 
 
 @pytest.fixture

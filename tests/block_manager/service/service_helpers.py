@@ -9,6 +9,7 @@ from typing import Any
 import grpc
 import pytest
 
+from block_manager.config import BlockManagerConfig, load_config
 from block_manager.server import BlockManagerServer
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
@@ -19,6 +20,22 @@ _ids = itertools.count(1)
 def rid(prefix: str = "r") -> str:
     """A fresh request id."""
     return f"{prefix}-{next(_ids)}"
+
+
+def service_config(**overrides: Any) -> BlockManagerConfig:
+    """Test defaults: ephemeral port, memory store, block size 4, no watermark, no
+    background defrag (tests that want it say so)."""
+    base: dict[str, Any] = {
+        "listen_address": "127.0.0.1:0",
+        "database_url": "memory://",
+        "block_size": 4,
+        "lease_ttl_s": 30.0,
+        "watermark": 0.0,
+        "shutdown_grace_s": 0.5,
+        "defrag": {"enabled": False},
+    }
+    base.update(overrides)
+    return load_config(**base)
 
 
 @dataclass(slots=True)
