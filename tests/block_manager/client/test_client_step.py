@@ -1,0 +1,186 @@
+"""The scheduler-step helper: batching, deferred in-block appends (slots equal the
+server's), RPCs per generated token, fork flushes, restart re-reporting, misuse."""
+
+from __future__ import annotations
+
+import pytest
+
+from block_manager.client import BlockManagerClient, InvalidArgumentError, ItemFailure, OutOfBlocksError, SeqSlots, StepStateError
+from block_manager.core.types import AppendRequest, SeqId
+from tests.block_manager.client.server_thread import ServerThread
+from tests.block_manager.client.step_workload import check_against_tables, expected_server_steps, record
+
+BS = 8
+
+
+@pytest.fixture
+def client(bm):
+    with BlockManagerClient(bm.address) as c:
+        yield c
+
+
+def tables_of(client: BlockManagerClient, epoch: int, seq_ids: list[str]) -> dict[str, tuple[int, ...]]:
+    return {t.seq_id: t.block_table for t in client.get_tables("n1", epoch, seq_ids).tables}
+
+
+def test_decode_rpcs_per_token_and_slots_match_server(client, bm):
+    reg = client.register_node("n1", 64, block_size=BS)
+    seqs = [f"s{i}" for i in range(4)]
+    step = client.step()
+    for i, sid in enumerate(seqs):
+        step.allocate(sid, "n1", [100 * i + t for t in range(5)])
+    res = step.commit()
+    assert res.num_rpcs == 1 and not res.failures
+    slots = {sid: list(res.allocations[sid].slot_mapping) for sid in seqs}
+    rpcs_before = client.stats.rpcs
+    num_steps = 20
+    for k in range(num_steps):
+        step = client.step()
+        for sid in seqs:
+            step.append(sid, [7000 + k])
+        res = step.commit()
+        record(slots, res.appends)
+        assert res.num_rpcs in (0, 1)
+    decode_rpcs = client.stats.rpcs - rpcs_before
+    assert decode_rpcs == expected_server_steps(5, num_steps, BS) == 6
+    assert client.stats.deferred_tokens == (num_steps - 6) * len(seqs)
+    check_against_tables(slots, tables_of(client, reg.epoch, seqs), BS)
+    core = bm.state.core
+    for sid in seqs:  # the server lags only by the deferred tokens, inside the last block
+        t = client.tracker.get(sid)
+        assert core.get_sequence(SeqId(sid)).num_tokens == t.num_tokens - t.num_deferred
+        assert t.num_deferred < BS - 1
+    step = client.step()
+    step.free(seqs)
+    assert step.commit().num_freed == 4 and len(client.tracker) == 0
+    assert bm.fsck() == []
+
+
+def test_full_blocks_are_reported_for_prefix_caching(client, bm):
+    client.register_node("n1", 64, block_size=BS)
+    step = client.step()
+    step.allocate("a", "n1", list(range(5)))
+    step.commit()
+    for t in range(5, 16):  # fills block 0 (token 7) and block 1 (token 15) through the helper
+        step = client.step()
+        step.append("a", [t])
+        step.commit()
+    step = client.step()
+    step.free(["a"])
+    step.commit()
+    assert client.route(list(range(17)))[0].num_cached_tokens == 16
+
+
+def test_fork_flushes_deferred_parent_and_children_cow(client, bm):
+    reg = client.register_node("n1", 64, block_size=BS)
+    step = client.step()
+    step.allocate("p", "n1", list(range(5)))
+    step.commit()
+    step = client.step()
+    step.append("p", [5])
+    assert step.commit().appends["p"].deferred
+    assert bm.state.core.get_sequence(SeqId("p")).num_tokens == 5
+    step = client.step()
+    step.fork("p", ["c"])
+    step.append("c", [6])
+    res = step.commit()
+    assert res.num_rpcs == 3  # flush AppendSlots, Fork, AppendSlots
+    assert res.forks["p"][0].num_tokens == 6
+    c = res.appends["c"]
+    assert isinstance(c, SeqSlots) and not c.deferred and len(c.copy_ops) == 1 and c.copy_ops[0].kind == "cow"
+    step = client.step()
+    step.append("p", [6])  # tail was shared at the fork: the server decides (no CoW now)
+    out = step.commit().appends["p"]
+    assert isinstance(out, SeqSlots) and not out.deferred and out.copy_ops == ()
+    step = client.step()
+    step.append("c", [7])
+    assert step.commit().appends["c"].deferred is False  # c: off 7 -> fill goes to the server
+    tables = tables_of(client, reg.epoch, ["p", "c"])
+    assert tables["p"][0] != tables["c"][0]
+    assert bm.fsck() == []
+
+
+def test_deferred_tokens_are_re_reported_after_restart(tmp_path):
+    db = f"sqlite:///{tmp_path / 'bm.db'}"
+    first = ServerThread(database_url=db)
+    try:
+        with BlockManagerClient(first.address) as c:
+            c.register_node("n1", 32, block_size=BS)
+            step = c.step()
+            step.allocate("s", "n1", list(range(3)))
+            slots = {"s": list(step.commit().allocations["s"].slot_mapping)}
+            for t in (3, 4, 5):
+                step = c.step()
+                step.append("s", [t])
+                record(slots, step.commit().appends)
+            tracker = c.tracker
+            assert tracker.get("s").num_deferred == 3
+    finally:
+        first.stop()
+    second = ServerThread(database_url=db)
+    try:
+        assert second.state.core.get_sequence(SeqId("s")).num_tokens == 3  # never reported
+        with BlockManagerClient(second.address) as c:
+            c.tracker = tracker
+            for t in (6, 7, 8):
+                step = c.step()
+                step.append("s", [t])
+                record(slots, step.commit().appends)
+            assert c.stats.rpcs == 2  # fill (6 -> 7) and new block (8)
+            view = second.state.core.get_sequence(SeqId("s"))
+            assert view.num_tokens == 9
+            check_against_tables(slots, {"s": view.block_table}, BS)
+        assert second.fsck() == []
+    finally:
+        second.stop()
+
+
+def test_foreign_append_is_detected(client, bm):
+    client.register_node("n1", 32, block_size=BS)
+    step = client.step()
+    step.allocate("s", "n1", num_tokens=2)
+    step.commit()
+    step = client.step()
+    step.append("s", num_new_tokens=1)
+    assert step.commit().appends["s"].deferred
+    client.append_slots([AppendRequest(SeqId("s"), 1)])  # behind the helper's back
+    step = client.step()
+    step.append("s", num_new_tokens=5)  # 3 + 1 deferred + 5 crosses the block: server
+    out = step.commit().appends["s"]
+    assert isinstance(out, ItemFailure) and isinstance(out.error, StepStateError)
+    assert client.tracker.get("s") is None  # no longer trusted; later appends go to the server
+
+
+def test_untracked_pool_always_asks_server(bm):
+    with BlockManagerClient(bm.address) as node, BlockManagerClient(bm.address) as sched:
+        node.register_node("n1", 32, block_size=BS)  # the scheduler never learns the block size
+        step = sched.step()
+        step.allocate("s", "n1", num_tokens=2)
+        step.commit()
+        for _ in range(3):
+            step = sched.step()
+            step.append("s", num_new_tokens=1)
+            assert step.commit().num_rpcs == 1
+        assert sched.stats.deferred_tokens == 0
+
+
+def test_item_failures_and_misuse(client):
+    client.register_node("n1", 4, block_size=BS)
+    step = client.step()
+    step.allocate("ok", "n1", num_tokens=3)
+    step.allocate("big", "n1", num_tokens=1000)
+    step.append("ghost", num_new_tokens=1)
+    res = step.commit()
+    assert res.num_rpcs == 2
+    assert isinstance(res.allocations["big"], ItemFailure) and isinstance(res.allocations["big"].error, OutOfBlocksError)
+    assert [f.seq_id for f in res.failures] == ["big", "ghost"]
+    with pytest.raises(InvalidArgumentError):
+        step.commit()
+    step = client.step()
+    step.append("ok", num_new_tokens=1)
+    with pytest.raises(InvalidArgumentError):
+        step.append("ok", num_new_tokens=1)
+    with pytest.raises(InvalidArgumentError):
+        step.append("x", [])
+    with pytest.raises(InvalidArgumentError):
+        step.append("y", [1, 2], num_new_tokens=3)
