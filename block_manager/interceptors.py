@@ -20,7 +20,9 @@ from typing import Any
 
 import grpc
 import structlog
+from google.protobuf.message import DecodeError
 
+from block_manager.core.errors import InvalidRequest
 from block_manager.errors import status_for
 from block_manager.metrics import ServiceMetrics
 from pagedkv.logging import get_logger
@@ -33,12 +35,38 @@ _CONTEXT_FIELDS = ("request_id", "node_id", "epoch")
 Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 
-def _wrap_unary(handler: grpc.RpcMethodHandler, fn: Callable[[Handler], Handler]) -> grpc.RpcMethodHandler:
+class Undecodable:
+    """Stands in for a request whose bytes do not parse, so the handler wrapper can answer
+    INVALID_ARGUMENT (grpc itself would answer UNKNOWN from inside its deserializer)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError as exc:
+            return Undecodable(str(exc))
+
+    return parse
+
+
+def _wrap_unary(
+    handler: grpc.RpcMethodHandler, fn: Callable[[Handler], Handler], *, tolerant: bool = False
+) -> grpc.RpcMethodHandler:
     if handler is None or handler.unary_unary is None:
         return handler
+    deserializer = handler.request_deserializer
     return grpc.unary_unary_rpc_method_handler(
         fn(handler.unary_unary),
-        request_deserializer=handler.request_deserializer,
+        request_deserializer=_tolerant(deserializer) if tolerant else deserializer,
         response_serializer=handler.response_serializer,
     )
 
@@ -57,7 +85,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if not method.startswith("/pagedkv."):
             return handler  # health, reflection: not ours to map
         short = method.rsplit("/", 1)[-1]
-        return _wrap_unary(handler, lambda behavior: self._mapped(behavior, short))
+        return _wrap_unary(handler, lambda behavior: self._mapped(behavior, short), tolerant=True)
 
     def _mapped(self, behavior: Handler, method: str) -> Handler:
         metrics = self._metrics
@@ -68,6 +96,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             code = grpc.StatusCode.OK
             with structlog.contextvars.bound_contextvars(rpc=method, **ctx):
                 try:
+                    if isinstance(request, Undecodable):
+                        raise InvalidRequest(f"malformed request: {request.error}")
                     return await behavior(request, context)
                 except grpc.aio.AbortError:
                     code = context.code() or grpc.StatusCode.UNKNOWN  # type: ignore[assignment]
