@@ -146,7 +146,8 @@ def append_batch(
                 fresh = [take() for _ in range(num_new_blocks)]
                 table.extend(fresh)
                 new_block_ids = tuple(fresh)
-            seq.version += 1
+            if cow or num_new_blocks:
+                seq.version += 1
             seq.num_tokens = new
             if n == 1:
                 slots = (table[old // bs] * bs + off,)
