@@ -1,0 +1,210 @@
+"""`block-manager admin ...`: the operator's view of a running block manager.
+
+    block-manager admin [--target HOST:PORT] [--token T] [--json] [--timeout S] COMMAND
+      status | nodes | seqs [--pool P] [--limit N] | table SEQ | defrag [POOL] [--kind K]
+      | drain NODE [--undrain] | fsck | reset-prefix-cache [--pool P]
+
+Human-readable rich tables by default, `--json` (the admin RPC's response, proto field
+names) for scripts. Failures are one line on stderr, never a traceback. Exit codes:
+0 ok; 1 the server refused the request or `fsck` found problems; 2 bad usage;
+3 the server could not be reached or did not answer in time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from block_manager.client.admin import AdminClient
+from block_manager.client.errors import BlockManagerError
+from block_manager.client.retry import RetryPolicy
+
+EXIT_OK = 0
+EXIT_REFUSED = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+DEFAULT_TARGET = "127.0.0.1:50051"
+CLI_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0.05, max_backoff_s=0.2)
+
+Result = dict[str, Any]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="block-manager admin", description="Inspect and operate a running block manager.")
+    p.add_argument("--target", default=os.environ.get("PAGEDKV_ADMIN_TARGET", DEFAULT_TARGET), help="HOST:PORT (env PAGEDKV_ADMIN_TARGET)")
+    p.add_argument("--token", default=os.environ.get("PAGEDKV_ADMIN_TOKEN") or None, help="admin bearer token (env PAGEDKV_ADMIN_TOKEN)")
+    p.add_argument("--json", action="store_true", help="print the raw response as JSON")
+    p.add_argument("--timeout", type=float, default=5.0, help="per-call deadline in seconds (default 5)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("status", help="server state and per-pool usage")
+    sub.add_parser("nodes", help="registered compute nodes")
+    s = sub.add_parser("seqs", help="live sequences")
+    s.add_argument("--pool", default="", help="only this pool")
+    s.add_argument("--limit", type=int, default=0, help="at most this many (0: server maximum)")
+    s = sub.add_parser("table", help="one sequence's block table")
+    s.add_argument("seq", help="sequence id")
+    s = sub.add_parser("defrag", help="start defragmentation plans")
+    s.add_argument("pool", nargs="?", default="", help="pool id (default: every pool)")
+    s.add_argument("--kind", default="", choices=["", "compaction", "contiguity"], help="default compaction")
+    s = sub.add_parser("drain", help="stop admitting new sequences on a node")
+    s.add_argument("node", help="node id")
+    s.add_argument("--undrain", action="store_true", help="admit new sequences again")
+    sub.add_parser("fsck", help="consistency check (exit 1 when problems are found)")
+    s = sub.add_parser("reset-prefix-cache", help="drop cached prefix blocks")
+    s.add_argument("--pool", default="", help="only this pool (default: every pool)")
+    return p
+
+
+def _call(client: AdminClient, args: argparse.Namespace) -> Result:
+    calls: dict[str, Callable[[], Result]] = {
+        "status": client.status,
+        "nodes": client.list_nodes,
+        "seqs": lambda: client.list_sequences(args.pool, args.limit),
+        "table": lambda: client.describe_sequence(args.seq),
+        "defrag": lambda: client.trigger_defrag(args.pool, args.kind),
+        "drain": lambda: client.drain_node(args.node, undrain=args.undrain),
+        "fsck": client.fsck,
+        "reset-prefix-cache": lambda: client.reset_prefix_cache(args.pool),
+    }
+    return calls[args.command]()
+
+
+# ---- human-readable views -------------------------------------------------------------
+def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
+    t = Table(title=title, title_justify="left")
+    for col in columns:
+        t.add_column(col, justify="left" if col in ("pool", "node", "seq", "address", "device", "kind", "block table") else "right")
+    for row in rows:
+        t.add_row(*(str(v) for v in row))
+    return t
+
+
+def _short(ids: Sequence[Any], keep: int = 12) -> str:
+    text = " ".join(str(i) for i in ids[:keep])
+    return text + (f" … (+{len(ids) - keep})" if len(ids) > keep else "")
+
+
+def _show_status(con: Console, r: Result) -> None:
+    con.print(
+        f"state [bold]{r['state']}[/bold]  store {r['store']}  nodes {r['num_nodes']}  sequences {r['num_sequences']}  "
+        f"journal seq {r['last_seq_no']}  uptime {r['uptime_s']:.0f}s"
+    )
+    rows = []
+    for p in r["pools"]:
+        hit = p["prefix_hit_tokens"] / p["prefix_query_tokens"] if p["prefix_query_tokens"] else 0.0
+        rows.append(
+            (p["pool_id"], p["num_blocks"], p["block_size"], p["num_free_blocks"], p["num_used_blocks"], p["num_cached_blocks"],
+             p["num_reserved_blocks"], f"{100 * p['usage']:.1f}%", p["high_water_mark"], p["num_sequences"], p["num_tokens"],
+             p["waste_slots"], f"{100 * hit:.1f}%", p["cow_copies"], p["evictions"], p["defrag_moves"], f"{p['contiguity']:.2f}")
+        )
+    cols = ("pool", "blocks", "bs", "free", "used", "cached", "reserved", "usage", "hwm", "seqs", "tokens", "waste", "prefix hit",
+            "cow", "evict", "defrag", "contig")
+    con.print(_table("pools", cols, rows))
+
+
+def _show_nodes(con: Console, r: Result) -> None:
+    rows = [
+        (n["node_id"], n["epoch"], n["address"] or "-", n["num_blocks"], n["block_size"], n["geometry"]["device"] or "-",
+         n["geometry"]["dtype"] or "-", "yes" if n["draining"] else "no", "yes" if n["fenced"] else "no", f"{n['lease_remaining_s']:.1f}s")
+        for n in r["nodes"]
+    ]
+    con.print(_table("nodes", ("node", "epoch", "address", "blocks", "bs", "device", "dtype", "draining", "fenced", "lease"), rows))
+
+
+def _show_seqs(con: Console, r: Result) -> None:
+    rows = [(s["seq_id"], s["pool_id"], s["num_tokens"], len(s["block_table"]), s["version"], _short(s["block_table"])) for s in r["sequences"]]
+    con.print(_table("sequences", ("seq", "pool", "tokens", "blocks", "version", "block table"), rows))
+    if r["truncated"]:
+        con.print(f"(truncated after {len(rows)}; use --pool or --limit)")
+
+
+def _show_table(con: Console, r: Result) -> None:
+    t = r["table"]
+    con.print(f"seq {t['seq_id']}  pool {t['pool_id']}  version {t['version']}  tokens {t['num_tokens']}  "
+              f"block size {r['block_size']}  blocks {r['num_blocks']}")
+    bs, n = r["block_size"], t["num_tokens"]
+    rows = [(i, b, f"{i * bs}-{min(n, (i + 1) * bs) - 1}") for i, b in enumerate(t["block_table"])]
+    con.print(_table("block table", ("logical", "block", "tokens"), rows))
+
+
+def _show_defrag(con: Console, r: Result) -> None:
+    if not r["plans"]:
+        con.print("nothing to defragment")
+        return
+    rows = [(p["plan_id"], p["pool_id"], p["kind"], len(p["moves"])) for p in r["plans"]]
+    con.print(_table("defrag plans started", ("plan", "pool", "kind", "moves"), rows))
+
+
+def _show_fsck(con: Console, r: Result) -> None:
+    if r["ok"]:
+        con.print("fsck: ok")
+        return
+    con.print(f"fsck: {len(r['problems'])} problem(s)")
+    for problem in r["problems"]:
+        con.print(f"  - {problem}", markup=False)
+
+
+def _show(con: Console, args: argparse.Namespace, r: Result) -> None:
+    views: dict[str, Callable[[Console, Result], None]] = {
+        "status": _show_status,
+        "nodes": _show_nodes,
+        "seqs": _show_seqs,
+        "table": _show_table,
+        "defrag": _show_defrag,
+        "fsck": _show_fsck,
+        "drain": lambda c, r: c.print(
+            f"node {args.node}: {'admitting new sequences' if args.undrain else 'draining'} ({r['num_sequences']} live sequences)"
+        ),
+        "reset-prefix-cache": lambda c, r: c.print(f"reset {r['num_blocks_reset']} cached block(s)"),
+    }
+    views[args.command](con, r)
+
+
+def _error_line(exc: BlockManagerError, args: argparse.Namespace) -> tuple[str, int]:
+    name = exc.code.name
+    if name == "UNAVAILABLE" and ("connect" in exc.message.lower() or not exc.message):
+        return f"cannot reach block manager at {args.target} (UNAVAILABLE)", EXIT_UNREACHABLE
+    if name == "UNAVAILABLE":
+        return f"block manager at {args.target} is unavailable: {exc.message}", EXIT_UNREACHABLE
+    if name == "DEADLINE_EXCEEDED":
+        return f"block manager at {args.target} did not answer within {args.timeout:g}s (DEADLINE_EXCEEDED)", EXIT_UNREACHABLE
+    if name == "UNAUTHENTICATED":
+        return f"unauthenticated: {exc.message} (pass --token or set PAGEDKV_ADMIN_TOKEN)", EXIT_REFUSED
+    return f"{name.lower().replace('_', ' ')}: {exc.message}", EXIT_REFUSED
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse printed its usage line already
+        return int(exc.code or 0) if exc.code in (0, None) else EXIT_USAGE
+    if args.timeout <= 0:
+        print("error: --timeout must be > 0", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        with AdminClient(args.target, token=args.token, timeout_s=args.timeout, retry=CLI_RETRY) as client:
+            result = _call(client, args)
+    except BlockManagerError as exc:
+        line, code = _error_line(exc, args)
+        print(f"error: {line}", file=sys.stderr)
+        return code
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=True))
+    else:
+        con = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 200, highlight=False)
+        _show(con, args, result)
+    if args.command == "fsck" and not result["ok"]:
+        return EXIT_REFUSED
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

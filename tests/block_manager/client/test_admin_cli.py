@@ -1,0 +1,131 @@
+"""`block-manager admin`: every subcommand (tables and --json), exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from block_manager.admin_cli import EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE, main
+from block_manager.client import AllocateSpec, BlockManagerClient, ItemFailure
+from block_manager.core.types import PoolId, SeqId
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture
+def populated(bm_token):
+    with BlockManagerClient(bm_token.address) as c:
+        c.register_node("n1", 32, block_size=4, geometry={"device": "cpu", "dtype": "float16"}, address="127.0.0.1:7001")
+        c.register_node("n2", 16, block_size=4)
+        c.allocate_one("s1", "n1", list(range(10)))
+        c.allocate_one("s2", "n1", num_tokens=3)
+        c.allocate_one("s3", "n2", num_tokens=9)
+        c.allocate_one("tmp", "n1", list(range(100, 108)))
+        c.free(["tmp"])  # two cached prefix blocks
+    return bm_token
+
+
+def run(capsys, bm, *argv: str, token: str | None = "s3cret") -> tuple[int, str, str]:
+    base = ["--target", bm.address] + (["--token", token] if token else [])
+    code = main([*base, *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_status_nodes_seqs_table(capsys, populated):
+    code, out, _ = run(capsys, populated, "status")
+    assert code == 0 and "serving" in out and "n1" in out and "n2" in out
+    code, out, _ = run(capsys, populated, "--json", "status")
+    status = json.loads(out)
+    assert code == 0 and status["num_sequences"] == 3 and {p["pool_id"] for p in status["pools"]} == {"n1", "n2"}
+    code, out, _ = run(capsys, populated, "nodes")
+    assert code == 0 and "127.0.0.1:7001" in out and "float16" in out
+    nodes = json.loads(run(capsys, populated, "--json", "nodes")[1])["nodes"]
+    assert [n["node_id"] for n in nodes] == ["n1", "n2"] and nodes[0]["epoch"] == 1
+    code, out, _ = run(capsys, populated, "seqs", "--pool", "n1")
+    assert code == 0 and "s1" in out and "s2" in out and "s3" not in out
+    seqs = json.loads(run(capsys, populated, "--json", "seqs")[1])
+    assert sorted(s["seq_id"] for s in seqs["sequences"]) == ["s1", "s2", "s3"] and seqs["truncated"] is False
+    code, out, _ = run(capsys, populated, "table", "s1")
+    assert code == 0 and "tokens 10" in out and "8-9" in out
+    table = json.loads(run(capsys, populated, "--json", "table", "s1")[1])
+    assert table["num_blocks"] == 3 and len(table["table"]["block_table"]) == 3
+    code, _, err = run(capsys, populated, "table", "nope")
+    assert code == EXIT_REFUSED and err.startswith("error: not found:") and err.count("\n") == 1
+
+
+def test_mutating_subcommands(capsys, populated):
+    code, out, _ = run(capsys, populated, "drain", "n2")
+    assert code == 0 and "draining (1 live sequences)" in out
+    assert populated.state.registry.get("n2").draining
+    with BlockManagerClient(populated.address) as c:
+        (fail,) = c.allocate([AllocateSpec(SeqId("x"), PoolId("n2"), None, 1)])
+        assert isinstance(fail, ItemFailure) and fail.error.reason == "PoolDraining"
+    code, out, _ = run(capsys, populated, "--json", "drain", "n2", "--undrain")
+    assert code == 0 and json.loads(out) == {"num_sequences": 1}
+    code, out, _ = run(capsys, populated, "reset-prefix-cache", "--pool", "n1")
+    assert code == 0 and "reset 2 cached block(s)" in out
+    code, out, _ = run(capsys, populated, "--json", "defrag", "n1", "--kind", "compaction")
+    assert code == 0 and isinstance(json.loads(out)["plans"], list)
+    code, out, _ = run(capsys, populated, "fsck")
+    assert code == 0 and "fsck: ok" in out
+    assert json.loads(run(capsys, populated, "--json", "fsck")[1]) == {"ok": True, "problems": []}
+    code, _, err = run(capsys, populated, "drain", "ghost")
+    assert code == EXIT_REFUSED and err.startswith("error: not found:")
+
+
+def test_fsck_problems_exit_1(capsys, populated):
+    async def corrupt() -> None:  # a pool without an active node: fsck must say so
+        populated.state.core.add_pool("orphan", 4, 4)
+
+    populated.lt.run(corrupt())
+    code, out, _ = run(capsys, populated, "fsck")
+    assert code == EXIT_REFUSED and "1 problem(s)" in out and "orphan" in out
+    code, out, _ = run(capsys, populated, "--json", "fsck")
+    assert code == EXIT_REFUSED and json.loads(out)["ok"] is False
+
+
+def test_auth_unreachable_usage(capsys, populated, monkeypatch):
+    code, _, err = run(capsys, populated, "status", token=None)
+    assert code == EXIT_REFUSED and err.startswith("error: unauthenticated:") and err.count("\n") == 1
+    code, _, err = run(capsys, populated, "status", token="wrong")
+    assert code == EXIT_REFUSED and "unauthenticated" in err
+    monkeypatch.setenv("PAGEDKV_ADMIN_TOKEN", "s3cret")
+    monkeypatch.setenv("PAGEDKV_ADMIN_TARGET", populated.address)
+    assert main(["status"]) == 0
+    capsys.readouterr()
+    code = main(["--target", "127.0.0.1:1", "--timeout", "1", "status"])
+    err = capsys.readouterr().err
+    assert code == EXIT_UNREACHABLE and err == "error: cannot reach block manager at 127.0.0.1:1 (UNAVAILABLE)\n"
+    assert main(["frobnicate"]) == EXIT_USAGE
+    assert main(["--timeout", "0", "status"]) == EXIT_USAGE
+
+
+def test_cli_subprocess_against_served_process(tmp_path):
+    port_file = tmp_path / "port"
+    env = {**os.environ, "PAGEDKV_ADMIN_TOKEN": "tok", "PAGEDKV_LOG_LEVEL": "WARNING"}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "block_manager.server", "--listen", "127.0.0.1:0", "--database-url", "memory://", "--port-file", str(port_file)],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not port_file.exists():
+            assert server.poll() is None and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.05)
+        target = f"127.0.0.1:{port_file.read_text()}"
+        cli = [sys.executable, "-m", "block_manager.cli", "admin", "--target", target]
+        ok = subprocess.run([*cli, "--token", "tok", "--json", "status"], capture_output=True, text=True, cwd=REPO, timeout=60)
+        assert ok.returncode == 0, ok.stderr
+        assert json.loads(ok.stdout)["state"] == "serving"
+        bad = subprocess.run([*cli, "--token", "nope", "nodes"], capture_output=True, text=True, cwd=REPO, timeout=60)
+        assert bad.returncode == EXIT_REFUSED and bad.stderr.startswith("error: unauthenticated:") and "Traceback" not in bad.stderr
+    finally:
+        server.terminate()
+        assert server.wait(20) == 0
