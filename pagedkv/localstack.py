@@ -1,0 +1,268 @@
+"""Run the services of `docker-compose.yml` as local processes, exactly as written there.
+
+This machine class has no container engine, and a compose file that nobody runs drifts from
+the code. So the integration tests and the demo start each service with the `command` and
+`environment` of its compose entry, changing only what a container network changes:
+
+- service host names (`block-manager:50051`) and wildcard binds (`0.0.0.0:50051`) become
+  `127.0.0.1:<free port>`, one free port per (service, container port), so two compute nodes
+  that both listen on 50061 inside their containers get distinct local ports;
+- an environment variable named `*_PORT` whose value is one of the service's container ports
+  becomes that port's local counterpart (metrics ports);
+- a named volume's mount path (`/data`) becomes a directory under the stack's work dir;
+- `${VAR:-default}` is interpolated from the given environment, as compose does;
+- the health check's `["CMD", "python", ...]` runs with this interpreter.
+
+Processes get their own session (SIGKILL reaches the whole service) and their output goes to
+`<workdir>/<service>.log`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+COMPOSE_FILE = Path(__file__).resolve().parents[1] / "docker-compose.yml"
+_INTERP = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
+
+
+class StackError(RuntimeError):
+    """A service would not start, or became unhealthy."""
+
+
+@dataclass(slots=True)
+class ServiceSpec:
+    """One compose service, as written (after `${...}` interpolation)."""
+
+    name: str
+    command: list[str]
+    environment: dict[str, str]
+    container_ports: list[int]
+    volumes: dict[str, str]            # volume name -> mount path in the container
+    healthcheck: list[str] | None
+    depends_on: list[str]
+    profiles: list[str]
+
+
+def interpolate(value: str, env: Mapping[str, str]) -> str:
+    """Compose's `${VAR}` / `${VAR:-default}` substitution (unset or empty -> default)."""
+    return _INTERP.sub(lambda m: env.get(m.group(1)) or (m.group(2) or ""), value)
+
+
+def load_compose(path: Path = COMPOSE_FILE, env: Mapping[str, str] | None = None) -> dict[str, ServiceSpec]:
+    env = dict(os.environ if env is None else env)
+    doc = yaml.safe_load(Path(path).read_text())
+    specs: dict[str, ServiceSpec] = {}
+    for name, svc in doc["services"].items():
+        if "command" not in svc:
+            continue                     # third-party image services (postgres) run their own entrypoint
+        environment = {k: interpolate(str(v), env) for k, v in (svc.get("environment") or {}).items()}
+        ports = [int(str(p).split(":")[-1].split("/")[0]) for p in svc.get("ports") or []]
+        volumes = {}
+        for v in svc.get("volumes") or []:
+            source, _, target = str(v).partition(":")
+            volumes[source] = target.split(":")[0]
+        test = (svc.get("healthcheck") or {}).get("test")
+        depends = svc.get("depends_on") or {}
+        depends_on = [d for d, cond in (depends.items() if isinstance(depends, dict) else ((d, {}) for d in depends))
+                      if not (isinstance(cond, dict) and cond.get("required") is False)]
+        specs[name] = ServiceSpec(
+            name=name,
+            command=[interpolate(str(c), env) for c in svc["command"]],
+            environment=environment,
+            container_ports=ports,
+            volumes=volumes,
+            healthcheck=[interpolate(str(c), env) for c in test[1:]] if test and test[0] == "CMD" else None,
+            depends_on=depends_on,
+            profiles=list(svc.get("profiles") or []),
+        )
+    return specs
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(slots=True)
+class _Running:
+    spec: ServiceSpec
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+
+@dataclass
+class LocalStack:
+    """The compose services as local processes; use as a context manager."""
+
+    workdir: Path
+    compose_file: Path = COMPOSE_FILE
+    interp_env: Mapping[str, str] | None = None
+    # Extra environment per service, applied on top of the compose file's (tests use it for
+    # short lease TTLs; the compose file stays what production runs).
+    overrides: dict[str, dict[str, str]] = field(default_factory=dict)
+    specs: dict[str, ServiceSpec] = field(init=False)
+    ports: dict[tuple[str, int], int] = field(init=False, default_factory=dict)
+    running: dict[str, _Running] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.workdir = Path(self.workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.specs = load_compose(self.compose_file, self.interp_env)
+        for spec in self.specs.values():
+            for c in spec.container_ports:
+                self.ports[(spec.name, c)] = free_port()
+
+    # -- addressing ---------------------------------------------------------------------------
+    def address(self, service: str, container_port: int | None = None) -> str:
+        """`127.0.0.1:<port>` where the service's (first) container port is reachable."""
+        spec = self.specs[service]
+        port = container_port if container_port is not None else spec.container_ports[0]
+        return f"127.0.0.1:{self.ports[(service, port)]}"
+
+    def rewrite(self, service: str, value: str, key: str = "") -> str:
+        spec = self.specs[service]
+        if key.endswith("_PORT") and value.isdigit() and int(value) in spec.container_ports:
+            return str(self.ports[(service, int(value))])
+
+        def host_port(m: re.Match[str]) -> str:
+            host, port = m.group(1), int(m.group(2))
+            target = service if host in ("0.0.0.0", "127.0.0.1", "localhost") else host
+            mapped = self.ports.get((target, port))
+            return f"127.0.0.1:{mapped}" if mapped is not None else m.group(0)
+
+        value = re.sub(r"([A-Za-z0-9_.\-]+):(\d{2,5})\b", host_port, value)
+        if value == "0.0.0.0":
+            value = "127.0.0.1"
+        for volume, mount in spec.volumes.items():
+            if mount in value:
+                value = value.replace(mount, str(self.volume_dir(volume)))
+        return value
+
+    def volume_dir(self, volume: str) -> Path:
+        path = self.workdir / "volumes" / volume
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def command(self, service: str) -> tuple[list[str], dict[str, str]]:
+        """The local command line and full environment the service is started with."""
+        spec = self.specs[service]
+        env = dict(os.environ)
+        bindir = str(Path(sys.executable).parent)
+        env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+        env["PYTHONUNBUFFERED"] = "1"
+        for k, v in spec.environment.items():
+            env[k] = self.rewrite(service, v, k)
+        env.update(self.overrides.get(service, {}))
+        argv = [self.rewrite(service, a) for a in spec.command]
+        return argv, env
+
+    # -- life cycle ---------------------------------------------------------------------------
+    def start(self, service: str, *, wait: bool = True, timeout_s: float = 120.0) -> None:
+        if service in self.running and self.running[service].proc.poll() is None:
+            raise StackError(f"{service} is already running")
+        argv, env = self.command(service)
+        log_path = self.workdir / f"{service}.log"
+        log = open(log_path, "ab")
+        try:
+            proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.workdir)
+        finally:
+            log.close()
+        self.running[service] = _Running(self.specs[service], proc, log_path)
+        if wait:
+            self.wait_healthy(service, timeout_s)
+
+    def up(self, services: list[str] | None = None, timeout_s: float = 180.0) -> None:
+        """Start services (default: all without a profile) in `depends_on` order."""
+        wanted = services or [n for n, s in self.specs.items() if not s.profiles]
+        started: set[str] = set()
+
+        def visit(name: str) -> None:
+            if name in started or name not in self.specs:
+                return
+            for dep in self.specs[name].depends_on:
+                visit(dep)
+            self.start(name, wait=False)
+            started.add(name)
+            # dependants need this one healthy first (condition: service_healthy)
+            if any(name in self.specs[o].depends_on for o in wanted):
+                self.wait_healthy(name, timeout_s)
+
+        for name in wanted:
+            visit(name)
+        for name in wanted:
+            self.wait_healthy(name, timeout_s)
+
+    def is_healthy(self, service: str) -> bool:
+        spec = self.specs[service]
+        if spec.healthcheck is None:
+            return self.running[service].proc.poll() is None
+        argv = [sys.executable if a == "python" else self.rewrite(service, a) for a in spec.healthcheck]
+        return subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30).returncode == 0
+
+    def wait_healthy(self, service: str, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        run = self.running[service]
+        while time.monotonic() < deadline:
+            if run.proc.poll() is not None:
+                raise StackError(f"{service} exited with code {run.proc.returncode}:\n{self.log_tail(service)}")
+            if self.is_healthy(service):
+                return
+            time.sleep(0.2)
+        raise StackError(f"{service} not healthy after {timeout_s:.0f} s:\n{self.log_tail(service)}")
+
+    def log_tail(self, service: str, num_lines: int = 30) -> str:
+        path = self.workdir / f"{service}.log"
+        if not path.exists():
+            return "(no log)"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
+
+    def kill(self, service: str, sig: int = signal.SIGKILL) -> None:
+        run = self.running.get(service)
+        if run is None or run.proc.poll() is not None:
+            return
+        try:
+            os.killpg(run.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        run.proc.wait(timeout=30)
+
+    def stop(self, service: str, timeout_s: float = 20.0) -> int | None:
+        """SIGTERM (graceful `stop(grace)` in the services), SIGKILL if it overstays."""
+        run = self.running.get(service)
+        if run is None:
+            return None
+        if run.proc.poll() is None:
+            try:
+                os.killpg(run.proc.pid, signal.SIGTERM)
+                run.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill(service)
+            except ProcessLookupError:
+                pass
+        return run.proc.returncode
+
+    def down(self) -> dict[str, int | None]:
+        """Stop everything, dependants first; returns each service's exit code."""
+        codes: dict[str, int | None] = {}
+        for name in reversed(list(self.running)):
+            codes[name] = self.stop(name)
+        return codes
+
+    def __enter__(self) -> LocalStack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
