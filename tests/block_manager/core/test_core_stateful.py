@@ -231,6 +231,22 @@ class CoreMachine(RuleBasedStateMachine):
             del self.expected[sid]
             del self.pool_of[sid]
 
+    @has_live
+    @rule(
+        data=st.data(),
+        kind=st.sampled_from(["compaction", "contiguity"]),
+        max_moves=st.sampled_from([None, 1, 3]),
+    )
+    def free_some_then_plan(self, data, kind, max_moves) -> None:
+        """Frees punch holes; planning right after is when defrag has work to do."""
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.expected)), max_size=3, unique=True))
+        self.m.free(ids)
+        for sid in ids:
+            del self.expected[sid]
+            del self.pool_of[sid]
+        for pid in sorted(POOLS):
+            self.plan_defrag(pid, kind, max_moves)
+
     @rule(
         action=st.sampled_from(["evict", "evict", "snapshot", "snapshot", "reset"]),
         pid=st.sampled_from(sorted(POOLS)),
