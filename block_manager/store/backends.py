@@ -44,7 +44,9 @@ def open_store(url: str, options: StoreOptions | None = None) -> MemoryStore | S
         return _open_sqlite(parsed, options)
     if backend in ("postgresql", "postgres"):
         return _open_postgres(parsed, options)
-    raise StoreError(f"unsupported store URL scheme {parsed.drivername!r} (sqlite, postgresql, memory)")
+    raise StoreError(
+        f"unsupported store URL scheme {parsed.drivername!r} (sqlite, postgresql, memory)"
+    )
 
 
 def _open_sqlite(url: URL, options: StoreOptions) -> SqlStore:

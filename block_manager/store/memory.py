@@ -117,7 +117,9 @@ class MemoryStore:
 
     def stats(self) -> StoreStats:
         with self._lock:
-            return StoreStats(self.backend, self._last_seq_no, self._snapshot_seq_no, len(self._journal))
+            return StoreStats(
+                self.backend, self._last_seq_no, self._snapshot_seq_no, len(self._journal)
+            )
 
     def close(self) -> None:
         self._closed = True

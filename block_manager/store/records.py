@@ -103,7 +103,8 @@ def encode_records(records: Sequence[NewRecord]) -> list[EncodedRecord]:
     for record in records:
         if not isinstance(record, NewRecord):
             raise InvalidRecord(f"expected NewRecord, got {type(record).__name__}")
-        if not isinstance(record.request_id, str) or not 0 < len(record.request_id) <= MAX_REQUEST_ID_LEN:
+        rid = record.request_id
+        if not isinstance(rid, str) or not 0 < len(rid) <= MAX_REQUEST_ID_LEN:
             raise InvalidRecord(f"request_id must be a string of 1..{MAX_REQUEST_ID_LEN} chars")
         if not isinstance(record.op, str) or not 0 < len(record.op) <= MAX_OP_LEN:
             raise InvalidRecord(f"op must be a string of 1..{MAX_OP_LEN} chars")

@@ -155,7 +155,10 @@ class SqlStore:
         self._check_usable()
         with self._guard("records_after"), self._engine.connect() as conn:
             rows = conn.execute(
-                select(journal).where(journal.c.seq_no > seq_no).order_by(journal.c.seq_no).limit(limit)
+                select(journal)
+                .where(journal.c.seq_no > seq_no)
+                .order_by(journal.c.seq_no)
+                .limit(limit)
             ).all()
         return [_row_to_record(r) for r in rows]
 
@@ -209,7 +212,9 @@ class _DbErrors:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any
+    ) -> bool:
         if exc is None or isinstance(exc, IntegrityError):
             return False
         if isinstance(exc, SQLAlchemyError):
