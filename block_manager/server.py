@@ -59,6 +59,7 @@ class BlockManagerServer:
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
         self._stopped = asyncio.Event()
+        self.failed = asyncio.Event()   # set when the journal failed (fail-stop)
 
     def _open_store(self) -> Store:
         options = StoreOptions(
@@ -113,6 +114,8 @@ class BlockManagerServer:
     def _on_phase(self, phase: Phase) -> None:
         if phase != "serving":
             asyncio.get_running_loop().create_task(self._set_health(_NOT_SERVING))
+        if phase == "failed":
+            self.failed.set()
 
     @property
     def address(self) -> str:
@@ -163,7 +166,17 @@ async def serve(config: BlockManagerConfig, port_file: Path | None = None) -> in
         tmp = port_file.with_name(port_file.name + ".tmp")
         tmp.write_text(str(server.port))
         os.replace(tmp, port_file)
-    await stop_requested.wait()
+    stop_wait = asyncio.create_task(stop_requested.wait())
+    fail_wait = asyncio.create_task(server.failed.wait())
+    await asyncio.wait((stop_wait, fail_wait), return_when=asyncio.FIRST_COMPLETED)
+    stop_wait.cancel()
+    fail_wait.cancel()
+    if server.failed.is_set():
+        # The in-memory state is ahead of the journal: exit so a supervisor restarts us
+        # and recovery rebuilds exactly what was acknowledged.
+        log.error("journal failed; exiting for a clean recovery")
+        await server.stop(0)
+        return 3
     log.info("signal received; shutting down", grace_s=config.shutdown_grace_s)
     await server.stop()
     return 0
