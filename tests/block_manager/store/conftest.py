@@ -12,17 +12,24 @@ from block_manager.store.base import Store
 Opener = Callable[..., Store]
 
 
+@pytest.fixture(scope="session")
+def _store_tests_pg_url(postgres_cluster) -> str:  # type: ignore[no-untyped-def]
+    """A database of the session cluster used only by these tests (others may keep a
+    store open on the shared `postgres_url` database)."""
+    return postgres_cluster.create_database("store_tests")
+
+
 @pytest.fixture
-def pg_store_url(postgres_url: str) -> str:
-    """The session database with the store's tables dropped: a clean store for each test
-    without paying for CREATE DATABASE (about a second on a loaded 2-core box)."""
-    engine = create_engine(postgres_url)
+def pg_store_url(_store_tests_pg_url: str) -> str:
+    """That database with the store's tables dropped: a clean store for each test without
+    paying for CREATE DATABASE (about a second on a loaded 2-core box)."""
+    engine = create_engine(_store_tests_pg_url)
     try:
         with engine.begin() as conn:
             conn.execute(text("DROP TABLE IF EXISTS journal, snapshots, meta"))
     finally:
         engine.dispose()
-    return postgres_url
+    return _store_tests_pg_url
 
 
 @pytest.fixture(params=["memory", "sqlite", "postgres"])
