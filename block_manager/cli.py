@@ -68,6 +68,26 @@ def _add_replay(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_replay)
 
 
+_KNOB_HELP = {
+    "num_requests": "requests in the trace",
+    "seed": "random seed (same knobs + seed -> byte-identical file)",
+    "vocab_size": "token ids are drawn from [0, vocab_size)",
+    "num_system_prompts": "distinct shared system prompts",
+    "system_prompt_len": "tokens per system prompt",
+    "shared_prompt_fraction": "fraction of requests that start with a system prompt",
+    "prompt_len_min": "shortest per-request prompt (after any system prompt)",
+    "prompt_len_max": "longest per-request prompt",
+    "output_len_min": "shortest output per sample",
+    "output_len_max": "longest output per sample",
+    "length_dist": "shape of prompt and output lengths",
+    "parallel_n": "samples per request that uses parallel sampling (fork after prefill)",
+    "parallel_fraction": "fraction of requests that use parallel sampling",
+    "arrival_rate": "mean request arrivals per step (Poisson)",
+    "max_running": "most sequences running at once (samples count individually)",
+    "num_tenants": "tenants (salts tenant-0...); 1 writes no salt",
+}
+
+
 def _add_gen_trace(subparsers: argparse._SubParsersAction) -> None:
     from block_manager.tracegen import TraceConfig
 
@@ -80,10 +100,11 @@ def _add_gen_trace(subparsers: argparse._SubParsersAction) -> None:
     for f in dataclasses.fields(TraceConfig):
         flag = "--" + f.name.replace("_", "-")
         default = f.default
+        help_text = f"{_KNOB_HELP.get(f.name, f.name)} (default: {default})"
         if f.name == "length_dist":
-            p.add_argument(flag, choices=["loguniform", "lognormal"], default=default, help="length distribution")
+            p.add_argument(flag, choices=["loguniform", "lognormal"], default=default, help=help_text)
         else:
-            p.add_argument(flag, type=type(default), default=default, help=f"default: {default}")
+            p.add_argument(flag, type=type(default), default=default, help=help_text)
     p.set_defaults(func=_run_gen_trace)
 
 

@@ -31,8 +31,9 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from typing import ParamSpec, TypeVar
 
 from block_manager.core.errors import CoreError, OutOfBlocks
 from block_manager.core.manager import BlockManager
@@ -48,6 +49,9 @@ from block_manager.trace_format import (
 )
 
 REPLAY_POOL = PoolId("replay")
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 
 @dataclass(slots=True)
@@ -251,7 +255,8 @@ class TraceReplayer:
                 partial[seq.block_table[-1]] = fill
         return sum(bs - fill for fill in partial.values())
 
-    def _timed(self, fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def _timed(self, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        """Call into the core, adding the time to `core_ns` (failed calls count too)."""
         start = time.perf_counter_ns()
         try:
             return fn(*args, **kwargs)
