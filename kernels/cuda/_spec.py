@@ -19,6 +19,10 @@ MAX_TILE_TOKENS = 32
 # Query rows (query tokens x heads of one GQA group) one prefill thread block handles.
 PREFILL_ROWS = 16
 DEFAULT_PREFETCH_WINDOW = 8
+# K (and V) elements each thread holds in registers for the next tile. Beyond ~16 the
+# unrolled prefetch arrays spill to local memory (seen in the sm_90 PTX), so larger blocks
+# are staged as several tiles.
+MAX_TILE_ELEMS_PER_THREAD = 16
 
 
 @dataclass(slots=True, frozen=True)
@@ -58,9 +62,12 @@ class AttentionSpec:
 
     @property
     def tile_tokens(self) -> int:
-        """Largest divisor of block_size, at most 32, whose staging fits in shared memory."""
+        """Largest divisor of block_size, at most 32, whose staging fits in shared memory and
+        in MAX_TILE_ELEMS_PER_THREAD prefetch registers per thread."""
         for tokens in range(min(self.block_size, MAX_TILE_TOKENS), 0, -1):
-            if self.block_size % tokens == 0 and self._shared_bytes(tokens) <= MAX_SHARED_BYTES:
+            fits_registers = tokens * self.head_dim <= MAX_TILE_ELEMS_PER_THREAD * self.num_threads
+            fits_shared = self._shared_bytes(tokens) <= MAX_SHARED_BYTES
+            if self.block_size % tokens == 0 and fits_registers and fits_shared:
                 return tokens
         raise KernelInputError(
             f"head_dim {self.head_dim} with {self.num_rows} query rows does not fit the "
