@@ -1,0 +1,376 @@
+"""Block manager service benchmarks (issue 3), client and servers in separate processes.
+
+1. `append`: AppendSlots p50/p99 for 1/16/64/256/512 decode sequences (one token each),
+   next to a bare gRPC echo (generic handler, raw bytes) with the same request and
+   response sizes, measured in the same run; ratio = AppendSlots p50 / echo p50.
+2. `steps`: decode steps/s (one AppendSlots of 64 sequences per step) against memory://,
+   durable SQLite (WAL, synchronous=FULL) and PostgreSQL (throwaway cluster, fsync=on),
+   with 1 client and with 8 concurrent clients (group commit).
+3. `recovery`: 100k blocks in use; SIGKILL the server, restart, time until health SERVING
+   (journal replay only, and from the final snapshot after a graceful stop).
+4. `rpt`: RPCs per generated token for a continuous-batching decode workload through the
+   client's step helper (with and without deferred in-block appends) vs one AppendSlots
+   per sequence.
+
+    .venv/bin/python bench/bench_service.py [--only append,steps,recovery,rpt] [--no-postgres] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from block_manager.client import AsyncBlockManagerClient, BlockManagerClient, RetryPolicy  # noqa: E402
+from block_manager.client.types import AllocateSpec  # noqa: E402
+from block_manager.core.types import AppendRequest, PoolId, SeqId  # noqa: E402
+from pagedkv.v1 import block_manager_pb2 as pb  # noqa: E402
+from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc  # noqa: E402
+
+BS = 16
+ECHO_METHOD = "/bench.Echo/Echo"
+
+
+# ---- processes ------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDKV_")}
+    env.update(
+        PAGEDKV_BLOCK_SIZE=str(BS), PAGEDKV_WATERMARK="0", PAGEDKV_LOG_LEVEL="WARNING", PAGEDKV_DEFRAG__ENABLED="false",
+        PAGEDKV_SHUTDOWN_GRACE_S="1", PAGEDKV_LEASE_TTL_S="3600",
+    )
+    env.update(extra)
+    return env
+
+
+def wait_serving(target: str, timeout_s: float = 120.0) -> None:
+    """Block on the health service's Watch stream until SERVING (no polling)."""
+    with grpc.insecure_channel(target) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                for msg in stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True):
+                    if msg.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+            except grpc.RpcError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)  # the listener restarted between Watch attempts
+
+
+@contextmanager
+def bm_server(database_url: str, **env: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "block_manager.server", "--listen", f"127.0.0.1:{port}", "--database-url", database_url],
+        cwd=REPO, env=server_env(**env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    target = f"127.0.0.1:{port}"
+    try:
+        wait_serving(target)
+        yield target, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@contextmanager
+def echo_server() -> Iterator[str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, __file__, "--echo-server", str(port)], cwd=REPO)
+    target = f"127.0.0.1:{port}"
+    try:
+        with grpc.insecure_channel(target) as ch:
+            grpc.channel_ready_future(ch).result(timeout=60)
+        yield target
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def run_echo_server(port: int) -> None:
+    async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        (size,) = struct.unpack_from("<I", request)
+        return b"\x01" * size
+
+    class Handler(grpc.GenericRpcHandler):
+        def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+            return grpc.unary_unary_rpc_method_handler(echo) if details.method == ECHO_METHOD else None
+
+    async def main() -> None:
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((Handler(),))
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        await stop.wait()
+        await server.stop(0)
+
+    asyncio.run(main())
+
+
+# ---- helpers ---------------------------------------------------------------------------
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def setup_decode(c: BlockManagerClient, node: str, num_seqs: int, num_steps: int, prefix: str = "s") -> list[SeqId]:
+    c.register_node(node, num_seqs * (2 + (BS + num_steps) // BS) + 16, block_size=BS)
+    seq_ids = [SeqId(f"{prefix}{i}") for i in range(num_seqs)]
+    for lo in range(0, num_seqs, 1024):
+        outs = c.allocate([AllocateSpec(s, PoolId(node), tuple(range(BS)), None) for s in seq_ids[lo : lo + 1024]])
+        if any(not hasattr(o, "block_table") for o in outs):
+            raise RuntimeError(f"allocation failed: {outs[0]}")
+    return seq_ids
+
+
+# ---- 1. AppendSlots vs echo --------------------------------------------------------------
+def bench_append(sizes: list[int], iters: int) -> list[dict[str, float]]:
+    rows = []
+    with bm_server("memory://") as (target, _), echo_server() as echo_target:
+        with BlockManagerClient(target) as c, grpc.insecure_channel(echo_target) as ech:
+            stub = pb_grpc.BlockManagerStub(grpc.insecure_channel(target))
+            echo = ech.unary_unary(ECHO_METHOD)
+            for n in sizes:
+                seq_ids = setup_decode(c, f"node{n}", n, iters + 20, prefix=f"n{n}-")
+                items = [pb.AppendItem(seq_id=s, num_new_tokens=1, token_ids=[7]) for s in seq_ids]
+                bm_lat, cl_lat, echo_lat = [], [], []
+                req_size = resp_size = 0
+                for k in range(iters + 10):
+                    req = pb.AppendSlotsRequest(request_id=f"a{n}-{k}", items=items)
+                    t0 = time.perf_counter()
+                    resp = stub.AppendSlots(req, timeout=30)
+                    dt = time.perf_counter() - t0
+                    req_size, resp_size = req.ByteSize(), resp.ByteSize()
+                    payload = struct.pack("<I", resp_size) + b"\x00" * max(0, req_size - 4)
+                    t0 = time.perf_counter()
+                    echo(payload, timeout=30)
+                    de = time.perf_counter() - t0
+                    if k >= 10:  # warm-up
+                        bm_lat.append(dt)
+                        echo_lat.append(de)
+                reqs = [AppendRequest(s, 1, (7,)) for s in seq_ids]
+                for _ in range(min(iters, 50)):
+                    t0 = time.perf_counter()
+                    c.append_slots(reqs)
+                    cl_lat.append(time.perf_counter() - t0)
+                row = {
+                    "seqs": n, "req_bytes": req_size, "resp_bytes": resp_size,
+                    "bm_p50_ms": 1e3 * statistics.median(bm_lat), "bm_p99_ms": 1e3 * pct(bm_lat, 0.99),
+                    "echo_p50_ms": 1e3 * statistics.median(echo_lat), "echo_p99_ms": 1e3 * pct(echo_lat, 0.99),
+                    "client_p50_ms": 1e3 * statistics.median(cl_lat),
+                }
+                row["ratio_p50"] = row["bm_p50_ms"] / row["echo_p50_ms"]
+                rows.append(row)
+                print(
+                    f"append {n:4d} seqs  req {req_size:6d}B resp {resp_size:6d}B  AppendSlots p50 {row['bm_p50_ms']:.3f} p99 "
+                    f"{row['bm_p99_ms']:.3f} ms | echo p50 {row['echo_p50_ms']:.3f} p99 {row['echo_p99_ms']:.3f} ms | "
+                    f"ratio {row['ratio_p50']:.2f} | via client lib p50 {row['client_p50_ms']:.3f} ms",
+                    flush=True,
+                )
+    return rows
+
+
+# ---- 2. steps/s per backend --------------------------------------------------------------
+async def _async_steps(target: str, num_clients: int, num_seqs: int, seconds: float) -> float:
+    async def one(idx: int) -> int:
+        async with AsyncBlockManagerClient(target, retry=RetryPolicy(max_attempts=1)) as c:
+            await c.register_node(f"w{idx}", num_seqs * 40 + 16, block_size=BS)
+            sids = [SeqId(f"w{idx}-{i}") for i in range(num_seqs)]
+            await c.allocate([AllocateSpec(s, PoolId(f"w{idx}"), None, BS) for s in sids])
+            reqs = [AppendRequest(s, 1, None) for s in sids]
+            steps = 0
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                await c.append_slots(reqs)
+                steps += 1
+            return steps
+
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*(one(i) for i in range(num_clients)))
+    return sum(counts) / (time.perf_counter() - t0)
+
+
+def bench_steps(with_postgres: bool, seconds: float) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    backends: list[tuple[str, str]] = [("memory", "memory://")]
+    tmp = Path(tempfile.mkdtemp(prefix="bench-svc-"))
+    backends.append(("sqlite (WAL, FULL)", f"sqlite:///{tmp / 'bm.db'}"))
+    cluster = None
+    if with_postgres:
+        from tests.fixtures.postgres import PostgresCluster
+
+        cluster = PostgresCluster()
+        cluster.start()
+        backends.append(("postgresql (fsync=on)", cluster.create_database()))
+    try:
+        for name, url in backends:
+            with bm_server(url, PAGEDKV_SNAPSHOT_INTERVAL_S="3600") as (target, _):
+                one = asyncio.run(_async_steps(target, 1, 64, seconds))
+            with bm_server(url.replace("bm.db", "bm8.db"), PAGEDKV_SNAPSHOT_INTERVAL_S="3600") as (target, _):
+                eight = asyncio.run(_async_steps(target, 8, 64, seconds))
+            rows.append({"backend": name, "steps_s_1": one, "steps_s_8": eight})
+            print(f"steps  {name:24s} 1 client {one:8.0f} steps/s | 8 clients {eight:8.0f} steps/s", flush=True)
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    base = rows[0]
+    for r in rows:
+        print(f"steps  {r['backend']:24s} vs memory: 1 client {r['steps_s_1'] / base['steps_s_1']:.2f}x, 8 clients {r['steps_s_8'] / base['steps_s_8']:.2f}x")
+    return rows
+
+
+# ---- 3. recovery --------------------------------------------------------------------------
+def bench_recovery(num_blocks: int, with_postgres: bool) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    tmp = Path(tempfile.mkdtemp(prefix="bench-rec-"))
+    urls = [("sqlite", f"sqlite:///{tmp / 'rec.db'}")]
+    cluster = None
+    if with_postgres:
+        from tests.fixtures.postgres import PostgresCluster
+
+        cluster = PostgresCluster()
+        cluster.start()
+        urls.append(("postgresql", cluster.create_database()))
+    per_seq = 100
+    num_seqs = num_blocks // per_seq
+    env = {"PAGEDKV_SNAPSHOT_INTERVAL_S": "36000", "PAGEDKV_SNAPSHOT_EVERY_RECORDS": "1000000", "PAGEDKV_MAX_BLOCKS": str(1 << 20)}
+    try:
+        for name, url in urls:
+            with bm_server(url, **env) as (target, proc):
+                with BlockManagerClient(target, timeout_s=120) as c:
+                    c.register_node("big", num_blocks + 64, block_size=BS)
+                    for lo in range(0, num_seqs, 100):  # 100 allocations per journal record
+                        c.allocate([AllocateSpec(SeqId(f"r{i}"), PoolId("big"), None, per_seq * BS) for i in range(lo, min(num_seqs, lo + 100))])
+                    reqs = [AppendRequest(SeqId(f"r{i}"), 1, None) for i in range(num_seqs)]
+                    c.append_slots(reqs)  # one block more each: 100k + num_seqs in use
+                    used = num_seqs * (per_seq + 1)
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+            for mode in ("journal replay after SIGKILL", "snapshot after graceful stop"):
+                t0 = time.perf_counter()
+                with bm_server(url, **env) as (target, proc):
+                    dt = time.perf_counter() - t0
+                    with BlockManagerClient(target) as c:
+                        check = c.append_slots([AppendRequest(SeqId("r0"), 1, None)])[0]
+                        if not hasattr(check, "slot_mapping"):
+                            raise RuntimeError(f"recovered state is wrong: {check}")
+                    # leaving the context stops gracefully -> final snapshot for the next mode
+                rows.append({"backend": name, "mode": mode, "blocks_in_use": used, "restart_to_serving_s": dt})
+                print(f"recovery {name:10s} {used} blocks in use, {mode:32s}: restart -> SERVING {dt:.2f} s", flush=True)
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import block_manager.server"], cwd=REPO, check=True)
+        base = time.perf_counter() - t0
+        print(f"recovery (python start + imports alone: {base:.2f} s)")
+        rows.append({"backend": "-", "mode": "process start + imports only", "blocks_in_use": 0, "restart_to_serving_s": base})
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    return rows
+
+
+# ---- 4. RPCs per generated token ----------------------------------------------------------
+def bench_rpt(num_finished: int, batch: int, seed: int = 0) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    with bm_server("memory://") as (target, _):
+        for mode in ("step helper + deferred appends", "step helper, no deferral", "one AppendSlots per sequence"):
+            rng = random.Random(seed)
+            node = f"rpt{len(rows)}"
+            with BlockManagerClient(target, timeout_s=30) as c:
+                c.register_node(node, batch * 64, block_size=BS)
+                if mode != "step helper + deferred appends":
+                    c.tracker.block_sizes.clear()  # the helper cannot answer locally
+                live: dict[str, int] = {}  # seq -> tokens still to generate
+                next_id = finished = generated = 0
+                c.stats.rpcs = 0
+                while finished < num_finished:
+                    step = c.step()
+                    done = [s for s, left in live.items() if left == 0]
+                    if done:
+                        step.free(done)
+                        finished += len(done)
+                        for s in done:
+                            del live[s]
+                    while len(live) < batch and next_id < num_finished + batch:
+                        sid = f"{node}-{next_id}"
+                        next_id += 1
+                        step.allocate(sid, node, [rng.randrange(32000) for _ in range(rng.randint(16, 300))])
+                        live[sid] = rng.randint(32, 256)
+                    if mode == "one AppendSlots per sequence":
+                        res = step.commit()
+                        for sid in [s for s in live if s not in res.allocations]:
+                            c.append_slots([AppendRequest(SeqId(sid), 1, (rng.randrange(32000),))])
+                    else:
+                        for sid in live:
+                            if sid not in step._appends and not any(a.seq_id == sid for a in step._allocs):
+                                step.append(sid, [rng.randrange(32000)])
+                        res = step.commit()
+                    for sid in live:
+                        if sid not in res.allocations:
+                            live[sid] -= 1
+                            generated += 1
+                per_method = dict(c.stats.per_method)
+                decode_rpcs = per_method.get("AppendSlots", 0)
+                rows.append({"mode": mode, "tokens": generated, "rpcs": c.stats.rpcs, "append_rpcs": decode_rpcs,
+                             "rpcs_per_token": c.stats.rpcs / generated, "append_rpcs_per_token": decode_rpcs / generated})
+                print(f"rpt  {mode:32s} tokens {generated:6d}  all RPCs {c.stats.rpcs:6d} ({c.stats.rpcs / generated:.4f}/token)  "
+                      f"AppendSlots {decode_rpcs:6d} ({decode_rpcs / generated:.4f}/token)  per method {per_method}", flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--echo-server", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--only", default="append,steps,recovery,rpt")
+    p.add_argument("--no-postgres", action="store_true")
+    p.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
+    args = p.parse_args()
+    if args.echo_server:
+        run_echo_server(args.echo_server)
+        return
+    only = set(args.only.split(","))
+    print(f"# bench_service  python {sys.version.split()[0]}  grpc {grpc.__version__}  cpus {os.cpu_count()}", flush=True)
+    if "append" in only:
+        bench_append([1, 16, 64, 256, 512], 30 if args.quick else 300)
+    if "steps" in only:
+        bench_steps(not args.no_postgres, 1.0 if args.quick else 5.0)
+    if "recovery" in only:
+        bench_recovery(5_000 if args.quick else 100_000, not args.no_postgres)
+    if "rpt" in only:
+        bench_rpt(20 if args.quick else 256, 8 if args.quick else 64)
+
+
+if __name__ == "__main__":
+    main()
