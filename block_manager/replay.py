@@ -7,7 +7,8 @@ recompute queue would:
 
 - an `allocate` that does not fit (`OutOfBlocks`, watermark included) is **rejected**;
 - a sequence whose `append` does not fit is freed and **preempted**;
-- a `fork` whose children cannot be created is **rejected** once per child;
+- a `fork` whose children cannot be created is **rejected** once per child (the core's fork
+  only shares blocks and does not run out today; the rule is there for cores that reserve);
 - later ops naming a rejected/preempted sequence (or a child of a rejected or skipped fork)
   are **skipped**: one skip per occurrence of such a name. In a batched `append`/`free` the
   dead names are dropped from the batch (one skip each) and the rest runs as one call; a

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from block_manager.core.errors import OutOfBlocks
 from block_manager.replay import REPLAY_POOL, ReplayReport, TraceReplayer, replay
 from block_manager.trace_format import TraceError, parse_trace
 from block_manager.tracegen import TraceConfig, generate_trace
@@ -81,6 +82,25 @@ def test_pressure_counts_rejected_preempted_and_skipped() -> None:
     assert report.peak_used_blocks == 4
     assert r.manager.sequences() == []
     assert r.live == {} and r.dead == set()
+
+
+def test_a_fork_the_core_refuses_for_lack_of_blocks_rejects_each_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The core's fork only shares blocks, so it cannot run out today; if a core ever
+    # reserves blocks at fork time, the replay must count it like a refused allocation.
+    replayer = TraceReplayer(num_blocks=16, block_size=4, watermark=0.0)
+
+    def refuse(parent: str, child_ids: list[str]) -> None:
+        raise OutOfBlocks("no room for the children")
+
+    monkeypatch.setattr(replayer.manager, "fork", refuse)
+    report = replayer.run(parse_trace(_ops(
+        {"op": "allocate", "seq": "p", "tokens": [1, 2, 3]},
+        {"op": "fork", "parent": "p", "children": ["p/1", "p/2"]},
+        {"op": "append", "seqs": {"p": [4], "p/1": [5], "p/2": [6]}},
+        {"op": "free", "seqs": ["p", "p/1", "p/2"]},
+    )))
+    assert (report.rejected, report.preempted, report.skipped) == (2, 0, 4)
+    assert report.peak_concurrency == 1
 
 
 def test_rejected_id_can_be_allocated_again_after_room_frees_up() -> None:
