@@ -47,7 +47,14 @@ class _Recorded:
 
 
 class ServiceRuntime:
-    def __init__(self, config: BlockManagerConfig, store: Store, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: BlockManagerConfig,
+        store: Store,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        journal: bool = True,
+    ) -> None:
         self.config = config
         self.store = store
         self.clock = clock
@@ -68,6 +75,7 @@ class ServiceRuntime:
             snapshot_interval_s=config.snapshot_interval_s,
             snapshot_every_records=config.snapshot_every_records,
             on_failure=self._journal_failed,
+            journal=journal,
         )
         self.on_applied(self._after_apply)
 
@@ -189,6 +197,8 @@ class ServiceRuntime:
         recorded = await self._recorded(request_id, digest)
         if recorded is not None:
             return recorded
+        if not self.writer.journal:
+            return self._apply_volatile(op, request_id, digest, payload)
         while not self.writer.gate_open:
             await self.writer.wait_gate()
             recorded = await self._recorded(request_id, digest)
@@ -208,6 +218,17 @@ class ServiceRuntime:
             fut.set_exception(exc)
             fut.exception()  # retrieved: waiters re-raise it, nobody else must log it
             raise
+        return applied.result
+
+    def _apply_volatile(self, op: str, request_id: str, digest: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """In-memory mode: same state machine and request-id index, no journal."""
+        applied = self.state.apply(op, payload, self.clock())
+        if applied.mutated:
+            self._remember(request_id, _Recorded(digest, applied.result, None))
+            self.writer.last_seq_no += 1
+            self.writer.num_records += 1
+            for listener in self._listeners:
+                listener(op, payload, applied.result)
         return applied.result
 
     # ---- leases ---------------------------------------------------------------------

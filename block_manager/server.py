@@ -72,7 +72,10 @@ class BlockManagerServer:
     async def start(self) -> None:
         cfg = self.config
         store = self._store or await asyncio.to_thread(self._open_store)
-        self.runtime = runtime = ServiceRuntime(cfg, store)
+        # A server that opened "memory://" itself has nothing to recover later: skip the
+        # journal entirely. A store passed in explicitly is always journaled.
+        volatile = self._store is None and cfg.database_url.startswith("memory:")
+        self.runtime = runtime = ServiceRuntime(cfg, store, journal=not volatile)
         self.defrag = DefragRunner(runtime, cfg.defrag)
         self.metrics.attach(runtime, asyncio.get_running_loop())
         runtime.on_phase(self._on_phase)

@@ -150,25 +150,27 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
         items = [[it.seq_id, it.num_new_tokens, list(it.token_ids) if it.token_ids else None] for it in request.items]
         payload = {"items": items, "pool_epochs": dict(request.pool_epochs)}
         r = await self._mutate("AppendSlots", request, "append_slots", payload)
-        outcomes = []
-        Outcome, Append = pb.AppendOutcome, pb.SequenceAppend
+        # Filled in place (outcomes.add()): several times faster than building nested
+        # messages from keyword arguments, and this is the per-step hot path.
+        resp = pb.AppendSlotsResponse()
+        add = resp.outcomes.add
         for o in r["outcomes"]:
-            if "error" in o:
-                outcomes.append(Outcome(error=item_error_pb(o["error"])))
-            else:
-                outcomes.append(
-                    Outcome(
-                        appended=Append(
-                            seq_id=o["seq_id"],
-                            slot_mapping=o["slot_mapping"],
-                            new_block_ids=o["new_block_ids"],
-                            copy_ops=[copy_op_pb(c) for c in o["copy_ops"]] if o["copy_ops"] else None,
-                            version=o["version"],
-                            num_tokens=o["num_tokens"],
-                        )
-                    )
-                )
-        return pb.AppendSlotsResponse(outcomes=outcomes)
+            err = o.get("error")
+            if err is not None:
+                e = add().error
+                e.code, e.reason, e.message = err["code"], err["reason"], err["message"]
+                continue
+            a = add().appended
+            a.seq_id = o["seq_id"]
+            a.slot_mapping.extend(o["slot_mapping"])
+            if o["new_block_ids"]:
+                a.new_block_ids.extend(o["new_block_ids"])
+            for op in o["copy_ops"]:
+                c = a.copy_ops.add()
+                c.op_id, c.src, c.dst, c.kind = op
+            a.version = o["version"]
+            a.num_tokens = o["num_tokens"]
+        return resp
 
     async def Fork(self, request: pb.ForkRequest, context: grpc.aio.ServicerContext) -> pb.ForkResponse:
         check_id("parent_seq_id", request.parent_seq_id)

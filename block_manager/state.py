@@ -28,13 +28,13 @@ from block_manager.core.errors import (
 )
 from block_manager.core.manager import MAX_POOL_BLOCKS, BlockManager
 from block_manager.core.nodes import NodeRegistry, check_node_id
-from block_manager.core.types import AppendFailure, AppendRequest, DefragPlan, DefragPolicy, PoolId, SeqId
+from block_manager.core.types import AppendFailure, DefragPlan, DefragPolicy, PoolId, SeqId
 from block_manager.errors import status_for
 from block_manager.state_codec import (
     allocation_dict,
     append_dict,
+    append_requests,
     check_allocate_item,
-    check_append_item,
     check_count,
     check_ids,
     check_optional_str,
@@ -230,7 +230,7 @@ class ServiceState:
         items = p["items"]
         check_count("number of items", len(items), 1, self.config.max_batch)
         self._check_pool_epochs(p.get("pool_epochs"))
-        requests = [AppendRequest(*check_append_item(it)) for it in items]  # type: ignore[arg-type]
+        requests = append_requests(items)
         outcomes: list[dict[str, Any]] = []
         mutated = False
         for res in self.core.append_slots(requests):

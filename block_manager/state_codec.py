@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from block_manager.core.errors import InvalidRequest
-from block_manager.core.types import AllocateResult, AppendResult, CopyOp, DefragPlan, SequenceView
+from block_manager.core.types import AllocateResult, AppendRequest, AppendResult, CopyOp, DefragPlan, SequenceView
 
 MAX_ID_LEN = 256
 
@@ -65,11 +65,25 @@ def check_allocate_item(item: object) -> None:
     check_optional_str("salt", item.get("salt"), 1024)
 
 
-def check_append_item(item: object) -> tuple[str, int, tuple[int, ...] | None]:
-    if not isinstance(item, (list, tuple)) or len(item) != 3:
-        raise InvalidRequest("append item must be [seq_id, num_new_tokens, token_ids|null]")
-    sid, n, toks = item
-    return check_id("seq_id", sid), n, check_tokens(toks)
+def append_requests(items: Sequence[object]) -> list[AppendRequest]:
+    """`[seq_id, num_new_tokens, token_ids|null]` items → core requests (hot path).
+
+    Only what the core cannot reject per item is checked here — the item shape and the id
+    type (an unhashable id would fail mid-batch); counts and tokens are validated by the
+    core, per item.
+    """
+    out: list[AppendRequest] = []
+    add = out.append
+    for item in items:
+        if type(item) is not list or len(item) != 3:  # JSON arrays; the servicer builds lists
+            raise InvalidRequest("append item must be [seq_id, num_new_tokens, token_ids|null]")
+        sid, n, toks = item
+        if type(sid) is not str or not 0 < len(sid) <= MAX_ID_LEN:
+            raise InvalidRequest(f"seq_id must be a non-empty string of at most {MAX_ID_LEN} characters")
+        if toks is not None and type(toks) is not list:
+            raise InvalidRequest("token_ids must be a list of integers")
+        add(AppendRequest(sid, n, None if toks is None else tuple(toks)))  # type: ignore[arg-type]
+    return out
 
 
 def op_list(op: CopyOp) -> list[Any]:
@@ -88,11 +102,14 @@ def allocation_dict(res: AllocateResult) -> dict[str, Any]:
 
 
 def append_dict(res: AppendResult) -> dict[str, Any]:
+    # Tuples are kept as they are (JSON encodes them as arrays): this runs once per
+    # sequence per scheduler step.
+    ops = res.copy_ops
     return {
         "seq_id": res.seq_id,
-        "slot_mapping": list(res.slot_mapping),
-        "new_block_ids": list(res.new_block_ids),
-        "copy_ops": [op_list(op) for op in res.copy_ops],
+        "slot_mapping": res.slot_mapping,
+        "new_block_ids": res.new_block_ids,
+        "copy_ops": [op_list(op) for op in ops] if ops else (),
         "version": res.version,
         "num_tokens": res.num_tokens,
     }
@@ -120,8 +137,8 @@ def plan_dict(plan: DefragPlan) -> dict[str, Any]:
 __all__ = [
     "allocation_dict",
     "append_dict",
+    "append_requests",
     "check_allocate_item",
-    "check_append_item",
     "check_count",
     "check_id",
     "check_ids",
