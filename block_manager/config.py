@@ -11,7 +11,7 @@ Validation errors surface as `ConfigError` with every problem listed.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
@@ -67,6 +67,9 @@ class BlockManagerConfig(BaseSettings):
     max_batch: int = Field(default=4096, ge=1)
     # A restart right after a crash may find the old session's lock not yet released.
     store_lock_wait_s: float = Field(default=10.0, ge=0)
+    # SQLite only: FULL fsyncs every group commit (survives power loss); NORMAL fsyncs at
+    # WAL checkpoints only (survives a process crash, not a power cut).
+    sqlite_synchronous: Literal["FULL", "NORMAL"] = "FULL"
     metrics_address: str = "127.0.0.1"
     metrics_port: int | None = Field(default=None, ge=0, le=65535)   # None: no endpoint; 0: ephemeral
     admin_token: str | None = None

@@ -66,6 +66,7 @@ class BlockManagerServer:
             request_retention_s=self.config.request_retention_s,
             max_retained_requests=self.config.max_retained_requests,
             lock_wait_s=self.config.store_lock_wait_s,
+            sqlite_synchronous=self.config.sqlite_synchronous,
         )
         return open_store(self.config.database_url, options)
 

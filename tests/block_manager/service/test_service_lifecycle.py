@@ -4,6 +4,7 @@ the store after a snapshot), journal failure → fail-stop."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -101,4 +102,44 @@ async def test_journal_failure_stops_serving(tmp_path: Path) -> None:
         assert (await h.admin.Status(pb.StatusRequest())).state == "failed"
     finally:
         await channel.close()
+        await server.stop(0)
+
+
+class SlowRecoveryStore(MemoryStore):
+    """A memory store whose `recover()` blocks until the test releases it."""
+
+    def __init__(self) -> None:
+        super().__init__(StoreOptions())
+        self.release = threading.Event()
+
+    def recover(self) -> Any:
+        if not self.release.wait(timeout=30):
+            raise TimeoutError("test never released recovery")
+        return super().recover()
+
+
+async def test_not_serving_while_recovering() -> None:
+    store = SlowRecoveryStore()
+    server = BlockManagerServer(service_config(), store=store)
+    starting = asyncio.create_task(server.start())
+    try:
+        while server.port is None or server._server is None:
+            await asyncio.sleep(0.01)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            assert (await health.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            stub = pb_grpc.BlockManagerStub(channel)
+            await expect_code(
+                stub.RegisterNode(pb.RegisterNodeRequest(request_id=rid(), node_id="n1", num_blocks=8)),
+                grpc.StatusCode.UNAVAILABLE,
+            )
+            admin = pb_grpc.BlockManagerAdminStub(channel)
+            assert (await admin.Status(pb.StatusRequest())).state == "recovering"
+            store.release.set()
+            await starting
+            assert (await health.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING
+            await stub.RegisterNode(pb.RegisterNodeRequest(request_id=rid(), node_id="n1", num_blocks=8))
+    finally:
+        store.release.set()
+        await starting
         await server.stop(0)
