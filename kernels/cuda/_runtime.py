@@ -80,7 +80,9 @@ def to_kernel_array(x: Any, *, cache_view: bool = False) -> Any:
             if view is not None:
                 _view_cache.move_to_end(key)
                 return view
-        view = cuda.as_cuda_array(x.detach())
+        # sync=False: torch's CAI names its stream and Numba would otherwise block the host
+        # on it at every conversion; we launch on that same stream, so order is kept anyway.
+        view = cuda.from_cuda_array_interface(x.__cuda_array_interface__, owner=x, sync=False)
         if cache_view:
             _view_cache[key] = view
             if len(_view_cache) > _VIEW_CACHE_SIZE:

@@ -111,17 +111,23 @@ def decode_kernel(spec: AttentionSpec) -> Any:
 
 def paged_attention_decode(
     query: Any, key_cache: Any, value_cache: Any, block_tables: Any, seq_lens: Any,
-    scale: float, out: Any | None = None,
+    scale: float, out: Any | None = None, *, split: bool | None = None,
 ) -> Any:
-    """Decode attention on the CUDA backend (arguments already validated); returns `out`."""
+    """Decode attention on the CUDA backend (arguments already validated); returns `out`.
+
+    `split` forces the split-K (True) or one-pass (False) kernel; None applies
+    `choose_num_partitions` (the dispatcher always passes None; checks force both paths).
+    """
     out = output_for(query, out)
     num_seqs = int(query.shape[0])
     if num_seqs == 0:
         return out
     num_kv_heads, block_size = int(key_cache.shape[1]), int(key_cache.shape[2])
     max_context = int(block_tables.shape[1]) * block_size
-    parts = choose_num_partitions(num_seqs, num_kv_heads, max_context, block_size, num_sms())
-    if parts > 1:
+    if split is None:
+        parts = choose_num_partitions(num_seqs, num_kv_heads, max_context, block_size, num_sms())
+        split = parts > 1
+    if split:
         return decode_split.paged_attention_decode_split(
             query, key_cache, value_cache, block_tables, seq_lens, scale, out,
             partition_size=partition_size(block_size),

@@ -1,0 +1,60 @@
+"""bench/gpu_check: argument parsing, the no-GPU exit, and the report it writes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load_gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_out_is_required(capsys) -> None:
+    gpu_check = _load_gpu_check()
+    with pytest.raises(SystemExit) as exc:
+        gpu_check.parse_args([])
+    assert exc.value.code == 2
+    assert "--out" in capsys.readouterr().err
+    args = gpu_check.parse_args(["--out", "x", "--block-sizes", "16,32", "--max-reps", "7"])
+    assert args.out == Path("x") and args.block_sizes == "16,32" and args.max_reps == 7
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the real check applies")
+def test_script_exits_clearly_without_gpu(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), str(tmp_path / "r")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "no CUDA GPU visible" in proc.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_report_files(tmp_path: Path) -> None:
+    gpu_check = _load_gpu_check()
+    checks = [{"check": "decode fp16", "error": 1e-4, "tolerance": 1e-3, "ok": True},
+              {"check": "prefill bf16", "error": float("inf"), "tolerance": 8e-3, "ok": False}]
+    rows = [{"block_size": 16, "batch": 1, "context": 512, "path": "one-pass", "reps": 50,
+             "kv_sets": 32, "kv_mb": 2.1, "paged_us": 10.0, "paged_gbs": 210.0,
+             "copy_gbs": 4000.0, "ratio_to_copy": 0.05, "sdpa_us": 20.0, "sdpa_gbs": 105.0,
+             "speed_vs_sdpa": 2.0}]
+    gpu_check.write_report(tmp_path, "Test GPU", checks, 4000.0, rows, 12.0)
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "| decode fp16 | 1.00e-04 | 1e-03 | yes |" in md
+    assert "| prefill bf16 | inf | 8e-03 | **NO** |" in md
+    assert "| 16 | 1 | 512 | one-pass | 10.0 | 210 | 0.05 | 20.0 | 105 | 2.00 |" in md
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert data["device"] == "Test GPU" and data["decode"][0]["paged_gbs"] == 210.0
+    assert data["checks"][1]["error"] is None  # strict JSON for a non-finite error
