@@ -86,7 +86,16 @@ class BlockManagerLink:
         self.node_id = node_id
         self.timeout_s = timeout_s
         self.num_rpcs = 0
-        self._channel = grpc.aio.insecure_channel(address)
+        # gRPC's default reconnect backoff grows to minutes; a node must notice a restarted
+        # block manager within a heartbeat or two, so cap it at a second.
+        self._channel = grpc.aio.insecure_channel(
+            address,
+            options=[
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+            ],
+        )
         self._stub = bm_grpc.BlockManagerStub(self._channel)
 
     async def close(self) -> None:
