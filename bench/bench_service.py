@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import signal
@@ -83,11 +84,12 @@ def wait_serving(target: str, timeout_s: float = 120.0) -> None:
 
 
 @contextmanager
-def bm_server(database_url: str, **env: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+def bm_server(database_url: str, log_file: Path | None = None, **env: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     port = free_port()
+    err = open(log_file, "wb") if log_file is not None else subprocess.DEVNULL  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
         [sys.executable, "-m", "block_manager.server", "--listen", f"127.0.0.1:{port}", "--database-url", database_url],
-        cwd=REPO, env=server_env(**env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=REPO, env=server_env(**env), stdout=subprocess.DEVNULL, stderr=err,
     )
     target = f"127.0.0.1:{port}"
     try:
@@ -101,6 +103,8 @@ def bm_server(database_url: str, **env: str) -> Iterator[tuple[str, subprocess.P
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if log_file is not None:
+            err.close()  # type: ignore[union-attr]
 
 
 @contextmanager
@@ -280,16 +284,20 @@ def bench_recovery(num_blocks: int, with_postgres: bool) -> list[dict[str, objec
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
             for mode in ("journal replay after SIGKILL", "snapshot after graceful stop"):
+                log = tmp / "server.log"
                 t0 = time.perf_counter()
-                with bm_server(url, **env) as (target, proc):
+                with bm_server(url, log, PAGEDKV_LOG_LEVEL="INFO", **env) as (target, proc):
                     dt = time.perf_counter() - t0
+                    recovered = next(json.loads(line) for line in log.read_text().splitlines() if '"recovered"' in line)
                     with BlockManagerClient(target) as c:
                         check = c.append_slots([AppendRequest(SeqId("r0"), 1, None)])[0]
                         if not hasattr(check, "slot_mapping"):
                             raise RuntimeError(f"recovered state is wrong: {check}")
                     # leaving the context stops gracefully -> final snapshot for the next mode
-                rows.append({"backend": name, "mode": mode, "blocks_in_use": used, "restart_to_serving_s": dt})
-                print(f"recovery {name:10s} {used} blocks in use, {mode:32s}: restart -> SERVING {dt:.2f} s", flush=True)
+                rec_s, replayed = recovered["seconds"], recovered["records"]
+                rows.append({"backend": name, "mode": mode, "blocks_in_use": used, "restart_to_serving_s": dt, "recovery_s": rec_s, "replayed": replayed})
+                print(f"recovery {name:10s} {used} blocks in use, {mode:30s}: restart -> SERVING {dt:.2f} s "
+                      f"(recovery itself {rec_s:.2f} s, {replayed} records replayed)", flush=True)
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-c", "import block_manager.server"], cwd=REPO, check=True)
         base = time.perf_counter() - t0
@@ -302,10 +310,14 @@ def bench_recovery(num_blocks: int, with_postgres: bool) -> list[dict[str, objec
 
 
 # ---- 4. RPCs per generated token ----------------------------------------------------------
-def bench_rpt(num_finished: int, batch: int, seed: int = 0) -> list[dict[str, object]]:
+RPT_MODES = ("step helper + deferred appends", "step helper, no deferral", "one AppendSlots per sequence")
+
+
+def bench_rpt(batches: list[int], seed: int = 0) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     with bm_server("memory://") as (target, _):
-        for mode in ("step helper + deferred appends", "step helper, no deferral", "one AppendSlots per sequence"):
+        for batch, mode in [(b, m) for b in batches for m in RPT_MODES if b <= 8 or m != RPT_MODES[2]]:
+            num_finished = max(16, 4 * batch)
             rng = random.Random(seed)
             node = f"rpt{len(rows)}"
             with BlockManagerClient(target, timeout_s=30) as c:
@@ -323,29 +335,30 @@ def bench_rpt(num_finished: int, batch: int, seed: int = 0) -> list[dict[str, ob
                         finished += len(done)
                         for s in done:
                             del live[s]
+                    admitted: set[str] = set()
                     while len(live) < batch and next_id < num_finished + batch:
                         sid = f"{node}-{next_id}"
                         next_id += 1
                         step.allocate(sid, node, [rng.randrange(32000) for _ in range(rng.randint(16, 300))])
                         live[sid] = rng.randint(32, 256)
+                        admitted.add(sid)
+                    decoding = [s for s in live if s not in admitted]  # admitted ones ran prefill
                     if mode == "one AppendSlots per sequence":
-                        res = step.commit()
-                        for sid in [s for s in live if s not in res.allocations]:
+                        step.commit()
+                        for sid in decoding:
                             c.append_slots([AppendRequest(SeqId(sid), 1, (rng.randrange(32000),))])
                     else:
-                        for sid in live:
-                            if sid not in step._appends and not any(a.seq_id == sid for a in step._allocs):
-                                step.append(sid, [rng.randrange(32000)])
-                        res = step.commit()
-                    for sid in live:
-                        if sid not in res.allocations:
-                            live[sid] -= 1
-                            generated += 1
+                        for sid in decoding:
+                            step.append(sid, [rng.randrange(32000)])
+                        step.commit()
+                    for sid in decoding:
+                        live[sid] -= 1
+                        generated += 1
                 per_method = dict(c.stats.per_method)
                 decode_rpcs = per_method.get("AppendSlots", 0)
-                rows.append({"mode": mode, "tokens": generated, "rpcs": c.stats.rpcs, "append_rpcs": decode_rpcs,
+                rows.append({"batch": batch, "mode": mode, "tokens": generated, "rpcs": c.stats.rpcs, "append_rpcs": decode_rpcs,
                              "rpcs_per_token": c.stats.rpcs / generated, "append_rpcs_per_token": decode_rpcs / generated})
-                print(f"rpt  {mode:32s} tokens {generated:6d}  all RPCs {c.stats.rpcs:6d} ({c.stats.rpcs / generated:.4f}/token)  "
+                print(f"rpt  batch {batch:3d}  {mode:32s} tokens {generated:6d}  all RPCs {c.stats.rpcs:6d} ({c.stats.rpcs / generated:.4f}/token)  "
                       f"AppendSlots {decode_rpcs:6d} ({decode_rpcs / generated:.4f}/token)  per method {per_method}", flush=True)
     return rows
 
@@ -369,7 +382,7 @@ def main() -> None:
     if "recovery" in only:
         bench_recovery(5_000 if args.quick else 100_000, not args.no_postgres)
     if "rpt" in only:
-        bench_rpt(20 if args.quick else 256, 8 if args.quick else 64)
+        bench_rpt([1, 8] if args.quick else [1, 8, 64])
 
 
 if __name__ == "__main__":

@@ -40,6 +40,11 @@ node is fenced, its pool is dropped as a whole and the next server append fails 
 FAILED_PRECONDITION; the re-registered node starts with an empty table cache and rejects
 slots of sequences it cannot fetch.
 
+A defrag commit may bump a sequence's version without this client hearing of it (it only
+moves full blocks, never the partial last block the local slots use); the version a step
+reports is then a lower bound, which is what `Forward` asks for ("a cached table at least
+this new"), and the node refreshes from the block manager when its cache is older.
+
 The server's `num_tokens` may therefore lag the truth by at most `block_size - 2` tokens per
 sequence, all inside one partial block.
 """
