@@ -64,6 +64,9 @@ class BlockManagerConfig(BaseSettings):
     snapshot_every_records: int = Field(default=10_000, ge=1)
     request_retention_s: float = Field(default=600.0, gt=0)
     max_retained_requests: int = Field(default=10_000, ge=1)
+    # Results of recent requests kept in memory, in outcome items (an AppendSlots of 256
+    # sequences weighs 257); older retries read the result back from the store.
+    max_retained_result_items: int = Field(default=262_144, ge=1)
     max_batch: int = Field(default=4096, ge=1)
     # A restart right after a crash may find the old session's lock not yet released.
     store_lock_wait_s: float = Field(default=10.0, ge=0)

@@ -42,6 +42,13 @@ class RequestIdConflict(ServiceError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class RequestExpired(ServiceError):
+    """A retried request id whose recorded result is no longer retained: refusing it is
+    the only answer that cannot act twice."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class Unauthenticated(ServiceError):
     """An admin-plane call without the configured bearer token."""
 
@@ -88,6 +95,7 @@ def status_for(exc: BaseException) -> grpc.StatusCode | None:
 __all__ = [
     "JournalFailure",
     "RecoveryError",
+    "RequestExpired",
     "RequestIdConflict",
     "ServerUnavailable",
     "ServiceError",

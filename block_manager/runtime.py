@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from block_manager.config import BlockManagerConfig
-from block_manager.errors import RecoveryError, RequestIdConflict, ServerUnavailable
+from block_manager.errors import RecoveryError, RequestExpired, RequestIdConflict, ServerUnavailable
 from block_manager.journal_writer import JournalWriter
+from block_manager.request_index import Recorded, RequestIndex
 from block_manager.state import ServiceState
 from block_manager.store import MemoryStore, NewRecord, Store
 from block_manager.store.records import JournalRecord
@@ -37,13 +36,6 @@ from pagedkv.logging import get_logger
 log = get_logger(__name__)
 
 Phase = Literal["recovering", "serving", "draining", "failed", "stopped"]
-
-
-@dataclass(slots=True)
-class _Recorded:
-    digest: str
-    result: dict[str, Any]
-    committed: asyncio.Future[int] | None  # None: known committed (replayed / looked up)
 
 
 class ServiceRuntime:
@@ -64,7 +56,7 @@ class ServiceRuntime:
         self.num_replayed = 0
         self.recovery_s = 0.0
         self.recovery_problems: list[str] = []
-        self._requests: OrderedDict[str, _Recorded] = OrderedDict()
+        self._requests = RequestIndex(config.max_retained_requests, config.max_retained_result_items)
         self._store_lookup_until = 0.0
         self._lease_timer: asyncio.TimerHandle | None = None
         self._listeners: list[Callable[[str, dict[str, Any], dict[str, Any]], None]] = []
@@ -107,7 +99,7 @@ class ServiceRuntime:
         self.writer.snapshot_seq_no = snapshot_seq_no
         self.writer.last_seq_no = self.store.last_seq_no
         for rec in records[-self.config.max_retained_requests :]:
-            self._remember(rec.request_id, _Recorded(rec.payload_digest, rec.result, None))
+            self._requests.put(rec.request_id, Recorded(rec.payload_digest, rec.result, None))
         if not isinstance(self.store, MemoryStore):
             # Records older than the snapshot are not replayed but may still be retained
             # by the store for retries; ask it on a miss while such retries can arrive.
@@ -165,26 +157,27 @@ class ServiceRuntime:
             raise ServerUnavailable(f"block manager is {self.phase}")
 
     # ---- mutations ------------------------------------------------------------------
-    def _remember(self, request_id: str, rec: _Recorded) -> None:
-        self._requests[request_id] = rec
-        self._requests.move_to_end(request_id)
-        while len(self._requests) > self.config.max_retained_requests:
-            self._requests.popitem(last=False)
-
     async def _recorded(self, request_id: str, digest: str) -> dict[str, Any] | None:
+        """The recorded result of a known request id (None: never seen)."""
         rec = self._requests.get(request_id)
         if rec is None and time.monotonic() < self._store_lookup_until:
             found = await asyncio.to_thread(self.store.lookup_request, request_id)
             rec = self._requests.get(request_id)  # may have landed meanwhile
             if rec is None and found is not None:
-                rec = _Recorded(found.payload_digest, found.result, None)
+                rec = Recorded(found.payload_digest, found.result, None)
         if rec is None:
             return None
         if rec.digest != digest:
             raise RequestIdConflict(f"request id {request_id!r} was used for a different request")
         if rec.committed is not None:
             await asyncio.shield(rec.committed)
-        return rec.result
+        if rec.result is not None:
+            return rec.result
+        if self.writer.journal:
+            found = await asyncio.to_thread(self.store.lookup_request, request_id)
+            if found is not None:
+                return found.result
+        raise RequestExpired(f"request id {request_id!r} is too old: its result is no longer retained")
 
     async def mutate(
         self, op: str, request_id: str, digest: str, payload: dict[str, Any], *, internal: bool = False
@@ -209,7 +202,7 @@ class ServiceRuntime:
             return applied.result
         record = NewRecord(request_id, op, payload, applied.result, digest)
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._remember(request_id, _Recorded(digest, applied.result, fut))
+        self._requests.put(request_id, Recorded(digest, applied.result, fut))
         for listener in self._listeners:
             listener(op, payload, applied.result)
         try:
@@ -224,7 +217,7 @@ class ServiceRuntime:
         """In-memory mode: same state machine and request-id index, no journal."""
         applied = self.state.apply(op, payload, self.clock())
         if applied.mutated:
-            self._remember(request_id, _Recorded(digest, applied.result, None))
+            self._requests.put(request_id, Recorded(digest, applied.result, None))
             self.writer.last_seq_no += 1
             self.writer.num_records += 1
             for listener in self._listeners:

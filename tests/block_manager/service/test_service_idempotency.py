@@ -4,6 +4,7 @@ with another payload is INVALID_ARGUMENT."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import grpc
 
@@ -69,3 +70,38 @@ async def test_register_retry_keeps_epoch(harness: Harness) -> None:
     assert a.epoch == b.epoch == 1
     c = await harness.stub.RegisterNode(pb.RegisterNodeRequest(request_id=rid(), node_id="n1", num_blocks=8))
     assert c.epoch == 2
+
+
+async def _steps(h: Harness, n: int) -> list[tuple[pb.AppendSlotsRequest, pb.AppendSlotsResponse]]:
+    await h.register("n1", num_blocks=64)
+    await h.allocate("a", num_tokens=1)
+    await h.allocate("b", num_tokens=1)
+    done = []
+    for i in range(n):
+        req = pb.AppendSlotsRequest(
+            request_id=f"step-{i}", items=[pb.AppendItem(seq_id="a", num_new_tokens=1), pb.AppendItem(seq_id="b", num_new_tokens=1)]
+        )
+        done.append((req, await h.stub.AppendSlots(req)))
+    return done
+
+
+async def test_old_results_come_back_from_the_store(start_server: Any, tmp_path: Any) -> None:
+    h: Harness = await start_server(database_url=f"sqlite:///{tmp_path / 'bm.db'}", max_retained_result_items=6)
+    done = await _steps(h, 6)
+    assert h.server.runtime is not None
+    assert h.server.runtime._requests.get("step-0").result is None  # shed from memory
+    for req, resp in done:
+        assert await h.stub.AppendSlots(req) == resp
+    table = (await h.admin.DescribeSequence(pb.DescribeSequenceRequest(seq_id="a"))).table
+    assert table.num_tokens == 7
+
+
+async def test_old_results_without_a_store_are_refused_not_repeated(start_server: Any) -> None:
+    h: Harness = await start_server(max_retained_result_items=6)
+    done = await _steps(h, 6)
+    req, _ = done[0]
+    await expect_code(h.stub.AppendSlots(req), grpc.StatusCode.FAILED_PRECONDITION)
+    req, resp = done[-1]
+    assert await h.stub.AppendSlots(req) == resp
+    table = (await h.admin.DescribeSequence(pb.DescribeSequenceRequest(seq_id="a"))).table
+    assert table.num_tokens == 7
