@@ -16,7 +16,7 @@ import kernels
 from kernels import reference
 from kernels.cuda import decode, decode_split
 from kernels.cuda._spec import AttentionSpec
-from tests.kernels.cuda_sim.cases import assert_close, make_case, queries
+from sim_cases import assert_close, make_case, queries
 
 TOL = {np.float32: 1e-5, np.float16: 1e-3}
 
