@@ -16,21 +16,32 @@ from numba import njit, prange
 
 from kernels.cpu import _host
 
+# Below this many bytes per cache, waking the worker threads costs more than the copy (a CoW
+# op moves one block: a few KB per layer), so a serial loop runs instead.
+PARALLEL_MIN_BYTES = 4 * 2**20
 
-@njit(parallel=True, cache=True)
-def _copy_blocks_kernel(cache, block_mapping):
+
+@njit(cache=True, inline="always")
+def _copy_row(cache, block_mapping, item):
     # cache: [num_blocks, num_kv_heads, block_size, row] uint16 bits (row = head_dim, x2 fp32)
     # block_mapping: [num_pairs, 2] int64 (src, dst)
-    num_kv_heads, block_size, row = cache.shape[1], cache.shape[2], cache.shape[3]
-    num_pairs = block_mapping.shape[0]
-    for item in prange(num_kv_heads * block_size):
-        h = item // block_size
-        offset = item % block_size
-        for p in range(num_pairs):  # in order: later pairs may read earlier pairs' output
-            src = block_mapping[p, 0]
-            dst = block_mapping[p, 1]
-            for d in range(row):
-                cache[dst, h, offset, d] = cache[src, h, offset, d]
+    block_size = cache.shape[2]
+    h = item // block_size
+    offset = item % block_size
+    for p in range(block_mapping.shape[0]):  # in order: later pairs may read earlier output
+        cache[block_mapping[p, 1], h, offset, :] = cache[block_mapping[p, 0], h, offset, :]
+
+
+@njit(parallel=True, cache=True)
+def _copy_blocks_parallel(cache, block_mapping):
+    for item in prange(cache.shape[1] * cache.shape[2]):
+        _copy_row(cache, block_mapping, item)
+
+
+@njit(cache=True)
+def _copy_blocks_serial(cache, block_mapping):
+    for item in range(cache.shape[1] * cache.shape[2]):
+        _copy_row(cache, block_mapping, item)
 
 
 def copy_blocks(
@@ -42,4 +53,8 @@ def copy_blocks(
         return
     for cache in (*key_caches, *value_caches):
         bits, _ = _host.kv_bits(cache)
-        _copy_blocks_kernel(bits, pairs)
+        block_bytes = bits[0].nbytes
+        if pairs.shape[0] * block_bytes >= PARALLEL_MIN_BYTES:
+            _copy_blocks_parallel(bits, pairs)
+        else:
+            _copy_blocks_serial(bits, pairs)

@@ -9,24 +9,36 @@ from numba import njit, prange
 
 from kernels.cpu import _host
 
+# Below this many bytes moved, waking the worker threads costs more than the copy itself
+# (a decode step writes one token per sequence: tens of KB), so a serial loop runs instead.
+PARALLEL_MIN_BYTES = 4 * 2**20
 
-@njit(parallel=True, cache=True)
-def _write_slots_kernel(key, value, key_cache, value_cache, slot_mapping):
+
+@njit(cache=True, inline="always")
+def _write_token(key, value, key_cache, value_cache, slot_mapping, t):
     # key/value: [num_tokens, num_kv_heads, row] uint16 bits (row = head_dim, x2 for fp32)
     # key_cache/value_cache: [num_blocks, num_kv_heads, block_size, row] uint16 bits
-    # slot_mapping: [num_tokens] int64, negative = skip (padding token)
-    num_tokens, num_kv_heads, row = key.shape
+    slot = slot_mapping[t]
+    if slot < 0:  # padding token
+        return
     block_size = key_cache.shape[2]
-    for t in prange(num_tokens):
-        slot = slot_mapping[t]
-        if slot < 0:
-            continue
-        block = slot // block_size
-        offset = slot % block_size
-        for h in range(num_kv_heads):
-            for d in range(row):
-                key_cache[block, h, offset, d] = key[t, h, d]
-                value_cache[block, h, offset, d] = value[t, h, d]
+    block = slot // block_size
+    offset = slot % block_size
+    for h in range(key.shape[1]):
+        key_cache[block, h, offset, :] = key[t, h, :]
+        value_cache[block, h, offset, :] = value[t, h, :]
+
+
+@njit(parallel=True, cache=True)
+def _write_slots_parallel(key, value, key_cache, value_cache, slot_mapping):
+    for t in prange(key.shape[0]):
+        _write_token(key, value, key_cache, value_cache, slot_mapping, t)
+
+
+@njit(cache=True)
+def _write_slots_serial(key, value, key_cache, value_cache, slot_mapping):
+    for t in range(key.shape[0]):
+        _write_token(key, value, key_cache, value_cache, slot_mapping, t)
 
 
 def write_slots(
@@ -44,4 +56,7 @@ def write_slots(
     slots = _host.index_array(slot_mapping, np.int64)
     if slots.shape[0] == 0:
         return
-    _write_slots_kernel(k, v, kc, vc, slots)
+    if 2 * k.nbytes >= PARALLEL_MIN_BYTES:
+        _write_slots_parallel(k, v, kc, vc, slots)
+    else:
+        _write_slots_serial(k, v, kc, vc, slots)

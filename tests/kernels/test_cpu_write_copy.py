@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,17 @@ import kernels
 from kernels import reference
 
 DTYPES = ["float16", "float32", "bfloat16"]
+WRITE_MODULE = importlib.import_module("kernels.cpu.write_slots")
+COPY_MODULE = importlib.import_module("kernels.cpu.copy_blocks")
+
+
+@pytest.fixture(params=["serial", "parallel"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run each test through the serial (small op) and the prange (large op) kernel."""
+    threshold = 0 if request.param == "parallel" else 2**62
+    monkeypatch.setattr(WRITE_MODULE, "PARALLEL_MIN_BYTES", threshold)
+    monkeypatch.setattr(COPY_MODULE, "PARALLEL_MIN_BYTES", threshold)
+    return request.param
 
 
 def _copy(x):
@@ -24,7 +37,7 @@ def _equal(a, b) -> bool:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_write_slots_writes_only_mapped_slots(dtype: str) -> None:
+def test_write_slots_writes_only_mapped_slots(dtype: str, path: str) -> None:
     rng = np.random.default_rng(1)
     num_blocks, kv_heads, block_size, head_dim, num_tokens = 40, 4, 16, 64, 300
     key_cache = random_kv(rng, (num_blocks, kv_heads, block_size, head_dim), dtype)
@@ -65,7 +78,7 @@ def _layers(rng, num_layers: int, dtype: str, shape=(12, 2, 16, 32)):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_copy_blocks_in_order_semantics(dtype: str) -> None:
+def test_copy_blocks_in_order_semantics(dtype: str, path: str) -> None:
     rng = np.random.default_rng(3)
     key_caches, value_caches = _layers(rng, 3, dtype), _layers(rng, 3, dtype)
     # A chain (5→6 then 6→7: 7 receives 5's bytes), a self-copy, a destination written twice
@@ -87,7 +100,7 @@ def test_copy_blocks_in_order_semantics(dtype: str) -> None:
         assert _equal(got[0], orig[0]) and _equal(got[10], orig[10])  # untouched
 
 
-def test_copy_blocks_mqa_and_empty_mapping() -> None:
+def test_copy_blocks_mqa_and_empty_mapping(path: str) -> None:
     rng = np.random.default_rng(4)
     key_caches = _layers(rng, 2, "float32", shape=(6, 1, 16, 64))
     value_caches = _layers(rng, 2, "float32", shape=(6, 1, 16, 64))
