@@ -66,22 +66,29 @@ def register_node_request(
 
 
 def allocate_request(request_id: str, items: Sequence[AllocateSpec], pool_epochs: Mapping[str, int] | None) -> pb.AllocateRequest:
-    msgs = []
+    # Build in place with `add()`: passing a list of messages to the constructor copies
+    # every one of them (~7x slower for a 256-item step).
+    m = pb.AllocateRequest(request_id=request_id, pool_epochs=dict(pool_epochs or {}))
+    add = m.items.add
     for it in items:
-        m = pb.AllocateItem(seq_id=it.seq_id, pool_id=it.pool_id)
+        item = add(seq_id=it.seq_id, pool_id=it.pool_id)
         if it.token_ids is not None:
-            m.token_ids.extend(it.token_ids)
+            item.token_ids.extend(it.token_ids)
         if it.num_tokens is not None:
-            m.num_tokens = it.num_tokens
+            item.num_tokens = it.num_tokens
         if it.salt is not None:
-            m.salt = it.salt
-        msgs.append(m)
-    return pb.AllocateRequest(request_id=request_id, items=msgs, pool_epochs=dict(pool_epochs or {}))
+            item.salt = it.salt
+    return m
 
 
 def append_request(request_id: str, items: Sequence[AppendRequest], pool_epochs: Mapping[str, int] | None) -> pb.AppendSlotsRequest:
-    msgs = [pb.AppendItem(seq_id=r.seq_id, num_new_tokens=r.num_new_tokens, token_ids=r.token_ids or ()) for r in items]
-    return pb.AppendSlotsRequest(request_id=request_id, items=msgs, pool_epochs=dict(pool_epochs or {}))
+    m = pb.AppendSlotsRequest(request_id=request_id, pool_epochs=dict(pool_epochs or {}))
+    add = m.items.add
+    for r in items:
+        item = add(seq_id=r.seq_id, num_new_tokens=r.num_new_tokens)
+        if r.token_ids:
+            item.token_ids.extend(r.token_ids)
+    return m
 
 
 # ---- data plane responses --------------------------------------------------------------
@@ -114,20 +121,24 @@ def allocate_outcomes(m: pb.AllocateResponse, items: Sequence[AllocateSpec]) -> 
 
 
 def append_outcomes(m: pb.AppendSlotsResponse, items: Sequence[AppendRequest]) -> list[AppendResult | ItemFailure]:
+    # Hot path (one call per scheduler step, hundreds of items): no per-field generators;
+    # NewType ids are plain ints/strs at runtime.
     out: list[AppendResult | ItemFailure] = []
+    append = out.append
     for item, o in zip(items, m.outcomes, strict=True):
-        if o.WhichOneof("outcome") == "error":
-            out.append(item_failure(item.seq_id, o.error, "AppendSlots"))
+        if o.HasField("error"):
+            append(item_failure(item.seq_id, o.error, "AppendSlots"))
             continue
         a = o.appended
-        out.append(
+        ops = a.copy_ops
+        append(
             AppendResult(
-                SeqId(a.seq_id),
+                a.seq_id,  # type: ignore[arg-type]
                 tuple(a.slot_mapping),
-                tuple(BlockId(b) for b in a.new_block_ids),
-                tuple(copy_op(c) for c in a.copy_ops),
-                int(a.version),
-                int(a.num_tokens),
+                tuple(a.new_block_ids),  # type: ignore[arg-type]
+                tuple(map(copy_op, ops)) if ops else (),
+                a.version,
+                a.num_tokens,
             )
         )
     return out
