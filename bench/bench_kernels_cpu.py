@@ -30,17 +30,30 @@ GROUP = NUM_HEADS // NUM_KV_HEADS
 
 
 def timeit(fn: Callable[[], object], reps: int, budget_s: float = 20.0) -> float:
-    """Median seconds per call over at most `reps` calls (fewer if `budget_s` runs out)."""
+    """Median wall seconds per call over at most `reps` calls (fewer if `budget_s` runs out)."""
+    return timeit_cpu(fn, reps, budget_s)[0]
+
+
+def timeit_cpu(
+    fn: Callable[[], object], reps: int, budget_s: float = 20.0
+) -> tuple[float, float]:
+    """Median (wall, process CPU) seconds per call.
+
+    CPU time sums every thread of this process and leaves out time spent waiting for a core,
+    so on a shared, oversubscribed machine it is the steadier measure of the work done.
+    """
     fn()
-    times: list[float] = []
+    walls: list[float] = []
+    cpus: list[float] = []
     deadline = time.perf_counter() + budget_s
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - t0)
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
         if time.perf_counter() > deadline:
             break
-    return statistics.median(times)
+    return statistics.median(walls), statistics.median(cpus)
 
 
 def copy_bandwidth() -> float:
@@ -85,7 +98,8 @@ def _torch_decode(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 def bench_decode(rng: np.random.Generator, bandwidth: float, quick: bool) -> None:
     print("\n## decode: 32 query / 8 KV heads, head_dim 128, block_size 16")
-    print(f"{'kv':>8} {'B':>4} {'ctx':>5} {'kernel ms':>10} {'KV GB/s':>8} {'of copy bw':>10}"
+    print(f"{'kv':>8} {'B':>4} {'ctx':>5} {'kernel ms':>10} {'cpu ms':>8} {'KV GB/s':>8}"
+          f" {'of copy bw':>10}"
           f" {'torch ms':>9} {'torch+gather ms':>16} {'vs torch':>9} {'split':>6}")
     batches = [1, 16] if quick else [1, 16, 64]
     for dtype in ("float16", "float32"):
@@ -96,7 +110,7 @@ def bench_decode(rng: np.random.Generator, bandwidth: float, quick: bool) -> Non
                 out = torch.empty_like(query)
                 scale = HEAD_DIM**-0.5
                 reps = 20 if batch * ctx <= 16 * 512 else 5
-                t_kernel = timeit(lambda: kernels.paged_attention_decode(
+                t_kernel, cpu_kernel = timeit_cpu(lambda: kernels.paged_attention_decode(
                     query, key_cache, value_cache, tables, lens, scale, out=out), reps)
                 tt = torch.from_numpy(tables).long()
                 k, v = _torch_gather(key_cache, tt), _torch_gather(value_cache, tt)
@@ -108,10 +122,34 @@ def bench_decode(rng: np.random.Generator, bandwidth: float, quick: bool) -> Non
                 kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * key_cache.element_size()
                 split = kernels.cpu.decode.use_split(batch, NUM_KV_HEADS, ctx, BLOCK_SIZE)
                 print(f"{dtype:>8} {batch:>4} {ctx:>5} {t_kernel * 1e3:>10.2f} "
+                      f"{cpu_kernel * 1e3:>8.2f} "
                       f"{kv_bytes / t_kernel / 1e9:>8.2f} {kv_bytes / t_kernel / bandwidth:>10.2f} "
                       f"{t_sdpa * 1e3:>9.2f} {t_gather * 1e3:>16.2f} "
                       f"{t_sdpa / t_kernel:>8.2f}x {'yes' if split else 'no':>6}")
                 del key_cache, value_cache
+
+
+def bench_split(rng: np.random.Generator) -> None:
+    """Single-pass vs split-K decode where (sequence, KV head) items are fewer than cores."""
+    from kernels.cpu import decode as cpu_decode
+
+    print("\n## split-K decode: 1 sequence, MQA (32 query heads, 1 KV head), fp16 KV")
+    print(f"{'ctx':>6} {'single ms':>10} {'split ms':>9} {'speed-up':>9} {'rule picks':>11}")
+    for ctx in (4096, 32768):
+        blocks = ctx // BLOCK_SIZE
+        shape = (blocks, 1, BLOCK_SIZE, HEAD_DIM)
+        key_cache = rng.standard_normal(shape, np.float32).astype(np.float16)
+        value_cache = rng.standard_normal(shape, np.float32).astype(np.float16)
+        tables = rng.permutation(blocks).astype(np.int32)[None, :]
+        lens = np.array([ctx], np.int32)
+        query = rng.standard_normal((1, NUM_HEADS, HEAD_DIM), np.float32)
+        times = {}
+        for split in (False, True):
+            times[split] = timeit(lambda: cpu_decode.paged_attention_decode(
+                query, key_cache, value_cache, tables, lens, 0.1, split=split), 20)
+        picks = "split" if cpu_decode.use_split(1, 1, ctx, BLOCK_SIZE) else "single"
+        print(f"{ctx:>6} {times[False] * 1e3:>10.2f} {times[True] * 1e3:>9.2f} "
+              f"{times[False] / times[True]:>8.2f}x {picks:>11}")
 
 
 def bench_prefill(rng: np.random.Generator) -> None:
@@ -176,6 +214,7 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth (read+write, 512 MiB): {bandwidth / 1e9:.2f} GB/s")
     bench_decode(rng, bandwidth, args.quick)
+    bench_split(rng)
     bench_prefill(rng)
     bench_write_copy(rng, bandwidth)
     print(f"\nNumba threading layer {numba.threading_layer()}; load average "

@@ -198,3 +198,14 @@ def test_decode_and_prefill_sweep(kv_dtype: str, block_size: int) -> None:
         case.query_start_loc, case.scale,
     )
     assert_close_rel(out, expected_prefill(case), REL["float32"])
+
+
+def test_decode_bf16_query_returns_bf16_tensor() -> None:
+    rng = np.random.default_rng(15)
+    case = make_case(rng, [9, 48], num_heads=4, num_kv_heads=2, head_dim=32,
+                     kv_dtype="bfloat16", query_dtype="bfloat16")
+    out = kernels.paged_attention_decode(
+        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, case.scale
+    )
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+    assert_close_rel(out, expected_decode(case), REL["bfloat16"])
