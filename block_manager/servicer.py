@@ -155,21 +155,22 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
         resp = pb.AppendSlotsResponse()
         add = resp.outcomes.add
         for o in r["outcomes"]:
-            err = o.get("error")
-            if err is not None:
+            if type(o) is dict:
+                err = o["error"]
                 e = add().error
                 e.code, e.reason, e.message = err["code"], err["reason"], err["message"]
                 continue
+            seq_id, slots, new_blocks, copy_ops, version, num_tokens = o
             a = add().appended
-            a.seq_id = o["seq_id"]
-            a.slot_mapping.extend(o["slot_mapping"])
-            if o["new_block_ids"]:
-                a.new_block_ids.extend(o["new_block_ids"])
-            for op in o["copy_ops"]:
+            a.seq_id = seq_id
+            a.slot_mapping.extend(slots)
+            if new_blocks:
+                a.new_block_ids.extend(new_blocks)
+            for op in copy_ops:
                 c = a.copy_ops.add()
                 c.op_id, c.src, c.dst, c.kind = op
-            a.version = o["version"]
-            a.num_tokens = o["num_tokens"]
+            a.version = version
+            a.num_tokens = num_tokens
         return resp
 
     async def Fork(self, request: pb.ForkRequest, context: grpc.aio.ServicerContext) -> pb.ForkResponse:

@@ -32,7 +32,7 @@ from block_manager.core.types import AppendFailure, DefragPlan, DefragPolicy, Po
 from block_manager.errors import status_for
 from block_manager.state_codec import (
     allocation_dict,
-    append_dict,
+    append_outcome,
     append_requests,
     check_allocate_item,
     check_count,
@@ -231,17 +231,20 @@ class ServiceState:
         check_count("number of items", len(items), 1, self.config.max_batch)
         self._check_pool_epochs(p.get("pool_epochs"))
         requests = append_requests(items)
-        outcomes: list[dict[str, Any]] = []
+        # Outcomes: a positional list per appended sequence (see `append_outcome`), a
+        # {"seq_id", "error"} dict per failed one.
+        outcomes: list[Any] = []
+        add = outcomes.append
         mutated = False
         for res in self.core.append_slots(requests):
-            if isinstance(res, AppendFailure):
+            if type(res) is AppendFailure:
                 err = res.error
                 if isinstance(err, UnknownSequence):
                     err = self._missing_seq_error(res.seq_id)
-                outcomes.append({"seq_id": res.seq_id, "error": item_error(err)})
+                add({"seq_id": res.seq_id, "error": item_error(err)})
             else:
                 mutated = True
-                outcomes.append(append_dict(res))
+                add(append_outcome(res))  # type: ignore[arg-type]
         return Applied({"outcomes": outcomes}, mutated)
 
     def _fork(self, p: dict[str, Any], now: float) -> Applied:

@@ -101,18 +101,21 @@ def allocation_dict(res: AllocateResult) -> dict[str, Any]:
     }
 
 
-def append_dict(res: AppendResult) -> dict[str, Any]:
-    # Tuples are kept as they are (JSON encodes them as arrays): this runs once per
-    # sequence per scheduler step.
+def append_outcome(res: AppendResult) -> list[Any]:
+    """`[seq_id, slot_mapping, new_block_ids, copy_ops, version, num_tokens]`.
+
+    A positional list rather than a dict, and tuples kept as they are (JSON writes them as
+    arrays): this runs once per sequence per scheduler step and is journaled every step.
+    """
     ops = res.copy_ops
-    return {
-        "seq_id": res.seq_id,
-        "slot_mapping": res.slot_mapping,
-        "new_block_ids": res.new_block_ids,
-        "copy_ops": [op_list(op) for op in ops] if ops else (),
-        "version": res.version,
-        "num_tokens": res.num_tokens,
-    }
+    return [
+        res.seq_id,
+        res.slot_mapping,
+        res.new_block_ids,
+        [op_list(op) for op in ops] if ops else (),
+        res.version,
+        res.num_tokens,
+    ]
 
 
 def table_dict(view: SequenceView) -> dict[str, Any]:
@@ -136,7 +139,7 @@ def plan_dict(plan: DefragPlan) -> dict[str, Any]:
 
 __all__ = [
     "allocation_dict",
-    "append_dict",
+    "append_outcome",
     "append_requests",
     "check_allocate_item",
     "check_count",
