@@ -142,6 +142,21 @@ class DefragPolicy:
     max_high_water_ratio: float | None = 1.5
     min_contiguity: float | None = 0.5
 
+    def __post_init__(self) -> None:
+        from block_manager.core.errors import InvalidRequest
+
+        n = self.every_n_steps
+        if n is not None and (type(n) is not int or n < 1):
+            raise InvalidRequest(f"every_n_steps must be an int >= 1 or None, got {n!r}")
+        r = self.max_high_water_ratio
+        if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or r < 1.0):
+            raise InvalidRequest(f"max_high_water_ratio must be >= 1.0 or None, got {r!r}")
+        c = self.min_contiguity
+        if c is not None and (
+            isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c <= 1.0
+        ):
+            raise InvalidRequest(f"min_contiguity must be in [0, 1] or None, got {c!r}")
+
 
 @dataclass(slots=True, frozen=True)
 class PoolMetrics:

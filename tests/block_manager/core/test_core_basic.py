@@ -374,3 +374,36 @@ def test_can_append() -> None:
     assert not m.can_append("a", 2)
     with pytest.raises(UnknownSequence):
         m.can_append("zz", 1)
+
+
+def test_constructor_and_argument_validation() -> None:
+    for bad in (-0.1, 1.0, "0.1", True):
+        with pytest.raises(InvalidRequest):
+            BlockManager(watermark=bad)  # type: ignore[arg-type]
+    m = make()
+    with pytest.raises(InvalidRequest):
+        m.evict("p", -1)
+    with pytest.raises(UnknownPool):
+        m.reset_prefix_cache("nope")
+    with pytest.raises(UnknownPool):
+        m.metrics("nope")
+    with pytest.raises(InvalidRequest):
+        m.route([])
+    with pytest.raises(InvalidRequest):
+        m.can_allocate("p", 0)
+
+
+def test_metrics_waste_usage_and_high_water() -> None:
+    m = make(num_blocks=10, block_size=4)
+    m.allocate("a", "p", num_tokens=5)  # blocks 0, 1 (1 of 4 used)
+    m.allocate("b", "p", num_tokens=8)  # blocks 2, 3 full
+    m.fork("a", ["a2"])  # shares the partial block: waste counted once
+    met = m.metrics("p")
+    assert met.num_used_blocks == 4 and met.allocated_slots == 16
+    assert met.num_tokens == 18 and met.waste_slots == 3
+    assert met.usage == pytest.approx(0.4) and met.high_water_mark == 4
+    assert met.num_sequences == 3
+    assert met.contiguity == 1.0
+    m.free(["a", "a2"])
+    met = m.metrics("p")
+    assert met.high_water_mark == 4 and met.waste_slots == 0 and met.num_used_blocks == 2

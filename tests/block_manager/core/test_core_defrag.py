@@ -263,3 +263,13 @@ def test_defrag_due_policy() -> None:
     ack_all(m2)
     m2.commit_defrag(plan.plan_id)
     assert m2.defrag_due("p") is None  # step counter restarts at commit
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"every_n_steps": 0}, {"every_n_steps": 1.5}, {"max_high_water_ratio": 0.5},
+     {"min_contiguity": 1.5}, {"min_contiguity": "x"}],
+)
+def test_bad_policy_is_rejected(kwargs) -> None:
+    with pytest.raises(InvalidRequest):
+        DefragPolicy(**kwargs)
