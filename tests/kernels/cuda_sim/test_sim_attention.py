@@ -14,7 +14,7 @@ import torch
 
 import kernels
 from kernels import reference
-from kernels.cuda import decode, decode_split
+from kernels.cuda import decode, decode_reduce, decode_split
 from kernels.cuda._spec import AttentionSpec
 from sim_cases import assert_close, make_case, queries
 
@@ -125,3 +125,41 @@ def test_prefill_matches_reference(kv_dtype, num_kv_heads, group, block_size, q_
         q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, starts,
         case.scale)
     assert_close(out, ref, TOL[kv_dtype])
+
+
+@pytest.mark.parametrize(
+    ("block_size", "head_dim", "window", "lens"),
+    [
+        # 12 blocks through a 2-entry table window: the window is refreshed 5 times
+        (4, 16, 2, [45, 6]),
+        # 32-token blocks staged as two 16-token tiles (register cap), window of one block
+        (32, 32, 1, [70, 33]),
+    ],
+)
+def test_decode_table_window_and_sub_block_tiles(block_size, head_dim, window, lens) -> None:
+    rng = np.random.default_rng(block_size)
+    case = make_case(rng, lens, num_kv_heads=1, block_size=block_size, head_dim=head_dim)
+    q = queries(rng, (len(lens), 2, head_dim), np.float16)
+    spec = AttentionSpec(head_dim, block_size, 2, "f16", "f16", "f16", num_threads=32,
+                         prefetch_window=window)
+    assert spec.tile_tokens == min(block_size, 16)
+    ref = reference.paged_attention_decode(
+        q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, case.scale)
+    out = np.full(q.shape, np.nan, dtype=np.float16)
+    decode.decode_kernel(spec)[(len(lens), 1), 32](
+        out, q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+        np.float32(case.scale))
+    assert_close(out, ref, 1e-3)
+    # split-K with partitions that start mid-table (window starts at tok_begin's block)
+    out = np.full(q.shape, np.nan, dtype=np.float16)
+    part = 2 * block_size
+    max_parts = -(-case.block_tables.shape[1] * block_size // part)
+    tmp_out = np.full((len(lens), 2, max_parts, head_dim), np.nan, dtype=np.float32)
+    tmp_max = np.full((len(lens), 2, max_parts), np.nan, dtype=np.float32)
+    tmp_sum = np.full((len(lens), 2, max_parts), np.nan, dtype=np.float32)
+    decode_split.split_kernel(spec, part)[(len(lens), 1, max_parts), 32](
+        tmp_out, tmp_max, tmp_sum, q, case.key_cache, case.value_cache, case.block_tables,
+        case.seq_lens, np.float32(case.scale))
+    decode_reduce.reduce_kernel(head_dim, "f16", 32, part)[(len(lens), 2), 32](
+        out, tmp_out, tmp_max, tmp_sum, case.seq_lens)
+    assert_close(out, ref, 1e-3)
