@@ -20,9 +20,7 @@ from numba.types import float16
 
 from kernels.cuda._runtime import SIMULATOR
 
-KINDS = ("f16", "bf16", "f32")
 NUMBA_STORAGE = {"f16": types.float16, "bf16": types.int16, "f32": types.float32}
-NUMPY_STORAGE = {"f16": np.dtype(np.float16), "bf16": np.dtype(np.int16), "f32": np.dtype(np.float32)}
 
 if SIMULATOR:
 

@@ -99,7 +99,9 @@ class AttentionSpec:
     def check(self) -> None:
         """Reject variants the kernels cannot run, with a readable reason."""
         if self.num_threads % 32 != 0 or not 32 <= self.num_threads <= 1024:
-            raise KernelInputError(f"num_threads must be a multiple of 32 in [32, 1024]")
+            raise KernelInputError(
+                f"num_threads must be a multiple of 32 in [32, 1024], got {self.num_threads}"
+            )
         if self.num_rows > self.num_threads:
             raise KernelInputError(
                 f"{self.num_rows} query rows per thread block exceed {self.num_threads} threads"
