@@ -88,3 +88,18 @@ async def expect_code(coro: Any, code: grpc.StatusCode) -> grpc.aio.AioRpcError:
         await coro
     assert info.value.code() == code, f"expected {code.name}, got {info.value.code().name}: {info.value.details()}"
     return info.value
+
+
+async def eventually(check: Any, timeout: float = 10.0, interval: float = 0.02) -> None:
+    """Await `check()` (an async predicate) until it is true; fail after `timeout` seconds.
+
+    For effects of the server's own timers (lease expiry, plan timeouts, health updates),
+    whose exact moment depends on scheduling on a busy machine."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not reached within {timeout} s")
+        await asyncio.sleep(interval)

@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pagedkv.v1 import block_manager_pb2 as pb
-from tests.block_manager.service.service_helpers import Harness, expect_code, rid
+from tests.block_manager.service.service_helpers import Harness, eventually, expect_code, rid
 
 
 async def test_status_list_describe(harness: Harness) -> None:
@@ -81,9 +81,12 @@ async def test_health_and_reflection(harness: Harness) -> None:
     assert {"pagedkv.v1.BlockManager", "pagedkv.v1.BlockManagerAdmin", "grpc.health.v1.Health"} <= services
     assert harness.server.runtime is not None
     harness.server.runtime.begin_drain()
-    await asyncio.sleep(0.05)
-    resp = await health.Check(health_pb2.HealthCheckRequest())
-    assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+    async def not_serving() -> bool:
+        resp = await health.Check(health_pb2.HealthCheckRequest())
+        return resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+    await eventually(not_serving)
 
 
 async def test_metrics_endpoint(start_server: Any) -> None:

@@ -3,13 +3,12 @@ manual commit/abort; timeout abort; admin trigger; the policy runner."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import grpc
 
 from pagedkv.v1 import block_manager_pb2 as pb
-from tests.block_manager.service.service_helpers import Harness, expect_code, rid
+from tests.block_manager.service.service_helpers import Harness, eventually, expect_code, rid
 
 
 async def _fragment(h: Harness) -> int:
@@ -78,7 +77,12 @@ async def test_unacknowledged_plan_times_out(start_server: Any) -> None:
     h: Harness = await start_server(defrag={"enabled": False, "timeout_s": 0.2})
     await _fragment(h)
     plan = (await h.stub.PlanDefrag(pb.PlanDefragRequest(request_id=rid(), pool_id="n1"))).plan
-    await asyncio.sleep(0.5)
+    assert (await h.admin.Status(pb.StatusRequest())).pools[0].num_reserved_blocks == len(plan.moves)
+
+    async def released() -> bool:
+        return (await h.admin.Status(pb.StatusRequest())).pools[0].num_reserved_blocks == 0
+
+    await eventually(released)
     status = (await h.admin.Status(pb.StatusRequest())).pools[0]
     assert status.num_reserved_blocks == 0 and status.defrag_moves == 0
     await expect_code(
@@ -97,10 +101,11 @@ async def test_admin_trigger_and_policy_runner(start_server: Any) -> None:
     # two scheduler steps later the policy plans a compaction on its own
     for _ in range(2):
         await h.append(("s3", 1))
-    for _ in range(50):
-        await asyncio.sleep(0.02)
-        if (await h.admin.Status(pb.StatusRequest())).pools[0].num_reserved_blocks:
-            break
+
+    async def planned() -> bool:
+        return (await h.admin.Status(pb.StatusRequest())).pools[0].num_reserved_blocks > 0
+
+    await eventually(planned)
     assert h.server.runtime is not None
     outstanding = h.server.runtime.state.outstanding_plans()
     assert len(outstanding) == 1 and outstanding[0].kind == "compaction"

@@ -18,7 +18,7 @@ from block_manager.server import BlockManagerServer, main
 from block_manager.store import MemoryStore, NewRecord, StoreOptions
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
-from tests.block_manager.service.service_helpers import Harness, expect_code, rid, service_config
+from tests.block_manager.service.service_helpers import Harness, eventually, expect_code, rid, service_config
 
 
 def test_config_yaml_env_and_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -96,9 +96,13 @@ async def test_journal_failure_stops_serving(tmp_path: Path) -> None:
         store.broken = True
         await expect_code(h.allocate("a", num_tokens=1), grpc.StatusCode.UNAVAILABLE)
         await expect_code(h.allocate("b", num_tokens=1), grpc.StatusCode.UNAVAILABLE)
-        await asyncio.sleep(0.05)
         health = health_pb2_grpc.HealthStub(channel)
-        assert (await health.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+        async def not_serving() -> bool:
+            status = (await health.Check(health_pb2.HealthCheckRequest())).status
+            return status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+        await eventually(not_serving)
         assert (await h.admin.Status(pb.StatusRequest())).state == "failed"
     finally:
         await channel.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import grpc
@@ -34,16 +35,20 @@ async def test_reregistration_fences_old_epoch_and_reclaims(harness: Harness) ->
 
 
 async def test_lease_expiry_fences_and_reclaims_blocks(start_server: Any) -> None:
-    h: Harness = await start_server(lease_ttl_s=0.3)
+    h: Harness = await start_server(lease_ttl_s=0.6)
     reg = await h.register("n1", num_blocks=16)
     keep = await h.register("n2", num_blocks=16)
     await h.allocate("a", pool="n1", num_tokens=8)
     await h.allocate("b", pool="n2", num_tokens=8)
-    # n2 heartbeats, n1 does not
-    for _ in range(6):
-        await asyncio.sleep(0.1)
+    # n2 heartbeats, n1 does not; the expiry timer fences n1 about 0.6 s in
+    deadline = time.monotonic() + 10.0
+    nodes: dict[str, pb.NodeInfo] = {}
+    while time.monotonic() < deadline:
         await h.stub.Heartbeat(pb.HeartbeatRequest(node_id="n2", epoch=keep.epoch))
-    nodes = {n.node_id: n for n in (await h.admin.ListNodes(pb.ListNodesRequest())).nodes}
+        nodes = {n.node_id: n for n in (await h.admin.ListNodes(pb.ListNodesRequest())).nodes}
+        if nodes["n1"].fenced:
+            break
+        await asyncio.sleep(0.05)
     assert nodes["n1"].fenced and not nodes["n2"].fenced
     assert nodes["n2"].lease_remaining_s > 0
     await expect_code(h.stub.Heartbeat(pb.HeartbeatRequest(node_id="n1", epoch=reg.epoch)), FP)
