@@ -407,3 +407,26 @@ def test_metrics_waste_usage_and_high_water() -> None:
     m.free(["a", "a2"])
     met = m.metrics("p")
     assert met.high_water_mark == 4 and met.waste_slots == 0 and met.num_used_blocks == 2
+
+
+def test_cow_source_reused_before_the_copy_ran_is_safe_when_ops_run_first() -> None:
+    """The documented node contract: apply all pending ops before a forward's writes."""
+    m = make(num_blocks=3)
+    mem: dict[int, int] = {}
+    a = m.allocate("a", "p", [1, 2, 3])
+    mem.update(zip(a.slot_mapping, [1, 2, 3]))
+    m.fork("a", ["b"])
+    (rb,) = m.append_slots([AppendRequest("b", 1, (9,))])
+    (op,) = rb.copy_ops
+    m.free(["a"])  # the CoW source loses its last holder before the node copied it
+    c = m.allocate("c", "p", [7, 7, 7])
+    assert c.block_table == (op.src,)  # ... and is handed out again at once
+    for pending in m.pending_copy_ops("p"):  # the node: ops first ...
+        for off in range(4):
+            if pending.src * 4 + off in mem:
+                mem[pending.dst * 4 + off] = mem[pending.src * 4 + off]
+    mem[rb.slot_mapping[0]] = 9  # ... then the forward's writes
+    mem.update(zip(c.slot_mapping, [7, 7, 7]))
+    b = m.get_sequence("b")
+    assert [mem[b.block_table[0] * 4 + i] for i in range(4)] == [1, 2, 3, 9]
+    assert [mem[op.src * 4 + i] for i in range(3)] == [7, 7, 7]
