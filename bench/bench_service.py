@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -41,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from block_manager.client import AsyncBlockManagerClient, BlockManagerClient, RetryPolicy  # noqa: E402
-from block_manager.client.types import AllocateSpec  # noqa: E402
+from block_manager.client.types import AllocateSpec, ItemFailure  # noqa: E402
 from block_manager.core.types import AppendRequest, PoolId, SeqId  # noqa: E402
 from pagedkv.v1 import block_manager_pb2 as pb  # noqa: E402
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc  # noqa: E402
@@ -168,7 +169,7 @@ def bench_append(sizes: list[int], iters: int) -> list[dict[str, float]]:
             stub = pb_grpc.BlockManagerStub(grpc.insecure_channel(target))
             echo = ech.unary_unary(ECHO_METHOD)
             for n in sizes:
-                seq_ids = setup_decode(c, f"node{n}", n, iters + 20, prefix=f"n{n}-")
+                seq_ids = setup_decode(c, f"node{n}", n, iters + 80, prefix=f"n{n}-")
                 items = [pb.AppendItem(seq_id=s, num_new_tokens=1, token_ids=[7]) for s in seq_ids]
                 bm_lat, cl_lat, echo_lat = [], [], []
                 req_size = resp_size = 0
@@ -177,6 +178,8 @@ def bench_append(sizes: list[int], iters: int) -> list[dict[str, float]]:
                     t0 = time.perf_counter()
                     resp = stub.AppendSlots(req, timeout=30)
                     dt = time.perf_counter() - t0
+                    if resp.outcomes[-1].HasField("error"):
+                        raise RuntimeError(f"append failed: {resp.outcomes[-1].error}")
                     req_size, resp_size = req.ByteSize(), resp.ByteSize()
                     payload = struct.pack("<I", resp_size) + b"\x00" * max(0, req_size - 4)
                     t0 = time.perf_counter()
@@ -188,8 +191,10 @@ def bench_append(sizes: list[int], iters: int) -> list[dict[str, float]]:
                 reqs = [AppendRequest(s, 1, (7,)) for s in seq_ids]
                 for _ in range(min(iters, 50)):
                     t0 = time.perf_counter()
-                    c.append_slots(reqs)
+                    outs = c.append_slots(reqs)
                     cl_lat.append(time.perf_counter() - t0)
+                    if isinstance(outs[-1], ItemFailure):
+                        raise RuntimeError(f"append failed: {outs[-1]}")
                 row = {
                     "seqs": n, "req_bytes": req_size, "resp_bytes": resp_size,
                     "bm_p50_ms": 1e3 * statistics.median(bm_lat), "bm_p99_ms": 1e3 * pct(bm_lat, 0.99),
@@ -208,18 +213,25 @@ def bench_append(sizes: list[int], iters: int) -> list[dict[str, float]]:
 
 
 # ---- 2. steps/s per backend --------------------------------------------------------------
-async def _async_steps(target: str, num_clients: int, num_seqs: int, seconds: float) -> float:
+async def _async_steps(target: str, tag: str, num_clients: int, num_seqs: int, seconds: float) -> float:
+    """Decode steps/s summed over `num_clients` concurrent clients, each with its own node
+    (fresh per round, sized so no append can run out of blocks)."""
+
     async def one(idx: int) -> int:
+        node = f"{tag}-w{idx}"
         async with AsyncBlockManagerClient(target, retry=RetryPolicy(max_attempts=1)) as c:
-            await c.register_node(f"w{idx}", num_seqs * 40 + 16, block_size=BS)
-            sids = [SeqId(f"w{idx}-{i}") for i in range(num_seqs)]
-            await c.allocate([AllocateSpec(s, PoolId(f"w{idx}"), None, BS) for s in sids])
+            await c.register_node(node, num_seqs * 128 + 16, block_size=BS)
+            sids = [SeqId(f"{node}-{i}") for i in range(num_seqs)]
+            await c.allocate([AllocateSpec(s, PoolId(node), None, BS) for s in sids])
             reqs = [AppendRequest(s, 1, None) for s in sids]
             steps = 0
             end = time.perf_counter() + seconds
             while time.perf_counter() < end:
-                await c.append_slots(reqs)
+                outs = await c.append_slots(reqs)
+                if not hasattr(outs[-1], "slot_mapping"):
+                    raise RuntimeError(f"append failed: {outs[-1]}")
                 steps += 1
+            await c.free(sids)
             return steps
 
     t0 = time.perf_counter()
@@ -227,11 +239,11 @@ async def _async_steps(target: str, num_clients: int, num_seqs: int, seconds: fl
     return sum(counts) / (time.perf_counter() - t0)
 
 
-def bench_steps(with_postgres: bool, seconds: float) -> list[dict[str, object]]:
-    rows: list[dict[str, object]] = []
-    backends: list[tuple[str, str]] = [("memory", "memory://")]
+def bench_steps(with_postgres: bool, seconds: float, rounds: int) -> list[dict[str, object]]:
+    """All backends' servers run at once; short rounds alternate between them and the
+    median per backend is reported, so load drift from other processes hits all alike."""
     tmp = Path(tempfile.mkdtemp(prefix="bench-svc-"))
-    backends.append(("sqlite (WAL, FULL)", f"sqlite:///{tmp / 'bm.db'}"))
+    backends: list[tuple[str, str]] = [("memory", "memory://"), ("sqlite (WAL, FULL)", f"sqlite:///{tmp / 'bm.db'}")]
     cluster = None
     if with_postgres:
         from tests.fixtures.postgres import PostgresCluster
@@ -239,20 +251,24 @@ def bench_steps(with_postgres: bool, seconds: float) -> list[dict[str, object]]:
         cluster = PostgresCluster()
         cluster.start()
         backends.append(("postgresql (fsync=on)", cluster.create_database()))
+    samples: dict[tuple[str, int], list[float]] = {(name, n): [] for name, _ in backends for n in (1, 8)}
     try:
-        for name, url in backends:
-            with bm_server(url, PAGEDKV_SNAPSHOT_INTERVAL_S="3600") as (target, _):
-                one = asyncio.run(_async_steps(target, 1, 64, seconds))
-            with bm_server(url.replace("bm.db", "bm8.db"), PAGEDKV_SNAPSHOT_INTERVAL_S="3600") as (target, _):
-                eight = asyncio.run(_async_steps(target, 8, 64, seconds))
-            rows.append({"backend": name, "steps_s_1": one, "steps_s_8": eight})
-            print(f"steps  {name:24s} 1 client {one:8.0f} steps/s | 8 clients {eight:8.0f} steps/s", flush=True)
+        with contextlib.ExitStack() as stack:
+            targets = [(name, stack.enter_context(bm_server(url, PAGEDKV_SNAPSHOT_INTERVAL_S="3600"))[0]) for name, url in backends]
+            for r in range(rounds):
+                for name, target in targets:
+                    for n in (1, 8):
+                        samples[(name, n)].append(asyncio.run(_async_steps(target, f"r{r}c{n}", n, 64, seconds)))
     finally:
         if cluster is not None:
             cluster.stop()
-    base = rows[0]
-    for r in rows:
-        print(f"steps  {r['backend']:24s} vs memory: 1 client {r['steps_s_1'] / base['steps_s_1']:.2f}x, 8 clients {r['steps_s_8'] / base['steps_s_8']:.2f}x")
+    rows: list[dict[str, object]] = []
+    base = {n: statistics.median(samples[(backends[0][0], n)]) for n in (1, 8)}
+    for name, _ in backends:
+        one, eight = (statistics.median(samples[(name, n)]) for n in (1, 8))
+        rows.append({"backend": name, "steps_s_1": one, "steps_s_8": eight})
+        print(f"steps  {name:24s} 1 client {one:7.0f} steps/s ({one / base[1]:.2f}x memory) | "
+              f"8 clients {eight:7.0f} steps/s ({eight / base[8]:.2f}x memory)  [median of {rounds} x {seconds:g}s rounds]", flush=True)
     return rows
 
 
@@ -275,11 +291,14 @@ def bench_recovery(num_blocks: int, with_postgres: bool) -> list[dict[str, objec
         for name, url in urls:
             with bm_server(url, **env) as (target, proc):
                 with BlockManagerClient(target, timeout_s=120) as c:
-                    c.register_node("big", num_blocks + 64, block_size=BS)
+                    c.register_node("big", num_blocks + num_seqs + 64, block_size=BS)
+                    outs: list[object] = []
                     for lo in range(0, num_seqs, 100):  # 100 allocations per journal record
-                        c.allocate([AllocateSpec(SeqId(f"r{i}"), PoolId("big"), None, per_seq * BS) for i in range(lo, min(num_seqs, lo + 100))])
+                        outs += c.allocate([AllocateSpec(SeqId(f"r{i}"), PoolId("big"), None, per_seq * BS) for i in range(lo, min(num_seqs, lo + 100))])
                     reqs = [AppendRequest(SeqId(f"r{i}"), 1, None) for i in range(num_seqs)]
-                    c.append_slots(reqs)  # one block more each: 100k + num_seqs in use
+                    outs += c.append_slots(reqs)  # one block more each: 100k + num_seqs in use
+                    if any(isinstance(o, ItemFailure) for o in outs):
+                        raise RuntimeError("building the state failed: " + str(next(o for o in outs if isinstance(o, ItemFailure))))
                     used = num_seqs * (per_seq + 1)
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
@@ -378,7 +397,7 @@ def main() -> None:
     if "append" in only:
         bench_append([1, 16, 64, 256, 512], 30 if args.quick else 300)
     if "steps" in only:
-        bench_steps(not args.no_postgres, 1.0 if args.quick else 5.0)
+        bench_steps(not args.no_postgres, 0.5 if args.quick else 1.5, 2 if args.quick else 5)
     if "recovery" in only:
         bench_recovery(5_000 if args.quick else 100_000, not args.no_postgres)
     if "rpt" in only:
