@@ -91,7 +91,7 @@ class ServiceRuntime:
         """Recover from the store, then serve."""
         t0 = time.perf_counter()
         try:
-            state, records, snapshot_seq_no = await asyncio.to_thread(self._recover)
+            state, records, snapshot_seq_no, problems = await asyncio.to_thread(self._recover)
         except Exception as exc:
             self._set_phase("failed")
             raise RecoveryError(f"recovery failed: {exc}") from exc
@@ -106,14 +106,16 @@ class ServiceRuntime:
             self._store_lookup_until = time.monotonic() + self.config.request_retention_s
         self.num_replayed = len(records)
         self.recovery_s = time.perf_counter() - t0
-        self.recovery_problems = self.state.fsck()
+        self.recovery_problems = problems
         if self.recovery_problems:
             log.error("fsck after recovery found problems", problems=self.recovery_problems[:20])
         log.info("recovered", records=len(records), snapshot_seq_no=snapshot_seq_no, seconds=round(self.recovery_s, 3))
         self._set_phase("serving")
         self.schedule_lease_check()
 
-    def _recover(self) -> tuple[ServiceState, list[JournalRecord], int]:
+    def _recover(self) -> tuple[ServiceState, list[JournalRecord], int, list[str]]:
+        """Snapshot + replay + fsck, on a worker thread (nothing else touches the state
+        while the phase is "recovering")."""
         recovered = self.store.recover()
         now = self.clock()
         cfg = self.config.state_config()
@@ -127,7 +129,7 @@ class ServiceRuntime:
             except Exception as exc:
                 raise RecoveryError(f"journal record {rec.seq_no} ({rec.op}) does not replay: {exc}") from exc
         state.registry.renew_all(now)
-        return state, recovered.records, recovered.snapshot_seq_no
+        return state, recovered.records, recovered.snapshot_seq_no, state.fsck()
 
     def begin_drain(self) -> None:
         if self.phase == "serving":
