@@ -45,17 +45,22 @@ moves full blocks, never the partial last block the local slots use); the versio
 reports is then a lower bound, which is what `Forward` asks for ("a cached table at least
 this new"), and the node refreshes from the block manager when its cache is older.
 
-The server's `num_tokens` may therefore lag the truth by at most `block_size - 2` tokens per
+When a whole RPC of a step fails after the client's retries (its outcome is unknown), the
+step stops answering locally for the sequences involved (they are untracked and go to the
+server from then on); a Fork failure marks the parent's tail as possibly shared, and a Free
+forgets its sequences before it is sent.
+
+The server's `num_tokens` lags the truth by at most `block_size - 2` tokens per
 sequence, all inside one partial block.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from block_manager.client.errors import InvalidArgumentError, StepStateError
+from block_manager.client.errors import BlockManagerError, InvalidArgumentError, StepStateError
 from block_manager.client.types import AllocateSpec, ItemFailure
 from block_manager.core.types import AllocateResult, AppendRequest, AppendResult, BlockId, CopyOp, PoolId, SeqId, SequenceView
 
@@ -246,10 +251,12 @@ class StepBatch:
         self._committed = True
         res, tracker, epochs = self.result, self._tracker, self._pool_epochs
         if self._free_ids:
-            res.num_rpcs += 1
-            res.num_freed = yield Call("free", (self._free_ids,), {"pool_epochs": epochs})
+            # Forget first: after a Free whose answer was lost the blocks may already belong
+            # to another sequence, so no slot may ever be computed locally for these again.
             for sid in self._free_ids:
                 tracker.forget(sid)
+            res.num_rpcs += 1
+            res.num_freed = yield Call("free", (self._free_ids,), {"pool_epochs": epochs})
         if self._allocs:
             res.num_rpcs += 1
             outcomes = yield Call("allocate", (self._allocs,), {"pool_epochs": epochs})
@@ -263,24 +270,44 @@ class StepBatch:
             if flush:
                 res.num_rpcs += 1
                 reqs = [t.server_request(0, ()) for t in flush]
-                outcomes = yield Call("append_slots", (reqs,), {"pool_epochs": epochs})
+                try:
+                    outcomes = yield Call("append_slots", (reqs,), {"pool_epochs": epochs})
+                except BlockManagerError:
+                    self._distrust(t.seq_id for t in flush)
+                    raise
                 for t, out in zip(flush, outcomes, strict=True):
                     if isinstance(out, ItemFailure):
                         raise out.error
                     t.apply_server_append(out, 0)
             for parent, children in self._forks:
                 res.num_rpcs += 1
-                views = yield Call("fork", (parent, children), {"pool_epochs": epochs})
+                try:
+                    views = yield Call("fork", (parent, children), {"pool_epochs": epochs})
+                except BlockManagerError:
+                    # The fork may have happened (answer lost): the parent's tail may be shared.
+                    self._distrust([parent])
+                    raise
                 res.forks[parent] = tuple(views)
                 tracker.track_fork(parent, views)
         if self._appends:
             items, pending = self._plan_appends()
             if items:
                 res.num_rpcs += 1
-                outcomes = yield Call("append_slots", (items,), {"pool_epochs": epochs})
+                try:
+                    outcomes = yield Call("append_slots", (items,), {"pool_epochs": epochs})
+                except BlockManagerError:
+                    # Applied or not is unknown: only the server may answer for these now.
+                    self._distrust(sid for sid, _ in pending)
+                    raise
                 for (sid, n), out in zip(pending, outcomes, strict=True):
                     res.appends[sid] = self._server_outcome(sid, n, out)
         return res
+
+    def _distrust(self, seq_ids: Iterable[SeqId]) -> None:
+        """Stop answering locally for sequences whose server state became uncertain (a
+        whole-RPC failure after retries may hide an applied request)."""
+        for sid in seq_ids:
+            self._tracker.forget(sid)
 
     def _plan_appends(self) -> tuple[list[AppendRequest], list[tuple[SeqId, int]]]:
         items: list[AppendRequest] = []
@@ -314,13 +341,19 @@ class StepBatch:
 
 
 def run_sync(batch: StepBatch) -> StepResult:
-    """Drive a step program with a synchronous client."""
+    """Drive a step program with a synchronous client (errors are thrown into the program,
+    which updates its view and re-raises)."""
     program = batch.program()
     client = batch._client
     try:
         call = next(program)
         while True:
-            call = program.send(getattr(client, call.method)(*call.args, **call.kwargs))
+            try:
+                answer = getattr(client, call.method)(*call.args, **call.kwargs)
+            except BlockManagerError as exc:
+                call = program.throw(exc)
+                continue
+            call = program.send(answer)
     except StopIteration as stop:
         return stop.value
 
@@ -332,7 +365,12 @@ async def run_async(batch: StepBatch) -> StepResult:
     try:
         call = next(program)
         while True:
-            call = program.send(await getattr(client, call.method)(*call.args, **call.kwargs))
+            try:
+                answer = await getattr(client, call.method)(*call.args, **call.kwargs)
+            except BlockManagerError as exc:
+                call = program.throw(exc)
+                continue
+            call = program.send(answer)
     except StopIteration as stop:
         return stop.value
 

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from block_manager.client import BlockManagerClient, InvalidArgumentError, ItemFailure, OutOfBlocksError, SeqSlots, StepStateError
+from block_manager.client import (
+    BlockManagerClient,
+    InvalidArgumentError,
+    ItemFailure,
+    OutOfBlocksError,
+    RetryPolicy,
+    SeqSlots,
+    StepStateError,
+    UnavailableError,
+)
 from block_manager.core.types import AppendRequest, SeqId
 from tests.block_manager.client.server_thread import ServerThread
 from tests.block_manager.client.step_workload import check_against_tables, expected_server_steps, record
@@ -184,3 +193,41 @@ def test_item_failures_and_misuse(client):
         step.append("x", [])
     with pytest.raises(InvalidArgumentError):
         step.append("y", [1, 2], num_new_tokens=3)
+
+
+def test_ambiguous_failures_stop_local_answers(bm):
+    """A step RPC that fails after every retry may still have acted: the helper must not
+    compute slots locally from a view that might be stale."""
+    proxy = bm.start_proxy()
+    retry = RetryPolicy(max_attempts=2, initial_backoff_s=0.01)
+    with BlockManagerClient(f"127.0.0.1:{proxy.port}", retry=retry) as c:
+        c.register_node("n1", 32, block_size=BS)
+        step = c.step()
+        step.allocate("s", "n1", num_tokens=2)
+        step.allocate("p", "n1", num_tokens=2)
+        step.commit()
+        step = c.step()
+        step.append("s", num_new_tokens=1)
+        assert step.commit().appends["s"].deferred
+        proxy.fail_after_forward("AppendSlots", times=2)
+        step = c.step()
+        step.append("s", num_new_tokens=6)  # crosses the block: server; every answer lost
+        with pytest.raises(UnavailableError):
+            step.commit()
+        assert c.tracker.get("s") is None
+        assert bm.state.core.get_sequence(SeqId("s")).num_tokens == 9  # acted exactly once
+        step = c.step()
+        step.append("s", num_new_tokens=1)
+        res = step.commit()
+        assert res.num_rpcs == 1 and res.appends["s"].context_len == 10
+        proxy.fail_after_forward("Fork", times=2)
+        step = c.step()
+        step.fork("p", ["q"])
+        with pytest.raises(UnavailableError):
+            step.commit()
+        assert c.tracker.get("p") is None  # the fork did happen: p's tail is shared now
+        step = c.step()
+        step.append("p", num_new_tokens=1)
+        out = step.commit().appends["p"]
+        assert isinstance(out, SeqSlots) and not out.deferred and out.copy_ops[0].kind == "cow"
+    assert bm.fsck() == []
