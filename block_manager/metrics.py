@@ -30,6 +30,7 @@ class _StateCollector(Collector):
     def __init__(self, runtime: ServiceRuntime, loop: asyncio.AbstractEventLoop) -> None:
         self._runtime = runtime
         self._loop = loop
+        self._loop_thread = threading.get_ident()  # constructed on the loop's thread
 
     def _read(self) -> dict[str, Any]:
         rt = self._runtime
@@ -53,7 +54,7 @@ class _StateCollector(Collector):
         if self._loop.is_closed():
             return None
         try:
-            if threading.get_ident() == getattr(self._loop, "_thread_id", None):
+            if threading.get_ident() == self._loop_thread:
                 return self._read()
             return asyncio.run_coroutine_threadsafe(self._read_async(), self._loop).result(timeout=5.0)
         except Exception:  # noqa: BLE001 - a scrape during shutdown yields nothing

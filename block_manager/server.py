@@ -91,10 +91,14 @@ class BlockManagerServer:
         reflection.enable_server_reflection(
             (DATA_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        self.port = server.add_insecure_port(cfg.listen_address)
-        if self.port == 0:
-            await store_close(store)
+        try:
+            port = server.add_insecure_port(cfg.listen_address)
+        except RuntimeError:  # grpc raises RuntimeError("Failed to bind ...")
+            port = 0
+        if port == 0:
+            await asyncio.to_thread(store.close)
             raise OSError(f"cannot listen on {cfg.listen_address}")
+        self.port = port
         await self._set_health(_NOT_SERVING)
         await server.start()
         self._server = server
@@ -148,10 +152,6 @@ class BlockManagerServer:
         await self._stopped.wait()
         if self._server is not None:
             await self._server.wait_for_termination()
-
-
-async def store_close(store: Store) -> None:
-    await asyncio.to_thread(store.close)
 
 
 async def serve(config: BlockManagerConfig, port_file: Path | None = None) -> int:

@@ -147,3 +147,15 @@ async def test_not_serving_while_recovering() -> None:
         store.release.set()
         await starting
         await server.stop(0)
+
+
+async def test_address_in_use_is_a_clear_error() -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        server = BlockManagerServer(service_config(listen_address=f"127.0.0.1:{port}"))
+        with pytest.raises(OSError, match="cannot listen"):
+            await server.start()
