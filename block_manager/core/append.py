@@ -8,8 +8,10 @@ and "no copy", and hashing only when a block actually fills up.
 
 from __future__ import annotations
 
+import operator
 from array import array
 from collections.abc import Sequence as Seq
+from typing import cast
 
 from block_manager.core.errors import InvalidRequest, OutOfBlocks, UnknownSequence
 from block_manager.core.hashing import hash_block_bytes, salt_bytes
@@ -43,7 +45,11 @@ def _failure(
         if len(toks) != n:
             return AppendFailure(sid, InvalidRequest(f"{len(toks)} token ids for {n} new tokens"))
         for t in toks:
-            if type(t) is not int or not _INT64_MIN <= t <= _INT64_MAX:
+            try:
+                value = operator.index(t)
+            except TypeError:
+                value = None
+            if value is None or isinstance(t, bool) or not _INT64_MIN <= value <= _INT64_MAX:
                 return AppendFailure(sid, InvalidRequest(f"token id {t!r} is not an int64 integer"))
     pool = pools[seq.pool_id]
     bs = pool.block_size
@@ -106,11 +112,17 @@ def append_batch(
                         bad = True
                         break
         if bad:
-            append(_failure(seqs, pools, seen, req))  # type: ignore[arg-type]
+            failure = _failure(seqs, pools, seen, req)
             if seq is not None:
                 seen_add(sid)
-            continue
-        seen_add(sid)
+            if failure is not None:
+                append(failure)
+                continue
+            # Valid after all: integer-like token ids (e.g. numpy ints) become plain ints.
+            toks = tuple(operator.index(t) for t in toks)  # type: ignore[union-attr]
+        else:
+            seen_add(sid)
+        seq = cast(Sequence, seq)  # a missing sequence always fails above
         pool = pools[seq.pool_id]
         bs = pool.block_size
         table = seq.block_table

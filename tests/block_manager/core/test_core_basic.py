@@ -430,3 +430,15 @@ def test_cow_source_reused_before_the_copy_ran_is_safe_when_ops_run_first() -> N
     b = m.get_sequence("b")
     assert [mem[b.block_table[0] * 4 + i] for i in range(4)] == [1, 2, 3, 9]
     assert [mem[op.src * 4 + i] for i in range(3)] == [7, 7, 7]
+
+
+def test_integer_like_token_ids_are_accepted_and_hashed_like_ints() -> None:
+    np = pytest.importorskip("numpy")
+    m = make()
+    m.allocate("a", "p", np.arange(3))
+    (r,) = m.append_slots([AppendRequest("a", 6, tuple(np.arange(3, 9)))])
+    assert isinstance(r, AppendResult) and r.num_tokens == 9
+    (bad,) = m.append_slots([AppendRequest("a", 1, (True,))])
+    assert isinstance(bad, AppendFailure) and isinstance(bad.error, InvalidRequest)
+    assert m.allocate("b", "p", list(range(9))).num_cached_tokens == 8
+    assert m.fsck() == []
