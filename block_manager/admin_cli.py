@@ -80,7 +80,7 @@ def _call(client: AdminClient, args: argparse.Namespace) -> Result:
 def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
     t = Table(title=title, title_justify="left")
     for col in columns:
-        t.add_column(col, justify="left" if col in ("pool", "node", "seq", "address", "device", "kind", "block table") else "right")
+        t.add_column(col, justify="left" if col in ("pool", "node", "seq", "address", "device", "dtype", "kind", "block table") else "right")
     for row in rows:
         t.add_row(*(str(v) for v in row))
     return t
