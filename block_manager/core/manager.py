@@ -14,6 +14,7 @@ owner's first write happens in a later forward, after the copy.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping, Sequence as Seq
 
 from block_manager.core import defrag as _defrag
@@ -23,15 +24,13 @@ from block_manager.core.errors import (
     UnknownPlan, UnknownPool, UnknownSequence, VersionConflict,
 )
 from block_manager.core.hashing import hash_prefix, token_array
-from block_manager.core.pool import Pool
+from block_manager.core.pool import MAX_POOL_BLOCKS, Pool
 from block_manager.core.sequence import Sequence
 from block_manager.core.slots import slot_range
 from block_manager.core.types import (
     AllocateResult, AppendFailure, AppendRequest, AppendResult, BlockId, CopyOp, DefragKind,
     DefragPlan, DefragPolicy, PlanId, PoolId, PoolMetrics, RouteEntry, SeqId, SequenceView,
 )
-
-MAX_POOL_BLOCKS = 1 << 24
 
 
 def _check_count(name: str, value: object, minimum: int) -> int:
@@ -182,7 +181,9 @@ class BlockManager:
             seq_id, pool_id, tuple(table), num_cached, slot_range(table, bs, num_cached, total), 1
         )
 
-    def _prefix_hits(self, pool: Pool, tokens, hashes: list[bytes], salt: str | None) -> list[int]:
+    def _prefix_hits(
+        self, pool: Pool, tokens: array, hashes: list[bytes], salt: str | None
+    ) -> list[int]:
         """Blocks of the longest cached prefix, capped to leave one token to compute."""
         bs = pool.block_size
         max_hits = min(len(hashes), (len(tokens) - 1) // bs)

@@ -21,6 +21,9 @@ from block_manager.core.sequence import Sequence
 from block_manager.core.types import BlockId, CopyKind, CopyOp, DefragKind, PlanId, PoolId, SeqId
 
 
+MAX_POOL_BLOCKS = 1 << 24  # bounds memory for a pool created from bad input
+
+
 @dataclass(slots=True, frozen=True)
 class BlockMeta:
     """Identity of a hashed block: what a prefix hit is confirmed against."""

@@ -13,7 +13,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from block_manager.core.errors import CoreError, InvalidRequest
-from block_manager.core.pool import BlockMeta, PlanState, Pool
+from block_manager.core.pool import MAX_POOL_BLOCKS, BlockMeta, PlanState, Pool
 from block_manager.core.sequence import Sequence
 from block_manager.core.types import BlockId, CopyOp, DefragPolicy, PlanId, PoolId, SeqId
 
@@ -107,7 +107,14 @@ def to_snapshot(manager: BlockManager) -> dict[str, Any]:
 
 
 def _pool_from_dict(d: dict[str, Any]) -> Pool:
-    pool = Pool(PoolId(d["pool_id"]), int(d["num_blocks"]), int(d["block_size"]))
+    num_blocks, block_size = d["num_blocks"], d["block_size"]
+    if type(num_blocks) is not int or not 1 <= num_blocks <= MAX_POOL_BLOCKS:
+        raise ValueError(f"num_blocks {num_blocks!r}")
+    if type(block_size) is not int or block_size < 1:
+        raise ValueError(f"block_size {block_size!r}")
+    if not isinstance(d["pool_id"], str) or not d["pool_id"]:
+        raise ValueError(f"pool id {d['pool_id']!r}")
+    pool = Pool(PoolId(d["pool_id"]), num_blocks, block_size)
     n = pool.num_blocks
     pool.draining = bool(d["draining"])
     ref = [int(x) for x in d["ref_cnt"]]
