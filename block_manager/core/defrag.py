@@ -173,7 +173,9 @@ def commit(pool: Pool) -> list[SeqId]:
             pool.meta[dst] = meta
             pool.meta[src] = None
             pool.prefix_index[meta.block_hash] = dst
-        pool.free_list.push_front(src)
+        # Back of the free list: used only after every other free block (but before any
+        # cached block is evicted), so the high-water mark stays down as long as it can.
+        pool.free_list.push_back(src)
         pool.defrag_moves += 1
     changed: list[SeqId] = []
     for seq in pool.seqs.values():

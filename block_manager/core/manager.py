@@ -446,4 +446,4 @@ class BlockManager:
         return from_snapshot(cls, data)
 
 
-__all__ = ["BlockManager", "BlockId"]
+__all__ = ["BlockManager", "BlockId", "MAX_POOL_BLOCKS"]

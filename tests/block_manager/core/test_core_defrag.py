@@ -273,3 +273,18 @@ def test_defrag_due_policy() -> None:
 def test_bad_policy_is_rejected(kwargs) -> None:
     with pytest.raises(InvalidRequest):
         DefragPolicy(**kwargs)
+
+
+def test_compacted_sources_are_reused_last() -> None:
+    m = scattered()
+    plan = m.plan_defrag("p")
+    assert plan is not None
+    ack_all(m)
+    m.commit_defrag(plan.plan_id)
+    # 8 free blocks: the 4 old sources are handed out only after the other 4.
+    sources = {op.src for op in plan.moves}
+    first = m.allocate("n1", "p", num_tokens=16).block_table
+    assert not set(first) & sources
+    assert m.metrics("p").high_water_mark == 14  # 8, 9, 12, 13 were the free holes
+    second = m.allocate("n2", "p", num_tokens=16).block_table
+    assert set(second) == sources
