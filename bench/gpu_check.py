@@ -301,11 +301,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     block_sizes = [int(b) for b in args.block_sizes.split(",") if b]
     import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA GPU visible (torch.cuda.is_available() is False); "
+              "nothing was checked", file=sys.stderr)
+        return EXIT_NO_GPU
     from numba import cuda
 
-    if not torch.cuda.is_available() or not cuda.is_available():
-        print("gpu_check: no CUDA GPU visible (torch.cuda.is_available()="
-              f"{torch.cuda.is_available()}, numba.cuda.is_available()={cuda.is_available()}); "
+    if not cuda.is_available():
+        print("gpu_check: no CUDA GPU visible to Numba (numba.cuda.is_available() is False); "
               "nothing was checked", file=sys.stderr)
         return EXIT_NO_GPU
     t0 = time.time()

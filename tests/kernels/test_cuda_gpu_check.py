@@ -42,6 +42,18 @@ def test_script_exits_clearly_without_gpu(tmp_path: Path) -> None:
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the real check applies")
+def test_main_returns_no_gpu_status(tmp_path: Path, capsys) -> None:
+    assert _load_gpu_check().main(["--out", str(tmp_path / "r")]) == 2
+    assert "no CUDA GPU visible" in capsys.readouterr().err
+
+
+def test_wrapper_requires_results_dir() -> None:
+    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh")], capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 64 and "usage" in proc.stderr
+
+
 def test_report_files(tmp_path: Path) -> None:
     gpu_check = _load_gpu_check()
     checks = [{"check": "decode fp16", "error": 1e-4, "tolerance": 1e-3, "ok": True},
