@@ -163,3 +163,27 @@ def test_decode_table_window_and_sub_block_tiles(block_size, head_dim, window, l
     decode_reduce.reduce_kernel(head_dim, "f16", 32, part)[(len(lens), 2), 32](
         out, tmp_out, tmp_max, tmp_sum, case.seq_lens)
     assert_close(out, ref, 1e-3)
+
+
+def test_public_decode_routes_small_grids_to_split(monkeypatch) -> None:
+    """One sequence x one KV head is below the saturation threshold and the table spans more
+    than one 512-token partition, so the dispatch rule picks split-K; the partition past the
+    sequence's end exits early and the reduce sees one partition."""
+    calls = []
+    real = decode_split.paged_attention_decode_split
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["partition_size"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decode_split, "paged_attention_decode_split", spy)
+    rng = np.random.default_rng(2)
+    case = make_case(rng, [40], num_kv_heads=1, block_size=8, head_dim=16, pad_blocks=65)
+    assert case.block_tables.shape[1] * 8 > 512
+    q = queries(rng, (1, 2, 16), np.float16)
+    out = kernels.paged_attention_decode(q, case.key_cache, case.value_cache, case.block_tables,
+                                         case.seq_lens, case.scale, backend="cuda")
+    assert calls == [512]
+    ref = reference.paged_attention_decode(
+        q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, case.scale)
+    assert_close(out, ref, 1e-3)
