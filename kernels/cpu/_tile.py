@@ -39,7 +39,7 @@ def half_bits_to_f32(typingctx, bits):
     return types.float32(types.uint16), codegen
 
 
-@njit(fastmath=FASTMATH, cache=True, inline="always")
+@njit(fastmath=FASTMATH, cache=True)
 def load_tile(cache, block, head, num_tokens, kv_kind, tile_f32, tile_u32):
     """Widen `cache[block, head, :num_tokens, :]` to float32 into `tile_f32`.
 
@@ -64,7 +64,7 @@ def load_tile(cache, block, head, num_tokens, kv_kind, tile_f32, tile_u32):
                 bits[d] = np.uint32(src[2 * d]) | (np.uint32(src[2 * d + 1]) << 16)
 
 
-@njit(fastmath=FASTMATH, cache=True, inline="always")
+@njit(fastmath=FASTMATH, cache=True)
 def score_tile(q_rows, row, k_tile, num_tokens, scores):
     """scores[row, t] = q_rows[row] · k_tile[t] for t < num_tokens (q_rows pre-scaled)."""
     q = q_rows[row]
@@ -78,7 +78,7 @@ def score_tile(q_rows, row, k_tile, num_tokens, scores):
         out[t] = dot
 
 
-@njit(fastmath=FASTMATH, cache=True, inline="always")
+@njit(fastmath=FASTMATH, cache=True)
 def online_softmax_step(scores, row, num_tokens, v_tile, m, l, acc):
     """Fold one block's logits `scores[row, :num_tokens]` into the running state of `row`.
 
