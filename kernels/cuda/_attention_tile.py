@@ -95,6 +95,10 @@ def make_tile_attend(spec: AttentionSpec) -> Any:
         kreg = cuda.local.array(tile_elems_per_thread, kv_type)
         vreg = cuda.local.array(tile_elems_per_thread, kv_type)
 
+        if tok_end <= tok_begin:
+            # Empty range (only reachable with untrusted device-side lengths): uniform across
+            # the block, before any barrier; the caller then writes zeros (l == 0).
+            return
         last_pos = tok_end - 1
         last_block = last_pos // block_size
         num_tiles = (tok_end - tok_begin + tile_tokens - 1) // tile_tokens

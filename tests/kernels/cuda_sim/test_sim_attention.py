@@ -187,3 +187,21 @@ def test_public_decode_routes_small_grids_to_split(monkeypatch) -> None:
     ref = reference.paged_attention_decode(
         q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, case.scale)
     assert_close(out, ref, 1e-3)
+
+
+def test_decode_kernel_survives_zero_length_from_device() -> None:
+    """Device-resident lengths are not validated; a 0 must not read table padding (garbage
+    10**6 here) or the cache: the row comes out as zeros, the other sequence is unaffected."""
+    rng = np.random.default_rng(9)
+    case = make_case(rng, [5, 12], num_kv_heads=1, block_size=4, head_dim=16)
+    lens = np.array([0, 12], dtype=np.int32)
+    case.block_tables[0, :] = 10**6
+    q = queries(rng, (2, 2, 16), np.float16)
+    out = np.full(q.shape, np.nan, dtype=np.float16)
+    spec = AttentionSpec(16, 4, 2, "f16", "f16", "f16", num_threads=32)
+    decode.decode_kernel(spec)[(2, 1), 32](
+        out, q, case.key_cache, case.value_cache, case.block_tables, lens, np.float32(case.scale))
+    assert (out[0] == 0).all()
+    ref = reference.paged_attention_decode(q[1:], case.key_cache, case.value_cache,
+                                           case.block_tables[1:], lens[1:], case.scale)
+    assert_close(out[1:], ref, 1e-3)
