@@ -1,0 +1,186 @@
+"""Compute node benchmark (issue 5): a decode step through the real services, CPU backend.
+
+A block manager (`memory://`) and a compute node run as separate processes; this process is
+the scheduler. For 1 / 16 / 64 sequences it prefills each sequence's context through the
+node, then times decode steps (one AppendSlots to the block manager, then one Forward of all
+sequences, every layer in one request). Per step it records:
+- the Forward latency the client sees (round trip, encoding included);
+- the node's own breakdown from `ForwardStats` (table fetch / copy ops / write / attention);
+- the node→block manager calls the Forward made (0 when the table cache is warm; a step where
+  sequences cross a block boundary needs one GetTables for their new table versions).
+Service overhead ratio = client-observed Forward latency / time inside the attention kernels.
+Numbers only; nothing is asserted.
+
+    .venv/bin/python bench/bench_compute_node.py [--seqs 1,16,64] [--steps 48] [--context 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from compute_node.client import ComputeNodeClient, SeqInput  # noqa: E402
+from pagedkv.v1 import block_manager_pb2 as bm_pb  # noqa: E402
+from pagedkv.v1 import block_manager_pb2_grpc as bm_grpc  # noqa: E402
+
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 2, 16, 4, 128, 16
+PREFILL_CHUNK = 8   # sequences per prefill Forward (keeps messages ~25 MB)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_serving(address: str, proc: subprocess.Popen[bytes], timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise TimeoutError(f"{address} not serving after {timeout_s}s")
+
+
+def start_services(num_blocks: int, log_dir: Path) -> tuple[str, str, list[subprocess.Popen[bytes]]]:
+    bm_addr, cn_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    env = dict(os.environ, PAGEDKV_LOG_LEVEL="WARNING")
+    bm = subprocess.Popen(
+        [sys.executable, "-m", "block_manager.server", "--listen", bm_addr, "--database-url", "memory://"],
+        cwd=REPO, env=dict(env, PAGEDKV_BLOCK_SIZE=str(BLOCK_SIZE), PAGEDKV_WATERMARK="0", PAGEDKV_DEFRAG__ENABLED="false"),
+        stderr=open(log_dir / "bm.log", "wb"),
+    )
+    cn_env = dict(
+        env, PAGEDKV_CN_DEVICE="cpu", PAGEDKV_CN_GEOMETRY__NUM_LAYERS=str(LAYERS),
+        PAGEDKV_CN_GEOMETRY__NUM_KV_HEADS=str(KV_HEADS), PAGEDKV_CN_GEOMETRY__HEAD_DIM=str(HEAD_DIM),
+        PAGEDKV_CN_GEOMETRY__DTYPE="float16", PAGEDKV_CN_BLOCK_SIZE=str(BLOCK_SIZE),
+    )
+    cn = subprocess.Popen(
+        [sys.executable, "-m", "compute_node.cli", "serve", "--listen", cn_addr, "--block-manager", bm_addr,
+         "--node-id", "bench-node", "--num-blocks", str(num_blocks)],
+        cwd=REPO, env=cn_env, stderr=open(log_dir / "cn.log", "wb"),
+    )
+    wait_serving(bm_addr, bm)
+    wait_serving(cn_addr, cn)
+    return bm_addr, cn_addr, [cn, bm]
+
+
+def rand(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float16)
+
+
+def run(num_seqs: int, steps: int, context: int, bm: bm_grpc.BlockManagerStub, node: ComputeNodeClient) -> dict:
+    rng = np.random.default_rng(num_seqs)
+    ids = [f"n{num_seqs}-s{i}" for i in range(num_seqs)]
+    versions: dict[str, int] = {}
+    lengths: dict[str, int] = {}
+    # Prefill: staggered lengths so ~1/BLOCK_SIZE of the sequences cross a block per step,
+    # as in a running batch.
+    for start in range(0, num_seqs, PREFILL_CHUNK):
+        chunk = ids[start : start + PREFILL_CHUNK]
+        items = [
+            bm_pb.AllocateItem(seq_id=s, pool_id="bench-node", num_tokens=context + (start + j) % BLOCK_SIZE)
+            for j, s in enumerate(chunk)
+        ]
+        resp = bm.Allocate(bm_pb.AllocateRequest(request_id=f"alloc-{chunk[0]}", items=items))
+        seqs = []
+        for s, out in zip(chunk, resp.outcomes):
+            a = out.allocation
+            n = len(a.slot_mapping)
+            versions[s], lengths[s] = int(a.version), n
+            seqs.append(SeqInput(s, versions[s], n, list(a.slot_mapping), rand(rng, LAYERS, n, HEADS, HEAD_DIM),
+                                 rand(rng, LAYERS, n, KV_HEADS, HEAD_DIM), rand(rng, LAYERS, n, KV_HEADS, HEAD_DIM)))
+        node.forward(seqs, layers=list(range(LAYERS)))
+
+    rows = []
+    for step in range(steps):
+        resp = bm.AppendSlots(bm_pb.AppendSlotsRequest(
+            request_id=f"app-{num_seqs}-{step}", items=[bm_pb.AppendItem(seq_id=s, num_new_tokens=1) for s in ids]))
+        seqs = []
+        for s, out in zip(ids, resp.outcomes):
+            versions[s] = int(out.appended.version)
+            lengths[s] += 1
+            seqs.append(SeqInput(s, versions[s], lengths[s], list(out.appended.slot_mapping),
+                                 rand(rng, LAYERS, 1, HEADS, HEAD_DIM), rand(rng, LAYERS, 1, KV_HEADS, HEAD_DIM),
+                                 rand(rng, LAYERS, 1, KV_HEADS, HEAD_DIM)))
+        t0 = time.perf_counter()
+        out = node.forward(seqs, layers=list(range(LAYERS)))
+        latency = time.perf_counter() - t0
+        st = out.stats
+        rows.append((latency, st.total_s, st.table_fetch_s, st.copy_ops_s, st.write_s, st.attention_s,
+                     st.num_block_manager_rpcs, st.kv_bytes_read))
+    bm.Free(bm_pb.FreeRequest(request_id=f"free-{num_seqs}", seq_ids=ids))
+    warm = rows[4:]   # the first steps still pay one-off costs (allocator, caches)
+    med = [statistics.median(r[i] for r in warm) for i in range(6)]
+    return {
+        "seqs": num_seqs,
+        "forward_ms": med[0] * 1e3,
+        "node_total_ms": med[1] * 1e3,
+        "table_fetch_ms": med[2] * 1e3,
+        "copy_ops_ms": med[3] * 1e3,
+        "write_ms": med[4] * 1e3,
+        "attention_ms": med[5] * 1e3,
+        "overhead_ratio": med[0] / med[5],
+        "rpcs_per_forward": statistics.mean(r[6] for r in warm),
+        "forwards_with_rpc": sum(1 for r in warm if r[6]) / len(warm),
+        "kv_mb_per_step": statistics.mean(r[7] for r in warm) / 1e6,
+        "kv_gbps": statistics.median(r[7] / r[5] for r in warm) / 1e9,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqs", default="1,16,64")
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--context", type=int, default=256)
+    args = ap.parse_args()
+    sizes = [int(x) for x in args.seqs.split(",")]
+    blocks_per_seq = (args.context + BLOCK_SIZE + args.steps) // BLOCK_SIZE + 2
+    num_blocks = sum(sizes) * blocks_per_seq
+    with tempfile.TemporaryDirectory() as tmp:
+        bm_addr, cn_addr, procs = start_services(num_blocks, Path(tmp))
+        try:
+            with grpc.insecure_channel(bm_addr) as ch, ComputeNodeClient(cn_addr, timeout_s=300) as node:
+                bm = bm_grpc.BlockManagerStub(ch)
+                print(f"geometry: {LAYERS} layers, {HEADS} q heads / {KV_HEADS} kv heads, head_dim {HEAD_DIM}, "
+                      f"fp16, block {BLOCK_SIZE}, context ~{args.context}, {args.steps} steps (first 4 dropped), "
+                      f"load {os.getloadavg()[0]:.1f}")
+                print("| seqs | Forward (client) ms | node total ms | table fetch ms | copy ops ms | write ms "
+                      "| attention ms | overhead ratio | BM RPCs per Forward | Forwards with a BM RPC | KV MB/step | KV GB/s |")
+                print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+                for n in sizes:
+                    r = run(n, args.steps, args.context, bm, node)
+                    print(f"| {r['seqs']} | {r['forward_ms']:.2f} | {r['node_total_ms']:.2f} | {r['table_fetch_ms']:.3f} "
+                          f"| {r['copy_ops_ms']:.3f} | {r['write_ms']:.3f} | {r['attention_ms']:.2f} "
+                          f"| {r['overhead_ratio']:.2f} | {r['rpcs_per_forward']:.3f} | {r['forwards_with_rpc']:.0%} "
+                          f"| {r['kv_mb_per_step']:.1f} | {r['kv_gbps']:.2f} |", flush=True)
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait(30)
+
+
+if __name__ == "__main__":
+    main()
