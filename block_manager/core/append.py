@@ -153,7 +153,11 @@ def append_batch(
                 pool.release_block(src)
                 copy_ops = (pool.add_copy_op(src, dst, "cow"),)
                 pool.cow_copies += 1
-            if num_new_blocks:
+            if num_new_blocks == 1:
+                b = pool.take_block()
+                table.append(b)
+                new_block_ids = (b,)
+            elif num_new_blocks:
                 take = pool.take_block
                 fresh = [take() for _ in range(num_new_blocks)]
                 table.extend(fresh)

@@ -14,9 +14,13 @@ _NIL = -1
 
 
 class BlockList:
-    """Ordered set of block ids in `0 … num_blocks-1` with O(1) ends and removal."""
+    """Ordered set of block ids in `0 … num_blocks-1` with O(1) ends and removal.
 
-    __slots__ = ("_prev", "_next", "_head", "_len")
+    `length` is a plain attribute (read-only outside this class) so hot paths can read
+    it without a `__len__` call.
+    """
+
+    __slots__ = ("_prev", "_next", "_head", "length")
 
     def __init__(self, num_blocks: int) -> None:
         # Slot `num_blocks` is the sentinel: _next[head] is the first member,
@@ -26,10 +30,10 @@ class BlockList:
         self._next = [_NIL] * (num_blocks + 1)
         self._prev[num_blocks] = num_blocks
         self._next[num_blocks] = num_blocks
-        self._len = 0
+        self.length = 0
 
     def __len__(self) -> int:
-        return self._len
+        return self.length
 
     def __contains__(self, block_id: int) -> bool:
         return self._prev[block_id] != _NIL
@@ -53,7 +57,7 @@ class BlockList:
         self._next[block_id] = first
         self._prev[first] = block_id
         self._next[head] = block_id
-        self._len += 1
+        self.length += 1
 
     def push_back(self, block_id: int) -> None:
         head = self._head
@@ -62,7 +66,7 @@ class BlockList:
         self._next[block_id] = head
         self._next[last] = block_id
         self._prev[head] = block_id
-        self._len += 1
+        self.length += 1
 
     def pop_front(self) -> int | None:
         head = self._head
@@ -74,7 +78,7 @@ class BlockList:
         self._prev[nxt] = head
         self._prev[b] = _NIL
         self._next[b] = _NIL
-        self._len -= 1
+        self.length -= 1
         return b
 
     def remove(self, block_id: int) -> None:
@@ -84,7 +88,7 @@ class BlockList:
         self._prev[nxt] = prv
         self._prev[block_id] = _NIL
         self._next[block_id] = _NIL
-        self._len -= 1
+        self.length -= 1
 
     def check(self) -> list[str]:
         """Linkage consistency (for fsck): forward and backward walks agree with the count."""
@@ -102,14 +106,14 @@ class BlockList:
             prev = b
             b = self._next[b]
             seen += 1
-            if seen > self._len + 1:
+            if seen > self.length + 1:
                 problems.append("cycle in list")
                 return problems
         if self._prev[head] != prev:
             problems.append("tail link inconsistent")
-        if seen != self._len:
-            problems.append(f"length {self._len} but {seen} members linked")
+        if seen != self.length:
+            problems.append(f"length {self.length} but {seen} members linked")
         members = sum(1 for i in range(head) if self._prev[i] != _NIL)
-        if members != self._len:
-            problems.append(f"{members} blocks marked as members, length {self._len}")
+        if members != self.length:
+            problems.append(f"{members} blocks marked as members, length {self.length}")
         return problems

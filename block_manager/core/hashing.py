@@ -24,6 +24,7 @@ _BIG_ENDIAN = sys.byteorder == "big"
 _NO_PARENT = b"\x00"
 _HAS_PARENT = b"\x01"
 _NO_SALT = b"\x00"
+_PERSON = b"pagedkv-blk-v1"
 _HAS_SALT = b"\x01"
 
 
@@ -52,16 +53,9 @@ def hash_block_bytes(parent: BlockHash | None, tokens: array, salt_enc: bytes) -
     if _BIG_ENDIAN:
         tokens = array("q", tokens)
         tokens.byteswap()
-    h = hashlib.blake2b(digest_size=HASH_BYTES, person=b"pagedkv-blk-v1")
-    if parent is None:
-        h.update(_NO_PARENT)
-    else:
-        h.update(_HAS_PARENT)
-        h.update(parent)
-    h.update(salt_enc)
-    h.update(len(tokens).to_bytes(4, "little"))
-    h.update(tokens.tobytes())
-    return h.digest()
+    head = _NO_PARENT if parent is None else _HAS_PARENT + parent
+    data = b"".join((head, salt_enc, len(tokens).to_bytes(4, "little"), tokens.tobytes()))
+    return hashlib.blake2b(data, digest_size=HASH_BYTES, person=_PERSON).digest()
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: str | None) -> BlockHash:

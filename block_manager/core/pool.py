@@ -24,9 +24,11 @@ from block_manager.core.types import BlockId, CopyKind, CopyOp, DefragKind, Plan
 MAX_POOL_BLOCKS = 1 << 24  # bounds memory for a pool created from bad input
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class BlockMeta:
-    """Identity of a hashed block: what a prefix hit is confirmed against."""
+    """Identity of a hashed block: what a prefix hit is confirmed against.
+
+    Not frozen (one is built per filled block on the append hot path); never mutated."""
 
     block_hash: BlockHash
     parent_hash: BlockHash | None
@@ -102,7 +104,7 @@ class Pool:
     @property
     def num_available(self) -> int:
         """Blocks an allocation can take now: free plus evictable cached ones."""
-        return len(self.free_list) + len(self.cached_list)
+        return self.free_list.length + self.cached_list.length
 
     # ---- block transitions ----------------------------------------------------------
     def take_block(self) -> int:
