@@ -8,7 +8,7 @@ manager) and runs the paged-attention kernels over it. The scheduler calls `Forw
 once per step for a whole batch of sequences; the node fetches only the block tables
 it lacks from the block manager, applies pending copy ops (copy-on-write, defrag
 moves), writes the new tokens' K/V into their slots and returns the attention output.
-See proto/README.md ("Compute node") for status codes and the fencing rules.
+See compute_node/README.md for status codes, copy-op handling and the fencing rules.
 
 Tensors travel as raw little-endian bytes in C order with their dtype and shape.
 """
