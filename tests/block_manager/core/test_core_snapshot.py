@@ -136,3 +136,14 @@ def test_hash_depends_on_parent_salt_and_tokens() -> None:
     ]
     with pytest.raises(InvalidRequest):
         hash_block(None, [1.5], None)  # type: ignore[list-item]
+
+
+def test_hash_encoding_is_pinned() -> None:
+    """Journals and snapshots store these digests: changing the encoding breaks recovery
+    of existing state, so it must be a deliberate, versioned change."""
+    assert hash_block(None, [1, 2, 3], None).hex() == (
+        "f9c9c678af21fc686605c5eecc07eef2f5bcf8f3410c45d6111ee033c23ec162"
+    )
+    assert hash_prefix(list(range(8)), 4, "t")[-1].hex() == (
+        "441cf633db7c52cb72e35003d10c32dbdb6bde3e8f024d69959c5a89ef961c20"
+    )
