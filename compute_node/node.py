@@ -39,6 +39,7 @@ from compute_node.bm_link import (
     LinkRejected,
     LinkUnavailable,
     Registration,
+    TablesReply,
 )
 from compute_node.config import ComputeNodeConfig
 from compute_node.errors import (
@@ -296,7 +297,7 @@ class ComputeNode:
                 )
         return resolved, ops
 
-    async def _get_tables_locked(self, epoch: int, seq_ids: list[SeqId], known: dict[SeqId, int]):  # type: ignore[no-untyped-def]
+    async def _get_tables_locked(self, epoch: int, seq_ids: list[SeqId], known: dict[SeqId, int]) -> TablesReply:
         self._forward_rpcs += 1
         try:
             reply = await self.link.get_tables(epoch, seq_ids, known, self.last_applied_op_id)

@@ -14,7 +14,7 @@ from compute_node.forward import SeqStep, check_slots
 from compute_node.errors import InvalidForward, StaleTable
 from compute_node.tables import CachedTable, SeqId
 from pagedkv.v1 import compute_node_pb2 as pb
-from tests.compute_node.harness import BLOCK_SIZE, NUM_BLOCKS, start_node
+from tests.compute_node.harness import BLOCK_SIZE, NUM_BLOCKS
 
 Mutator = Callable[[pb.ForwardRequest], None]
 
