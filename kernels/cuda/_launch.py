@@ -10,7 +10,7 @@ from numba import types
 from kernels._validate import dtype_name
 from kernels.cuda._dtypes import NUMBA_STORAGE
 from kernels.cuda._runtime import DEFAULT_NUM_THREADS, empty_like_kind, kind_of
-from kernels.cuda._spec import DEFAULT_PREFETCH_WINDOW, AttentionSpec
+from kernels.cuda._spec import DEFAULT_PREFETCH_WINDOW, AttentionSpec, threads_for
 
 
 def attention_spec(
@@ -19,14 +19,16 @@ def attention_spec(
 ) -> AttentionSpec:
     """The kernel variant these (validated) arguments need."""
     _, num_kv_heads, block_size, head_dim = (int(d) for d in key_cache.shape)
+    group_size = int(query.shape[1]) // num_kv_heads
     spec = AttentionSpec(
         head_dim=head_dim,
         block_size=block_size,
-        group_size=int(query.shape[1]) // num_kv_heads,
+        group_size=group_size,
         q_kind=kind_of(query),
         kv_kind=kind_of(key_cache),
         out_kind=kind_of(out),
-        num_threads=num_threads or DEFAULT_NUM_THREADS,
+        num_threads=num_threads
+        or threads_for(group_size * query_tile, head_dim, DEFAULT_NUM_THREADS),
         prefetch_window=prefetch_window or DEFAULT_PREFETCH_WINDOW,
         query_tile=query_tile,
     )

@@ -23,6 +23,10 @@ DEFAULT_PREFETCH_WINDOW = 8
 # unrolled prefetch arrays spill to local memory (seen in the sm_90 PTX), so larger blocks
 # are staged as several tiles.
 MAX_TILE_ELEMS_PER_THREAD = 16
+# float32 output accumulators per thread. 16 (prefill: 16 rows x 128 dims over 128 threads)
+# already lands in local memory in the sm_90 PTX, so wide variants get more threads instead.
+MAX_ACC_ELEMS_PER_THREAD = 8
+MAX_THREADS = 1024
 
 
 @dataclass(slots=True, frozen=True)
@@ -109,6 +113,15 @@ class AttentionSpec:
         if self.prefetch_window < 1:
             raise KernelInputError("prefetch_window must be >= 1")
         _ = self.tile_tokens
+
+
+def threads_for(num_rows: int, head_dim: int, base: int) -> int:
+    """Threads per block: `base`, doubled until each thread holds <= MAX_ACC_ELEMS_PER_THREAD
+    accumulators (so they stay in registers)."""
+    threads = base
+    while num_rows * head_dim > MAX_ACC_ELEMS_PER_THREAD * threads and threads < MAX_THREADS:
+        threads *= 2
+    return threads
 
 
 def prefill_query_tile(group_size: int) -> int:

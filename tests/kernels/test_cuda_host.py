@@ -11,7 +11,7 @@ import pytest
 
 from kernels._validate import KernelInputError
 from kernels.cuda._runtime import SIMULATOR, to_kernel_array
-from kernels.cuda._spec import MAX_SHARED_BYTES, AttentionSpec, prefill_query_tile
+from kernels.cuda._spec import MAX_SHARED_BYTES, AttentionSpec, prefill_query_tile, threads_for
 from kernels.cuda.block_copy import plan_waves
 from kernels.cuda.decode import choose_num_partitions, partition_size
 
@@ -89,3 +89,11 @@ def test_spec_rejects_unrunnable_variants() -> None:
 def test_host_arrays_rejected_without_a_gpu_path() -> None:
     with pytest.raises(KernelInputError, match="device data"):
         to_kernel_array(np.zeros(4, dtype=np.float32))
+
+
+def test_threads_scale_with_accumulators() -> None:
+    assert threads_for(4, 128, 128) == 128  # GQA-4 decode
+    assert threads_for(8, 128, 128) == 128  # GQA-8 decode: 8 accumulators per thread
+    assert threads_for(16, 128, 128) == 256  # prefill tile of 16 rows
+    assert threads_for(32, 256, 128) == 1024  # MQA-32 with head dim 256: capped
+    assert threads_for(32, 256, 1024) == 1024
