@@ -131,17 +131,28 @@ def render_report(result: DemoResult, console: Console) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedkv-demo", description=__doc__.splitlines()[2])
-    p.add_argument("--mode", choices=sorted(MODES), default="core", help="how the workload is driven")
-    p.add_argument("--requests", type=int, default=400, help="number of requests in the workload")
+    p.add_argument("--mode", choices=["services", *sorted(MODES)], default="services",
+                   help="services: block manager + compute nodes as processes (default); core: in-process replay")
+    p.add_argument("--requests", type=int, default=None, help="number of requests (default: 120 services, 400 core)")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--num-blocks", type=int, default=8192, help="blocks in the pool")
     p.add_argument("--block-size", type=int, default=16, help="token slots per block")
     p.add_argument("--watermark", type=float, default=0.01, help="admission watermark")
+    p.add_argument("--node-blocks", type=int, default=2048, help="services: blocks per compute node")
+    p.add_argument("--num-heads", type=int, default=8, help="services: query heads (GQA over the nodes' KV heads)")
+    p.add_argument("--check-every", type=int, default=10, help="services: check outputs every N steps")
+    p.add_argument("--plot", default="pagedkv-demo.png", help="services: where to write the PNG plot")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.requests is None:
+        args.requests = 120 if args.mode == "services" else 400
+    if args.mode == "services":
+        from pagedkv.demo_services import run
+
+        return run(args)
     if args.requests < 1 or args.num_blocks < 1 or args.block_size < 1:
         print("pagedkv-demo: error: --requests, --num-blocks and --block-size must be >= 1", file=sys.stderr)
         return 2

@@ -1,0 +1,317 @@
+"""Drive a serving trace through a live block manager and its compute nodes.
+
+This is what a scheduler embedding pagedkv does, step by step: the trace (block_manager's
+JSON-lines format) says which requests arrive, fork, decode and finish; the driver turns each
+scheduler step into one `StepBatch` against the block manager (Free, Allocate, Fork,
+AppendSlots — in-block decode appends answered locally) and one `Forward` per compute node
+with the step's new Q/K/V, then checks sampled attention outputs against a float64 dense
+reference computed from the same synthetic model.
+
+New requests are placed with `Route` (cache-aware: the pool holding the longest cached
+prefix, then the emptiest). A request the block manager refuses (out of blocks) is
+`rejected`; a sequence whose append fails is `preempted` (freed); later trace ops naming it are
+`skipped` — the same accounting as `block-manager replay`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from block_manager.client import BlockManagerClient
+from block_manager.client.admin import AdminClient
+from block_manager.client.step import SeqSlots
+from block_manager.client.types import ItemFailure
+from block_manager.core.types import AllocateResult
+from block_manager.trace_format import AllocateOp, AppendOp, ForkOp, FreeOp, TraceOp
+from compute_node.client import ComputeNodeClient, SeqInput
+from pagedkv.synthetic import SyntheticModel, extend_hashes, reference_attention
+
+# fp16 K/V with fp32 accumulation: the kernels' error is a few fp32 ulps of the output norm;
+# 2e-3 relative to the output norm leaves room for fp16-rounded queries nowhere (queries are
+# fp32) and still catches any wrong block, slot or mask (those give O(1) errors).
+REL_TOLERANCE = 2e-3
+
+
+@dataclass(slots=True)
+class _Seq:
+    seq_id: str
+    node_id: str
+    salt: str | None
+    hashes: list[int]            # chained hash per position (K/V are a function of it)
+    reserved_slots: int          # contiguous baseline: what preallocation would reserve
+
+
+@dataclass(slots=True)
+class StepSample:
+    step: int
+    wall_s: float
+    used_blocks: int | None      # block manager's view (sampled), all pools
+    contiguous_blocks: int       # per-sequence max-length preallocation, same live set
+    live_seqs: int
+    live_tokens: int
+
+
+@dataclass
+class ServingReport:
+    steps: list[StepSample] = field(default_factory=list)
+    generated_tokens: int = 0
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+    num_requests: int = 0
+    rejected: int = 0
+    preempted: int = 0
+    skipped: int = 0
+    forks: int = 0
+    fork_shared_blocks: int = 0  # blocks children shared at fork time (contiguous would copy)
+    checks: int = 0
+    check_failures: int = 0
+    max_rel_error: float = 0.0
+    data_plane_rpcs: int = 0
+    route_rpcs: int = 0
+    forward_rpcs: int = 0
+    deferred_tokens: int = 0
+    defrag: dict[str, object] = field(default_factory=dict)
+    final_status: dict[str, object] = field(default_factory=dict)
+    block_size: int = 0
+    num_pool_blocks: int = 0
+
+    def step_latency_ms(self, q: float) -> float:
+        walls = sorted(s.wall_s for s in self.steps)
+        if not walls:
+            return 0.0
+        return 1e3 * walls[max(0, math.ceil(q / 100 * len(walls)) - 1)]
+
+
+class ServingDriver:
+    """One scheduler over one block manager and several compute nodes."""
+
+    def __init__(
+        self,
+        bm_address: str,
+        node_addresses: dict[str, str],
+        *,
+        num_heads: int,
+        max_model_len: int,
+        check_every: int = 10,
+        sample_every: int = 5,
+        seed: int = 0,
+        admin_token: str | None = None,
+        forward_timeout_s: float = 120.0,
+    ) -> None:
+        self.client = BlockManagerClient(bm_address)
+        self.admin = AdminClient(bm_address, token=admin_token)
+        self.nodes = {n: ComputeNodeClient(a, timeout_s=forward_timeout_s) for n, a in node_addresses.items()}
+        info = next(iter(self.nodes.values())).node_info()
+        for node_id in self.nodes:
+            # Lets the step helper answer in-block decode appends locally (no round trip).
+            self.client.tracker.set_block_size(node_id, info.block_size)
+        self.model = SyntheticModel(info.num_layers, num_heads, info.num_kv_heads, info.head_dim, info.dtype, seed=seed)
+        self.layers = list(range(info.num_layers))
+        self.max_model_len = max_model_len
+        self.check_every = check_every
+        self.sample_every = sample_every
+        self.seqs: dict[str, _Seq] = {}
+        self.dead: set[str] = set()
+        self.report = ServingReport(block_size=info.block_size)
+        self._step = 0
+        self._pending_free: list[str] = []
+
+    def close(self) -> None:
+        self.client.close()
+        self.admin.close()
+        for node in self.nodes.values():
+            node.close()
+
+    # -- trace -> steps ---------------------------------------------------------------------
+    def run(self, ops: Iterable[TraceOp], *, on_step: Callable[[int], None] | None = None,
+            defrag_at_step: int | None = None) -> ServingReport:
+        """Replay `ops`; a step ends at each `append` op (the trace's scheduler step)."""
+        frees: list[str] = []
+        allocs: list[AllocateOp] = []
+        forks: list[ForkOp] = []
+        for op in ops:
+            if isinstance(op, FreeOp):
+                frees.extend(op.seq_ids)
+            elif isinstance(op, AllocateOp):
+                allocs.append(op)
+            elif isinstance(op, ForkOp):
+                forks.append(op)
+            elif isinstance(op, AppendOp):
+                self._run_step(frees, allocs, forks, op)
+                frees, allocs, forks = [], [], []
+                if on_step is not None:
+                    on_step(self._step)
+                if defrag_at_step is not None and self._step == defrag_at_step:
+                    self.report.defrag = self.trigger_defrag()
+        if frees or allocs or forks:
+            self._run_step(frees, allocs, forks, None)
+        self._flush_frees()
+        self.report.data_plane_rpcs = int(self.client.stats.rpcs) - self.report.route_rpcs
+        self.report.deferred_tokens = int(self.client.stats.deferred_tokens)
+        self.report.final_status = self.admin.status()
+        return self.report
+
+    def _run_step(self, frees: list[str], allocs: list[AllocateOp], forks: list[ForkOp], append: AppendOp | None) -> None:
+        start = time.perf_counter()
+        self._step += 1
+        if any(a.seq_id == f.parent_id for a in allocs for f in forks):
+            # Parallel sampling forks a freshly admitted request: its prompt K/V must be in
+            # the pool before a child's copy-on-write copies the shared partial block, so the
+            # prefill runs first (as a real engine does: prefill, then sample n continuations).
+            self._forward(self._commit(frees, allocs, [], None))
+            frees, allocs = [], []
+        self._forward(self._commit(frees, allocs, forks, append))
+        self._sample(time.perf_counter() - start)
+
+    def _commit(self, frees: list[str], allocs: list[AllocateOp], forks: list[ForkOp],
+                append: AppendOp | None) -> tuple[dict[str, list[tuple[tuple[int, ...], int, int]]], list[str]]:
+        """One StepBatch; returns the Forward work (slots, version, context_len per part)."""
+        step = self.client.step()
+        freed = [s for s in frees if s in self.seqs] + self._pending_free
+        self._pending_free = []
+        for s in frees:
+            if s in self.dead:
+                self.dead.discard(s)          # the trace frees a sequence we already dropped
+            elif s not in self.seqs:
+                self.report.skipped += 1
+        if freed:
+            step.free(freed)
+        for op in allocs:
+            self.report.num_requests += 1
+            step.allocate(op.seq_id, self._route(list(op.token_ids), op.salt), list(op.token_ids), salt=op.salt)
+        allocated = {a.seq_id for a in allocs}
+        for op in forks:
+            if op.parent_id in self.seqs or op.parent_id in allocated:
+                step.fork(op.parent_id, list(op.child_ids))
+            else:
+                self.report.skipped += 1
+                self.dead.update(op.child_ids)
+        born = {c for f in forks for c in f.child_ids}
+        if append is not None:
+            for seq_id, token_ids in append.seqs:
+                if seq_id in self.seqs or seq_id in allocated or seq_id in born:
+                    step.append(seq_id, list(token_ids))
+                else:
+                    self.report.skipped += 1
+        # Per-item failures (out of blocks, a parent the block manager refused) come back in
+        # the result; only whole-RPC errors raise.
+        result = step.commit()
+        work: dict[str, list[tuple[tuple[int, ...], int, int]]] = {}
+        for s in freed:
+            self.seqs.pop(s, None)
+        for op in allocs:
+            out = result.allocations.get(op.seq_id)
+            if isinstance(out, AllocateResult):
+                seq = _Seq(op.seq_id, out.pool_id, op.salt, [], self._reservation(len(op.token_ids)))
+                extend_hashes(seq.hashes, op.token_ids, op.salt)
+                self.seqs[op.seq_id] = seq
+                self.report.prefill_tokens += len(op.token_ids)
+                self.report.cached_tokens += out.num_cached_tokens
+                work.setdefault(op.seq_id, []).append((out.slot_mapping, out.version, len(op.token_ids)))
+            else:
+                self.report.rejected += 1
+                self.dead.add(op.seq_id)
+        for parent, views in result.forks.items():
+            p = self.seqs[parent]
+            for v in views:
+                self.seqs[v.seq_id] = _Seq(v.seq_id, p.node_id, p.salt, list(p.hashes), p.reserved_slots)
+                self.report.forks += 1
+                self.report.fork_shared_blocks += len(v.block_table)
+        for seq_id, token_ids in (append.seqs if append is not None else ()):
+            out = result.appends.get(seq_id)
+            if out is None or seq_id not in self.seqs:
+                continue
+            if isinstance(out, ItemFailure):
+                self.report.preempted += 1
+                self.seqs.pop(seq_id)
+                self._pending_free.append(seq_id)
+                self.dead.add(seq_id)
+                continue
+            seq = self.seqs[seq_id]
+            extend_hashes(seq.hashes, token_ids, seq.salt)
+            self.report.generated_tokens += len(token_ids)
+            work.setdefault(seq_id, []).append((out.slot_mapping, out.version, out.context_len))
+        return work, freed
+
+    def _route(self, token_ids: list[int], salt: str | None) -> str:
+        self.report.route_rpcs += 1
+        routes = self.client.route(token_ids, salt=salt)
+        for r in routes:
+            if r.pool_id in self.nodes:
+                return r.pool_id
+        return next(iter(self.nodes))
+
+    def _reservation(self, prompt_len: int) -> int:
+        return max(self.max_model_len, prompt_len)
+
+    # -- compute -------------------------------------------------------------------------------
+    def _forward(self, step_work: tuple[dict[str, list[tuple[tuple[int, ...], int, int]]], list[str]]) -> None:
+        work, freed = step_work
+        by_node: dict[str, list[tuple[str, SeqInput]]] = {}
+        for seq_id, parts in work.items():
+            seq = self.seqs[seq_id]
+            slots = [s for part in parts for s in part[0]]
+            if not slots:
+                continue
+            version, context_len = parts[-1][1], parts[-1][2]
+            hashes = seq.hashes[context_len - len(slots) : context_len]
+            k, v = self.model.kv(hashes)
+            q = self.model.queries(len(slots))
+            by_node.setdefault(seq.node_id, []).append(
+                (seq_id, SeqInput(seq_id, version, context_len, slots, q, k, v))
+            )
+        for node_id, items in by_node.items():
+            inputs = [x for _, x in items]
+            out = self.nodes[node_id].forward(inputs, self.layers, freed_seq_ids=[s for s in freed],
+                                              scale=self.model.scale)
+            self.report.forward_rpcs += 1
+            if self.check_every and self._step % self.check_every == 0:
+                for (seq_id, inp), got in list(zip(items, out.outputs))[:2]:
+                    self._check(seq_id, inp, got)
+
+    def _check(self, seq_id: str, inp: SeqInput, got: np.ndarray) -> None:
+        seq = self.seqs[seq_id]
+        k, v = self.model.kv(seq.hashes[: inp.context_len])
+        for li in range(len(self.layers)):
+            want = reference_attention(inp.query[li], k[li], v[li], self.model.scale)
+            err = float(np.linalg.norm(got[li].astype(np.float64) - want) / max(np.linalg.norm(want), 1e-12))
+            self.report.checks += 1
+            self.report.max_rel_error = max(self.report.max_rel_error, err)
+            if not err <= REL_TOLERANCE:
+                self.report.check_failures += 1
+
+    def _sample(self, wall: float) -> None:
+        if self.report.defrag and "high_water_after" not in self.report.defrag and \
+                self._step >= int(self.report.defrag["step"]) + 2:
+            status = self.admin.status()
+            self.report.defrag["high_water_after"] = {p["pool_id"]: int(p["high_water_mark"]) for p in status["pools"]}
+            self.report.defrag["moves"] = sum(int(p["defrag_moves"]) for p in status["pools"])
+        used = None
+        if self.sample_every and self._step % self.sample_every == 0:
+            status = self.admin.status()
+            used = sum(int(p["num_used_blocks"]) for p in status.get("pools", []))
+            self.report.num_pool_blocks = sum(int(p["num_blocks"]) for p in status.get("pools", []))
+        bs = self.report.block_size
+        contiguous = sum(-(-s.reserved_slots // bs) for s in self.seqs.values())
+        tokens = sum(len(s.hashes) for s in self.seqs.values())
+        self.report.steps.append(StepSample(self._step, wall, used, contiguous, len(self.seqs), tokens))
+
+    def _flush_frees(self) -> None:
+        """Free what the trace left running (and preempted sequences not yet freed)."""
+        leftover = list(self.seqs) + self._pending_free
+        if leftover:
+            self.client.free(leftover)
+        self.seqs.clear()
+        self._pending_free = []
+
+    # -- admin ---------------------------------------------------------------------------------
+    def trigger_defrag(self) -> dict[str, object]:
+        """Admin-triggered compaction; the plan commits once the nodes apply and ack it."""
+        before = {p["pool_id"]: int(p["high_water_mark"]) for p in self.admin.status()["pools"]}
+        reply = self.admin.trigger_defrag("", "compaction")
+        return {"step": self._step, "high_water_before": before, "trigger": reply}
