@@ -442,3 +442,29 @@ def test_integer_like_token_ids_are_accepted_and_hashed_like_ints() -> None:
     assert isinstance(bad, AppendFailure) and isinstance(bad.error, InvalidRequest)
     assert m.allocate("b", "p", list(range(9))).num_cached_tokens == 8
     assert m.fsck() == []
+
+
+def test_get_tables_rejects_versions_from_the_future() -> None:
+    from block_manager.core import VersionConflict
+
+    m = make()
+    m.allocate("a", "p", [1])
+    with pytest.raises(VersionConflict):
+        m.get_tables(["a"], {"a": 2})
+
+
+def test_remove_pool_drops_its_plan_and_ops() -> None:
+    m = make()
+    m.allocate("pad", "p", num_tokens=8)
+    m.allocate("a", "p", num_tokens=8)
+    m.free(["pad"])
+    plan = m.plan_defrag("p")
+    assert plan is not None
+    m.remove_pool("p")
+    from block_manager.core import UnknownPlan
+
+    with pytest.raises(UnknownPlan):
+        m.commit_defrag(plan.plan_id)
+    with pytest.raises(UnknownPool):
+        m.pending_copy_ops("p")
+    assert m.sequences() == [] and m.fsck() == []
