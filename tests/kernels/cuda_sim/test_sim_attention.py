@@ -128,15 +128,16 @@ def test_prefill_matches_reference(kv_dtype, num_kv_heads, group, block_size, q_
 
 
 @pytest.mark.parametrize(
-    ("block_size", "head_dim", "window", "lens"),
+    ("block_size", "head_dim", "window", "lens", "part_blocks"),
     [
         # 12 blocks through a 2-entry table window: the window is refreshed 5 times
-        (4, 16, 2, [45, 6]),
+        (4, 16, 2, [45, 6], 4),
         # 32-token blocks staged as two 16-token tiles (register cap), window of one block
-        (32, 32, 1, [70, 33]),
+        (32, 32, 1, [70, 33], 2),
     ],
 )
-def test_decode_table_window_and_sub_block_tiles(block_size, head_dim, window, lens) -> None:
+def test_decode_table_window_and_sub_block_tiles(block_size, head_dim, window, lens,
+                                                 part_blocks) -> None:
     rng = np.random.default_rng(block_size)
     case = make_case(rng, lens, num_kv_heads=1, block_size=block_size, head_dim=head_dim)
     q = queries(rng, (len(lens), 2, head_dim), np.float16)
@@ -152,11 +153,12 @@ def test_decode_table_window_and_sub_block_tiles(block_size, head_dim, window, l
     assert_close(out, ref, 1e-3)
     # split-K with partitions that start mid-table (window starts at tok_begin's block)
     out = np.full(q.shape, np.nan, dtype=np.float16)
-    part = 2 * block_size
+    part = part_blocks * block_size
     max_parts = -(-case.block_tables.shape[1] * block_size // part)
     tmp_out = np.full((len(lens), 2, max_parts, head_dim), np.nan, dtype=np.float32)
     tmp_max = np.full((len(lens), 2, max_parts), np.nan, dtype=np.float32)
     tmp_sum = np.full((len(lens), 2, max_parts), np.nan, dtype=np.float32)
+    assert len(lens) * max_parts <= 8  # simulator budget: at most 8 thread blocks
     decode_split.split_kernel(spec, part)[(len(lens), 1, max_parts), 32](
         tmp_out, tmp_max, tmp_sum, q, case.key_cache, case.value_cache, case.block_tables,
         case.seq_lens, np.float32(case.scale))
