@@ -14,11 +14,7 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-from kernels.cpu import _host
-
-# Below this many bytes per cache, waking the worker threads costs more than the copy (a CoW
-# op moves one block: a few KB per layer), so a serial loop runs instead.
-PARALLEL_MIN_BYTES = 4 * 2**20
+from kernels.cpu import _host, _parallel
 
 
 @njit(cache=True, inline="always")
@@ -33,14 +29,8 @@ def _copy_row(cache, block_mapping, item):
 
 
 @njit(parallel=True, cache=True)
-def _copy_blocks_parallel(cache, block_mapping):
+def _copy_blocks_kernel(cache, block_mapping):
     for item in prange(cache.shape[1] * cache.shape[2]):
-        _copy_row(cache, block_mapping, item)
-
-
-@njit(cache=True)
-def _copy_blocks_serial(cache, block_mapping):
-    for item in range(cache.shape[1] * cache.shape[2]):
         _copy_row(cache, block_mapping, item)
 
 
@@ -51,10 +41,9 @@ def copy_blocks(
     pairs = _host.index_array(block_mapping, np.int64)
     if pairs.shape[0] == 0:
         return
-    for cache in (*key_caches, *value_caches):
-        bits, _ = _host.kv_bits(cache)
-        block_bytes = bits[0].nbytes
-        if pairs.shape[0] * block_bytes >= PARALLEL_MIN_BYTES:
-            _copy_blocks_parallel(bits, pairs)
-        else:
-            _copy_blocks_serial(bits, pairs)
+    caches = [_host.kv_bits(cache)[0] for cache in (*key_caches, *value_caches)]
+    # A CoW op moves one block (a few KB per layer): one thread, no wake-ups.
+    serial = pairs.shape[0] * caches[0][0].nbytes <= _parallel.SERIAL_MAX_COPY_BYTES
+    with _parallel.parallel_section(serial, chunk_size=0):
+        for bits in caches:
+            _copy_blocks_kernel(bits, pairs)

@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit, prange
 
 from kernels.cpu import _host
-from kernels.cpu._parallel import dynamic_schedule
+from kernels.cpu import _parallel
 from kernels.cpu._tile import FASTMATH, attend_blocks
 from kernels.cpu.decode_split import decode_split, num_partitions
 
@@ -84,11 +84,12 @@ def paged_attention_decode(
     lens = _host.index_array(seq_lens, np.int32)
     if q.shape[0] == 0:
         return out
-    if split is None:
-        split = use_split(q.shape[0], kc.shape[1], int(lens.max()), kc.shape[2])
+    serial = int(lens.astype(np.int64).sum()) * q.shape[1] <= _parallel.SERIAL_MAX_ATTENTION_WORK
+    if split is None:  # splitting only pays when more than one thread runs
+        split = not serial and use_split(q.shape[0], kc.shape[1], int(lens.max()), kc.shape[2])
     target = _host.f32_target(out)
     result = target if target is not None else np.empty(q.shape, np.float32)
-    with dynamic_schedule():
+    with _parallel.parallel_section(serial):
         if split:
             decode_split(q, kc, vc, kv_kind, tables, lens, np.float32(scale), result)
         else:

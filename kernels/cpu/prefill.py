@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit, prange
 
 from kernels.cpu import _host
-from kernels.cpu._parallel import dynamic_schedule
+from kernels.cpu import _parallel
 from kernels.cpu._tile import FASTMATH, load_tile, online_softmax_step, score_tile
 
 # 16 query tokens × group rows share one K/V tile load; the scratch for 16 × 8 rows × 128 dims
@@ -121,7 +121,10 @@ def paged_prefill_attention(
     tile_seq, tile_row, tile_len = tile_seq[order], tile_row[order], tile_len[order]
     target = _host.f32_target(out)
     result = target if target is not None else np.empty(q.shape, np.float32)
-    with dynamic_schedule():
+    # Upper bound of (query, key) pairs x query heads: the attention work of this call.
+    q_lens = np.diff(starts.astype(np.int64))
+    work = int((q_lens * lens).sum()) * q.shape[1]
+    with _parallel.parallel_section(work <= _parallel.SERIAL_MAX_ATTENTION_WORK):
         _prefill_kernel(q, kc, vc, kv_kind, tables, lens, starts, tile_seq, tile_row,
                         tile_len, np.float32(scale), result)
     if target is None:

@@ -7,11 +7,7 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-from kernels.cpu import _host
-
-# Below this many bytes moved, waking the worker threads costs more than the copy itself
-# (a decode step writes one token per sequence: tens of KB), so a serial loop runs instead.
-PARALLEL_MIN_BYTES = 4 * 2**20
+from kernels.cpu import _host, _parallel
 
 
 @njit(cache=True, inline="always")
@@ -30,14 +26,8 @@ def _write_token(key, value, key_cache, value_cache, slot_mapping, t):
 
 
 @njit(parallel=True, cache=True)
-def _write_slots_parallel(key, value, key_cache, value_cache, slot_mapping):
+def _write_slots_kernel(key, value, key_cache, value_cache, slot_mapping):
     for t in prange(key.shape[0]):
-        _write_token(key, value, key_cache, value_cache, slot_mapping, t)
-
-
-@njit(cache=True)
-def _write_slots_serial(key, value, key_cache, value_cache, slot_mapping):
-    for t in range(key.shape[0]):
         _write_token(key, value, key_cache, value_cache, slot_mapping, t)
 
 
@@ -56,7 +46,7 @@ def write_slots(
     slots = _host.index_array(slot_mapping, np.int64)
     if slots.shape[0] == 0:
         return
-    if 2 * k.nbytes >= PARALLEL_MIN_BYTES:
-        _write_slots_parallel(k, v, kc, vc, slots)
-    else:
-        _write_slots_serial(k, v, kc, vc, slots)
+    # A decode step writes one token per sequence (tens of KB): one thread, no wake-ups.
+    serial = 2 * k.nbytes <= _parallel.SERIAL_MAX_COPY_BYTES
+    with _parallel.parallel_section(serial, chunk_size=0):
+        _write_slots_kernel(k, v, kc, vc, slots)

@@ -17,9 +17,19 @@ import torch
 from paged_cases import assert_close_rel, expected_decode, expected_prefill, make_case
 
 import kernels
+from kernels.cpu import _parallel
 from kernels.cpu import decode as cpu_decode
 
 REL = {"float32": 1e-4, "float16": 1e-3, "bfloat16": 8e-3}
+
+
+
+@pytest.fixture(autouse=True)
+def all_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Test inputs are small, and small calls run on one thread: force the prange path here
+    (`test_small_calls_run_serially` covers the one-thread path)."""
+    monkeypatch.setattr(_parallel, "SERIAL_MAX_ATTENTION_WORK", -1)
+
 
 # Ragged: length 1, exactly one full block, one past a block, partial last blocks, and a
 # context long enough for several split-K partitions (512 tokens each).
@@ -209,3 +219,39 @@ def test_decode_bf16_query_returns_bf16_tensor() -> None:
     )
     assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
     assert_close_rel(out, expected_decode(case), REL["bfloat16"])
+
+
+_initial_threads = cpu_decode.numba.get_num_threads()
+
+
+def make_decode_view(case, query):
+    """The same caches and tables with one decode query per sequence."""
+    return type(case)(query=query, key_cache=case.key_cache, value_cache=case.value_cache,
+                      block_tables=case.block_tables, seq_lens=case.seq_lens, scale=case.scale)
+
+
+def test_small_calls_run_serially_with_the_same_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(16)
+    case = make_case(rng, [1, 16, 700], num_heads=8, num_kv_heads=1, head_dim=64,
+                     query_lens=[1, 16, 9])
+    args = (case.key_cache, case.value_cache, case.block_tables, case.seq_lens)
+    decode_q = case.query[case.query_start_loc[1:] - 1]  # each sequence's last token
+    threads_seen: list[int] = []
+    real_section = _parallel.parallel_section
+
+    def spy(serial: bool, chunk_size: int = 1):
+        threads_seen.append(1 if serial else cpu_decode.numba.get_num_threads())
+        return real_section(serial, chunk_size)
+
+    monkeypatch.setattr(_parallel, "parallel_section", spy)
+    monkeypatch.setattr(_parallel, "SERIAL_MAX_ATTENTION_WORK", 2**62)
+    for split in (False, True):
+        out = cpu_decode.paged_attention_decode(decode_q, *args, case.scale, split=split)
+        np.testing.assert_allclose(
+            out, expected_decode(make_decode_view(case, decode_q)), rtol=1e-4, atol=1e-5
+        )
+    out = kernels.paged_prefill_attention(case.query, *args, case.query_start_loc, case.scale)
+    assert_close_rel(out, expected_prefill(case), REL["float32"])
+    assert threads_seen == [1, 1, 1]
+    assert cpu_decode.numba.get_num_threads() == _initial_threads  # restored
+

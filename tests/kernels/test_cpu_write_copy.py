@@ -13,16 +13,14 @@ import kernels
 from kernels import reference
 
 DTYPES = ["float16", "float32", "bfloat16"]
-WRITE_MODULE = importlib.import_module("kernels.cpu.write_slots")
-COPY_MODULE = importlib.import_module("kernels.cpu.copy_blocks")
+PARALLEL = importlib.import_module("kernels.cpu._parallel")
 
 
 @pytest.fixture(params=["serial", "parallel"])
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run each test through the serial (small op) and the prange (large op) kernel."""
-    threshold = 0 if request.param == "parallel" else 2**62
-    monkeypatch.setattr(WRITE_MODULE, "PARALLEL_MIN_BYTES", threshold)
-    monkeypatch.setattr(COPY_MODULE, "PARALLEL_MIN_BYTES", threshold)
+    """Run each test on one thread (small ops) and on all threads (large ops)."""
+    threshold = -1 if request.param == "parallel" else 2**62
+    monkeypatch.setattr(PARALLEL, "SERIAL_MAX_COPY_BYTES", threshold)
     return request.param
 
 
