@@ -49,7 +49,10 @@ async def test_plan_delivered_as_copy_ops_and_committed_by_ack(harness: Harness)
     moved = {m.src: m.dst for m in plan.moves}
     for sid, (table, version) in before.items():
         assert after[sid][0] == [moved.get(b, b) for b in table]
-        assert after[sid][1] == version + (1 if any(b in moved for b in table) else 0)
+        if any(b in moved for b in table):
+            assert after[sid][1] > version  # the table changed: a newer version
+        else:
+            assert after[sid][1] == version
     status = (await harness.admin.Status(pb.StatusRequest())).pools[0]
     assert status.high_water_mark == 3 and status.defrag_moves == 3
     assert await harness.fsck() == []

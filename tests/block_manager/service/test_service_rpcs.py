@@ -88,12 +88,13 @@ async def test_allocate_request_level_errors_change_nothing(harness: Harness) ->
 
 async def test_append_slots_batch_new_blocks_and_failures(harness: Harness) -> None:
     await harness.register("n1", num_blocks=6)
-    await harness.allocate("a", num_tokens=4)
-    await harness.allocate("b", num_tokens=3)
+    va = (await harness.allocate("a", num_tokens=4)).allocation.version
+    vb = (await harness.allocate("b", num_tokens=3)).allocation.version
     resp = await harness.append(("a", 1), ("b", 1), ("ghost", 1))
     a, b, ghost = resp.outcomes
-    assert len(a.appended.new_block_ids) == 1 and a.appended.num_tokens == 5 and a.appended.version == 2
-    assert not b.appended.new_block_ids and b.appended.num_tokens == 4 and b.appended.version == 1
+    # a new block changes the table (newer version); a slot inside the last block does not
+    assert len(a.appended.new_block_ids) == 1 and a.appended.num_tokens == 5 and a.appended.version > va
+    assert not b.appended.new_block_ids and b.appended.num_tokens == 4 and b.appended.version == vb
     assert ghost.error.code == OK.NOT_FOUND.value[0]
     # Exhaust the pool: 6 blocks, 3 used; a needs 4 more blocks for 16 tokens.
     resp = await harness.append(("a", 16))
@@ -145,16 +146,17 @@ async def test_free_is_all_or_nothing_and_double_free_is_precondition(harness: H
 
 async def test_get_tables_only_newer_versions_and_pending_ops(harness: Harness) -> None:
     reg = await harness.register("n1", num_blocks=16)
-    await harness.allocate("a", num_tokens=4)
-    await harness.allocate("b", num_tokens=2)
+    va = (await harness.allocate("a", num_tokens=4)).allocation.version
+    vb = (await harness.allocate("b", num_tokens=2)).allocation.version
     req = pb.GetTablesRequest(node_id="n1", epoch=reg.epoch, seq_ids=["a", "b"])
     tables = (await harness.stub.GetTables(req)).tables
-    assert {t.seq_id: t.version for t in tables} == {"a": 1, "b": 1}
-    await harness.append(("a", 1))  # a gets a new block -> version 2
-    req.known_versions.update({"a": 1, "b": 1})
+    assert {t.seq_id: t.version for t in tables} == {"a": va, "b": vb}
+    new_va = (await harness.append(("a", 1))).outcomes[0].appended.version  # a gets a new block
+    assert new_va > va
+    req.known_versions.update({"a": va, "b": vb})
     newer = (await harness.stub.GetTables(req)).tables
-    assert [(t.seq_id, t.version, len(t.block_table)) for t in newer] == [("a", 2, 2)]
-    req.known_versions["b"] = 9
+    assert [(t.seq_id, t.version, len(t.block_table)) for t in newer] == [("a", new_va, 2)]
+    req.known_versions["b"] = vb + 1000
     await expect_code(harness.stub.GetTables(req), OK.ABORTED)
     await expect_code(harness.stub.GetTables(pb.GetTablesRequest(node_id="n1", epoch=reg.epoch, seq_ids=["zz"])), OK.NOT_FOUND)
     await expect_code(harness.stub.GetTables(pb.GetTablesRequest(node_id="n1", epoch=reg.epoch + 1)), OK.FAILED_PRECONDITION)
