@@ -74,18 +74,26 @@ def _wrap_unary(
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, metrics: ServiceMetrics | None = None) -> None:
         self._metrics = metrics
+        # The registered handlers never change, so each method is wrapped once (this
+        # interceptor runs on every call of the hot path).
+        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
 
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
         method = details.method
-        if not method.startswith("/pagedkv."):
-            return handler  # health, reflection: not ours to map
+        wrapped = self._wrapped.get(method)
+        if wrapped is not None:
+            return wrapped
+        handler = await continuation(details)
+        if handler is None or not method.startswith("/pagedkv."):
+            return handler  # unknown method, health, reflection: not ours to map
         short = method.rsplit("/", 1)[-1]
-        return _wrap_unary(handler, lambda behavior: self._mapped(behavior, short), tolerant=True)
+        wrapped = _wrap_unary(handler, lambda behavior: self._mapped(behavior, short), tolerant=True)
+        self._wrapped[method] = wrapped
+        return wrapped
 
     def _mapped(self, behavior: Handler, method: str) -> Handler:
         metrics = self._metrics

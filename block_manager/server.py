@@ -81,8 +81,11 @@ class BlockManagerServer:
         self.metrics.attach(runtime, asyncio.get_running_loop())
         runtime.on_phase(self._on_phase)
 
+        interceptors: list[grpc.aio.ServerInterceptor] = [ErrorMappingInterceptor(self.metrics)]
+        if cfg.admin_token:  # each interceptor costs every call; no token, no auth layer
+            interceptors.insert(0, AdminAuthInterceptor(cfg.admin_token))
         server = grpc.aio.server(
-            interceptors=[AdminAuthInterceptor(cfg.admin_token), ErrorMappingInterceptor(self.metrics)],
+            interceptors=interceptors,
             options=[("grpc.so_reuseport", 0)],
         )
         pb_grpc.add_BlockManagerServicer_to_server(BlockManagerServicer(runtime, self.defrag), server)
