@@ -149,13 +149,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.requests is None:
         args.requests = 120 if args.mode == "services" else 400
+    if min(args.requests, args.num_blocks, args.block_size, args.node_blocks, args.num_heads) < 1:
+        print("pagedkv-demo: error: --requests, --num-blocks, --block-size, --node-blocks and "
+              "--num-heads must be >= 1", file=sys.stderr)
+        return 2
     if args.mode == "services":
         from pagedkv.demo_services import run
 
         return run(args)
-    if args.requests < 1 or args.num_blocks < 1 or args.block_size < 1:
-        print("pagedkv-demo: error: --requests, --num-blocks and --block-size must be >= 1", file=sys.stderr)
-        return 2
     with tempfile.TemporaryDirectory(prefix="pagedkv-demo-") as tmp:
         result = MODES[args.mode](args, Path(tmp))
     render_report(result, Console())

@@ -163,7 +163,7 @@ def append_batch(
                 table.extend(fresh)
                 new_block_ids = tuple(fresh)
             if cow or num_new_blocks:
-                seq.version += 1
+                seq.version = pool.new_version()
             seq.num_tokens = new
             if n == 1:
                 slots = (table[old // bs] * bs + off,)

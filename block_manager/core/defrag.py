@@ -187,7 +187,7 @@ def commit(pool: Pool) -> list[SeqId]:
                 table[i] = dst
                 hit = True
         if hit:
-            seq.version += 1
+            seq.version = pool.new_version()
             changed.append(seq.seq_id)
     pool.plan = None
     pool.last_defrag_step = pool.num_steps

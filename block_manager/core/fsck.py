@@ -59,8 +59,8 @@ def _check_pool(pool: Pool) -> list[str]:
             out.append(s + f"num_tokens {seq.num_tokens}")
         if len(seq.block_table) != -(-seq.num_tokens // bs):
             out.append(s + f"{len(seq.block_table)} blocks for {seq.num_tokens} tokens")
-        if seq.version < 1:
-            out.append(s + f"version {seq.version}")
+        if not 1 <= seq.version <= pool.last_version:
+            out.append(s + f"version {seq.version} outside 1..{pool.last_version} (the pool's counter)")
         for b in seq.block_table:
             if not 0 <= b < n:
                 out.append(s + f"block id {b} out of range")

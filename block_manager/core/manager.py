@@ -163,7 +163,7 @@ class BlockManager:
         for b in hits:
             pool.share_block(b)
         table = hits + [pool.take_block() for _ in range(num_new)]
-        seq = Sequence(seq_id, pool_id, table, total, 1, salt, hashing)
+        seq = Sequence(seq_id, pool_id, table, total, pool.new_version(), salt, hashing)
         num_cached = len(hits) * bs
         if hashing:
             parent = hashes[len(hits) - 1] if hits else None
@@ -178,7 +178,8 @@ class BlockManager:
         self._seqs[seq_id] = seq
         pool.seqs[seq_id] = seq
         return AllocateResult(
-            seq_id, pool_id, tuple(table), num_cached, slot_range(table, bs, num_cached, total), 1
+            seq_id, pool_id, tuple(table), num_cached, slot_range(table, bs, num_cached, total),
+            seq.version,
         )
 
     def _prefix_hits(
@@ -240,7 +241,7 @@ class BlockManager:
             for b in src.block_table:
                 pool.share_block(b)
             child = Sequence(
-                cid, src.pool_id, list(src.block_table), src.num_tokens, 1, src.salt,
+                cid, src.pool_id, list(src.block_table), src.num_tokens, pool.new_version(), src.salt,
                 src.hashing, list(src.tail_token_ids), list(src.block_hashes),
             )
             self._seqs[cid] = child

@@ -58,7 +58,7 @@ class Pool:
         "cached_list", "meta", "prefix_index", "reserved", "pinned", "num_used",
         "num_reserved", "seqs", "copy_ops", "next_op_id", "acked_op_id", "plan",
         "num_steps", "last_defrag_step", "prefix_query_tokens", "prefix_hit_tokens",
-        "cow_copies", "evictions", "defrag_moves",
+        "cow_copies", "evictions", "defrag_moves", "last_version",
     )
 
     def __init__(self, pool_id: PoolId, num_blocks: int, block_size: int) -> None:
@@ -82,6 +82,9 @@ class Pool:
         self.seqs: dict[SeqId, Sequence] = {}
         self.copy_ops: deque[CopyOp] = deque()
         self.next_op_id = 1
+        # Table versions come from one counter per pool, so a sequence id that is freed and
+        # allocated again never reuses a version a compute node may still have cached.
+        self.last_version = 0
         self.acked_op_id = 0
         self.plan: PlanState | None = None
         self.num_steps = 0
@@ -91,6 +94,10 @@ class Pool:
         self.cow_copies = 0
         self.evictions = 0
         self.defrag_moves = 0
+
+    def new_version(self) -> int:
+        self.last_version += 1
+        return self.last_version
 
     # ---- capacity -------------------------------------------------------------------
     @property

@@ -24,6 +24,7 @@ FORMAT = 1
 _COUNTERS = (
     "num_used", "num_reserved", "next_op_id", "acked_op_id", "num_steps", "last_defrag_step",
     "prefix_query_tokens", "prefix_hit_tokens", "cow_copies", "evictions", "defrag_moves",
+    "last_version",
 )
 
 

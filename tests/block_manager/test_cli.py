@@ -104,7 +104,7 @@ def test_demo_runs_small_and_reports_the_key_numbers(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("COLUMNS", "200")  # no wrapping inside table cells
-    assert demo.main(["--requests", "12", "--num-blocks", "3000"]) == 0
+    assert demo.main(["--mode", "core", "--requests", "12", "--num-blocks", "3000"]) == 0
     out = capsys.readouterr().out
     for label in ("peak KV blocks", "mean KV blocks", "concurrency at equal memory", "waste",
                   "prefix cache hit tokens", "copy-on-write copies", "evictions", "append step p50 / p99"):
@@ -113,5 +113,7 @@ def test_demo_runs_small_and_reports_the_key_numbers(
 
 
 def test_demo_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
-    assert demo.main(["--requests", "0"]) == 2
+    assert demo.main(["--mode", "core", "--requests", "0"]) == 2
+    assert "must be >= 1" in capsys.readouterr().err
+    assert demo.main(["--requests", "0"]) == 2          # services mode checks before starting anything
     assert "must be >= 1" in capsys.readouterr().err

@@ -224,9 +224,10 @@ def test_append_out_of_blocks_for_copy_on_write_changes_nothing() -> None:
 
 def test_fork_shares_then_copy_on_write() -> None:
     m = make()
-    m.allocate("a", "p", list(range(6)))
+    a = m.allocate("a", "p", list(range(6)))
     (c,) = m.fork("a", ["c"])
-    assert c.block_table == (0, 1) and c.num_tokens == 6 and c.version == 1
+    # versions come from one per-pool counter: a reused seq id never repeats a version
+    assert c.block_table == (0, 1) and c.num_tokens == 6 and c.version > a.version
     met = m.metrics("p")
     assert met.num_used_blocks == 2 and met.waste_slots == 2
     (r,) = m.append_slots([AppendRequest("c", 1, (6,))])
@@ -234,7 +235,7 @@ def test_fork_shares_then_copy_on_write() -> None:
     op = r.copy_ops[0]
     assert (op.src, op.kind) == (1, "cow") and op.dst not in (0, 1)
     assert r.slot_mapping == (op.dst * 4 + 2,)
-    assert m.get_sequence("c").block_table == (0, op.dst) and r.version == 2
+    assert m.get_sequence("c").block_table == (0, op.dst) and r.version > c.version
     # The parent now owns block 1 alone: no copy.
     (r2,) = m.append_slots([AppendRequest("a", 1, (6,))])
     assert r2.copy_ops == () and r2.slot_mapping == (6,)
@@ -297,11 +298,23 @@ def test_free_everything_returns_all_blocks() -> None:
 
 def test_get_tables_only_newer() -> None:
     m = make()
-    m.allocate("a", "p", [1, 2, 3, 4])
-    m.allocate("b", "p", [1])
-    assert [v.seq_id for v in m.get_tables(["a", "b"], {"a": 1})] == ["b"]
+    va = m.allocate("a", "p", [1, 2, 3, 4]).version
+    vb = m.allocate("b", "p", [1]).version
+    assert [v.seq_id for v in m.get_tables(["a", "b"], {"a": va})] == ["b"]
     m.append_slots([AppendRequest("a", 1)])
-    assert [v.seq_id for v in m.get_tables(["a", "b"], {"a": 1, "b": 1})] == ["a"]
+    assert [v.seq_id for v in m.get_tables(["a", "b"], {"a": va, "b": vb})] == ["a"]
+
+
+def test_versions_never_repeat_when_a_seq_id_is_reused() -> None:
+    """A compute node may still cache the table of a freed sequence; a new sequence with
+    the same id must get a newer version so the node refetches instead of aliasing."""
+    m = make()
+    first = m.allocate("a", "p", [1, 2, 3, 4, 5])
+    (r,) = m.append_slots([AppendRequest("a", 4)])
+    m.free(["a"])
+    second = m.allocate("a", "p", [9])
+    assert second.version > r.version > first.version
+    assert m.fsck() == []
     with pytest.raises(UnknownSequence):
         m.get_tables(["a", "zz"])
 

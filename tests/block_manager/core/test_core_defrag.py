@@ -47,12 +47,13 @@ def test_compaction_lowers_high_water_mark_and_keeps_runs() -> None:
         m.commit_defrag(plan.plan_id)
     ack_all(m)
     before = tables(m)
+    versions = {sid: m.get_sequence(sid).version for sid in before}
     changed = m.commit_defrag(plan.plan_id)
     after = tables(m)
     assert changed == [sid for sid in before if before[sid] != after[sid]]
     assert m.metrics("p").high_water_mark == 8
     for sid in changed:
-        assert m.get_sequence(sid).version == 2
+        assert m.get_sequence(sid).version > versions[sid]
         t = after[sid]
         assert t[1] == t[0] + 1  # a run stays a run
     met = m.metrics("p")
