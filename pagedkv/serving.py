@@ -54,6 +54,7 @@ class StepSample:
     contiguous_blocks: int       # per-sequence max-length preallocation, same live set
     live_seqs: int
     live_tokens: int
+    waste_slots: int | None = None   # block manager's (allocated slots - tokens), sampled
 
 
 @dataclass
@@ -291,15 +292,16 @@ class ServingDriver:
             status = self.admin.status()
             self.report.defrag["high_water_after"] = {p["pool_id"]: int(p["high_water_mark"]) for p in status["pools"]}
             self.report.defrag["moves"] = sum(int(p["defrag_moves"]) for p in status["pools"])
-        used = None
+        used = waste = None
         if self.sample_every and self._step % self.sample_every == 0:
             status = self.admin.status()
             used = sum(int(p["num_used_blocks"]) for p in status.get("pools", []))
+            waste = sum(int(p.get("waste_slots", 0)) for p in status.get("pools", []))
             self.report.num_pool_blocks = sum(int(p["num_blocks"]) for p in status.get("pools", []))
         bs = self.report.block_size
         contiguous = sum(-(-s.reserved_slots // bs) for s in self.seqs.values())
         tokens = sum(len(s.hashes) for s in self.seqs.values())
-        self.report.steps.append(StepSample(self._step, wall, used, contiguous, len(self.seqs), tokens))
+        self.report.steps.append(StepSample(self._step, wall, used, contiguous, len(self.seqs), tokens, waste))
 
     def _flush_frees(self) -> None:
         """Free what the trace left running (and preempted sequences not yet freed)."""

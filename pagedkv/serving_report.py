@@ -26,23 +26,24 @@ def memory_summary(r: ServingReport) -> dict[str, float]:
     # Slots per live sequence under each scheme; equal memory admits inversely many.
     paged_per_seq = sum((s.used_blocks or 0) * bs for s in live) / max(1, sum(s.live_seqs for s in live))
     contig_per_seq = sum(s.contiguous_blocks * bs for s in live) / max(1, sum(s.live_seqs for s in live))
-    tokens = sum(s.live_tokens for s in live)
-    allocated = sum((s.used_blocks or 0) * bs for s in live)
+    waste = sum(s.waste_slots or 0 for s in sampled)
+    allocated = sum((s.used_blocks or 0) * bs for s in sampled)
     return {
         "peak_paged": max(paged),
         "mean_paged": sum(paged) / len(paged),
         "peak_contiguous": max(contiguous),
         "mean_contiguous": sum(contiguous) / len(contiguous),
         "concurrency_gain": contig_per_seq / paged_per_seq if paged_per_seq else 0.0,
-        # Shared blocks hold tokens of several sequences, so this can go negative under
-        # heavy sharing; it is reported as measured (live tokens vs slots actually held).
-        "waste_ratio": (allocated - tokens) / allocated if allocated else 0.0,
+        # the block manager's own accounting: empty slots of partial last blocks over
+        # allocated slots (shared blocks count once), summed over the sampled steps
+        "waste_ratio": waste / allocated if allocated else 0.0,
     }
 
 
 def render(r: ServingReport, console: Console, *, title: str) -> None:
     console.print(f"[bold]{title}[/bold]")
     mem = memory_summary(r)
+    sampled = [s for s in r.steps if s.used_blocks is not None]
     t = Table(title="KV memory: paged (block manager's view) vs per-sequence max-length preallocation")
     t.add_column("metric")
     t.add_column("paged", justify="right")
@@ -51,7 +52,8 @@ def render(r: ServingReport, console: Console, *, title: str) -> None:
         t.add_row("peak KV blocks", f"{mem['peak_paged']:.0f}", f"{mem['peak_contiguous']:.0f}")
         t.add_row("mean KV blocks", f"{mem['mean_paged']:.0f}", f"{mem['mean_contiguous']:.0f}")
         t.add_row("max concurrency at equal memory", f"{mem['concurrency_gain']:.2f}x", "1.00x")
-        t.add_row("waste (slots held - live tokens) / slots held", _pct(mem["waste_ratio"]), "")
+        t.add_row("waste (allocated slots - tokens) / allocated", _pct(mem["waste_ratio"]),
+                  _pct(1 - sum(s.live_tokens for s in sampled) / max(1, sum(s.contiguous_blocks for s in sampled) * r.block_size)))
     console.print(t)
 
     pools = r.final_status.get("pools", []) if isinstance(r.final_status, dict) else []
