@@ -63,7 +63,10 @@ class ComputeNodeServer:
                 ("grpc.max_send_message_length", 256 << 20),
             ]
         )
-        self.port = server.add_insecure_port(cfg.listen_address)
+        try:
+            self.port = server.add_insecure_port(cfg.listen_address)
+        except RuntimeError:  # grpc raises RuntimeError("Failed to bind ...") on some versions
+            self.port = 0
         if self.port == 0:
             raise OSError(f"cannot listen on {cfg.listen_address}")
         self.node = node = ComputeNode(cfg, advertise_address=cfg.advertise_address or self.address)

@@ -23,13 +23,14 @@ class Cluster:
 async def cluster() -> AsyncIterator[Cluster]:
     bm = await start_bm()
     node = await start_node(bm.address)
-    sched = Scheduler(bm.address, node.address, "node-a")
+    c = Cluster(bm, node, sched=Scheduler(bm.address, node.address, "node-a"))
     try:
-        yield Cluster(bm, node, sched)
+        yield c
     finally:
-        await sched.close()
-        await node.stop(0)
-        await bm.stop(0)
+        # Tests may replace the node or the block manager (restarts): stop the current ones.
+        await c.sched.close()
+        await c.node.stop(0)
+        await c.bm.stop(0)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -49,3 +50,4 @@ def warm_kernels() -> None:
     kernels.paged_attention_decode(torch.ones((1, 4, 32)), kc, vc, table, lens, 0.1, backend="cpu")
     starts = torch.tensor([0, 2], dtype=torch.int32)
     kernels.paged_prefill_attention(torch.ones((2, 4, 32)), kc, vc, table, lens, starts, 0.1, backend="cpu")
+

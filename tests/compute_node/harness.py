@@ -139,6 +139,7 @@ class Scheduler:
         await self.node_channel.close()
 
     def connect_bm(self, bm_address: str) -> None:
+        """A new channel to a (restarted) block manager; the old one must be closed first."""
         self.bm_channel = grpc.aio.insecure_channel(bm_address)
         self.bm = bm_grpc.BlockManagerStub(self.bm_channel)
 
@@ -148,7 +149,8 @@ class Scheduler:
             bm_pb.AllocateRequest(
                 request_id=rid("alloc"),
                 items=[bm_pb.AllocateItem(seq_id=seq_id, pool_id=self.pool_id, token_ids=tokens)],
-            )
+            ),
+            wait_for_ready=True, timeout=30,
         )
         out = resp.outcomes[0]
         if out.HasField("error"):
@@ -170,7 +172,8 @@ class Scheduler:
         resp = await self.bm.AppendSlots(
             bm_pb.AppendSlotsRequest(
                 request_id=rid("app"), items=[bm_pb.AppendItem(seq_id=s, num_new_tokens=1) for s in seq_ids]
-            )
+            ),
+            wait_for_ready=True, timeout=30,
         )
         steps = []
         for seq_id, out in zip(seq_ids, resp.outcomes):

@@ -35,11 +35,16 @@ async def test_block_manager_restart_mid_workload(tmp_path: Path) -> None:
         for _ in range(3):
             await s.forward(await s.append(["a", "b"]))
 
+        a_step = (await s.append(["a"]))[0]      # 10th token: inside a's last block
+        b_step = (await s.append(["b"]))[0]      # 13th token: b gets a new block (new version)
         await bm.stop(0)
         # Block manager down: a step that needs no table is still served from the cache ...
-        steps = await _append_offline(s, ["a", "b"])
-        if steps is not None:
-            await s.forward(steps)
+        await s.forward([a_step])
+        assert s.last_stats.num_block_manager_rpcs == 0
+        # ... one that needs a newer table fails retryably and writes nothing ...
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await s.node.Forward(s.request([b_step]))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         # ... and the heartbeat keeps failing without fencing the node.
         failures = node.node.metrics.bm_failures.labels("Heartbeat")
         await wait_for(lambda: failures._value.get() >= 1, 5.0)
@@ -50,6 +55,7 @@ async def test_block_manager_restart_mid_workload(tmp_path: Path) -> None:
         assert node.node.epoch == 1                       # same epoch: nothing was fenced
         await s.bm_channel.close()
         s.connect_bm(bm.address)
+        await s.forward([b_step])                         # the retry succeeds after recovery
         for _ in range(6):                                # recovered tables, new blocks, same KV
             await s.forward(await s.append(["a", "b"]))
         await s.forward([await s.allocate("c", [7, 7, 7])])
@@ -57,15 +63,6 @@ async def test_block_manager_restart_mid_workload(tmp_path: Path) -> None:
         await s.close()
         await node.stop(0)
         await bm.stop(0)
-
-
-async def _append_offline(s: Scheduler, seq_ids: list[str]):  # type: ignore[no-untyped-def]
-    """AppendSlots needs the block manager, which is down: nothing to forward then."""
-    try:
-        return await s.append(seq_ids)
-    except grpc.aio.AioRpcError as exc:
-        assert exc.code() == grpc.StatusCode.UNAVAILABLE
-        return None
 
 
 async def test_table_fetch_while_block_manager_down_is_unavailable(cluster) -> None:  # type: ignore[no-untyped-def]
