@@ -101,3 +101,19 @@ async def test_defrag_moves_keep_outputs_identical() -> None:
         await s.close()
         await node.stop(0)
         await bm.stop(0)
+
+
+async def test_float16_pool_prefill_and_decode() -> None:
+    bm = await start_bm()
+    geometry = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 32, "dtype": "float16"}
+    node = await start_node(bm.address, geometry=geometry)
+    s = Scheduler(bm.address, node.address, "node-a", seed=5, dtype="float16")
+    try:
+        await s.forward([await s.allocate("h", list(range(11)))], atol=3e-3)
+        for _ in range(6):
+            await s.forward(await s.append(["h"]), atol=3e-3)
+        assert str(node.node.pool.key_caches[0].dtype) == "torch.float16"
+    finally:
+        await s.close()
+        await node.stop(0)
+        await bm.stop(0)
