@@ -146,7 +146,7 @@ async def test_table_dependent_errors(cluster) -> None:  # type: ignore[no-untyp
         "slot of another sequence": (_seq(slot_mapping=[y_slot]), grpc.StatusCode.INVALID_ARGUMENT),
         "context beyond the table": (_seq(context_len=40), grpc.StatusCode.INVALID_ARGUMENT),
         "unknown sequence": (_seq(seq_id="nope"), grpc.StatusCode.NOT_FOUND),
-        "version the block manager does not have": (_seq(version=99), grpc.StatusCode.ABORTED),
+        "version the block manager does not have": (_seq(version=1 << 40), grpc.StatusCode.ABORTED),
     }
     for name, (mutate, code) in cases.items():
         request = s.request(steps)
