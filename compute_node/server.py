@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from compute_node.config import ComputeNodeConfig
 from compute_node.node import ComputeNode
 from compute_node.servicer import ComputeNodeServicer
+from compute_node.warmup import warm_up_cpu_kernels
 from pagedkv.logging import get_logger
 from pagedkv.v1 import compute_node_pb2 as pb
 from pagedkv.v1 import compute_node_pb2_grpc as pb_grpc
@@ -81,6 +82,9 @@ class ComputeNodeServer:
         if cfg.metrics_port is not None:
             self._metrics_server, self.metrics_port = node.metrics.serve(cfg.metrics_address, cfg.metrics_port)
             log.info("metrics endpoint", address=cfg.metrics_address, port=self.metrics_port)
+        if node.device.type == "cpu":
+            g = cfg.geometry
+            await asyncio.to_thread(warm_up_cpu_kernels, g.num_kv_heads, g.head_dim, g.dtype)
         node.start()
 
     def _on_registration(self, registered: bool) -> None:
