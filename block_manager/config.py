@@ -13,15 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
+from pydantic import BaseModel, Field, field_validator
+from pydantic_settings import SettingsConfigDict
 
 from block_manager.core.types import DefragPolicy
 from block_manager.state import StateConfig
-
-
-class ConfigError(ValueError):
-    """The configuration file or environment is invalid."""
+from pagedkv.settings import ConfigError, YamlEnvSettings, load_settings
 
 
 class DefragSettings(BaseModel):
@@ -46,7 +43,7 @@ class DefragSettings(BaseModel):
         )
 
 
-class BlockManagerConfig(BaseSettings):
+class BlockManagerConfig(YamlEnvSettings):
     model_config = SettingsConfigDict(env_prefix="PAGEDKV_", env_nested_delimiter="__", extra="forbid")
 
     listen_address: str = "127.0.0.1:50051"
@@ -84,21 +81,6 @@ class BlockManagerConfig(BaseSettings):
     def _empty_token_is_none(cls, v: str | None) -> str | None:
         return v or None
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        yaml_file = init_settings.init_kwargs.pop("_yaml_file", None)  # type: ignore[attr-defined]
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        if yaml_file is not None:
-            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=yaml_file))
-        return tuple(sources)
-
     def state_config(self) -> StateConfig:
         return StateConfig(
             default_block_size=self.block_size,
@@ -114,19 +96,7 @@ class BlockManagerConfig(BaseSettings):
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> BlockManagerConfig:
     """Defaults < YAML `path` < environment < `overrides`; `ConfigError` when invalid."""
-    kwargs: dict[str, Any] = dict(overrides)
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
-        kwargs["_yaml_file"] = p
-    try:
-        return BlockManagerConfig(**kwargs)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise ConfigError(f"invalid configuration: {problems}") from None
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read configuration: {exc}") from None
+    return load_settings(BlockManagerConfig, path, overrides)
 
 
 __all__ = ["BlockManagerConfig", "ConfigError", "DefragSettings", "load_config"]

@@ -15,21 +15,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, model_validator
-from pydantic_settings import (
-    BaseSettings,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-    YamlConfigSettingsSource,
-)
+from pydantic import BaseModel, Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from pagedkv.settings import ConfigError, YamlEnvSettings, load_settings
 
 DType = Literal["float16", "bfloat16", "float32"]
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 DEFAULT_NUM_BLOCKS = 1024
-
-
-class ConfigError(ValueError):
-    """The configuration file or environment is invalid."""
 
 
 class GeometrySettings(BaseModel):
@@ -41,7 +34,7 @@ class GeometrySettings(BaseModel):
     dtype: DType = "float16"
 
 
-class ComputeNodeConfig(BaseSettings):
+class ComputeNodeConfig(YamlEnvSettings):
     model_config = SettingsConfigDict(env_prefix="PAGEDKV_CN_", env_nested_delimiter="__", extra="forbid")
 
     node_id: str = Field(default="node-0", pattern=r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -84,34 +77,7 @@ class ComputeNodeConfig(BaseSettings):
             self.num_blocks = DEFAULT_NUM_BLOCKS
         return self
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        yaml_file = init_settings.init_kwargs.pop("_yaml_file", None)  # type: ignore[attr-defined]
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        if yaml_file is not None:
-            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=yaml_file))
-        return tuple(sources)
-
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> ComputeNodeConfig:
     """Defaults < YAML `path` < environment < `overrides`; `ConfigError` when invalid."""
-    kwargs: dict[str, Any] = dict(overrides)
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
-        kwargs["_yaml_file"] = p
-    try:
-        return ComputeNodeConfig(**kwargs)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise ConfigError(f"invalid configuration: {problems}") from None
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read configuration: {exc}") from None
+    return load_settings(ComputeNodeConfig, path, overrides)
