@@ -287,11 +287,15 @@ class ServingDriver:
                 self.report.check_failures += 1
 
     def _sample(self, wall: float) -> None:
-        if self.report.defrag and "high_water_after" not in self.report.defrag and \
-                self._step >= int(self.report.defrag["step"]) + 2:
-            status = self.admin.status()
-            self.report.defrag["high_water_after"] = {p["pool_id"]: int(p["high_water_mark"]) for p in status["pools"]}
-            self.report.defrag["moves"] = sum(int(p["defrag_moves"]) for p in status["pools"])
+        d = self.report.defrag
+        if d and "high_water_after" not in d and self._step > int(d["step"]):
+            # The plan commits once the nodes applied and acknowledged its copies (the next
+            # Forward on each node); read the mark as soon as no block is reserved any more.
+            pools = self.admin.status()["pools"]
+            if all(int(p["num_reserved_blocks"]) == 0 for p in pools):
+                d["high_water_after"] = {p["pool_id"]: int(p["high_water_mark"]) for p in pools}
+                d["moves"] = sum(int(p["defrag_moves"]) for p in pools) - int(d["moves_before"])
+                d["after_step"] = self._step
         used = waste = None
         if self.sample_every and self._step % self.sample_every == 0:
             status = self.admin.status()
@@ -314,6 +318,8 @@ class ServingDriver:
     # -- admin ---------------------------------------------------------------------------------
     def trigger_defrag(self) -> dict[str, object]:
         """Admin-triggered compaction; the plan commits once the nodes apply and ack it."""
-        before = {p["pool_id"]: int(p["high_water_mark"]) for p in self.admin.status()["pools"]}
+        pools = self.admin.status()["pools"]
+        before = {p["pool_id"]: int(p["high_water_mark"]) for p in pools}
+        moves_before = sum(int(p["defrag_moves"]) for p in pools)
         reply = self.admin.trigger_defrag("", "compaction")
-        return {"step": self._step, "high_water_before": before, "trigger": reply}
+        return {"step": self._step, "high_water_before": before, "moves_before": moves_before, "trigger": reply}
