@@ -19,7 +19,7 @@ from google.protobuf.message import Message
 
 from block_manager.client.errors import error_from_rpc
 from block_manager.client.retry import ClientStats, RetryPolicy, new_request_id
-from block_manager.client.sync_client import CHANNEL_OPTIONS, DEFAULT_TIMEOUT_S
+from block_manager.client.base import CHANNEL_OPTIONS, DEFAULT_TIMEOUT_S
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 

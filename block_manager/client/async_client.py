@@ -7,30 +7,22 @@ Create it inside the event loop that uses it (a `grpc.aio` channel is bound to i
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
 
 from block_manager.client import wire
+from block_manager.client.base import DEFAULT_TIMEOUT_S, ClientBase
 from block_manager.client.errors import error_from_rpc
-from block_manager.client.retry import ClientStats, RetryPolicy, request_id_or_new
-from block_manager.client.step import SequenceTracker, StepBatch, StepResult, run_async
-from block_manager.client.sync_client import CHANNEL_OPTIONS, DEFAULT_TIMEOUT_S
+from block_manager.client.retry import RetryPolicy, request_id_or_new
+from block_manager.client.step import StepBatch, StepResult, run_async
 from block_manager.client.types import AllocateSpec, HeartbeatResult, ItemFailure, NodeRegistration, PoolRoute, TablesUpdate
 from block_manager.core.types import AllocateResult, AppendRequest, AppendResult, DefragPlan, SeqId, SequenceView
 from pagedkv.v1 import block_manager_pb2 as pb
-from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
 
-class AsyncBlockManagerClient:
-    """Data plane of one block manager. Use as a context manager or call `close()`.
-
-    `block_sizes` (pool id -> block size) lets the step helper answer in-block decode
-    appends locally; pools registered through this client are learned automatically.
-    """
-
+class AsyncBlockManagerClient(ClientBase):
     def __init__(
         self,
         target: str,
@@ -41,15 +33,8 @@ class AsyncBlockManagerClient:
         block_sizes: Mapping[str, int] | None = None,
         seed: int | None = None,
     ) -> None:
-        self.target = target
-        self.timeout_s = timeout_s
-        self.retry = retry or RetryPolicy()
-        self._own_channel = channel is None
-        self._channel = channel if channel is not None else grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
-        self._stub = pb_grpc.BlockManagerStub(self._channel)
-        self._rng = random.Random(seed)
-        self.stats = ClientStats()
-        self.tracker = SequenceTracker(block_sizes)
+        super().__init__(target, channel, grpc.aio.insecure_channel, timeout_s=timeout_s, retry=retry,
+                         block_sizes=block_sizes, seed=seed)
 
     async def close(self) -> None:
         if self._own_channel:
