@@ -67,7 +67,7 @@ def start_services(num_blocks: int, log_dir: Path) -> tuple[str, str, list[subpr
     bm_addr, cn_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     env = dict(os.environ, PAGEDKV_LOG_LEVEL="WARNING")
     bm = subprocess.Popen(
-        [sys.executable, "-m", "block_manager.server", "--listen", bm_addr, "--database-url", "memory://"],
+        [sys.executable, "-m", "block_manager.service.server", "--listen", bm_addr, "--database-url", "memory://"],
         cwd=REPO, env=dict(env, PAGEDKV_BLOCK_SIZE=str(BLOCK_SIZE), PAGEDKV_WATERMARK="0", PAGEDKV_DEFRAG__ENABLED="false"),
         stderr=open(log_dir / "bm.log", "wb"),
     )
@@ -77,7 +77,7 @@ def start_services(num_blocks: int, log_dir: Path) -> tuple[str, str, list[subpr
         PAGEDKV_CN_GEOMETRY__DTYPE="float16", PAGEDKV_CN_BLOCK_SIZE=str(BLOCK_SIZE),
     )
     cn = subprocess.Popen(
-        [sys.executable, "-m", "compute_node.cli", "serve", "--listen", cn_addr, "--block-manager", bm_addr,
+        [sys.executable, "-m", "compute_node.service.cli", "serve", "--listen", cn_addr, "--block-manager", bm_addr,
          "--node-id", "bench-node", "--num-blocks", str(num_blocks)],
         cwd=REPO, env=cn_env, stderr=open(log_dir / "cn.log", "wb"),
     )

@@ -18,8 +18,8 @@ import argparse
 import json
 from collections.abc import Iterator
 
-from block_manager.replay import ReplayReport, replay
-from block_manager.tracegen import TraceConfig, generate_trace
+from block_manager.trace.replay import ReplayReport, replay
+from block_manager.trace.generate import TraceConfig, generate_trace
 
 POOL_SLOTS = 1 << 20  # big enough that no section rejects anything unless it says so
 

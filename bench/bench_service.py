@@ -89,7 +89,7 @@ def bm_server(database_url: str, log_file: Path | None = None, **env: str) -> It
     port = free_port()
     err = open(log_file, "wb") if log_file is not None else subprocess.DEVNULL  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
-        [sys.executable, "-m", "block_manager.server", "--listen", f"127.0.0.1:{port}", "--database-url", database_url],
+        [sys.executable, "-m", "block_manager.service.server", "--listen", f"127.0.0.1:{port}", "--database-url", database_url],
         cwd=REPO, env=server_env(**env), stdout=subprocess.DEVNULL, stderr=err,
     )
     target = f"127.0.0.1:{port}"
@@ -318,7 +318,7 @@ def bench_recovery(num_blocks: int, with_postgres: bool) -> list[dict[str, objec
                 print(f"recovery {name:10s} {used} blocks in use, {mode:30s}: restart -> SERVING {dt:.2f} s "
                       f"(recovery itself {rec_s:.2f} s, {replayed} records replayed)", flush=True)
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-c", "import block_manager.server"], cwd=REPO, check=True)
+        subprocess.run([sys.executable, "-c", "import block_manager.service.server"], cwd=REPO, check=True)
         base = time.perf_counter() - t0
         print(f"recovery (python start + imports alone: {base:.2f} s)")
         rows.append({"backend": "-", "mode": "process start + imports only", "blocks_in_use": 0, "restart_to_serving_s": base})

@@ -1,4 +1,4 @@
-"""The pair as real processes, started from docker-compose.yml (see pagedkv.localstack)."""
+"""The pair as real processes, started from docker-compose.yml (see engine.localstack)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from integration_tests.helpers import LEASE_TTL_S
-from pagedkv.localstack import LocalStack
+from engine.localstack import LocalStack
 
 
 @pytest.fixture(scope="module")

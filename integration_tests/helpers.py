@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from block_manager.trace_format import TraceOp, parse_trace
-from block_manager.tracegen import TraceConfig, generate_trace
-from pagedkv.localstack import LocalStack
+from block_manager.trace.format import TraceOp, parse_trace
+from block_manager.trace.generate import TraceConfig, generate_trace
+from engine.localstack import LocalStack
 
 # Short leases so a killed node is fenced quickly; set through the compose file's own
 # `${PAGEDKV_LEASE_TTL_S:-10}` interpolation, as an operator would.

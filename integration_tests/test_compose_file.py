@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 import yaml
 
-from pagedkv.localstack import COMPOSE_FILE, LocalStack, interpolate, load_compose
+from engine.localstack import COMPOSE_FILE, LocalStack, interpolate, load_compose
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,8 +53,8 @@ def test_commands_are_installed_entry_points() -> None:
 
 
 def test_environment_is_accepted_by_each_service_config(tmp_path: Path) -> None:
-    from block_manager.config import load_config as load_bm
-    from compute_node.config import load_config as load_cn
+    from block_manager.service.config import load_config as load_bm
+    from compute_node.service.config import load_config as load_cn
 
     stack = LocalStack(tmp_path, interp_env={})
     loaders = {"block-manager": load_bm, "compute-node-0": load_cn, "compute-node-1": load_cn}

@@ -17,8 +17,8 @@ from block_manager.client.admin import AdminClient
 from block_manager.client.errors import FailedPreconditionError, NotFoundError
 from compute_node.client import ComputeNodeClient
 from integration_tests.helpers import LEASE_TTL_S, node_addresses, small_trace
-from pagedkv.localstack import LocalStack
-from pagedkv.serving import ServingDriver
+from engine.localstack import LocalStack
+from engine.serving import ServingDriver
 
 NUM_HEADS = 4
 
@@ -155,7 +155,7 @@ def test_compute_node_sigkill_fences_and_restart_registers_new_epoch(stack: Loca
 _LOAD_CHILD = """
 import json, sys
 from integration_tests.helpers import small_trace
-from pagedkv.serving import ServingDriver
+from engine.serving import ServingDriver
 bm, n0, n1, prefix, seed = sys.argv[1:6]
 d = ServingDriver(bm, {"node-0": n0, "node-1": n1}, num_heads=4, max_model_len=256, check_every=4, seed=int(seed))
 try:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from block_manager import cli
-from pagedkv import demo
+from block_manager.cli import main as cli
+from engine import demo
 
 BIN = Path(sys.executable).parent
 SMALL_KNOBS = ["--num-requests", "12", "--prompt-len-max", "120", "--output-len-max", "80", "--seed", "4"]
@@ -79,8 +79,8 @@ def test_help_works_everywhere() -> None:
     assert "serve" in top and "admin" in top
 
 
-@pytest.mark.parametrize(("command", "module_name"), [("serve", "block_manager.server"),
-                                                     ("admin", "block_manager.admin_cli")])
+@pytest.mark.parametrize(("command", "module_name"), [("serve", "block_manager.service.server"),
+                                                     ("admin", "block_manager.cli.admin")])
 def test_serve_and_admin_pass_the_rest_of_argv_through(
     monkeypatch: pytest.MonkeyPatch, command: str, module_name: str
 ) -> None:
@@ -95,7 +95,7 @@ def test_serve_and_admin_pass_the_rest_of_argv_through(
 def test_missing_service_module_is_a_one_line_error(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setitem(sys.modules, "block_manager.server", None)  # import raises ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "block_manager.service.server", None)  # import raises ModuleNotFoundError
     assert cli.main(["serve"]) == 1
     assert "not available" in capsys.readouterr().err
 

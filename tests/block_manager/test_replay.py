@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from block_manager.core.errors import OutOfBlocks
-from block_manager.replay import REPLAY_POOL, ReplayReport, TraceReplayer, replay
-from block_manager.trace_format import TraceError, parse_trace
-from block_manager.tracegen import TraceConfig, generate_trace
+from block_manager.trace.replay import REPLAY_POOL, ReplayReport, TraceReplayer, replay
+from block_manager.trace.format import TraceError, parse_trace
+from block_manager.trace.generate import TraceConfig, generate_trace
 
 
 def _ops(*ops: dict[str, object]) -> list[str]:

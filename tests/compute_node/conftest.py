@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from block_manager.server import BlockManagerServer
-from compute_node.server import ComputeNodeServer
+from block_manager.service.server import BlockManagerServer
+from compute_node.service.server import ComputeNodeServer
 from tests.compute_node.harness import Scheduler, start_bm, start_node
 
 

@@ -16,11 +16,11 @@ from typing import Any
 import grpc
 import numpy as np
 
-from block_manager.config import load_config as load_bm_config
-from block_manager.server import BlockManagerServer
+from block_manager.service.config import load_config as load_bm_config
+from block_manager.service.server import BlockManagerServer
 from compute_node.client import SeqInput, build_request, split_outputs
-from compute_node.config import load_config as load_cn_config
-from compute_node.server import ComputeNodeServer
+from compute_node.service.config import load_config as load_cn_config
+from compute_node.service.server import ComputeNodeServer
 from kernels import reference
 from pagedkv.v1 import block_manager_pb2 as bm_pb
 from pagedkv.v1 import block_manager_pb2_grpc as bm_grpc

@@ -184,7 +184,7 @@ async def test_get_node_info(cluster) -> None:  # type: ignore[no-untyped-def]
 async def test_unregistered_node_answers_unavailable() -> None:
     # Nothing listens on port 9 of 127.0.0.1: registration keeps failing and retrying.
     from tests.compute_node.harness import cn_config
-    from compute_node.server import ComputeNodeServer
+    from compute_node.service.server import ComputeNodeServer
 
     server = ComputeNodeServer(cn_config("127.0.0.1:9"))
     await server.start()

@@ -81,7 +81,7 @@ async def test_cli_serve_registers_and_stops_on_sigterm(tmp_path: Path) -> None:
     port_file = tmp_path / "port"
     env = dict(os.environ, PAGEDKV_CN_DEVICE="cpu", PAGEDKV_CN_GEOMETRY__HEAD_DIM="32", PAGEDKV_LOG_LEVEL="INFO")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "compute_node.cli", "serve", "--listen", "127.0.0.1:0", "--block-manager", bm.address,
+        [sys.executable, "-m", "compute_node.service.cli", "serve", "--listen", "127.0.0.1:0", "--block-manager", bm.address,
          "--node-id", "cli-node", "--num-blocks", "16", "--port-file", str(port_file)],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
@@ -114,7 +114,7 @@ async def test_cli_serve_registers_and_stops_on_sigterm(tmp_path: Path) -> None:
 
 def test_cli_rejects_bad_config() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "compute_node.cli", "serve", "--num-blocks", "0"],
+        [sys.executable, "-m", "compute_node.service.cli", "serve", "--num-blocks", "0"],
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 2 and "num_blocks" in proc.stderr

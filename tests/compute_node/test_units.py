@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from compute_node.config import ConfigError, load_config
+from compute_node.service.config import ConfigError, load_config
 from compute_node.pool import KvPool, PoolGeometry, blocks_for_budget
 from compute_node.tables import CachedTable, SeqId, TableCache
 from compute_node.wire import WireError, decode_tensor, encode_tensor, tensor_to_numpy

@@ -5,7 +5,7 @@ import importlib
 
 import pytest
 
-from compute_node.warmup import warm_up_cpu_kernels
+from compute_node.service.warmup import warm_up_cpu_kernels
 
 
 def _module(name: str):  # type: ignore[no-untyped-def]

@@ -16,8 +16,8 @@ from typing import Any
 
 import grpc
 
-from block_manager.config import load_config
-from block_manager.server import BlockManagerServer
+from block_manager.service.config import load_config
+from block_manager.service.server import BlockManagerServer
 
 
 def service_config(**overrides: Any) -> Any:

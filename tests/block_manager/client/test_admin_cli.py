@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from block_manager.admin_cli import EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE, main
+from block_manager.cli.admin import EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE, main
 from block_manager.client import AllocateSpec, BlockManagerClient, ItemFailure
 from block_manager.core.types import PoolId, SeqId
 
@@ -111,7 +111,7 @@ def test_cli_subprocess_against_served_process(tmp_path):
     port_file = tmp_path / "port"
     env = {**os.environ, "PAGEDKV_ADMIN_TOKEN": "tok", "PAGEDKV_LOG_LEVEL": "WARNING"}
     server = subprocess.Popen(
-        [sys.executable, "-m", "block_manager.server", "--listen", "127.0.0.1:0", "--database-url", "memory://", "--port-file", str(port_file)],
+        [sys.executable, "-m", "block_manager.service.server", "--listen", "127.0.0.1:0", "--database-url", "memory://", "--port-file", str(port_file)],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
@@ -120,7 +120,7 @@ def test_cli_subprocess_against_served_process(tmp_path):
             assert server.poll() is None and time.monotonic() < deadline, "server did not start"
             time.sleep(0.05)
         target = f"127.0.0.1:{port_file.read_text()}"
-        cli = [sys.executable, "-m", "block_manager.cli", "admin", "--target", target]
+        cli = [sys.executable, "-m", "block_manager.cli.main", "admin", "--target", target]
         ok = subprocess.run([*cli, "--token", "tok", "--json", "status"], capture_output=True, text=True, cwd=REPO, timeout=60)
         assert ok.returncode == 0, ok.stderr
         assert json.loads(ok.stdout)["state"] == "serving"

@@ -8,7 +8,7 @@ from typing import Any
 import grpc
 import pytest
 
-from block_manager.server import BlockManagerServer
+from block_manager.service.server import BlockManagerServer
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 from tests.block_manager.service.service_helpers import Harness, service_config
 

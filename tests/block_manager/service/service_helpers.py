@@ -9,8 +9,8 @@ from typing import Any
 import grpc
 import pytest
 
-from block_manager.config import BlockManagerConfig, load_config
-from block_manager.server import BlockManagerServer
+from block_manager.service.config import BlockManagerConfig, load_config
+from block_manager.service.server import BlockManagerServer
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 

@@ -1,19 +1,19 @@
-"""The committed stubs under pagedkv/v1 must be exactly what `python -m pagedkv.codegen`
+"""The committed stubs under pagedkv/v1 must be exactly what `python -m tools.codegen`
 produces from the protos; otherwise someone edited a .proto without regenerating."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from pagedkv import codegen
+from tools import codegen
 
 
 def test_committed_stubs_are_fresh(tmp_path: Path) -> None:
     fresh = codegen.generate(out_root=tmp_path)
     committed = codegen.generated_files(codegen.REPO_ROOT)
-    assert [p.name for p in fresh] == [p.name for p in committed], "generated file set differs; run python -m pagedkv.codegen"
+    assert [p.name for p in fresh] == [p.name for p in committed], "generated file set differs; run python -m tools.codegen"
     stale = [c.name for f, c in zip(fresh, committed, strict=True) if f.read_bytes() != c.read_bytes()]
-    assert not stale, f"stale generated stubs {stale}; run python -m pagedkv.codegen"
+    assert not stale, f"stale generated stubs {stale}; run python -m tools.codegen"
 
 
 def test_every_proto_has_stubs() -> None:

@@ -8,7 +8,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from block_manager.runtime import ServiceRuntime
+from block_manager.service.runtime import ServiceRuntime
 from block_manager.store import open_store
 from pagedkv.v1 import block_manager_pb2 as pb
 from tests.block_manager.service.service_helpers import Harness, rid, service_config

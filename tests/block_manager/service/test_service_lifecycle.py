@@ -13,8 +13,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from block_manager.config import ConfigError, load_config
-from block_manager.server import BlockManagerServer, main
+from block_manager.service.config import ConfigError, load_config
+from block_manager.service.server import BlockManagerServer, main
 from block_manager.store import MemoryStore, NewRecord, StoreOptions
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc

@@ -39,7 +39,7 @@ class ServerProcess:
             PAGEDKV_STORE_LOCK_WAIT_S="20",
         )
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "block_manager.server", "--listen", "127.0.0.1:0", "--database-url", database_url,
+            [sys.executable, "-m", "block_manager.service.server", "--listen", "127.0.0.1:0", "--database-url", database_url,
              "--port-file", str(self.port_file)],
             cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
         )

@@ -8,7 +8,7 @@ import pytest
 
 from block_manager.core.errors import InvalidRequest, NodeFenced, StaleEpoch, UnknownPool
 from block_manager.core.nodes import NodeRegistry
-from block_manager.state import ServiceState, StateConfig
+from block_manager.service.state import ServiceState, StateConfig
 
 
 def test_registry_epochs_leases_and_fencing() -> None:

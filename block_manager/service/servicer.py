@@ -15,10 +15,10 @@ import grpc
 
 from block_manager.core.errors import InvalidRequest
 from block_manager.core.types import PoolId, SeqId
-from block_manager.defrag_runner import DefragRunner
-from block_manager.runtime import ServiceRuntime
-from block_manager.state import DEFRAG_KINDS
-from block_manager.state_codec import check_count, check_id, check_ids
+from block_manager.service.defrag_runner import DefragRunner
+from block_manager.service.runtime import ServiceRuntime
+from block_manager.service.state import DEFRAG_KINDS
+from block_manager.service.state_codec import check_count, check_id, check_ids
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 

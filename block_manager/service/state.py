@@ -29,8 +29,8 @@ from block_manager.core.errors import (
 from block_manager.core.manager import MAX_POOL_BLOCKS, BlockManager
 from block_manager.core.nodes import NodeRegistry, check_node_id
 from block_manager.core.types import AppendFailure, DefragPlan, DefragPolicy, PoolId, SeqId
-from block_manager.errors import status_for
-from block_manager.state_codec import (
+from block_manager.service.errors import status_for
+from block_manager.service.state_codec import (
     allocation_dict,
     append_outcome,
     append_requests,

@@ -23,8 +23,8 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 
 _PASSTHROUGH: dict[str, tuple[str, str]] = {  # subcommand -> (module, help)
-    "serve": ("block_manager.server", "run the block manager gRPC service"),
-    "admin": ("block_manager.admin_cli", "admin plane client (pools, defrag, snapshots)"),
+    "serve": ("block_manager.service.server", "run the block manager gRPC service"),
+    "admin": ("block_manager.cli.admin", "admin plane client (pools, defrag, snapshots)"),
 }
 
 
@@ -89,7 +89,7 @@ _KNOB_HELP = {
 
 
 def _add_gen_trace(subparsers: argparse._SubParsersAction) -> None:
-    from block_manager.tracegen import TraceConfig
+    from block_manager.trace.generate import TraceConfig
 
     p = subparsers.add_parser(
         "gen-trace",
@@ -110,8 +110,8 @@ def _add_gen_trace(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_replay(args: argparse.Namespace) -> int:
     from block_manager.core.errors import CoreError
-    from block_manager.replay import replay
-    from block_manager.trace_format import TraceError
+    from block_manager.trace.replay import replay
+    from block_manager.trace.format import TraceError
 
     try:
         report = replay(
@@ -137,7 +137,7 @@ def _run_replay(args: argparse.Namespace) -> int:
 
 
 def _run_gen_trace(args: argparse.Namespace) -> int:
-    from block_manager.tracegen import TraceConfig, TraceConfigError, write_trace
+    from block_manager.trace.generate import TraceConfig, TraceConfigError, write_trace
 
     knobs = {f.name: getattr(args, f.name) for f in dataclasses.fields(TraceConfig)}
     try:

@@ -1,7 +1,7 @@
 """Regenerate the committed Python stubs from `proto/pagedkv/v1/*.proto`.
 
-    python -m pagedkv.codegen            # rewrite pagedkv/v1/ in the repository
-    python -m pagedkv.codegen --out DIR  # write into DIR/pagedkv/v1/ instead (staleness test)
+    python -m tools.codegen            # rewrite pagedkv/v1/ in the repository
+    python -m tools.codegen --out DIR  # write into DIR/pagedkv/v1/ instead (staleness test)
 
 The stubs are committed (so an installed package needs no protoc) and a test regenerates
 them into a temporary directory and fails when they differ. Protos are compiled with
@@ -88,7 +88,7 @@ def generate(out_root: Path = REPO_ROOT, proto_root: Path = PROTO_ROOT) -> list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pagedkv.codegen", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.codegen", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO_ROOT, help="output root (default: the repository)")
     args = parser.parse_args(argv)
     try:

@@ -33,8 +33,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from compute_node.config import ConfigError, load_config
-    from compute_node.server import serve
+    from compute_node.service.config import ConfigError, load_config
+    from compute_node.service.server import serve
     from pagedkv.logging import configure_logging
 
     overrides = {

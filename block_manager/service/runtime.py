@@ -24,11 +24,11 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
-from block_manager.config import BlockManagerConfig
-from block_manager.errors import RecoveryError, RequestExpired, RequestIdConflict, ServerUnavailable
-from block_manager.journal_writer import JournalWriter
-from block_manager.request_index import Recorded, RequestIndex
-from block_manager.state import ServiceState
+from block_manager.service.config import BlockManagerConfig
+from block_manager.service.errors import RecoveryError, RequestExpired, RequestIdConflict, ServerUnavailable
+from block_manager.service.journal_writer import JournalWriter
+from block_manager.service.request_index import Recorded, RequestIndex
+from block_manager.service.state import ServiceState
 from block_manager.store import MemoryStore, NewRecord, Store
 from block_manager.store.records import JournalRecord
 from pagedkv.logging import get_logger

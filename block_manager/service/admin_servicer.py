@@ -8,10 +8,10 @@ from typing import Any
 import grpc
 
 from block_manager.core.types import PoolId, SeqId
-from block_manager.defrag_runner import DefragRunner
-from block_manager.runtime import ServiceRuntime
-from block_manager.servicer import check_request_id, defrag_kind, plan_pb, request_digest
-from block_manager.state_codec import check_id, check_optional_str
+from block_manager.service.defrag_runner import DefragRunner
+from block_manager.service.runtime import ServiceRuntime
+from block_manager.service.servicer import check_request_id, defrag_kind, plan_pb, request_digest
+from block_manager.service.state_codec import check_id, check_optional_str
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 

@@ -39,7 +39,7 @@ from typing import ParamSpec, TypeVar
 from block_manager.core.errors import CoreError, OutOfBlocks
 from block_manager.core.manager import BlockManager
 from block_manager.core.types import AppendFailure, AppendRequest, AppendResult, PoolId, SeqId
-from block_manager.trace_format import (
+from block_manager.trace.format import (
     AllocateOp,
     AppendOp,
     ForkOp,

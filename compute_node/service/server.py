@@ -22,10 +22,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from compute_node.config import ComputeNodeConfig
-from compute_node.node import ComputeNode
-from compute_node.servicer import ComputeNodeServicer
-from compute_node.warmup import warm_up_cpu_kernels
+from compute_node.service.config import ComputeNodeConfig
+from compute_node.service.node import ComputeNode
+from compute_node.service.servicer import ComputeNodeServicer
+from compute_node.service.warmup import warm_up_cpu_kernels
 from pagedkv.logging import get_logger
 from pagedkv.v1 import compute_node_pb2 as pb
 from pagedkv.v1 import compute_node_pb2_grpc as pb_grpc

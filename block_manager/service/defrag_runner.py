@@ -21,9 +21,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from block_manager.config import DefragSettings
+from block_manager.service.config import DefragSettings
 from block_manager.core.errors import CoreError
-from block_manager.runtime import ServiceRuntime
+from block_manager.service.runtime import ServiceRuntime
 from pagedkv.logging import get_logger
 
 log = get_logger(__name__)

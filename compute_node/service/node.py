@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compute_node.bm_link import (
+from compute_node.service.bm_link import (
     BlockManagerLink,
     LinkError,
     LinkFenced,
@@ -41,7 +41,7 @@ from compute_node.bm_link import (
     Registration,
     TablesReply,
 )
-from compute_node.config import ComputeNodeConfig
+from compute_node.service.config import ComputeNodeConfig
 from compute_node.errors import (
     BlockManagerUnavailable,
     ComputeNodeError,
@@ -52,7 +52,7 @@ from compute_node.errors import (
     UnknownSequence,
 )
 from compute_node.forward import ForwardBatch, check_slots, execute, plan_attention
-from compute_node.metrics import NodeMetrics
+from compute_node.service.metrics import NodeMetrics
 from compute_node.pool import KvPool, PoolGeometry, blocks_for_budget, resolve_device
 from compute_node.tables import CachedTable, SeqId, TableCache
 from pagedkv.logging import get_logger

@@ -8,7 +8,7 @@ RPCs finish within `shutdown_grace_s` (`server.stop(grace)`), writes a final sna
 releases the store lock. Nothing polls: lease expiry and defrag timeouts are timers.
 
     block-manager serve --config block_manager.yaml [--listen HOST:PORT] [--database-url URL]
-    python -m block_manager.server --listen 127.0.0.1:0 --port-file /tmp/bm.port
+    python -m block_manager.service.server --listen 127.0.0.1:0 --port-file /tmp/bm.port
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from block_manager.admin_servicer import BlockManagerAdminServicer
-from block_manager.config import BlockManagerConfig, ConfigError, load_config
-from block_manager.defrag_runner import DefragRunner
-from block_manager.errors import RecoveryError
-from block_manager.interceptors import AdminAuthInterceptor, ErrorMappingInterceptor
-from block_manager.metrics import ServiceMetrics
-from block_manager.runtime import Phase, ServiceRuntime
-from block_manager.servicer import BlockManagerServicer
+from block_manager.service.admin_servicer import BlockManagerAdminServicer
+from block_manager.service.config import BlockManagerConfig, ConfigError, load_config
+from block_manager.service.defrag_runner import DefragRunner
+from block_manager.service.errors import RecoveryError
+from block_manager.service.interceptors import AdminAuthInterceptor, ErrorMappingInterceptor
+from block_manager.service.metrics import ServiceMetrics
+from block_manager.service.runtime import Phase, ServiceRuntime
+from block_manager.service.servicer import BlockManagerServicer
 from block_manager.store import StoreError, StoreOptions, open_store
 from block_manager.store.base import Store
 from pagedkv.logging import configure_logging, get_logger

@@ -7,7 +7,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from pagedkv.serving import ServingReport
+from engine.serving import ServingReport
 
 
 def _pct(x: float) -> str:

@@ -27,9 +27,9 @@ from block_manager.client.admin import AdminClient
 from block_manager.client.step import SeqSlots
 from block_manager.client.types import ItemFailure
 from block_manager.core.types import AllocateResult
-from block_manager.trace_format import AllocateOp, AppendOp, ForkOp, FreeOp, TraceOp
+from block_manager.trace.format import AllocateOp, AppendOp, ForkOp, FreeOp, TraceOp
 from compute_node.client import ComputeNodeClient, SeqInput
-from pagedkv.synthetic import SyntheticModel, extend_hashes, reference_attention
+from engine.synthetic import SyntheticModel, extend_hashes, reference_attention
 
 # fp16 K/V with fp32 accumulation: the kernels' error is a few fp32 ulps of the output norm;
 # 2e-3 relative to the output norm leaves room for fp16-rounded queries nowhere (queries are

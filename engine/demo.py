@@ -25,8 +25,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from block_manager.replay import ReplayReport, replay
-from block_manager.tracegen import TraceConfig, write_trace
+from block_manager.trace.replay import ReplayReport, replay
+from block_manager.trace.generate import TraceConfig, write_trace
 
 
 @dataclass(slots=True)
@@ -154,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "--num-heads must be >= 1", file=sys.stderr)
         return 2
     if args.mode == "services":
-        from pagedkv.demo_services import run
+        from engine.demo_services import run
 
         return run(args)
     with tempfile.TemporaryDirectory(prefix="pagedkv-demo-") as tmp:

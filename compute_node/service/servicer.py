@@ -12,7 +12,7 @@ import structlog
 
 from compute_node.errors import ComputeNodeError, NotRegistered
 from compute_node.forward import parse_forward
-from compute_node.node import ComputeNode
+from compute_node.service.node import ComputeNode
 from compute_node.wire import encode_tensor
 from pagedkv.v1 import compute_node_pb2 as pb
 from pagedkv.v1 import compute_node_pb2_grpc as pb_grpc

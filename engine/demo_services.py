@@ -1,8 +1,8 @@
 """`pagedkv-demo --mode services`: the pair as real processes, a serving workload through them.
 
 Starts the block manager and both compute nodes from docker-compose.yml as local processes
-(`pagedkv.localstack`: embedded SQLite in a temp volume), drives the demo trace through them
-with `pagedkv.serving.ServingDriver` (Route → Allocate/AppendSlots/Fork/Free via the client's
+(`engine.localstack`: embedded SQLite in a temp volume), drives the demo trace through them
+with `engine.serving.ServingDriver` (Route → Allocate/AppendSlots/Fork/Free via the client's
 step helper → Forward on the owning node, sampled outputs checked against float64), triggers
 one admin defrag midway, prints the report and writes the PNG plot. Everything it started is
 stopped on the way out, also on Ctrl-C or an error.
@@ -18,11 +18,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from block_manager.trace_format import AppendOp, parse_trace
-from block_manager.tracegen import TraceConfig, generate_trace
-from pagedkv.localstack import LocalStack
-from pagedkv.serving import ServingDriver
-from pagedkv.serving_report import plot, render
+from block_manager.trace.format import AppendOp, parse_trace
+from block_manager.trace.generate import TraceConfig, generate_trace
+from engine.localstack import LocalStack
+from engine.serving import ServingDriver
+from engine.serving_report import plot, render
 
 NODES = ("compute-node-0", "compute-node-1")
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from block_manager.errors import JournalFailure
+from block_manager.service.errors import JournalFailure
 from block_manager.store import MemoryStore, NewRecord, Store
 from pagedkv.logging import get_logger
 

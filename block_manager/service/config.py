@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from block_manager.core.types import DefragPolicy
-from block_manager.state import StateConfig
+from block_manager.service.state import StateConfig
 from pagedkv.settings import ConfigError, YamlEnvSettings, load_settings
 
 

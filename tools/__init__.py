@@ -1,0 +1,1 @@
+"""Developer tooling (not shipped at run time): protobuf code generation."""
