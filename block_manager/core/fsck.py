@@ -7,30 +7,31 @@ It walks the whole state (O(blocks + table entries)), so it is for tests, recove
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
 from block_manager.core.pool import Pool
+from block_manager.core.sequence import Sequence
+from block_manager.core.types import PoolId, SeqId
 
-if TYPE_CHECKING:
-    from block_manager.core.manager import BlockManager
 
-
-def fsck(manager: BlockManager) -> list[str]:
+def fsck(pools: Mapping[PoolId, Pool], seqs: Mapping[SeqId, Sequence], next_plan_id: int) -> list[str]:
+    """Every violated invariant of the manager's parts (its pools, its sequence index and its
+    next plan id), as readable lines; empty when healthy."""
     problems: list[str] = []
     seen_seqs: set[str] = set()
-    for pool in manager._pools.values():
+    for pool in pools.values():
         problems.extend(_check_pool(pool))
         for sid, seq in pool.seqs.items():
             seen_seqs.add(sid)
-            if manager._seqs.get(sid) is not seq:
+            if seqs.get(sid) is not seq:
                 problems.append(f"sequence {sid!r} of pool {pool.pool_id!r} not in the manager")
-    for sid, seq in manager._seqs.items():
+    for sid, seq in seqs.items():
         if sid not in seen_seqs:
             problems.append(f"sequence {sid!r} belongs to no pool (pool {seq.pool_id!r})")
-    plan_ids = [p.plan.plan_id for p in manager._pools.values() if p.plan is not None]
+    plan_ids = [p.plan.plan_id for p in pools.values() if p.plan is not None]
     if len(set(plan_ids)) != len(plan_ids):
         problems.append(f"duplicate plan ids {plan_ids}")
-    if any(pid >= manager._next_plan_id for pid in plan_ids):
+    if any(pid >= next_plan_id for pid in plan_ids):
         problems.append("a plan id is not below next_plan_id")
     return problems
 

@@ -23,10 +23,12 @@ from block_manager.core.errors import (
     FailedPrecondition, InvalidRequest, OutOfBlocks, PoolDraining, SequenceExists,
     UnknownPlan, UnknownPool, UnknownSequence, VersionConflict,
 )
+from block_manager.core.fsck import fsck
 from block_manager.core.hashing import hash_prefix, token_array
 from block_manager.core.pool import MAX_POOL_BLOCKS, Pool
 from block_manager.core.sequence import Sequence
 from block_manager.core.slots import slot_range
+from block_manager.core.snapshot import CoreParts, from_snapshot, to_snapshot
 from block_manager.core.types import (
     AllocateResult, AppendFailure, AppendRequest, AppendResult, BlockId, CopyOp, DefragKind,
     DefragPlan, DefragPolicy, PlanId, PoolId, PoolMetrics, RouteEntry, SeqId, SequenceView,
@@ -429,22 +431,32 @@ class BlockManager:
 
     def fsck(self) -> list[str]:
         """Check every invariant; human-readable violations, empty when healthy."""
-        from block_manager.core.fsck import fsck
-
-        return fsck(self)
+        return fsck(self._pools, self._seqs, self._next_plan_id)
 
     def to_snapshot(self) -> dict:
         """The complete state as a JSON-serialisable dict (see core/snapshot.py)."""
-        from block_manager.core.snapshot import to_snapshot
-
-        return to_snapshot(self)
+        return to_snapshot(
+            CoreParts(
+                self.watermark, self.enable_prefix_caching, self.defrag_policy,
+                self._pools, self._seqs, self._next_plan_id,
+            )
+        )
 
     @classmethod
     def from_snapshot(cls, data: dict) -> BlockManager:
-        """Rebuild a manager from `to_snapshot()` output; InvalidRequest if malformed."""
-        from block_manager.core.snapshot import from_snapshot
-
-        return from_snapshot(cls, data)
+        """Rebuild a manager from `to_snapshot()` output; InvalidRequest if malformed or if
+        the decoded state fails fsck."""
+        parts = from_snapshot(data)
+        manager = cls(
+            watermark=parts.watermark,
+            enable_prefix_caching=parts.enable_prefix_caching,
+            defrag_policy=parts.defrag_policy,
+        )
+        manager._pools, manager._seqs, manager._next_plan_id = parts.pools, parts.seqs, parts.next_plan_id
+        problems = manager.fsck()
+        if problems:
+            raise InvalidRequest(f"snapshot fails fsck: {problems[:5]}")
+        return manager
 
 
 __all__ = ["BlockManager", "BlockId", "MAX_POOL_BLOCKS"]

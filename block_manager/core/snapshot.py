@@ -10,15 +10,27 @@ plain so `to_snapshot(from_snapshot(d)) == d` holds after a JSON round trip.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from block_manager.core.errors import CoreError, InvalidRequest
 from block_manager.core.pool import MAX_POOL_BLOCKS, BlockMeta, PlanState, Pool
 from block_manager.core.sequence import Sequence
 from block_manager.core.types import BlockId, CopyOp, DefragPolicy, PlanId, PoolId, SeqId
 
-if TYPE_CHECKING:
-    from block_manager.core.manager import BlockManager
+
+@dataclass(slots=True)
+class CoreParts:
+    """Everything a `BlockManager` holds: what a snapshot stores and restores. The manager
+    hands its parts here and builds itself from them, so this module never needs the class."""
+
+    watermark: float
+    enable_prefix_caching: bool
+    defrag_policy: DefragPolicy
+    pools: dict[PoolId, Pool]
+    seqs: dict[SeqId, Sequence]
+    next_plan_id: int
 
 FORMAT = 1
 _COUNTERS = (
@@ -90,20 +102,21 @@ def _pool_to_dict(pool: Pool) -> dict[str, Any]:
     return d
 
 
-def to_snapshot(manager: BlockManager) -> dict[str, Any]:
-    policy = manager.defrag_policy
+def to_snapshot(parts: CoreParts) -> dict[str, Any]:
+    """The parts as a JSON-serialisable dict."""
+    policy = parts.defrag_policy
     return {
         "format": FORMAT,
-        "watermark": manager.watermark,
-        "enable_prefix_caching": manager.enable_prefix_caching,
+        "watermark": parts.watermark,
+        "enable_prefix_caching": parts.enable_prefix_caching,
         "defrag_policy": {
             "every_n_steps": policy.every_n_steps,
             "max_high_water_ratio": policy.max_high_water_ratio,
             "min_contiguity": policy.min_contiguity,
         },
-        "next_plan_id": manager._next_plan_id,
-        "seq_order": list(manager._seqs),
-        "pools": [_pool_to_dict(p) for p in manager._pools.values()],
+        "next_plan_id": parts.next_plan_id,
+        "seq_order": list(parts.seqs),
+        "pools": [_pool_to_dict(p) for p in parts.pools.values()],
     }
 
 
@@ -158,25 +171,20 @@ def _pool_from_dict(d: dict[str, Any]) -> Pool:
     return pool
 
 
-def from_snapshot(cls: type[BlockManager], data: dict[str, Any]) -> BlockManager:
+def from_snapshot(data: Mapping[str, Any]) -> CoreParts:
+    """Decode `to_snapshot()` output (shape only; the manager runs fsck on the result);
+    InvalidRequest if malformed."""
     try:
         if data.get("format") != FORMAT:
             raise ValueError(f"snapshot format {data.get('format')!r}, expected {FORMAT}")
         pol = data["defrag_policy"]
-        manager = cls(
-            watermark=data["watermark"],
-            enable_prefix_caching=data["enable_prefix_caching"],
-            defrag_policy=DefragPolicy(
-                pol["every_n_steps"], pol["max_high_water_ratio"], pol["min_contiguity"]
-            ),
-        )
-        manager._next_plan_id = int(data["next_plan_id"])
+        pools: dict[PoolId, Pool] = {}
         seqs: dict[SeqId, Sequence] = {}
         for pd in data["pools"]:
             pool = _pool_from_dict(pd)
-            if pool.pool_id in manager._pools:
+            if pool.pool_id in pools:
                 raise ValueError(f"duplicate pool {pool.pool_id!r}")
-            manager._pools[pool.pool_id] = pool
+            pools[pool.pool_id] = pool
             for sid, seq in pool.seqs.items():
                 if sid in seqs:
                     raise ValueError(f"duplicate sequence {sid!r}")
@@ -184,12 +192,15 @@ def from_snapshot(cls: type[BlockManager], data: dict[str, Any]) -> BlockManager
         order = data["seq_order"]
         if sorted(order) != sorted(seqs):
             raise ValueError("seq_order does not list exactly the pools' sequences")
-        manager._seqs = {SeqId(sid): seqs[sid] for sid in order}
+        return CoreParts(
+            watermark=data["watermark"],
+            enable_prefix_caching=data["enable_prefix_caching"],
+            defrag_policy=DefragPolicy(pol["every_n_steps"], pol["max_high_water_ratio"], pol["min_contiguity"]),
+            pools=pools,
+            seqs={SeqId(sid): seqs[sid] for sid in order},
+            next_plan_id=int(data["next_plan_id"]),
+        )
     except CoreError as exc:
         raise InvalidRequest(f"malformed snapshot: {exc}") from None
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
         raise InvalidRequest(f"malformed snapshot: {type(exc).__name__}: {exc}") from None
-    problems = manager.fsck()
-    if problems:
-        raise InvalidRequest(f"snapshot fails fsck: {problems[:5]}")
-    return manager
