@@ -2,7 +2,7 @@
 
 `ErrorMappingInterceptor` wraps every unary handler: it binds the request id, node and
 epoch into structlog's context for the duration of the call, times it for the latency
-histogram, and turns an escaping exception into a status via `errors.status_for` —
+histogram, and turns an escaping exception into a status via `status.status_for` —
 domain errors keep their message, anything else becomes INTERNAL with a generic message
 while the exception is logged with its traceback. Handlers never call `context.abort`
 for domain errors themselves, so the mapping cannot drift between RPCs.
@@ -23,7 +23,7 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from block_manager.core.errors import InvalidRequest
-from block_manager.service.errors import status_for
+from block_manager.service.status import status_for
 from block_manager.service.metrics import ServiceMetrics
 from pagedkv.logging import get_logger
 

@@ -18,6 +18,7 @@ from block_manager.core.types import PoolId, SeqId
 from block_manager.service.defrag_runner import DefragRunner
 from block_manager.service.runtime import ServiceRuntime
 from block_manager.service.state import DEFRAG_KINDS
+from block_manager.service.status import code_for_reason
 from block_manager.service.state_codec import check_count, check_id, check_ids
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
@@ -47,7 +48,8 @@ def copy_op_pb(op: list[Any]) -> pb.CopyOp:
 
 
 def item_error_pb(err: dict[str, Any]) -> pb.ItemError:
-    return pb.ItemError(code=err["code"], reason=err["reason"], message=err["message"])
+    code = code_for_reason(err["reason"])
+    return pb.ItemError(code=code.value[0], reason=err["reason"], message=err["message"])
 
 
 def table_pb(t: dict[str, Any]) -> pb.SequenceTable:
@@ -158,7 +160,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             if type(o) is dict:
                 err = o["error"]
                 e = add().error
-                e.code, e.reason, e.message = err["code"], err["reason"], err["message"]
+                e.code, e.reason, e.message = code_for_reason(err["reason"]).value[0], err["reason"], err["message"]
                 continue
             seq_id, slots, new_blocks, copy_ops, version, num_tokens = o
             a = add().appended

@@ -29,7 +29,6 @@ from block_manager.core.errors import (
 from block_manager.core.manager import MAX_POOL_BLOCKS, BlockManager
 from block_manager.core.nodes import NodeRegistry, check_node_id
 from block_manager.core.types import AppendFailure, DefragPlan, DefragPolicy, PoolId, SeqId
-from block_manager.service.errors import status_for
 from block_manager.service.state_codec import (
     allocation_dict,
     append_outcome,
@@ -69,8 +68,9 @@ class Applied:
 
 
 def item_error(exc: CoreError) -> dict[str, Any]:
-    code = status_for(exc)
-    return {"code": code.value[0] if code is not None else 13, "reason": type(exc).__name__, "message": str(exc)}
+    """A per-item failure as the journal records it: the error's class name and message.
+    The transport's status code is derived from the name at the edge (`service/status.py`)."""
+    return {"reason": type(exc).__name__, "message": str(exc)}
 
 
 class ServiceState:
