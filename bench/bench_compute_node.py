@@ -55,7 +55,10 @@ def wait_serving(address: str, proc: subprocess.Popen[bytes], timeout_s: float =
             if proc.poll() is not None:
                 raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     return
             except grpc.RpcError:
                 pass
@@ -68,7 +71,8 @@ def start_services(num_blocks: int, log_dir: Path) -> tuple[str, str, list[subpr
     env = dict(os.environ, PAGEDKV_LOG_LEVEL="WARNING")
     bm = subprocess.Popen(
         [sys.executable, "-m", "block_manager.service.server", "--listen", bm_addr, "--database-url", "memory://"],
-        cwd=REPO, env=dict(env, PAGEDKV_BLOCK_SIZE=str(BLOCK_SIZE), PAGEDKV_WATERMARK="0", PAGEDKV_DEFRAG__ENABLED="false"),
+        cwd=REPO,
+        env=dict(env, PAGEDKV_BLOCK_SIZE=str(BLOCK_SIZE), PAGEDKV_WATERMARK="0", PAGEDKV_DEFRAG__ENABLED="false"),
         stderr=open(log_dir / "bm.log", "wb"),
     )
     cn_env = dict(
@@ -166,15 +170,21 @@ def main() -> None:
                 print(f"geometry: {LAYERS} layers, {HEADS} q heads / {KV_HEADS} kv heads, head_dim {HEAD_DIM}, "
                       f"fp16, block {BLOCK_SIZE}, context ~{args.context}, {args.steps} steps (first 4 dropped), "
                       f"load {os.getloadavg()[0]:.1f}")
-                print("| seqs | Forward (client) ms | node total ms | table fetch ms | copy ops ms | write ms "
-                      "| attention ms | overhead ratio | BM RPCs per Forward | Forwards with a BM RPC | KV MB/step | KV GB/s |")
+                print(
+                    "| seqs | Forward (client) ms | node total ms | table fetch ms | copy ops ms | write ms "
+                    "| attention ms | overhead ratio | BM RPCs per Forward | Forwards with a BM RPC "
+                    "| KV MB/step | KV GB/s |"
+                )
                 print("|---|---|---|---|---|---|---|---|---|---|---|---|")
                 for n in sizes:
                     r = run(n, args.steps, args.context, bm, node)
-                    print(f"| {r['seqs']} | {r['forward_ms']:.2f} | {r['node_total_ms']:.2f} | {r['table_fetch_ms']:.3f} "
-                          f"| {r['copy_ops_ms']:.3f} | {r['write_ms']:.3f} | {r['attention_ms']:.2f} "
-                          f"| {r['overhead_ratio']:.2f} | {r['rpcs_per_forward']:.3f} | {r['forwards_with_rpc']:.0%} "
-                          f"| {r['kv_mb_per_step']:.1f} | {r['kv_gbps']:.2f} |", flush=True)
+                    print(
+                        f"| {r['seqs']} | {r['forward_ms']:.2f} | {r['node_total_ms']:.2f} | {r['table_fetch_ms']:.3f} "
+                        f"| {r['copy_ops_ms']:.3f} | {r['write_ms']:.3f} | {r['attention_ms']:.2f} "
+                        f"| {r['overhead_ratio']:.2f} | {r['rpcs_per_forward']:.3f} | {r['forwards_with_rpc']:.0%} "
+                        f"| {r['kv_mb_per_step']:.1f} | {r['kv_gbps']:.2f} |",
+                        flush=True,
+                    )
         finally:
             for p in procs:
                 p.terminate()

@@ -18,8 +18,8 @@ import argparse
 import json
 from collections.abc import Iterator
 
-from block_manager.trace.replay import ReplayReport, replay
 from block_manager.trace.generate import TraceConfig, generate_trace
+from block_manager.trace.replay import ReplayReport, replay
 
 POOL_SLOTS = 1 << 20  # big enough that no section rejects anything unless it says so
 
@@ -82,7 +82,10 @@ def independent_allocations(lines: list[str]) -> Iterator[str]:
 def section_fork(num_requests: int) -> None:
     print(f"## parallel sampling n=4: fork/CoW vs 4 independent allocations ({num_requests} requests)\n")
     print("Every request samples 4 continuations; prefix caching off on both sides; block size 16.\n")
-    print("| length mix | peak blocks fork | peak blocks independent | saved (peak) | mean blocks fork | mean blocks independent | saved (mean) | CoW copies |")
+    print(
+        "| length mix | peak blocks fork | peak blocks independent | saved (peak) | mean blocks fork "
+        "| mean blocks independent | saved (mean) | CoW copies |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     mixes = [
         ("chat: prompt 50-1000, output 50-2000", dict()),
@@ -147,7 +150,10 @@ def section_prefix(num_requests: int) -> None:
     )
     lines = _trace(config)
     bound = theoretical_prefix_hits(lines, 16)
-    print(f"## prefix cache hits vs theoretical maximum ({num_requests} requests, 4 system prompts x 512 tokens, 70% use one, 2 tenants)\n")
+    print(
+        f"## prefix cache hits vs theoretical maximum ({num_requests} requests, "
+        "4 system prompts x 512 tokens, 70% use one, 2 tenants)\n"
+    )
     print("| pool (blocks x 16) | hit tokens | theoretical max | hits / max | query tokens | evictions | rejected |")
     print("|---|---|---|---|---|---|---|")
     for num_blocks in (_pool(16), 12_000, 6_000):
@@ -171,8 +177,14 @@ def section_sweep(num_requests: int) -> None:
         arrival_rate=2.0, max_running=128,
     )
     lines = _trace(config)
-    print(f"## block-size sweep ({num_requests} requests: 60% share one of 4 system prompts of 300 tokens, 20% sample n=4, 2 tenants; pool = {POOL_SLOTS} slots)\n")
-    print("| block size | waste | peak used slots | prefix hit tokens | theoretical max | CoW copies | CoW copied slots | append step p50 us |")
+    print(
+        f"## block-size sweep ({num_requests} requests: 60% share one of 4 system prompts of 300 tokens, "
+        f"20% sample n=4, 2 tenants; pool = {POOL_SLOTS} slots)\n"
+    )
+    print(
+        "| block size | waste | peak used slots | prefix hit tokens | theoretical max | CoW copies "
+        "| CoW copied slots | append step p50 us |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for block_size in (8, 16, 32, 64, 128):
         r = replay(lines, num_blocks=_pool(block_size), block_size=block_size)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from block_manager.core.manager import BlockManager
 from block_manager.core.types import AppendRequest, PoolId, SeqId
-from block_manager.trace.replay import replay
 from block_manager.trace.generate import TraceConfig, write_trace
+from block_manager.trace.replay import replay
 
 
 def _pct(sorted_us: list[float], q: float) -> float:

@@ -75,7 +75,11 @@ def wait_serving(target: str, timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                for msg in stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True):
+                for msg in stub.Watch(
+                    health_pb2.HealthCheckRequest(service=""),
+                    timeout=max(0.1, deadline - time.monotonic()),
+                    wait_for_ready=True,
+                ):
                     if msg.status == health_pb2.HealthCheckResponse.SERVING:
                         return
             except grpc.RpcError:
@@ -85,12 +89,25 @@ def wait_serving(target: str, timeout_s: float = 120.0) -> None:
 
 
 @contextmanager
-def bm_server(database_url: str, log_file: Path | None = None, **env: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+def bm_server(
+    database_url: str, log_file: Path | None = None, **env: str
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     port = free_port()
     err = open(log_file, "wb") if log_file is not None else subprocess.DEVNULL  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
-        [sys.executable, "-m", "block_manager.service.server", "--listen", f"127.0.0.1:{port}", "--database-url", database_url],
-        cwd=REPO, env=server_env(**env), stdout=subprocess.DEVNULL, stderr=err,
+        [
+            sys.executable,
+            "-m",
+            "block_manager.service.server",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--database-url",
+            database_url,
+        ],
+        cwd=REPO,
+        env=server_env(**env),
+        stdout=subprocess.DEVNULL,
+        stderr=err,
     )
     target = f"127.0.0.1:{port}"
     try:
@@ -204,7 +221,8 @@ def bench_append(sizes: list[int], iters: int) -> list[dict[str, float]]:
                 row["ratio_p50"] = row["bm_p50_ms"] / row["echo_p50_ms"]
                 rows.append(row)
                 print(
-                    f"append {n:4d} seqs  req {req_size:6d}B resp {resp_size:6d}B  AppendSlots p50 {row['bm_p50_ms']:.3f} p99 "
+                    f"append {n:4d} seqs  req {req_size:6d}B resp {resp_size:6d}B  "
+                    f"AppendSlots p50 {row['bm_p50_ms']:.3f} p99 "
                     f"{row['bm_p99_ms']:.3f} ms | echo p50 {row['echo_p50_ms']:.3f} p99 {row['echo_p99_ms']:.3f} ms | "
                     f"ratio {row['ratio_p50']:.2f} | via client lib p50 {row['client_p50_ms']:.3f} ms",
                     flush=True,
@@ -254,7 +272,10 @@ def bench_steps(with_postgres: bool, seconds: float, rounds: int) -> list[dict[s
     samples: dict[tuple[str, int], list[float]] = {(name, n): [] for name, _ in backends for n in (1, 8)}
     try:
         with contextlib.ExitStack() as stack:
-            targets = [(name, stack.enter_context(bm_server(url, PAGEDKV_SNAPSHOT_INTERVAL_S="3600"))[0]) for name, url in backends]
+            targets = [
+                (name, stack.enter_context(bm_server(url, PAGEDKV_SNAPSHOT_INTERVAL_S="3600"))[0])
+                for name, url in backends
+            ]
             for r in range(rounds):
                 for name, target in targets:
                     for n in (1, 8):
@@ -267,8 +288,12 @@ def bench_steps(with_postgres: bool, seconds: float, rounds: int) -> list[dict[s
     for name, _ in backends:
         one, eight = (statistics.median(samples[(name, n)]) for n in (1, 8))
         rows.append({"backend": name, "steps_s_1": one, "steps_s_8": eight})
-        print(f"steps  {name:24s} 1 client {one:7.0f} steps/s ({one / base[1]:.2f}x memory) | "
-              f"8 clients {eight:7.0f} steps/s ({eight / base[8]:.2f}x memory)  [median of {rounds} x {seconds:g}s rounds]", flush=True)
+        print(
+            f"steps  {name:24s} 1 client {one:7.0f} steps/s ({one / base[1]:.2f}x memory) | "
+            f"8 clients {eight:7.0f} steps/s ({eight / base[8]:.2f}x memory)  "
+            f"[median of {rounds} x {seconds:g}s rounds]",
+            flush=True,
+        )
     return rows
 
 
@@ -286,7 +311,11 @@ def bench_recovery(num_blocks: int, with_postgres: bool) -> list[dict[str, objec
         urls.append(("postgresql", cluster.create_database()))
     per_seq = 100
     num_seqs = num_blocks // per_seq
-    env = {"PAGEDKV_SNAPSHOT_INTERVAL_S": "36000", "PAGEDKV_SNAPSHOT_EVERY_RECORDS": "1000000", "PAGEDKV_MAX_BLOCKS": str(1 << 20)}
+    env = {
+        "PAGEDKV_SNAPSHOT_INTERVAL_S": "36000",
+        "PAGEDKV_SNAPSHOT_EVERY_RECORDS": "1000000",
+        "PAGEDKV_MAX_BLOCKS": str(1 << 20),
+    }
     try:
         for name, url in urls:
             with bm_server(url, **env) as (target, proc):
@@ -294,11 +323,18 @@ def bench_recovery(num_blocks: int, with_postgres: bool) -> list[dict[str, objec
                     c.register_node("big", num_blocks + num_seqs + 64, block_size=BS)
                     outs: list[object] = []
                     for lo in range(0, num_seqs, 100):  # 100 allocations per journal record
-                        outs += c.allocate([AllocateSpec(SeqId(f"r{i}"), PoolId("big"), None, per_seq * BS) for i in range(lo, min(num_seqs, lo + 100))])
+                        outs += c.allocate(
+                            [
+                                AllocateSpec(SeqId(f"r{i}"), PoolId("big"), None, per_seq * BS)
+                                for i in range(lo, min(num_seqs, lo + 100))
+                            ]
+                        )
                     reqs = [AppendRequest(SeqId(f"r{i}"), 1, None) for i in range(num_seqs)]
                     outs += c.append_slots(reqs)  # one block more each: 100k + num_seqs in use
                     if any(isinstance(o, ItemFailure) for o in outs):
-                        raise RuntimeError("building the state failed: " + str(next(o for o in outs if isinstance(o, ItemFailure))))
+                        raise RuntimeError(
+                            "building the state failed: " + str(next(o for o in outs if isinstance(o, ItemFailure)))
+                        )
                     used = num_seqs * (per_seq + 1)
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
@@ -314,14 +350,25 @@ def bench_recovery(num_blocks: int, with_postgres: bool) -> list[dict[str, objec
                             raise RuntimeError(f"recovered state is wrong: {check}")
                     # leaving the context stops gracefully -> final snapshot for the next mode
                 rec_s, replayed = recovered["seconds"], recovered["records"]
-                rows.append({"backend": name, "mode": mode, "blocks_in_use": used, "restart_to_serving_s": dt, "recovery_s": rec_s, "replayed": replayed})
+                rows.append(
+                    {
+                        "backend": name,
+                        "mode": mode,
+                        "blocks_in_use": used,
+                        "restart_to_serving_s": dt,
+                        "recovery_s": rec_s,
+                        "replayed": replayed,
+                    }
+                )
                 print(f"recovery {name:10s} {used} blocks in use, {mode:30s}: restart -> SERVING {dt:.2f} s "
                       f"(recovery itself {rec_s:.2f} s, {replayed} records replayed)", flush=True)
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-c", "import block_manager.service.server"], cwd=REPO, check=True)
         base = time.perf_counter() - t0
         print(f"recovery (python start + imports alone: {base:.2f} s)")
-        rows.append({"backend": "-", "mode": "process start + imports only", "blocks_in_use": 0, "restart_to_serving_s": base})
+        rows.append(
+            {"backend": "-", "mode": "process start + imports only", "blocks_in_use": 0, "restart_to_serving_s": base}
+        )
     finally:
         if cluster is not None:
             cluster.stop()
@@ -375,10 +422,23 @@ def bench_rpt(batches: list[int], seed: int = 0) -> list[dict[str, object]]:
                         generated += 1
                 per_method = dict(c.stats.per_method)
                 decode_rpcs = per_method.get("AppendSlots", 0)
-                rows.append({"batch": batch, "mode": mode, "tokens": generated, "rpcs": c.stats.rpcs, "append_rpcs": decode_rpcs,
-                             "rpcs_per_token": c.stats.rpcs / generated, "append_rpcs_per_token": decode_rpcs / generated})
-                print(f"rpt  batch {batch:3d}  {mode:32s} tokens {generated:6d}  all RPCs {c.stats.rpcs:6d} ({c.stats.rpcs / generated:.4f}/token)  "
-                      f"AppendSlots {decode_rpcs:6d} ({decode_rpcs / generated:.4f}/token)  per method {per_method}", flush=True)
+                rows.append(
+                    {
+                        "batch": batch,
+                        "mode": mode,
+                        "tokens": generated,
+                        "rpcs": c.stats.rpcs,
+                        "append_rpcs": decode_rpcs,
+                        "rpcs_per_token": c.stats.rpcs / generated,
+                        "append_rpcs_per_token": decode_rpcs / generated,
+                    }
+                )
+                print(
+                    f"rpt  batch {batch:3d}  {mode:32s} tokens {generated:6d}  "
+                    f"all RPCs {c.stats.rpcs:6d} ({c.stats.rpcs / generated:.4f}/token)  "
+                    f"AppendSlots {decode_rpcs:6d} ({decode_rpcs / generated:.4f}/token)  per method {per_method}",
+                    flush=True,
+                )
     return rows
 
 
@@ -393,7 +453,9 @@ def main() -> None:
         run_echo_server(args.echo_server)
         return
     only = set(args.only.split(","))
-    print(f"# bench_service  python {sys.version.split()[0]}  grpc {grpc.__version__}  cpus {os.cpu_count()}", flush=True)
+    print(
+        f"# bench_service  python {sys.version.split()[0]}  grpc {grpc.__version__}  cpus {os.cpu_count()}", flush=True
+    )
     if "append" in only:
         bench_append([1, 16, 64, 256, 512], 30 if args.quick else 300)
     if "steps" in only:

@@ -207,7 +207,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         print(json.dumps(results, indent=2))
         return
-    print(f"{'backend':<14} {'record':<18} {'bytes':>7} {'records/s':>10} {'commits/s':>10} {'p50 ms':>8} {'p99 ms':>8}")
+    print(
+        f"{'backend':<14} {'record':<18} {'bytes':>7} {'records/s':>10} {'commits/s':>10} {'p50 ms':>8} {'p99 ms':>8}"
+    )
     for r in results["appends"]:
         shape = f"{r['seqs']}-seq" + ("" if r["columnar"] else " rows")
         shape += f" x{r['per_txn']}/txn" if r["per_txn"] > 1 else ""

@@ -149,7 +149,9 @@ def _parse_layers(request: pb.ForwardRequest, geometry: PoolGeometry, num_tokens
             raise InvalidForward(str(exc)) from None
         for name, t in (("key", key), ("value", value)):
             if str(t.dtype).removeprefix("torch.") != geometry.dtype:
-                raise InvalidForward(f"layer {msg.layer} {name} must be {geometry.dtype} (the pool's dtype), got {t.dtype}")
+                raise InvalidForward(
+                    f"layer {msg.layer} {name} must be {geometry.dtype} (the pool's dtype), got {t.dtype}"
+                )
             if tuple(t.shape) != kv_shape:
                 raise InvalidForward(f"layer {msg.layer} {name} must have shape {list(kv_shape)}, got {list(t.shape)}")
         _check_query(msg.layer, query, geometry, num_tokens)
@@ -168,7 +170,9 @@ def _check_query(layer: int, query: torch.Tensor, geometry: PoolGeometry, num_to
             f"layer {layer} query must have shape [{num_tokens}, num_heads, {geometry.head_dim}], got {list(shape)}"
         )
     if shape[1] < 1 or shape[1] % geometry.num_kv_heads:
-        raise InvalidForward(f"layer {layer} query heads {shape[1]} must be a multiple of {geometry.num_kv_heads} KV heads")
+        raise InvalidForward(
+            f"layer {layer} query heads {shape[1]} must be a multiple of {geometry.num_kv_heads} KV heads"
+        )
 
 
 def check_slots(batch: ForwardBatch, tables: dict[SeqId, CachedTable], block_size: int) -> None:

@@ -25,8 +25,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from block_manager.trace.replay import ReplayReport, replay
 from block_manager.trace.generate import TraceConfig, write_trace
+from block_manager.trace.replay import ReplayReport, replay
 
 
 @dataclass(slots=True)

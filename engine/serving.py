@@ -24,7 +24,6 @@ import numpy as np
 
 from block_manager.client import BlockManagerClient
 from block_manager.client.admin import AdminClient
-from block_manager.client.step import SeqSlots
 from block_manager.client.types import ItemFailure
 from block_manager.core.types import AllocateResult
 from block_manager.trace.format import AllocateOp, AppendOp, ForkOp, FreeOp, TraceOp
@@ -157,7 +156,9 @@ class ServingDriver:
         self.report.final_status = self.admin.status()
         return self.report
 
-    def _run_step(self, frees: list[str], allocs: list[AllocateOp], forks: list[ForkOp], append: AppendOp | None) -> None:
+    def _run_step(
+        self, frees: list[str], allocs: list[AllocateOp], forks: list[ForkOp], append: AppendOp | None
+    ) -> None:
         start = time.perf_counter()
         self._step += 1
         if any(a.seq_id == f.parent_id for a in allocs for f in forks):

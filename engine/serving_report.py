@@ -52,8 +52,14 @@ def render(r: ServingReport, console: Console, *, title: str) -> None:
         t.add_row("peak KV blocks", f"{mem['peak_paged']:.0f}", f"{mem['peak_contiguous']:.0f}")
         t.add_row("mean KV blocks", f"{mem['mean_paged']:.0f}", f"{mem['mean_contiguous']:.0f}")
         t.add_row("max concurrency at equal memory", f"{mem['concurrency_gain']:.2f}x", "1.00x")
-        t.add_row("waste (allocated slots - tokens) / allocated", _pct(mem["waste_ratio"]),
-                  _pct(1 - sum(s.live_tokens for s in sampled) / max(1, sum(s.contiguous_blocks for s in sampled) * r.block_size)))
+        t.add_row(
+            "waste (allocated slots - tokens) / allocated",
+            _pct(mem["waste_ratio"]),
+            _pct(
+                1
+                - sum(s.live_tokens for s in sampled) / max(1, sum(s.contiguous_blocks for s in sampled) * r.block_size)
+            ),
+        )
     console.print(t)
 
     pools = r.final_status.get("pools", []) if isinstance(r.final_status, dict) else []
@@ -63,7 +69,9 @@ def render(r: ServingReport, console: Console, *, title: str) -> None:
     s = Table(title="Sharing, defragmentation, protocol cost, correctness")
     s.add_column("metric")
     s.add_column("value", justify="right")
-    s.add_row("requests / rejected / preempted / skipped", f"{r.num_requests} / {r.rejected} / {r.preempted} / {r.skipped}")
+    s.add_row(
+        "requests / rejected / preempted / skipped", f"{r.num_requests} / {r.rejected} / {r.preempted} / {r.skipped}"
+    )
     s.add_row("prefix cache hit tokens / queried", f"{hits} / {queries} ({_pct(hits / queries if queries else 0)})")
     s.add_row("forked children / blocks shared at fork", f"{r.forks} / {r.fork_shared_blocks}")
     s.add_row("CoW copies / blocks saved vs copying at fork", f"{cow} / {r.fork_shared_blocks - cow}")
@@ -71,7 +79,10 @@ def render(r: ServingReport, console: Console, *, title: str) -> None:
         before = r.defrag.get("high_water_before", {})
         after = r.defrag.get("high_water_after", {})
         s.add_row("defrag (admin, step %s): moves" % r.defrag.get("step"), f"{r.defrag.get('moves', 'pending')}")
-        s.add_row("high-water mark before -> after", ", ".join(f"{k}: {before[k]} -> {after.get(k, '?')}" for k in sorted(before)))
+        s.add_row(
+            "high-water mark before -> after",
+            ", ".join(f"{k}: {before[k]} -> {after.get(k, '?')}" for k in sorted(before)),
+        )
     gen = max(1, r.generated_tokens)
     s.add_row("generated tokens / deferred (no RPC) appends", f"{r.generated_tokens} / {r.deferred_tokens}")
     s.add_row("block manager data-plane RPCs per generated token", f"{r.data_plane_rpcs / gen:.3f}")

@@ -1,5 +1,5 @@
 """Embed the block manager core in your own scheduler: no server, no database."""
-from block_manager.core import AppendFailure, AppendRequest, BlockManager, OutOfBlocks
+from block_manager.core import AppendFailure, AppendRequest, BlockManager
 
 bm = BlockManager(watermark=0.01)                 # keep 1% free for running sequences' growth
 bm.add_pool("gpu0", num_blocks=1024, block_size=16)

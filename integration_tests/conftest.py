@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from integration_tests.helpers import LEASE_TTL_S
 from engine.localstack import LocalStack
+from integration_tests.helpers import LEASE_TTL_S
 
 
 @pytest.fixture(scope="module")

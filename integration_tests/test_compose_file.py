@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 from unittest import mock
 
-import pytest
 import yaml
 
 from engine.localstack import COMPOSE_FILE, LocalStack, interpolate, load_compose

@@ -16,9 +16,9 @@ from block_manager.client import BlockManagerClient
 from block_manager.client.admin import AdminClient
 from block_manager.client.errors import FailedPreconditionError, NotFoundError
 from compute_node.client import ComputeNodeClient
-from integration_tests.helpers import LEASE_TTL_S, node_addresses, small_trace
 from engine.localstack import LocalStack
 from engine.serving import ServingDriver
+from integration_tests.helpers import LEASE_TTL_S, node_addresses, small_trace
 
 NUM_HEADS = 4
 

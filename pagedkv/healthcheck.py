@@ -23,7 +23,11 @@ def check(target: str, service: str = "", timeout_s: float = 2.0) -> str:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else None
-            return "UNREACHABLE" if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else f"ERROR_{code.name if code else 'UNKNOWN'}"
+            return (
+                "UNREACHABLE"
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                else f"ERROR_{code.name if code else 'UNKNOWN'}"
+            )
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 

@@ -38,8 +38,16 @@ Result = dict[str, Any]
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="block-manager admin", description="Inspect and operate a running block manager.")
-    p.add_argument("--target", default=os.environ.get("PAGEDKV_ADMIN_TARGET", DEFAULT_TARGET), help="HOST:PORT (env PAGEDKV_ADMIN_TARGET)")
-    p.add_argument("--token", default=os.environ.get("PAGEDKV_ADMIN_TOKEN") or None, help="admin bearer token (env PAGEDKV_ADMIN_TOKEN)")
+    p.add_argument(
+        "--target",
+        default=os.environ.get("PAGEDKV_ADMIN_TARGET", DEFAULT_TARGET),
+        help="HOST:PORT (env PAGEDKV_ADMIN_TARGET)",
+    )
+    p.add_argument(
+        "--token",
+        default=os.environ.get("PAGEDKV_ADMIN_TOKEN") or None,
+        help="admin bearer token (env PAGEDKV_ADMIN_TOKEN)",
+    )
     p.add_argument("--json", action="store_true", help="print the raw response as JSON")
     p.add_argument("--timeout", type=float, default=5.0, help="per-call deadline in seconds (default 5)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -80,7 +88,12 @@ def _call(client: AdminClient, args: argparse.Namespace) -> Result:
 def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
     t = Table(title=title, title_justify="left")
     for col in columns:
-        t.add_column(col, justify="left" if col in ("pool", "node", "seq", "address", "device", "dtype", "kind", "block table") else "right")
+        t.add_column(
+            col,
+            justify="left"
+            if col in ("pool", "node", "seq", "address", "device", "dtype", "kind", "block table")
+            else "right",
+        )
     for row in rows:
         t.add_row(*(str(v) for v in row))
     return t
@@ -100,26 +113,78 @@ def _show_status(con: Console, r: Result) -> None:
     for p in r["pools"]:
         hit = p["prefix_hit_tokens"] / p["prefix_query_tokens"] if p["prefix_query_tokens"] else 0.0
         rows.append(
-            (p["pool_id"], p["num_blocks"], p["block_size"], p["num_free_blocks"], p["num_used_blocks"], p["num_cached_blocks"],
-             p["num_reserved_blocks"], f"{100 * p['usage']:.1f}%", p["high_water_mark"], p["num_sequences"], p["num_tokens"],
-             p["waste_slots"], f"{100 * hit:.1f}%", p["cow_copies"], p["evictions"], p["defrag_moves"], f"{p['contiguity']:.2f}")
+            (
+                p["pool_id"],
+                p["num_blocks"],
+                p["block_size"],
+                p["num_free_blocks"],
+                p["num_used_blocks"],
+                p["num_cached_blocks"],
+                p["num_reserved_blocks"],
+                f"{100 * p['usage']:.1f}%",
+                p["high_water_mark"],
+                p["num_sequences"],
+                p["num_tokens"],
+                p["waste_slots"],
+                f"{100 * hit:.1f}%",
+                p["cow_copies"],
+                p["evictions"],
+                p["defrag_moves"],
+                f"{p['contiguity']:.2f}",
+            )
         )
-    cols = ("pool", "blocks", "bs", "free", "used", "cached", "reserved", "usage", "hwm", "seqs", "tokens", "waste", "prefix hit",
-            "cow", "evict", "defrag", "contig")
+    cols = (
+        "pool",
+        "blocks",
+        "bs",
+        "free",
+        "used",
+        "cached",
+        "reserved",
+        "usage",
+        "hwm",
+        "seqs",
+        "tokens",
+        "waste",
+        "prefix hit",
+        "cow",
+        "evict",
+        "defrag",
+        "contig",
+    )
     con.print(_table("pools", cols, rows))
 
 
 def _show_nodes(con: Console, r: Result) -> None:
     rows = [
-        (n["node_id"], n["epoch"], n["address"] or "-", n["num_blocks"], n["block_size"], n["geometry"]["device"] or "-",
-         n["geometry"]["dtype"] or "-", "yes" if n["draining"] else "no", "yes" if n["fenced"] else "no", f"{n['lease_remaining_s']:.1f}s")
+        (
+            n["node_id"],
+            n["epoch"],
+            n["address"] or "-",
+            n["num_blocks"],
+            n["block_size"],
+            n["geometry"]["device"] or "-",
+            n["geometry"]["dtype"] or "-",
+            "yes" if n["draining"] else "no",
+            "yes" if n["fenced"] else "no",
+            f"{n['lease_remaining_s']:.1f}s",
+        )
         for n in r["nodes"]
     ]
-    con.print(_table("nodes", ("node", "epoch", "address", "blocks", "bs", "device", "dtype", "draining", "fenced", "lease"), rows))
+    con.print(
+        _table(
+            "nodes",
+            ("node", "epoch", "address", "blocks", "bs", "device", "dtype", "draining", "fenced", "lease"),
+            rows,
+        )
+    )
 
 
 def _show_seqs(con: Console, r: Result) -> None:
-    rows = [(s["seq_id"], s["pool_id"], s["num_tokens"], len(s["block_table"]), s["version"], _short(s["block_table"])) for s in r["sequences"]]
+    rows = [
+        (s["seq_id"], s["pool_id"], s["num_tokens"], len(s["block_table"]), s["version"], _short(s["block_table"]))
+        for s in r["sequences"]
+    ]
     con.print(_table("sequences", ("seq", "pool", "tokens", "blocks", "version", "block table"), rows))
     if r["truncated"]:
         con.print(f"(truncated after {len(rows)}; use --pool or --limit)")
@@ -160,7 +225,8 @@ def _show(con: Console, args: argparse.Namespace, r: Result) -> None:
         "defrag": _show_defrag,
         "fsck": _show_fsck,
         "drain": lambda c, r: c.print(
-            f"node {args.node}: {'admitting new sequences' if args.undrain else 'draining'} ({r['num_sequences']} live sequences)"
+            f"node {args.node}: {'admitting new sequences' if args.undrain else 'draining'} "
+            f"({r['num_sequences']} live sequences)"
         ),
         "reset-prefix-cache": lambda c, r: c.print(f"reset {r['num_blocks_reset']} cached block(s)"),
     }
@@ -174,7 +240,10 @@ def _error_line(exc: BlockManagerError, args: argparse.Namespace) -> tuple[str, 
     if name == "UNAVAILABLE":
         return f"block manager at {args.target} is unavailable: {exc.message}", EXIT_UNREACHABLE
     if name == "DEADLINE_EXCEEDED":
-        return f"block manager at {args.target} did not answer within {args.timeout:g}s (DEADLINE_EXCEEDED)", EXIT_UNREACHABLE
+        return (
+            f"block manager at {args.target} did not answer within {args.timeout:g}s (DEADLINE_EXCEEDED)",
+            EXIT_UNREACHABLE,
+        )
     if name == "UNAUTHENTICATED":
         return f"unauthenticated: {exc.message} (pass --token or set PAGEDKV_ADMIN_TOKEN)", EXIT_REFUSED
     return f"{name.lower().replace('_', ' ')}: {exc.message}", EXIT_REFUSED

@@ -110,8 +110,8 @@ def _add_gen_trace(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_replay(args: argparse.Namespace) -> int:
     from block_manager.core.errors import CoreError
-    from block_manager.trace.replay import replay
     from block_manager.trace.format import TraceError
+    from block_manager.trace.replay import replay
 
     try:
         report = replay(

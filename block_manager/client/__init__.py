@@ -21,7 +21,14 @@ from block_manager.client.errors import (
 from block_manager.client.retry import NO_RETRY, ClientStats, RetryPolicy, new_request_id
 from block_manager.client.step import SeqSlots, SequenceTracker, StepResult
 from block_manager.client.sync_client import BlockManagerClient, SyncStep
-from block_manager.client.types import AllocateSpec, HeartbeatResult, ItemFailure, NodeRegistration, PoolRoute, TablesUpdate
+from block_manager.client.types import (
+    AllocateSpec,
+    HeartbeatResult,
+    ItemFailure,
+    NodeRegistration,
+    PoolRoute,
+    TablesUpdate,
+)
 
 __all__ = [
     "AbortedError",

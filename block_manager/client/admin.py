@@ -10,16 +10,16 @@ mutating admin calls carry a request id reused on retry.
 from __future__ import annotations
 
 import random
-import time
 from typing import Any
 
 import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
+from block_manager.client.base import CHANNEL_OPTIONS, DEFAULT_TIMEOUT_S
 from block_manager.client.errors import error_from_rpc
 from block_manager.client.retry import ClientStats, RetryPolicy, new_request_id
-from block_manager.client.base import CHANNEL_OPTIONS, DEFAULT_TIMEOUT_S
+from pagedkv.rpc import call_with_retry
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
@@ -62,18 +62,15 @@ class AdminClient:
 
     def _call(self, method: str, request: Message) -> dict[str, Any]:
         fn = getattr(self._stub, method)
-        attempt = 0
-        while True:
-            attempt += 1
-            self.stats.record_attempt(method, attempt > 1)
-            try:
-                return message_dict(fn(request, timeout=self.timeout_s, metadata=self._metadata))
-            except grpc.RpcError as exc:
-                if self.retry.should_retry(exc.code(), attempt):  # type: ignore[attr-defined]
-                    time.sleep(self.retry.backoff_s(attempt, self._rng))
-                    continue
-                self.stats.errors += 1
-                raise error_from_rpc(exc, method) from exc
+        try:
+            reply = call_with_retry(
+                lambda: fn(request, timeout=self.timeout_s, metadata=self._metadata), self.retry, self._rng,
+                lambda retry: self.stats.record_attempt(method, retry),
+            )
+        except grpc.RpcError as exc:
+            self.stats.errors += 1
+            raise error_from_rpc(exc, method) from exc
+        return message_dict(reply)
 
     def status(self) -> dict[str, Any]:
         return self._call("Status", pb.StatusRequest())
@@ -88,7 +85,9 @@ class AdminClient:
         return self._call("DescribeSequence", pb.DescribeSequenceRequest(seq_id=seq_id))
 
     def drain_node(self, node_id: str, *, undrain: bool = False) -> dict[str, Any]:
-        return self._call("DrainNode", pb.DrainNodeRequest(request_id=new_request_id(), node_id=node_id, undrain=undrain))
+        return self._call(
+            "DrainNode", pb.DrainNodeRequest(request_id=new_request_id(), node_id=node_id, undrain=undrain)
+        )
 
     def fsck(self) -> dict[str, Any]:
         return self._call("Fsck", pb.FsckRequest())
@@ -97,7 +96,9 @@ class AdminClient:
         return self._call("ResetPrefixCache", pb.ResetPrefixCacheRequest(request_id=new_request_id(), pool_id=pool_id))
 
     def trigger_defrag(self, pool_id: str = "", kind: str = "") -> dict[str, Any]:
-        return self._call("TriggerDefrag", pb.TriggerDefragRequest(request_id=new_request_id(), pool_id=pool_id, kind=kind))
+        return self._call(
+            "TriggerDefrag", pb.TriggerDefragRequest(request_id=new_request_id(), pool_id=pool_id, kind=kind)
+        )
 
 
 __all__ = ["AdminClient", "message_dict"]

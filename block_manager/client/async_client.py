@@ -6,7 +6,6 @@ Create it inside the event loop that uses it (a `grpc.aio` channel is bound to i
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,8 +16,16 @@ from block_manager.client.base import DEFAULT_TIMEOUT_S, ClientBase
 from block_manager.client.errors import error_from_rpc
 from block_manager.client.retry import RetryPolicy, request_id_or_new
 from block_manager.client.step import StepBatch, StepResult, run_async
-from block_manager.client.types import AllocateSpec, HeartbeatResult, ItemFailure, NodeRegistration, PoolRoute, TablesUpdate
+from block_manager.client.types import (
+    AllocateSpec,
+    HeartbeatResult,
+    ItemFailure,
+    NodeRegistration,
+    PoolRoute,
+    TablesUpdate,
+)
 from block_manager.core.types import AllocateResult, AppendRequest, AppendResult, DefragPlan, SeqId, SequenceView
+from pagedkv.rpc import acall_with_retry
 from pagedkv.v1 import block_manager_pb2 as pb
 
 
@@ -48,18 +55,15 @@ class AsyncBlockManagerClient(ClientBase):
 
     async def _call(self, method: str, request: Any, timeout_s: float | None) -> Any:
         fn = getattr(self._stub, method)
-        attempt = 0
-        while True:
-            attempt += 1
-            self.stats.record_attempt(method, attempt > 1)
-            try:
-                return await fn(request, timeout=timeout_s if timeout_s is not None else self.timeout_s)
-            except grpc.RpcError as exc:
-                if self.retry.should_retry(exc.code(), attempt):  # type: ignore[attr-defined]
-                    await asyncio.sleep(self.retry.backoff_s(attempt, self._rng))
-                    continue
-                self.stats.errors += 1
-                raise error_from_rpc(exc, method) from exc
+        timeout = timeout_s if timeout_s is not None else self.timeout_s
+        try:
+            return await acall_with_retry(
+                lambda: fn(request, timeout=timeout), self.retry, self._rng,
+                lambda retry: self.stats.record_attempt(method, retry),
+            )
+        except grpc.RpcError as exc:
+            self.stats.errors += 1
+            raise error_from_rpc(exc, method) from exc
 
     # ---- nodes ----------------------------------------------------------------------
     async def register_node(
@@ -73,13 +77,17 @@ class AsyncBlockManagerClient(ClientBase):
         request_id: str | None = None,
         timeout_s: float | None = None,
     ) -> NodeRegistration:
-        req = wire.register_node_request(request_id_or_new(request_id), node_id, num_blocks, block_size, geometry, address)
+        req = wire.register_node_request(
+            request_id_or_new(request_id), node_id, num_blocks, block_size, geometry, address
+        )
         reg = wire.registration(await self._call("RegisterNode", req, timeout_s))
         self.tracker.set_block_size(reg.pool_id, reg.block_size)
         return reg
 
     async def heartbeat(self, node_id: str, epoch: int, *, timeout_s: float | None = None) -> HeartbeatResult:
-        return wire.heartbeat(await self._call("Heartbeat", pb.HeartbeatRequest(node_id=node_id, epoch=epoch), timeout_s))
+        return wire.heartbeat(
+            await self._call("Heartbeat", pb.HeartbeatRequest(node_id=node_id, epoch=epoch), timeout_s)
+        )
 
     # ---- sequences ------------------------------------------------------------------
     async def allocate(
@@ -94,10 +102,18 @@ class AsyncBlockManagerClient(ClientBase):
         return wire.allocate_outcomes((await self._call("Allocate", req, timeout_s)), items)
 
     async def allocate_one(
-        self, seq_id: str, pool_id: str, token_ids: Sequence[int] | None = None, *, num_tokens: int | None = None, salt: str | None = None
+        self,
+        seq_id: str,
+        pool_id: str,
+        token_ids: Sequence[int] | None = None,
+        *,
+        num_tokens: int | None = None,
+        salt: str | None = None,
     ) -> AllocateResult:
         """Admit one sequence; raises the item's typed error on failure."""
-        spec = AllocateSpec(SeqId(seq_id), pool_id, tuple(token_ids) if token_ids is not None else None, num_tokens, salt)  # type: ignore[arg-type]
+        spec = AllocateSpec(
+            SeqId(seq_id), pool_id, tuple(token_ids) if token_ids is not None else None, num_tokens, salt
+        )  # type: ignore[arg-type]
         (out,) = await self.allocate([spec])
         if isinstance(out, ItemFailure):
             raise out.error
@@ -123,7 +139,12 @@ class AsyncBlockManagerClient(ClientBase):
         request_id: str | None = None,
         timeout_s: float | None = None,
     ) -> list[SequenceView]:
-        req = pb.ForkRequest(request_id=request_id_or_new(request_id), parent_seq_id=parent, child_seq_ids=list(child_ids), pool_epochs=dict(pool_epochs or {}))
+        req = pb.ForkRequest(
+            request_id=request_id_or_new(request_id),
+            parent_seq_id=parent,
+            child_seq_ids=list(child_ids),
+            pool_epochs=dict(pool_epochs or {}),
+        )
         return [wire.sequence_view(t) for t in (await self._call("Fork", req, timeout_s)).children]
 
     async def free(
@@ -134,7 +155,9 @@ class AsyncBlockManagerClient(ClientBase):
         request_id: str | None = None,
         timeout_s: float | None = None,
     ) -> int:
-        req = pb.FreeRequest(request_id=request_id_or_new(request_id), seq_ids=list(seq_ids), pool_epochs=dict(pool_epochs or {}))
+        req = pb.FreeRequest(
+            request_id=request_id_or_new(request_id), seq_ids=list(seq_ids), pool_epochs=dict(pool_epochs or {})
+        )
         return int((await self._call("Free", req, timeout_s)).num_freed)
 
     # ---- node-side ------------------------------------------------------------------
@@ -148,29 +171,61 @@ class AsyncBlockManagerClient(ClientBase):
         after_op_id: int = 0,
         timeout_s: float | None = None,
     ) -> TablesUpdate:
-        req = pb.GetTablesRequest(node_id=node_id, epoch=epoch, seq_ids=list(seq_ids), known_versions=dict(known_versions or {}), after_op_id=after_op_id)
+        req = pb.GetTablesRequest(
+            node_id=node_id,
+            epoch=epoch,
+            seq_ids=list(seq_ids),
+            known_versions=dict(known_versions or {}),
+            after_op_id=after_op_id,
+        )
         return wire.tables_update(await self._call("GetTables", req, timeout_s))
 
-    async def ack_copy_ops(self, node_id: str, epoch: int, up_to_op_id: int, *, request_id: str | None = None, timeout_s: float | None = None) -> list[int]:
-        req = pb.AckCopyOpsRequest(request_id=request_id_or_new(request_id), node_id=node_id, epoch=epoch, up_to_op_id=up_to_op_id)
+    async def ack_copy_ops(
+        self,
+        node_id: str,
+        epoch: int,
+        up_to_op_id: int,
+        *,
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> list[int]:
+        req = pb.AckCopyOpsRequest(
+            request_id=request_id_or_new(request_id), node_id=node_id, epoch=epoch, up_to_op_id=up_to_op_id
+        )
         return [int(p) for p in (await self._call("AckCopyOps", req, timeout_s)).committed_plan_ids]
 
     # ---- defrag and routing ---------------------------------------------------------
     async def plan_defrag(
-        self, pool_id: str, kind: str = "compaction", *, max_moves: int = 0, request_id: str | None = None, timeout_s: float | None = None
+        self,
+        pool_id: str,
+        kind: str = "compaction",
+        *,
+        max_moves: int = 0,
+        request_id: str | None = None,
+        timeout_s: float | None = None,
     ) -> DefragPlan | None:
-        req = pb.PlanDefragRequest(request_id=request_id_or_new(request_id), pool_id=pool_id, kind=kind, max_moves=max_moves)
+        req = pb.PlanDefragRequest(
+            request_id=request_id_or_new(request_id), pool_id=pool_id, kind=kind, max_moves=max_moves
+        )
         resp = await self._call("PlanDefrag", req, timeout_s)
         return wire.defrag_plan(resp.plan) if resp.HasField("plan") else None
 
-    async def commit_defrag(self, plan_id: int, *, request_id: str | None = None, timeout_s: float | None = None) -> list[SeqId]:
+    async def commit_defrag(
+        self, plan_id: int, *, request_id: str | None = None, timeout_s: float | None = None
+    ) -> list[SeqId]:
         req = pb.CommitDefragRequest(request_id=request_id_or_new(request_id), plan_id=plan_id)
         return [SeqId(s) for s in (await self._call("CommitDefrag", req, timeout_s)).updated_seq_ids]
 
-    async def abort_defrag(self, plan_id: int, *, request_id: str | None = None, timeout_s: float | None = None) -> None:
-        await self._call("AbortDefrag", pb.AbortDefragRequest(request_id=request_id_or_new(request_id), plan_id=plan_id), timeout_s)
+    async def abort_defrag(
+        self, plan_id: int, *, request_id: str | None = None, timeout_s: float | None = None
+    ) -> None:
+        await self._call(
+            "AbortDefrag", pb.AbortDefragRequest(request_id=request_id_or_new(request_id), plan_id=plan_id), timeout_s
+        )
 
-    async def route(self, token_ids: Sequence[int], *, salt: str | None = None, timeout_s: float | None = None) -> list[PoolRoute]:
+    async def route(
+        self, token_ids: Sequence[int], *, salt: str | None = None, timeout_s: float | None = None
+    ) -> list[PoolRoute]:
         req = pb.RouteRequest(token_ids=list(token_ids))
         if salt is not None:
             req.salt = salt

@@ -1,66 +1,12 @@
-"""Retry policy and call statistics shared by the sync and async clients.
-
-Only UNAVAILABLE and DEADLINE_EXCEEDED are retried: those are the codes where the caller
-cannot know whether the server acted. Because every mutating request carries a request id
-that is generated once per *logical* call and resent verbatim, a retry of an operation the
-server already applied returns the recorded result instead of acting twice. Every other
-code is a definite answer and is raised at once.
-"""
+"""Call statistics of the block manager clients; the retry discipline itself (code set, backoff,
+loop) is the project-wide one in `pagedkv.rpc`, re-exported here for the client's users."""
 
 from __future__ import annotations
 
-import random
-import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 
-import grpc
-
-RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-
-
-def new_request_id() -> str:
-    """A fresh id for one logical mutating call (reused verbatim by its retries)."""
-    return uuid.uuid4().hex
-
-
-def request_id_or_new(request_id: str | None) -> str:
-    """The caller's id verbatim (even an invalid one: the server judges it), else a new one."""
-    return new_request_id() if request_id is None else request_id
-
-
-@dataclass(slots=True, frozen=True)
-class RetryPolicy:
-    """Bounded exponential backoff with jitter.
-
-    Attempt `k` (k = 1 for the first retry) sleeps `min(max_backoff_s, initial_backoff_s *
-    multiplier**(k-1))` scaled by a uniform factor in `[1 - jitter, 1]`, so a crowd of
-    clients that lost the same server does not come back in lockstep.
-    """
-
-    max_attempts: int = 4
-    initial_backoff_s: float = 0.05
-    max_backoff_s: float = 1.0
-    multiplier: float = 2.0
-    jitter: float = 0.5
-
-    def __post_init__(self) -> None:
-        if self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        if self.initial_backoff_s < 0 or self.max_backoff_s < 0 or self.multiplier < 1:
-            raise ValueError("backoffs must be >= 0 and multiplier >= 1")
-        if not 0.0 <= self.jitter <= 1.0:
-            raise ValueError(f"jitter must be in [0, 1], got {self.jitter}")
-
-    def backoff_s(self, retry: int, rng: random.Random) -> float:
-        base = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** (retry - 1))
-        return base * (1.0 - self.jitter * rng.random())
-
-    def should_retry(self, code: grpc.StatusCode | None, attempt: int) -> bool:
-        return code in RETRYABLE_CODES and attempt < self.max_attempts
-
-
-NO_RETRY = RetryPolicy(max_attempts=1)
+from pagedkv.rpc import NO_RETRY, RETRYABLE_CODES, RetryPolicy, new_request_id, request_id_or_new
 
 
 @dataclass(slots=True)

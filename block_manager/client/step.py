@@ -62,7 +62,16 @@ from typing import Any
 
 from block_manager.client.errors import BlockManagerError, InvalidArgumentError, StepStateError
 from block_manager.client.types import AllocateSpec, ItemFailure
-from block_manager.core.types import AllocateResult, AppendRequest, AppendResult, BlockId, CopyOp, PoolId, SeqId, SequenceView
+from block_manager.core.types import (
+    AllocateResult,
+    AppendRequest,
+    AppendResult,
+    BlockId,
+    CopyOp,
+    PoolId,
+    SeqId,
+    SequenceView,
+)
 
 
 @dataclass(slots=True)
@@ -148,7 +157,9 @@ class SequenceTracker:
         if bs is None or not res.block_table:
             return
         num_tokens = res.num_cached_tokens + len(res.slot_mapping)
-        self._seqs[res.seq_id] = TrackedSequence(res.seq_id, res.pool_id, bs, res.block_table[-1], num_tokens, res.version, True)
+        self._seqs[res.seq_id] = TrackedSequence(
+            res.seq_id, res.pool_id, bs, res.block_table[-1], num_tokens, res.version, True
+        )
 
     def track_fork(self, parent: SeqId, children: Sequence[SequenceView]) -> None:
         t = self._seqs.get(parent)
@@ -158,7 +169,9 @@ class SequenceTracker:
             bs = self.block_sizes.get(v.pool_id)
             if bs is None or not v.block_table:
                 continue
-            self._seqs[v.seq_id] = TrackedSequence(v.seq_id, v.pool_id, bs, v.block_table[-1], v.num_tokens, v.version, False)
+            self._seqs[v.seq_id] = TrackedSequence(
+                v.seq_id, v.pool_id, bs, v.block_table[-1], v.num_tokens, v.version, False
+            )
 
 
 @dataclass(slots=True, frozen=True)
@@ -224,7 +237,13 @@ class StepBatch:
         self._free_ids.extend(SeqId(s) for s in seq_ids)
 
     def allocate(
-        self, seq_id: str, pool_id: str, token_ids: Sequence[int] | None = None, *, num_tokens: int | None = None, salt: str | None = None
+        self,
+        seq_id: str,
+        pool_id: str,
+        token_ids: Sequence[int] | None = None,
+        *,
+        num_tokens: int | None = None,
+        salt: str | None = None,
     ) -> None:
         ids = tuple(token_ids) if token_ids is not None else None
         self._allocs.append(AllocateSpec(SeqId(seq_id), PoolId(pool_id), ids, num_tokens, salt))
@@ -241,7 +260,9 @@ class StepBatch:
         ids = tuple(token_ids) if token_ids is not None else None
         n = len(ids) if ids is not None else num_new_tokens
         if n is None or n < 1 or (num_new_tokens is not None and ids is not None and num_new_tokens != len(ids)):
-            raise InvalidArgumentError(f"sequence {seq_id!r}: need >= 1 new token (token_ids or num_new_tokens)", method="step")
+            raise InvalidArgumentError(
+                f"sequence {seq_id!r}: need >= 1 new token (token_ids or num_new_tokens)", method="step"
+            )
         self._appends[sid] = (n, ids)
 
     # ---- the program both drivers run -----------------------------------------------

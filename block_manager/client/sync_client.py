@@ -9,7 +9,6 @@ exceptions of `block_manager.client.errors`; results as core / client dataclasse
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,10 +19,17 @@ from block_manager.client.base import CHANNEL_OPTIONS, DEFAULT_TIMEOUT_S, Client
 from block_manager.client.errors import error_from_rpc
 from block_manager.client.retry import RetryPolicy, request_id_or_new
 from block_manager.client.step import StepBatch, StepResult, run_sync
-from block_manager.client.types import AllocateSpec, HeartbeatResult, ItemFailure, NodeRegistration, PoolRoute, TablesUpdate
+from block_manager.client.types import (
+    AllocateSpec,
+    HeartbeatResult,
+    ItemFailure,
+    NodeRegistration,
+    PoolRoute,
+    TablesUpdate,
+)
 from block_manager.core.types import AllocateResult, AppendRequest, AppendResult, DefragPlan, SeqId, SequenceView
+from pagedkv.rpc import call_with_retry
 from pagedkv.v1 import block_manager_pb2 as pb
-
 
 
 class BlockManagerClient(ClientBase):
@@ -52,18 +58,15 @@ class BlockManagerClient(ClientBase):
 
     def _call(self, method: str, request: Any, timeout_s: float | None) -> Any:
         fn = getattr(self._stub, method)
-        attempt = 0
-        while True:
-            attempt += 1
-            self.stats.record_attempt(method, attempt > 1)
-            try:
-                return fn(request, timeout=timeout_s if timeout_s is not None else self.timeout_s)
-            except grpc.RpcError as exc:
-                if self.retry.should_retry(exc.code(), attempt):  # type: ignore[attr-defined]
-                    time.sleep(self.retry.backoff_s(attempt, self._rng))
-                    continue
-                self.stats.errors += 1
-                raise error_from_rpc(exc, method) from exc
+        timeout = timeout_s if timeout_s is not None else self.timeout_s
+        try:
+            return call_with_retry(
+                lambda: fn(request, timeout=timeout), self.retry, self._rng,
+                lambda retry: self.stats.record_attempt(method, retry),
+            )
+        except grpc.RpcError as exc:
+            self.stats.errors += 1
+            raise error_from_rpc(exc, method) from exc
 
     # ---- nodes ----------------------------------------------------------------------
     def register_node(
@@ -77,7 +80,9 @@ class BlockManagerClient(ClientBase):
         request_id: str | None = None,
         timeout_s: float | None = None,
     ) -> NodeRegistration:
-        req = wire.register_node_request(request_id_or_new(request_id), node_id, num_blocks, block_size, geometry, address)
+        req = wire.register_node_request(
+            request_id_or_new(request_id), node_id, num_blocks, block_size, geometry, address
+        )
         reg = wire.registration(self._call("RegisterNode", req, timeout_s))
         self.tracker.set_block_size(reg.pool_id, reg.block_size)
         return reg
@@ -98,10 +103,18 @@ class BlockManagerClient(ClientBase):
         return wire.allocate_outcomes(self._call("Allocate", req, timeout_s), items)
 
     def allocate_one(
-        self, seq_id: str, pool_id: str, token_ids: Sequence[int] | None = None, *, num_tokens: int | None = None, salt: str | None = None
+        self,
+        seq_id: str,
+        pool_id: str,
+        token_ids: Sequence[int] | None = None,
+        *,
+        num_tokens: int | None = None,
+        salt: str | None = None,
     ) -> AllocateResult:
         """Admit one sequence; raises the item's typed error on failure."""
-        spec = AllocateSpec(SeqId(seq_id), pool_id, tuple(token_ids) if token_ids is not None else None, num_tokens, salt)  # type: ignore[arg-type]
+        spec = AllocateSpec(
+            SeqId(seq_id), pool_id, tuple(token_ids) if token_ids is not None else None, num_tokens, salt
+        )  # type: ignore[arg-type]
         (out,) = self.allocate([spec])
         if isinstance(out, ItemFailure):
             raise out.error
@@ -127,7 +140,12 @@ class BlockManagerClient(ClientBase):
         request_id: str | None = None,
         timeout_s: float | None = None,
     ) -> list[SequenceView]:
-        req = pb.ForkRequest(request_id=request_id_or_new(request_id), parent_seq_id=parent, child_seq_ids=list(child_ids), pool_epochs=dict(pool_epochs or {}))
+        req = pb.ForkRequest(
+            request_id=request_id_or_new(request_id),
+            parent_seq_id=parent,
+            child_seq_ids=list(child_ids),
+            pool_epochs=dict(pool_epochs or {}),
+        )
         return [wire.sequence_view(t) for t in self._call("Fork", req, timeout_s).children]
 
     def free(
@@ -138,7 +156,9 @@ class BlockManagerClient(ClientBase):
         request_id: str | None = None,
         timeout_s: float | None = None,
     ) -> int:
-        req = pb.FreeRequest(request_id=request_id_or_new(request_id), seq_ids=list(seq_ids), pool_epochs=dict(pool_epochs or {}))
+        req = pb.FreeRequest(
+            request_id=request_id_or_new(request_id), seq_ids=list(seq_ids), pool_epochs=dict(pool_epochs or {})
+        )
         return int(self._call("Free", req, timeout_s).num_freed)
 
     # ---- node-side ------------------------------------------------------------------
@@ -152,29 +172,59 @@ class BlockManagerClient(ClientBase):
         after_op_id: int = 0,
         timeout_s: float | None = None,
     ) -> TablesUpdate:
-        req = pb.GetTablesRequest(node_id=node_id, epoch=epoch, seq_ids=list(seq_ids), known_versions=dict(known_versions or {}), after_op_id=after_op_id)
+        req = pb.GetTablesRequest(
+            node_id=node_id,
+            epoch=epoch,
+            seq_ids=list(seq_ids),
+            known_versions=dict(known_versions or {}),
+            after_op_id=after_op_id,
+        )
         return wire.tables_update(self._call("GetTables", req, timeout_s))
 
-    def ack_copy_ops(self, node_id: str, epoch: int, up_to_op_id: int, *, request_id: str | None = None, timeout_s: float | None = None) -> list[int]:
-        req = pb.AckCopyOpsRequest(request_id=request_id_or_new(request_id), node_id=node_id, epoch=epoch, up_to_op_id=up_to_op_id)
+    def ack_copy_ops(
+        self,
+        node_id: str,
+        epoch: int,
+        up_to_op_id: int,
+        *,
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> list[int]:
+        req = pb.AckCopyOpsRequest(
+            request_id=request_id_or_new(request_id), node_id=node_id, epoch=epoch, up_to_op_id=up_to_op_id
+        )
         return [int(p) for p in self._call("AckCopyOps", req, timeout_s).committed_plan_ids]
 
     # ---- defrag and routing ---------------------------------------------------------
     def plan_defrag(
-        self, pool_id: str, kind: str = "compaction", *, max_moves: int = 0, request_id: str | None = None, timeout_s: float | None = None
+        self,
+        pool_id: str,
+        kind: str = "compaction",
+        *,
+        max_moves: int = 0,
+        request_id: str | None = None,
+        timeout_s: float | None = None,
     ) -> DefragPlan | None:
-        req = pb.PlanDefragRequest(request_id=request_id_or_new(request_id), pool_id=pool_id, kind=kind, max_moves=max_moves)
+        req = pb.PlanDefragRequest(
+            request_id=request_id_or_new(request_id), pool_id=pool_id, kind=kind, max_moves=max_moves
+        )
         resp = self._call("PlanDefrag", req, timeout_s)
         return wire.defrag_plan(resp.plan) if resp.HasField("plan") else None
 
-    def commit_defrag(self, plan_id: int, *, request_id: str | None = None, timeout_s: float | None = None) -> list[SeqId]:
+    def commit_defrag(
+        self, plan_id: int, *, request_id: str | None = None, timeout_s: float | None = None
+    ) -> list[SeqId]:
         req = pb.CommitDefragRequest(request_id=request_id_or_new(request_id), plan_id=plan_id)
         return [SeqId(s) for s in self._call("CommitDefrag", req, timeout_s).updated_seq_ids]
 
     def abort_defrag(self, plan_id: int, *, request_id: str | None = None, timeout_s: float | None = None) -> None:
-        self._call("AbortDefrag", pb.AbortDefragRequest(request_id=request_id_or_new(request_id), plan_id=plan_id), timeout_s)
+        self._call(
+            "AbortDefrag", pb.AbortDefragRequest(request_id=request_id_or_new(request_id), plan_id=plan_id), timeout_s
+        )
 
-    def route(self, token_ids: Sequence[int], *, salt: str | None = None, timeout_s: float | None = None) -> list[PoolRoute]:
+    def route(
+        self, token_ids: Sequence[int], *, salt: str | None = None, timeout_s: float | None = None
+    ) -> list[PoolRoute]:
         req = pb.RouteRequest(token_ids=list(token_ids))
         if salt is not None:
             req.salt = salt

@@ -8,8 +8,20 @@ from block_manager.core.errors import __all__ as _errors_all
 from block_manager.core.hashing import hash_block, hash_prefix
 from block_manager.core.manager import BlockManager
 from block_manager.core.types import (
-    AllocateResult, AppendFailure, AppendRequest, AppendResult, BlockId, CopyOp, DefragPlan,
-    DefragPolicy, PlanId, PoolId, PoolMetrics, RouteEntry, SeqId, SequenceView,
+    AllocateResult,
+    AppendFailure,
+    AppendRequest,
+    AppendResult,
+    BlockId,
+    CopyOp,
+    DefragPlan,
+    DefragPolicy,
+    PlanId,
+    PoolId,
+    PoolMetrics,
+    RouteEntry,
+    SeqId,
+    SequenceView,
 )
 
 __all__ = [

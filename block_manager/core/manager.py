@@ -15,13 +15,21 @@ owner's first write happens in a later forward, after the copy.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Mapping, Sequence as Seq
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
 
 from block_manager.core import defrag as _defrag
 from block_manager.core.append import append_batch
 from block_manager.core.errors import (
-    FailedPrecondition, InvalidRequest, OutOfBlocks, PoolDraining, SequenceExists,
-    UnknownPlan, UnknownPool, UnknownSequence, VersionConflict,
+    FailedPrecondition,
+    InvalidRequest,
+    OutOfBlocks,
+    PoolDraining,
+    SequenceExists,
+    UnknownPlan,
+    UnknownPool,
+    UnknownSequence,
+    VersionConflict,
 )
 from block_manager.core.fsck import fsck
 from block_manager.core.hashing import hash_prefix, token_array
@@ -30,8 +38,21 @@ from block_manager.core.sequence import Sequence
 from block_manager.core.slots import slot_range
 from block_manager.core.snapshot import CoreParts, from_snapshot, to_snapshot
 from block_manager.core.types import (
-    AllocateResult, AppendFailure, AppendRequest, AppendResult, BlockId, CopyOp, DefragKind,
-    DefragPlan, DefragPolicy, PlanId, PoolId, PoolMetrics, RouteEntry, SeqId, SequenceView,
+    AllocateResult,
+    AppendFailure,
+    AppendRequest,
+    AppendResult,
+    BlockId,
+    CopyOp,
+    DefragKind,
+    DefragPlan,
+    DefragPolicy,
+    PlanId,
+    PoolId,
+    PoolMetrics,
+    RouteEntry,
+    SeqId,
+    SequenceView,
 )
 
 

@@ -20,7 +20,6 @@ from block_manager.core.hashing import BlockHash
 from block_manager.core.sequence import Sequence
 from block_manager.core.types import BlockId, CopyKind, CopyOp, DefragKind, PlanId, PoolId, SeqId
 
-
 MAX_POOL_BLOCKS = 1 << 24  # bounds memory for a pool created from bad input
 
 

@@ -95,7 +95,9 @@ class BlockManagerAdminServicer(pb_grpc.BlockManagerAdminServicer):
             )
         return pb.ListNodesResponse(nodes=nodes)
 
-    async def ListSequences(self, request: pb.ListSequencesRequest, context: grpc.aio.ServicerContext) -> pb.ListSequencesResponse:
+    async def ListSequences(
+        self, request: pb.ListSequencesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListSequencesResponse:
         self.runtime.check_readable()
         state = self.runtime.state
         pool_id = check_optional_str("pool_id", request.pool_id or None, 128)
@@ -107,7 +109,11 @@ class BlockManagerAdminServicer(pb_grpc.BlockManagerAdminServicer):
         return pb.ListSequencesResponse(
             sequences=[
                 pb.SequenceTable(
-                    seq_id=v.seq_id, pool_id=v.pool_id, block_table=v.block_table, num_tokens=v.num_tokens, version=v.version
+                    seq_id=v.seq_id,
+                    pool_id=v.pool_id,
+                    block_table=v.block_table,
+                    num_tokens=v.num_tokens,
+                    version=v.version,
                 )
                 for v in views[:limit]
             ],
@@ -123,7 +129,11 @@ class BlockManagerAdminServicer(pb_grpc.BlockManagerAdminServicer):
         node = state.registry.get(v.pool_id)
         return pb.DescribeSequenceResponse(
             table=pb.SequenceTable(
-                seq_id=v.seq_id, pool_id=v.pool_id, block_table=v.block_table, num_tokens=v.num_tokens, version=v.version
+                seq_id=v.seq_id,
+                pool_id=v.pool_id,
+                block_table=v.block_table,
+                num_tokens=v.num_tokens,
+                version=v.version,
             ),
             block_size=node.block_size,
             num_blocks=len(v.block_table),
@@ -146,7 +156,9 @@ class BlockManagerAdminServicer(pb_grpc.BlockManagerAdminServicer):
         r = await self._mutate("ResetPrefixCache", request, "reset_prefix_cache", payload)
         return pb.ResetPrefixCacheResponse(num_blocks_reset=r["num_blocks_reset"])
 
-    async def TriggerDefrag(self, request: pb.TriggerDefragRequest, context: grpc.aio.ServicerContext) -> pb.TriggerDefragResponse:
+    async def TriggerDefrag(
+        self, request: pb.TriggerDefragRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TriggerDefragResponse:
         rid = check_request_id(request.request_id)
         kind = defrag_kind(request.kind)
         plans = await self.defrag.trigger(request.pool_id or None, kind, rid, request_digest("TriggerDefrag", request))

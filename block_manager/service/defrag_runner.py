@@ -21,9 +21,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from block_manager.service.config import DefragSettings
 from block_manager.core.errors import CoreError
+from block_manager.service.config import DefragSettings
 from block_manager.service.runtime import ServiceRuntime
+from pagedkv.lifecycle import TaskSet
 from pagedkv.logging import get_logger
 
 log = get_logger(__name__)
@@ -33,8 +34,9 @@ _END_OPS = ("commit_defrag", "abort_defrag", "ack_copy_ops", "expire_node", "reg
 
 
 class DefragRunner:
-    def __init__(self, runtime: ServiceRuntime, settings: DefragSettings) -> None:
+    def __init__(self, runtime: ServiceRuntime, settings: DefragSettings, tasks: TaskSet | None = None) -> None:
         self.runtime = runtime
+        self.tasks = tasks or TaskSet("defrag")
         self.settings = settings
         self.check_every_steps = settings.check_every_steps
         self._steps_since_check = 0
@@ -55,7 +57,7 @@ class DefragRunner:
             if self._steps_since_check >= self.check_every_steps and not self._checking:
                 self._steps_since_check = 0
                 self._checking = True
-                asyncio.get_running_loop().create_task(self._policy_check())
+                self.tasks.spawn(self._policy_check(), name="defrag-policy-check")
 
     def arm_outstanding(self) -> None:
         """Give plans that survived a restart a fresh timeout."""
@@ -74,7 +76,7 @@ class DefragRunner:
         self.num_plans_started += 1
         loop = asyncio.get_running_loop()
         self._timeouts[plan_id] = loop.call_later(
-            self.settings.timeout_s, lambda: loop.create_task(self._timeout(plan_id))
+            self.settings.timeout_s, lambda: self.tasks.spawn(self._timeout(plan_id), name=f"defrag-timeout-{plan_id}")
         )
 
     def _disarm_finished(self) -> None:

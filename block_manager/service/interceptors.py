@@ -23,8 +23,8 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from block_manager.core.errors import InvalidRequest
-from block_manager.service.status import status_for
 from block_manager.service.metrics import ServiceMetrics
+from block_manager.service.status import status_for
 from pagedkv.logging import get_logger
 
 log = get_logger(__name__)

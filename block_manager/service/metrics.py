@@ -64,14 +64,22 @@ class _StateCollector(Collector):
         snap = self._snapshot()
         if snap is None:
             return
-        usage = GaugeMetricFamily("pagedkv_kv_cache_usage_perc", "Fraction of the pool's blocks in use (0-1).", labels=["pool"])
+        usage = GaugeMetricFamily(
+            "pagedkv_kv_cache_usage_perc", "Fraction of the pool's blocks in use (0-1).", labels=["pool"]
+        )
         blocks = GaugeMetricFamily("pagedkv_blocks", "Blocks of the pool by state.", labels=["pool", "state"])
         hwm = GaugeMetricFamily("pagedkv_high_water_mark", "Highest used block id + 1.", labels=["pool"])
         waste = GaugeMetricFamily("pagedkv_waste_slots", "Allocated slots holding no token.", labels=["pool"])
         seqs = GaugeMetricFamily("pagedkv_sequences", "Live sequences on the pool.", labels=["pool"])
-        contiguity = GaugeMetricFamily("pagedkv_contiguity", "Fraction of physically adjacent logical block pairs.", labels=["pool"])
-        queries = CounterMetricFamily("pagedkv_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels=["pool"])
-        hits = CounterMetricFamily("pagedkv_prefix_cache_hits", "Prompt tokens served from the prefix cache.", labels=["pool"])
+        contiguity = GaugeMetricFamily(
+            "pagedkv_contiguity", "Fraction of physically adjacent logical block pairs.", labels=["pool"]
+        )
+        queries = CounterMetricFamily(
+            "pagedkv_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels=["pool"]
+        )
+        hits = CounterMetricFamily(
+            "pagedkv_prefix_cache_hits", "Prompt tokens served from the prefix cache.", labels=["pool"]
+        )
         cow = CounterMetricFamily("pagedkv_cow_copies", "Copy-on-write block copies.", labels=["pool"])
         evictions = CounterMetricFamily("pagedkv_evictions", "Cached blocks evicted.", labels=["pool"])
         moves = CounterMetricFamily("pagedkv_defrag_moves", "Blocks moved by committed defrag plans.", labels=["pool"])
@@ -79,7 +87,9 @@ class _StateCollector(Collector):
             pool = [m.pool_id]
             usage.add_metric(pool, m.usage)
             for state, value in zip(
-                BLOCK_STATES, (m.num_free_blocks, m.num_used_blocks, m.num_cached_blocks, m.num_reserved_blocks), strict=True
+                BLOCK_STATES,
+                (m.num_free_blocks, m.num_used_blocks, m.num_cached_blocks, m.num_reserved_blocks),
+                strict=True,
             ):
                 blocks.add_metric([m.pool_id, state], value)
             hwm.add_metric(pool, m.high_water_mark)
@@ -96,11 +106,15 @@ class _StateCollector(Collector):
         for state in ("active", "draining", "fenced"):
             nodes.add_metric([state], snap[f"nodes_{state}"])
         yield nodes
-        yield CounterMetricFamily("pagedkv_journal_records", "Journal records committed.", value=snap["journal_records"])
+        yield CounterMetricFamily(
+            "pagedkv_journal_records", "Journal records committed.", value=snap["journal_records"]
+        )
         yield CounterMetricFamily(
             "pagedkv_journal_transactions", "Journal transactions (group commits).", value=snap["journal_transactions"]
         )
-        yield GaugeMetricFamily("pagedkv_journal_last_seq_no", "Last committed journal seq_no.", value=snap["last_seq_no"])
+        yield GaugeMetricFamily(
+            "pagedkv_journal_last_seq_no", "Last committed journal seq_no.", value=snap["last_seq_no"]
+        )
         yield GaugeMetricFamily("pagedkv_serving", "1 while the server accepts mutations.", value=snap["serving"])
 
 

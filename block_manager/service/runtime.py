@@ -31,6 +31,7 @@ from block_manager.service.request_index import Recorded, RequestIndex
 from block_manager.service.state import ServiceState
 from block_manager.store import MemoryStore, NewRecord, Store
 from block_manager.store.records import JournalRecord
+from pagedkv.lifecycle import TaskSet
 from pagedkv.logging import get_logger
 
 log = get_logger(__name__)
@@ -46,8 +47,10 @@ class ServiceRuntime:
         *,
         clock: Callable[[], float] = time.monotonic,
         journal: bool = True,
+        tasks: TaskSet | None = None,
     ) -> None:
         self.config = config
+        self.tasks = tasks or TaskSet("runtime")
         self.store = store
         self.clock = clock
         self.state = ServiceState(config.state_config())
@@ -250,7 +253,7 @@ class ServiceRuntime:
         self._lease_timer = None
         expired = self.state.registry.expired(self.clock())
         if expired:
-            asyncio.get_running_loop().create_task(self._expire([(n.node_id, n.epoch) for n in expired]))
+            self.tasks.spawn(self._expire([(n.node_id, n.epoch) for n in expired]), name="lease-expiry")
         else:
             self.schedule_lease_check()
 
@@ -258,7 +261,9 @@ class ServiceRuntime:
         for node_id, epoch in nodes:
             payload = {"node_id": node_id, "epoch": epoch}
             try:
-                result = await self.mutate("expire_node", f"expire:{node_id}:{epoch}", f"expire:{node_id}:{epoch}", payload, internal=True)
+                result = await self.mutate(
+                    "expire_node", f"expire:{node_id}:{epoch}", f"expire:{node_id}:{epoch}", payload, internal=True
+                )
             except Exception as exc:  # noqa: BLE001 - logged; the next timer retries
                 log.error("lease expiry failed", node=node_id, epoch=epoch, error=repr(exc))
                 continue

@@ -15,17 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import signal
 import sys
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from block_manager.service.admin_servicer import BlockManagerAdminServicer
-from block_manager.service.config import BlockManagerConfig, ConfigError, load_config
+from block_manager.service.config import BlockManagerConfig, load_config
 from block_manager.service.defrag_runner import DefragRunner
 from block_manager.service.errors import RecoveryError
 from block_manager.service.interceptors import AdminAuthInterceptor, ErrorMappingInterceptor
@@ -34,7 +30,17 @@ from block_manager.service.runtime import Phase, ServiceRuntime
 from block_manager.service.servicer import BlockManagerServicer
 from block_manager.store import StoreError, StoreOptions, open_store
 from block_manager.store.base import Store
-from pagedkv.logging import configure_logging, get_logger
+from pagedkv.lifecycle import (
+    TaskSet,
+    address_with_port,
+    bind,
+    flag_overrides,
+    install_health_and_reflection,
+    new_server,
+    run_service_main,
+    run_until_signal,
+)
+from pagedkv.logging import get_logger
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
@@ -42,8 +48,6 @@ log = get_logger(__name__)
 
 DATA_SERVICE = pb.DESCRIPTOR.services_by_name["BlockManager"].full_name
 ADMIN_SERVICE = pb.DESCRIPTOR.services_by_name["BlockManagerAdmin"].full_name
-_SERVING = health_pb2.HealthCheckResponse.SERVING
-_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class BlockManagerServer:
@@ -55,11 +59,12 @@ class BlockManagerServer:
         self.metrics = ServiceMetrics()
         self.runtime: ServiceRuntime | None = None
         self.defrag: DefragRunner | None = None
-        self.health = health.aio.HealthServicer()
+        self.tasks = TaskSet("block-manager")
+        self.health = None
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
         self._stopped = asyncio.Event()
-        self.failed = asyncio.Event()   # set when the journal failed (fail-stop)
+        self.failed = asyncio.Event()  # set when the journal failed (fail-stop)
 
     def _open_store(self) -> Store:
         options = StoreOptions(
@@ -76,33 +81,24 @@ class BlockManagerServer:
         # A server that opened "memory://" itself has nothing to recover later: skip the
         # journal entirely. A store passed in explicitly is always journaled.
         volatile = self._store is None and cfg.database_url.startswith("memory:")
-        self.runtime = runtime = ServiceRuntime(cfg, store, journal=not volatile)
-        self.defrag = DefragRunner(runtime, cfg.defrag)
+        self.runtime = runtime = ServiceRuntime(cfg, store, journal=not volatile, tasks=self.tasks)
+        self.defrag = DefragRunner(runtime, cfg.defrag, self.tasks)
         self.metrics.attach(runtime, asyncio.get_running_loop())
         runtime.on_phase(self._on_phase)
 
         interceptors: list[grpc.aio.ServerInterceptor] = [ErrorMappingInterceptor(self.metrics)]
         if cfg.admin_token:  # each interceptor costs every call; no token, no auth layer
             interceptors.insert(0, AdminAuthInterceptor(cfg.admin_token))
-        server = grpc.aio.server(
-            interceptors=interceptors,
-            options=[("grpc.so_reuseport", 0)],
-        )
+        server = new_server(interceptors)
         pb_grpc.add_BlockManagerServicer_to_server(BlockManagerServicer(runtime, self.defrag), server)
         pb_grpc.add_BlockManagerAdminServicer_to_server(BlockManagerAdminServicer(runtime, self.defrag), server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (DATA_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
+        self.health = install_health_and_reflection(server, (DATA_SERVICE, ADMIN_SERVICE), self.tasks)
         try:
-            port = server.add_insecure_port(cfg.listen_address)
-        except RuntimeError:  # grpc raises RuntimeError("Failed to bind ...")
-            port = 0
-        if port == 0:
+            self.port = bind(server, cfg.listen_address)
+        except OSError:
             await asyncio.to_thread(store.close)
-            raise OSError(f"cannot listen on {cfg.listen_address}")
-        self.port = port
-        await self._set_health(_NOT_SERVING)
+            raise
+        await self.health.set(False)
         await server.start()
         self._server = server
         log.info("listening", address=cfg.listen_address, port=self.port)
@@ -116,22 +112,17 @@ class BlockManagerServer:
             await self.stop()
             raise
         self.defrag.arm_outstanding()
-        await self._set_health(_SERVING)
-
-    async def _set_health(self, status: int) -> None:
-        for name in ("", DATA_SERVICE, ADMIN_SERVICE):
-            await self.health.set(name, status)
+        await self.health.set(True)
 
     def _on_phase(self, phase: Phase) -> None:
-        if phase != "serving":
-            asyncio.get_running_loop().create_task(self._set_health(_NOT_SERVING))
+        if phase != "serving" and self.health is not None:
+            self.health.set_soon(False)
         if phase == "failed":
             self.failed.set()
 
     @property
     def address(self) -> str:
-        host = self.config.listen_address.rsplit(":", 1)[0]
-        return f"{host}:{self.port}"
+        return address_with_port(self.config.listen_address, self.port)
 
     async def stop(self, grace: float | None = None) -> None:
         """Graceful shutdown; idempotent."""
@@ -141,13 +132,15 @@ class BlockManagerServer:
         grace = self.config.shutdown_grace_s if grace is None else grace
         if self.runtime is not None:
             self.runtime.begin_drain()
-        await self._set_health(_NOT_SERVING)
+        if self.health is not None:
+            await self.health.set(False)
         if self._server is not None:
             await self._server.stop(grace)
         if self.defrag is not None:
             self.defrag.close()
         if self.runtime is not None:
             await self.runtime.close()
+        await self.tasks.cancel_all()
         self.metrics.close()
         log.info("stopped")
 
@@ -158,35 +151,16 @@ class BlockManagerServer:
 
 
 async def serve(config: BlockManagerConfig, port_file: Path | None = None) -> int:
+    """Run one block manager until a signal (exit 0) or a journal failure (exit 3)."""
     server = BlockManagerServer(config)
-    loop = asyncio.get_running_loop()
-    stop_requested = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop_requested.set)
-    try:
-        await server.start()
-    except (StoreError, RecoveryError, OSError) as exc:
-        log.error("cannot start", error=str(exc))
-        print(f"block-manager: error: {exc}", file=sys.stderr)
-        return 1
-    if port_file is not None:
-        tmp = port_file.with_name(port_file.name + ".tmp")
-        tmp.write_text(str(server.port))
-        os.replace(tmp, port_file)
-    stop_wait = asyncio.create_task(stop_requested.wait())
-    fail_wait = asyncio.create_task(server.failed.wait())
-    await asyncio.wait((stop_wait, fail_wait), return_when=asyncio.FIRST_COMPLETED)
-    stop_wait.cancel()
-    fail_wait.cancel()
-    if server.failed.is_set():
-        # The in-memory state is ahead of the journal: exit so a supervisor restarts us
-        # and recovery rebuilds exactly what was acknowledged.
-        log.error("journal failed; exiting for a clean recovery")
-        await server.stop(0)
-        return 3
-    log.info("signal received; shutting down", grace_s=config.shutdown_grace_s)
-    await server.stop()
-    return 0
+    return await run_until_signal(
+        server,
+        prog="block-manager",
+        port_file=port_file,
+        startup_errors=(StoreError, RecoveryError, OSError),
+        failed=server.failed,
+        grace_s=config.shutdown_grace_s,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,22 +171,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics-port", type=int, help="Prometheus endpoint port (0: ephemeral)")
     parser.add_argument("--port-file", type=Path, help="write the bound gRPC port here once listening")
     args = parser.parse_args(argv)
-    overrides = {
-        k: v
-        for k, v in (
-            ("listen_address", args.listen),
-            ("database_url", args.database_url),
-            ("metrics_port", args.metrics_port),
-        )
-        if v is not None
-    }
-    try:
-        config = load_config(args.config, **overrides)
-    except ConfigError as exc:
-        print(f"block-manager: error: {exc}", file=sys.stderr)
-        return 2
-    configure_logging(config.log_level)
-    return asyncio.run(serve(config, args.port_file))
+    overrides = flag_overrides(
+        (("listen_address", args.listen), ("database_url", args.database_url), ("metrics_port", args.metrics_port))
+    )
+    return run_service_main(
+        "block-manager",
+        lambda: load_config(args.config, **overrides),
+        lambda config: serve(config, args.port_file),
+        lambda config: config.log_level,
+    )
 
 
 if __name__ == "__main__":

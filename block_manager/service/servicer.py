@@ -18,8 +18,8 @@ from block_manager.core.types import PoolId, SeqId
 from block_manager.service.defrag_runner import DefragRunner
 from block_manager.service.runtime import ServiceRuntime
 from block_manager.service.state import DEFRAG_KINDS
-from block_manager.service.status import code_for_reason
 from block_manager.service.state_codec import check_count, check_id, check_ids
+from block_manager.service.status import code_for_reason
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
@@ -54,13 +54,20 @@ def item_error_pb(err: dict[str, Any]) -> pb.ItemError:
 
 def table_pb(t: dict[str, Any]) -> pb.SequenceTable:
     return pb.SequenceTable(
-        seq_id=t["seq_id"], pool_id=t["pool_id"], block_table=t["block_table"], num_tokens=t["num_tokens"], version=t["version"]
+        seq_id=t["seq_id"],
+        pool_id=t["pool_id"],
+        block_table=t["block_table"],
+        num_tokens=t["num_tokens"],
+        version=t["version"],
     )
 
 
 def plan_pb(plan: dict[str, Any]) -> pb.DefragPlan:
     return pb.DefragPlan(
-        plan_id=plan["plan_id"], pool_id=plan["pool_id"], kind=plan["kind"], moves=[copy_op_pb(m) for m in plan["moves"]]
+        plan_id=plan["plan_id"],
+        pool_id=plan["pool_id"],
+        kind=plan["kind"],
+        moves=[copy_op_pb(m) for m in plan["moves"]],
     )
 
 
@@ -81,7 +88,9 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
         return await self.runtime.mutate(op, rid, request_digest(method, request), payload)
 
     # ---- nodes ----------------------------------------------------------------------
-    async def RegisterNode(self, request: pb.RegisterNodeRequest, context: grpc.aio.ServicerContext) -> pb.RegisterNodeResponse:
+    async def RegisterNode(
+        self, request: pb.RegisterNodeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterNodeResponse:
         g = request.geometry
         payload = {
             "node_id": request.node_id,
@@ -148,7 +157,9 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
                 )
         return pb.AllocateResponse(outcomes=outcomes)
 
-    async def AppendSlots(self, request: pb.AppendSlotsRequest, context: grpc.aio.ServicerContext) -> pb.AppendSlotsResponse:
+    async def AppendSlots(
+        self, request: pb.AppendSlotsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AppendSlotsResponse:
         items = [[it.seq_id, it.num_new_tokens, list(it.token_ids) if it.token_ids else None] for it in request.items]
         payload = {"items": items, "pool_epochs": dict(request.pool_epochs)}
         r = await self._mutate("AppendSlots", request, "append_slots", payload)
@@ -207,20 +218,28 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
         return pb.GetTablesResponse(
             tables=[
                 pb.SequenceTable(
-                    seq_id=v.seq_id, pool_id=v.pool_id, block_table=v.block_table, num_tokens=v.num_tokens, version=v.version
+                    seq_id=v.seq_id,
+                    pool_id=v.pool_id,
+                    block_table=v.block_table,
+                    num_tokens=v.num_tokens,
+                    version=v.version,
                 )
                 for v in views
             ],
             copy_ops=[pb.CopyOp(op_id=op.op_id, src=op.src, dst=op.dst, kind=op.kind) for op in ops],
         )
 
-    async def AckCopyOps(self, request: pb.AckCopyOpsRequest, context: grpc.aio.ServicerContext) -> pb.AckCopyOpsResponse:
+    async def AckCopyOps(
+        self, request: pb.AckCopyOpsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AckCopyOpsResponse:
         payload = {"node_id": request.node_id, "epoch": request.epoch, "up_to_op_id": request.up_to_op_id}
         r = await self._mutate("AckCopyOps", request, "ack_copy_ops", payload)
         return pb.AckCopyOpsResponse(committed_plan_ids=r["committed_plan_ids"])
 
     # ---- defrag ---------------------------------------------------------------------
-    async def PlanDefrag(self, request: pb.PlanDefragRequest, context: grpc.aio.ServicerContext) -> pb.PlanDefragResponse:
+    async def PlanDefrag(
+        self, request: pb.PlanDefragRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PlanDefragResponse:
         payload = {
             "pool_id": request.pool_id,
             "kind": defrag_kind(request.kind),
@@ -230,11 +249,15 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
         plan = r["plan"]
         return pb.PlanDefragResponse(plan=plan_pb(plan)) if plan else pb.PlanDefragResponse()
 
-    async def CommitDefrag(self, request: pb.CommitDefragRequest, context: grpc.aio.ServicerContext) -> pb.CommitDefragResponse:
+    async def CommitDefrag(
+        self, request: pb.CommitDefragRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CommitDefragResponse:
         r = await self._mutate("CommitDefrag", request, "commit_defrag", {"plan_id": request.plan_id})
         return pb.CommitDefragResponse(updated_seq_ids=r["updated_seq_ids"])
 
-    async def AbortDefrag(self, request: pb.AbortDefragRequest, context: grpc.aio.ServicerContext) -> pb.AbortDefragResponse:
+    async def AbortDefrag(
+        self, request: pb.AbortDefragRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortDefragResponse:
         await self._mutate("AbortDefrag", request, "abort_defrag", {"plan_id": request.plan_id})
         return pb.AbortDefragResponse()
 
@@ -250,7 +273,10 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
                 continue
             out.append(
                 pb.RouteEntry(
-                    pool_id=e.pool_id, num_cached_tokens=e.num_cached_tokens, num_free_blocks=e.num_free_blocks, address=node.address
+                    pool_id=e.pool_id,
+                    num_cached_tokens=e.num_cached_tokens,
+                    num_free_blocks=e.num_free_blocks,
+                    address=node.address,
                 )
             )
         return pb.RouteResponse(entries=out)

@@ -76,7 +76,9 @@ def item_error(exc: CoreError) -> dict[str, Any]:
 class ServiceState:
     """Core + registry + the small bookkeeping the service adds (freed/fenced ids)."""
 
-    def __init__(self, config: StateConfig, core: BlockManager | None = None, registry: NodeRegistry | None = None) -> None:
+    def __init__(
+        self, config: StateConfig, core: BlockManager | None = None, registry: NodeRegistry | None = None
+    ) -> None:
         self.config = config
         self.core = core or BlockManager(
             watermark=config.watermark,

@@ -13,20 +13,9 @@ from dataclasses import dataclass
 import grpc
 
 from compute_node.tables import CachedTable, SeqId
+from pagedkv.rpc import is_retryable
 from pagedkv.v1 import block_manager_pb2 as bm_pb
 from pagedkv.v1 import block_manager_pb2_grpc as bm_grpc
-
-# Statuses after which the same call may succeed later (block manager restarting,
-# recovering, overloaded, or the network between us).
-RETRYABLE = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.CANCELLED,
-        grpc.StatusCode.UNKNOWN,
-    }
-)
 
 
 class LinkError(Exception):
@@ -69,7 +58,7 @@ class TablesReply:
 
 def _translate(exc: grpc.aio.AioRpcError) -> LinkError:
     code, details = exc.code(), exc.details() or ""
-    if code in RETRYABLE:
+    if is_retryable(code):
         return LinkUnavailable(code, details)
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return LinkFenced(code, details)

@@ -9,7 +9,6 @@ Configuration errors are one line on stderr with exit code 2; start-up failures 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from pathlib import Path
 
@@ -33,30 +32,27 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from compute_node.service.config import ConfigError, load_config
+    from compute_node.service.config import load_config
     from compute_node.service.server import serve
-    from pagedkv.logging import configure_logging
+    from pagedkv.lifecycle import flag_overrides, run_service_main
 
-    overrides = {
-        k: v
-        for k, v in (
+    overrides = flag_overrides(
+        (
             ("listen_address", args.listen),
             ("block_manager_address", args.block_manager),
             ("node_id", args.node_id),
             ("num_blocks", args.num_blocks),
             ("metrics_port", args.metrics_port),
         )
-        if v is not None
-    }
+    )
     if args.num_blocks is not None:
         overrides["memory_budget_bytes"] = None
-    try:
-        config = load_config(args.config, **overrides)
-    except ConfigError as exc:
-        print(f"compute-node: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    configure_logging(config.log_level)
-    return asyncio.run(serve(config, args.port_file))
+    return run_service_main(
+        "compute-node",
+        lambda: load_config(args.config, **overrides),
+        lambda config: serve(config, args.port_file),
+        lambda config: config.log_level,
+    )
 
 
 if __name__ == "__main__":

@@ -72,7 +72,9 @@ class ComputeNodeConfig(YamlEnvSettings):
             g = self.geometry
             block_bytes = 2 * g.num_layers * g.num_kv_heads * g.head_dim * self.block_size * _ITEMSIZE[g.dtype]
             if self.memory_budget_bytes < block_bytes:
-                raise ValueError(f"memory_budget_bytes {self.memory_budget_bytes} is below one block ({block_bytes} bytes)")
+                raise ValueError(
+                    f"memory_budget_bytes {self.memory_budget_bytes} is below one block ({block_bytes} bytes)"
+                )
         elif self.num_blocks is None:
             self.num_blocks = DEFAULT_NUM_BLOCKS
         return self
@@ -81,3 +83,5 @@ class ComputeNodeConfig(YamlEnvSettings):
 def load_config(path: str | Path | None = None, **overrides: Any) -> ComputeNodeConfig:
     """Defaults < YAML `path` < environment < `overrides`; `ConfigError` when invalid."""
     return load_settings(ComputeNodeConfig, path, overrides)
+
+__all__ = ["ComputeNodeConfig", "ConfigError", "GeometryConfig", "load_config"]

@@ -31,6 +31,17 @@ from dataclasses import dataclass
 
 import torch
 
+from compute_node.errors import (
+    BlockManagerUnavailable,
+    ComputeNodeError,
+    InvalidForward,
+    NodeFenced,
+    NotRegistered,
+    StaleTable,
+    UnknownSequence,
+)
+from compute_node.forward import ForwardBatch, check_slots, execute, plan_attention
+from compute_node.pool import KvPool, PoolGeometry, blocks_for_budget, resolve_device
 from compute_node.service.bm_link import (
     BlockManagerLink,
     LinkError,
@@ -42,18 +53,7 @@ from compute_node.service.bm_link import (
     TablesReply,
 )
 from compute_node.service.config import ComputeNodeConfig
-from compute_node.errors import (
-    BlockManagerUnavailable,
-    ComputeNodeError,
-    InvalidForward,
-    NodeFenced,
-    NotRegistered,
-    StaleTable,
-    UnknownSequence,
-)
-from compute_node.forward import ForwardBatch, check_slots, execute, plan_attention
 from compute_node.service.metrics import NodeMetrics
-from compute_node.pool import KvPool, PoolGeometry, blocks_for_budget, resolve_device
 from compute_node.tables import CachedTable, SeqId, TableCache
 from pagedkv.logging import get_logger
 

@@ -140,7 +140,15 @@ def _engine(rel: str, module: str, top: bool) -> str | None:
         ("compute_node", _compute_node),
         ("engine", _engine),
     ],
-    ids=["ground-floor", "kernels", "core-stdlib-only", "block-manager", "transport-free-state", "compute-node", "engine"],
+    ids=[
+        "ground-floor",
+        "kernels",
+        "core-stdlib-only",
+        "block-manager",
+        "transport-free-state",
+        "compute-node",
+        "engine",
+    ],
 )
 def test_imports_run_downward(package: str, rule) -> None:  # type: ignore[no-untyped-def]
     assert _violations(package, rule) == []

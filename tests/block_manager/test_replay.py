@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from block_manager.core.errors import OutOfBlocks
-from block_manager.trace.replay import REPLAY_POOL, ReplayReport, TraceReplayer, replay
 from block_manager.trace.format import TraceError, parse_trace
 from block_manager.trace.generate import TraceConfig, generate_trace
+from block_manager.trace.replay import REPLAY_POOL, ReplayReport, TraceReplayer, replay
 
 
 def _ops(*ops: dict[str, object]) -> list[str]:
@@ -184,7 +184,9 @@ def test_inconsistent_traces_are_errors_not_memory_events(ops: list[dict[str, ob
 
 
 def test_replay_reads_a_file_and_a_list_the_same(tmp_path: Path) -> None:
-    lines = list(generate_trace(TraceConfig(num_requests=10, prompt_len_max=100, output_len_min=10, output_len_max=40, seed=1)))
+    lines = list(
+        generate_trace(TraceConfig(num_requests=10, prompt_len_max=100, output_len_min=10, output_len_max=40, seed=1))
+    )
     path = tmp_path / "t.jsonl"
     path.write_text("\n".join(lines) + "\n")
     a = replay(path, num_blocks=1000, block_size=16)

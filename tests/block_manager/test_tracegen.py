@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from block_manager.trace.replay import replay
 from block_manager.trace.format import AllocateOp, AppendOp, ForkOp, FreeOp, parse_trace
 from block_manager.trace.generate import TraceConfig, TraceConfigError, generate_trace, write_trace
+from block_manager.trace.replay import replay
 
 SMALL = dict(num_requests=30, prompt_len_max=200, output_len_max=120, system_prompt_len=64)
 

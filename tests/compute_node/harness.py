@@ -123,7 +123,9 @@ class Step:
 class Scheduler:
     """Drives the block manager (Allocate/AppendSlots/Fork/Free) and the node (Forward)."""
 
-    def __init__(self, bm_address: str, node_address: str, pool_id: str, *, seed: int = 0, dtype: str = "float32") -> None:
+    def __init__(
+        self, bm_address: str, node_address: str, pool_id: str, *, seed: int = 0, dtype: str = "float32"
+    ) -> None:
         self.bm_channel = grpc.aio.insecure_channel(bm_address)
         self.bm = bm_grpc.BlockManagerStub(self.bm_channel)
         self.node_channel = grpc.aio.insecure_channel(node_address)
@@ -184,7 +186,9 @@ class Scheduler:
         return steps
 
     async def fork(self, parent: str, children: list[str]) -> None:
-        resp = await self.bm.Fork(bm_pb.ForkRequest(request_id=rid("fork"), parent_seq_id=parent, child_seq_ids=children))
+        resp = await self.bm.Fork(
+            bm_pb.ForkRequest(request_id=rid("fork"), parent_seq_id=parent, child_seq_ids=children)
+        )
         p = self.seqs[parent]
         for child in resp.children:
             self.seqs[child.seq_id] = Shadow(

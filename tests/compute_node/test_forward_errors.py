@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from compute_node.forward import SeqStep, check_slots
 from compute_node.errors import InvalidForward, StaleTable
+from compute_node.forward import SeqStep, check_slots
 from compute_node.tables import CachedTable, SeqId
 from pagedkv.v1 import compute_node_pb2 as pb
 from tests.compute_node.harness import BLOCK_SIZE, NUM_BLOCKS
@@ -183,8 +183,8 @@ async def test_get_node_info(cluster) -> None:  # type: ignore[no-untyped-def]
 
 async def test_unregistered_node_answers_unavailable() -> None:
     # Nothing listens on port 9 of 127.0.0.1: registration keeps failing and retrying.
-    from tests.compute_node.harness import cn_config
     from compute_node.service.server import ComputeNodeServer
+    from tests.compute_node.harness import cn_config
 
     server = ComputeNodeServer(cn_config("127.0.0.1:9"))
     await server.start()

@@ -81,9 +81,26 @@ async def test_cli_serve_registers_and_stops_on_sigterm(tmp_path: Path) -> None:
     port_file = tmp_path / "port"
     env = dict(os.environ, PAGEDKV_CN_DEVICE="cpu", PAGEDKV_CN_GEOMETRY__HEAD_DIM="32", PAGEDKV_LOG_LEVEL="INFO")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "compute_node.service.cli", "serve", "--listen", "127.0.0.1:0", "--block-manager", bm.address,
-         "--node-id", "cli-node", "--num-blocks", "16", "--port-file", str(port_file)],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        [
+            sys.executable,
+            "-m",
+            "compute_node.service.cli",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--block-manager",
+            bm.address,
+            "--node-id",
+            "cli-node",
+            "--num-blocks",
+            "16",
+            "--port-file",
+            str(port_file),
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
     try:
         deadline = asyncio.get_running_loop().time() + 60

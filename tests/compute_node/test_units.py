@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from compute_node.service.config import ConfigError, load_config
 from compute_node.pool import KvPool, PoolGeometry, blocks_for_budget
+from compute_node.service.config import ConfigError, load_config
 from compute_node.tables import CachedTable, SeqId, TableCache
 from compute_node.wire import WireError, decode_tensor, encode_tensor, tensor_to_numpy
 from pagedkv.v1 import compute_node_pb2 as pb

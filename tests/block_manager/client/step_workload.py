@@ -18,7 +18,9 @@ def record(slots_by_seq: dict[str, list[int]], appends: dict) -> None:
         slots_by_seq[sid].extend(out.slot_mapping)
 
 
-def check_against_tables(slots_by_seq: dict[str, list[int]], tables: dict[str, tuple[int, ...]], block_size: int) -> None:
+def check_against_tables(
+    slots_by_seq: dict[str, list[int]], tables: dict[str, tuple[int, ...]], block_size: int
+) -> None:
     """Every slot the client handed out (local or server) is where the server's table puts
     that token position."""
     for sid, slots in slots_by_seq.items():

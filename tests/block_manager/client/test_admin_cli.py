@@ -21,7 +21,9 @@ REPO = Path(__file__).resolve().parents[3]
 @pytest.fixture
 def populated(bm_token):
     with BlockManagerClient(bm_token.address) as c:
-        c.register_node("n1", 32, block_size=4, geometry={"device": "cpu", "dtype": "float16"}, address="127.0.0.1:7001")
+        c.register_node(
+            "n1", 32, block_size=4, geometry={"device": "cpu", "dtype": "float16"}, address="127.0.0.1:7001"
+        )
         c.register_node("n2", 16, block_size=4)
         c.allocate_one("s1", "n1", list(range(10)))
         c.allocate_one("s2", "n1", num_tokens=3)
@@ -111,8 +113,21 @@ def test_cli_subprocess_against_served_process(tmp_path):
     port_file = tmp_path / "port"
     env = {**os.environ, "PAGEDKV_ADMIN_TOKEN": "tok", "PAGEDKV_LOG_LEVEL": "WARNING"}
     server = subprocess.Popen(
-        [sys.executable, "-m", "block_manager.service.server", "--listen", "127.0.0.1:0", "--database-url", "memory://", "--port-file", str(port_file)],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "block_manager.service.server",
+            "--listen",
+            "127.0.0.1:0",
+            "--database-url",
+            "memory://",
+            "--port-file",
+            str(port_file),
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         deadline = time.monotonic() + 30
@@ -121,11 +136,17 @@ def test_cli_subprocess_against_served_process(tmp_path):
             time.sleep(0.05)
         target = f"127.0.0.1:{port_file.read_text()}"
         cli = [sys.executable, "-m", "block_manager.cli.main", "admin", "--target", target]
-        ok = subprocess.run([*cli, "--token", "tok", "--json", "status"], capture_output=True, text=True, cwd=REPO, timeout=60)
+        ok = subprocess.run(
+            [*cli, "--token", "tok", "--json", "status"], capture_output=True, text=True, cwd=REPO, timeout=60
+        )
         assert ok.returncode == 0, ok.stderr
         assert json.loads(ok.stdout)["state"] == "serving"
         bad = subprocess.run([*cli, "--token", "nope", "nodes"], capture_output=True, text=True, cwd=REPO, timeout=60)
-        assert bad.returncode == EXIT_REFUSED and bad.stderr.startswith("error: unauthenticated:") and "Traceback" not in bad.stderr
+        assert (
+            bad.returncode == EXIT_REFUSED
+            and bad.stderr.startswith("error: unauthenticated:")
+            and "Traceback" not in bad.stderr
+        )
     finally:
         server.terminate()
         assert server.wait(20) == 0

@@ -58,7 +58,9 @@ async def test_async_retry_replays_recorded_result(bm):
         assert await c.free(["s", "t"]) == 2
         assert c.stats.retries == 2
         proxy.delay("Route", 1.0, times=3)
-    async with AsyncBlockManagerClient(f"127.0.0.1:{proxy.port}", timeout_s=0.2, retry=RetryPolicy(max_attempts=2, initial_backoff_s=0.01)) as c:
+    async with AsyncBlockManagerClient(
+        f"127.0.0.1:{proxy.port}", timeout_s=0.2, retry=RetryPolicy(max_attempts=2, initial_backoff_s=0.01)
+    ) as c:
         with pytest.raises(DeadlineExceededError):
             await c.route([1])
         assert c.stats.per_method["Route"] == 2

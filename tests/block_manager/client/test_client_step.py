@@ -181,7 +181,9 @@ def test_item_failures_and_misuse(client):
     step.append("ghost", num_new_tokens=1)
     res = step.commit()
     assert res.num_rpcs == 2
-    assert isinstance(res.allocations["big"], ItemFailure) and isinstance(res.allocations["big"].error, OutOfBlocksError)
+    assert isinstance(res.allocations["big"], ItemFailure) and isinstance(
+        res.allocations["big"].error, OutOfBlocksError
+    )
     assert [f.seq_id for f in res.failures] == ["big", "ghost"]
     with pytest.raises(InvalidArgumentError):
         step.commit()

@@ -36,7 +36,9 @@ def spec(seq: str, pool: str = "n1", tokens: list[int] | None = None, num_tokens
 
 
 def test_register_heartbeat_and_route(client):
-    reg = client.register_node("n1", 32, block_size=4, geometry={"num_layers": 2, "dtype": "float16"}, address="127.0.0.1:9")
+    reg = client.register_node(
+        "n1", 32, block_size=4, geometry={"num_layers": 2, "dtype": "float16"}, address="127.0.0.1:9"
+    )
     assert (reg.pool_id, reg.epoch, reg.block_size, reg.num_blocks) == ("n1", 1, 4, 32)
     assert reg.lease_ttl_s == pytest.approx(30.0)
     hb = client.heartbeat("n1", reg.epoch)
@@ -172,7 +174,9 @@ def test_deadline(bm):
 
 
 def test_unreachable_server_is_unavailable():
-    with BlockManagerClient("127.0.0.1:1", timeout_s=0.5, retry=RetryPolicy(max_attempts=2, initial_backoff_s=0.01)) as c:
+    with BlockManagerClient(
+        "127.0.0.1:1", timeout_s=0.5, retry=RetryPolicy(max_attempts=2, initial_backoff_s=0.01)
+    ) as c:
         with pytest.raises(Exception) as exc:
             c.route([1])
         assert exc.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)

@@ -5,8 +5,16 @@ from __future__ import annotations
 import pytest
 
 from block_manager.core import (
-    AppendFailure, AppendRequest, AppendResult, BlockManager, InvalidRequest, OutOfBlocks,
-    PoolDraining, SequenceExists, UnknownPool, UnknownSequence,
+    AppendFailure,
+    AppendRequest,
+    AppendResult,
+    BlockManager,
+    InvalidRequest,
+    OutOfBlocks,
+    PoolDraining,
+    SequenceExists,
+    UnknownPool,
+    UnknownSequence,
 )
 
 

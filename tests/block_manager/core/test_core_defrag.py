@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from block_manager.core import (
-    AppendRequest, BlockManager, DefragPolicy, FailedPrecondition, InvalidRequest, UnknownPlan,
+    AppendRequest,
+    BlockManager,
+    DefragPolicy,
+    FailedPrecondition,
+    InvalidRequest,
+    UnknownPlan,
     UnknownPool,
 )
 
@@ -214,7 +219,7 @@ def test_contiguity_places_sequences_into_runs() -> None:
     m.add_pool("p", 24, 4)
     for i in range(4):
         m.allocate(f"s{i}", "p", num_tokens=4)
-    for step in range(3):  # interleaved growth: s0=(0,4,8,12) etc.
+    for _step in range(3):  # interleaved growth: s0=(0,4,8,12) etc.
         m.append_slots([AppendRequest(f"s{i}", 4) for i in range(4)])
     m.free(["s2", "s3"])
     assert m.metrics("p").contiguity == 0.0

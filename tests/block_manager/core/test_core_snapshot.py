@@ -9,7 +9,12 @@ import sys
 import pytest
 
 from block_manager.core import (
-    AppendRequest, BlockManager, DefragPolicy, InvalidRequest, hash_block, hash_prefix,
+    AppendRequest,
+    BlockManager,
+    DefragPolicy,
+    InvalidRequest,
+    hash_block,
+    hash_prefix,
 )
 
 

@@ -20,8 +20,16 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from block_manager.core import (
-    AppendFailure, AppendRequest, AppendResult, BlockManager, CoreError, FailedPrecondition,
-    InvalidRequest, OutOfBlocks, SequenceExists, UnknownSequence,
+    AppendFailure,
+    AppendRequest,
+    AppendResult,
+    BlockManager,
+    CoreError,
+    FailedPrecondition,
+    InvalidRequest,
+    OutOfBlocks,
+    SequenceExists,
+    UnknownSequence,
 )
 
 POOLS = {"p": (40, 4), "q": (24, 2)}  # pool id → (num_blocks, block_size)
@@ -168,7 +176,7 @@ class CoreMachine(RuleBasedStateMachine):
         can = {sid: self.m.can_append(sid, len(new_tokens[sid])) for sid in chosen}
         results = self.m.append_slots(requests)
         assert len(results) == len(requests)
-        for req, res in zip(requests[len(chosen) :], results[len(chosen) :]):
+        for _req, res in zip(requests[len(chosen) :], results[len(chosen) :]):
             assert isinstance(res, AppendFailure) and isinstance(
                 res.error, (UnknownSequence, InvalidRequest)
             )

@@ -57,11 +57,15 @@ class Harness:
             )
         )
 
-    async def allocate(self, seq_id: str, pool: str = "n1", tokens: list[int] | None = None, num_tokens: int = 0, **kw: Any) -> pb.AllocateOutcome:
+    async def allocate(
+        self, seq_id: str, pool: str = "n1", tokens: list[int] | None = None, num_tokens: int = 0, **kw: Any
+    ) -> pb.AllocateOutcome:
         resp = await self.stub.Allocate(
             pb.AllocateRequest(
                 request_id=kw.pop("request_id", rid("alloc")),
-                items=[pb.AllocateItem(seq_id=seq_id, pool_id=pool, token_ids=tokens or [], num_tokens=num_tokens, **kw)],
+                items=[
+                    pb.AllocateItem(seq_id=seq_id, pool_id=pool, token_ids=tokens or [], num_tokens=num_tokens, **kw)
+                ],
             )
         )
         assert len(resp.outcomes) == 1

@@ -29,7 +29,9 @@ async def test_status_list_describe(harness: Harness) -> None:
     assert len((await harness.admin.ListSequences(pb.ListSequencesRequest())).sequences) == 3
     desc = await harness.admin.DescribeSequence(pb.DescribeSequenceRequest(seq_id="s1"))
     assert (desc.block_size, desc.num_blocks, desc.table.num_tokens) == (4, 2, 5)
-    await expect_code(harness.admin.DescribeSequence(pb.DescribeSequenceRequest(seq_id="nope")), grpc.StatusCode.NOT_FOUND)
+    await expect_code(
+        harness.admin.DescribeSequence(pb.DescribeSequenceRequest(seq_id="nope")), grpc.StatusCode.NOT_FOUND
+    )
     await expect_code(harness.admin.ListSequences(pb.ListSequencesRequest(pool_id="zz")), grpc.StatusCode.NOT_FOUND)
     nodes = (await harness.admin.ListNodes(pb.ListNodesRequest())).nodes
     assert [(n.node_id, n.epoch, n.geometry.head_dim) for n in nodes] == [("n1", 1, 8), ("n2", 1, 8)]
@@ -55,7 +57,8 @@ async def test_admin_token_required_when_configured(start_server: Any) -> None:
     h: Harness = await start_server(admin_token="s3cret")
     await expect_code(h.admin.Status(pb.StatusRequest()), grpc.StatusCode.UNAUTHENTICATED)
     await expect_code(
-        h.admin.Status(pb.StatusRequest(), metadata=(("authorization", "Bearer wrong"),)), grpc.StatusCode.UNAUTHENTICATED
+        h.admin.Status(pb.StatusRequest(), metadata=(("authorization", "Bearer wrong"),)),
+        grpc.StatusCode.UNAUTHENTICATED,
     )
     ok = await h.admin.Status(pb.StatusRequest(), metadata=(("authorization", "Bearer s3cret"),))
     assert ok.state == "serving"
@@ -99,7 +102,9 @@ async def test_metrics_endpoint(start_server: Any) -> None:
     # a: 2 blocks; b: hits a's first block, recomputes the last (+1); c shares a's and
     # opens a fresh block for its 9th token (+1): 4 of 16 used.
     port = h.server.metrics.port
-    text = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
+    text = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    )
     assert 'pagedkv_kv_cache_usage_perc{pool="n1"} 0.25' in text
     assert 'pagedkv_blocks{pool="n1",state="used"} 4.0' in text
     assert 'pagedkv_prefix_cache_queries_total{pool="n1"} 16.0' in text

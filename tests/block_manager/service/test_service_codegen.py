@@ -11,7 +11,9 @@ from tools import codegen
 def test_committed_stubs_are_fresh(tmp_path: Path) -> None:
     fresh = codegen.generate(out_root=tmp_path)
     committed = codegen.generated_files(codegen.REPO_ROOT)
-    assert [p.name for p in fresh] == [p.name for p in committed], "generated file set differs; run python -m tools.codegen"
+    assert [p.name for p in fresh] == [p.name for p in committed], (
+        "generated file set differs; run python -m tools.codegen"
+    )
     stale = [c.name for f, c in zip(fresh, committed, strict=True) if f.read_bytes() != c.read_bytes()]
     assert not stale, f"stale generated stubs {stale}; run python -m tools.codegen"
 

@@ -39,7 +39,8 @@ async def test_plan_delivered_as_copy_ops_and_committed_by_ack(harness: Harness)
         grpc.StatusCode.FAILED_PRECONDITION,
     )
     await expect_code(
-        harness.stub.PlanDefrag(pb.PlanDefragRequest(request_id=rid(), pool_id="n1")), grpc.StatusCode.FAILED_PRECONDITION
+        harness.stub.PlanDefrag(pb.PlanDefragRequest(request_id=rid(), pool_id="n1")),
+        grpc.StatusCode.FAILED_PRECONDITION,
     )
     ack = await harness.stub.AckCopyOps(
         pb.AckCopyOpsRequest(request_id=rid(), node_id="n1", epoch=epoch, up_to_op_id=plan.moves[-1].op_id)
@@ -66,13 +67,16 @@ async def test_abort_and_unknown_plans(harness: Harness) -> None:
     await harness.stub.AbortDefrag(pb.AbortDefragRequest(request_id=rid(), plan_id=plan.plan_id))
     assert (await harness.admin.Status(pb.StatusRequest())).pools[0].num_reserved_blocks == 0
     await expect_code(
-        harness.stub.AbortDefrag(pb.AbortDefragRequest(request_id=rid(), plan_id=plan.plan_id)), grpc.StatusCode.NOT_FOUND
+        harness.stub.AbortDefrag(pb.AbortDefragRequest(request_id=rid(), plan_id=plan.plan_id)),
+        grpc.StatusCode.NOT_FOUND,
     )
     await expect_code(
         harness.stub.PlanDefrag(pb.PlanDefragRequest(request_id=rid(), pool_id="n1", kind="shuffle")),
         grpc.StatusCode.INVALID_ARGUMENT,
     )
-    await expect_code(harness.stub.PlanDefrag(pb.PlanDefragRequest(request_id=rid(), pool_id="zz")), grpc.StatusCode.NOT_FOUND)
+    await expect_code(
+        harness.stub.PlanDefrag(pb.PlanDefragRequest(request_id=rid(), pool_id="zz")), grpc.StatusCode.NOT_FOUND
+    )
     assert await harness.fsck() == []
 
 
@@ -96,7 +100,9 @@ async def test_unacknowledged_plan_times_out(start_server: Any) -> None:
 
 
 async def test_admin_trigger_and_policy_runner(start_server: Any) -> None:
-    h: Harness = await start_server(defrag={"enabled": True, "check_every_steps": 2, "every_n_steps": 2, "min_contiguity": None})
+    h: Harness = await start_server(
+        defrag={"enabled": True, "check_every_steps": 2, "every_n_steps": 2, "min_contiguity": None}
+    )
     await _fragment(h)
     plans = (await h.admin.TriggerDefrag(pb.TriggerDefragRequest(request_id=rid()))).plans
     assert [p.pool_id for p in plans] == ["n1"]

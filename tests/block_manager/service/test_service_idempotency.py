@@ -41,7 +41,9 @@ async def test_same_id_different_payload_is_invalid_argument(harness: Harness) -
     other = pb.AllocateRequest(request_id="dup", items=[pb.AllocateItem(seq_id="b", pool_id="n1", num_tokens=6)])
     await expect_code(harness.stub.Allocate(other), grpc.StatusCode.INVALID_ARGUMENT)
     # the same id on another RPC is a different payload too
-    await expect_code(harness.stub.Free(pb.FreeRequest(request_id="dup", seq_ids=["a"])), grpc.StatusCode.INVALID_ARGUMENT)
+    await expect_code(
+        harness.stub.Free(pb.FreeRequest(request_id="dup", seq_ids=["a"])), grpc.StatusCode.INVALID_ARGUMENT
+    )
     assert harness.state_snapshot() == before
 
 
@@ -79,7 +81,8 @@ async def _steps(h: Harness, n: int) -> list[tuple[pb.AppendSlotsRequest, pb.App
     done = []
     for i in range(n):
         req = pb.AppendSlotsRequest(
-            request_id=f"step-{i}", items=[pb.AppendItem(seq_id="a", num_new_tokens=1), pb.AppendItem(seq_id="b", num_new_tokens=1)]
+            request_id=f"step-{i}",
+            items=[pb.AppendItem(seq_id="a", num_new_tokens=1), pb.AppendItem(seq_id="b", num_new_tokens=1)],
         )
         done.append((req, await h.stub.AppendSlots(req)))
     return done

@@ -53,7 +53,9 @@ async def test_restart_answers_request_ids_covered_by_a_snapshot(tmp_path: Path)
     alloc = pb.AllocateRequest(request_id="early", items=[pb.AllocateItem(seq_id="a", pool_id="n1", num_tokens=5)])
     first = await stub.Allocate(alloc)
     for i in range(4):
-        await stub.AppendSlots(pb.AppendSlotsRequest(request_id=f"step-{i}", items=[pb.AppendItem(seq_id="a", num_new_tokens=1)]))
+        await stub.AppendSlots(
+            pb.AppendSlotsRequest(request_id=f"step-{i}", items=[pb.AppendItem(seq_id="a", num_new_tokens=1)])
+        )
     await channel.close()
     await server.stop(0)  # graceful: final snapshot, so nothing is replayed on restart
 
@@ -131,7 +133,9 @@ async def test_not_serving_while_recovering() -> None:
             await asyncio.sleep(0.01)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             health = health_pb2_grpc.HealthStub(channel)
-            assert (await health.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert (
+                await health.Check(health_pb2.HealthCheckRequest())
+            ).status == health_pb2.HealthCheckResponse.NOT_SERVING
             stub = pb_grpc.BlockManagerStub(channel)
             await expect_code(
                 stub.RegisterNode(pb.RegisterNodeRequest(request_id=rid(), node_id="n1", num_blocks=8)),
@@ -141,7 +145,9 @@ async def test_not_serving_while_recovering() -> None:
             assert (await admin.Status(pb.StatusRequest())).state == "recovering"
             store.release.set()
             await starting
-            assert (await health.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING
+            assert (
+                await health.Check(health_pb2.HealthCheckRequest())
+            ).status == health_pb2.HealthCheckResponse.SERVING
             await stub.RegisterNode(pb.RegisterNodeRequest(request_id=rid(), node_id="n1", num_blocks=8))
     finally:
         store.release.set()

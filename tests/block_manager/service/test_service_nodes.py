@@ -22,9 +22,12 @@ async def test_reregistration_fences_old_epoch_and_reclaims(harness: Harness) ->
     await expect_code(harness.stub.Heartbeat(pb.HeartbeatRequest(node_id="n1", epoch=old.epoch)), FP)
     await expect_code(harness.stub.GetTables(pb.GetTablesRequest(node_id="n1", epoch=old.epoch)), FP)
     await expect_code(
-        harness.stub.AckCopyOps(pb.AckCopyOpsRequest(request_id=rid(), node_id="n1", epoch=old.epoch, up_to_op_id=0)), FP
+        harness.stub.AckCopyOps(pb.AckCopyOpsRequest(request_id=rid(), node_id="n1", epoch=old.epoch, up_to_op_id=0)),
+        FP,
     )
-    pinned = pb.AppendSlotsRequest(request_id=rid(), items=[pb.AppendItem(seq_id="a", num_new_tokens=1)], pool_epochs={"n1": old.epoch})
+    pinned = pb.AppendSlotsRequest(
+        request_id=rid(), items=[pb.AppendItem(seq_id="a", num_new_tokens=1)], pool_epochs={"n1": old.epoch}
+    )
     await expect_code(harness.stub.AppendSlots(pinned), FP)
     # the old epoch's sequence is gone; writes to it name the fencing
     out = (await harness.append(("a", 1))).outcomes[0]
@@ -80,4 +83,6 @@ async def test_drain_node_refuses_new_sequences_only(harness: Harness) -> None:
     assert hb.draining
     await harness.admin.DrainNode(pb.DrainNodeRequest(request_id=rid(), node_id="n1", undrain=True))
     assert (await harness.allocate("b", num_tokens=4)).WhichOneof("outcome") == "allocation"
-    await expect_code(harness.admin.DrainNode(pb.DrainNodeRequest(request_id=rid(), node_id="zz")), grpc.StatusCode.NOT_FOUND)
+    await expect_code(
+        harness.admin.DrainNode(pb.DrainNodeRequest(request_id=rid(), node_id="zz")), grpc.StatusCode.NOT_FOUND
+    )

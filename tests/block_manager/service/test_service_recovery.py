@@ -39,9 +39,21 @@ class ServerProcess:
             PAGEDKV_STORE_LOCK_WAIT_S="20",
         )
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "block_manager.service.server", "--listen", "127.0.0.1:0", "--database-url", database_url,
-             "--port-file", str(self.port_file)],
-            cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "block_manager.service.server",
+                "--listen",
+                "127.0.0.1:0",
+                "--database-url",
+                database_url,
+                "--port-file",
+                str(self.port_file),
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
         )
 
     async def wait_port(self, timeout: float = 30.0) -> int:
@@ -87,10 +99,18 @@ async def _load(stub: pb_grpc.BlockManagerStub, w: Worker, stop: asyncio.Event) 
         n += 1
         sid = f"w{w.wid}-s{n}"
         ops: list[tuple[str, object]] = [
-            ("alloc", pb.AllocateRequest(request_id=f"{sid}-a", items=[pb.AllocateItem(seq_id=sid, pool_id="n1", num_tokens=3)]))
+            (
+                "alloc",
+                pb.AllocateRequest(
+                    request_id=f"{sid}-a", items=[pb.AllocateItem(seq_id=sid, pool_id="n1", num_tokens=3)]
+                ),
+            )
         ]
         ops += [
-            ("append", pb.AppendSlotsRequest(request_id=f"{sid}-p{k}", items=[pb.AppendItem(seq_id=sid, num_new_tokens=2)]))
+            (
+                "append",
+                pb.AppendSlotsRequest(request_id=f"{sid}-p{k}", items=[pb.AppendItem(seq_id=sid, num_new_tokens=2)]),
+            )
             for k in range(4)
         ]
         if n % 2:
@@ -130,7 +150,9 @@ async def _wait_serving(channel: grpc.aio.Channel, timeout: float = 60.0) -> Non
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if (await health.Check(health_pb2.HealthCheckRequest(), timeout=2)).status == health_pb2.HealthCheckResponse.SERVING:
+            if (
+                await health.Check(health_pb2.HealthCheckRequest(), timeout=2)
+            ).status == health_pb2.HealthCheckResponse.SERVING:
                 return
         except grpc.aio.AioRpcError:
             pass

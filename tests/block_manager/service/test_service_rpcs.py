@@ -77,11 +77,16 @@ async def test_allocate_request_level_errors_change_nothing(harness: Harness) ->
     before = harness.state_snapshot()
     dup = pb.AllocateRequest(
         request_id=rid(),
-        items=[pb.AllocateItem(seq_id="x", pool_id="n1", num_tokens=1), pb.AllocateItem(seq_id="x", pool_id="n1", num_tokens=1)],
+        items=[
+            pb.AllocateItem(seq_id="x", pool_id="n1", num_tokens=1),
+            pb.AllocateItem(seq_id="x", pool_id="n1", num_tokens=1),
+        ],
     )
     await expect_code(harness.stub.Allocate(dup), OK.INVALID_ARGUMENT)
     await expect_code(harness.stub.Allocate(pb.AllocateRequest(request_id=rid())), OK.INVALID_ARGUMENT)
-    stale = pb.AllocateRequest(request_id=rid(), items=[pb.AllocateItem(seq_id="x", pool_id="n1", num_tokens=1)], pool_epochs={"n1": 7})
+    stale = pb.AllocateRequest(
+        request_id=rid(), items=[pb.AllocateItem(seq_id="x", pool_id="n1", num_tokens=1)], pool_epochs={"n1": 7}
+    )
     await expect_code(harness.stub.Allocate(stale), OK.FAILED_PRECONDITION)
     assert harness.state_snapshot() == before
 
@@ -103,7 +108,9 @@ async def test_append_slots_batch_new_blocks_and_failures(harness: Harness) -> N
     dup = await harness.append(("b", 1), ("b", 1))
     assert dup.outcomes[0].WhichOneof("outcome") == "appended"
     assert dup.outcomes[1].error.code == OK.INVALID_ARGUMENT.value[0]
-    bad_tokens = pb.AppendSlotsRequest(request_id=rid(), items=[pb.AppendItem(seq_id="a", num_new_tokens=2, token_ids=[1])])
+    bad_tokens = pb.AppendSlotsRequest(
+        request_id=rid(), items=[pb.AppendItem(seq_id="a", num_new_tokens=2, token_ids=[1])]
+    )
     out = await harness.stub.AppendSlots(bad_tokens)
     assert out.outcomes[0].error.code == OK.INVALID_ARGUMENT.value[0]
     assert await harness.fsck() == []
@@ -126,7 +133,8 @@ async def test_fork_shares_blocks_and_cow_on_write(harness: Harness) -> None:
     )
     await expect_code(harness.stub.Fork(pb.ForkRequest(request_id=rid(), parent_seq_id="p")), OK.INVALID_ARGUMENT)
     await expect_code(
-        harness.stub.Fork(pb.ForkRequest(request_id=rid(), parent_seq_id="p", child_seq_ids=["q", "q"])), OK.INVALID_ARGUMENT
+        harness.stub.Fork(pb.ForkRequest(request_id=rid(), parent_seq_id="p", child_seq_ids=["q", "q"])),
+        OK.INVALID_ARGUMENT,
     )
 
 
@@ -158,8 +166,12 @@ async def test_get_tables_only_newer_versions_and_pending_ops(harness: Harness) 
     assert [(t.seq_id, t.version, len(t.block_table)) for t in newer] == [("a", new_va, 2)]
     req.known_versions["b"] = vb + 1000
     await expect_code(harness.stub.GetTables(req), OK.ABORTED)
-    await expect_code(harness.stub.GetTables(pb.GetTablesRequest(node_id="n1", epoch=reg.epoch, seq_ids=["zz"])), OK.NOT_FOUND)
-    await expect_code(harness.stub.GetTables(pb.GetTablesRequest(node_id="n1", epoch=reg.epoch + 1)), OK.FAILED_PRECONDITION)
+    await expect_code(
+        harness.stub.GetTables(pb.GetTablesRequest(node_id="n1", epoch=reg.epoch, seq_ids=["zz"])), OK.NOT_FOUND
+    )
+    await expect_code(
+        harness.stub.GetTables(pb.GetTablesRequest(node_id="n1", epoch=reg.epoch + 1)), OK.FAILED_PRECONDITION
+    )
     await expect_code(harness.stub.GetTables(pb.GetTablesRequest(node_id="n1", epoch=0)), OK.INVALID_ARGUMENT)
     await expect_code(harness.stub.GetTables(pb.GetTablesRequest(node_id="nx", epoch=1)), OK.NOT_FOUND)
 
@@ -176,15 +188,21 @@ async def test_cow_ops_pending_until_acked(harness: Harness) -> None:
     after = await harness.stub.GetTables(pb.GetTablesRequest(node_id="n1", epoch=reg.epoch, after_op_id=op.op_id))
     assert list(after.copy_ops) == []
     await expect_code(
-        harness.stub.AckCopyOps(pb.AckCopyOpsRequest(request_id=rid(), node_id="n1", epoch=reg.epoch, up_to_op_id=op.op_id + 5)),
+        harness.stub.AckCopyOps(
+            pb.AckCopyOpsRequest(request_id=rid(), node_id="n1", epoch=reg.epoch, up_to_op_id=op.op_id + 5)
+        ),
         OK.INVALID_ARGUMENT,
     )
-    await harness.stub.AckCopyOps(pb.AckCopyOpsRequest(request_id=rid(), node_id="n1", epoch=reg.epoch, up_to_op_id=op.op_id))
+    await harness.stub.AckCopyOps(
+        pb.AckCopyOpsRequest(request_id=rid(), node_id="n1", epoch=reg.epoch, up_to_op_id=op.op_id)
+    )
     tables = await harness.stub.GetTables(pb.GetTablesRequest(node_id="n1", epoch=reg.epoch))
     assert list(tables.copy_ops) == []
     assert (await harness.stub.Heartbeat(pb.HeartbeatRequest(node_id="n1", epoch=reg.epoch))).last_pending_op_id == 0
     await expect_code(
-        harness.stub.AckCopyOps(pb.AckCopyOpsRequest(request_id=rid(), node_id="n1", epoch=reg.epoch + 1, up_to_op_id=1)),
+        harness.stub.AckCopyOps(
+            pb.AckCopyOpsRequest(request_id=rid(), node_id="n1", epoch=reg.epoch + 1, up_to_op_id=1)
+        ),
         OK.FAILED_PRECONDITION,
     )
 

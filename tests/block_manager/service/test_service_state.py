@@ -57,7 +57,9 @@ def _state() -> ServiceState:
 
 def test_apply_rejects_bad_payloads_without_changes() -> None:
     s = _state()
-    s.apply("allocate", {"items": [{"seq_id": "a", "pool_id": "n1", "token_ids": None, "num_tokens": 5, "salt": None}]}, 0.0)
+    s.apply(
+        "allocate", {"items": [{"seq_id": "a", "pool_id": "n1", "token_ids": None, "num_tokens": 5, "salt": None}]}, 0.0
+    )
     before = s.to_snapshot()
     bad = [
         ("nope", {}),
@@ -79,11 +81,25 @@ def test_apply_rejects_bad_payloads_without_changes() -> None:
 
 def test_replay_reproduces_state_and_results() -> None:
     ops = [
-        ("allocate", {"items": [{"seq_id": "a", "pool_id": "n1", "token_ids": list(range(9)), "num_tokens": None, "salt": None}]}),
+        (
+            "allocate",
+            {
+                "items": [
+                    {"seq_id": "a", "pool_id": "n1", "token_ids": list(range(9)), "num_tokens": None, "salt": None}
+                ]
+            },
+        ),
         ("fork", {"parent": "a", "children": ["b"]}),
         ("append_slots", {"items": [["a", 2, [1, 2]], ["b", 3, None]]}),
         ("free", {"seq_ids": ["a"]}),
-        ("allocate", {"items": [{"seq_id": "c", "pool_id": "n1", "token_ids": list(range(9)), "num_tokens": None, "salt": None}]}),
+        (
+            "allocate",
+            {
+                "items": [
+                    {"seq_id": "c", "pool_id": "n1", "token_ids": list(range(9)), "num_tokens": None, "salt": None}
+                ]
+            },
+        ),
         ("expire_node", {"node_id": "n1", "epoch": 1}),
     ]
     live = _state()

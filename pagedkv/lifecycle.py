@@ -1,0 +1,216 @@
+"""The one gRPC server lifecycle both services use: bind, health + reflection, background
+tasks, the port file, signals, graceful stop and the process exit code.
+
+A service object (`BlockManagerServer`, `ComputeNodeServer`) owns what is particular to it
+(servicers, state, recovery); everything a process needs around it lives here, so the two
+services start, report health, write their port and stop in exactly the same way.
+
+Exit codes of `run_until_signal`: 0 after a signal-initiated graceful stop, 1 when start-up
+failed (one line on stderr), 3 when the service declared itself failed (e.g. the block
+manager's journal could not be written: a supervisor restarts it and recovery rebuilds
+exactly what was acknowledged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Callable, Collection, Coroutine, Iterable, Mapping
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pagedkv.logging import configure_logging, get_logger
+from pagedkv.settings import ConfigError
+
+log = get_logger(__name__)
+
+EXIT_OK = 0
+EXIT_START_FAILED = 1
+EXIT_USAGE = 2
+EXIT_SERVICE_FAILED = 3
+
+C = TypeVar("C")
+
+
+class Service(Protocol):
+    """What `run_until_signal` needs of a service object."""
+
+    port: int | None
+
+    async def start(self) -> None: ...
+
+    async def stop(self, grace: float | None = None) -> None: ...
+
+
+class TaskSet:
+    """Background tasks with a strong reference each (the event loop keeps only weak ones,
+    so a fire-and-forget task can be garbage-collected mid-flight) and their failures logged
+    instead of reported as "exception never retrieved" at some later collection."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str | None = None) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed", owner=self._name, task=task.get_name(), error=repr(task.exception()))
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    async def cancel_all(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class HealthReporter:
+    """The standard gRPC health service for a fixed set of service names ("" included)."""
+
+    def __init__(self, service_names: Iterable[str], tasks: TaskSet) -> None:
+        self.servicer = health.aio.HealthServicer()
+        self._names = ("", *service_names)
+        self._tasks = tasks
+
+    async def set(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in self._names:
+            await self.servicer.set(name, status)
+
+    def set_soon(self, serving: bool) -> None:
+        """From synchronous callbacks running on the event loop."""
+        self._tasks.spawn(self.set(serving), name="health-update")
+
+
+def new_server(
+    interceptors: Collection[grpc.aio.ServerInterceptor] = (), options: Mapping[str, Any] | None = None
+) -> grpc.aio.Server:
+    """A `grpc.aio` server that refuses to share its port (`so_reuseport` off): a second
+    instance on the same address must fail to bind, not silently split the traffic."""
+    opts = {"grpc.so_reuseport": 0, **(options or {})}
+    return grpc.aio.server(interceptors=list(interceptors), options=list(opts.items()))
+
+
+def bind(server: grpc.aio.Server, address: str) -> int:
+    """Listen on `address`; the bound port (the real one when `address` ends in `:0`)."""
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError:  # grpc raises RuntimeError("Failed to bind ...") on some versions
+        port = 0
+    if port == 0:
+        raise OSError(f"cannot listen on {address}")
+    return port
+
+
+def install_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str], tasks: TaskSet) -> HealthReporter:
+    """Register health (starting NOT_SERVING once `set(False)` is awaited) and reflection."""
+    names = tuple(service_names)
+    reporter = HealthReporter(names, tasks)
+    health_pb2_grpc.add_HealthServicer_to_server(reporter.servicer, server)
+    reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    return reporter
+
+
+def address_with_port(listen_address: str, port: int | None) -> str:
+    """`host:port` of a listener bound from `listen_address` (which may say port 0)."""
+    return f"{listen_address.rsplit(':', 1)[0]}:{port}"
+
+
+def write_port_file(path: Path, port: int) -> None:
+    """Atomically publish the bound port (tests and the local stack wait for this file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(str(port))
+    os.replace(tmp, path)
+
+
+async def run_until_signal(
+    service: Service,
+    *,
+    prog: str,
+    port_file: Path | None = None,
+    startup_errors: tuple[type[BaseException], ...] = (OSError, ValueError),
+    failed: asyncio.Event | None = None,
+    grace_s: float | None = None,
+) -> int:
+    """Start `service`, publish its port, serve until SIGTERM/SIGINT (graceful stop) or until
+    `failed` is set (immediate stop); the process exit code."""
+    loop = asyncio.get_running_loop()
+    stop_requested = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop_requested.set)
+    try:
+        await service.start()
+    except startup_errors as exc:
+        log.error("cannot start", error=str(exc))
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_START_FAILED
+    if port_file is not None and service.port is not None:
+        write_port_file(port_file, service.port)
+    waits = [asyncio.ensure_future(stop_requested.wait())]
+    if failed is not None:
+        waits.append(asyncio.ensure_future(failed.wait()))
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
+    if failed is not None and failed.is_set():
+        log.error("service failed; exiting for a clean restart")
+        await service.stop(0)
+        return EXIT_SERVICE_FAILED
+    log.info("signal received; shutting down", grace_s=grace_s)
+    await service.stop()
+    return EXIT_OK
+
+
+def flag_overrides(pairs: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """Config overrides from command-line flags: only the flags that were given."""
+    return {key: value for key, value in pairs if value is not None}
+
+
+def run_service_main(
+    prog: str,
+    load: Callable[[], C],
+    serve: Callable[[C], Coroutine[Any, Any, int]],
+    log_level: Callable[[C], str],
+) -> int:
+    """The `serve` command of either service: config errors are one line and exit 2;
+    otherwise configure logging at the configured level and run `serve(config)`."""
+    try:
+        config = load()
+    except ConfigError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    configure_logging(log_level(config))
+    return asyncio.run(serve(config))
+
+
+__all__ = [
+    "EXIT_OK",
+    "EXIT_SERVICE_FAILED",
+    "EXIT_START_FAILED",
+    "EXIT_USAGE",
+    "HealthReporter",
+    "Service",
+    "TaskSet",
+    "address_with_port",
+    "bind",
+    "flag_overrides",
+    "install_health_and_reflection",
+    "new_server",
+    "run_service_main",
+    "run_until_signal",
+    "write_port_file",
+]
