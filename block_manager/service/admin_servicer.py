@@ -3,14 +3,12 @@ defrag trigger. Like the data plane it only translates; errors go to the interce
 
 from __future__ import annotations
 
-from typing import Any
-
 import grpc
 
 from block_manager.core.types import PoolId, SeqId
 from block_manager.service.defrag_runner import DefragRunner
+from block_manager.service.protocol import MutatingServicer, check_request_id, defrag_kind, plan_pb, request_digest
 from block_manager.service.runtime import ServiceRuntime
-from block_manager.service.servicer import check_request_id, defrag_kind, plan_pb, request_digest
 from block_manager.service.state_codec import check_id, check_optional_str
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
@@ -18,14 +16,10 @@ from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 MAX_LIST = 10_000
 
 
-class BlockManagerAdminServicer(pb_grpc.BlockManagerAdminServicer):
+class BlockManagerAdminServicer(MutatingServicer, pb_grpc.BlockManagerAdminServicer):
     def __init__(self, runtime: ServiceRuntime, defrag: DefragRunner) -> None:
-        self.runtime = runtime
+        super().__init__(runtime)
         self.defrag = defrag
-
-    async def _mutate(self, method: str, request: Any, op: str, payload: dict[str, Any]) -> dict[str, Any]:
-        rid = check_request_id(request.request_id)
-        return await self.runtime.mutate(op, rid, request_digest(method, request), payload)
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
         rt = self.runtime

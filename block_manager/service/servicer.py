@@ -8,84 +8,29 @@ handled here: they propagate to `ErrorMappingInterceptor`.
 
 from __future__ import annotations
 
-import hashlib
-from typing import Any
-
 import grpc
 
 from block_manager.core.errors import InvalidRequest
 from block_manager.core.types import PoolId, SeqId
 from block_manager.service.defrag_runner import DefragRunner
+from block_manager.service.protocol import (
+    MutatingServicer,
+    defrag_kind,
+    item_error_pb,
+    plan_pb,
+    table_pb,
+)
 from block_manager.service.runtime import ServiceRuntime
-from block_manager.service.state import DEFRAG_KINDS
-from block_manager.service.state_codec import check_count, check_id, check_ids
+from block_manager.service.state_codec import ItemFailureRecord, check_count, check_id, check_ids, decode_append_outcome
 from block_manager.service.status import code_for_reason
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
-MAX_REQUEST_ID_LEN = 128
 
-
-def request_digest(method: str, request: Any) -> str:
-    """sha256 of `method` + the request's deterministic encoding without its request_id."""
-    rid = request.request_id
-    request.request_id = ""
-    try:
-        data = request.SerializeToString(deterministic=True)
-    finally:
-        request.request_id = rid
-    return hashlib.sha256(method.encode() + b"\0" + data).hexdigest()
-
-
-def check_request_id(request_id: str) -> str:
-    if not 0 < len(request_id) <= MAX_REQUEST_ID_LEN or not request_id.isascii() or not request_id.isprintable():
-        raise InvalidRequest(f"request_id must be 1..{MAX_REQUEST_ID_LEN} printable ASCII characters")
-    return request_id
-
-
-def copy_op_pb(op: list[Any]) -> pb.CopyOp:
-    return pb.CopyOp(op_id=op[0], src=op[1], dst=op[2], kind=op[3])
-
-
-def item_error_pb(err: dict[str, Any]) -> pb.ItemError:
-    code = code_for_reason(err["reason"])
-    return pb.ItemError(code=code.value[0], reason=err["reason"], message=err["message"])
-
-
-def table_pb(t: dict[str, Any]) -> pb.SequenceTable:
-    return pb.SequenceTable(
-        seq_id=t["seq_id"],
-        pool_id=t["pool_id"],
-        block_table=t["block_table"],
-        num_tokens=t["num_tokens"],
-        version=t["version"],
-    )
-
-
-def plan_pb(plan: dict[str, Any]) -> pb.DefragPlan:
-    return pb.DefragPlan(
-        plan_id=plan["plan_id"],
-        pool_id=plan["pool_id"],
-        kind=plan["kind"],
-        moves=[copy_op_pb(m) for m in plan["moves"]],
-    )
-
-
-def defrag_kind(kind: str) -> str:
-    kind = kind or "compaction"
-    if kind not in DEFRAG_KINDS:
-        raise InvalidRequest(f"unknown defrag kind {kind!r} (expected one of {', '.join(DEFRAG_KINDS)})")
-    return kind
-
-
-class BlockManagerServicer(pb_grpc.BlockManagerServicer):
+class BlockManagerServicer(MutatingServicer, pb_grpc.BlockManagerServicer):
     def __init__(self, runtime: ServiceRuntime, defrag: DefragRunner) -> None:
-        self.runtime = runtime
+        super().__init__(runtime)
         self.defrag = defrag
-
-    async def _mutate(self, method: str, request: Any, op: str, payload: dict[str, Any]) -> dict[str, Any]:
-        rid = check_request_id(request.request_id)
-        return await self.runtime.mutate(op, rid, request_digest(method, request), payload)
 
     # ---- nodes ----------------------------------------------------------------------
     async def RegisterNode(
@@ -167,23 +112,21 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
         # messages from keyword arguments, and this is the per-step hot path.
         resp = pb.AppendSlotsResponse()
         add = resp.outcomes.add
-        for o in r["outcomes"]:
-            if type(o) is dict:
-                err = o["error"]
+        for o in map(decode_append_outcome, r["outcomes"]):
+            if isinstance(o, ItemFailureRecord):
                 e = add().error
-                e.code, e.reason, e.message = code_for_reason(err["reason"]).value[0], err["reason"], err["message"]
+                e.code, e.reason, e.message = code_for_reason(o.reason).value[0], o.reason, o.message
                 continue
-            seq_id, slots, new_blocks, copy_ops, version, num_tokens = o
             a = add().appended
-            a.seq_id = seq_id
-            a.slot_mapping.extend(slots)
-            if new_blocks:
-                a.new_block_ids.extend(new_blocks)
-            for op in copy_ops:
+            a.seq_id = o.seq_id
+            a.slot_mapping.extend(o.slot_mapping)
+            if o.new_block_ids:
+                a.new_block_ids.extend(o.new_block_ids)
+            for op in o.copy_ops:
                 c = a.copy_ops.add()
                 c.op_id, c.src, c.dst, c.kind = op
-            a.version = version
-            a.num_tokens = num_tokens
+            a.version = o.version
+            a.num_tokens = o.num_tokens
         return resp
 
     async def Fork(self, request: pb.ForkRequest, context: grpc.aio.ServicerContext) -> pb.ForkResponse:
@@ -282,4 +225,4 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
         return pb.RouteResponse(entries=out)
 
 
-__all__ = ["BlockManagerServicer", "check_request_id", "request_digest"]
+__all__ = ["BlockManagerServicer"]

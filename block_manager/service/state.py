@@ -233,8 +233,8 @@ class ServiceState:
         check_count("number of items", len(items), 1, self.config.max_batch)
         self._check_pool_epochs(p.get("pool_epochs"))
         requests = append_requests(items)
-        # Outcomes: a positional list per appended sequence (see `append_outcome`), a
-        # {"seq_id", "error"} dict per failed one.
+        # Outcomes: an `AppendedRecord` per appended sequence, a {"seq_id", "error"} dict per
+        # failed one (`decode_append_outcome` reads either back as a typed record).
         outcomes: list[Any] = []
         add = outcomes.append
         mutated = False

@@ -9,7 +9,7 @@ journaled once per scheduler step.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from block_manager.core.errors import InvalidRequest
 from block_manager.core.types import AllocateResult, AppendRequest, AppendResult, CopyOp, DefragPlan, SequenceView
@@ -86,8 +86,49 @@ def append_requests(items: Sequence[object]) -> list[AppendRequest]:
     return out
 
 
-def op_list(op: CopyOp) -> list[Any]:
-    return [op.op_id, op.src, op.dst, op.kind]
+class CopyOpRecord(NamedTuple):
+    """A copy op as results record it (a JSON array in the journal)."""
+
+    op_id: int
+    src: int
+    dst: int
+    kind: str
+
+
+class AppendedRecord(NamedTuple):
+    """One appended sequence of an `append_slots` result. A named tuple so the journal keeps
+    the compact positional array (it is written once per sequence per scheduler step) while
+    code reads fields by name; `decode_append_outcome` restores it after a JSON round trip."""
+
+    seq_id: str
+    slot_mapping: Sequence[int]
+    new_block_ids: Sequence[int]
+    copy_ops: Sequence[CopyOpRecord]
+    version: int
+    num_tokens: int
+
+
+class ItemFailureRecord(NamedTuple):
+    """One failed item of a batched result: which sequence, why (error class name), message."""
+
+    seq_id: str
+    reason: str
+    message: str
+
+
+def op_list(op: CopyOp) -> CopyOpRecord:
+    return CopyOpRecord(op.op_id, op.src, op.dst, op.kind)
+
+
+def decode_append_outcome(outcome: Any) -> AppendedRecord | ItemFailureRecord:
+    """An `append_slots` outcome, fresh or read back from the journal, as a typed record."""
+    if isinstance(outcome, dict):
+        err = outcome["error"]
+        return ItemFailureRecord(outcome["seq_id"], err["reason"], err["message"])
+    if isinstance(outcome, AppendedRecord):
+        return outcome
+    seq_id, slots, new_blocks, ops, version, num_tokens = outcome
+    return AppendedRecord(seq_id, slots, new_blocks, [CopyOpRecord(*op) for op in ops], version, num_tokens)
 
 
 def allocation_dict(res: AllocateResult) -> dict[str, Any]:
@@ -101,21 +142,17 @@ def allocation_dict(res: AllocateResult) -> dict[str, Any]:
     }
 
 
-def append_outcome(res: AppendResult) -> list[Any]:
-    """`[seq_id, slot_mapping, new_block_ids, copy_ops, version, num_tokens]`.
-
-    A positional list rather than a dict, and tuples kept as they are (JSON writes them as
-    arrays): this runs once per sequence per scheduler step and is journaled every step.
-    """
+def append_outcome(res: AppendResult) -> AppendedRecord:
+    """The journaled form of one appended sequence (tuples stay tuples: JSON writes arrays)."""
     ops = res.copy_ops
-    return [
+    return AppendedRecord(
         res.seq_id,
         res.slot_mapping,
         res.new_block_ids,
         [op_list(op) for op in ops] if ops else (),
         res.version,
         res.num_tokens,
-    ]
+    )
 
 
 def table_dict(view: SequenceView) -> dict[str, Any]:
@@ -138,7 +175,11 @@ def plan_dict(plan: DefragPlan) -> dict[str, Any]:
 
 
 __all__ = [
+    "AppendedRecord",
+    "CopyOpRecord",
+    "ItemFailureRecord",
     "allocation_dict",
+    "decode_append_outcome",
     "append_outcome",
     "append_requests",
     "check_allocate_item",

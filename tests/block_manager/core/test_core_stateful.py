@@ -176,7 +176,7 @@ class CoreMachine(RuleBasedStateMachine):
         can = {sid: self.m.can_append(sid, len(new_tokens[sid])) for sid in chosen}
         results = self.m.append_slots(requests)
         assert len(results) == len(requests)
-        for _req, res in zip(requests[len(chosen) :], results[len(chosen) :]):
+        for req, res in zip(requests[len(chosen) :], results[len(chosen) :]):  # noqa: B007 (the seed hashes this source)
             assert isinstance(res, AppendFailure) and isinstance(
                 res.error, (UnknownSequence, InvalidRequest)
             )

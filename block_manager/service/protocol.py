@@ -1,0 +1,99 @@
+"""Protocol ↔ domain helpers shared by the data-plane and admin servicers.
+
+The request-id rules and digest (what a retry is compared against), the one `_mutate` path
+into the runtime, and the builders of messages both planes return.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+from block_manager.core.errors import InvalidRequest
+from block_manager.service.runtime import ServiceRuntime
+from block_manager.service.state import DEFRAG_KINDS
+from block_manager.service.status import code_for_reason
+from pagedkv.v1 import block_manager_pb2 as pb
+
+MAX_REQUEST_ID_LEN = 128
+
+
+def request_digest(method: str, request: Any) -> str:
+    """sha256 of `method` + the request's deterministic encoding without its request_id."""
+    rid = request.request_id
+    request.request_id = ""
+    try:
+        data = request.SerializeToString(deterministic=True)
+    finally:
+        request.request_id = rid
+    return hashlib.sha256(method.encode() + b"\0" + data).hexdigest()
+
+
+def check_request_id(request_id: str) -> str:
+    if not 0 < len(request_id) <= MAX_REQUEST_ID_LEN or not request_id.isascii() or not request_id.isprintable():
+        raise InvalidRequest(f"request_id must be 1..{MAX_REQUEST_ID_LEN} printable ASCII characters")
+    return request_id
+
+
+def copy_op_pb(op: Sequence[Any]) -> pb.CopyOp:
+    """From a `CopyOpRecord` or its journaled array."""
+    op_id, src, dst, kind = op
+    return pb.CopyOp(op_id=op_id, src=src, dst=dst, kind=kind)
+
+
+def item_error_pb(err: dict[str, Any]) -> pb.ItemError:
+    code = code_for_reason(err["reason"])
+    return pb.ItemError(code=code.value[0], reason=err["reason"], message=err["message"])
+
+
+def table_pb(t: dict[str, Any]) -> pb.SequenceTable:
+    return pb.SequenceTable(
+        seq_id=t["seq_id"],
+        pool_id=t["pool_id"],
+        block_table=t["block_table"],
+        num_tokens=t["num_tokens"],
+        version=t["version"],
+    )
+
+
+def plan_pb(plan: dict[str, Any]) -> pb.DefragPlan:
+    return pb.DefragPlan(
+        plan_id=plan["plan_id"],
+        pool_id=plan["pool_id"],
+        kind=plan["kind"],
+        moves=[copy_op_pb(m) for m in plan["moves"]],
+    )
+
+
+def defrag_kind(kind: str) -> str:
+    kind = kind or "compaction"
+    if kind not in DEFRAG_KINDS:
+        raise InvalidRequest(f"unknown defrag kind {kind!r} (expected one of {', '.join(DEFRAG_KINDS)})")
+    return kind
+
+
+
+class MutatingServicer:
+    """Base of both servicers: every mutating RPC enters the runtime through `_mutate`."""
+
+    def __init__(self, runtime: ServiceRuntime) -> None:
+        self.runtime = runtime
+
+    async def _mutate(self, method: str, request: Any, op: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """Check the request id, digest the request, apply + journal idempotently."""
+        rid = check_request_id(request.request_id)
+        return await self.runtime.mutate(op, rid, request_digest(method, request), payload)
+
+
+__all__ = [
+    "MAX_REQUEST_ID_LEN",
+    "MutatingServicer",
+    "check_request_id",
+    "copy_op_pb",
+    "defrag_kind",
+    "item_error_pb",
+    "plan_pb",
+    "request_digest",
+    "table_pb",
+]
