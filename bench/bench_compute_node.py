@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,17 +33,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from compute_node.client import ComputeNodeClient, SeqInput  # noqa: E402
+from engine.localstack import ServiceProcess  # noqa: E402
 from pagedkv.v1 import block_manager_pb2 as bm_pb  # noqa: E402
 from pagedkv.v1 import block_manager_pb2_grpc as bm_grpc  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 2, 16, 4, 128, 16
 PREFILL_CHUNK = 8   # sequences per prefill Forward (keeps messages ~25 MB)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_serving(address: str, proc: subprocess.Popen[bytes], timeout_s: float = 120.0) -> None:
@@ -66,28 +60,26 @@ def wait_serving(address: str, proc: subprocess.Popen[bytes], timeout_s: float =
     raise TimeoutError(f"{address} not serving after {timeout_s}s")
 
 
-def start_services(num_blocks: int, log_dir: Path) -> tuple[str, str, list[subprocess.Popen[bytes]]]:
-    bm_addr, cn_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+def start_services(num_blocks: int, log_dir: Path) -> tuple[str, str, list[ServiceProcess]]:
     env = dict(os.environ, PAGEDKV_LOG_LEVEL="WARNING")
-    bm = subprocess.Popen(
-        [sys.executable, "-m", "block_manager.service.server", "--listen", bm_addr, "--database-url", "memory://"],
-        cwd=REPO,
+    bm = ServiceProcess.start(
+        [sys.executable, "-m", "block_manager.service.server", "--listen", "127.0.0.1:0", "--database-url", "memory://"],
+        workdir=log_dir, name="bm", cwd=REPO,
         env=dict(env, PAGEDKV_BLOCK_SIZE=str(BLOCK_SIZE), PAGEDKV_WATERMARK="0", PAGEDKV_DEFRAG__ENABLED="false"),
-        stderr=open(log_dir / "bm.log", "wb"),
     )
     cn_env = dict(
         env, PAGEDKV_CN_DEVICE="cpu", PAGEDKV_CN_GEOMETRY__NUM_LAYERS=str(LAYERS),
         PAGEDKV_CN_GEOMETRY__NUM_KV_HEADS=str(KV_HEADS), PAGEDKV_CN_GEOMETRY__HEAD_DIM=str(HEAD_DIM),
         PAGEDKV_CN_GEOMETRY__DTYPE="float16", PAGEDKV_CN_BLOCK_SIZE=str(BLOCK_SIZE),
     )
-    cn = subprocess.Popen(
-        [sys.executable, "-m", "compute_node.service.cli", "serve", "--listen", cn_addr, "--block-manager", bm_addr,
-         "--node-id", "bench-node", "--num-blocks", str(num_blocks)],
-        cwd=REPO, env=cn_env, stderr=open(log_dir / "cn.log", "wb"),
+    cn = ServiceProcess.start(
+        [sys.executable, "-m", "compute_node.service.cli", "serve", "--listen", "127.0.0.1:0", "--block-manager",
+         bm.address, "--node-id", "bench-node", "--num-blocks", str(num_blocks)],
+        workdir=log_dir, name="cn", cwd=REPO, env=cn_env,
     )
-    wait_serving(bm_addr, bm)
-    wait_serving(cn_addr, cn)
-    return bm_addr, cn_addr, [cn, bm]
+    wait_serving(bm.address, bm.proc)
+    wait_serving(cn.address, cn.proc)
+    return bm.address, cn.address, [cn, bm]
 
 
 def rand(rng: np.random.Generator, *shape: int) -> np.ndarray:
@@ -187,9 +179,7 @@ def main() -> None:
                     )
         finally:
             for p in procs:
-                p.terminate()
-            for p in procs:
-                p.wait(30)
+                p.stop()
 
 
 if __name__ == "__main__":

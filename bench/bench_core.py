@@ -19,11 +19,7 @@ import statistics
 import time
 
 from block_manager.core import AppendRequest, BlockManager
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+from pagedkv.stats import percentile
 
 
 def bench_append(
@@ -83,7 +79,7 @@ def main() -> None:
     for name, values in (("wall", wall), ("cpu ", cpu)):
         us = [t * 1e6 for t in values[len(values) // 10 :]]  # drop warm-up
         print(
-            f"  {name}: p50 {statistics.median(us):.0f} µs, p99 {percentile(us, 0.99):.0f} µs, "
+            f"  {name}: p50 {percentile(us, 50):.0f} µs, p99 {percentile(us, 99):.0f} µs, "
             f"min {min(us):.0f} µs, mean {statistics.fmean(us):.0f} µs over {len(us)} steps"
         )
     a_rate, f_rate = bench_alloc_free(200, args.block_size, 512)

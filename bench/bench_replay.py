@@ -19,10 +19,7 @@ from block_manager.core.manager import BlockManager
 from block_manager.core.types import AppendRequest, PoolId, SeqId
 from block_manager.trace.generate import TraceConfig, write_trace
 from block_manager.trace.replay import replay
-
-
-def _pct(sorted_us: list[float], q: float) -> float:
-    return sorted_us[min(len(sorted_us) - 1, int(q / 100 * len(sorted_us)))]
+from pagedkv.stats import percentile
 
 
 def bench_replay(num_requests: int, block_size: int) -> None:
@@ -98,8 +95,8 @@ def main() -> None:
         wall, cpu = bench_append_256(256, args.steps, args.block_size, with_tokens)
         label = "given (hashes full blocks)" if with_tokens else "omitted (count only)"
         print(
-            f"| {label} | {_pct(wall, 50):.0f} | {_pct(wall, 99):.0f} | {_pct(cpu, 50):.0f} | "
-            f"{_pct(cpu, 99):.0f} | {_pct(cpu, 50) / 256:.2f} |"
+            f"| {label} | {percentile(wall, 50):.0f} | {percentile(wall, 99):.0f} | {percentile(cpu, 50):.0f} | "
+            f"{percentile(cpu, 99):.0f} | {percentile(cpu, 50) / 256:.2f} |"
         )
 
 

@@ -24,7 +24,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import struct
 import subprocess
@@ -44,6 +43,9 @@ sys.path.insert(0, str(REPO))
 from block_manager.client import AsyncBlockManagerClient, BlockManagerClient, RetryPolicy  # noqa: E402
 from block_manager.client.types import AllocateSpec, ItemFailure  # noqa: E402
 from block_manager.core.types import AppendRequest, PoolId, SeqId  # noqa: E402
+from engine.localstack import ServiceProcess  # noqa: E402
+from pagedkv.lifecycle import write_port_file  # noqa: E402
+from pagedkv.stats import percentile  # noqa: E402
 from pagedkv.v1 import block_manager_pb2 as pb  # noqa: E402
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -52,12 +54,6 @@ ECHO_METHOD = "/bench.Echo/Echo"
 
 
 # ---- processes ------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def server_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDKV_")}
     env.update(
@@ -92,54 +88,24 @@ def wait_serving(target: str, timeout_s: float = 120.0) -> None:
 def bm_server(
     database_url: str, log_file: Path | None = None, **env: str
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    port = free_port()
-    err = open(log_file, "wb") if log_file is not None else subprocess.DEVNULL  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "block_manager.service.server",
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--database-url",
-            database_url,
-        ],
-        cwd=REPO,
-        env=server_env(**env),
-        stdout=subprocess.DEVNULL,
-        stderr=err,
-    )
-    target = f"127.0.0.1:{port}"
-    try:
-        wait_serving(target)
-        yield target, proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if log_file is not None:
-            err.close()  # type: ignore[union-attr]
+    workdir = Path(tempfile.mkdtemp(prefix="bench-bm-")) if log_file is None else log_file.parent
+    argv = [sys.executable, "-m", "block_manager.service.server", "--listen", "127.0.0.1:0", "--database-url"]
+    name = log_file.stem if log_file else "bm"
+    with ServiceProcess.start([*argv, database_url], workdir=workdir, name=name, env=server_env(**env), cwd=REPO) as server:
+        wait_serving(server.address)
+        yield server.address, server.proc
 
 
 @contextmanager
 def echo_server() -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, __file__, "--echo-server", str(port)], cwd=REPO)
-    target = f"127.0.0.1:{port}"
-    try:
-        with grpc.insecure_channel(target) as ch:
+    workdir = Path(tempfile.mkdtemp(prefix="bench-echo-"))
+    with ServiceProcess.start([sys.executable, __file__, "--echo-server"], workdir=workdir, name="echo", cwd=REPO) as s:
+        with grpc.insecure_channel(s.address) as ch:
             grpc.channel_ready_future(ch).result(timeout=60)
-        yield target
-    finally:
-        proc.terminate()
-        proc.wait(10)
+        yield s.address
 
 
-def run_echo_server(port: int) -> None:
+def run_echo_server(port_file: Path) -> None:
     async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         (size,) = struct.unpack_from("<I", request)
         return b"\x01" * size
@@ -151,8 +117,9 @@ def run_echo_server(port: int) -> None:
     async def main() -> None:
         server = grpc.aio.server()
         server.add_generic_rpc_handlers((Handler(),))
-        server.add_insecure_port(f"127.0.0.1:{port}")
+        port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
+        write_port_file(port_file, port)
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -163,11 +130,6 @@ def run_echo_server(port: int) -> None:
 
 
 # ---- helpers ---------------------------------------------------------------------------
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def setup_decode(c: BlockManagerClient, node: str, num_seqs: int, num_steps: int, prefix: str = "s") -> list[SeqId]:
     c.register_node(node, num_seqs * (2 + (BS + num_steps) // BS) + 16, block_size=BS)
     seq_ids = [SeqId(f"{prefix}{i}") for i in range(num_seqs)]
@@ -214,9 +176,9 @@ def bench_append(sizes: list[int], iters: int) -> list[dict[str, float]]:
                         raise RuntimeError(f"append failed: {outs[-1]}")
                 row = {
                     "seqs": n, "req_bytes": req_size, "resp_bytes": resp_size,
-                    "bm_p50_ms": 1e3 * statistics.median(bm_lat), "bm_p99_ms": 1e3 * pct(bm_lat, 0.99),
-                    "echo_p50_ms": 1e3 * statistics.median(echo_lat), "echo_p99_ms": 1e3 * pct(echo_lat, 0.99),
-                    "client_p50_ms": 1e3 * statistics.median(cl_lat),
+                    "bm_p50_ms": 1e3 * percentile(bm_lat, 50), "bm_p99_ms": 1e3 * percentile(bm_lat, 99),
+                    "echo_p50_ms": 1e3 * percentile(echo_lat, 50), "echo_p99_ms": 1e3 * percentile(echo_lat, 99),
+                    "client_p50_ms": 1e3 * percentile(cl_lat, 50),
                 }
                 row["ratio_p50"] = row["bm_p50_ms"] / row["echo_p50_ms"]
                 rows.append(row)
@@ -444,13 +406,14 @@ def bench_rpt(batches: list[int], seed: int = 0) -> list[dict[str, object]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--echo-server", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--port-file", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--only", default="append,steps,recovery,rpt")
     p.add_argument("--no-postgres", action="store_true")
     p.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
     args = p.parse_args()
     if args.echo_server:
-        run_echo_server(args.echo_server)
+        run_echo_server(args.port_file)
         return
     only = set(args.only.split(","))
     print(

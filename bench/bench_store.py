@@ -16,7 +16,6 @@ import argparse
 import json
 import random
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from block_manager.store import NewRecord, StoreOptions, canonical_json, open_store, payload_digest  # noqa: E402
+from pagedkv.stats import percentile
 
 BLOCK_SIZE = 16
 
@@ -150,8 +150,8 @@ def bench_appends(
         "record_bytes": len(canonical_json(record.payload)) + len(canonical_json(record.result)),
         "records_per_s": n * per_txn / total,
         "commits_per_s": n / total,
-        "p50_ms": statistics.median(latencies) * 1e3,
-        "p99_ms": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1e3,
+        "p50_ms": percentile(latencies, 50) * 1e3,
+        "p99_ms": percentile(latencies, 99) * 1e3,
     }
 
 

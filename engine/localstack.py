@@ -4,11 +4,14 @@ This machine class has no container engine, and a compose file that nobody runs 
 the code. So the integration tests and the demo start each service with the `command` and
 `environment` of its compose entry, changing only what a container network changes:
 
-- service host names (`block-manager:50051`) and wildcard binds (`0.0.0.0:50051`) become
-  `127.0.0.1:<free port>`, one free port per (service, container port), so two compute nodes
-  that both listen on 50061 inside their containers get distinct local ports;
+- a service's own container ports become port 0 on 127.0.0.1 at its first start (the kernel
+  picks a free port: no probe-then-bind race) and the command gets `--port-file`, from which
+  the stack learns the gRPC port the service actually bound; a restart reuses that port, so
+  clients and dependants reconnect to the same address, as they would in compose;
+- other services' host names (`block-manager:50051`) become `127.0.0.1:<its bound port>`, so
+  dependants start after their dependencies published their ports (compose's `depends_on`);
 - an environment variable named `*_PORT` whose value is one of the service's container ports
-  becomes that port's local counterpart (metrics ports);
+  becomes that port's local counterpart, 0 (ephemeral) for ports other than the gRPC one;
 - a named volume's mount path (`/data`) becomes a directory under the stack's work dir;
 - `${VAR:-default}` is interpolated from the given environment, as compose does;
 - the health check's `["CMD", "python", ...]` runs with this interpreter.
@@ -22,7 +25,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -89,10 +91,81 @@ def load_compose(path: Path = COMPOSE_FILE, env: Mapping[str, str] | None = None
     return specs
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def wait_port_file(port_file: Path, proc: subprocess.Popen[bytes], timeout_s: float = 120.0) -> int:
+    """The port a service published in its `--port-file` (it writes the file once listening)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if port_file.exists():
+            return int(port_file.read_text())
+        if proc.poll() is not None:
+            raise StackError(f"{' '.join(map(str, proc.args))} exited with code {proc.returncode} before listening")
+        time.sleep(0.02)
+    raise StackError(f"no port file {port_file} after {timeout_s:.0f} s")
+
+
+@dataclass(slots=True)
+class ServiceProcess:
+    """One service process started with `--listen 127.0.0.1:0 --port-file F`: the race-free way
+    to run a service on a free port (tests and benchmarks). Use as a context manager."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    log_path: Path | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @classmethod
+    def start(
+        cls,
+        argv: list[str],
+        *,
+        workdir: Path,
+        name: str,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+        timeout_s: float = 120.0,
+    ) -> ServiceProcess:
+        """Run `argv + ["--port-file", ...]` (argv must listen on port 0) and wait for its port."""
+        workdir.mkdir(parents=True, exist_ok=True)
+        port_file = workdir / f"{name}.port"
+        port_file.unlink(missing_ok=True)
+        log_path = workdir / f"{name}.log"
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                [*argv, "--port-file", str(port_file)], env=dict(env) if env is not None else None, cwd=cwd,
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        try:
+            port = wait_port_file(port_file, proc, timeout_s)
+        except StackError:
+            _terminate(proc, signal.SIGKILL, 10)
+            raise
+        return cls(proc, port, log_path)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int | None:
+        """Signal the process group and wait (SIGKILL if it overstays); the exit code."""
+        return _terminate(self.proc, sig, timeout_s)
+
+    def __enter__(self) -> ServiceProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _terminate(proc: subprocess.Popen[bytes], sig: int, timeout_s: float) -> int | None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        except ProcessLookupError:
+            pass
+    return proc.returncode
 
 
 @dataclass(slots=True)
@@ -120,27 +193,38 @@ class LocalStack:
         self.workdir = Path(self.workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.specs = load_compose(self.compose_file, self.interp_env)
-        for spec in self.specs.values():
-            for c in spec.container_ports:
-                self.ports[(spec.name, c)] = free_port()
 
     # -- addressing ---------------------------------------------------------------------------
     def address(self, service: str, container_port: int | None = None) -> str:
-        """`127.0.0.1:<port>` where the service's (first) container port is reachable."""
+        """`127.0.0.1:<port>` where the service's (first, gRPC) container port is reachable;
+        known once the service has started."""
         spec = self.specs[service]
         port = container_port if container_port is not None else spec.container_ports[0]
-        return f"127.0.0.1:{self.ports[(service, port)]}"
+        mapped = self.ports.get((service, port))
+        if mapped is None:
+            raise StackError(f"{service} has not published port {port} (start it first)")
+        return f"127.0.0.1:{mapped}"
+
+    def port_file(self, service: str) -> Path:
+        return self.workdir / f"{service}.port"
 
     def rewrite(self, service: str, value: str, key: str = "") -> str:
         spec = self.specs[service]
         if key.endswith("_PORT") and value.isdigit() and int(value) in spec.container_ports:
-            return str(self.ports[(service, int(value))])
+            return str(self.ports.get((service, int(value)), 0))
 
         def host_port(m: re.Match[str]) -> str:
             host, port = m.group(1), int(m.group(2))
-            target = service if host in ("0.0.0.0", "127.0.0.1", "localhost") else host
+            own = host in ("0.0.0.0", "127.0.0.1", "localhost", service)
+            target = service if own else host
             mapped = self.ports.get((target, port))
-            return f"127.0.0.1:{mapped}" if mapped is not None else m.group(0)
+            if mapped is not None:
+                return f"127.0.0.1:{mapped}"
+            if own and port in spec.container_ports:
+                return "127.0.0.1:0"  # first start: the kernel picks; the port file tells
+            if target in self.specs:
+                raise StackError(f"{service} needs {target}:{port}, which has not published its port yet")
+            return m.group(0)
 
         value = re.sub(r"([A-Za-z0-9_.\-]+):(\d{2,5})\b", host_port, value)
         if value == "0.0.0.0":
@@ -165,7 +249,7 @@ class LocalStack:
         for k, v in spec.environment.items():
             env[k] = self.rewrite(service, v, k)
         env.update(self.overrides.get(service, {}))
-        argv = [self.rewrite(service, a) for a in spec.command]
+        argv = [self.rewrite(service, a) for a in spec.command] + ["--port-file", str(self.port_file(service))]
         return argv, env
 
     # -- life cycle ---------------------------------------------------------------------------
@@ -173,14 +257,18 @@ class LocalStack:
         if service in self.running and self.running[service].proc.poll() is None:
             raise StackError(f"{service} is already running")
         argv, env = self.command(service)
+        port_file = self.port_file(service)
+        port_file.unlink(missing_ok=True)
         log_path = self.workdir / f"{service}.log"
-        log = open(log_path, "ab")
-        try:
+        with open(log_path, "ab") as log:
             proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.workdir)
-        finally:
-            log.close()
         self.running[service] = _Running(self.specs[service], proc, log_path)
+        try:
+            port = wait_port_file(port_file, proc, timeout_s)
+        except StackError as exc:
+            raise StackError(f"{exc}\n{self.log_tail(service)}") from None
+        self.ports[(service, self.specs[service].container_ports[0])] = port
         if wait:
             self.wait_healthy(service, timeout_s)
 
@@ -231,28 +319,13 @@ class LocalStack:
 
     def kill(self, service: str, sig: int = signal.SIGKILL) -> None:
         run = self.running.get(service)
-        if run is None or run.proc.poll() is not None:
-            return
-        try:
-            os.killpg(run.proc.pid, sig)
-        except ProcessLookupError:
-            pass
-        run.proc.wait(timeout=30)
+        if run is not None:
+            _terminate(run.proc, sig, 30)
 
     def stop(self, service: str, timeout_s: float = 20.0) -> int | None:
         """SIGTERM (graceful `stop(grace)` in the services), SIGKILL if it overstays."""
         run = self.running.get(service)
-        if run is None:
-            return None
-        if run.proc.poll() is None:
-            try:
-                os.killpg(run.proc.pid, signal.SIGTERM)
-                run.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill(service)
-            except ProcessLookupError:
-                pass
-        return run.proc.returncode
+        return None if run is None else _terminate(run.proc, signal.SIGTERM, timeout_s)
 
     def down(self) -> dict[str, int | None]:
         """Stop everything, dependants first; returns each service's exit code."""

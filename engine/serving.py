@@ -15,7 +15,6 @@ prefix, then the emptiest). A request the block manager refuses (out of blocks) 
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from block_manager.core.types import AllocateResult
 from block_manager.trace.format import AllocateOp, AppendOp, ForkOp, FreeOp, TraceOp
 from compute_node.client import ComputeNodeClient, SeqInput
 from engine.synthetic import SyntheticModel, extend_hashes, reference_attention
+from pagedkv.stats import percentile
 
 # fp16 K/V with fp32 accumulation: the kernels' error is a few fp32 ulps of the output norm;
 # 2e-3 relative to the output norm leaves room for fp16-rounded queries nowhere (queries are
@@ -81,10 +81,9 @@ class ServingReport:
     num_pool_blocks: int = 0
 
     def step_latency_ms(self, q: float) -> float:
-        walls = sorted(s.wall_s for s in self.steps)
-        if not walls:
+        if not self.steps:
             return 0.0
-        return 1e3 * walls[max(0, math.ceil(q / 100 * len(walls)) - 1)]
+        return 1e3 * percentile((s.wall_s for s in self.steps), q)
 
 
 class ServingDriver:

@@ -14,9 +14,10 @@ import sys
 from pathlib import Path
 from unittest import mock
 
+import pytest
 import yaml
 
-from engine.localstack import COMPOSE_FILE, LocalStack, interpolate, load_compose
+from engine.localstack import COMPOSE_FILE, LocalStack, StackError, interpolate, load_compose
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,20 +58,27 @@ def test_environment_is_accepted_by_each_service_config(tmp_path: Path) -> None:
 
     stack = LocalStack(tmp_path, interp_env={})
     loaders = {"block-manager": load_bm, "compute-node-0": load_cn, "compute-node-1": load_cn}
+    # A dependant cannot be configured before its dependency published its port (as compose's
+    # depends_on orders them); pretend the block manager bound 50999.
+    with pytest.raises(StackError, match="block-manager"):
+        stack.command("compute-node-0")
+    stack.ports[("block-manager", 50051)] = 50999
     for name, loader in loaders.items():
-        _, env = stack.command(name)
+        argv, env = stack.command(name)
+        assert argv[-2:] == ["--port-file", str(stack.port_file(name))]
         ours = {k: v for k, v in env.items() if k.startswith("PAGEDKV_")}
         with mock.patch.dict(os.environ, ours, clear=False):
             cfg = loader()
         if name == "block-manager":
             assert cfg.database_url.startswith("sqlite:///") and str(tmp_path) in cfg.database_url
-            assert cfg.listen_address == stack.address("block-manager")
-        else:
-            assert cfg.block_manager_address == stack.address("block-manager")
-            assert cfg.listen_address == stack.address(name)
-            assert cfg.device == "cpu"
-    # two nodes that share a container port get distinct local ports
-    assert stack.address("compute-node-0") != stack.address("compute-node-1")
+            assert cfg.listen_address == "127.0.0.1:50999"  # a restart rebinds the published port
+            assert cfg.metrics_port == 0
+            continue
+        assert cfg.block_manager_address == "127.0.0.1:50999"
+        assert cfg.advertise_address == "127.0.0.1:0"  # the node advertises the port it binds
+        assert cfg.device == "cpu"
+        # first start: the kernel picks the port (no probe-then-bind race); metrics ephemeral too
+        assert cfg.listen_address == "127.0.0.1:0" and cfg.metrics_port == 0
 
 
 def test_dockerfile_installs_through_the_readme_path() -> None:

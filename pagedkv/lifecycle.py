@@ -116,7 +116,9 @@ def bind(server: grpc.aio.Server, address: str) -> int:
     return port
 
 
-def install_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str], tasks: TaskSet) -> HealthReporter:
+def install_health_and_reflection(
+    server: grpc.aio.Server, service_names: Iterable[str], tasks: TaskSet
+) -> HealthReporter:
     """Register health (starting NOT_SERVING once `set(False)` is awaited) and reflection."""
     names = tuple(service_names)
     reporter = HealthReporter(names, tasks)

@@ -48,6 +48,7 @@ from block_manager.trace.format import (
     TraceOp,
     parse_trace,
 )
+from pagedkv.stats import percentile
 
 REPLAY_POOL = PoolId("replay")
 
@@ -138,14 +139,6 @@ def _lifetime_lengths(ops: list[TraceOp]) -> dict[tuple[int, SeqId], int]:
     for seq_id in list(instance):
         close(seq_id)
     return final
-
-
-def _percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile of an ascending list (0.0 for an empty list)."""
-    if not sorted_values:
-        return 0.0
-    rank = max(1, math.ceil(q / 100 * len(sorted_values)))
-    return sorted_values[rank - 1]
 
 
 class TraceReplayer:
@@ -389,8 +382,8 @@ class TraceReplayer:
             wall_s=wall_s,
             core_s=core_s,
             ops_per_s=len(ops) / core_s if core_s else 0.0,
-            append_step_p50_us=_percentile(step_us, 50),
-            append_step_p99_us=_percentile(step_us, 99),
+            append_step_p50_us=percentile(step_us, 50) if step_us else 0.0,
+            append_step_p99_us=percentile(step_us, 99) if step_us else 0.0,
             append_step_max_us=step_us[-1] if step_us else 0.0,
             num_append_steps=num_steps,
             mean_append_batch=_mean(self.append_batch_sizes),

@@ -84,4 +84,4 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ComputeNode
     """Defaults < YAML `path` < environment < `overrides`; `ConfigError` when invalid."""
     return load_settings(ComputeNodeConfig, path, overrides)
 
-__all__ = ["ComputeNodeConfig", "ConfigError", "GeometryConfig", "load_config"]
+__all__ = ["ComputeNodeConfig", "ConfigError", "GeometrySettings", "load_config"]

@@ -66,7 +66,10 @@ class ComputeNodeServer:
             }
         )
         self.port = bind(server, cfg.listen_address)
-        self.node = node = ComputeNode(cfg, advertise_address=cfg.advertise_address or self.address)
+        advertise = cfg.advertise_address or self.address
+        if advertise.endswith(":0"):  # "whatever port I bound": a listener on port 0 advertises the real one
+            advertise = address_with_port(advertise, self.port)
+        self.node = node = ComputeNode(cfg, advertise_address=advertise)
         pb_grpc.add_ComputeNodeServicer_to_server(ComputeNodeServicer(node), server)
         self.health = health = install_health_and_reflection(server, (SERVICE_NAME,), self.tasks)
         node.on_registration = health.set_soon

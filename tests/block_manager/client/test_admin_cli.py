@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import pytest
 from block_manager.cli.admin import EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE, main
 from block_manager.client import AllocateSpec, BlockManagerClient, ItemFailure
 from block_manager.core.types import PoolId, SeqId
+from engine.localstack import ServiceProcess
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -110,31 +110,11 @@ def test_auth_unreachable_usage(capsys, populated, monkeypatch):
 
 
 def test_cli_subprocess_against_served_process(tmp_path):
-    port_file = tmp_path / "port"
     env = {**os.environ, "PAGEDKV_ADMIN_TOKEN": "tok", "PAGEDKV_LOG_LEVEL": "WARNING"}
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "block_manager.service.server",
-            "--listen",
-            "127.0.0.1:0",
-            "--database-url",
-            "memory://",
-            "--port-file",
-            str(port_file),
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    argv = [sys.executable, "-m", "block_manager.service.server", "--listen", "127.0.0.1:0", "--database-url", "memory://"]
+    server = ServiceProcess.start(argv, workdir=tmp_path, name="bm", env=env, cwd=REPO, timeout_s=30)
     try:
-        deadline = time.monotonic() + 30
-        while not port_file.exists():
-            assert server.poll() is None and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.05)
-        target = f"127.0.0.1:{port_file.read_text()}"
+        target = server.address
         cli = [sys.executable, "-m", "block_manager.cli.main", "admin", "--target", target]
         ok = subprocess.run(
             [*cli, "--token", "tok", "--json", "status"], capture_output=True, text=True, cwd=REPO, timeout=60
@@ -148,5 +128,4 @@ def test_cli_subprocess_against_served_process(tmp_path):
             and "Traceback" not in bad.stderr
         )
     finally:
-        server.terminate()
-        assert server.wait(20) == 0
+        assert server.stop(timeout_s=20) == 0

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine.localstack import ServiceProcess
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
@@ -26,58 +26,20 @@ MIN_ACKED = 240          # kill once this many ops were acknowledged ...
 LOAD_DEADLINE_S = 30.0   # ... or after this long, whichever first
 
 
-class ServerProcess:
-    def __init__(self, database_url: str, tmp: Path, name: str) -> None:
-        self.port_file = tmp / f"{name}.port"
-        self.log = (tmp / f"{name}.log").open("w")
-        env = dict(os.environ)
-        env.update(
-            PAGEDKV_BLOCK_SIZE="4",
-            PAGEDKV_SNAPSHOT_EVERY_RECORDS="64",   # exercise snapshot + replay together
-            PAGEDKV_LEASE_TTL_S="60",
-            PAGEDKV_DEFRAG__ENABLED="false",
-            PAGEDKV_STORE_LOCK_WAIT_S="20",
-        )
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "block_manager.service.server",
-                "--listen",
-                "127.0.0.1:0",
-                "--database-url",
-                database_url,
-                "--port-file",
-                str(self.port_file),
-            ],
-            cwd=REPO,
-            env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
+SERVER_ENV = {
+    "PAGEDKV_BLOCK_SIZE": "4",
+    "PAGEDKV_SNAPSHOT_EVERY_RECORDS": "64",  # exercise snapshot + replay together
+    "PAGEDKV_LEASE_TTL_S": "60",
+    "PAGEDKV_DEFRAG__ENABLED": "false",
+    "PAGEDKV_STORE_LOCK_WAIT_S": "20",
+}
 
-    async def wait_port(self, timeout: float = 30.0) -> int:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.port_file.exists():
-                return int(self.port_file.read_text())
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}")
-            await asyncio.sleep(0.05)
-        raise TimeoutError("server did not start listening")
 
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
-        self.log.close()
-
-    def terminate(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        rc = self.proc.wait(timeout=20)
-        self.log.close()
-        return rc
+def start_server(database_url: str, tmp: Path, name: str) -> ServiceProcess:
+    argv = [sys.executable, "-m", "block_manager.service.server", "--listen", "127.0.0.1:0", "--database-url"]
+    return ServiceProcess.start(
+        [*argv, database_url], workdir=tmp, name=name, env={**os.environ, **SERVER_ENV}, cwd=REPO, timeout_s=30
+    )
 
 
 @dataclass
@@ -161,9 +123,9 @@ async def _wait_serving(channel: grpc.aio.Channel, timeout: float = 60.0) -> Non
 
 
 async def _crash_and_recover(database_url: str, tmp: Path) -> None:
-    first = ServerProcess(database_url, tmp, "first")
+    first = await asyncio.to_thread(start_server, database_url, tmp, "first")
+    port = first.port
     try:
-        port = await first.wait_port()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             await _wait_serving(ch)
             stub = pb_grpc.BlockManagerStub(ch)
@@ -174,16 +136,16 @@ async def _crash_and_recover(database_url: str, tmp: Path) -> None:
             deadline = time.monotonic() + LOAD_DEADLINE_S
             while sum(w.num_acked for w in workers) < MIN_ACKED and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
-            first.kill()  # mid-load: the workers have requests in flight
+            first.stop(signal.SIGKILL)  # mid-load: the workers have requests in flight
             stop.set()
             await asyncio.gather(*tasks)
     finally:
-        first.kill()
+        first.stop(signal.SIGKILL)
     assert sum(w.num_acked for w in workers) >= 50, "load did not get going"
 
-    second = ServerProcess(database_url, tmp, "second")
+    second = await asyncio.to_thread(start_server, database_url, tmp, "second")
+    port = second.port
     try:
-        port = await second.wait_port()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             await _wait_serving(ch)
             stub = pb_grpc.BlockManagerStub(ch)
@@ -216,7 +178,7 @@ async def _crash_and_recover(database_url: str, tmp: Path) -> None:
             fsck = await admin.Fsck(pb.FsckRequest())
             assert fsck.ok, list(fsck.problems)
     finally:
-        rc = second.terminate()
+        rc = second.stop()
     assert rc == 0
 
 
