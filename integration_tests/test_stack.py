@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from block_manager.client import BlockManagerClient
@@ -19,6 +18,7 @@ from compute_node.client import ComputeNodeClient
 from engine.localstack import LocalStack
 from engine.serving import ServingDriver
 from integration_tests.helpers import LEASE_TTL_S, node_addresses, small_trace
+from tests.support.polling import eventually_sync
 
 NUM_HEADS = 4
 
@@ -120,14 +120,11 @@ def test_compute_node_sigkill_fences_and_restart_registers_new_epoch(stack: Loca
         client.allocate_one("victim", "node-1", list(range(40)))
         client.allocate_one("survivor", "node-0", list(range(40)))
         stack.kill("compute-node-1")
-        deadline = time.monotonic() + LEASE_TTL_S * 4 + 10
         with _admin(stack) as admin:
-            while time.monotonic() < deadline:
-                nodes = {n["node_id"]: n for n in admin.list_nodes()["nodes"]}
-                if nodes["node-1"].get("fenced"):
-                    break
-                time.sleep(0.25)
-            assert nodes["node-1"].get("fenced"), "lease of the killed node never expired"
+            eventually_sync(
+                lambda: {n["node_id"]: n for n in admin.list_nodes()["nodes"]}["node-1"].get("fenced"),
+                timeout_s=LEASE_TTL_S * 4 + 10, interval_s=0.25, what="lease of the killed node expiring",
+            )
             tables = _tables(admin)
             assert "victim" not in tables and "survivor" in tables          # blocks reclaimed, node-0 untouched
             assert admin.fsck()["ok"] is True

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import grpc
@@ -10,14 +9,7 @@ import pytest
 
 from pagedkv.v1 import block_manager_pb2 as bm_pb
 from tests.compute_node.harness import Scheduler, rid, start_bm, start_node
-
-
-async def wait_for(predicate, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise TimeoutError("condition not reached")
-        await asyncio.sleep(0.02)
+from tests.support.polling import eventually
 
 
 def _heartbeats(node) -> float:  # type: ignore[no-untyped-def]
@@ -47,11 +39,11 @@ async def test_block_manager_restart_mid_workload(tmp_path: Path) -> None:
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         # ... and the heartbeat keeps failing without fencing the node.
         failures = node.node.metrics.bm_failures.labels("Heartbeat")
-        await wait_for(lambda: failures._value.get() >= 1, 5.0)
+        await eventually(lambda: failures._value.get() >= 1, timeout_s=5.0)
 
         bm = await start_bm(database_url=url, lease_ttl_s=1.5, listen_address=f"127.0.0.1:{port}")
         beats = _heartbeats(node)
-        await wait_for(lambda: _heartbeats(node) > beats, 5.0)
+        await eventually(lambda: _heartbeats(node) > beats, timeout_s=5.0)
         assert node.node.epoch == 1                       # same epoch: nothing was fenced
         await s.bm_channel.close()
         s.connect_bm(bm.address)
@@ -132,7 +124,7 @@ async def test_fencing_found_by_the_heartbeat() -> None:
     try:
         await s.forward([await s.allocate("old", list(range(5)))])
         await _register_behind_nodes_back(s)
-        await wait_for(lambda: node.node.epoch == 3, 5.0)   # beat → FAILED_PRECONDITION → register
+        await eventually(lambda: node.node.epoch == 3, timeout_s=5.0)   # beat → FAILED_PRECONDITION → register
         request = s.request([s._new_step("old", [s.seqs["old"].num_tokens])])
         del s.seqs["old"]
         with pytest.raises(grpc.aio.AioRpcError) as info:

@@ -18,7 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from compute_node.client import ComputeNodeClient, SeqInput
+from engine.localstack import ServiceProcess
 from tests.compute_node.harness import Scheduler, start_bm, start_node
+from tests.support.polling import eventually
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -78,54 +80,27 @@ async def test_sync_client_numpy_in_numpy_out(cluster) -> None:  # type: ignore[
 @pytest.mark.timeout(120)
 async def test_cli_serve_registers_and_stops_on_sigterm(tmp_path: Path) -> None:
     bm = await start_bm()
-    port_file = tmp_path / "port"
     env = dict(os.environ, PAGEDKV_CN_DEVICE="cpu", PAGEDKV_CN_GEOMETRY__HEAD_DIM="32", PAGEDKV_LOG_LEVEL="INFO")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "compute_node.service.cli",
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--block-manager",
-            bm.address,
-            "--node-id",
-            "cli-node",
-            "--num-blocks",
-            "16",
-            "--port-file",
-            str(port_file),
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    argv = [
+        sys.executable, "-m", "compute_node.service.cli", "serve", "--listen", "127.0.0.1:0",
+        "--block-manager", bm.address, "--node-id", "cli-node", "--num-blocks", "16",
+    ]
+    node = await asyncio.to_thread(ServiceProcess.start, argv, workdir=tmp_path, name="cn", env=env, cwd=REPO)
     try:
-        deadline = asyncio.get_running_loop().time() + 60
-        status = None
-        while asyncio.get_running_loop().time() < deadline:
-            if port_file.exists():
-                async with grpc.aio.insecure_channel(f"127.0.0.1:{port_file.read_text()}") as ch:
-                    reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
-                    status = reply.status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    break
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
-            await asyncio.sleep(0.1)
-        assert status == health_pb2.HealthCheckResponse.SERVING
+        async def serving() -> bool:
+            async with grpc.aio.insecure_channel(node.address) as ch:
+                reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+        await eventually(serving, timeout_s=60, interval_s=0.1, what="compute node SERVING")
         nodes = [n for n in bm.runtime.state.registry.nodes() if n.node_id == "cli-node"]
         assert nodes and nodes[0].num_blocks == 16 and nodes[0].block_size == 4
-        proc.send_signal(signal.SIGTERM)
-        rc = await asyncio.to_thread(proc.wait, 30)
-        stderr = proc.stderr.read().decode() if proc.stderr else ""
-        assert rc == 0, stderr[-2000:]
-        assert '"event": "stopped"' in stderr                # structlog JSON lines
+        rc = await asyncio.to_thread(node.stop, signal.SIGTERM, 30)
+        log = node.log_path.read_text() if node.log_path else ""
+        assert rc == 0, log[-2000:]
+        assert '"event": "stopped"' in log                # structlog JSON lines
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        node.stop(signal.SIGKILL)
         await bm.stop(0)
 
 

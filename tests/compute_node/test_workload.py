@@ -8,22 +8,15 @@ not change a single result.
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 
 from pagedkv.v1 import block_manager_pb2 as bm_pb
 from tests.compute_node.harness import BLOCK_SIZE, Scheduler, rid, start_bm, start_node
+from tests.support.polling import eventually
 
 PREFIX = list(range(100, 112))   # 12 tokens = 3 full blocks, shared by two prompts
 
 
-async def wait_for(predicate, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise TimeoutError("condition not reached")
-        await asyncio.sleep(0.02)
 
 
 async def test_shared_prefix_mixed_batches_and_cow_fork(cluster) -> None:  # type: ignore[no-untyped-def]
@@ -83,7 +76,7 @@ async def test_defrag_moves_keep_outputs_identical() -> None:
         last_move = max(m.op_id for m in plan.moves)
         cn = node.node
         old_tables = {f"k{i}": cn.tables.get(f"k{i}").block_table for i in range(3)}
-        await wait_for(lambda: cn.last_acked_op_id >= last_move, 10.0)   # heartbeat → apply → ack
+        await eventually(lambda: cn.last_acked_op_id >= last_move, timeout_s=10.0)   # heartbeat → apply → ack
 
         # Retrying the same step (same slots: only full blocks move) reads the moved blocks.
         after = await s.node.Forward(request)

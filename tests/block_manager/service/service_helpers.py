@@ -13,6 +13,7 @@ from block_manager.service.config import BlockManagerConfig, load_config
 from block_manager.service.server import BlockManagerServer
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
+from tests.support.polling import eventually  # noqa: F401 - re-exported for the service tests
 
 _ids = itertools.count(1)
 
@@ -94,16 +95,3 @@ async def expect_code(coro: Any, code: grpc.StatusCode) -> grpc.aio.AioRpcError:
     return info.value
 
 
-async def eventually(check: Any, timeout: float = 10.0, interval: float = 0.02) -> None:
-    """Await `check()` (an async predicate) until it is true; fail after `timeout` seconds.
-
-    For effects of the server's own timers (lease expiry, plan timeouts, health updates),
-    whose exact moment depends on scheduling on a busy machine."""
-    import asyncio
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not reached within {timeout} s")
-        await asyncio.sleep(interval)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import Any
 
 import grpc
 
 from pagedkv.v1 import block_manager_pb2 as pb
 from tests.block_manager.service.service_helpers import Harness, expect_code, rid
+from tests.support.polling import eventually
 
 FP = grpc.StatusCode.FAILED_PRECONDITION
 
@@ -44,14 +43,12 @@ async def test_lease_expiry_fences_and_reclaims_blocks(start_server: Any) -> Non
     await h.allocate("a", pool="n1", num_tokens=8)
     await h.allocate("b", pool="n2", num_tokens=8)
     # n2 heartbeats, n1 does not; the expiry timer fences n1 about 0.6 s in
-    deadline = time.monotonic() + 10.0
-    nodes: dict[str, pb.NodeInfo] = {}
-    while time.monotonic() < deadline:
+    async def fenced_n1() -> dict[str, pb.NodeInfo] | None:
         await h.stub.Heartbeat(pb.HeartbeatRequest(node_id="n2", epoch=keep.epoch))
         nodes = {n.node_id: n for n in (await h.admin.ListNodes(pb.ListNodesRequest())).nodes}
-        if nodes["n1"].fenced:
-            break
-        await asyncio.sleep(0.05)
+        return nodes if nodes["n1"].fenced else None
+
+    nodes = await eventually(fenced_n1, interval_s=0.05, what="n1 fenced")
     assert nodes["n1"].fenced and not nodes["n2"].fenced
     assert nodes["n2"].lease_remaining_s > 0
     await expect_code(h.stub.Heartbeat(pb.HeartbeatRequest(node_id="n1", epoch=reg.epoch)), FP)

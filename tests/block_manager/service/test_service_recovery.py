@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.localstack import ServiceProcess
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
+from tests.support.polling import eventually
 
 REPO = Path(__file__).resolve().parents[3]
 NUM_WORKERS = 6
@@ -108,18 +109,14 @@ def _account(w: Worker, kind: str, req: object) -> None:
 
 
 async def _wait_serving(channel: grpc.aio.Channel, timeout: float = 60.0) -> None:
-    health = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    async def serving() -> bool:
         try:
-            if (
-                await health.Check(health_pb2.HealthCheckRequest(), timeout=2)
-            ).status == health_pb2.HealthCheckResponse.SERVING:
-                return
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
         except grpc.aio.AioRpcError:
-            pass
-        await asyncio.sleep(0.05)
-    raise TimeoutError("server did not become SERVING")
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    await eventually(serving, timeout_s=timeout, interval_s=0.05, what="SERVING")
 
 
 async def _crash_and_recover(database_url: str, tmp: Path) -> None:
