@@ -1,7 +1,8 @@
 """The block manager and two compute nodes as real processes (from docker-compose.yml), driven
 through the client library over real sockets, with faults: SIGKILL of either service.
 
-One stack per module; the tests run in file order and each leaves the stack healthy.
+Tests that only drive the stack share one (`stack`) and free everything they allocate; tests
+that kill a service get a stack of their own (`fresh_stack`), so no test depends on the order.
 """
 
 from __future__ import annotations
@@ -77,22 +78,22 @@ def test_admin_cli_against_the_live_stack(stack: LocalStack) -> None:
     assert table.returncode == 0 and "node-0" in table.stdout
 
 
-def test_block_manager_sigkill_mid_workload(stack: LocalStack) -> None:
+def test_block_manager_sigkill_mid_workload(fresh_stack: LocalStack) -> None:
     """Kill -9 the block manager mid-run, restart it on the same SQLite file: every
     acknowledged operation is there, the nodes keep their epochs, the run completes."""
-    with ComputeNodeClient(stack.address("compute-node-0")) as n0:
+    with ComputeNodeClient(fresh_stack.address("compute-node-0")) as n0:
         epoch_before = n0.node_info().epoch
-    driver = _driver(stack, seed=2)
+    driver = _driver(fresh_stack, seed=2)
     seen: dict[str, object] = {}
 
     def crash_at(step: int) -> None:
         if step != 12:
             return
-        with _admin(stack) as admin:
+        with _admin(fresh_stack) as admin:
             seen["before"] = _tables(admin)
-        stack.kill("block-manager")
-        stack.start("block-manager")
-        with _admin(stack) as admin:
+        fresh_stack.kill("block-manager")
+        fresh_stack.start("block-manager")
+        with _admin(fresh_stack) as admin:
             seen["after"] = _tables(admin)
             seen["fsck"] = admin.fsck()
 
@@ -108,19 +109,19 @@ def test_block_manager_sigkill_mid_workload(stack: LocalStack) -> None:
     assert seen["fsck"]["ok"] is True
     assert report.checks > 0 and report.check_failures == 0
     assert report.rejected == report.preempted == 0
-    with ComputeNodeClient(stack.address("compute-node-0")) as n0:
+    with ComputeNodeClient(fresh_stack.address("compute-node-0")) as n0:
         assert n0.node_info().epoch == epoch_before                         # nodes carried on
 
 
-def test_compute_node_sigkill_fences_and_restart_registers_new_epoch(stack: LocalStack) -> None:
-    client = BlockManagerClient(stack.address("block-manager"), timeout_s=10.0)
+def test_compute_node_sigkill_fences_and_restart_registers_new_epoch(fresh_stack: LocalStack) -> None:
+    client = BlockManagerClient(fresh_stack.address("block-manager"), timeout_s=10.0)
     try:
-        with ComputeNodeClient(stack.address("compute-node-1")) as n1:
+        with ComputeNodeClient(fresh_stack.address("compute-node-1")) as n1:
             old_epoch = n1.node_info().epoch
         client.allocate_one("victim", "node-1", list(range(40)))
         client.allocate_one("survivor", "node-0", list(range(40)))
-        stack.kill("compute-node-1")
-        with _admin(stack) as admin:
+        fresh_stack.kill("compute-node-1")
+        with _admin(fresh_stack) as admin:
             eventually_sync(
                 lambda: {n["node_id"]: n for n in admin.list_nodes()["nodes"]}["node-1"].get("fenced"),
                 timeout_s=LEASE_TTL_S * 4 + 10, interval_s=0.25, what="lease of the killed node expiring",
@@ -133,14 +134,14 @@ def test_compute_node_sigkill_fences_and_restart_registers_new_epoch(stack: Loca
         outcome = client.append_slots([AppendRequest("victim", 1, (7,))])[0]
         assert isinstance(getattr(outcome, "error", None), (NotFoundError, FailedPreconditionError))
         # restart: a new epoch, and it serves new sequences
-        stack.start("compute-node-1")
-        with ComputeNodeClient(stack.address("compute-node-1")) as n1:
+        fresh_stack.start("compute-node-1")
+        with ComputeNodeClient(fresh_stack.address("compute-node-1")) as n1:
             info = n1.node_info()
             assert info.registered and info.epoch > old_epoch
         client.free(["survivor"])
     finally:
         client.close()
-    driver = _driver(stack, seed=3)
+    driver = _driver(fresh_stack, seed=3)
     try:
         report = driver.run(small_trace(seed=3, num_requests=8))
     finally:

@@ -16,7 +16,6 @@ from typing import Any
 import grpc
 import numpy as np
 
-from block_manager.service.config import load_config as load_bm_config
 from block_manager.service.server import BlockManagerServer
 from compute_node.client import SeqInput, build_request, split_outputs
 from compute_node.service.config import load_config as load_cn_config
@@ -26,6 +25,7 @@ from pagedkv.v1 import block_manager_pb2 as bm_pb
 from pagedkv.v1 import block_manager_pb2_grpc as bm_grpc
 from pagedkv.v1 import compute_node_pb2 as pb
 from pagedkv.v1 import compute_node_pb2_grpc as pb_grpc
+from tests.support.configs import bm_test_config
 
 NUM_LAYERS = 2
 NUM_HEADS = 4
@@ -54,17 +54,7 @@ def prompt_kv(tokens: list[int], dtype: np.dtype) -> tuple[np.ndarray, np.ndarra
 
 
 def bm_config(**overrides: Any):  # type: ignore[no-untyped-def]
-    base: dict[str, Any] = {
-        "listen_address": "127.0.0.1:0",
-        "database_url": "memory://",
-        "block_size": BLOCK_SIZE,
-        "lease_ttl_s": 30.0,
-        "watermark": 0.0,
-        "shutdown_grace_s": 0.2,
-        "defrag": {"enabled": False},
-    }
-    base.update(overrides)
-    return load_bm_config(**base)
+    return bm_test_config(**{"block_size": BLOCK_SIZE, **overrides})
 
 
 def cn_config(bm_address: str, **overrides: Any):  # type: ignore[no-untyped-def]

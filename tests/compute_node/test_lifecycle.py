@@ -12,8 +12,13 @@ from tests.compute_node.harness import Scheduler, rid, start_bm, start_node
 from tests.support.polling import eventually
 
 
+def _sample(node, name: str, **labels: str) -> float:  # type: ignore[no-untyped-def]
+    """A metric as the node exports it (prometheus_client's public registry API)."""
+    return node.node.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
 def _heartbeats(node) -> float:  # type: ignore[no-untyped-def]
-    return node.node.metrics.bm_rpcs.labels("Heartbeat")._value.get()
+    return _sample(node, "pagedkv_cn_block_manager_rpcs_total", rpc="Heartbeat")
 
 
 async def test_block_manager_restart_mid_workload(tmp_path: Path) -> None:
@@ -38,8 +43,9 @@ async def test_block_manager_restart_mid_workload(tmp_path: Path) -> None:
             await s.node.Forward(s.request([b_step]))
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         # ... and the heartbeat keeps failing without fencing the node.
-        failures = node.node.metrics.bm_failures.labels("Heartbeat")
-        await eventually(lambda: failures._value.get() >= 1, timeout_s=5.0)
+        await eventually(
+            lambda: _sample(node, "pagedkv_cn_block_manager_failures_total", rpc="Heartbeat") >= 1, timeout_s=5.0
+        )
 
         bm = await start_bm(database_url=url, lease_ttl_s=1.5, listen_address=f"127.0.0.1:{port}")
         beats = _heartbeats(node)

@@ -1,24 +1,66 @@
-"""The node compiles every CPU kernel before registering (so a cold compile cannot starve
-its heartbeats into a fenced lease)."""
+"""The node compiles every CPU kernel before registering, so a cold compile cannot hold the GIL
+through a real Forward and starve its heartbeats into a fenced lease.
 
-import importlib
+Checked in a fresh interpreter (the compiled-signature sets are process-global, so in the test
+process another test may already have compiled everything): before the warm-up no kernel has a
+compiled signature, after it every kernel has one, and a real write / copy / decode / split-K /
+prefill through the node's `KvPool` adds none: the warm-up compiled exactly what a Forward runs.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+REPO = Path(__file__).resolve().parents[2]
+
+_SCRIPT = r"""
+import importlib, json, sys
+import torch
+from compute_node.pool import KvPool, PoolGeometry
 from compute_node.service.warmup import warm_up_cpu_kernels
+from kernels.cpu.decode import paged_attention_decode as cpu_decode
 
+dtype = sys.argv[1]
+KERNELS = [("decode", "_decode_kernel"), ("decode_split", "_partition_kernel"), ("decode_split", "_reduce_kernel"),
+           ("prefill", "_prefill_kernel"), ("write_slots", "_write_slots_kernel"),
+           ("copy_blocks", "_copy_blocks_kernel")]
 
-def _module(name: str):  # type: ignore[no-untyped-def]
-    # kernels.cpu re-exports functions under the module names, so import the modules by path
-    return importlib.import_module(f"kernels.cpu.{name}")
+def compiled():
+    return {f"{m}.{k}": len(getattr(importlib.import_module(f"kernels.cpu.{m}"), k).signatures) for m, k in KERNELS}
+
+before = compiled()
+seconds = warm_up_cpu_kernels(2, 32, dtype, block_size=4)
+after = compiled()
+pool = KvPool(PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=32, dtype=dtype, block_size=4, num_blocks=16),
+              torch.device("cpu"))
+g = torch.Generator().manual_seed(0)
+kv = lambda n: torch.randn(n, 2, 32, generator=g).to(pool.key_caches[0].dtype)
+pool.write(0, kv(6), kv(6), torch.arange(6, dtype=torch.int64))
+pool.copy_blocks([(1, 5)])
+tables = torch.tensor([[0, 1], [0, 1]], dtype=torch.int32)
+pool.decode(0, torch.randn(2, 4, 32, generator=g), tables, torch.tensor([6, 5], dtype=torch.int32), 0.2)
+cpu_decode(torch.randn(2, 4, 32, generator=g), pool.key_caches[0], pool.value_caches[0], tables,
+           torch.tensor([6, 5], dtype=torch.int32), 0.2, split=True)
+pool.prefill(0, torch.randn(5, 4, 32, generator=g), tables, torch.tensor([6, 3], dtype=torch.int32),
+             torch.tensor([0, 3, 5], dtype=torch.int32), 0.2)
+print(json.dumps({"before": before, "after": after, "final": compiled(), "seconds": seconds}))
+"""
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-def test_warm_up_compiles_every_cpu_kernel(dtype: str) -> None:
-    assert warm_up_cpu_kernels(2, 32, dtype, block_size=4) >= 0.0
-    kernels = [("decode", "_decode_kernel"), ("decode_split", "_partition_kernel"),
-               ("decode_split", "_reduce_kernel"), ("prefill", "_prefill_kernel"),
-               ("write_slots", "_write_slots_kernel"), ("copy_blocks", "_copy_blocks_kernel")]
-    for module, name in kernels:
-        dispatcher = getattr(_module(module), name)
-        assert dispatcher.signatures, f"{dispatcher.py_func.__name__} was not compiled by the warm-up"
+def test_warm_up_compiles_what_a_forward_runs(dtype: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, dtype], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(out["before"].values()) == {0}, f"kernels compiled before the warm-up: {out['before']}"
+    missing = [name for name, n in out["after"].items() if n == 0]
+    assert not missing, f"not compiled by the warm-up: {missing}"
+    assert out["final"] == out["after"], "a real Forward compiled kernels the warm-up missed"
+    assert out["seconds"] > 0

@@ -16,22 +16,13 @@ from typing import Any
 
 import grpc
 
-from block_manager.service.config import load_config
 from block_manager.service.server import BlockManagerServer
+from tests.support.configs import bm_test_config
 
 
 def service_config(**overrides: Any) -> Any:
-    base: dict[str, Any] = {
-        "listen_address": "127.0.0.1:0",
-        "database_url": "memory://",
-        "block_size": 8,
-        "lease_ttl_s": 30.0,
-        "watermark": 0.0,
-        "shutdown_grace_s": 0.2,
-        "defrag": {"enabled": False},
-    }
-    base.update(overrides)
-    return load_config(**base)
+    """Test defaults (`tests/support/configs.py`) with the client tests' block size 8."""
+    return bm_test_config(**{"block_size": 8, **overrides})
 
 
 class LoopThread:

@@ -9,10 +9,11 @@ from typing import Any
 import grpc
 import pytest
 
-from block_manager.service.config import BlockManagerConfig, load_config
+from block_manager.service.config import BlockManagerConfig
 from block_manager.service.server import BlockManagerServer
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
+from tests.support.configs import bm_test_config
 from tests.support.polling import eventually  # noqa: F401 - re-exported for the service tests
 
 _ids = itertools.count(1)
@@ -24,19 +25,8 @@ def rid(prefix: str = "r") -> str:
 
 
 def service_config(**overrides: Any) -> BlockManagerConfig:
-    """Test defaults: ephemeral port, memory store, block size 4, no watermark, no
-    background defrag (tests that want it say so)."""
-    base: dict[str, Any] = {
-        "listen_address": "127.0.0.1:0",
-        "database_url": "memory://",
-        "block_size": 4,
-        "lease_ttl_s": 30.0,
-        "watermark": 0.0,
-        "shutdown_grace_s": 0.5,
-        "defrag": {"enabled": False},
-    }
-    base.update(overrides)
-    return load_config(**base)
+    """Test defaults (`tests/support/configs.py`) with a short shutdown grace."""
+    return bm_test_config(**{"shutdown_grace_s": 0.5, **overrides})
 
 
 @dataclass(slots=True)
