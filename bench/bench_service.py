@@ -91,7 +91,8 @@ def bm_server(
     workdir = Path(tempfile.mkdtemp(prefix="bench-bm-")) if log_file is None else log_file.parent
     argv = [sys.executable, "-m", "block_manager.service.server", "--listen", "127.0.0.1:0", "--database-url"]
     name = log_file.stem if log_file else "bm"
-    with ServiceProcess.start([*argv, database_url], workdir=workdir, name=name, env=server_env(**env), cwd=REPO) as server:
+    env = server_env(**env)
+    with ServiceProcess.start([*argv, database_url], workdir=workdir, name=name, env=env, cwd=REPO) as server:
         wait_serving(server.address)
         yield server.address, server.proc
 
