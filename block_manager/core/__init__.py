@@ -22,11 +22,16 @@ from block_manager.core.types import (
     RouteEntry,
     SeqId,
     SequenceView,
+    SettleResult,
+    StepId,
+    StepOutput,
+    TableDelta,
 )
 
 __all__ = [
     *_errors_all,
     "AllocateResult", "AppendFailure", "AppendRequest", "AppendResult", "BlockId",
     "BlockManager", "CopyOp", "DefragPlan", "DefragPolicy", "PlanId", "PoolId",
-    "PoolMetrics", "RouteEntry", "SeqId", "SequenceView", "hash_block", "hash_prefix",
+    "PoolMetrics", "RouteEntry", "SeqId", "SequenceView", "SettleResult", "StepId", "StepOutput",
+    "TableDelta", "hash_block", "hash_prefix",
 ]

@@ -1,22 +1,22 @@
 """Defragmentation planning and the two-phase plan → copy → commit protocol.
 
-Only *full* blocks move: their content is immutable (tokens are only ever appended into
-a sequence's partial last block), so the node can copy them while the sequences keep
-running on the source blocks, and the switch to the destinations at commit is atomic
-from the tables' point of view.
+Only *full, written* blocks move: their content is immutable (tokens are only ever appended
+into a sequence's partial last block) and known to be in memory (the step that wrote them is
+settled: its Forward completed), so the node can copy them while the sequences keep running on
+the source blocks, and the switch to the destinations at commit is atomic from the tables'
+point of view.
 
 Lifecycle of a plan (at most one outstanding per pool):
   plan    destinations leave the free queue (counted as reserved; a cached destination is
-          evicted), sources are pinned, one `CopyOp(kind="defrag")` per move is queued
-          in the pool's copy-op queue.
-  commit  only once the node acknowledged every move. Every table holding a moved source
-          (all sharers, found by one pass over the pool's sequences) is rewritten and
-          its version bumped; ref count and hash identity pass to the destination; the
-          source is freed.
-  abort   destinations go back to the free queue, sources are unpinned; the queued copy
-          ops stay (a node may already have them) and are harmless: they only write
-          blocks that, before any later forward writes them, are copied first (ops run
-          before forwards).
+          evicted), sources are pinned, one `CopyOp(kind="defrag")` per move is queued in
+          the pool's open step, so the moves run in that step's Forward.
+  commit  once that step is settled complete (`BlockManager.settle_steps`). Every table
+          holding a moved source (all sharers, found by one pass over the pool's sequences)
+          is rewritten in the next open step and its version bumped; ref count and hash
+          identity pass to the destination; the source is freed.
+  abort   (step failed, plan timed out) destinations go back to the free queue, sources are
+          unpinned; copies that still run are harmless: they only write blocks whose next
+          owner writes in a later step, after that step's copies.
 Sequences keep changing while a plan is outstanding: a source may gain sharers (fork,
 prefix hit — the rewrite at commit covers them) or lose all of them (free). A pinned
 source whose ref count reaches 0 is *held* by the plan (counted as reserved, its hash
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from block_manager.core.errors import FailedPrecondition
 from block_manager.core.pool import PlanState, Pool
+from block_manager.core.steps import note_replaced
 from block_manager.core.types import DefragKind, DefragPolicy, PlanId, SeqId
 
 
@@ -46,9 +47,18 @@ def contiguity_score(pool: Pool) -> float:
     return adjacent / pairs if pairs else 1.0
 
 
-def _partial_blocks(pool: Pool) -> set[int]:
+def _unmovable(pool: Pool) -> set[int]:
+    """Partial last blocks (still being written into) and blocks whose writing step is not
+    settled (their K/V may not be in memory yet)."""
     bs = pool.block_size
-    return {s.block_table[-1] for s in pool.seqs.values() if s.num_tokens % bs}
+    out = {s.block_table[-1] for s in pool.seqs.values() if s.num_tokens % bs}
+    settled = pool.settled_step
+    ws = pool.write_step
+    for s in pool.seqs.values():
+        for b in s.block_table:
+            if ws[b] > settled:
+                out.add(b)
+    return out
 
 
 def _available_ids(pool: Pool) -> list[int]:
@@ -59,7 +69,7 @@ def _available_ids(pool: Pool) -> list[int]:
 def plan_compaction(pool: Pool, max_moves: int | None) -> list[tuple[int, int]]:
     """Pair the highest movable used blocks with the lowest free ids below them, so the
     high-water mark falls toward the number of used blocks."""
-    partial = _partial_blocks(pool)
+    partial = _unmovable(pool)
     ref = pool.ref_cnt
     dests = _available_ids(pool)
     sources: list[int] = []
@@ -81,7 +91,7 @@ def plan_contiguity(pool: Pool, max_moves: int | None) -> list[tuple[int, int]]:
     free blocks (first fit), most broken sequence first. A sequence sharing a block with
     one already planned is skipped: its blocks are moving anyway."""
     bs = pool.block_size
-    partial = _partial_blocks(pool)
+    partial = _unmovable(pool)
     candidates: list[tuple[int, int, list[int]]] = []
     for order, seq in enumerate(pool.seqs.values()):
         full = seq.block_table[: seq.num_tokens // bs]
@@ -119,7 +129,8 @@ def plan_contiguity(pool: Pool, max_moves: int | None) -> list[tuple[int, int]]:
 
 
 def reserve(pool: Pool, plan_id: PlanId, kind: DefragKind, pairs: list[tuple[int, int]]) -> PlanState:
-    """Phase one: take destinations out of the queues, pin sources, queue the copies."""
+    """Phase one: take destinations out of the queues, pin sources, queue the copies in the
+    open step."""
     moves = []
     for src, dst in pairs:
         if dst in pool.free_list:
@@ -132,8 +143,9 @@ def reserve(pool: Pool, plan_id: PlanId, kind: DefragKind, pairs: list[tuple[int
         pool.num_reserved += 1
         pool.pinned[src] = 1
         moves.append(pool.add_copy_op(src, dst, "defrag"))
-    state = PlanState(plan_id, kind, moves)
+    state = PlanState(plan_id, kind, moves, pool.step.step_id)
     pool.plan = state
+    pool.step.plan_id = plan_id
     return state
 
 
@@ -148,10 +160,9 @@ def commit(pool: Pool) -> list[SeqId]:
     plan = pool.plan
     if plan is None:
         raise FailedPrecondition(f"pool {pool.pool_id!r} has no outstanding plan")
-    if pool.acked_op_id < plan.last_op_id:
+    if plan.step_id > pool.settled_step:
         raise FailedPrecondition(
-            f"plan {plan.plan_id}: moves acknowledged up to op {pool.acked_op_id}, "
-            f"need {plan.last_op_id}"
+            f"plan {plan.plan_id}: its moves ride in step {plan.step_id}, settled only up to {pool.settled_step}"
         )
     ref = pool.ref_cnt
     mapping: dict[int, int] = {}
@@ -164,6 +175,7 @@ def commit(pool: Pool) -> list[SeqId]:
             _release_reserved(pool, dst)
             continue
         mapping[src] = dst
+        pool.write_step[dst] = pool.write_step[src]
         ref[dst] = ref[src]
         ref[src] = 0
         pool.reserved[dst] = 0
@@ -184,10 +196,14 @@ def commit(pool: Pool) -> list[SeqId]:
         for i, b in enumerate(table):
             dst = mapping.get(b)
             if dst is not None:
+                note_replaced(pool.step, seq, i)
                 table[i] = dst
                 hit = True
         if hit:
             seq.version = pool.new_version()
+            # The rewrite reaches the node with the open step: if that step fails, the node
+            # may keep the old table (whose blocks are free now), so the sequence is dropped.
+            seq.last_step = pool.step.step_id
             changed.append(seq.seq_id)
     pool.plan = None
     pool.last_defrag_step = pool.num_steps

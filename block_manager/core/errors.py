@@ -57,6 +57,16 @@ class DoubleFree(FailedPrecondition):
     """A sequence was freed twice (raised by layers that remember freed ids)."""
 
 
+class PendingWrite(FailedPrecondition):
+    """The request needs the content of a block whose writing Forward is not yet settled
+    (e.g. a copy-on-write of a partial block filled in the current, unreported step)."""
+
+
+class StepsUnsettled(FailedPrecondition):
+    """Too many closed steps of a pool await their Forward report, or a settle names a step
+    that does not exist / was already settled."""
+
+
 class VersionConflict(CoreError):
     """The caller's table version is newer than ours or otherwise inconsistent."""
 
@@ -74,5 +84,7 @@ __all__ = [
     "StaleEpoch",
     "NodeFenced",
     "DoubleFree",
+    "PendingWrite",
+    "StepsUnsettled",
     "VersionConflict",
 ]

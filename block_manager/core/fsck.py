@@ -36,6 +36,39 @@ def fsck(pools: Mapping[PoolId, Pool], seqs: Mapping[SeqId, Sequence], next_plan
     return problems
 
 
+def _check_steps(pool: Pool) -> list[str]:
+    """Step bookkeeping: ids in order, nothing written in the future, dirty tables live."""
+    p = f"pool {pool.pool_id!r}: "
+    out: list[str] = []
+    open_id = pool.step.step_id
+    ids = [r.step_id for r in pool.unsettled]
+    if ids != sorted(set(ids)) or any(not pool.settled_step < i < open_id for i in ids):
+        out.append(p + f"unsettled steps {ids} not strictly between settled {pool.settled_step} and open {open_id}")
+    if ids and ids[-1] != open_id - 1:
+        out.append(p + f"last unsettled step {ids[-1]} is not the last closed step {open_id - 1}")
+    if not ids and pool.settled_step != open_id - 1:
+        out.append(p + f"no unsettled step but settled {pool.settled_step} != last closed {open_id - 1}")
+    if max(pool.write_step, default=0) > open_id:
+        out.append(p + "a block was written in a step that is not open yet")
+    last = 0
+    for op in pool.step.copy_ops:
+        if op.op_id <= last or op.op_id >= pool.next_op_id:
+            out.append(p + f"copy op id {op.op_id} out of order or not below next_op_id {pool.next_op_id}")
+        last = op.op_id
+    for sid, d in pool.step.dirty.items():
+        if sid not in pool.seqs:
+            out.append(p + f"open step notes a table change of absent sequence {sid!r}")
+        elif not d.created and any(i >= d.base_len for i in d.replaced):
+            out.append(p + f"sequence {sid!r}: replaced positions beyond the step's base length")
+    for sid, seq in pool.seqs.items():
+        if seq.last_step > open_id or seq.last_write_step > seq.last_step:
+            out.append(p + f"sequence {sid!r} last written in future step {seq.last_step}")
+    plan = pool.plan
+    if plan is not None and plan.step_id > open_id:
+        out.append(p + f"plan {plan.plan_id} rides in future step {plan.step_id}")
+    return out
+
+
 def _check_pool(pool: Pool) -> list[str]:
     p = f"pool {pool.pool_id!r}: "
     out: list[str] = []
@@ -119,13 +152,7 @@ def _check_pool(pool: Pool) -> list[str]:
         if m is None or m.block_hash != h:
             out.append(p + f"index entry {h.hex()[:12]}… → block {b} without that hash")
 
-    last = pool.acked_op_id
-    for op in pool.copy_ops:
-        if op.op_id <= last:
-            out.append(p + f"copy op ids not increasing above the ack ({op.op_id} after {last})")
-        last = op.op_id
-    if last >= pool.next_op_id:
-        out.append(p + f"copy op id {last} not below next_op_id {pool.next_op_id}")
+    out.extend(_check_steps(pool))
     if pool.last_defrag_step > pool.num_steps:
         out.append(p + "last_defrag_step is ahead of num_steps")
     return out

@@ -5,11 +5,14 @@ fully, so the service can journal a call and replay it to the same state. Nothin
 reads a clock, draws random numbers or iterates an unordered collection whose order
 could leak into a result.
 
-Copy-op safety contract (compute nodes rely on it): a pool's copy ops (copy-on-write and
-defrag moves) are applied by its node strictly in op_id order and *before any forward
-that writes K/V*. So even when a CoW source block is released and handed to another
-sequence before the node ran the copy, the copy still reads the old content: the new
-owner's first write happens in a later forward, after the copy.
+The one-sequencer contract (steps.py): everything a call changes in a pool's memory is
+recorded in the pool's open step; `close_step` hands it to the scheduler, whose Forward for
+the step runs the step's copy ops (copy-on-write, defrag moves) before any of its writes and
+applies its table deltas; the scheduler reports the Forward with `settle_steps`. A block is a
+defrag or copy-on-write source only once the step that wrote it is settled, a defrag plan
+commits when the step carrying its moves is settled, and a failed step drops what it wrote.
+So even when a copy's source is released and handed to another sequence in the same step,
+the copy still reads the old content: the new owner's writes come after the step's copies.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ from block_manager.core.errors import (
     FailedPrecondition,
     InvalidRequest,
     OutOfBlocks,
+    PendingWrite,
     PoolDraining,
     SequenceExists,
+    StepsUnsettled,
     UnknownPlan,
     UnknownPool,
     UnknownSequence,
@@ -37,13 +42,13 @@ from block_manager.core.pool import MAX_POOL_BLOCKS, Pool
 from block_manager.core.sequence import Sequence
 from block_manager.core.slots import slot_range
 from block_manager.core.snapshot import CoreParts, from_snapshot, to_snapshot
+from block_manager.core.steps import StepRecord, StepWork, build_output, note_created, note_dropped
 from block_manager.core.types import (
     AllocateResult,
     AppendFailure,
     AppendRequest,
     AppendResult,
     BlockId,
-    CopyOp,
     DefragKind,
     DefragPlan,
     DefragPolicy,
@@ -53,7 +58,12 @@ from block_manager.core.types import (
     RouteEntry,
     SeqId,
     SequenceView,
+    SettleResult,
+    StepId,
+    StepOutput,
 )
+
+DEFAULT_MAX_UNSETTLED_STEPS = 4
 
 
 def _check_count(name: str, value: object, minimum: int) -> int:
@@ -71,6 +81,7 @@ class BlockManager:
         watermark: float = 0.01,
         enable_prefix_caching: bool = True,
         defrag_policy: DefragPolicy | None = None,
+        max_unsettled_steps: int = DEFAULT_MAX_UNSETTLED_STEPS,
     ) -> None:
         if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not (
             0.0 <= watermark < 1.0
@@ -79,6 +90,7 @@ class BlockManager:
         self.watermark = float(watermark)
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.defrag_policy = defrag_policy if defrag_policy is not None else DefragPolicy()
+        self.max_unsettled_steps = _check_count("max_unsettled_steps", max_unsettled_steps, 1)
         self._pools: dict[PoolId, Pool] = {}
         self._seqs: dict[SeqId, Sequence] = {}
         self._next_plan_id = 1
@@ -145,6 +157,7 @@ class BlockManager:
         *,
         num_tokens: int | None = None,
         salt: str | None = None,
+        num_compute: int | None = None,
     ) -> AllocateResult:
         """Create a sequence for a prompt, reusing prefix-cached full blocks.
 
@@ -154,6 +167,12 @@ class BlockManager:
         the model needs at least one query token to produce the next token's logits, and
         recomputing a whole block keeps the slot mapping block-aligned.
         Passing `num_tokens` instead of `token_ids` disables hashing for the sequence.
+
+        `num_compute` caps how many tokens beyond the cached prefix get slots now (chunked
+        prefill): the prefix lookup still sees the whole prompt, the sequence holds
+        `num_cached_tokens + min(num_compute, rest)` tokens, and the scheduler appends the
+        rest of the prompt (with its token ids) in later steps. The new tokens' slots are
+        recorded in the pool's open step.
         """
         if not isinstance(seq_id, str) or not seq_id:
             raise InvalidRequest(f"sequence id must be a non-empty string, got {seq_id!r}")
@@ -166,14 +185,22 @@ class BlockManager:
             raise InvalidRequest("give exactly one of token_ids and num_tokens")
         if salt is not None and not isinstance(salt, str):
             raise InvalidRequest(f"salt must be a string or None, got {type(salt).__name__}")
+        if num_compute is not None:
+            _check_count("num_compute", num_compute, 1)
         tokens = token_array(token_ids) if token_ids is not None else None
-        total = len(tokens) if tokens is not None else _check_count("num_tokens", num_tokens, 1)
-        if total == 0:
+        prompt_len = len(tokens) if tokens is not None else _check_count("num_tokens", num_tokens, 1)
+        if prompt_len == 0:
             raise InvalidRequest("empty prompt")
         bs = pool.block_size
         hashing = tokens is not None and self.enable_prefix_caching
         hashes = hash_prefix(tokens, bs, salt) if hashing else []
         hits = self._prefix_hits(pool, tokens, hashes, salt) if hashing else []
+        total = prompt_len
+        if num_compute is not None:
+            total = min(prompt_len, len(hits) * bs + num_compute)
+            if tokens is not None:
+                tokens = tokens[:total]
+            hashes = hashes[: total // bs]
         num_new = -(-total // bs) - len(hits)
         hits_in_queue = sum(1 for b in hits if pool.ref_cnt[b] == 0)
         available = pool.num_available - hits_in_queue - self._watermark_blocks(pool)
@@ -188,18 +215,25 @@ class BlockManager:
         table = hits + [pool.take_block() for _ in range(num_new)]
         seq = Sequence(seq_id, pool_id, table, total, pool.new_version(), salt, hashing)
         num_cached = len(hits) * bs
+        step = pool.step
+        step.has_writes = True
+        seq.last_step = seq.last_write_step = step.step_id
+        for b in table[len(hits) :]:
+            pool.write_step[b] = step.step_id
         if hashing:
             parent = hashes[len(hits) - 1] if hits else None
             for i in range(len(hits), len(hashes)):
                 block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
-                pool.register(table[i], hashes[i], parent, salt, block_tokens)
+                if pool.register(table[i], hashes[i], parent, salt, block_tokens):
+                    step.registrations.append((table[i], hashes[i]))
                 parent = hashes[i]
             seq.block_hashes = hashes
             seq.tail_token_ids = tokens[len(hashes) * bs :].tolist()
-            pool.prefix_query_tokens += total
+            pool.prefix_query_tokens += prompt_len
             pool.prefix_hit_tokens += num_cached
         self._seqs[seq_id] = seq
         pool.seqs[seq_id] = seq
+        note_created(step, seq, num_cached)
         return AllocateResult(
             seq_id, pool_id, tuple(table), num_cached, slot_range(table, bs, num_cached, total),
             seq.version,
@@ -223,26 +257,34 @@ class BlockManager:
 
     def can_append(self, seq_id: SeqId, num_new_tokens: int) -> bool:
         """Whether `append_slots` would succeed for this sequence alone (appends may use
-        the watermark reserve)."""
+        the watermark reserve; a copy-on-write needs its source's step settled)."""
         seq = self._seq(seq_id)
         _check_count("num_new_tokens", num_new_tokens, 1)
         pool = self._pools[seq.pool_id]
         bs = pool.block_size
         needed = -(-(seq.num_tokens + num_new_tokens) // bs) - len(seq.block_table)
         if seq.num_tokens % bs and pool.ref_cnt[seq.block_table[-1]] > 1:
+            if not pool.written(seq.block_table[-1]):
+                return False  # the copy-on-write source is not written yet (PendingWrite)
             needed += 1
         return needed <= pool.num_available
 
-    def append_slots(self, requests: Seq[AppendRequest]) -> list[AppendResult | AppendFailure]:
+    def append_slots(
+        self, requests: Seq[AppendRequest], *, already_written: bool = False
+    ) -> list[AppendResult | AppendFailure]:
         """Add slots for one scheduler step's batch of sequences.
 
         Per sequence: the slot of every new token, blocks added at block boundaries, and a
         copy-on-write op when the partial last block is shared (ref_cnt > 1: the sequence
-        gets a fresh block, the node copies the old one first). A sequence that fails
+        gets a fresh block, the node copies the old one first — only once the step that
+        wrote that block is settled, `PendingWrite` otherwise). A sequence that fails
         (unknown, malformed, out of blocks) gets an `AppendFailure` and is unchanged; the
         others proceed in request order. Counts one step for each pool touched.
+
+        `already_written=True` reports tokens the scheduler already wrote into the
+        sequence's exclusive partial last block without asking (see append.py).
         """
-        return append_batch(self._pools, self._seqs, requests)
+        return append_batch(self._pools, self._seqs, requests, already_written)
 
     def fork(self, parent: SeqId, child_ids: Seq[SeqId]) -> list[SequenceView]:
         """Children share every block of the parent (ref counts up, nothing copied); the
@@ -259,33 +301,51 @@ class BlockManager:
             if cid in self._seqs:
                 raise SequenceExists(f"sequence {cid!r} already exists")
         pool = self._pools[src.pool_id]
+        if pool.draining:
+            raise PoolDraining(f"pool {src.pool_id!r} is draining")
         views: list[SequenceView] = []
+        step = pool.step
         for cid in children:
             for b in src.block_table:
                 pool.share_block(b)
             child = Sequence(
                 cid, src.pool_id, list(src.block_table), src.num_tokens, pool.new_version(), src.salt,
                 src.hashing, list(src.tail_token_ids), list(src.block_hashes),
+                # A child's table is announced in this step: if the step fails the node never
+                # learns it (and the parent's unsettled writes are the child's too).
+                last_step=step.step_id,
             )
             self._seqs[cid] = child
             pool.seqs[cid] = child
+            note_created(step, child, src.num_tokens)
             views.append(child.view())
         return views
 
     def free(self, seq_ids: Seq[SeqId]) -> None:
         """Release sequences. Full hashed blocks that drop to ref_cnt 0 stay cached (the
-        sequence's tail is evicted first); other blocks are free at once."""
+        sequence's tail is evicted first); other blocks are free at once. All or nothing;
+        `PendingWrite` for a sequence with tokens to write in its pool's open step."""
         ids = list(seq_ids)
         if len(set(ids)) != len(ids):
             raise InvalidRequest("duplicate sequence ids in free")
         for sid in ids:
-            self._seq(sid)
+            seq = self._seq(sid)
+            open_id = self._pools[seq.pool_id].step.step_id
+            if seq.last_write_step == open_id:
+                raise PendingWrite(
+                    f"sequence {sid!r} has tokens to write in open step {open_id} of pool {seq.pool_id!r}; "
+                    "close the step and run its Forward before freeing it"
+                )
         for sid in ids:
-            seq = self._seqs.pop(sid)
-            pool = self._pools[seq.pool_id]
-            del pool.seqs[sid]
-            for b in reversed(seq.block_table):
-                pool.release_block(b)
+            self._drop(sid)
+
+    def _drop(self, seq_id: SeqId) -> None:
+        seq = self._seqs.pop(seq_id)
+        pool = self._pools[seq.pool_id]
+        del pool.seqs[seq_id]
+        for b in reversed(seq.block_table):
+            pool.release_block(b)
+        note_dropped(pool.step, seq_id)
 
     # ---- views ----------------------------------------------------------------------
     def get_sequence(self, seq_id: SeqId) -> SequenceView:
@@ -313,16 +373,104 @@ class BlockManager:
             return [s.view() for s in self._seqs.values()]
         return [s.view() for s in self._pool(pool_id).seqs.values()]
 
-    # ---- copy ops -------------------------------------------------------------------
-    def pending_copy_ops(self, pool_id: PoolId, after_op_id: int = 0) -> list[CopyOp]:
-        """Unacknowledged copy ops of the pool with op_id > after_op_id, in order."""
-        return self._pool(pool_id).pending_copy_ops(after_op_id)
+    # ---- steps ----------------------------------------------------------------------
+    def open_step_id(self, pool_id: PoolId) -> StepId:
+        """The step new work of the pool is recorded in."""
+        return self._pool(pool_id).step.step_id
 
-    def ack_copy_ops(self, pool_id: PoolId, up_to_op_id: int) -> None:
-        """The node applied every op with op_id <= up_to_op_id; they are dropped."""
+    def settled_step_id(self, pool_id: PoolId) -> int:
+        """Every step of the pool up to this one is reported (complete or failed)."""
+        return self._pool(pool_id).settled_step
+
+    def unsettled_step_ids(self, pool_id: PoolId) -> list[StepId]:
+        """Closed steps whose Forward is not reported yet, oldest first."""
+        return [r.step_id for r in self._pool(pool_id).unsettled]
+
+    def can_close_step(self, pool_id: PoolId) -> bool:
+        """Whether `close_step` would hand out a step now (it has work and the pool is below
+        its limit of unsettled steps)."""
         pool = self._pool(pool_id)
-        _check_count("up_to_op_id", up_to_op_id, 0)
-        pool.ack_copy_ops(up_to_op_id)
+        return pool.step.has_work and len(pool.unsettled) < self.max_unsettled_steps
+
+    def close_step(self, pool_id: PoolId) -> StepOutput | None:
+        """Close the pool's open step and hand it to the scheduler (None: it has no work).
+
+        `StepsUnsettled` (state unchanged, the work stays in the open step) when
+        `max_unsettled_steps` closed steps already await their Forward report.
+        """
+        pool = self._pool(pool_id)
+        step = pool.step
+        if not step.has_work:
+            return None
+        if len(pool.unsettled) >= self.max_unsettled_steps:
+            raise StepsUnsettled(
+                f"pool {pool_id!r}: steps {[r.step_id for r in pool.unsettled]} await their Forward report; "
+                f"settle them before closing step {step.step_id}"
+            )
+        out = build_output(pool_id, step, pool.seqs)
+        pool.unsettled.append(StepRecord(step.step_id, step.registrations, step.plan_id))
+        pool.step = StepWork(StepId(step.step_id + 1))
+        return out
+
+    def close_steps(self) -> list[StepOutput]:
+        """Close the open step of every pool that has work, in pool order."""
+        return [out for pid in list(self._pools) if self.can_close_step(pid) and (out := self.close_step(pid))]
+
+    def settle_steps(self, pool_id: PoolId, completed_up_to: int, failed_from: int | None = None) -> SettleResult:
+        """The scheduler's report of its Forwards: every closed step up to `completed_up_to`
+        ran; every closed step from `failed_from` on (which must directly follow the completed
+        ones) did not.
+
+        Completed: their blocks count as written; a defrag plan whose moves they carried
+        commits (its table rewrites go into the open step, to be delivered with the next
+        one). Failed: their plan aborts, the sequences they wrote are dropped (their K/V is
+        missing; announced as dropped in the open step), and the prefix-cache hashes of the
+        blocks they filled are forgotten. Reporting an already settled step again is a no-op.
+        """
+        pool = self._pool(pool_id)
+        _check_count("completed_up_to", completed_up_to, 0)
+        last_closed = pool.last_closed_step
+        if completed_up_to > last_closed:
+            raise StepsUnsettled(
+                f"pool {pool_id!r}: step {completed_up_to} was never handed out (last closed step {last_closed})"
+            )
+        done = max(completed_up_to, pool.settled_step)
+        if failed_from is not None:
+            _check_count("failed_from", failed_from, 1)
+            if failed_from <= done:
+                raise InvalidRequest(
+                    f"pool {pool_id!r}: step {failed_from} is reported failed but is already settled "
+                    f"(settled up to {done})"
+                )
+            if failed_from != done + 1:
+                raise InvalidRequest(
+                    f"pool {pool_id!r}: a failed step must directly follow the completed ones "
+                    f"(completed up to {done}, failed from {failed_from})"
+                )
+            if failed_from > last_closed:
+                raise StepsUnsettled(f"pool {pool_id!r}: step {failed_from} was never handed out")
+        committed: list[PlanId] = []
+        aborted: list[PlanId] = []
+        dropped: list[SeqId] = []
+        pool.settled_step = done
+        pool.unsettled = [r for r in pool.unsettled if r.step_id > done]
+        if pool.plan is not None and pool.plan.step_id <= done:
+            committed.append(pool.plan.plan_id)
+            _defrag.commit(pool)
+        if failed_from is not None and failed_from > done:
+            failed = pool.unsettled
+            pool.unsettled = []
+            pool.settled_step = last_closed
+            if pool.plan is not None and pool.plan.step_id >= failed_from:
+                aborted.append(pool.plan.plan_id)
+                _defrag.abort(pool)
+            dropped = [sid for sid, seq in pool.seqs.items() if seq.last_step >= failed_from]
+            for sid in dropped:
+                self._drop(sid)
+            for record in failed:
+                for b, block_hash in record.registrations:
+                    pool.unregister(b, block_hash)
+        return SettleResult(pool_id, StepId(pool.settled_step), tuple(committed), tuple(aborted), tuple(dropped))
 
     # ---- prefix cache ---------------------------------------------------------------
     def route(self, token_ids: Seq[int], salt: str | None = None) -> list[RouteEntry]:
@@ -363,8 +511,10 @@ class BlockManager:
     def plan_defrag(
         self, pool_id: PoolId, kind: DefragKind = "compaction", max_moves: int | None = None
     ) -> DefragPlan | None:
-        """Reserve destinations and queue the copies of a defrag plan (None: nothing to
-        do). See `block_manager.core.defrag` for the algorithms and the commit rules."""
+        """Reserve destinations and queue the copies of a defrag plan in the pool's open step
+        (None: nothing to do). Only full blocks whose writing step is settled move; the plan
+        commits when the step carrying its moves is settled (`settle_steps`) and aborts when
+        that step fails. See `block_manager.core.defrag` for the algorithms."""
         pool = self._pool(pool_id)
         if kind not in ("compaction", "contiguity"):
             raise InvalidRequest(f"unknown defrag kind {kind!r}")
@@ -391,16 +541,10 @@ class BlockManager:
                 return pool
         raise UnknownPlan(f"unknown defrag plan {plan_id!r}")
 
-    def commit_defrag(self, plan_id: PlanId) -> list[SeqId]:
-        """Rewrite every table holding a moved block (all sharers, versions bumped), move
-        hash identity to the destination and free the sources. Requires every move to
-        be acknowledged by the node (FailedPrecondition otherwise). Returns the ids of
-        the sequences whose tables changed."""
-        pool = self._plan_pool(plan_id)
-        return _defrag.commit(pool)
-
     def abort_defrag(self, plan_id: PlanId) -> None:
-        """Roll a plan back: destinations return to the free queue, sources are unpinned."""
+        """Roll a plan back: destinations return to the free queue, sources are unpinned.
+        The moves may still run in their step's Forward: harmless, since a released
+        destination's next owner writes only in a later step (after that step's copies)."""
         pool = self._plan_pool(plan_id)
         _defrag.abort(pool)
 

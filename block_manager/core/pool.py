@@ -1,5 +1,5 @@
-"""One pool's blocks: reference counts, the free and cached queues, the prefix index and
-the pool's queue of copy ops.
+"""One pool's blocks: reference counts, the free and cached queues, the prefix index, which
+step last wrote each block, and the pool's open and unsettled steps (see `steps.py`).
 
 Eviction order is kept in two intrusive lists that together form the vLLM-style free
 queue: `free_list` (never-hashed blocks; freed ones are pushed at the front and reused
@@ -11,14 +11,15 @@ two apart also makes `evict(n)` O(n) instead of skipping over free blocks.
 
 from __future__ import annotations
 
-from collections import deque
+from array import array
 from dataclasses import dataclass
 
 from block_manager.core.block_list import BlockList
 from block_manager.core.errors import InvalidRequest
 from block_manager.core.hashing import BlockHash
 from block_manager.core.sequence import Sequence
-from block_manager.core.types import BlockId, CopyKind, CopyOp, DefragKind, PlanId, PoolId, SeqId
+from block_manager.core.steps import StepRecord, StepWork
+from block_manager.core.types import BlockId, CopyKind, CopyOp, DefragKind, PlanId, PoolId, SeqId, StepId
 
 MAX_POOL_BLOCKS = 1 << 24  # bounds memory for a pool created from bad input
 
@@ -42,10 +43,7 @@ class PlanState:
     plan_id: PlanId
     kind: DefragKind
     moves: list[CopyOp]
-
-    @property
-    def last_op_id(self) -> int:
-        return self.moves[-1].op_id
+    step_id: StepId          # the step whose Forward runs the moves; the plan commits once it is settled
 
 
 class Pool:
@@ -55,8 +53,8 @@ class Pool:
     __slots__ = (
         "pool_id", "num_blocks", "block_size", "draining", "ref_cnt", "free_list",
         "cached_list", "meta", "prefix_index", "reserved", "pinned", "num_used",
-        "num_reserved", "seqs", "copy_ops", "next_op_id", "acked_op_id", "plan",
-        "num_steps", "last_defrag_step", "prefix_query_tokens", "prefix_hit_tokens",
+        "num_reserved", "seqs", "next_op_id", "plan", "write_step", "step", "unsettled",
+        "settled_step", "num_steps", "last_defrag_step", "prefix_query_tokens", "prefix_hit_tokens",
         "cow_copies", "evictions", "defrag_moves", "last_version",
     )
 
@@ -79,13 +77,17 @@ class Pool:
         self.num_used = 0
         self.num_reserved = 0
         self.seqs: dict[SeqId, Sequence] = {}
-        self.copy_ops: deque[CopyOp] = deque()
         self.next_op_id = 1
         # Table versions come from one counter per pool, so a sequence id that is freed and
         # allocated again never reuses a version a compute node may still have cached.
         self.last_version = 0
-        self.acked_op_id = 0
         self.plan: PlanState | None = None
+        # The step that last assigned a slot in each block (0: none since the pool began);
+        # a block holds its K/V once that step is settled (see steps.py).
+        self.write_step = array("q", bytes(8 * num_blocks))
+        self.step = StepWork(StepId(1))
+        self.unsettled: list[StepRecord] = []
+        self.settled_step = 0
         self.num_steps = 0
         self.last_defrag_step = 0
         self.prefix_query_tokens = 0
@@ -169,13 +171,15 @@ class Pool:
     def register(
         self, b: int, block_hash: BlockHash, parent: BlockHash | None, salt: str | None,
         token_ids: tuple[int, ...],
-    ) -> None:
-        """Make full block `b` findable by its hash. The first block with a given hash
-        keeps it; a later duplicate stays anonymous (freed to the front, reused first)."""
+    ) -> bool:
+        """Make full block `b` findable by its hash; whether it was registered. The first
+        block with a given hash keeps it; a later duplicate stays anonymous (freed to the
+        front, reused first)."""
         if block_hash in self.prefix_index or self.meta[b] is not None:
-            return
+            return False
         self.prefix_index[block_hash] = b
         self.meta[b] = BlockMeta(block_hash, parent, salt, token_ids)
+        return True
 
     def drop_hash(self, b: int) -> None:
         m = self.meta[b]
@@ -211,28 +215,31 @@ class Pool:
         self.prefix_index.clear()
         return n
 
-    # ---- copy ops -------------------------------------------------------------------
+    def unregister(self, b: int, block_hash: bytes) -> None:
+        """Forget that `b` holds `block_hash` (its writing step failed): it must never be a
+        prefix hit. A cached block without a hash is a plain free block."""
+        if self.prefix_index.get(block_hash) != b:
+            return  # evicted or re-registered since: not this registration any more
+        self.drop_hash(b)
+        if self.ref_cnt[b] == 0 and not self.reserved[b] and b in self.cached_list:
+            self.cached_list.remove(b)
+            self.free_list.push_front(b)
+
+    # ---- steps and copy ops ---------------------------------------------------------
+    def written(self, b: int) -> bool:
+        """Whether the Forward of every step that assigned slots in `b` is known complete."""
+        return self.write_step[b] <= self.settled_step
+
     def add_copy_op(self, src: int, dst: int, kind: CopyKind) -> CopyOp:
+        """Queue a copy in the open step (it runs before the step's writes)."""
         op = CopyOp(self.next_op_id, BlockId(src), BlockId(dst), kind)
         self.next_op_id += 1
-        self.copy_ops.append(op)
+        self.step.copy_ops.append(op)
         return op
 
-    def pending_copy_ops(self, after_op_id: int) -> list[CopyOp]:
-        return [op for op in self.copy_ops if op.op_id > after_op_id]
-
-    def ack_copy_ops(self, up_to_op_id: int) -> None:
-        if up_to_op_id >= self.next_op_id:
-            raise InvalidRequest(
-                f"pool {self.pool_id!r}: ack up to op {up_to_op_id} but the last issued op "
-                f"is {self.next_op_id - 1}"
-            )
-        if up_to_op_id <= self.acked_op_id:
-            return
-        ops = self.copy_ops
-        while ops and ops[0].op_id <= up_to_op_id:
-            ops.popleft()
-        self.acked_op_id = up_to_op_id
+    @property
+    def last_closed_step(self) -> int:
+        return self.step.step_id - 1
 
     # ---- gauges ---------------------------------------------------------------------
     def high_water_mark(self) -> int:

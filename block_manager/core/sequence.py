@@ -18,6 +18,11 @@ class Sequence:
     prefix index) because the next block's hash chains from it. `tail_token_ids` holds
     the tokens of the partial last block, the only content still needed to hash it once
     it fills up. `hashing` turns off for good when an append arrives without token ids.
+    `last_step` is the last pool step whose failure would leave the sequence inconsistent on
+    its node (it wrote tokens, was created, or had its table rewritten then): if that step's
+    Forward fails, the sequence is dropped. `last_write_step` is the last step that gave it
+    tokens to write; while that step is still open the sequence cannot be freed (its writes,
+    which forks and prefix hits of this step may share, would never happen).
     """
 
     seq_id: SeqId
@@ -29,6 +34,8 @@ class Sequence:
     hashing: bool
     tail_token_ids: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
+    last_step: int = 0        # see the class docstring (steps.py)
+    last_write_step: int = 0
 
     def view(self) -> SequenceView:
         return SequenceView(

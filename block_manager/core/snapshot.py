@@ -9,7 +9,7 @@ plain so `to_snapshot(from_snapshot(d)) == d` holds after a JSON round trip.
 
 from __future__ import annotations
 
-from collections import deque
+from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +17,8 @@ from typing import Any
 from block_manager.core.errors import CoreError, InvalidRequest
 from block_manager.core.pool import MAX_POOL_BLOCKS, BlockMeta, PlanState, Pool
 from block_manager.core.sequence import Sequence
-from block_manager.core.types import BlockId, CopyOp, DefragPolicy, PlanId, PoolId, SeqId
+from block_manager.core.steps import DirtyTable, StepRecord, StepWork
+from block_manager.core.types import BlockId, CopyOp, DefragPolicy, PlanId, PoolId, SeqId, StepId
 
 
 @dataclass(slots=True)
@@ -32,11 +33,11 @@ class CoreParts:
     seqs: dict[SeqId, Sequence]
     next_plan_id: int
 
-FORMAT = 1
+FORMAT = 2
 _COUNTERS = (
-    "num_used", "num_reserved", "next_op_id", "acked_op_id", "num_steps", "last_defrag_step",
+    "num_used", "num_reserved", "next_op_id", "num_steps", "last_defrag_step",
     "prefix_query_tokens", "prefix_hit_tokens", "cow_copies", "evictions", "defrag_moves",
-    "last_version",
+    "last_version", "settled_step",
 )
 
 
@@ -75,13 +76,17 @@ def _pool_to_dict(pool: Pool) -> dict[str, Any]:
         ],
         "reserved": [b for b in range(pool.num_blocks) if pool.reserved[b]],
         "pinned": [b for b in range(pool.num_blocks) if pool.pinned[b]],
-        "copy_ops": [_op(op) for op in pool.copy_ops],
+        # Only steps above the settled one matter ("not yet written"); the rest read as 0.
+        "write_step": [[b, ws] for b, ws in enumerate(pool.write_step) if ws > pool.settled_step],
+        "step": _step_to_dict(pool.step),
+        "unsettled": [[r.step_id, _regs(r.registrations), r.plan_id] for r in pool.unsettled],
         "plan": None
         if pool.plan is None
         else {
             "plan_id": pool.plan.plan_id,
             "kind": pool.plan.kind,
             "moves": [_op(op) for op in pool.plan.moves],
+            "step_id": pool.plan.step_id,
         },
         "sequences": [
             {
@@ -93,6 +98,8 @@ def _pool_to_dict(pool: Pool) -> dict[str, Any]:
                 "hashing": s.hashing,
                 "tail_token_ids": list(s.tail_token_ids),
                 "block_hashes": [h.hex() for h in s.block_hashes],
+                "last_step": s.last_step,
+                "last_write_step": s.last_write_step,
             }
             for s in pool.seqs.values()
         ],
@@ -100,6 +107,43 @@ def _pool_to_dict(pool: Pool) -> dict[str, Any]:
     for name in _COUNTERS:
         d[name] = getattr(pool, name)
     return d
+
+
+def _regs(registrations: list[tuple[int, bytes]]) -> list[list[Any]]:
+    return [[b, h.hex()] for b, h in registrations]
+
+
+def _unregs(data: list[list[Any]]) -> list[tuple[int, bytes]]:
+    return [(int(b), bytes.fromhex(h)) for b, h in data]
+
+
+def _step_to_dict(step: StepWork) -> dict[str, Any]:
+    return {
+        "step_id": step.step_id,
+        "copy_ops": [_op(op) for op in step.copy_ops],
+        "dirty": [
+            [sid, d.created, d.base_version, d.base_len, d.covered, sorted(d.replaced)] for sid, d in step.dirty.items()
+        ],
+        "dropped": list(step.dropped),
+        "registrations": _regs(step.registrations),
+        "plan_id": step.plan_id,
+        "has_writes": step.has_writes,
+    }
+
+
+def _step_from_dict(d: dict[str, Any]) -> StepWork:
+    return StepWork(
+        StepId(int(d["step_id"])),
+        [_unop(op) for op in d["copy_ops"]],
+        {
+            SeqId(sid): DirtyTable(bool(created), int(bv), int(bl), int(cov), {int(i) for i in replaced})
+            for sid, created, bv, bl, cov, replaced in d["dirty"]
+        },
+        [SeqId(s) for s in d["dropped"]],
+        _unregs(d["registrations"]),
+        None if d["plan_id"] is None else PlanId(int(d["plan_id"])),
+        bool(d["has_writes"]),
+    )
 
 
 def to_snapshot(parts: CoreParts) -> dict[str, Any]:
@@ -152,13 +196,18 @@ def _pool_from_dict(d: dict[str, Any]) -> Pool:
         pool.reserved[b] = 1
     for b in d["pinned"]:
         pool.pinned[b] = 1
-    pool.copy_ops = deque(_unop(op) for op in d["copy_ops"])
+    pool.write_step = array("q", bytes(8 * n))
+    for b, ws in d["write_step"]:
+        pool.write_step[b] = int(ws)
+    pool.step = _step_from_dict(d["step"])
+    pool.unsettled = [StepRecord(StepId(int(sid)), _unregs(regs), None if pid is None else PlanId(int(pid)))
+                      for sid, regs, pid in d["unsettled"]]
     plan = d["plan"]
     if plan is not None:
         if plan["kind"] not in ("compaction", "contiguity") or not plan["moves"]:
             raise ValueError("bad plan")
         pool.plan = PlanState(PlanId(int(plan["plan_id"])), plan["kind"],
-                              [_unop(op) for op in plan["moves"]])
+                              [_unop(op) for op in plan["moves"]], StepId(int(plan["step_id"])))
     for name in _COUNTERS:
         setattr(pool, name, int(d[name]))
     for s in d["sequences"]:
@@ -166,6 +215,8 @@ def _pool_from_dict(d: dict[str, Any]) -> Pool:
             SeqId(s["seq_id"]), pool.pool_id, [int(b) for b in s["block_table"]],
             int(s["num_tokens"]), int(s["version"]), s["salt"], bool(s["hashing"]),
             [int(t) for t in s["tail_token_ids"]], [bytes.fromhex(h) for h in s["block_hashes"]],
+            int(s["last_step"]),
+            int(s["last_write_step"]),
         )
         pool.seqs[seq.seq_id] = seq
     return pool

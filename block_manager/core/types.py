@@ -16,6 +16,7 @@ SeqId = NewType("SeqId", str)
 PoolId = NewType("PoolId", str)
 BlockId = NewType("BlockId", int)
 PlanId = NewType("PlanId", int)
+StepId = NewType("StepId", int)
 
 CopyKind = Literal["cow", "defrag"]
 DefragKind = Literal["compaction", "contiguity"]
@@ -33,6 +34,58 @@ class CopyOp:
     src: BlockId
     dst: BlockId
     kind: CopyKind
+
+
+@dataclass(slots=True, frozen=True)
+class TableDelta:
+    """How one sequence's block table changed during one step: what a compute node applies to
+    its cached copy (whose version must be `base_version`) to get `version`.
+
+    `base_version == 0` announces a new table (allocate, fork): `appended` is the whole table
+    and `num_tokens` the positions it already covers (a cached prefix, a parent's tokens), so
+    the node's first write for the sequence starts there. Otherwise `replaced` lists
+    `(position, block)` entries rewritten below the old length (copy-on-write of the last
+    block, defrag moves) and `appended` the blocks added at the end.
+    """
+
+    seq_id: SeqId
+    base_version: int
+    version: int
+    num_tokens: int
+    replaced: tuple[tuple[int, BlockId], ...]
+    appended: tuple[BlockId, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class StepOutput:
+    """One closed step of one pool: everything its compute node must apply, in order, inside
+    the scheduler's Forward for the step — the copy ops first (copy-on-write and defrag
+    moves, before any write of the step), then the table deltas and the dropped sequences.
+
+    The scheduler reports the Forward back with `settle_steps`; only then do the step's writes
+    count as done (a block may become a defrag source or a copy-on-write source only once the
+    Forward that wrote it is known complete).
+    """
+
+    pool_id: PoolId
+    step_id: StepId
+    copy_ops: tuple[CopyOp, ...]
+    deltas: tuple[TableDelta, ...]
+    dropped_seq_ids: tuple[SeqId, ...]
+    plan_id: PlanId | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class SettleResult:
+    """What settling a pool's steps did: plans whose moves are now known copied (committed,
+    their tables rewritten in the next step), plans aborted because their step failed, and the
+    sequences dropped because a step that wrote them failed."""
+
+    pool_id: PoolId
+    settled_step: StepId
+    committed_plan_ids: tuple[PlanId, ...]
+    aborted_plan_ids: tuple[PlanId, ...]
+    dropped_seq_ids: tuple[SeqId, ...]
 
 
 @dataclass(slots=True, frozen=True)

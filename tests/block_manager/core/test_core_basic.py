@@ -11,6 +11,7 @@ from block_manager.core import (
     BlockManager,
     InvalidRequest,
     OutOfBlocks,
+    PendingWrite,
     PoolDraining,
     SequenceExists,
     UnknownPool,
@@ -22,6 +23,15 @@ def make(num_blocks: int = 16, block_size: int = 4, **kw) -> BlockManager:
     m = BlockManager(watermark=kw.pop("watermark", 0.0), **kw)
     m.add_pool("p", num_blocks, block_size)
     return m
+
+
+def forward(m: BlockManager) -> list:
+    """What a scheduler does between steps: close every pool's step, run its Forward (here:
+    nothing to run), report it complete."""
+    outs = m.close_steps()
+    for out in outs:
+        m.settle_steps(out.pool_id, out.step_id)
+    return outs
 
 
 def test_allocate_fresh_prompt_gets_slots_for_every_token() -> None:
@@ -84,6 +94,7 @@ def test_prefix_caching_switch_off() -> None:
 def test_freed_hashed_blocks_stay_cached_and_are_reused() -> None:
     m = make()
     a = m.allocate("a", "p", list(range(10)))
+    forward(m)  # the writes run before the free
     m.free(["a"])
     met = m.metrics("p")
     assert met.num_cached_blocks == 2 and met.num_free_blocks == 14 and met.num_used_blocks == 0
@@ -96,12 +107,14 @@ def test_freed_hashed_blocks_stay_cached_and_are_reused() -> None:
 def test_eviction_order_tail_first_and_counted() -> None:
     m = make(num_blocks=5)
     m.allocate("a", "p", list(range(12)))  # 3 full hashed blocks 0,1,2
+    forward(m)  # the writes run before the free
     m.free(["a"])
     assert m.metrics("p").num_cached_blocks == 3
     # Needs 3 blocks: the free ones (3, 4) first, then evicts a's tail block (2).
     r = m.allocate("b", "p", num_tokens=12)
     assert r.block_table == (3, 4, 2)
     assert m.metrics("p").evictions == 1
+    forward(m)  # the writes run before the free
     m.free(["b"])
     # a's first two blocks are still a usable prefix.
     assert m.allocate("c", "p", list(range(9))).num_cached_tokens == 8
@@ -135,6 +148,7 @@ def test_allocate_errors_leave_state_unchanged() -> None:
 def test_out_of_blocks_with_partial_prefix_hit_changes_nothing() -> None:
     m = make(num_blocks=4)
     m.allocate("a", "p", list(range(8)))
+    forward(m)  # the writes run before the free
     m.free(["a"])  # two cached blocks
     before = m.to_snapshot()
     with pytest.raises(OutOfBlocks):
@@ -223,6 +237,7 @@ def test_append_per_sequence_failures_leave_those_sequences_unchanged() -> None:
 def test_append_out_of_blocks_for_copy_on_write_changes_nothing() -> None:
     m = make(num_blocks=2)
     m.allocate("a", "p", [1, 2, 3, 4, 5])  # blocks 0, 1 (partial)
+    forward(m)
     m.fork("a", ["b"])
     before = m.to_snapshot()
     (r,) = m.append_slots([AppendRequest("b", 1, (6,))])
@@ -238,6 +253,11 @@ def test_fork_shares_then_copy_on_write() -> None:
     assert c.block_table == (0, 1) and c.num_tokens == 6 and c.version > a.version
     met = m.metrics("p")
     assert met.num_used_blocks == 2 and met.waste_slots == 2
+    # The shared partial block is not written until the Forward of its step is reported:
+    # copying it now would copy unwritten memory.
+    (pending,) = m.append_slots([AppendRequest("c", 1, (6,))])
+    assert isinstance(pending, AppendFailure) and isinstance(pending.error, PendingWrite)
+    forward(m)
     (r,) = m.append_slots([AppendRequest("c", 1, (6,))])
     assert len(r.copy_ops) == 1
     op = r.copy_ops[0]
@@ -247,7 +267,9 @@ def test_fork_shares_then_copy_on_write() -> None:
     # The parent now owns block 1 alone: no copy.
     (r2,) = m.append_slots([AppendRequest("a", 1, (6,))])
     assert r2.copy_ops == () and r2.slot_mapping == (6,)
-    assert m.pending_copy_ops("p") == [op]
+    (out,) = m.close_steps()
+    assert out.copy_ops == (op,)
+    assert [(d.seq_id, d.replaced, d.appended) for d in out.deltas] == [("c", ((1, op.dst),), ())]
     assert m.metrics("p").cow_copies == 1
     assert m.fsck() == []
 
@@ -255,6 +277,7 @@ def test_fork_shares_then_copy_on_write() -> None:
 def test_fork_children_inherit_hashing() -> None:
     m = make()
     m.allocate("a", "p", list(range(6)))
+    forward(m)
     m.fork("a", ["c"])
     m.append_slots([AppendRequest("c", 2, (6, 7))])
     assert m.allocate("d", "p", list(range(9))).num_cached_tokens == 8
@@ -282,6 +305,11 @@ def test_free_validates_everything_first() -> None:
     m.allocate("a", "p", [1])
     m.allocate("b", "p", [1])
     before = m.to_snapshot()
+    with pytest.raises(PendingWrite):  # their prompts are written by this step's Forward
+        m.free(["a"])
+    assert m.to_snapshot() == before
+    forward(m)
+    before = m.to_snapshot()
     with pytest.raises(UnknownSequence):
         m.free(["a", "zz"])
     with pytest.raises(InvalidRequest):
@@ -296,8 +324,10 @@ def test_free_validates_everything_first() -> None:
 def test_free_everything_returns_all_blocks() -> None:
     m = make()
     m.allocate("a", "p", list(range(10)))
+    forward(m)
     m.fork("a", ["b", "c"])
     m.append_slots([AppendRequest("b", 3, (1, 2, 3)), AppendRequest("c", 1, (5,))])
+    forward(m)  # the writes run before the free
     m.free(["a", "b", "c"])
     met = m.metrics("p")
     assert met.num_used_blocks == 0 and met.num_free_blocks + met.num_cached_blocks == 16
@@ -319,6 +349,7 @@ def test_versions_never_repeat_when_a_seq_id_is_reused() -> None:
     m = make()
     first = m.allocate("a", "p", [1, 2, 3, 4, 5])
     (r,) = m.append_slots([AppendRequest("a", 4)])
+    forward(m)  # the writes run before the free
     m.free(["a"])
     second = m.allocate("a", "p", [9])
     assert second.version > r.version > first.version
@@ -350,35 +381,32 @@ def test_pools_and_route() -> None:
     assert m.fsck() == []
 
 
-def test_copy_op_ack() -> None:
+def test_copy_ops_ride_in_their_step_in_order() -> None:
     m = make()
     m.allocate("a", "p", [1, 2])
+    forward(m)
     m.fork("a", ["b", "c"])
     m.append_slots([AppendRequest("b", 1), AppendRequest("c", 1)])
-    ops = m.pending_copy_ops("p")
-    assert [o.op_id for o in ops] == [1, 2]
-    assert m.pending_copy_ops("p", after_op_id=1) == ops[1:]
-    with pytest.raises(InvalidRequest):
-        m.ack_copy_ops("p", 3)
-    with pytest.raises(InvalidRequest):
-        m.ack_copy_ops("p", -1)
-    m.ack_copy_ops("p", 1)
-    assert m.pending_copy_ops("p") == ops[1:]
-    m.ack_copy_ops("p", 1)
-    m.ack_copy_ops("p", 2)
-    assert m.pending_copy_ops("p") == []
+    (out,) = m.close_steps()
+    assert [o.op_id for o in out.copy_ops] == [1, 2] and out.step_id == 2
+    assert [d.seq_id for d in out.deltas] == ["b", "c"]
+    assert all(d.base_version == 0 and d.num_tokens == 2 for d in out.deltas)  # new tables
+    assert m.close_steps() == []  # nothing new: no step
+    assert m.unsettled_step_ids("p") == [2] and m.settled_step_id("p") == 1
 
 
 def test_evict_and_reset_prefix_cache() -> None:
     m = make()
     m.allocate("a", "p", list(range(12)))
     m.allocate("b", "p", list(range(50, 58)))
+    forward(m)  # the writes run before the free
     m.free(["a"])
     assert m.evict("p", 1) == 1
     assert m.metrics("p").num_cached_blocks == 2
     assert m.reset_prefix_cache() == 2
     met = m.metrics("p")
     assert met.num_cached_blocks == 0 and met.num_free_blocks == 14
+    forward(m)  # the writes run before the free
     m.free(["b"])  # its hashes were dropped too: freed, not cached
     assert m.metrics("p").num_cached_blocks == 0
     assert m.allocate("c", "p", list(range(12))).num_cached_tokens == 0
@@ -391,6 +419,8 @@ def test_can_append() -> None:
     assert m.can_append("a", 5)
     assert not m.can_append("a", 6)
     m.fork("a", ["b"])
+    assert not m.can_append("a", 1)  # the copy's source is not written yet
+    forward(m)
     assert m.can_append("a", 1)  # one block for the copy
     assert not m.can_append("a", 2)
     with pytest.raises(UnknownSequence):
@@ -425,28 +455,31 @@ def test_metrics_waste_usage_and_high_water() -> None:
     assert met.usage == pytest.approx(0.4) and met.high_water_mark == 4
     assert met.num_sequences == 3
     assert met.contiguity == 1.0
+    forward(m)  # the writes run before the free
     m.free(["a", "a2"])
     met = m.metrics("p")
     assert met.high_water_mark == 4 and met.waste_slots == 0 and met.num_used_blocks == 2
 
 
 def test_cow_source_reused_before_the_copy_ran_is_safe_when_ops_run_first() -> None:
-    """The documented node contract: apply all pending ops before a forward's writes."""
+    """The node contract: a step's copy ops run before the step's writes."""
     m = make(num_blocks=3)
     mem: dict[int, int] = {}
     a = m.allocate("a", "p", [1, 2, 3])
     mem.update(zip(a.slot_mapping, [1, 2, 3]))
+    forward(m)
     m.fork("a", ["b"])
     (rb,) = m.append_slots([AppendRequest("b", 1, (9,))])
     (op,) = rb.copy_ops
     m.free(["a"])  # the CoW source loses its last holder before the node copied it
     c = m.allocate("c", "p", [7, 7, 7])
-    assert c.block_table == (op.src,)  # ... and is handed out again at once
-    for pending in m.pending_copy_ops("p"):  # the node: ops first ...
+    assert c.block_table == (op.src,)  # ... and is handed out again in the same step
+    (out,) = m.close_steps()
+    for pending in out.copy_ops:  # the node: the step's ops first ...
         for off in range(4):
             if pending.src * 4 + off in mem:
                 mem[pending.dst * 4 + off] = mem[pending.src * 4 + off]
-    mem[rb.slot_mapping[0]] = 9  # ... then the forward's writes
+    mem[rb.slot_mapping[0]] = 9  # ... then the step's writes
     mem.update(zip(c.slot_mapping, [7, 7, 7]))
     b = m.get_sequence("b")
     assert [mem[b.block_table[0] * 4 + i] for i in range(4)] == [1, 2, 3, 9]
@@ -478,6 +511,7 @@ def test_remove_pool_drops_its_plan_and_ops() -> None:
     m = make()
     m.allocate("pad", "p", num_tokens=8)
     m.allocate("a", "p", num_tokens=8)
+    forward(m)
     m.free(["pad"])
     plan = m.plan_defrag("p")
     assert plan is not None
@@ -485,7 +519,43 @@ def test_remove_pool_drops_its_plan_and_ops() -> None:
     from block_manager.core import UnknownPlan
 
     with pytest.raises(UnknownPlan):
-        m.commit_defrag(plan.plan_id)
+        m.abort_defrag(plan.plan_id)
     with pytest.raises(UnknownPool):
-        m.pending_copy_ops("p")
+        m.close_step("p")
     assert m.sequences() == [] and m.fsck() == []
+
+
+def test_chunked_prefill_takes_slots_for_one_chunk_and_appends_the_rest() -> None:
+    m = make()
+    prompt = list(range(30))
+    m.allocate("a", "p", prompt)
+    forward(m)
+    m.free(["a"])  # 7 full blocks cached
+    r = m.allocate("b", "p", prompt + [99, 98], num_compute=5)
+    assert r.num_cached_tokens == 28 and len(r.slot_mapping) == 4  # only 4 prompt tokens remain
+    c = m.allocate("c", "p", list(range(100, 120)), num_compute=6)
+    assert c.num_cached_tokens == 0 and len(c.slot_mapping) == 6 and m.get_sequence("c").num_tokens == 6
+    (rest,) = m.append_slots([AppendRequest("c", 14, tuple(range(106, 120)))])
+    assert rest.num_tokens == 20
+    forward(m)
+    # the chunks were hashed as they filled: the whole prompt is a prefix hit now
+    assert m.allocate("d", "p", list(range(100, 121))).num_cached_tokens == 20
+    with pytest.raises(InvalidRequest):
+        m.allocate("e", "p", [1, 2], num_compute=0)
+    assert m.fsck() == []
+
+
+def test_already_written_tokens_stay_inside_the_partial_block() -> None:
+    """Tokens a scheduler wrote into an exclusive partial block without asking (decode
+    appends it answered locally) are reported later: same slots, no step work."""
+    m = make()
+    m.allocate("a", "p", [1, 2, 3, 4, 5])  # block 1 holds 1 token
+    (out,) = m.close_steps()
+    m.settle_steps("p", out.step_id)
+    (r,) = m.append_slots([AppendRequest("a", 2, (6, 7))], already_written=True)
+    assert r.slot_mapping == (5, 6) and r.num_tokens == 7
+    assert m.close_steps() == []  # nothing for a Forward to do
+    for bad in (AppendRequest("a", 1, (8,)), AppendRequest("a", 5, (8,) * 5)):
+        (f,) = m.append_slots([bad], already_written=True)  # would fill / cross the block
+        assert isinstance(f, AppendFailure) and isinstance(f.error, InvalidRequest)
+    assert m.get_sequence("a").num_tokens == 7 and m.fsck() == []

@@ -20,15 +20,19 @@ from block_manager.core import (
 
 def busy_manager() -> BlockManager:
     """A state with every kind of thing in it: two pools, cached blocks, shared blocks,
-    pending CoW ops, an outstanding defrag plan with a held source, step counters."""
+    CoW ops in an open step, a closed unsettled step, an outstanding defrag plan with a held
+    source, step counters."""
     m = BlockManager(watermark=0.05, defrag_policy=DefragPolicy(every_n_steps=7))
     m.add_pool("a", 32, 4)
     m.add_pool("b", 16, 8)
     for i in range(6):
         m.allocate(f"x{i}", "a", list(range(i, i + 9 + i)), salt="t" if i % 2 else None)
     m.allocate("y0", "b", num_tokens=20)
+    for out in m.close_steps():
+        m.settle_steps(out.pool_id, out.step_id)
     m.fork("x1", ["x1a", "x1b"])
     m.append_slots([AppendRequest("x1a", 1, (7,)), AppendRequest("y0", 3)])
+    m.close_step("b")  # closed, not settled
     m.free(["x0", "x2"])
     plan = m.plan_defrag("a")
     assert plan is not None
@@ -43,14 +47,17 @@ def continue_workload(m: BlockManager) -> list[object]:
     """Deterministic follow-up calls; returns everything they returned."""
     out: list[object] = []
     out.append(m.append_slots([AppendRequest(v.seq_id, 5) for v in m.sequences("a")]))
-    ops = m.pending_copy_ops("a")
-    m.ack_copy_ops("a", ops[-1].op_id)
     plan = m.get_defrag_plan("a")
     assert plan is not None
-    out.append(m.commit_defrag(plan.plan_id))
+    out.append(m.close_steps())
+    out.append(m.settle_steps("a", m.open_step_id("a") - 1))
+    out.append(m.settle_steps("b", 1, failed_from=2))
+    out.append(m.close_steps())
     out.append(m.allocate("z", "a", list(range(3, 15))))
     out.append(m.metrics("a"))
     out.append(m.route(list(range(20))))
+    out.append(m.close_steps())
+    out.append(m.settle_steps("a", m.open_step_id("a") - 1))
     m.free([v.seq_id for v in m.sequences("a")])
     out.append(m.allocate("w", "a", num_tokens=40))
     out.append(m.metrics("a"))
@@ -91,12 +98,14 @@ def test_snapshot_of_empty_manager() -> None:
         lambda d: d["pools"][0]["hashed_blocks"][0].__setitem__(1, "zz"),
         lambda d: d["seq_order"].append("ghost"),
         lambda d: d.update(watermark=2.0),
-        lambda d: d["pools"][0]["copy_ops"].reverse(),
+        lambda d: d["pools"][0]["step"]["copy_ops"].reverse(),
+        lambda d: d["pools"][1].update(settled_step=9),
+        lambda d: d["pools"][0]["sequences"][0].update(last_step=99),
     ],
 )
 def test_malformed_snapshot_is_rejected(corrupt) -> None:
     snap = json.loads(json.dumps(busy_manager().to_snapshot()))
-    assert len(snap["pools"][0]["copy_ops"]) >= 2
+    assert len(snap["pools"][0]["step"]["copy_ops"]) >= 2
     corrupt(snap)
     with pytest.raises(InvalidRequest):
         BlockManager.from_snapshot(snap)

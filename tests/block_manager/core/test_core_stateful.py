@@ -1,18 +1,27 @@
-"""Hypothesis state machine over the whole core, checked against a shadow KV memory.
+"""Hypothesis state machine over the whole core, driven the way the step protocol drives it.
 
-The shadow plays the compute node: it owns a token "memory" per pool (slot → token),
-applies pending copy ops in op_id order before every step that writes (exactly the
-contract nodes follow), writes each new token into the slot the core returned, and acks
-what it applied. After every step each live sequence's tokens, read back through its
-current block table, must equal what the sequence was given — which checks prefix hits
-(cached blocks hold exactly the prompt's prefix), copy-on-write, eviction/reuse and
-defrag moves end to end. Failed calls must leave `to_snapshot()` unchanged.
+The machine plays both the scheduler and a compute node. The scheduler calls the core
+(allocate, append, fork, free, defrag plans) and remembers, per sequence, which tokens it
+must write in the open step. `forward` is one step end to end: the core closes the pool's
+step, the *node* applies the step exactly as a compute node does — the step's copy ops first,
+then its table deltas to its own cached tables (never reading the core's tables), then it
+writes every pending token at the tail of the sequence's node-side table — and the scheduler
+settles the step as complete (or, sometimes, as failed: the node did nothing, and the core
+must drop what that step wrote).
+
+Checked after every rule, for every live sequence that has no pending writes: its tokens,
+read back through the *node's* table from the node's memory, equal what the sequence was
+given, and after every Forward the node's tables equal the core's. That covers prefix hits
+(cached blocks hold exactly the prompt's prefix), copy-on-write, eviction/reuse, defrag moves
+(only written blocks move), failure handling and the deltas themselves. Failed calls leave
+`to_snapshot()` unchanged.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -28,7 +37,9 @@ from block_manager.core import (
     FailedPrecondition,
     InvalidRequest,
     OutOfBlocks,
+    PendingWrite,
     SequenceExists,
+    StepOutput,
     UnknownSequence,
 )
 
@@ -39,6 +50,59 @@ has_live = precondition(lambda self: bool(self.expected))
 EVENTS: Counter[str] = Counter()  # what the runs exercised; the test checks coverage
 
 
+@dataclass
+class ShadowNode:
+    """A compute node's view of one pool: its tables (from deltas only) and its memory."""
+
+    block_size: int
+    tables: dict[str, list[int]] = field(default_factory=dict)
+    versions: dict[str, int] = field(default_factory=dict)
+    num_tokens: dict[str, int] = field(default_factory=dict)
+    mem: dict[int, int] = field(default_factory=dict)
+
+    def apply(self, out: StepOutput) -> None:
+        bs = self.block_size
+        for op in out.copy_ops:  # before any write of the step
+            for off in range(bs):
+                src, dst = op.src * bs + off, op.dst * bs + off
+                if src in self.mem:
+                    self.mem[dst] = self.mem[src]
+                else:
+                    self.mem.pop(dst, None)
+        for sid in out.dropped_seq_ids:
+            self.tables.pop(sid, None)
+            self.versions.pop(sid, None)
+            self.num_tokens.pop(sid, None)
+        for d in out.deltas:
+            if d.base_version == 0:
+                self.tables[d.seq_id] = list(d.appended)
+                self.num_tokens[d.seq_id] = d.num_tokens
+            else:
+                assert self.versions.get(d.seq_id) == d.base_version, "delta on a table version the node lacks"
+                table = self.tables[d.seq_id]
+                for pos, block in d.replaced:
+                    table[pos] = block
+                table.extend(d.appended)
+            self.versions[d.seq_id] = d.version
+
+    def write_tail(self, sid: str, tokens: list[int]) -> None:
+        """Write at positions [num_tokens, num_tokens + n) of the node's own table: the
+        tail rule a compute node enforces."""
+        bs = self.block_size
+        table = self.tables[sid]
+        start = self.num_tokens[sid]
+        assert -(-(start + len(tokens)) // bs) <= len(table), "write beyond the node's table"
+        for i, t in enumerate(tokens):
+            pos = start + i
+            self.mem[table[pos // bs] * bs + pos % bs] = t
+        self.num_tokens[sid] = start + len(tokens)
+
+    def read(self, sid: str, n: int) -> list[int | None]:
+        bs = self.block_size
+        table = self.tables[sid]
+        return [self.mem.get(table[i // bs] * bs + i % bs) for i in range(n)]
+
+
 class CoreMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -47,12 +111,12 @@ class CoreMachine(RuleBasedStateMachine):
             self.m.add_pool(pid, n, bs)
         self.expected: dict[str, list[int]] = {}  # live seq → its tokens
         self.pool_of: dict[str, str] = {}
-        self.mem: dict[str, dict[int, int]] = {pid: {} for pid in POOLS}
-        self.applied: dict[str, int] = {pid: 0 for pid in POOLS}
+        self.pending: dict[str, list[int]] = {}   # seq → tokens to write in the open step
+        self.nodes = {pid: ShadowNode(bs) for pid, (_, bs) in POOLS.items()}
         self.next_seq = 0
         self.next_synthetic = -1
 
-    # ---- helpers: the shadow node ---------------------------------------------------
+    # ---- helpers --------------------------------------------------------------------
     def new_id(self) -> str:
         self.next_seq += 1
         return f"s{self.next_seq}"
@@ -61,24 +125,6 @@ class CoreMachine(RuleBasedStateMachine):
         out = list(range(self.next_synthetic, self.next_synthetic - n, -1))
         self.next_synthetic -= n
         return out
-
-    def apply_pending(self, pid: str) -> None:
-        bs = POOLS[pid][1]
-        mem = self.mem[pid]
-        for op in self.m.pending_copy_ops(pid, self.applied[pid]):
-            for off in range(bs):
-                src, dst = op.src * bs + off, op.dst * bs + off
-                if src in mem:
-                    mem[dst] = mem[src]
-                else:
-                    mem.pop(dst, None)
-            self.applied[pid] = op.op_id
-
-    def write(self, pid: str, slots: tuple[int, ...], tokens: list[int]) -> None:
-        assert len(slots) == len(tokens)
-        mem = self.mem[pid]
-        for s, t in zip(slots, tokens):
-            mem[s] = t
 
     def expect_unchanged(self, before: dict, call, *errors: type[CoreError]) -> None:
         with pytest.raises(errors):
@@ -89,7 +135,12 @@ class CoreMachine(RuleBasedStateMachine):
         ids = sorted(s for s in self.expected if pid is None or self.pool_of[s] == pid)
         return data.draw(st.sampled_from(ids)) if ids else None
 
-    # ---- rules ----------------------------------------------------------------------
+    def forget(self, sid: str) -> None:
+        del self.expected[sid]
+        del self.pool_of[sid]
+        self.pending.pop(sid, None)
+
+    # ---- rules: the scheduler -------------------------------------------------------
     @rule(
         pid=st.sampled_from(sorted(POOLS)),
         prefix=st.integers(0, len(PREFIXES) - 1),
@@ -125,14 +176,11 @@ class CoreMachine(RuleBasedStateMachine):
         if not with_tokens:
             assert r.num_cached_tokens == 0
         assert len(r.slot_mapping) == len(tokens) - r.num_cached_tokens
-        self.apply_pending(pid)
-        # The cached prefix must already hold exactly these tokens.
-        for pos in range(r.num_cached_tokens):
-            slot = r.block_table[pos // bs] * bs + pos % bs
-            assert self.mem[pid].get(slot) == tokens[pos], "prefix hit on wrong content"
-        self.write(pid, r.slot_mapping, tokens[r.num_cached_tokens :])
+        # A prefix hit's blocks are written or written earlier in this same step; either way
+        # the node reads them after this step's writes.
         self.expected[sid] = list(tokens)
         self.pool_of[sid] = pid
+        self.pending[sid] = list(tokens[r.num_cached_tokens :])
 
     @rule(
         pid=st.sampled_from(sorted(POOLS)),
@@ -166,25 +214,22 @@ class CoreMachine(RuleBasedStateMachine):
         bad = data.draw(st.sampled_from([None, "unknown", "zero", "mismatch", "dup"]))
         if bad == "unknown":
             requests.append(AppendRequest("nobody", 1))
-        elif bad == "zero" and chosen:
+        elif bad == "zero":
             requests.append(AppendRequest(chosen[0], 0))
         elif bad == "mismatch":
-            requests.append(AppendRequest(chosen[0] if chosen else "nobody", 2, (1,)))
-        elif bad == "dup" and chosen:
+            requests.append(AppendRequest(chosen[0], 2, (1,)))
+        elif bad == "dup":
             requests.append(AppendRequest(chosen[0], 1))
         views_before = {sid: self.m.get_sequence(sid) for sid in chosen}
         can = {sid: self.m.can_append(sid, len(new_tokens[sid])) for sid in chosen}
         results = self.m.append_slots(requests)
         assert len(results) == len(requests)
-        for req, res in zip(requests[len(chosen) :], results[len(chosen) :]):  # noqa: B007 (the seed hashes this source)
-            assert isinstance(res, AppendFailure) and isinstance(
-                res.error, (UnknownSequence, InvalidRequest)
-            )
-        pools_touched = set()
+        for res in results[len(chosen) :]:
+            assert isinstance(res, AppendFailure) and isinstance(res.error, (UnknownSequence, InvalidRequest))
         for sid, res in zip(chosen, results):
             if isinstance(res, AppendFailure):
-                EVENTS["append_out_of_blocks"] += 1
-                assert isinstance(res.error, OutOfBlocks)
+                assert isinstance(res.error, (OutOfBlocks, PendingWrite))
+                EVENTS["pending_write" if isinstance(res.error, PendingWrite) else "append_out_of_blocks"] += 1
                 assert self.m.get_sequence(sid) == views_before[sid]
                 continue
             assert isinstance(res, AppendResult)
@@ -193,20 +238,11 @@ class CoreMachine(RuleBasedStateMachine):
             EVENTS["append_new_block"] += bool(res.new_block_ids)
             before = views_before[sid]
             assert res.num_tokens == before.num_tokens + len(new_tokens[sid])
-            assert (res.version > before.version) == (
-                bool(res.new_block_ids) or bool(res.copy_ops)
-            )
-            pools_touched.add(self.pool_of[sid])
-        # `can_append` is exact for a sequence that comes first in its pool's batch.
-        first = chosen[0] if chosen else None
-        if first is not None:
-            assert can[first] == isinstance(results[0], AppendResult)
-        for pid in sorted(pools_touched):
-            self.apply_pending(pid)
-        for sid, res in zip(chosen, results):
-            if isinstance(res, AppendResult):
-                self.write(self.pool_of[sid], res.slot_mapping, new_tokens[sid])
-                self.expected[sid].extend(new_tokens[sid])
+            assert (res.version > before.version) == (bool(res.new_block_ids) or bool(res.copy_ops))
+            self.expected[sid].extend(new_tokens[sid])
+            self.pending.setdefault(sid, []).extend(new_tokens[sid])
+        # `can_append` is exact for the first sequence of the batch.
+        assert can[chosen[0]] == isinstance(results[0], AppendResult)
 
     @has_live
     @rule(data=st.data(), num_children=st.integers(1, 3))
@@ -231,13 +267,19 @@ class CoreMachine(RuleBasedStateMachine):
             return
         ids = data.draw(st.lists(st.sampled_from(sorted(self.expected)), min_size=1, max_size=4, unique=True))
         before = self.m.to_snapshot()
+        if any(s in self.pending for s in ids):
+            # Its writes (which forks and prefix hits may share) would never run.
+            self.expect_unchanged(before, lambda: self.m.free(ids), PendingWrite)
+            EVENTS["free_pending"] += 1
+            ids = [s for s in ids if s not in self.pending]
+            if not ids:
+                return
         self.expect_unchanged(before, lambda: self.m.free([*ids, "nobody"]), UnknownSequence)
         self.expect_unchanged(before, lambda: self.m.free([*ids, ids[0]]), InvalidRequest)
         self.m.free(ids)
         EVENTS["free"] += 1
         for sid in ids:
-            del self.expected[sid]
-            del self.pool_of[sid]
+            self.forget(sid)
 
     @has_live
     @rule(
@@ -248,10 +290,10 @@ class CoreMachine(RuleBasedStateMachine):
     def free_some_then_plan(self, data, kind, max_moves) -> None:
         """Frees punch holes; planning right after is when defrag has work to do."""
         ids = data.draw(st.lists(st.sampled_from(sorted(self.expected)), max_size=3, unique=True))
+        ids = [s for s in ids if s not in self.pending]
         self.m.free(ids)
         for sid in ids:
-            del self.expected[sid]
-            del self.pool_of[sid]
+            self.forget(sid)
         for pid in sorted(POOLS):
             self.plan_defrag(pid, kind, max_moves)
 
@@ -276,23 +318,18 @@ class CoreMachine(RuleBasedStateMachine):
             assert all(self.m.metrics(p).num_cached_blocks == 0 for p in pools)
 
     @rule(
-        action=st.sampled_from(["plan", "plan", "ack", "commit", "commit", "abort"]),
+        action=st.sampled_from(["plan", "plan", "plan", "abort"]),
         pid=st.sampled_from(sorted(POOLS)),
         kind=st.sampled_from(["compaction", "contiguity"]),
         max_moves=st.sampled_from([None, 1, 3]),
     )
     def defrag(self, action, pid, kind, max_moves) -> None:
-        if action in ("commit", "abort"):
-            # Act on whichever pool has a plan (prefer `pid`).
-            pid = next((p for p in [pid, *sorted(POOLS)] if self.m.get_defrag_plan(p)), pid)
-        plan = self.m.get_defrag_plan(pid)
         if action == "plan":
             self.plan_defrag(pid, kind, max_moves)
-        elif action == "ack":
-            self.node_applies_and_acks(pid)
-        elif plan is not None and action == "commit":
-            self.commit_defrag(pid, plan)
-        elif plan is not None:
+            return
+        pid = next((p for p in [pid, *sorted(POOLS)] if self.m.get_defrag_plan(p)), pid)
+        plan = self.m.get_defrag_plan(pid)
+        if plan is not None:
             self.m.abort_defrag(plan.plan_id)
             EVENTS["abort"] += 1
             assert self.m.metrics(pid).num_reserved_blocks == 0
@@ -306,36 +343,45 @@ class CoreMachine(RuleBasedStateMachine):
         if plan is not None:
             EVENTS[f"plan_{kind}"] += 1
             assert plan.moves and (max_moves is None or len(plan.moves) <= max_moves)
-            assert self.m.pending_copy_ops(pid)[-len(plan.moves) :] == list(plan.moves)
 
-    def node_applies_and_acks(self, pid) -> None:
-        self.apply_pending(pid)
-        if self.applied[pid]:
-            self.m.ack_copy_ops(pid, self.applied[pid])
-        assert self.m.pending_copy_ops(pid) == []
-
-    def commit_defrag(self, pid, plan) -> None:
-        pending = self.m.pending_copy_ops(pid)
-        if pending and pending[0].op_id <= plan.moves[-1].op_id:
-            before = self.m.to_snapshot()
-            self.expect_unchanged(before, lambda: self.m.commit_defrag(plan.plan_id), FailedPrecondition)
-            self.node_applies_and_acks(pid)
-        hwm_before = self.m.metrics(pid).high_water_mark
-        changed = self.m.commit_defrag(plan.plan_id)
-        EVENTS["commit"] += 1
-        assert len(set(changed)) == len(changed)
-        if plan.kind == "compaction":
-            assert self.m.metrics(pid).high_water_mark <= hwm_before
+    # ---- rules: one step end to end -------------------------------------------------
+    @rule(pid=st.sampled_from(sorted(POOLS)), fail=st.sampled_from([False] * 9 + [True]))
+    def forward(self, pid, fail) -> None:
+        out = self.m.close_step(pid)
+        if out is None:
+            assert not any(self.pool_of[s] == pid for s in self.pending)
+            return
+        writers = sorted(s for s in self.pending if self.pool_of[s] == pid)
+        if fail:
+            # The Forward never ran: nothing reached the node; the core drops what it wrote.
+            result = self.m.settle_steps(pid, out.step_id - 1, failed_from=out.step_id)
+            EVENTS["step_failed"] += 1
+            assert set(writers) <= set(result.dropped_seq_ids)
+            for sid in result.dropped_seq_ids:
+                self.forget(sid)
+            return
+        node = self.nodes[pid]
+        node.apply(out)
+        for sid in writers:
+            node.write_tail(sid, self.pending.pop(sid))
+        result = self.m.settle_steps(pid, out.step_id)
+        EVENTS["commit"] += len(result.committed_plan_ids)
+        assert result.dropped_seq_ids == ()
+        if not result.committed_plan_ids:
+            for v in self.m.sequences(pid):  # the deltas rebuilt exactly the core's tables
+                assert tuple(node.tables[v.seq_id]) == v.block_table
+                assert node.versions[v.seq_id] == v.version
 
     def free_everything(self) -> None:
         for pid in POOLS:
+            self.forward(pid, False)  # a scheduler frees after the writes ran
             plan = self.m.get_defrag_plan(pid)
             if plan is not None:
                 self.m.abort_defrag(plan.plan_id)
         self.m.free(sorted(self.expected))
         EVENTS["free_everything"] += 1
-        self.expected.clear()
-        self.pool_of.clear()
+        for sid in sorted(self.expected):
+            self.forget(sid)
         for pid, (n, _) in POOLS.items():
             met = self.m.metrics(pid)
             assert met.num_used_blocks == 0 and met.num_reserved_blocks == 0
@@ -365,15 +411,16 @@ class CoreMachine(RuleBasedStateMachine):
             assert not any(holders[b] for b in queued)
 
     @invariant()
-    def every_sequence_reads_back_its_tokens(self) -> None:
+    def every_sequence_reads_back_its_tokens_on_the_node(self) -> None:
+        """Every live sequence whose writes all ran (and that the node knows: one created
+        in the open step is announced by the next Forward) reads back its tokens through
+        the node's own table — every sequence, every step."""
         for sid, tokens in self.expected.items():
-            view = self.m.get_sequence(sid)
-            pid = self.pool_of[sid]
-            bs = POOLS[pid][1]
-            assert view.num_tokens == len(tokens)
-            mem = self.mem[pid]
-            got = [mem.get(view.block_table[i // bs] * bs + i % bs) for i in range(len(tokens))]
-            assert got == tokens, f"{sid} reads back wrong tokens"
+            node = self.nodes[self.pool_of[sid]]
+            if sid in self.pending or sid not in node.tables:
+                continue
+            assert self.m.get_sequence(sid).num_tokens == len(tokens)
+            assert node.read(sid, len(tokens)) == tokens, f"{sid} reads back wrong tokens on the node"
 
 
 def run_machine(max_examples: int, steps: int, derandomize: bool) -> None:
@@ -392,7 +439,7 @@ def run_machine(max_examples: int, steps: int, derandomize: bool) -> None:
     print(dict(EVENTS))
     # The generator must keep reaching the interesting paths, or the test proves little.
     for event in ("prefix_hit", "cow", "append_new_block", "allocate_out_of_blocks", "fork",
-                  "plan_compaction", "plan_contiguity", "commit", "abort"):
+                  "plan_compaction", "plan_contiguity", "commit", "abort", "pending_write", "step_failed"):
         assert EVENTS[event] > 0, f"the state machine never exercised {event}: {dict(EVENTS)}"
 
 
