@@ -1,6 +1,7 @@
 """Client library of the block manager service: sync and asyncio data-plane clients, the
-scheduler-step helper, an admin-plane client and typed errors. See `step.py` for the
-deferred in-block append protocol that keeps decode at <= 1 round trip per step."""
+scheduler-step helper (one `Step` RPC per scheduler step, none for in-block decode), an
+admin-plane client and typed errors. See `step.py` for the step contract and the deferred
+in-block append protocol."""
 
 from block_manager.client.admin import AdminClient
 from block_manager.client.async_client import AsyncBlockManagerClient, AsyncStep
@@ -19,21 +20,24 @@ from block_manager.client.errors import (
     UnavailableError,
 )
 from block_manager.client.retry import NO_RETRY, ClientStats, RetryPolicy, new_request_id
-from block_manager.client.step import SeqSlots, SequenceTracker, StepResult
+from block_manager.client.step import SequenceTracker, StepResult
 from block_manager.client.sync_client import BlockManagerClient, SyncStep
 from block_manager.client.types import (
-    AllocateSpec,
+    Admission,
     HeartbeatResult,
     ItemFailure,
     NodeRegistration,
     PoolRoute,
+    PoolStepInfo,
+    SeqSlots,
+    StepSettled,
     TablesUpdate,
 )
 
 __all__ = [
     "AbortedError",
+    "Admission",
     "AdminClient",
-    "AllocateSpec",
     "AlreadyExistsError",
     "AsyncBlockManagerClient",
     "AsyncStep",
@@ -51,10 +55,12 @@ __all__ = [
     "NotFoundError",
     "OutOfBlocksError",
     "PoolRoute",
+    "PoolStepInfo",
     "RetryPolicy",
     "SeqSlots",
     "SequenceTracker",
     "StepResult",
+    "StepSettled",
     "StepStateError",
     "SyncStep",
     "TablesUpdate",

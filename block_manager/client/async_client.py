@@ -13,18 +13,10 @@ import grpc
 
 from block_manager.client import wire
 from block_manager.client.base import DEFAULT_TIMEOUT_S, ClientBase
-from block_manager.client.errors import error_from_rpc
-from block_manager.client.retry import RetryPolicy, request_id_or_new
-from block_manager.client.step import StepBatch, StepResult, run_async
-from block_manager.client.types import (
-    AllocateSpec,
-    HeartbeatResult,
-    ItemFailure,
-    NodeRegistration,
-    PoolRoute,
-    TablesUpdate,
-)
-from block_manager.core.types import AllocateResult, AppendRequest, AppendResult, DefragPlan, SeqId, SequenceView
+from block_manager.client.errors import BlockManagerError, error_from_rpc
+from block_manager.client.retry import RetryPolicy, new_request_id, request_id_or_new
+from block_manager.client.step import StepBatch, StepResult
+from block_manager.client.types import HeartbeatResult, NodeRegistration, PoolRoute, TablesUpdate
 from pagedkv.rpc import acall_with_retry
 from pagedkv.v1 import block_manager_pb2 as pb
 
@@ -39,11 +31,16 @@ class AsyncBlockManagerClient(ClientBase):
         channel: grpc.aio.Channel | None = None,
         block_sizes: Mapping[str, int] | None = None,
         seed: int | None = None,
+        scheduler_id: str | None = None,
     ) -> None:
-        super().__init__(target, channel, grpc.aio.insecure_channel, timeout_s=timeout_s, retry=retry,
-                         block_sizes=block_sizes, seed=seed)
+        """Connect to `target` (host:port); `scheduler_id` defaults to a fresh unique name."""
+        super().__init__(
+            target, channel, grpc.aio.insecure_channel, timeout_s=timeout_s, retry=retry, block_sizes=block_sizes,
+            seed=seed, scheduler_id=scheduler_id,
+        )
 
     async def close(self) -> None:
+        """Close the channel (if this client created it)."""
         if self._own_channel:
             await self._channel.close()
 
@@ -53,7 +50,7 @@ class AsyncBlockManagerClient(ClientBase):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, method: str, request: Any, timeout_s: float | None) -> Any:
+    async def _call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
         fn = getattr(self._stub, method)
         timeout = timeout_s if timeout_s is not None else self.timeout_s
         try:
@@ -77,6 +74,7 @@ class AsyncBlockManagerClient(ClientBase):
         request_id: str | None = None,
         timeout_s: float | None = None,
     ) -> NodeRegistration:
+        """Register a pool (a new epoch; any previous epoch of the node is fenced)."""
         req = wire.register_node_request(
             request_id_or_new(request_id), node_id, num_blocks, block_size, geometry, address
         )
@@ -85,82 +83,26 @@ class AsyncBlockManagerClient(ClientBase):
         return reg
 
     async def heartbeat(self, node_id: str, epoch: int, *, timeout_s: float | None = None) -> HeartbeatResult:
-        return wire.heartbeat(
-            await self._call("Heartbeat", pb.HeartbeatRequest(node_id=node_id, epoch=epoch), timeout_s)
-        )
+        """Renew the lease of `(node_id, epoch)`."""
+        reply = await self._call("Heartbeat", pb.HeartbeatRequest(node_id=node_id, epoch=epoch), timeout_s)
+        return wire.heartbeat(reply)
 
-    # ---- sequences ------------------------------------------------------------------
-    async def allocate(
-        self,
-        items: Sequence[AllocateSpec],
-        *,
-        pool_epochs: Mapping[str, int] | None = None,
-        request_id: str | None = None,
-        timeout_s: float | None = None,
-    ) -> list[AllocateResult | ItemFailure]:
-        req = wire.allocate_request(request_id_or_new(request_id), items, pool_epochs)
-        return wire.allocate_outcomes((await self._call("Allocate", req, timeout_s)), items)
+    # ---- the scheduler step ---------------------------------------------------------
+    def step(self, *, pool_epochs: Mapping[str, int] | None = None) -> AsyncStep:
+        """A new scheduler step; fill it and `await commit()` it."""
+        return AsyncStep(self, pool_epochs)
 
-    async def allocate_one(
-        self,
-        seq_id: str,
-        pool_id: str,
-        token_ids: Sequence[int] | None = None,
-        *,
-        num_tokens: int | None = None,
-        salt: str | None = None,
-    ) -> AllocateResult:
-        """Admit one sequence; raises the item's typed error on failure."""
-        spec = AllocateSpec(
-            SeqId(seq_id), pool_id, tuple(token_ids) if token_ids is not None else None, num_tokens, salt
-        )  # type: ignore[arg-type]
-        (out,) = await self.allocate([spec])
-        if isinstance(out, ItemFailure):
-            raise out.error
-        return out
+    async def flush_reports(self, *, timeout_s: float | None = None) -> StepResult | None:
+        """Send pending Forward reports now (an idle scheduler: lets plans commit)."""
+        return await self.step().commit(timeout_s=timeout_s) if self._reports else None
 
-    async def append_slots(
-        self,
-        requests: Sequence[AppendRequest],
-        *,
-        pool_epochs: Mapping[str, int] | None = None,
-        request_id: str | None = None,
-        timeout_s: float | None = None,
-    ) -> list[AppendResult | ItemFailure]:
-        req = wire.append_request(request_id_or_new(request_id), requests, pool_epochs)
-        return wire.append_outcomes((await self._call("AppendSlots", req, timeout_s)), requests)
+    async def free(self, seq_ids: Sequence[str], *, timeout_s: float | None = None) -> int:
+        """Free sequences in a step of their own (all or nothing)."""
+        step = self.step()
+        step.free(seq_ids)
+        return (await step.commit(timeout_s=timeout_s)).num_freed
 
-    async def fork(
-        self,
-        parent: str,
-        child_ids: Sequence[str],
-        *,
-        pool_epochs: Mapping[str, int] | None = None,
-        request_id: str | None = None,
-        timeout_s: float | None = None,
-    ) -> list[SequenceView]:
-        req = pb.ForkRequest(
-            request_id=request_id_or_new(request_id),
-            parent_seq_id=parent,
-            child_seq_ids=list(child_ids),
-            pool_epochs=dict(pool_epochs or {}),
-        )
-        return [wire.sequence_view(t) for t in (await self._call("Fork", req, timeout_s)).children]
-
-    async def free(
-        self,
-        seq_ids: Sequence[str],
-        *,
-        pool_epochs: Mapping[str, int] | None = None,
-        request_id: str | None = None,
-        timeout_s: float | None = None,
-    ) -> int:
-        req = pb.FreeRequest(
-            request_id=request_id_or_new(request_id), seq_ids=list(seq_ids), pool_epochs=dict(pool_epochs or {})
-        )
-        return int((await self._call("Free", req, timeout_s)).num_freed)
-
-    # ---- node-side ------------------------------------------------------------------
+    # ---- cold tables and routing ----------------------------------------------------
     async def get_tables(
         self,
         node_id: str,
@@ -168,78 +110,41 @@ class AsyncBlockManagerClient(ClientBase):
         seq_ids: Sequence[str],
         known_versions: Mapping[str, int] | None = None,
         *,
-        after_op_id: int = 0,
         timeout_s: float | None = None,
     ) -> TablesUpdate:
+        """A node's cold cache: the tables newer than `known_versions`."""
         req = pb.GetTablesRequest(
-            node_id=node_id,
-            epoch=epoch,
-            seq_ids=list(seq_ids),
-            known_versions=dict(known_versions or {}),
-            after_op_id=after_op_id,
+            node_id=node_id, epoch=epoch, seq_ids=list(seq_ids), known_versions=dict(known_versions or {})
         )
         return wire.tables_update(await self._call("GetTables", req, timeout_s))
-
-    async def ack_copy_ops(
-        self,
-        node_id: str,
-        epoch: int,
-        up_to_op_id: int,
-        *,
-        request_id: str | None = None,
-        timeout_s: float | None = None,
-    ) -> list[int]:
-        req = pb.AckCopyOpsRequest(
-            request_id=request_id_or_new(request_id), node_id=node_id, epoch=epoch, up_to_op_id=up_to_op_id
-        )
-        return [int(p) for p in (await self._call("AckCopyOps", req, timeout_s)).committed_plan_ids]
-
-    # ---- defrag and routing ---------------------------------------------------------
-    async def plan_defrag(
-        self,
-        pool_id: str,
-        kind: str = "compaction",
-        *,
-        max_moves: int = 0,
-        request_id: str | None = None,
-        timeout_s: float | None = None,
-    ) -> DefragPlan | None:
-        req = pb.PlanDefragRequest(
-            request_id=request_id_or_new(request_id), pool_id=pool_id, kind=kind, max_moves=max_moves
-        )
-        resp = await self._call("PlanDefrag", req, timeout_s)
-        return wire.defrag_plan(resp.plan) if resp.HasField("plan") else None
-
-    async def commit_defrag(
-        self, plan_id: int, *, request_id: str | None = None, timeout_s: float | None = None
-    ) -> list[SeqId]:
-        req = pb.CommitDefragRequest(request_id=request_id_or_new(request_id), plan_id=plan_id)
-        return [SeqId(s) for s in (await self._call("CommitDefrag", req, timeout_s)).updated_seq_ids]
-
-    async def abort_defrag(
-        self, plan_id: int, *, request_id: str | None = None, timeout_s: float | None = None
-    ) -> None:
-        await self._call(
-            "AbortDefrag", pb.AbortDefragRequest(request_id=request_id_or_new(request_id), plan_id=plan_id), timeout_s
-        )
 
     async def route(
         self, token_ids: Sequence[int], *, salt: str | None = None, timeout_s: float | None = None
     ) -> list[PoolRoute]:
-        req = pb.RouteRequest(token_ids=list(token_ids))
-        if salt is not None:
-            req.salt = salt
-        return wire.routes(await self._call("Route", req, timeout_s))
+        """Pools ranked for one prompt: longest cached prefix, then most free blocks."""
+        return wire.routes(await self._call("Route", self._route_request(token_ids, salt), timeout_s))
 
-    # ---- scheduler steps ------------------------------------------------------------
-    def step(self, *, pool_epochs: Mapping[str, int] | None = None) -> AsyncStep:
-        """A batch for one scheduler step; `await commit()` sends it."""
-        return AsyncStep(self, self.tracker, pool_epochs)
+    async def route_many(
+        self, prompts: Sequence[tuple[Sequence[int], str | None]], *, timeout_s: float | None = None
+    ) -> list[list[PoolRoute]]:
+        """`route` for several `(token_ids, salt)` prompts in one call."""
+        return self._route_many(await self._call("Route", wire.route_request(prompts), timeout_s))
 
 
 class AsyncStep(StepBatch):
-    async def commit(self) -> StepResult:
-        return await run_async(self)
+    async def commit(self, *, request_id: str | None = None, timeout_s: float | None = None) -> StepResult:
+        """Send the step (at most one RPC) and return what every item got."""
+        client: AsyncBlockManagerClient = self._client
+        request = client._begin(self, request_id or new_request_id())
+        if request is None:
+            return self.result
+        try:
+            reply = await client._call("Step", request, timeout_s)
+        except BlockManagerError:
+            self.distrust()
+            raise
+        client._sent(request)
+        return self.apply(reply)
 
 
 __all__ = ["AsyncBlockManagerClient", "AsyncStep"]

@@ -1,132 +1,109 @@
-"""Scheduler-step batching with local answers for in-block decode appends.
+"""Scheduler-step batching: one `Step` RPC per scheduler step, none for in-block decode.
 
-A scheduler step is: free finished sequences, admit new ones, fork, append the step's new
-tokens. `StepBatch` collects those and issues them as at most Free + Allocate + Fork(s) +
-ONE AppendSlots — and, in steady-state decode, usually no RPC at all, because most decode
-appends land inside the sequence's last block and can be answered by the client.
+A scheduler step is: report the previous Forwards, free finished sequences, admit new ones,
+fork, append the step's new tokens. `StepBatch` collects those into ONE `Step` request; the
+answer carries, per pool, the `PoolStep` to pass to that pool's node in its Forward. In steady
+decode most appends need no RPC at all, because they land inside the sequence's last block and
+the client can answer them itself.
+
+The client mirrors the table of every sequence it drives, from the steps' deltas (the same
+deltas its nodes apply), so it knows each sequence's last block, length and version.
 
 Deferred appends (the correctness argument)
 -------------------------------------------
-The client tracks, per sequence it allocated or forked itself: pool, block size, the id of
-the last block, `num_tokens` (including tokens not yet reported), the table version, and
-whether the last block may be shared. An append of `n` tokens is answered locally iff
+An append of `n` tokens is answered locally iff
 
-  * the last block is exclusively owned (`tail_exclusive`): it came from Allocate (a
+  * the last block is exclusively owned (`tail_exclusive`): it came from an allocation (a
     partial last block is never a prefix-cache hit: hits are full blocks only) or from a
     server append (which copy-on-writes a shared partial block), and no Fork touched the
     sequence since (after a Fork, parent and children all go to the server, which does CoW);
   * it stays strictly inside that block and does not fill it (`0 < num_tokens % bs` and
     `num_tokens % bs + n < bs`).
 
-Then the slot is `last_block * bs + offset`, exactly what the server would compute,
-because nobody else can touch that block: it is partial both in truth and in the server's
-view, so it is never hashed, never shared by a prefix hit, never moved by defrag (only full
-blocks move) and never evicted (ref_cnt 1); only a Fork could share it, and forks go through
-this client (single writer per sequence — the scheduler that owns the sequence). The table
-version does not change for in-block appends, so the compute node's cached table stays
-valid; `Forward` carries the slots, the version and `context_len`, so the node needs nothing
-from the block manager for such a step (it also checks the slots against its table).
+Nobody else can touch that block then: it is partial both in truth and in the server's view, so
+it is never hashed, never shared by a prefix hit, never moved by defrag (only full blocks move)
+and never evicted (ref_cnt 1); only a Fork could share it, and forks go through this client
+(one scheduler drives a pool: the server's scheduler lease). The table does not change, so the
+node's table is current; the Forward names the sequence and its new length, and the node writes
+at the tail of its own record of the sequence.
 
-The deferred tokens are reported, with their token ids, as the head of the sequence's next
-server append (`num_new_tokens = deferred + new`): the server assigns slots for them again,
-and the client checks that they equal the local ones (`StepStateError` otherwise). A block
-is never *filled* by a deferred append, so the server always knows every full block in
-time to hash it for prefix caching, and a Free of a sequence with deferred tokens loses
-nothing (a partial block is never cached). If the block manager crashes before the report,
-its recovered state simply lacks the deferred tokens and the next report re-appends them
-into the same partial block at the same slots. A Fork first flushes the parent's deferred
-tokens (one extra AppendSlots in that step) so the children inherit the true length. If the
-node is fenced, its pool is dropped as a whole and the next server append fails with
-FAILED_PRECONDITION; the re-registered node starts with an empty table cache and rejects
-slots of sequences it cannot fetch.
+The deferred tokens are reported to the server as the head of the sequence's next server append
+(`num_new_tokens = deferred + new`), or, before a Fork of the sequence, as an already-written
+report (the children inherit the true length). A block is never *filled* by a deferred append,
+so the server always knows every full block in time to hash it for prefix caching, and a Free of
+a sequence with deferred tokens loses nothing (a partial block is never cached). If the block
+manager crashes before the report, its recovered state simply lacks the deferred tokens and the
+next report re-appends them into the same partial block at the same slots.
 
-A defrag commit may bump a sequence's version without this client hearing of it (it only
-moves full blocks, never the partial last block the local slots use); the version a step
-reports is then a lower bound, which is what `Forward` asks for ("a cached table at least
-this new"), and the node refreshes from the block manager when its cache is older.
-
-When a whole RPC of a step fails after the client's retries (its outcome is unknown), the
-step stops answering locally for the sequences involved (they are untracked and go to the
-server from then on); a Fork failure marks the parent's tail as possibly shared, and a Free
-forgets its sequences before it is sent.
-
-The server's `num_tokens` lags the truth by at most `block_size - 2` tokens per
-sequence, all inside one partial block.
+When a whole Step RPC fails after the client's retries (its outcome is unknown), the client
+stops answering locally for every sequence the step named (they go to the server from then on).
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from block_manager.client.errors import BlockManagerError, InvalidArgumentError, StepStateError
-from block_manager.client.types import AllocateSpec, ItemFailure
-from block_manager.core.types import (
-    AllocateResult,
-    AppendRequest,
-    AppendResult,
-    BlockId,
-    CopyOp,
-    PoolId,
-    SeqId,
-    SequenceView,
-)
+from block_manager.client import wire
+from block_manager.client.errors import InvalidArgumentError, StepStateError
+from block_manager.client.types import Admission, ItemFailure, PoolStepInfo, SeqSlots, StepSettled
+from block_manager.core.types import PoolId, SeqId, TableDelta
+from pagedkv.v1 import block_manager_pb2 as pb
 
 
 @dataclass(slots=True)
 class TrackedSequence:
+    """The client's mirror of one sequence it drives (table from the steps' deltas)."""
+
     seq_id: SeqId
     pool_id: PoolId
     block_size: int
-    last_block_id: BlockId
     num_tokens: int            # true length, deferred tokens included
-    version: int
     tail_exclusive: bool
+    block_table: list[int] = field(default_factory=list)
+    version: int = 0
     num_deferred: int = 0
-    deferred_slots: list[int] = field(default_factory=list)
     deferred_token_ids: list[int] | None = field(default_factory=list)  # None: some came without ids
 
     def can_append_locally(self, num_new_tokens: int) -> bool:
         offset = self.num_tokens % self.block_size
-        return self.tail_exclusive and offset != 0 and offset + num_new_tokens < self.block_size
+        return (
+            self.tail_exclusive
+            and offset != 0
+            and offset + num_new_tokens < self.block_size
+            and len(self.block_table) * self.block_size >= self.num_tokens
+        )
 
-    def append_locally(self, num_new_tokens: int, token_ids: tuple[int, ...] | None) -> tuple[int, ...]:
-        base = self.last_block_id * self.block_size + self.num_tokens % self.block_size
-        slots = tuple(range(base, base + num_new_tokens))
+    def append_locally(self, num_new_tokens: int, token_ids: Sequence[int] | None) -> None:
         self.num_tokens += num_new_tokens
         self.num_deferred += num_new_tokens
-        self.deferred_slots.extend(slots)
         if token_ids is None or self.deferred_token_ids is None:
             self.deferred_token_ids = None
         else:
             self.deferred_token_ids.extend(token_ids)
-        return slots
 
-    def server_request(self, num_new_tokens: int, token_ids: tuple[int, ...] | None) -> AppendRequest:
+    def server_request(self, num_new_tokens: int, token_ids: Sequence[int] | None) -> tuple[int, list[int] | None]:
         """The deferred tokens followed by the step's new ones, as one append item."""
-        ids: tuple[int, ...] | None = None
+        ids: list[int] | None = None
         if token_ids is not None and self.deferred_token_ids is not None:
-            ids = (*self.deferred_token_ids, *token_ids)
-        return AppendRequest(self.seq_id, self.num_deferred + num_new_tokens, ids)
+            ids = [*self.deferred_token_ids, *token_ids]
+        return self.num_deferred + num_new_tokens, ids
 
-    def apply_server_append(self, res: AppendResult, num_new_tokens: int) -> None:
-        """Adopt the server's answer; `StepStateError` when it contradicts the local view."""
-        d = self.num_deferred
-        if res.num_tokens != self.num_tokens + num_new_tokens or list(res.slot_mapping[:d]) != self.deferred_slots:
-            raise StepStateError(
-                f"sequence {self.seq_id!r}: server assigned {res.num_tokens} tokens / slots "
-                f"{list(res.slot_mapping[:d])} for the deferred appends, the client expected "
-                f"{self.num_tokens + num_new_tokens} / {self.deferred_slots} (was it changed by another client?)",
-                method="AppendSlots",
-            )
-        self.num_tokens = res.num_tokens
-        self.last_block_id = BlockId(res.slot_mapping[-1] // self.block_size)
-        self.version = res.version
-        self.tail_exclusive = True
-        self.num_deferred = 0
-        self.deferred_slots = []
-        self.deferred_token_ids = []
+    def apply_delta(self, d: TableDelta) -> None:
+        if d.base_version == 0:
+            self.block_table = list(d.appended)
+        else:
+            for pos, block in d.replaced:
+                self.block_table[pos] = block
+            self.block_table.extend(d.appended)
+        self.version = d.version
+
+    def slot_mapping(self, start: int, end: int) -> list[int]:
+        """Slots of positions `start … end-1` (what a worker writing them needs)."""
+        bs = self.block_size
+        table = self.block_table
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
 
 class SequenceTracker:
@@ -152,88 +129,75 @@ class SequenceTracker:
     def forget(self, seq_id: str) -> None:
         self._seqs.pop(SeqId(seq_id), None)
 
-    def track_allocation(self, res: AllocateResult) -> None:
-        bs = self.block_sizes.get(res.pool_id)
-        if bs is None or not res.block_table:
-            return
-        num_tokens = res.num_cached_tokens + len(res.slot_mapping)
-        self._seqs[res.seq_id] = TrackedSequence(
-            res.seq_id, res.pool_id, bs, res.block_table[-1], num_tokens, res.version, True
-        )
+    def track(self, seq_id: SeqId, pool_id: PoolId, num_tokens: int, tail_exclusive: bool) -> None:
+        bs = self.block_sizes.get(pool_id)
+        if bs is not None:
+            self._seqs[seq_id] = TrackedSequence(seq_id, pool_id, bs, num_tokens, tail_exclusive)
 
-    def track_fork(self, parent: SeqId, children: Sequence[SequenceView]) -> None:
-        t = self._seqs.get(parent)
-        if t is not None:
-            t.tail_exclusive = False
-        for v in children:
-            bs = self.block_sizes.get(v.pool_id)
-            if bs is None or not v.block_table:
-                continue
-            self._seqs[v.seq_id] = TrackedSequence(
-                v.seq_id, v.pool_id, bs, v.block_table[-1], v.num_tokens, v.version, False
-            )
-
-
-@dataclass(slots=True, frozen=True)
-class SeqSlots:
-    """What `Forward` needs for one sequence of the step."""
-
-    seq_id: SeqId
-    slot_mapping: tuple[int, ...]
-    version: int
-    context_len: int
-    copy_ops: tuple[CopyOp, ...] = ()
-    new_block_ids: tuple[BlockId, ...] = ()
-    deferred: bool = False   # answered locally, reported with the sequence's next server append
+    def apply_step(self, step: PoolStepInfo) -> None:
+        if step.reset:
+            for sid in [s for s, t in self._seqs.items() if t.pool_id == step.pool_id]:
+                del self._seqs[sid]
+        for sid in step.dropped_seq_ids:
+            self._seqs.pop(sid, None)
+        for d in step.deltas:
+            t = self._seqs.get(d.seq_id)
+            if t is not None:
+                if d.base_version not in (0, t.version):
+                    self._seqs.pop(d.seq_id)  # out of step with the server: stop answering locally
+                else:
+                    t.apply_delta(d)
 
 
 @dataclass(slots=True)
 class StepResult:
-    allocations: dict[SeqId, AllocateResult | ItemFailure] = field(default_factory=dict)
-    forks: dict[SeqId, tuple[SequenceView, ...]] = field(default_factory=dict)  # by parent
+    """The answer to one scheduler step.
+
+    `steps`: per pool with work, the `PoolStepInfo` to pass to its node (in the Forward that
+    writes this step's tokens) and to report back (`client.report`). `appends` says what each
+    appended sequence's Forward entry is; `dropped` lists sequences the server dropped (their
+    step failed, or the pool changed hands) — their requests must be restarted.
+    """
+
+    steps: dict[PoolId, PoolStepInfo] = field(default_factory=dict)
+    settled: dict[PoolId, StepSettled] = field(default_factory=dict)
+    allocations: dict[SeqId, Admission | ItemFailure] = field(default_factory=dict)
+    forks: dict[SeqId, tuple[SeqId, ...] | ItemFailure] = field(default_factory=dict)  # by parent
     appends: dict[SeqId, SeqSlots | ItemFailure] = field(default_factory=dict)
+    dropped: set[SeqId] = field(default_factory=set)
+    lease_epochs: dict[PoolId, int] = field(default_factory=dict)
     num_freed: int = 0
     num_rpcs: int = 0
 
     @property
     def failures(self) -> list[ItemFailure]:
-        items = [*self.allocations.values(), *self.appends.values()]
+        items = [*self.allocations.values(), *self.forks.values(), *self.appends.values()]
         return [x for x in items if isinstance(x, ItemFailure)]
-
-
-@dataclass(slots=True, frozen=True)
-class Call:
-    """One client method call the step program wants made (`method(*args, **kwargs)`)."""
-
-    method: str
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-
-
-StepProgram = Generator[Call, Any, StepResult]
 
 
 class StepBatch:
     """Collect one scheduler step, then `commit()` it (sync client) or `await commit()`.
 
-    RPC order: Free, Allocate, [flush AppendSlots], Fork per parent, AppendSlots. Per-item
-    failures land in the result; a whole-RPC error is raised, with `self.result` holding
-    what the earlier RPCs of the step already did (the tracker reflects it too).
+    One `Step` RPC (or none, when every append was answered locally and there is nothing else
+    to tell the server). Per-item failures land in the result; a whole-RPC error is raised with
+    nothing changed on the server (or an unknown outcome after retries: see the module
+    docstring).
     """
 
-    def __init__(self, client: Any, tracker: SequenceTracker, pool_epochs: Mapping[str, int] | None = None) -> None:
+    def __init__(self, client: Any, pool_epochs: Mapping[str, int] | None = None) -> None:
         self._client = client
-        self._tracker = tracker
+        self._tracker: SequenceTracker = client.tracker
         self._pool_epochs = dict(pool_epochs or {})
         self._free_ids: list[SeqId] = []
-        self._allocs: list[AllocateSpec] = []
+        self._allocs: list[tuple[SeqId, PoolId, tuple[int, ...] | None, int | None, str | None, int | None]] = []
         self._forks: list[tuple[SeqId, tuple[SeqId, ...]]] = []
         self._appends: dict[SeqId, tuple[int, tuple[int, ...] | None]] = {}
         self._committed = False
         self.result = StepResult()
 
     # ---- collecting -----------------------------------------------------------------
-    def free(self, seq_ids: Sequence[str]) -> None:
+    def free(self, seq_ids: Iterable[str]) -> None:
+        """Free sequences (all or nothing; their previous steps' writes must be done)."""
         self._free_ids.extend(SeqId(s) for s in seq_ids)
 
     def allocate(
@@ -244,11 +208,19 @@ class StepBatch:
         *,
         num_tokens: int | None = None,
         salt: str | None = None,
+        num_compute: int | None = None,
     ) -> None:
+        """Admit a prompt (`token_ids` enable prefix caching; or a bare `num_tokens`).
+        `num_compute` caps the uncached tokens this step computes (chunked prefill; append
+        the rest of the prompt with its token ids in later steps)."""
+        if (token_ids is None) == (num_tokens is None):
+            raise InvalidArgumentError(f"allocation {seq_id!r}: give token_ids or num_tokens", method="Step")
         ids = tuple(token_ids) if token_ids is not None else None
-        self._allocs.append(AllocateSpec(SeqId(seq_id), PoolId(pool_id), ids, num_tokens, salt))
+        self._allocs.append((SeqId(seq_id), PoolId(pool_id), ids, num_tokens, salt, num_compute))
 
     def fork(self, parent: str, child_ids: Sequence[str]) -> None:
+        """Children share every block of the parent (copy-on-write on their first write;
+        the parent's last write must be reported done before a child appends)."""
         self._forks.append((SeqId(parent), tuple(SeqId(c) for c in child_ids)))
 
     def append(self, seq_id: str, token_ids: Sequence[int] | None = None, *, num_new_tokens: int | None = None) -> None:
@@ -256,144 +228,162 @@ class StepBatch:
         the blocks they fill) or a bare `num_new_tokens`."""
         sid = SeqId(seq_id)
         if sid in self._appends:
-            raise InvalidArgumentError(f"sequence {seq_id!r} appended twice in one step", method="step")
+            raise InvalidArgumentError(f"sequence {seq_id!r} appended twice in one step", method="Step")
         ids = tuple(token_ids) if token_ids is not None else None
         n = len(ids) if ids is not None else num_new_tokens
         if n is None or n < 1 or (num_new_tokens is not None and ids is not None and num_new_tokens != len(ids)):
             raise InvalidArgumentError(
-                f"sequence {seq_id!r}: need >= 1 new token (token_ids or num_new_tokens)", method="step"
+                f"sequence {seq_id!r}: need >= 1 new token (token_ids or num_new_tokens)", method="Step"
             )
         self._appends[sid] = (n, ids)
 
-    # ---- the program both drivers run -----------------------------------------------
-    def program(self) -> StepProgram:
+    # ---- request --------------------------------------------------------------------
+    def build(
+        self, request_id: str, scheduler_id: str, reports: Mapping[str, tuple[int, int, int]]
+    ) -> pb.StepRequest | None:
+        """The Step request, or None when the server need not be asked (appends answered
+        locally, nothing else to do)."""
         if self._committed:
-            raise InvalidArgumentError("step already committed", method="step")
+            raise InvalidArgumentError("step already committed", method="Step")
         self._committed = True
-        res, tracker, epochs = self.result, self._tracker, self._pool_epochs
-        if self._free_ids:
-            # Forget first: after a Free whose answer was lost the blocks may already belong
-            # to another sequence, so no slot may ever be computed locally for these again.
-            for sid in self._free_ids:
+        res, tracker = self.result, self._tracker
+        m = pb.StepRequest(request_id=request_id, scheduler_id=scheduler_id)
+        if self._pool_epochs:
+            m.pool_epochs.update(self._pool_epochs)
+        for pool_id, (epoch, done, failed) in reports.items():
+            m.reports.add(pool_id=pool_id, epoch=epoch, completed_up_to=done, failed_from=failed)
+        # Forget freed sequences first: after a Free whose answer was lost the blocks may already
+        # belong to another sequence, so no slot may be computed locally for these again.
+        for sid in self._free_ids:
+            tracker.forget(sid)
+        m.free_seq_ids.extend(self._free_ids)
+        self._build_allocs(m)
+        # Parents with deferred tokens report them first: the children inherit the true length.
+        flushed: set[SeqId] = set()
+        for parent, children in self._forks:
+            t = tracker.get(parent)
+            if t is not None and t.num_deferred and parent not in flushed:
+                flushed.add(parent)
+                n, ids = t.server_request(0, ())
+                m.written_seq_ids.append(parent)
+                m.written_num_tokens.append(n)
+                if ids is not None:
+                    m.written_token_ids.extend(ids)
+            m.fork_parent_ids.append(parent)
+            m.fork_num_children.append(len(children))
+            m.fork_child_ids.extend(children)
+        if len(m.written_token_ids) not in (0, sum(m.written_num_tokens)):
+            del m.written_token_ids[:]  # ids for all or none
+        self._pending: list[tuple[SeqId, int]] = []
+        deferred = 0
+        with_ids = True
+        server: list[tuple[SeqId, int, list[int] | None]] = []
+        for sid, (n, ids) in self._appends.items():
+            t = tracker.get(sid)
+            if t is not None and t.can_append_locally(n):
+                t.append_locally(n, ids)
+                deferred += n
+                res.appends[sid] = SeqSlots(sid, n, t.num_tokens, deferred=True)
+                continue
+            if t is not None and sid not in flushed:
+                total, all_ids = t.server_request(n, ids)
+            else:
+                total, all_ids = n, (list(ids) if ids is not None else None)
+            with_ids = with_ids and all_ids is not None
+            server.append((sid, total, all_ids))
+            self._pending.append((sid, n))
+        for sid, total, all_ids in server:
+            m.append_seq_ids.append(sid)
+            m.append_num_tokens.append(total)
+            if with_ids and all_ids is not None:
+                m.append_token_ids.extend(all_ids)
+        self._client.stats.deferred_tokens += deferred
+        needed = m.reports or m.free_seq_ids or m.alloc_seq_ids or m.fork_parent_ids or m.append_seq_ids
+        return m if needed else None
+
+    def _build_allocs(self, m: pb.StepRequest) -> None:
+        pools: dict[str, int] = {}
+        salts: dict[str, int] = {}
+        for sid, pool_id, ids, num_tokens, salt, num_compute in self._allocs:
+            m.alloc_seq_ids.append(sid)
+            m.alloc_pool_index.append(pools.setdefault(pool_id, len(pools)))
+            m.alloc_salt_index.append(-1 if salt is None else salts.setdefault(salt, len(salts)))
+            if ids is not None:
+                m.alloc_num_token_ids.append(len(ids))
+                m.alloc_token_ids.extend(ids)
+                m.alloc_num_tokens.append(0)
+            else:
+                m.alloc_num_token_ids.append(0)
+                m.alloc_num_tokens.append(int(num_tokens or 0))
+            m.alloc_num_compute.append(num_compute or 0)
+        m.pool_ids.extend(pools)
+        m.salts.extend(salts)
+
+    # ---- response -------------------------------------------------------------------
+    def apply(self, m: pb.StepResponse) -> StepResult:
+        """Adopt the server's answer: the tracker follows the deltas, the result says what
+        each item got."""
+        res, tracker = self.result, self._tracker
+        res.num_rpcs += 1
+        res.num_freed = len(self._free_ids)
+        res.lease_epochs = {PoolId(p): int(e) for p, e in m.lease_epochs.items()}
+        errors: dict[tuple[str, int], Any] = {(e.section, e.index): e for e in m.errors}
+        for s in m.settled:
+            settled = wire.step_settled(s)
+            res.settled[settled.pool_id] = settled
+            res.dropped.update(settled.dropped_seq_ids)
+            for sid in settled.dropped_seq_ids:
                 tracker.forget(sid)
-            res.num_rpcs += 1
-            res.num_freed = yield Call("free", (self._free_ids,), {"pool_epochs": epochs})
-        if self._allocs:
-            res.num_rpcs += 1
-            outcomes = yield Call("allocate", (self._allocs,), {"pool_epochs": epochs})
-            for spec, out in zip(self._allocs, outcomes, strict=True):
-                res.allocations[spec.seq_id] = out
-                if isinstance(out, AllocateResult):
-                    tracker.track_allocation(out)
-        if self._forks:
-            # Children must inherit the true length: report the parents' deferred tokens first.
-            flush = [t for p, _ in self._forks if (t := tracker.get(p)) is not None and t.num_deferred]
-            if flush:
-                res.num_rpcs += 1
-                reqs = [t.server_request(0, ()) for t in flush]
-                try:
-                    outcomes = yield Call("append_slots", (reqs,), {"pool_epochs": epochs})
-                except BlockManagerError:
-                    self._distrust(t.seq_id for t in flush)
-                    raise
-                for t, out in zip(flush, outcomes, strict=True):
-                    if isinstance(out, ItemFailure):
-                        raise out.error
-                    t.apply_server_append(out, 0)
-            for parent, children in self._forks:
-                res.num_rpcs += 1
-                try:
-                    views = yield Call("fork", (parent, children), {"pool_epochs": epochs})
-                except BlockManagerError:
-                    # The fork may have happened (answer lost): the parent's tail may be shared.
-                    self._distrust([parent])
-                    raise
-                res.forks[parent] = tuple(views)
-                tracker.track_fork(parent, views)
-        if self._appends:
-            items, pending = self._plan_appends()
-            if items:
-                res.num_rpcs += 1
-                try:
-                    outcomes = yield Call("append_slots", (items,), {"pool_epochs": epochs})
-                except BlockManagerError:
-                    # Applied or not is unknown: only the server may answer for these now.
-                    self._distrust(sid for sid, _ in pending)
-                    raise
-                for (sid, n), out in zip(pending, outcomes, strict=True):
-                    res.appends[sid] = self._server_outcome(sid, n, out)
+        for i, (sid, pool_id, _ids, _n, _salt, _nc) in enumerate(self._allocs):
+            err = errors.get(("alloc", i))
+            if err is not None:
+                res.allocations[sid] = wire.item_failure(sid, err, "Step")
+                continue
+            res.allocations[sid] = Admission(sid, pool_id, m.alloc_num_cached_tokens[i], m.alloc_num_tokens[i])
+            tracker.track(sid, pool_id, m.alloc_num_tokens[i], tail_exclusive=True)
+        for i, (parent, children) in enumerate(self._forks):
+            err = errors.get(("fork", i))
+            t = tracker.get(parent)
+            if err is not None:
+                res.forks[parent] = wire.item_failure(parent, err, "Step")
+                if t is not None:
+                    tracker.forget(parent)  # its deferred report may or may not have applied
+                continue
+            res.forks[parent] = children
+            if t is not None:
+                t.num_deferred, t.deferred_token_ids = 0, []
+                t.tail_exclusive = False
+                for c in children:
+                    tracker.track(c, t.pool_id, t.num_tokens, tail_exclusive=False)
+        for i, (sid, n) in enumerate(self._pending):
+            err = errors.get(("append", i))
+            t = tracker.get(sid)
+            if err is not None:
+                res.appends[sid] = wire.item_failure(sid, err, "Step")
+                continue
+            num_tokens = m.append_num_tokens[i]
+            if t is not None:
+                if num_tokens != t.num_tokens + n:
+                    tracker.forget(sid)
+                    res.appends[sid] = ItemFailure(sid, StepStateError(
+                        f"sequence {sid!r}: the server holds {num_tokens} tokens, the client expected "
+                        f"{t.num_tokens + n} (was it changed by another client?)", method="Step",
+                    ))
+                    continue
+                t.num_tokens = num_tokens
+                t.num_deferred, t.deferred_token_ids = 0, []
+                t.tail_exclusive = True
+            res.appends[sid] = SeqSlots(sid, n, num_tokens)
+        for ps in m.steps:
+            info = wire.pool_step(ps)
+            res.steps[info.pool_id] = info
+            tracker.apply_step(info)
         return res
 
-    def _distrust(self, seq_ids: Iterable[SeqId]) -> None:
-        """Stop answering locally for sequences whose server state became uncertain (a
-        whole-RPC failure after retries may hide an applied request)."""
-        for sid in seq_ids:
+    def distrust(self) -> None:
+        """The RPC's outcome is unknown: only the server may answer for these sequences now."""
+        for sid in [*self._appends, *(p for p, _ in self._forks), *(a[0] for a in self._allocs)]:
             self._tracker.forget(sid)
 
-    def _plan_appends(self) -> tuple[list[AppendRequest], list[tuple[SeqId, int]]]:
-        items: list[AppendRequest] = []
-        pending: list[tuple[SeqId, int]] = []
-        deferred = 0
-        for sid, (n, ids) in self._appends.items():
-            t = self._tracker.get(sid)
-            if t is not None and t.can_append_locally(n):
-                slots = t.append_locally(n, ids)
-                deferred += n
-                self.result.appends[sid] = SeqSlots(sid, slots, t.version, t.num_tokens, deferred=True)
-                continue
-            items.append(t.server_request(n, ids) if t is not None else AppendRequest(sid, n, ids))
-            pending.append((sid, n))
-        self._client.stats.deferred_tokens += deferred
-        return items, pending
 
-    def _server_outcome(self, sid: SeqId, n: int, out: AppendResult | ItemFailure) -> SeqSlots | ItemFailure:
-        if isinstance(out, ItemFailure):
-            return out
-        t = self._tracker.get(sid)
-        d = 0
-        if t is not None:
-            d = t.num_deferred
-            try:
-                t.apply_server_append(out, n)
-            except StepStateError as exc:
-                self._tracker.forget(sid)
-                return ItemFailure(sid, exc)
-        return SeqSlots(sid, out.slot_mapping[d:], out.version, out.num_tokens, out.copy_ops, out.new_block_ids)
-
-
-def run_sync(batch: StepBatch) -> StepResult:
-    """Drive a step program with a synchronous client (errors are thrown into the program,
-    which updates its view and re-raises)."""
-    program = batch.program()
-    client = batch._client
-    try:
-        call = next(program)
-        while True:
-            try:
-                answer = getattr(client, call.method)(*call.args, **call.kwargs)
-            except BlockManagerError as exc:
-                call = program.throw(exc)
-                continue
-            call = program.send(answer)
-    except StopIteration as stop:
-        return stop.value
-
-
-async def run_async(batch: StepBatch) -> StepResult:
-    """Drive a step program with an asyncio client."""
-    program = batch.program()
-    client = batch._client
-    try:
-        call = next(program)
-        while True:
-            try:
-                answer = await getattr(client, call.method)(*call.args, **call.kwargs)
-            except BlockManagerError as exc:
-                call = program.throw(exc)
-                continue
-            call = program.send(answer)
-    except StopIteration as stop:
-        return stop.value
-
-
-__all__ = ["SeqSlots", "SequenceTracker", "StepBatch", "StepResult", "TrackedSequence", "run_async", "run_sync"]
+__all__ = ["SequenceTracker", "StepBatch", "StepResult", "TrackedSequence"]

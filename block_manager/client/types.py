@@ -1,16 +1,17 @@
 """Small value objects the client returns where the core has no equivalent.
 
-Where the core already has the right shape (`AllocateResult`, `AppendResult`,
-`SequenceView`, `CopyOp`, `DefragPlan`) the client returns the core's dataclass, so code
-written against the embedded core and code written against the service read the same.
+Where the core already has the right shape (`SequenceView`, `CopyOp`, `TableDelta`,
+`DefragPlan`) the client returns the core's dataclass, so code written against the embedded
+core and code written against the service read the same.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from block_manager.client.errors import BlockManagerError
-from block_manager.core.types import CopyOp, PoolId, SeqId, SequenceView
+from block_manager.core.types import CopyOp, PlanId, PoolId, SeqId, SequenceView, StepId, TableDelta
 
 
 @dataclass(slots=True, frozen=True)
@@ -30,23 +31,11 @@ class NodeRegistration:
 class HeartbeatResult:
     lease_ttl_s: float
     draining: bool
-    last_pending_op_id: int | None  # None: no pending copy op
-
-
-@dataclass(slots=True, frozen=True)
-class AllocateSpec:
-    """One admission of a batched `Allocate`: exactly one of `token_ids` / `num_tokens`."""
-
-    seq_id: SeqId
-    pool_id: PoolId
-    token_ids: tuple[int, ...] | None = None
-    num_tokens: int | None = None
-    salt: str | None = None
 
 
 @dataclass(slots=True, frozen=True)
 class ItemFailure:
-    """A per-item failure of a batched call; that sequence is unchanged on the server."""
+    """A per-item failure of a step; that sequence (or admission, or fork) changed nothing."""
 
     seq_id: SeqId
     error: BlockManagerError
@@ -54,11 +43,11 @@ class ItemFailure:
 
 @dataclass(slots=True, frozen=True)
 class TablesUpdate:
-    """`GetTables`: the tables newer than the caller's versions and the copy ops to run
-    before them (op_id ascending)."""
+    """`GetTables` (a node's cold cache): the tables newer than the caller's versions, as of
+    the pool's last closed step."""
 
     tables: tuple[SequenceView, ...]
-    copy_ops: tuple[CopyOp, ...]
+    last_step_id: int
 
 
 @dataclass(slots=True, frozen=True)
@@ -71,4 +60,67 @@ class PoolRoute:
     address: str
 
 
-__all__ = ["AllocateSpec", "HeartbeatResult", "ItemFailure", "NodeRegistration", "PoolRoute", "TablesUpdate"]
+@dataclass(slots=True, frozen=True)
+class PoolStepInfo:
+    """One closed step of one pool: what its compute node must apply inside the scheduler's
+    Forward (copy ops first, then the deltas and drops). `message` is the `PoolStep` itself:
+    pass it verbatim to the node (`ComputeNodeClient.forward(..., steps=[...])`), then report
+    the Forward with `client.report(step, ok)`."""
+
+    pool_id: PoolId
+    epoch: int
+    step_id: StepId
+    copy_ops: tuple[CopyOp, ...]
+    deltas: tuple[TableDelta, ...]
+    dropped_seq_ids: tuple[SeqId, ...]
+    plan_id: PlanId | None
+    reset: bool
+    message: Any
+
+
+@dataclass(slots=True, frozen=True)
+class StepSettled:
+    """What a report did on the server: the steps settled up to `settled_step`, the defrag
+    plans that committed or aborted, the sequences dropped because their step failed."""
+
+    pool_id: PoolId
+    settled_step: int
+    committed_plan_ids: tuple[PlanId, ...]
+    aborted_plan_ids: tuple[PlanId, ...]
+    dropped_seq_ids: tuple[SeqId, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class Admission:
+    """An allocation of the step: the sequence holds `num_tokens` tokens (the prompt, or its
+    first chunk), the first `num_cached_tokens` already in the cache (not to compute)."""
+
+    seq_id: SeqId
+    pool_id: PoolId
+    num_cached_tokens: int
+    num_tokens: int
+
+
+@dataclass(slots=True, frozen=True)
+class SeqSlots:
+    """What `Forward` needs for one appended sequence of the step: write `num_new_tokens` at
+    the tail, the context then holds `context_len` tokens. `deferred`: answered by the client
+    (an in-block decode append), reported to the block manager later."""
+
+    seq_id: SeqId
+    num_new_tokens: int
+    context_len: int
+    deferred: bool = False
+
+
+__all__ = [
+    "Admission",
+    "HeartbeatResult",
+    "ItemFailure",
+    "NodeRegistration",
+    "PoolRoute",
+    "PoolStepInfo",
+    "SeqSlots",
+    "StepSettled",
+    "TablesUpdate",
+]

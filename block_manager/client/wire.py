@@ -1,8 +1,10 @@
 """Protocol <-> dataclass translation for the client (protos stop here).
 
-Request builders take plain Python values and return the request message; parsers take
-the response message and return core / client dataclasses. Both clients (sync and aio)
-share them, so the two cannot drift apart.
+Request builders take plain Python values and return the request message; parsers take the
+response message and return core / client dataclasses. Both clients (sync and aio) share them,
+so the two cannot drift apart. A `PoolStep` is decoded for the caller's inspection but also
+kept as the message itself (`PoolStepInfo.message`), which the scheduler passes verbatim to the
+pool's compute node.
 """
 
 from __future__ import annotations
@@ -12,30 +14,17 @@ from typing import Any
 
 from block_manager.client.errors import error_for, status_code_from_int
 from block_manager.client.types import (
-    AllocateSpec,
     HeartbeatResult,
     ItemFailure,
     NodeRegistration,
     PoolRoute,
+    PoolStepInfo,
+    StepSettled,
     TablesUpdate,
 )
-from block_manager.core.types import (
-    AllocateResult,
-    AppendRequest,
-    AppendResult,
-    BlockId,
-    CopyOp,
-    DefragPlan,
-    PlanId,
-    PoolId,
-    SeqId,
-    SequenceView,
-)
+from block_manager.core.types import BlockId, CopyOp, PlanId, PoolId, SeqId, SequenceView, StepId, TableDelta
 from pagedkv.v1 import block_manager_pb2 as pb
-
-
-def copy_op(m: pb.CopyOp) -> CopyOp:
-    return CopyOp(int(m.op_id), BlockId(m.src), BlockId(m.dst), m.kind)  # type: ignore[arg-type]
+from pagedkv.v1 import common_pb2
 
 
 def sequence_view(m: pb.SequenceTable) -> SequenceView:
@@ -44,13 +33,43 @@ def sequence_view(m: pb.SequenceTable) -> SequenceView:
     )
 
 
-def defrag_plan(m: pb.DefragPlan) -> DefragPlan:
-    return DefragPlan(PlanId(m.plan_id), PoolId(m.pool_id), m.kind, tuple(copy_op(o) for o in m.moves))  # type: ignore[arg-type]
-
-
 def item_failure(seq_id: str, m: pb.ItemError, method: str) -> ItemFailure:
     err = error_for(status_code_from_int(m.code), m.message, reason=m.reason, method=method)
     return ItemFailure(SeqId(seq_id), err)
+
+
+def pool_step(m: common_pb2.PoolStep) -> PoolStepInfo:
+    """Decode one `PoolStep` (copy ops, deltas, drops) and keep the message for the node."""
+    ops = tuple(
+        CopyOp(0, BlockId(s), BlockId(d), "defrag" if is_defrag else "cow")
+        for s, d, is_defrag in zip(m.copy_src, m.copy_dst, m.copy_is_defrag)
+    )
+    deltas: list[TableDelta] = []
+    rep = app = 0
+    rep_pos, rep_blk, app_blk = m.replaced_positions, m.replaced_blocks, m.appended_blocks
+    for i, sid in enumerate(m.delta_seq_ids):
+        nr, na = m.delta_num_replaced[i], m.delta_num_appended[i]
+        replaced = tuple(zip(rep_pos[rep : rep + nr], rep_blk[rep : rep + nr]))
+        appended = tuple(app_blk[app : app + na])
+        rep += nr
+        app += na
+        deltas.append(
+            TableDelta(
+                SeqId(sid), int(m.delta_base_versions[i]), int(m.delta_versions[i]), int(m.delta_num_tokens[i]),
+                replaced, appended,  # type: ignore[arg-type]
+            )
+        )
+    return PoolStepInfo(
+        PoolId(m.pool_id), int(m.epoch), StepId(int(m.step_id)), ops, tuple(deltas),
+        tuple(SeqId(s) for s in m.dropped_seq_ids), PlanId(m.plan_id) if m.plan_id else None, bool(m.reset), m,
+    )
+
+
+def step_settled(m: pb.StepSettled) -> StepSettled:
+    return StepSettled(
+        PoolId(m.pool_id), int(m.settled_step), tuple(PlanId(p) for p in m.committed_plan_ids),
+        tuple(PlanId(p) for p in m.aborted_plan_ids), tuple(SeqId(s) for s in m.dropped_seq_ids),
+    )
 
 
 # ---- data plane requests ---------------------------------------------------------------
@@ -67,33 +86,18 @@ def register_node_request(
     )
 
 
-def allocate_request(
-    request_id: str, items: Sequence[AllocateSpec], pool_epochs: Mapping[str, int] | None
-) -> pb.AllocateRequest:
-    # Build in place with `add()`: passing a list of messages to the constructor copies
-    # every one of them (~7x slower for a 256-item step).
-    m = pb.AllocateRequest(request_id=request_id, pool_epochs=dict(pool_epochs or {}))
-    add = m.items.add
-    for it in items:
-        item = add(seq_id=it.seq_id, pool_id=it.pool_id)
-        if it.token_ids is not None:
-            item.token_ids.extend(it.token_ids)
-        if it.num_tokens is not None:
-            item.num_tokens = it.num_tokens
-        if it.salt is not None:
-            item.salt = it.salt
-    return m
-
-
-def append_request(
-    request_id: str, items: Sequence[AppendRequest], pool_epochs: Mapping[str, int] | None
-) -> pb.AppendSlotsRequest:
-    m = pb.AppendSlotsRequest(request_id=request_id, pool_epochs=dict(pool_epochs or {}))
-    add = m.items.add
-    for r in items:
-        item = add(seq_id=r.seq_id, num_new_tokens=r.num_new_tokens)
-        if r.token_ids:
-            item.token_ids.extend(r.token_ids)
+def route_request(prompts: Sequence[tuple[Sequence[int], str | None]]) -> pb.RouteRequest:
+    """One request for several prompts (`(token_ids, salt)` each)."""
+    m = pb.RouteRequest()
+    salts: dict[str, int] = {}
+    for tokens, salt in prompts:
+        m.num_token_ids.append(len(tokens))
+        m.token_ids.extend(tokens)
+        if salt is None:
+            m.salt_index.append(-1)
+        else:
+            m.salt_index.append(salts.setdefault(salt, len(salts)))
+    m.salts.extend(salts)
     return m
 
 
@@ -110,74 +114,31 @@ def registration(m: pb.RegisterNodeResponse) -> NodeRegistration:
 
 
 def heartbeat(m: pb.HeartbeatResponse) -> HeartbeatResult:
-    return HeartbeatResult(float(m.lease_ttl_s), bool(m.draining), int(m.last_pending_op_id) or None)
-
-
-def allocate_outcomes(m: pb.AllocateResponse, items: Sequence[AllocateSpec]) -> list[AllocateResult | ItemFailure]:
-    out: list[AllocateResult | ItemFailure] = []
-    for item, o in zip(items, m.outcomes, strict=True):
-        if o.WhichOneof("outcome") == "error":
-            out.append(item_failure(item.seq_id, o.error, "Allocate"))
-            continue
-        a = o.allocation
-        out.append(
-            AllocateResult(
-                SeqId(a.seq_id),
-                PoolId(a.pool_id),
-                tuple(BlockId(b) for b in a.block_table),
-                int(a.num_cached_tokens),
-                tuple(a.slot_mapping),
-                int(a.version),
-            )
-        )
-    return out
-
-
-def append_outcomes(m: pb.AppendSlotsResponse, items: Sequence[AppendRequest]) -> list[AppendResult | ItemFailure]:
-    # Hot path (one call per scheduler step, hundreds of items): no per-field generators;
-    # NewType ids are plain ints/strs at runtime.
-    out: list[AppendResult | ItemFailure] = []
-    append = out.append
-    for item, o in zip(items, m.outcomes, strict=True):
-        if o.HasField("error"):
-            append(item_failure(item.seq_id, o.error, "AppendSlots"))
-            continue
-        a = o.appended
-        ops = a.copy_ops
-        append(
-            AppendResult(
-                a.seq_id,  # type: ignore[arg-type]
-                tuple(a.slot_mapping),
-                tuple(a.new_block_ids),  # type: ignore[arg-type]
-                tuple(map(copy_op, ops)) if ops else (),
-                a.version,
-                a.num_tokens,
-            )
-        )
-    return out
+    return HeartbeatResult(float(m.lease_ttl_s), bool(m.draining))
 
 
 def tables_update(m: pb.GetTablesResponse) -> TablesUpdate:
-    return TablesUpdate(tuple(sequence_view(t) for t in m.tables), tuple(copy_op(c) for c in m.copy_ops))
+    return TablesUpdate(tuple(sequence_view(t) for t in m.tables), int(m.last_step_id))
+
+
+def route_entries(entries: Any) -> list[PoolRoute]:
+    return [PoolRoute(PoolId(e.pool_id), int(e.num_cached_tokens), int(e.num_free_blocks), e.address) for e in entries]
 
 
 def routes(m: pb.RouteResponse) -> list[PoolRoute]:
-    return [
-        PoolRoute(PoolId(e.pool_id), int(e.num_cached_tokens), int(e.num_free_blocks), e.address) for e in m.entries
-    ]
+    return route_entries(m.entries)
 
 
 __all__ = [
-    "allocate_outcomes",
-    "allocate_request",
-    "append_outcomes",
-    "append_request",
-    "copy_op",
-    "defrag_plan",
     "heartbeat",
+    "item_failure",
+    "pool_step",
     "register_node_request",
     "registration",
+    "route_entries",
+    "route_request",
     "routes",
     "sequence_view",
+    "step_settled",
     "tables_update",
 ]

@@ -62,6 +62,10 @@ class PendingWrite(FailedPrecondition):
     (e.g. a copy-on-write of a partial block filled in the current, unreported step)."""
 
 
+class PoolLeased(FailedPrecondition):
+    """Another scheduler drives the pool and its lease has not lapsed."""
+
+
 class StepsUnsettled(FailedPrecondition):
     """Too many closed steps of a pool await their Forward report, or a settle names a step
     that does not exist / was already settled."""
@@ -85,6 +89,7 @@ __all__ = [
     "NodeFenced",
     "DoubleFree",
     "PendingWrite",
+    "PoolLeased",
     "StepsUnsettled",
     "VersionConflict",
 ]

@@ -329,15 +329,20 @@ class BlockManager:
         if len(set(ids)) != len(ids):
             raise InvalidRequest("duplicate sequence ids in free")
         for sid in ids:
-            seq = self._seq(sid)
-            open_id = self._pools[seq.pool_id].step.step_id
-            if seq.last_write_step == open_id:
-                raise PendingWrite(
-                    f"sequence {sid!r} has tokens to write in open step {open_id} of pool {seq.pool_id!r}; "
-                    "close the step and run its Forward before freeing it"
-                )
+            self.check_can_free(sid)
         for sid in ids:
             self._drop(sid)
+
+    def check_can_free(self, seq_id: SeqId) -> None:
+        """`UnknownSequence`, or `PendingWrite` when the sequence has tokens to write in its
+        pool's open step (its writes, which forks and prefix hits may share, would never run)."""
+        seq = self._seq(seq_id)
+        open_id = self._pools[seq.pool_id].step.step_id
+        if seq.last_write_step == open_id:
+            raise PendingWrite(
+                f"sequence {seq_id!r} has tokens to write in open step {open_id} of pool {seq.pool_id!r}; "
+                "close the step and run its Forward before freeing it"
+            )
 
     def _drop(self, seq_id: SeqId) -> None:
         seq = self._seqs.pop(seq_id)
@@ -386,21 +391,50 @@ class BlockManager:
         """Closed steps whose Forward is not reported yet, oldest first."""
         return [r.step_id for r in self._pool(pool_id).unsettled]
 
+    def writers_since(self, pool_id: PoolId, step_id: int) -> list[SeqId]:
+        """The sequences a failure of `step_id` (and later steps) would drop."""
+        return [sid for sid, seq in self._pool(pool_id).seqs.items() if seq.last_step >= step_id]
+
+    def abandon_pool(self, pool_id: PoolId) -> list[SeqId]:
+        """Hand the pool to a new scheduler: drop every sequence (the old scheduler's), count its
+        unsettled steps as failed (their hashes forgotten), abort its plan, and make the next
+        step a reset (the node forgets every table of the pool). Returns the dropped ids."""
+        pool = self._pool(pool_id)
+        if pool.plan is not None:
+            _defrag.abort(pool)
+        dropped = list(pool.seqs)
+        for sid in dropped:
+            seq = self._seqs.pop(sid)
+            del pool.seqs[sid]
+            for b in reversed(seq.block_table):
+                pool.release_block(b)
+        for record in [*pool.unsettled, StepRecord(pool.step.step_id, pool.step.registrations, None)]:
+            for b, block_hash in record.registrations:
+                pool.unregister(b, block_hash)
+        pool.unsettled = []
+        pool.settled_step = pool.step.step_id - 1
+        # The open step's own work belonged to the old scheduler too: the next step only resets.
+        pool.step = StepWork(pool.step.step_id, reset=True)
+        return dropped
+
     def can_close_step(self, pool_id: PoolId) -> bool:
         """Whether `close_step` would hand out a step now (it has work and the pool is below
         its limit of unsettled steps)."""
         pool = self._pool(pool_id)
         return pool.step.has_work and len(pool.unsettled) < self.max_unsettled_steps
 
-    def close_step(self, pool_id: PoolId) -> StepOutput | None:
+    def close_step(self, pool_id: PoolId, *, force: bool = False) -> StepOutput | None:
         """Close the pool's open step and hand it to the scheduler (None: it has no work).
 
+        Table changes alone (new, rewritten or dropped tables) do not close a step: they wait
+        for the next step that writes (its Forward applies them first). `force=True` hands
+        them out anyway (a scheduler that wants its nodes' tables in sync now).
         `StepsUnsettled` (state unchanged, the work stays in the open step) when
         `max_unsettled_steps` closed steps already await their Forward report.
         """
         pool = self._pool(pool_id)
         step = pool.step
-        if not step.has_work:
+        if not (step.has_work or (force and (step.dirty or step.dropped))):
             return None
         if len(pool.unsettled) >= self.max_unsettled_steps:
             raise StepsUnsettled(
@@ -533,7 +567,7 @@ class BlockManager:
         plan_id = PlanId(self._next_plan_id)
         self._next_plan_id += 1
         state = _defrag.reserve(pool, plan_id, kind, pairs)
-        return DefragPlan(plan_id, pool_id, kind, tuple(state.moves))
+        return DefragPlan(plan_id, pool_id, kind, tuple(state.moves), state.step_id)
 
     def _plan_pool(self, plan_id: PlanId) -> Pool:
         for pool in self._pools.values():
@@ -553,7 +587,7 @@ class BlockManager:
         if pool.plan is None:
             return None
         p = pool.plan
-        return DefragPlan(p.plan_id, pool_id, p.kind, tuple(p.moves))
+        return DefragPlan(p.plan_id, pool_id, p.kind, tuple(p.moves), p.step_id)
 
     def defrag_due(self, pool_id: PoolId) -> DefragKind | None:
         """Which defragmentation the policy asks for now ("compaction"/"contiguity"), or

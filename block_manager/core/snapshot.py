@@ -128,6 +128,7 @@ def _step_to_dict(step: StepWork) -> dict[str, Any]:
         "registrations": _regs(step.registrations),
         "plan_id": step.plan_id,
         "has_writes": step.has_writes,
+        "reset": step.reset,
     }
 
 
@@ -143,6 +144,7 @@ def _step_from_dict(d: dict[str, Any]) -> StepWork:
         _unregs(d["registrations"]),
         None if d["plan_id"] is None else PlanId(int(d["plan_id"])),
         bool(d["has_writes"]),
+        bool(d["reset"]),
     )
 
 

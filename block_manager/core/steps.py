@@ -44,10 +44,14 @@ class StepWork:
     registrations: list[tuple[int, bytes]] = field(default_factory=list)  # (block, hash) filled here
     plan_id: PlanId | None = None
     has_writes: bool = False
+    reset: bool = False   # the pool changed hands: the node forgets every table it holds first
 
     @property
     def has_work(self) -> bool:
-        return bool(self.has_writes or self.copy_ops or self.dirty or self.dropped or self.plan_id is not None)
+        """Whether the node must run something for this step (writes, copies, a reset). New,
+        changed or dropped tables alone wait in the open step: nothing reads them before the
+        next step that writes, whose Forward applies them first."""
+        return bool(self.has_writes or self.copy_ops or self.plan_id is not None or self.reset)
 
 
 @dataclass(slots=True)
@@ -104,6 +108,7 @@ def build_output(pool_id: str, step: StepWork, seqs: dict[SeqId, Sequence]) -> S
         tuple(deltas),
         tuple(step.dropped),
         step.plan_id,
+        step.reset,
     )
 
 

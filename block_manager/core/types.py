@@ -73,6 +73,7 @@ class StepOutput:
     deltas: tuple[TableDelta, ...]
     dropped_seq_ids: tuple[SeqId, ...]
     plan_id: PlanId | None = None
+    reset: bool = False    # the node forgets every cached table of the pool before this step
 
 
 @dataclass(slots=True, frozen=True)
@@ -173,12 +174,13 @@ class RouteEntry:
 
 @dataclass(slots=True, frozen=True)
 class DefragPlan:
-    """Moves of one outstanding defragmentation plan (each also a pending CopyOp)."""
+    """Moves of one outstanding defragmentation plan (copy ops of step `step_id`)."""
 
     plan_id: PlanId
     pool_id: PoolId
     kind: DefragKind
     moves: tuple[CopyOp, ...]
+    step_id: StepId = StepId(0)   # the step whose Forward runs the moves
 
 
 @dataclass(slots=True, frozen=True)

@@ -49,6 +49,9 @@ class BlockManagerAdminServicer(MutatingServicer, pb_grpc.BlockManagerAdminServi
                     defrag_moves=m.defrag_moves,
                     num_sequences=m.num_sequences,
                     contiguity=m.contiguity,
+                    open_step=core.open_step_id(pid),
+                    settled_step=core.settled_step_id(pid),
+                    scheduler_id=(lease.scheduler_id if (lease := rt.state.leases.get(pid)) else ""),
                 )
             )
         return pb.StatusResponse(

@@ -29,10 +29,10 @@ class DefragSettings(BaseModel):
     max_high_water_ratio: float | None = Field(default=1.5, gt=1.0)
     min_contiguity: float | None = Field(default=0.5, ge=0.0, le=1.0)
     max_moves: int | None = Field(default=256, ge=1)
-    # The policy check scans a pool's tables: run it every this many AppendSlots calls.
+    # The policy check scans a pool's tables: run it every this many scheduler steps.
     check_every_steps: int = Field(default=100, ge=1)
-    # A plan whose moves are not all acknowledged by the node within this time is
-    # aborted (destinations released, tables unchanged).
+    # A plan whose step is not reported complete within this time (the scheduler never
+    # sent the Forward, or went away) is aborted (destinations released, tables unchanged).
     timeout_s: float = Field(default=30.0, gt=0)
 
     def policy(self) -> DefragPolicy:
@@ -54,6 +54,11 @@ class BlockManagerConfig(YamlEnvSettings):
     watermark: float = Field(default=0.01, ge=0.0, lt=1.0)
     enable_prefix_caching: bool = True
     lease_ttl_s: float = Field(default=10.0, gt=0)
+    # A scheduler's lease on the pools it drives (renewed by its steps); another scheduler
+    # takes a pool over only once this lapsed (the old holder's sequences are dropped).
+    scheduler_lease_ttl_s: float = Field(default=30.0, gt=0)
+    # Closed steps of a pool that may await their Forward report (pipelining depth).
+    max_unsettled_steps: int = Field(default=4, ge=1, le=64)
     defrag: DefragSettings = DefragSettings()
     # Snapshot after this many seconds or journal records, whichever comes first
     # (checked after each group commit: an idle server writes none).
@@ -91,6 +96,8 @@ class BlockManagerConfig(YamlEnvSettings):
             lease_ttl_s=self.lease_ttl_s,
             defrag_policy=self.defrag.policy(),
             max_batch=self.max_batch,
+            scheduler_lease_ttl_s=self.scheduler_lease_ttl_s,
+            max_unsettled_steps=self.max_unsettled_steps,
         )
 
 

@@ -3,14 +3,14 @@
 The core decides *what* to move (`defrag_due`, `plan_defrag`); this runner decides *when*
 to ask and drives a plan's life cycle:
 
-- every `check_every_steps` AppendSlots calls (the policy check scans a pool's tables, so
-  not per step) and on admin request, it journals a `plan_defrag` for each pool the policy
-  flags; the plan's moves become pending copy ops of the pool, delivered to the node by
-  GetTables (and announced by Heartbeat's `last_pending_op_id`);
-- the plan commits when the node's AckCopyOps covers all moves (inside the same
-  journaled `ack_copy_ops` op, see `ServiceState`);
+- every `check_every_steps` scheduler steps (the policy check scans a pool's tables, so not
+  per step) and on admin request, it journals a `plan_defrag` for each pool the policy flags;
+  the plan's moves go into the pool's open step and reach the node inside the scheduler's
+  next Forward (only blocks whose writing step is settled move);
+- the plan commits when the scheduler reports that step's Forward complete (inside the
+  journaled `step` op that carries the report, see `ServiceState`), and aborts if it failed;
 - a plan not committed within `timeout_s` is aborted (journaled `abort_defrag`), so a
-  node that died mid-copy never leaves reserved blocks behind.
+  scheduler that went away never leaves reserved blocks behind.
 
 Every decision goes through `ServiceRuntime.mutate`, i.e. it is journaled and replayed
 like a client request; timers are per plan (no polling).
@@ -23,14 +23,14 @@ from typing import Any
 
 from block_manager.core.errors import CoreError
 from block_manager.service.config import DefragSettings
-from block_manager.service.runtime import ServiceRuntime
+from block_manager.service.runtime import ServiceRuntime, internal_request_id
 from pagedkv.lifecycle import TaskSet
 from pagedkv.logging import get_logger
 
 log = get_logger(__name__)
 
 _PLAN_OPS = ("plan_defrag",)
-_END_OPS = ("commit_defrag", "abort_defrag", "ack_copy_ops", "expire_node", "register_node")
+_END_OPS = ("step", "abort_defrag", "expire_node", "register_node", "release_pool")
 
 
 class DefragRunner:
@@ -52,7 +52,7 @@ class DefragRunner:
             self._arm(result["plan"]["plan_id"])
         elif op in _END_OPS:
             self._disarm_finished()
-        elif op == "append_slots" and self.settings.enabled:
+        if op == "step" and self.settings.enabled:
             self._steps_since_check += 1
             if self._steps_since_check >= self.check_every_steps and not self._checking:
                 self._steps_since_check = 0
@@ -88,7 +88,7 @@ class DefragRunner:
         self._timeouts.pop(plan_id, None)
         if plan_id not in {p.plan_id for p in self.runtime.state.outstanding_plans()}:
             return
-        rid = f"defrag-timeout:{plan_id}"
+        rid = internal_request_id("defrag-timeout", plan_id)
         try:
             await self.runtime.mutate("abort_defrag", rid, rid, {"plan_id": plan_id}, internal=True)
         except Exception as exc:  # noqa: BLE001 - logged; nothing else to do
@@ -111,7 +111,7 @@ class DefragRunner:
                 if kind is None:
                     continue
                 seq = self.runtime.writer.last_seq_no
-                rid = f"defrag-policy:{pool_id}:{seq}:{self.num_plans_started}"
+                rid = internal_request_id("defrag-policy", pool_id, seq, self.num_plans_started)
                 await self.plan(pool_id, kind, rid, rid)
         except Exception as exc:  # noqa: BLE001 - a failed policy run must not kill the server
             log.error("defrag policy check failed", error=repr(exc))
@@ -139,7 +139,8 @@ class DefragRunner:
             pool_ids = [pid for pid in state.core.pool_ids if pid not in busy]
         plans: list[dict[str, Any]] = []
         for pid in pool_ids:
-            plan = await self.plan(pid, kind, f"{request_id}#{pid}", f"{digest}#{pid}")
+            rid = internal_request_id("defrag-admin", request_id, pid)
+            plan = await self.plan(pid, kind, rid, f"{digest}#{pid}")
             if plan:
                 plans.append(plan)
         return plans

@@ -13,7 +13,6 @@ from typing import Any
 from block_manager.core.errors import InvalidRequest
 from block_manager.service.runtime import ServiceRuntime
 from block_manager.service.state import DEFRAG_KINDS
-from block_manager.service.status import code_for_reason
 from pagedkv.v1 import block_manager_pb2 as pb
 
 MAX_REQUEST_ID_LEN = 128
@@ -42,27 +41,13 @@ def copy_op_pb(op: Sequence[Any]) -> pb.CopyOp:
     return pb.CopyOp(op_id=op_id, src=src, dst=dst, kind=kind)
 
 
-def item_error_pb(err: dict[str, Any]) -> pb.ItemError:
-    code = code_for_reason(err["reason"])
-    return pb.ItemError(code=code.value[0], reason=err["reason"], message=err["message"])
-
-
-def table_pb(t: dict[str, Any]) -> pb.SequenceTable:
-    return pb.SequenceTable(
-        seq_id=t["seq_id"],
-        pool_id=t["pool_id"],
-        block_table=t["block_table"],
-        num_tokens=t["num_tokens"],
-        version=t["version"],
-    )
-
-
 def plan_pb(plan: dict[str, Any]) -> pb.DefragPlan:
     return pb.DefragPlan(
         plan_id=plan["plan_id"],
         pool_id=plan["pool_id"],
         kind=plan["kind"],
         moves=[copy_op_pb(m) for m in plan["moves"]],
+        step_id=plan.get("step_id", 0),
     )
 
 
@@ -92,8 +77,6 @@ __all__ = [
     "check_request_id",
     "copy_op_pb",
     "defrag_kind",
-    "item_error_pb",
     "plan_pb",
     "request_digest",
-    "table_pb",
 ]

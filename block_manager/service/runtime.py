@@ -20,15 +20,18 @@ same code the live RPCs use.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import Callable
 from typing import Any, Literal
 
+from block_manager.core.errors import PoolLeased
 from block_manager.service.config import BlockManagerConfig
 from block_manager.service.errors import RecoveryError, RequestExpired, RequestIdConflict, ServerUnavailable
 from block_manager.service.journal_writer import JournalWriter
 from block_manager.service.request_index import Recorded, RequestIndex
 from block_manager.service.state import ServiceState
+from block_manager.service.step_codec import StepInput
 from block_manager.store import MemoryStore, NewRecord, Store
 from block_manager.store.records import JournalRecord
 from pagedkv.lifecycle import TaskSet
@@ -37,6 +40,19 @@ from pagedkv.logging import get_logger
 log = get_logger(__name__)
 
 Phase = Literal["recovering", "serving", "draining", "failed", "stopped"]
+
+# The server's own mutations (lease expiry, pool handover, defrag decisions) are journaled
+# under ids no client can send: clients are limited to printable ASCII, these start with a
+# control character. Long parts are hashed so an id always fits the store's column.
+_INTERNAL_PREFIX = "\x1finternal:"
+
+
+def internal_request_id(kind: str, *parts: object) -> str:
+    """A request id for a server-made mutation, outside the clients' id namespace."""
+    body = ":".join(str(p) for p in parts)
+    if len(body) > 160:
+        body = hashlib.sha256(body.encode()).hexdigest()
+    return f"{_INTERNAL_PREFIX}{kind}:{body}"
 
 
 class ServiceRuntime:
@@ -132,6 +148,7 @@ class ServiceRuntime:
             except Exception as exc:
                 raise RecoveryError(f"journal record {rec.seq_no} ({rec.op}) does not replay: {exc}") from exc
         state.registry.renew_all(now)
+        state.leases.renew_all(now)
         return state, recovered.records, recovered.snapshot_seq_no, state.fsck()
 
     def begin_drain(self) -> None:
@@ -229,6 +246,39 @@ class ServiceRuntime:
                 listener(op, payload, applied.result)
         return applied.result
 
+    async def mutate_step(self, request_id: str, digest: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """One scheduler step. A pool held by another scheduler whose lease has lapsed is
+        handed over first (a journaled `release_pool`: the old holder's sequences are
+        dropped), then the step runs; a live lease of another scheduler refuses it."""
+        try:
+            return await self.mutate("step", request_id, digest, payload)
+        except PoolLeased:
+            if not await self._release_lapsed(payload):
+                raise
+            return await self.mutate("step", request_id, digest, payload)
+
+    async def _release_lapsed(self, payload: dict[str, Any]) -> bool:
+        state = self.state
+        try:
+            step = StepInput.decode(payload, state.config.max_batch)
+        except Exception:  # noqa: BLE001 - the step itself reports its malformed payload
+            return False
+        now = self.clock()
+        released = False
+        for pid in state.pools_of(step):
+            lease = state.leases.blocked(pid, step.scheduler_id, now)
+            if lease is None or lease.deadline > now:
+                continue
+            rid = internal_request_id("release", pid, lease.scheduler_id, lease.epoch)
+            body = {"pool_id": pid, "scheduler_id": lease.scheduler_id, "epoch": lease.epoch}
+            result = await self.mutate("release_pool", rid, rid, body, internal=True)
+            log.warning(
+                "scheduler lease lapsed; pool handed over", pool=pid, old_scheduler=lease.scheduler_id[:64],
+                new_scheduler=step.scheduler_id[:64], dropped=len(result["dropped_seq_ids"]),
+            )
+            released = True
+        return released
+
     # ---- leases ---------------------------------------------------------------------
     def heartbeat(self, node_id: str, epoch: int) -> float:
         self.check_readable()
@@ -260,10 +310,9 @@ class ServiceRuntime:
     async def _expire(self, nodes: list[tuple[str, int]]) -> None:
         for node_id, epoch in nodes:
             payload = {"node_id": node_id, "epoch": epoch}
+            rid = internal_request_id("expire", node_id, epoch)
             try:
-                result = await self.mutate(
-                    "expire_node", f"expire:{node_id}:{epoch}", f"expire:{node_id}:{epoch}", payload, internal=True
-                )
+                result = await self.mutate("expire_node", rid, rid, payload, internal=True)
             except Exception as exc:  # noqa: BLE001 - logged; the next timer retries
                 log.error("lease expiry failed", node=node_id, epoch=epoch, error=repr(exc))
                 continue
@@ -283,4 +332,4 @@ class ServiceRuntime:
             return "unknown"
 
 
-__all__ = ["Phase", "ServiceRuntime"]
+__all__ = ["Phase", "ServiceRuntime", "internal_request_id"]

@@ -1,30 +1,118 @@
-"""Data-plane servicer: protobuf ↔ JSON-shaped payload/result dicts, no logic.
+"""Data-plane servicer: protobuf ↔ JSON-shaped payload/result, no logic.
 
-Each mutating RPC becomes `runtime.mutate(op, request_id, digest, payload)`; the digest
-is a sha256 of the deterministic protobuf encoding of the request with its `request_id`
-cleared (plus the method name), which is what a retry is compared against. Errors are not
-handled here: they propagate to `ErrorMappingInterceptor`.
+Each mutating RPC becomes `runtime.mutate(op, request_id, digest, payload)`; the digest is a
+sha256 of the deterministic protobuf encoding of the request with its `request_id` cleared
+(plus the method name), which is what a retry is compared against. Errors are not handled
+here: they propagate to `ErrorMappingInterceptor`.
+
+`Step` is the hot path: its columns are copied into the payload as lists (`list(repeated)`
+runs in C) and the result's columns are `extend`ed into the response; nothing is built per
+item in Python except the per-item errors, which are rare.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 from block_manager.core.errors import InvalidRequest
-from block_manager.core.types import PoolId, SeqId
+from block_manager.core.types import SeqId
 from block_manager.service.defrag_runner import DefragRunner
-from block_manager.service.protocol import (
-    MutatingServicer,
-    defrag_kind,
-    item_error_pb,
-    plan_pb,
-    table_pb,
-)
+from block_manager.service.protocol import MutatingServicer, check_request_id, request_digest
 from block_manager.service.runtime import ServiceRuntime
-from block_manager.service.state_codec import ItemFailureRecord, check_count, check_id, check_ids, decode_append_outcome
+from block_manager.service.state_codec import check_count, check_ids
 from block_manager.service.status import code_for_reason
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
+from pagedkv.v1 import common_pb2
+
+MAX_ROUTE_TOKENS = 1 << 20
+
+
+def step_payload(request: pb.StepRequest) -> dict[str, Any]:
+    """The Step request's columns as the journaled payload (see `step_codec.StepInput`)."""
+    payload: dict[str, Any] = {"scheduler_id": request.scheduler_id}
+    if request.pool_epochs:
+        payload["pool_epochs"] = dict(request.pool_epochs)
+    if request.reports:
+        payload["reports"] = [[r.pool_id, r.epoch, r.completed_up_to, r.failed_from] for r in request.reports]
+    if request.free_seq_ids:
+        payload["free"] = list(request.free_seq_ids)
+    if request.alloc_seq_ids:
+        payload["alloc"] = {
+            "seq_ids": list(request.alloc_seq_ids),
+            "pools": list(request.pool_ids),
+            "salts": list(request.salts),
+            "pool_index": list(request.alloc_pool_index),
+            "salt_index": list(request.alloc_salt_index),
+            "num_token_ids": list(request.alloc_num_token_ids),
+            "token_ids": list(request.alloc_token_ids),
+            "num_tokens": list(request.alloc_num_tokens),
+            "num_compute": list(request.alloc_num_compute),
+        }
+    if request.written_seq_ids:
+        payload["written"] = {
+            "seq_ids": list(request.written_seq_ids),
+            "num_tokens": list(request.written_num_tokens),
+            "token_ids": list(request.written_token_ids),
+        }
+    if request.fork_parent_ids:
+        payload["fork"] = {
+            "parents": list(request.fork_parent_ids),
+            "num_children": list(request.fork_num_children),
+            "children": list(request.fork_child_ids),
+        }
+    if request.append_seq_ids:
+        payload["append"] = {
+            "seq_ids": list(request.append_seq_ids),
+            "num_tokens": list(request.append_num_tokens),
+            "token_ids": list(request.append_token_ids),
+        }
+    return payload
+
+
+def fill_pool_step(msg: common_pb2.PoolStep, d: dict[str, Any]) -> None:
+    """A journaled pool step (`step_codec.pool_step_dict`) into its message, column by column."""
+    msg.pool_id = d["pool_id"]
+    msg.epoch = d["epoch"]
+    msg.step_id = d["step_id"]
+    msg.copy_src.extend(d["copy_src"])
+    msg.copy_dst.extend(d["copy_dst"])
+    msg.copy_is_defrag.extend(d["copy_is_defrag"])
+    msg.delta_seq_ids.extend(d["delta_seq_ids"])
+    msg.delta_base_versions.extend(d["delta_base_versions"])
+    msg.delta_versions.extend(d["delta_versions"])
+    msg.delta_num_tokens.extend(d["delta_num_tokens"])
+    msg.delta_num_replaced.extend(d["delta_num_replaced"])
+    msg.replaced_positions.extend(d["replaced_positions"])
+    msg.replaced_blocks.extend(d["replaced_blocks"])
+    msg.delta_num_appended.extend(d["delta_num_appended"])
+    msg.appended_blocks.extend(d["appended_blocks"])
+    msg.dropped_seq_ids.extend(d["dropped_seq_ids"])
+    msg.plan_id = d["plan_id"]
+    msg.reset = d["reset"]
+
+
+def step_response(r: dict[str, Any]) -> pb.StepResponse:
+    resp = pb.StepResponse()
+    for d in r["steps"]:
+        fill_pool_step(resp.steps.add(), d)
+    for pool_id, settled_step, committed, aborted, dropped in r["settled"]:
+        s = resp.settled.add()
+        s.pool_id, s.settled_step = pool_id, settled_step
+        s.committed_plan_ids.extend(committed)
+        s.aborted_plan_ids.extend(aborted)
+        s.dropped_seq_ids.extend(dropped)
+    for section, index, reason, message in r["errors"]:
+        e = resp.errors.add()
+        e.code, e.reason, e.message = code_for_reason(reason).value[0], reason, message
+        e.section, e.index = section, index
+    resp.alloc_num_cached_tokens.extend(r["alloc_num_cached_tokens"])
+    resp.alloc_num_tokens.extend(r["alloc_num_tokens"])
+    resp.append_num_tokens.extend(r["append_num_tokens"])
+    resp.lease_epochs.update(r["lease_epochs"])
+    return resp
 
 
 class BlockManagerServicer(MutatingServicer, pb_grpc.BlockManagerServicer):
@@ -60,92 +148,23 @@ class BlockManagerServicer(MutatingServicer, pb_grpc.BlockManagerServicer):
             prefetch_window=r["prefetch_window"],
         )
 
-    async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HeartbeatResponse:
         ttl = self.runtime.heartbeat(request.node_id, request.epoch)
         node = self.runtime.state.registry.get(request.node_id)
-        pending = self.runtime.state.core.pending_copy_ops(PoolId(request.node_id))
-        return pb.HeartbeatResponse(
-            lease_ttl_s=ttl, draining=node.draining, last_pending_op_id=pending[-1].op_id if pending else 0
-        )
+        return pb.HeartbeatResponse(lease_ttl_s=ttl, draining=node.draining)
 
-    # ---- sequences ------------------------------------------------------------------
-    async def Allocate(self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext) -> pb.AllocateResponse:
-        items = [
-            {
-                "seq_id": it.seq_id,
-                "pool_id": it.pool_id,
-                "token_ids": list(it.token_ids) if it.token_ids else None,
-                "num_tokens": it.num_tokens or None,
-                "salt": it.salt if it.HasField("salt") else None,
-            }
-            for it in request.items
-        ]
-        payload = {"items": items, "pool_epochs": dict(request.pool_epochs)}
-        r = await self._mutate("Allocate", request, "allocate", payload)
-        outcomes = []
-        for o in r["outcomes"]:
-            if "error" in o:
-                outcomes.append(pb.AllocateOutcome(error=item_error_pb(o["error"])))
-            else:
-                a = o["allocation"]
-                outcomes.append(
-                    pb.AllocateOutcome(
-                        allocation=pb.SequenceAllocation(
-                            seq_id=a["seq_id"],
-                            pool_id=a["pool_id"],
-                            block_table=a["block_table"],
-                            num_cached_tokens=a["num_cached_tokens"],
-                            slot_mapping=a["slot_mapping"],
-                            version=a["version"],
-                        )
-                    )
-                )
-        return pb.AllocateResponse(outcomes=outcomes)
+    # ---- the scheduler step ---------------------------------------------------------
+    async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
+        rid = check_request_id(request.request_id)
+        r = await self.runtime.mutate_step(rid, request_digest("Step", request), step_payload(request))
+        return step_response(r)
 
-    async def AppendSlots(
-        self, request: pb.AppendSlotsRequest, context: grpc.aio.ServicerContext
-    ) -> pb.AppendSlotsResponse:
-        items = [[it.seq_id, it.num_new_tokens, list(it.token_ids) if it.token_ids else None] for it in request.items]
-        payload = {"items": items, "pool_epochs": dict(request.pool_epochs)}
-        r = await self._mutate("AppendSlots", request, "append_slots", payload)
-        # Filled in place (outcomes.add()): several times faster than building nested
-        # messages from keyword arguments, and this is the per-step hot path.
-        resp = pb.AppendSlotsResponse()
-        add = resp.outcomes.add
-        for o in map(decode_append_outcome, r["outcomes"]):
-            if isinstance(o, ItemFailureRecord):
-                e = add().error
-                e.code, e.reason, e.message = code_for_reason(o.reason).value[0], o.reason, o.message
-                continue
-            a = add().appended
-            a.seq_id = o.seq_id
-            a.slot_mapping.extend(o.slot_mapping)
-            if o.new_block_ids:
-                a.new_block_ids.extend(o.new_block_ids)
-            for op in o.copy_ops:
-                c = a.copy_ops.add()
-                c.op_id, c.src, c.dst, c.kind = op
-            a.version = o.version
-            a.num_tokens = o.num_tokens
-        return resp
-
-    async def Fork(self, request: pb.ForkRequest, context: grpc.aio.ServicerContext) -> pb.ForkResponse:
-        check_id("parent_seq_id", request.parent_seq_id)
-        payload = {
-            "parent": request.parent_seq_id,
-            "children": list(request.child_seq_ids),
-            "pool_epochs": dict(request.pool_epochs),
-        }
-        r = await self._mutate("Fork", request, "fork", payload)
-        return pb.ForkResponse(children=[table_pb(t) for t in r["children"]])
-
-    async def Free(self, request: pb.FreeRequest, context: grpc.aio.ServicerContext) -> pb.FreeResponse:
-        payload = {"seq_ids": list(request.seq_ids), "pool_epochs": dict(request.pool_epochs)}
-        r = await self._mutate("Free", request, "free", payload)
-        return pb.FreeResponse(num_freed=r["num_freed"])
-
-    # ---- tables and copy ops --------------------------------------------------------
-    async def GetTables(self, request: pb.GetTablesRequest, context: grpc.aio.ServicerContext) -> pb.GetTablesResponse:
+    # ---- cold tables ----------------------------------------------------------------
+    async def GetTables(
+        self, request: pb.GetTablesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetTablesResponse:
         self.runtime.check_readable()
         state = self.runtime.state
         node = state.registry.check_epoch(request.node_id, request.epoch)
@@ -157,60 +176,46 @@ class BlockManagerServicer(MutatingServicer, pb_grpc.BlockManagerServicer):
         for v in views:
             if v.pool_id != node.node_id:
                 raise InvalidRequest(f"sequence {v.seq_id!r} is on pool {v.pool_id!r}, not {node.node_id!r}")
-        ops = state.core.pending_copy_ops(node.node_id, request.after_op_id)
-        return pb.GetTablesResponse(
-            tables=[
-                pb.SequenceTable(
-                    seq_id=v.seq_id,
-                    pool_id=v.pool_id,
-                    block_table=v.block_table,
-                    num_tokens=v.num_tokens,
-                    version=v.version,
-                )
-                for v in views
-            ],
-            copy_ops=[pb.CopyOp(op_id=op.op_id, src=op.src, dst=op.dst, kind=op.kind) for op in ops],
-        )
-
-    async def AckCopyOps(
-        self, request: pb.AckCopyOpsRequest, context: grpc.aio.ServicerContext
-    ) -> pb.AckCopyOpsResponse:
-        payload = {"node_id": request.node_id, "epoch": request.epoch, "up_to_op_id": request.up_to_op_id}
-        r = await self._mutate("AckCopyOps", request, "ack_copy_ops", payload)
-        return pb.AckCopyOpsResponse(committed_plan_ids=r["committed_plan_ids"])
-
-    # ---- defrag ---------------------------------------------------------------------
-    async def PlanDefrag(
-        self, request: pb.PlanDefragRequest, context: grpc.aio.ServicerContext
-    ) -> pb.PlanDefragResponse:
-        payload = {
-            "pool_id": request.pool_id,
-            "kind": defrag_kind(request.kind),
-            "max_moves": request.max_moves or None,
-        }
-        r = await self._mutate("PlanDefrag", request, "plan_defrag", payload)
-        plan = r["plan"]
-        return pb.PlanDefragResponse(plan=plan_pb(plan)) if plan else pb.PlanDefragResponse()
-
-    async def CommitDefrag(
-        self, request: pb.CommitDefragRequest, context: grpc.aio.ServicerContext
-    ) -> pb.CommitDefragResponse:
-        r = await self._mutate("CommitDefrag", request, "commit_defrag", {"plan_id": request.plan_id})
-        return pb.CommitDefragResponse(updated_seq_ids=r["updated_seq_ids"])
-
-    async def AbortDefrag(
-        self, request: pb.AbortDefragRequest, context: grpc.aio.ServicerContext
-    ) -> pb.AbortDefragResponse:
-        await self._mutate("AbortDefrag", request, "abort_defrag", {"plan_id": request.plan_id})
-        return pb.AbortDefragResponse()
+        resp = pb.GetTablesResponse(last_step_id=state.core.open_step_id(node.node_id) - 1)
+        for v in views:
+            t = resp.tables.add()
+            t.seq_id, t.pool_id, t.num_tokens, t.version = v.seq_id, v.pool_id, v.num_tokens, v.version
+            t.block_table.extend(v.block_table)
+        return resp
 
     # ---- routing --------------------------------------------------------------------
     async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
         self.runtime.check_readable()
         state = self.runtime.state
-        entries = state.core.route(list(request.token_ids), request.salt if request.HasField("salt") else None)
+        token_ids = list(request.token_ids)
+        if len(token_ids) > MAX_ROUTE_TOKENS:
+            raise InvalidRequest(f"route takes at most {MAX_ROUTE_TOKENS} token ids, got {len(token_ids)}")
+        if not request.num_token_ids:
+            salt = request.salt if request.HasField("salt") else None
+            return pb.RouteResponse(entries=self._route_entries(token_ids, salt))
+        counts = list(request.num_token_ids)
+        salts = list(request.salts)
+        if len(counts) > state.config.max_batch or sum(counts) != len(token_ids):
+            raise InvalidRequest("route: one token count per prompt, summing to the token ids given")
+        if request.salt_index and len(request.salt_index) != len(counts):
+            raise InvalidRequest("route: one salt index per prompt (or none)")
+        resp = pb.RouteResponse()
+        pos = 0
+        for i, n in enumerate(counts):
+            si = request.salt_index[i] if request.salt_index else -1
+            if not -1 <= si < len(salts):
+                raise InvalidRequest(f"route: salt index {si} out of range")
+            entries = self._route_entries(token_ids[pos : pos + n], salts[si] if si >= 0 else None)
+            resp.results.add().entries.extend(entries)
+            pos += n
+        if resp.results:
+            resp.entries.extend(resp.results[0].entries)
+        return resp
+
+    def _route_entries(self, token_ids: list[int], salt: str | None) -> list[pb.RouteEntry]:
+        state = self.runtime.state
         out = []
-        for e in entries:
+        for e in state.core.route(token_ids, salt):
             node = state.registry.get(e.pool_id)
             if node.draining or node.fenced:
                 continue
@@ -222,7 +227,7 @@ class BlockManagerServicer(MutatingServicer, pb_grpc.BlockManagerServicer):
                     address=node.address,
                 )
             )
-        return pb.RouteResponse(entries=out)
+        return out
 
 
-__all__ = ["BlockManagerServicer"]
+__all__ = ["BlockManagerServicer", "fill_pool_step", "step_payload", "step_response"]

@@ -1,4 +1,5 @@
-"""The block manager service's state machine: core `BlockManager` + node registry.
+"""The block manager service's state machine: core `BlockManager` + node registry + the
+pools' scheduler leases.
 
 Every mutation — live RPC or journal replay — goes through `ServiceState.apply(op,
 payload, now)`. Payloads are plain JSON-shaped dicts (what the journal stores), so a
@@ -9,6 +10,10 @@ deadlines, which are not durable (they restart at recovery), so replay stays det
 `apply` validates a whole request before touching anything and raises a typed error
 (core `CoreError` or `errors.ServiceError`) with the state unchanged; it returns
 `Applied(result, mutated)`, and only mutated results are journaled.
+
+The hot operation is `step` (one scheduler step, `step_codec.py`): reports of earlier
+Forwards, frees, admissions, already-written reports, forks and appends, then the open step of
+every pool the scheduler drives is closed and returned as that pool's `PoolStep`.
 """
 
 from __future__ import annotations
@@ -21,27 +26,19 @@ from typing import Any
 from block_manager.core.errors import (
     CoreError,
     DoubleFree,
-    FailedPrecondition,
     InvalidRequest,
     NodeFenced,
+    StepsUnsettled,
     UnknownSequence,
 )
-from block_manager.core.manager import MAX_POOL_BLOCKS, BlockManager
+from block_manager.core.leases import PoolLeases, check_scheduler_id
+from block_manager.core.manager import DEFAULT_MAX_UNSETTLED_STEPS, MAX_POOL_BLOCKS, BlockManager
 from block_manager.core.nodes import NodeRegistry, check_node_id
-from block_manager.core.types import AppendFailure, DefragPlan, DefragPolicy, PoolId, SeqId
-from block_manager.service.state_codec import (
-    allocation_dict,
-    append_outcome,
-    append_requests,
-    check_allocate_item,
-    check_count,
-    check_ids,
-    check_optional_str,
-    plan_dict,
-    table_dict,
-)
+from block_manager.core.types import AppendFailure, AppendRequest, DefragPlan, DefragPolicy, PoolId, SeqId
+from block_manager.service.state_codec import check_count, check_optional_str, plan_dict
+from block_manager.service.step_codec import StepInput, pool_step_dict
 
-SNAPSHOT_FORMAT = 1
+SNAPSHOT_FORMAT = 2
 DEFRAG_KINDS = ("compaction", "contiguity")
 
 
@@ -59,6 +56,8 @@ class StateConfig:
     defrag_policy: DefragPolicy | None = None
     max_batch: int = 4096
     remembered_ids: int = 65536     # freed / fenced seq ids kept for precise errors
+    scheduler_lease_ttl_s: float = 30.0
+    max_unsettled_steps: int = DEFAULT_MAX_UNSETTLED_STEPS
 
 
 @dataclass(slots=True, frozen=True)
@@ -67,39 +66,42 @@ class Applied:
     mutated: bool
 
 
-def item_error(exc: CoreError) -> dict[str, Any]:
-    """A per-item failure as the journal records it: the error's class name and message.
+def item_error(section: str, index: int, exc: CoreError) -> list[Any]:
+    """A per-item failure as the journal records it: where, the error's class name, message.
     The transport's status code is derived from the name at the edge (`service/status.py`)."""
-    return {"reason": type(exc).__name__, "message": str(exc)}
+    return [section, index, type(exc).__name__, str(exc)]
 
 
 class ServiceState:
     """Core + registry + the small bookkeeping the service adds (freed/fenced ids)."""
 
     def __init__(
-        self, config: StateConfig, core: BlockManager | None = None, registry: NodeRegistry | None = None
+        self,
+        config: StateConfig,
+        core: BlockManager | None = None,
+        registry: NodeRegistry | None = None,
+        leases: PoolLeases | None = None,
     ) -> None:
         self.config = config
         self.core = core or BlockManager(
             watermark=config.watermark,
             enable_prefix_caching=config.enable_prefix_caching,
             defrag_policy=config.defrag_policy,
+            max_unsettled_steps=config.max_unsettled_steps,
         )
         self.registry = registry or NodeRegistry(config.lease_ttl_s)
+        self.leases = leases or PoolLeases(config.scheduler_lease_ttl_s)
         # Remembered so a late request gets FAILED_PRECONDITION (double free / fenced
         # node) instead of a bare NOT_FOUND; bounded, oldest forgotten first.
         self.freed_ids: OrderedDict[SeqId, None] = OrderedDict()
         self.fenced_ids: OrderedDict[SeqId, PoolId] = OrderedDict()
+        self.failed_ids: OrderedDict[SeqId, PoolId] = OrderedDict()  # dropped: their step failed
         self._ops: dict[str, Callable[[dict[str, Any], float], Applied]] = {
             "register_node": self._register_node,
             "expire_node": self._expire_node,
-            "allocate": self._allocate,
-            "append_slots": self._append_slots,
-            "fork": self._fork,
-            "free": self._free,
-            "ack_copy_ops": self._ack_copy_ops,
+            "step": self._step,
+            "release_pool": self._release_pool,
             "plan_defrag": self._plan_defrag,
-            "commit_defrag": self._commit_defrag,
             "abort_defrag": self._abort_defrag,
             "drain_node": self._drain_node,
             "reset_prefix_cache": self._reset_prefix_cache,
@@ -133,6 +135,7 @@ class ServiceState:
     def _forget(self, seq_id: SeqId) -> None:
         self.freed_ids.pop(seq_id, None)
         self.fenced_ids.pop(seq_id, None)
+        self.failed_ids.pop(seq_id, None)
 
     def _check_pool_epochs(self, pool_epochs: Mapping[str, Any] | None) -> None:
         for pool_id, epoch in sorted((pool_epochs or {}).items()):
@@ -141,12 +144,16 @@ class ServiceState:
     def _missing_seq_error(self, seq_id: SeqId) -> CoreError:
         pool = self.fenced_ids.get(seq_id)
         if pool is not None:
-            return NodeFenced(f"sequence {seq_id!r} was dropped when node {pool!r} was fenced")
+            return NodeFenced(f"sequence {seq_id!r} was dropped when pool {pool!r} was fenced or handed over")
+        pool = self.failed_ids.get(seq_id)
+        if pool is not None:
+            return DoubleFree(f"sequence {seq_id!r} was dropped: the Forward of a step that wrote it failed")
         if seq_id in self.freed_ids:
             return DoubleFree(f"sequence {seq_id!r} was already freed")
         return UnknownSequence(f"unknown sequence {seq_id!r}")
 
     def _drop_pool(self, pool_id: PoolId) -> list[SeqId]:
+        self.leases.release(pool_id)
         if pool_id not in self.core.pool_ids:
             return []
         dropped = self.core.remove_pool(pool_id)
@@ -198,105 +205,194 @@ class ServiceState:
         self.core.set_draining(node.node_id, draining)
         return Applied({"num_sequences": len(self.core.sequences(node.node_id))}, True)
 
-    # ---- sequences ------------------------------------------------------------------
-    def _allocate(self, p: dict[str, Any], now: float) -> Applied:
-        items = p["items"]
-        check_count("number of items", len(items), 1, self.config.max_batch)
-        for it in items:
-            check_allocate_item(it)
-        check_ids("seq_id", [it["seq_id"] for it in items])
-        self._check_pool_epochs(p.get("pool_epochs"))
-        outcomes: list[dict[str, Any]] = []
-        mutated = False
-        for it in items:
+    # ---- the scheduler step ---------------------------------------------------------
+    def pools_of(self, step: StepInput) -> list[PoolId]:
+        """Every live pool the step touches (reports, allocations, the pools of the sequences
+        it names), sorted; unknown sequences are skipped (their items fail on their own)."""
+        pools: set[str] = {r.pool_id for r in step.reports if r.pool_id in self.core.pool_ids}
+        pools.update(a.pool_id for a in step.allocs)
+        sids = [*step.free_ids, *(w[0] for w in step.written), *(f[0] for f in step.forks),
+                *(a[0] for a in step.appends)]
+        for sid in sids:
             try:
-                sid = SeqId(it["seq_id"])
-                self.registry.check_active(it["pool_id"])
-                tokens = it.get("token_ids")
+                pools.add(self.core.get_sequence(SeqId(sid)).pool_id)
+            except UnknownSequence:
+                pass
+        return sorted(PoolId(p) for p in pools)
+
+    def _step(self, p: dict[str, Any], now: float) -> Applied:
+        sched = check_scheduler_id(p.get("scheduler_id"))
+        step = StepInput.decode(p, self.config.max_batch)
+        core = self.core
+        # ---- validate everything that fails the request as a whole (nothing changed) ----
+        self._check_pool_epochs(step.pool_epochs)
+        pools = self.pools_of(step)
+        for pid in pools:
+            self.registry.check_active(pid)
+            self.leases.check(pid, sched, now)
+        reports = [r for r in step.reports if self._report_applies(r)]
+        to_drop: set[SeqId] = set()
+        for r in reports:
+            to_drop |= self._check_report(r)
+        for sid in step.free_ids:
+            if SeqId(sid) in to_drop:
+                continue
+            try:
+                core.get_sequence(SeqId(sid))
+            except UnknownSequence:
+                raise self._missing_seq_error(SeqId(sid)) from None
+        has_items = {a.pool_id for a in step.allocs}
+        for sid in [*(f[0] for f in step.forks), *(a[0] for a in step.appends), *(w[0] for w in step.written)]:
+            try:
+                has_items.add(core.get_sequence(SeqId(sid)).pool_id)
+            except UnknownSequence:
+                pass
+        settled_after = {r.pool_id: r.failed_from or r.completed_up_to for r in reports}
+        for pid in sorted(has_items & set(pools)):
+            pending = [s for s in core.unsettled_step_ids(pid) if s > settled_after.get(pid, 0)]
+            if len(pending) >= core.max_unsettled_steps:
+                raise StepsUnsettled(
+                    f"pool {pid!r}: steps {pending} await their Forward report; report them in this step"
+                )
+        self._check_free_pending(step.free_ids, to_drop)
+        # ---- apply ----
+        lease_epochs = {pid: self.leases.acquire(pid, sched, now) for pid in pools}
+        settled = [self._settle(r) for r in reports]
+        dropped = {sid for s in settled for sid in s[4]}
+        frees = [SeqId(s) for s in step.free_ids if SeqId(s) not in dropped]
+        if frees:
+            core.free(frees)
+            for sid in frees:
+                self._remember(self.freed_ids, sid, None)
+        errors: list[list[Any]] = []
+        alloc_cached, alloc_tokens = self._allocate(step, errors)
+        self._append(step.written, "written", errors, already_written=True)
+        self._fork(step, errors)
+        append_tokens = self._append(step.appends, "append", errors, already_written=False)
+        # ---- close the open step of every pool this scheduler drives ----
+        held = [pid for pid, lease in self.leases.holders().items() if lease.scheduler_id == sched]
+        steps = []
+        for pid in sorted(set(pools) | set(held)):
+            if pid in core.pool_ids and core.can_close_step(pid):
+                out = core.close_step(pid)
+                if out is not None:
+                    steps.append(pool_step_dict(out, self.registry.get(pid).epoch))
+        result = {
+            "steps": steps,
+            "settled": settled,
+            "errors": errors,
+            "alloc_num_cached_tokens": alloc_cached,
+            "alloc_num_tokens": alloc_tokens,
+            "append_num_tokens": append_tokens,
+            "lease_epochs": lease_epochs,
+        }
+        return Applied(result, True)
+
+    def _report_applies(self, r: Any) -> bool:
+        """A report on a pool that is gone or re-registered since is moot (that incarnation's
+        sequences were dropped with it)."""
+        if r.pool_id not in self.core.pool_ids:
+            return False
+        return r.epoch == 0 or r.epoch == self.registry.get(r.pool_id).epoch
+
+    def _check_report(self, r: Any) -> set[SeqId]:
+        """Validate a report without applying it; the sequences it would drop."""
+        core = self.core
+        last_closed = core.open_step_id(r.pool_id) - 1
+        done = max(r.completed_up_to, core.settled_step_id(r.pool_id))
+        if r.completed_up_to > last_closed:
+            raise StepsUnsettled(f"pool {r.pool_id!r}: step {r.completed_up_to} was never handed out")
+        if r.failed_from is None:
+            return set()
+        if r.failed_from != done + 1 or r.failed_from > last_closed:
+            raise InvalidRequest(
+                f"pool {r.pool_id!r}: failed_from {r.failed_from} must be the first unsettled step "
+                f"(settled up to {done}, last handed out {last_closed})"
+            )
+        return set(core.writers_since(r.pool_id, r.failed_from))
+
+    def _check_free_pending(self, free_ids: list[str], to_drop: set[SeqId]) -> None:
+        """A sequence with tokens to write in its open step cannot be freed (core contract);
+        checked here too so the request fails before anything changed."""
+        for sid in free_ids:
+            if SeqId(sid) not in to_drop:
+                self.core.check_can_free(SeqId(sid))
+
+    def _settle(self, r: Any) -> list[Any]:
+        res = self.core.settle_steps(r.pool_id, r.completed_up_to, r.failed_from)
+        for sid in res.dropped_seq_ids:
+            self._remember(self.failed_ids, sid, r.pool_id)
+        return [r.pool_id, res.settled_step, list(res.committed_plan_ids), list(res.aborted_plan_ids),
+                list(res.dropped_seq_ids)]
+
+    def _allocate(self, step: StepInput, errors: list[list[Any]]) -> tuple[list[int], list[int]]:
+        cached: list[int] = []
+        tokens: list[int] = []
+        for i, a in enumerate(step.allocs):
+            try:
                 res = self.core.allocate(
-                    sid,
-                    PoolId(it["pool_id"]),
-                    tuple(tokens) if tokens is not None else None,
-                    num_tokens=it.get("num_tokens"),
-                    salt=check_optional_str("salt", it.get("salt"), 1024),
+                    SeqId(a.seq_id), PoolId(a.pool_id), a.token_ids, num_tokens=a.num_tokens, salt=a.salt,
+                    num_compute=a.num_compute,
                 )
             except CoreError as exc:
-                outcomes.append({"error": item_error(exc)})
+                errors.append(item_error("alloc", i, exc))
+                cached.append(0)
+                tokens.append(0)
                 continue
-            self._forget(sid)
-            mutated = True
-            outcomes.append({"allocation": allocation_dict(res)})
-        return Applied({"outcomes": outcomes}, mutated)
+            self._forget(SeqId(a.seq_id))
+            cached.append(res.num_cached_tokens)
+            tokens.append(res.num_cached_tokens + len(res.slot_mapping))
+        return cached, tokens
 
-    def _append_slots(self, p: dict[str, Any], now: float) -> Applied:
-        items = p["items"]
-        check_count("number of items", len(items), 1, self.config.max_batch)
-        self._check_pool_epochs(p.get("pool_epochs"))
-        requests = append_requests(items)
-        # Outcomes: an `AppendedRecord` per appended sequence, a {"seq_id", "error"} dict per
-        # failed one (`decode_append_outcome` reads either back as a typed record).
-        outcomes: list[Any] = []
-        add = outcomes.append
-        mutated = False
-        for res in self.core.append_slots(requests):
+    def _fork(self, step: StepInput, errors: list[list[Any]]) -> None:
+        for i, (parent, children) in enumerate(step.forks):
+            try:
+                try:
+                    self.core.get_sequence(SeqId(parent))
+                except UnknownSequence:
+                    raise self._missing_seq_error(SeqId(parent)) from None
+                self.core.fork(SeqId(parent), [SeqId(c) for c in children])
+            except CoreError as exc:
+                errors.append(item_error("fork", i, exc))
+                continue
+            for c in children:
+                self._forget(SeqId(c))
+
+    def _append(
+        self, items: list[tuple[str, int, list[int] | None]], section: str, errors: list[list[Any]],
+        *, already_written: bool,
+    ) -> list[int]:
+        if not items:
+            return []
+        requests = [AppendRequest(SeqId(sid), n, None if ids is None else tuple(ids)) for sid, n, ids in items]
+        out: list[int] = []
+        for i, res in enumerate(self.core.append_slots(requests, already_written=already_written)):
             if type(res) is AppendFailure:
                 err = res.error
                 if isinstance(err, UnknownSequence):
                     err = self._missing_seq_error(res.seq_id)
-                add({"seq_id": res.seq_id, "error": item_error(err)})
+                errors.append(item_error(section, i, err))
+                out.append(0)
             else:
-                mutated = True
-                add(append_outcome(res))  # type: ignore[arg-type]
-        return Applied({"outcomes": outcomes}, mutated)
+                out.append(res.num_tokens)  # type: ignore[union-attr]
+        return out
 
-    def _fork(self, p: dict[str, Any], now: float) -> Applied:
-        children = p["children"]
-        check_count("number of children", len(children), 1, self.config.max_batch)
-        check_ids("child seq_id", children)
-        self._check_pool_epochs(p.get("pool_epochs"))
-        parent = SeqId(p["parent"])
-        try:
-            self.core.get_sequence(parent)
-        except UnknownSequence:
-            raise self._missing_seq_error(parent) from None
-        views = self.core.fork(parent, [SeqId(c) for c in children])
-        for c in children:
-            self._forget(SeqId(c))
-        return Applied({"children": [table_dict(v) for v in views]}, True)
+    def _release_pool(self, p: dict[str, Any], now: float) -> Applied:
+        """Hand a pool over: the lapsed holder's sequences are dropped (their scheduler is
+        gone or fenced off), its unsettled steps count as failed, its lease ends."""
+        pool_id = PoolId(p["pool_id"])
+        lease = self.leases.get(pool_id)
+        if lease is None or lease.scheduler_id != p["scheduler_id"] or lease.epoch != p["epoch"]:
+            return Applied({"released": False, "dropped_seq_ids": []}, False)
+        self.leases.release(pool_id)
+        dropped: list[SeqId] = []
+        if pool_id in self.core.pool_ids:
+            dropped = self.core.abandon_pool(pool_id)
+            for sid in dropped:
+                self._remember(self.fenced_ids, sid, pool_id)
+        return Applied({"released": True, "dropped_seq_ids": dropped}, True)
 
-    def _free(self, p: dict[str, Any], now: float) -> Applied:
-        seq_ids = [SeqId(s) for s in p["seq_ids"]]
-        check_count("number of seq_ids", len(seq_ids), 1, self.config.max_batch)
-        check_ids("seq_id", seq_ids)
-        self._check_pool_epochs(p.get("pool_epochs"))
-        for sid in seq_ids:
-            try:
-                self.core.get_sequence(sid)
-            except UnknownSequence:
-                raise self._missing_seq_error(sid) from None
-        self.core.free(seq_ids)
-        for sid in seq_ids:
-            self._remember(self.freed_ids, sid, None)
-        return Applied({"num_freed": len(seq_ids)}, True)
-
-    # ---- copy ops and defragmentation -----------------------------------------------
-    def _ack_copy_ops(self, p: dict[str, Any], now: float) -> Applied:
-        node = self.registry.check_epoch(p["node_id"], p["epoch"])
-        up_to = check_count("up_to_op_id", p["up_to_op_id"], 0, 1 << 62)
-        pool_id = node.node_id
-        pending_before = self.core.pending_copy_ops(pool_id)
-        if pending_before and up_to > pending_before[-1].op_id:
-            raise InvalidRequest(f"up_to_op_id {up_to} is beyond the last issued op {pending_before[-1].op_id}")
-        if not pending_before or up_to < pending_before[0].op_id:
-            return Applied({"committed_plan_ids": []}, False)
-        self.core.ack_copy_ops(pool_id, up_to)
-        committed: list[int] = []
-        plan = self.core.get_defrag_plan(pool_id)
-        if plan is not None and all(m.op_id <= up_to for m in plan.moves):
-            self.core.commit_defrag(plan.plan_id)
-            committed.append(plan.plan_id)
-        return Applied({"committed_plan_ids": committed}, True)
-
+    # ---- defragmentation ------------------------------------------------------------
     def _plan_defrag(self, p: dict[str, Any], now: float) -> Applied:
         pool_id = p["pool_id"]
         self.registry.check_active(pool_id)
@@ -308,10 +404,6 @@ class ServiceState:
             check_count("max_moves", max_moves, 1, 1 << 30)
         plan = self.core.plan_defrag(PoolId(pool_id), kind, max_moves)
         return Applied({"plan": plan_dict(plan) if plan else None}, plan is not None)
-
-    def _commit_defrag(self, p: dict[str, Any], now: float) -> Applied:
-        updated = self.core.commit_defrag(p["plan_id"])
-        return Applied({"updated_seq_ids": list(updated)}, True)
 
     def _abort_defrag(self, p: dict[str, Any], now: float) -> Applied:
         self.core.abort_defrag(p["plan_id"])
@@ -326,14 +418,6 @@ class ServiceState:
     def outstanding_plans(self) -> list[DefragPlan]:
         plans = (self.core.get_defrag_plan(pid) for pid in self.core.pool_ids)
         return [plan for plan in plans if plan is not None]
-
-    def check_plan_acked(self, plan_id: int) -> None:
-        """FailedPrecondition unless every move of the plan was acknowledged."""
-        for plan in self.outstanding_plans():
-            if plan.plan_id == plan_id:
-                pending = {op.op_id for op in self.core.pending_copy_ops(plan.pool_id)}
-                if any(m.op_id in pending for m in plan.moves):
-                    raise FailedPrecondition(f"defrag plan {plan_id} has unacknowledged moves")
 
     def fsck(self) -> list[str]:
         problems = list(self.core.fsck())
@@ -351,8 +435,10 @@ class ServiceState:
             "format": SNAPSHOT_FORMAT,
             "core": self.core.to_snapshot(),
             "registry": self.registry.to_snapshot(),
+            "leases": self.leases.to_snapshot(),
             "freed_ids": list(self.freed_ids),
             "fenced_ids": [[sid, pid] for sid, pid in self.fenced_ids.items()],
+            "failed_ids": [[sid, pid] for sid, pid in self.failed_ids.items()],
         }
 
     @classmethod
@@ -361,15 +447,19 @@ class ServiceState:
             if data["format"] != SNAPSHOT_FORMAT:
                 raise InvalidRequest(f"unsupported service snapshot format {data['format']!r}")
             core = BlockManager.from_snapshot(data["core"])
+            core.max_unsettled_steps = config.max_unsettled_steps
             registry = NodeRegistry.from_snapshot(data["registry"], now, config.lease_ttl_s)
-            state = cls(config, core, registry)
+            leases = PoolLeases.from_snapshot(data["leases"], config.scheduler_lease_ttl_s, now)
+            state = cls(config, core, registry, leases)
             for sid in data["freed_ids"]:
                 state.freed_ids[SeqId(sid)] = None
             for sid, pid in data["fenced_ids"]:
                 state.fenced_ids[SeqId(sid)] = PoolId(pid)
+            for sid, pid in data["failed_ids"]:
+                state.failed_ids[SeqId(sid)] = PoolId(pid)
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidRequest(f"malformed service snapshot: {exc!r}") from exc
         return state
 
 
-__all__ = ["Applied", "ServiceState", "StateConfig", "item_error", "DEFRAG_KINDS"]
+__all__ = ["DEFRAG_KINDS", "Applied", "ServiceState", "StateConfig", "item_error"]

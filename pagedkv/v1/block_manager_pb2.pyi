@@ -20,6 +20,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from pagedkv.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -81,7 +82,7 @@ class CopyOp(_message.Message):
     DST_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
     op_id: _builtins.int
-    """strictly increasing per pool; apply in this order"""
+    """strictly increasing per pool"""
     src: _builtins.int
     dst: _builtins.int
     kind: _builtins.str
@@ -137,37 +138,6 @@ class SequenceTable(_message.Message):
 Global___SequenceTable: _TypeAlias = SequenceTable  # noqa: Y015
 
 @_typing.final
-class ItemError(_message.Message):
-    """A per-item failure inside a batched response (Allocate, AppendSlots). The item
-    changed nothing; `code` uses the same numbering and meaning as grpc.StatusCode
-    (e.g. 8 RESOURCE_EXHAUSTED, 5 NOT_FOUND, 9 FAILED_PRECONDITION).
-    """
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    CODE_FIELD_NUMBER: _builtins.int
-    REASON_FIELD_NUMBER: _builtins.int
-    MESSAGE_FIELD_NUMBER: _builtins.int
-    code: _builtins.int
-    reason: _builtins.str
-    """machine-readable class name, e.g. "OutOfBlocks" """
-    message: _builtins.str
-    def __init__(
-        self,
-        *,
-        code: _builtins.int = ...,
-        reason: _builtins.str = ...,
-        message: _builtins.str = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "reason", b"reason"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___ItemError: _TypeAlias = ItemError  # noqa: Y015
-
-@_typing.final
 class DefragPlan(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -175,13 +145,15 @@ class DefragPlan(_message.Message):
     POOL_ID_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
     MOVES_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
     plan_id: _builtins.int
     pool_id: _builtins.str
     kind: _builtins.str
     """"compaction" or "contiguity" """
+    step_id: _builtins.int
     @_builtins.property
     def moves(self) -> _containers.RepeatedCompositeFieldContainer[Global___CopyOp]:
-        """also delivered as pending copy ops of the pool"""
+        """delivered as copy ops of the step `step_id` of the pool"""
 
     def __init__(
         self,
@@ -190,10 +162,11 @@ class DefragPlan(_message.Message):
         pool_id: _builtins.str = ...,
         kind: _builtins.str = ...,
         moves: _abc.Iterable[Global___CopyOp] | None = ...,
+        step_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "moves", b"moves", "plan_id", b"plan_id", "pool_id", b"pool_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "moves", b"moves", "plan_id", b"plan_id", "pool_id", b"pool_id", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -257,7 +230,7 @@ class RegisterNodeResponse(_message.Message):
     """effective block size of the pool"""
     num_blocks: _builtins.int
     prefetch_window: _builtins.int
-    """hint: how many tables to prefetch per step"""
+    """hint: block-table entries the attention kernels stage ahead"""
     def __init__(
         self,
         *,
@@ -304,67 +277,63 @@ class HeartbeatResponse(_message.Message):
 
     LEASE_TTL_S_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
-    LAST_PENDING_OP_ID_FIELD_NUMBER: _builtins.int
     lease_ttl_s: _builtins.float
     draining: _builtins.bool
-    last_pending_op_id: _builtins.int
-    """Highest op id of the pool's pending (unacknowledged) copy ops, 0 if none: a node
-    that sees it rise calls GetTables before its next forward.
-    """
     def __init__(
         self,
         *,
         lease_ttl_s: _builtins.float = ...,
         draining: _builtins.bool = ...,
-        last_pending_op_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "last_pending_op_id", b"last_pending_op_id", "lease_ttl_s", b"lease_ttl_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "lease_ttl_s", b"lease_ttl_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HeartbeatResponse: _TypeAlias = HeartbeatResponse  # noqa: Y015
 
 @_typing.final
-class AllocateItem(_message.Message):
+class StepReport(_message.Message):
+    """The scheduler's report of the Forwards of one pool's earlier steps."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
-    SEQ_ID_FIELD_NUMBER: _builtins.int
     POOL_ID_FIELD_NUMBER: _builtins.int
-    TOKEN_IDS_FIELD_NUMBER: _builtins.int
-    NUM_TOKENS_FIELD_NUMBER: _builtins.int
-    SALT_FIELD_NUMBER: _builtins.int
-    seq_id: _builtins.str
+    COMPLETED_UP_TO_FIELD_NUMBER: _builtins.int
+    FAILED_FROM_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
-    num_tokens: _builtins.int
-    salt: _builtins.str
-    """isolates prefix-cache hits per tenant/model"""
-    @_builtins.property
-    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Exactly one of token_ids (enables prefix caching) or num_tokens (> 0)."""
-
+    completed_up_to: _builtins.int
+    """every step <= this one ran (its writes and copies are done)"""
+    failed_from: _builtins.int
+    """0: none; else this step (= completed_up_to + 1) and later did not run"""
+    epoch: _builtins.int
+    """the node epoch of PoolStep.epoch; a report on a replaced epoch is moot"""
     def __init__(
         self,
         *,
-        seq_id: _builtins.str = ...,
         pool_id: _builtins.str = ...,
-        token_ids: _abc.Iterable[_builtins.int] | None = ...,
-        num_tokens: _builtins.int = ...,
-        salt: _builtins.str | None = ...,
+        completed_up_to: _builtins.int = ...,
+        failed_from: _builtins.int = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_salt", b"_salt", "salt", b"salt"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_salt", b"_salt", "num_tokens", b"num_tokens", "pool_id", b"pool_id", "salt", b"salt", "seq_id", b"seq_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed_up_to", b"completed_up_to", "epoch", b"epoch", "failed_from", b"failed_from", "pool_id", b"pool_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType__salt: _TypeAlias = _typing.Literal["salt"]  # noqa: Y015
-    _WhichOneofArgType__salt: _TypeAlias = _typing.Literal["_salt", b"_salt"]  # noqa: Y015
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__salt) -> _WhichOneofReturnType__salt | None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___AllocateItem: _TypeAlias = AllocateItem  # noqa: Y015
+Global___StepReport: _TypeAlias = StepReport  # noqa: Y015
 
 @_typing.final
-class AllocateRequest(_message.Message):
+class StepRequest(_message.Message):
+    """One scheduler step. Sections apply in this order: reports, frees, allocations, already-written
+    reports, forks, appends; then a defrag plan where the policy (or an admin) asks for one.
+    Columnar: item i of a section is the i-th entry of its parallel lists; token ids are
+    flattened per section with a per-item count.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     @_typing.final
@@ -388,155 +357,216 @@ class AllocateRequest(_message.Message):
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
-    ITEMS_FIELD_NUMBER: _builtins.int
+    SCHEDULER_ID_FIELD_NUMBER: _builtins.int
     POOL_EPOCHS_FIELD_NUMBER: _builtins.int
+    REPORTS_FIELD_NUMBER: _builtins.int
+    FREE_SEQ_IDS_FIELD_NUMBER: _builtins.int
+    POOL_IDS_FIELD_NUMBER: _builtins.int
+    SALTS_FIELD_NUMBER: _builtins.int
+    ALLOC_SEQ_IDS_FIELD_NUMBER: _builtins.int
+    ALLOC_POOL_INDEX_FIELD_NUMBER: _builtins.int
+    ALLOC_SALT_INDEX_FIELD_NUMBER: _builtins.int
+    ALLOC_NUM_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    ALLOC_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    ALLOC_NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    ALLOC_NUM_COMPUTE_FIELD_NUMBER: _builtins.int
+    WRITTEN_SEQ_IDS_FIELD_NUMBER: _builtins.int
+    WRITTEN_NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    WRITTEN_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    FORK_PARENT_IDS_FIELD_NUMBER: _builtins.int
+    FORK_NUM_CHILDREN_FIELD_NUMBER: _builtins.int
+    FORK_CHILD_IDS_FIELD_NUMBER: _builtins.int
+    APPEND_SEQ_IDS_FIELD_NUMBER: _builtins.int
+    APPEND_NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    APPEND_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    @_builtins.property
-    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___AllocateItem]:
-        """1..max_batch, distinct seq_ids"""
-
+    scheduler_id: _builtins.str
+    """the pools' lease holder (one scheduler drives a pool)"""
     @_builtins.property
     def pool_epochs(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
-        """Optional fencing: pool_id -> epoch the caller believes current. A mismatch fails
-        the whole request with FAILED_PRECONDITION and changes nothing.
+        """optional fencing: pool -> node epoch the caller knows"""
+
+    @_builtins.property
+    def reports(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepReport]: ...
+    @_builtins.property
+    def free_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """all-or-nothing"""
+
+    @_builtins.property
+    def pool_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """allocations
+        pools referred to by alloc_pool_index
         """
 
+    @_builtins.property
+    def salts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """salts referred to by alloc_salt_index"""
+
+    @_builtins.property
+    def alloc_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def alloc_pool_index(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def alloc_salt_index(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """-1: no salt"""
+
+    @_builtins.property
+    def alloc_num_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """prompt token ids per allocation (0: give alloc_num_tokens)"""
+
+    @_builtins.property
+    def alloc_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def alloc_num_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """prompt length when no token ids are given, else 0"""
+
+    @_builtins.property
+    def alloc_num_compute(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """chunked prefill: at most this many uncached tokens now; 0: all"""
+
+    @_builtins.property
+    def written_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """tokens already written into a sequence's exclusive partial block (appends a client
+        answered locally), reported now; token ids all-or-none like appends
+        """
+
+    @_builtins.property
+    def written_num_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def written_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def fork_parent_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """forks: parent i gets the next fork_num_children[i] ids of fork_child_ids"""
+
+    @_builtins.property
+    def fork_num_children(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def fork_child_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def append_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """appends (the hot path): token ids for every append (sum of counts) or for none"""
+
+    @_builtins.property
+    def append_num_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def append_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
-        items: _abc.Iterable[Global___AllocateItem] | None = ...,
+        scheduler_id: _builtins.str = ...,
         pool_epochs: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        reports: _abc.Iterable[Global___StepReport] | None = ...,
+        free_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
+        pool_ids: _abc.Iterable[_builtins.str] | None = ...,
+        salts: _abc.Iterable[_builtins.str] | None = ...,
+        alloc_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
+        alloc_pool_index: _abc.Iterable[_builtins.int] | None = ...,
+        alloc_salt_index: _abc.Iterable[_builtins.int] | None = ...,
+        alloc_num_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        alloc_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        alloc_num_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        alloc_num_compute: _abc.Iterable[_builtins.int] | None = ...,
+        written_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
+        written_num_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        written_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        fork_parent_ids: _abc.Iterable[_builtins.str] | None = ...,
+        fork_num_children: _abc.Iterable[_builtins.int] | None = ...,
+        fork_child_ids: _abc.Iterable[_builtins.str] | None = ...,
+        append_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
+        append_num_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        append_token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "pool_epochs", b"pool_epochs", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_num_compute", b"alloc_num_compute", "alloc_num_token_ids", b"alloc_num_token_ids", "alloc_num_tokens", b"alloc_num_tokens", "alloc_pool_index", b"alloc_pool_index", "alloc_salt_index", b"alloc_salt_index", "alloc_seq_ids", b"alloc_seq_ids", "alloc_token_ids", b"alloc_token_ids", "append_num_tokens", b"append_num_tokens", "append_seq_ids", b"append_seq_ids", "append_token_ids", b"append_token_ids", "fork_child_ids", b"fork_child_ids", "fork_num_children", b"fork_num_children", "fork_parent_ids", b"fork_parent_ids", "free_seq_ids", b"free_seq_ids", "pool_epochs", b"pool_epochs", "pool_ids", b"pool_ids", "reports", b"reports", "request_id", b"request_id", "salts", b"salts", "scheduler_id", b"scheduler_id", "written_num_tokens", b"written_num_tokens", "written_seq_ids", b"written_seq_ids", "written_token_ids", b"written_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___AllocateRequest: _TypeAlias = AllocateRequest  # noqa: Y015
+Global___StepRequest: _TypeAlias = StepRequest  # noqa: Y015
 
 @_typing.final
-class SequenceAllocation(_message.Message):
+class ItemError(_message.Message):
+    """A per-item failure of a Step (or a Route) section. The item changed nothing; `code` uses
+    the numbering and meaning of grpc.StatusCode (8 RESOURCE_EXHAUSTED, 5 NOT_FOUND, ...).
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
-    SEQ_ID_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    SECTION_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    reason: _builtins.str
+    """machine-readable class name, e.g. "OutOfBlocks", "PendingWrite" """
+    message: _builtins.str
+    section: _builtins.str
+    """"alloc", "written", "fork", "append" """
+    index: _builtins.int
+    """index of the item in its section"""
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        reason: _builtins.str = ...,
+        message: _builtins.str = ...,
+        section: _builtins.str = ...,
+        index: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "index", b"index", "message", b"message", "reason", b"reason", "section", b"section"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ItemError: _TypeAlias = ItemError  # noqa: Y015
+
+@_typing.final
+class StepSettled(_message.Message):
+    """What one pool's report did."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
     POOL_ID_FIELD_NUMBER: _builtins.int
-    BLOCK_TABLE_FIELD_NUMBER: _builtins.int
-    NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
-    SLOT_MAPPING_FIELD_NUMBER: _builtins.int
-    VERSION_FIELD_NUMBER: _builtins.int
-    seq_id: _builtins.str
+    SETTLED_STEP_FIELD_NUMBER: _builtins.int
+    COMMITTED_PLAN_IDS_FIELD_NUMBER: _builtins.int
+    ABORTED_PLAN_IDS_FIELD_NUMBER: _builtins.int
+    DROPPED_SEQ_IDS_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
-    num_cached_tokens: _builtins.int
-    version: _builtins.int
+    settled_step: _builtins.int
     @_builtins.property
-    def block_table(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def committed_plan_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
-    def slot_mapping(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """slots of tokens num_cached_tokens .. num_tokens-1"""
+    def aborted_plan_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def dropped_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """a failed step's writers: their K/V is missing"""
 
     def __init__(
         self,
         *,
-        seq_id: _builtins.str = ...,
         pool_id: _builtins.str = ...,
-        block_table: _abc.Iterable[_builtins.int] | None = ...,
-        num_cached_tokens: _builtins.int = ...,
-        slot_mapping: _abc.Iterable[_builtins.int] | None = ...,
-        version: _builtins.int = ...,
+        settled_step: _builtins.int = ...,
+        committed_plan_ids: _abc.Iterable[_builtins.int] | None = ...,
+        aborted_plan_ids: _abc.Iterable[_builtins.int] | None = ...,
+        dropped_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_table", b"block_table", "num_cached_tokens", b"num_cached_tokens", "pool_id", b"pool_id", "seq_id", b"seq_id", "slot_mapping", b"slot_mapping", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted_plan_ids", b"aborted_plan_ids", "committed_plan_ids", b"committed_plan_ids", "dropped_seq_ids", b"dropped_seq_ids", "pool_id", b"pool_id", "settled_step", b"settled_step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___SequenceAllocation: _TypeAlias = SequenceAllocation  # noqa: Y015
+Global___StepSettled: _TypeAlias = StepSettled  # noqa: Y015
 
 @_typing.final
-class AllocateOutcome(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    ALLOCATION_FIELD_NUMBER: _builtins.int
-    ERROR_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def allocation(self) -> Global___SequenceAllocation: ...
-    @_builtins.property
-    def error(self) -> Global___ItemError: ...
-    def __init__(
-        self,
-        *,
-        allocation: Global___SequenceAllocation | None = ...,
-        error: Global___ItemError | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["allocation", b"allocation", "error", b"error", "outcome", b"outcome"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocation", b"allocation", "error", b"error", "outcome", b"outcome"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["allocation", "error"]  # noqa: Y015
-    _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
-    def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
-
-Global___AllocateOutcome: _TypeAlias = AllocateOutcome  # noqa: Y015
-
-@_typing.final
-class AllocateResponse(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    OUTCOMES_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def outcomes(self) -> _containers.RepeatedCompositeFieldContainer[Global___AllocateOutcome]:
-        """same order as the request's items"""
-
-    def __init__(
-        self,
-        *,
-        outcomes: _abc.Iterable[Global___AllocateOutcome] | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["outcomes", b"outcomes"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___AllocateResponse: _TypeAlias = AllocateResponse  # noqa: Y015
-
-@_typing.final
-class AppendItem(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    SEQ_ID_FIELD_NUMBER: _builtins.int
-    NUM_NEW_TOKENS_FIELD_NUMBER: _builtins.int
-    TOKEN_IDS_FIELD_NUMBER: _builtins.int
-    seq_id: _builtins.str
-    num_new_tokens: _builtins.int
-    """>= 1"""
-    @_builtins.property
-    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Empty, or exactly num_new_tokens ids (lets full blocks be hashed for prefix reuse)."""
-
-    def __init__(
-        self,
-        *,
-        seq_id: _builtins.str = ...,
-        num_new_tokens: _builtins.int = ...,
-        token_ids: _abc.Iterable[_builtins.int] | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_new_tokens", b"num_new_tokens", "seq_id", b"seq_id", "token_ids", b"token_ids"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___AppendItem: _TypeAlias = AppendItem  # noqa: Y015
-
-@_typing.final
-class AppendSlotsRequest(_message.Message):
+class StepResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     @_typing.final
-    class PoolEpochsEntry(_message.Message):
+    class LeaseEpochsEntry(_message.Message):
         DESCRIPTOR: _descriptor.Descriptor
 
         KEY_FIELD_NUMBER: _builtins.int
@@ -555,260 +585,59 @@ class AppendSlotsRequest(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-    REQUEST_ID_FIELD_NUMBER: _builtins.int
-    ITEMS_FIELD_NUMBER: _builtins.int
-    POOL_EPOCHS_FIELD_NUMBER: _builtins.int
-    request_id: _builtins.str
+    STEPS_FIELD_NUMBER: _builtins.int
+    SETTLED_FIELD_NUMBER: _builtins.int
+    ERRORS_FIELD_NUMBER: _builtins.int
+    ALLOC_NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    ALLOC_NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    APPEND_NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    LEASE_EPOCHS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___AppendItem]:
-        """1..max_batch, distinct seq_ids"""
+    def steps(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.PoolStep]:
+        """one per pool with work: pass it to the pool's node"""
 
     @_builtins.property
-    def pool_epochs(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    def settled(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepSettled]:
+        """one per report"""
+
+    @_builtins.property
+    def errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___ItemError]:
+        """failed items of any section"""
+
+    @_builtins.property
+    def alloc_num_cached_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """per allocation, in request order (0 for a failed item)"""
+
+    @_builtins.property
+    def alloc_num_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """tokens the sequence holds now (chunked: < the prompt)"""
+
+    @_builtins.property
+    def append_num_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """per append, in request order: tokens after the append (0 for a failed item)"""
+
+    @_builtins.property
+    def lease_epochs(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """pool -> this scheduler's lease epoch on it"""
+
     def __init__(
         self,
         *,
-        request_id: _builtins.str = ...,
-        items: _abc.Iterable[Global___AppendItem] | None = ...,
-        pool_epochs: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        steps: _abc.Iterable[_common_pb2.PoolStep] | None = ...,
+        settled: _abc.Iterable[Global___StepSettled] | None = ...,
+        errors: _abc.Iterable[Global___ItemError] | None = ...,
+        alloc_num_cached_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        alloc_num_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        append_num_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        lease_epochs: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "pool_epochs", b"pool_epochs", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_num_cached_tokens", b"alloc_num_cached_tokens", "alloc_num_tokens", b"alloc_num_tokens", "append_num_tokens", b"append_num_tokens", "errors", b"errors", "lease_epochs", b"lease_epochs", "settled", b"settled", "steps", b"steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___AppendSlotsRequest: _TypeAlias = AppendSlotsRequest  # noqa: Y015
-
-@_typing.final
-class SequenceAppend(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    SEQ_ID_FIELD_NUMBER: _builtins.int
-    SLOT_MAPPING_FIELD_NUMBER: _builtins.int
-    NEW_BLOCK_IDS_FIELD_NUMBER: _builtins.int
-    COPY_OPS_FIELD_NUMBER: _builtins.int
-    VERSION_FIELD_NUMBER: _builtins.int
-    NUM_TOKENS_FIELD_NUMBER: _builtins.int
-    seq_id: _builtins.str
-    version: _builtins.int
-    """table version after this append"""
-    num_tokens: _builtins.int
-    @_builtins.property
-    def slot_mapping(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """one slot per new token"""
-
-    @_builtins.property
-    def new_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
-    @_builtins.property
-    def copy_ops(self) -> _containers.RepeatedCompositeFieldContainer[Global___CopyOp]:
-        """copy-on-write, run before writing"""
-
-    def __init__(
-        self,
-        *,
-        seq_id: _builtins.str = ...,
-        slot_mapping: _abc.Iterable[_builtins.int] | None = ...,
-        new_block_ids: _abc.Iterable[_builtins.int] | None = ...,
-        copy_ops: _abc.Iterable[Global___CopyOp] | None = ...,
-        version: _builtins.int = ...,
-        num_tokens: _builtins.int = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["copy_ops", b"copy_ops", "new_block_ids", b"new_block_ids", "num_tokens", b"num_tokens", "seq_id", b"seq_id", "slot_mapping", b"slot_mapping", "version", b"version"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___SequenceAppend: _TypeAlias = SequenceAppend  # noqa: Y015
-
-@_typing.final
-class AppendOutcome(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    APPENDED_FIELD_NUMBER: _builtins.int
-    ERROR_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def appended(self) -> Global___SequenceAppend: ...
-    @_builtins.property
-    def error(self) -> Global___ItemError: ...
-    def __init__(
-        self,
-        *,
-        appended: Global___SequenceAppend | None = ...,
-        error: Global___ItemError | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["appended", b"appended", "error", b"error", "outcome", b"outcome"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["appended", b"appended", "error", b"error", "outcome", b"outcome"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["appended", "error"]  # noqa: Y015
-    _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
-    def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
-
-Global___AppendOutcome: _TypeAlias = AppendOutcome  # noqa: Y015
-
-@_typing.final
-class AppendSlotsResponse(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    OUTCOMES_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def outcomes(self) -> _containers.RepeatedCompositeFieldContainer[Global___AppendOutcome]:
-        """same order as the request's items"""
-
-    def __init__(
-        self,
-        *,
-        outcomes: _abc.Iterable[Global___AppendOutcome] | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["outcomes", b"outcomes"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___AppendSlotsResponse: _TypeAlias = AppendSlotsResponse  # noqa: Y015
-
-@_typing.final
-class ForkRequest(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    @_typing.final
-    class PoolEpochsEntry(_message.Message):
-        DESCRIPTOR: _descriptor.Descriptor
-
-        KEY_FIELD_NUMBER: _builtins.int
-        VALUE_FIELD_NUMBER: _builtins.int
-        key: _builtins.str
-        value: _builtins.int
-        def __init__(
-            self,
-            *,
-            key: _builtins.str = ...,
-            value: _builtins.int = ...,
-        ) -> None: ...
-        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
-        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-        def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-    REQUEST_ID_FIELD_NUMBER: _builtins.int
-    PARENT_SEQ_ID_FIELD_NUMBER: _builtins.int
-    CHILD_SEQ_IDS_FIELD_NUMBER: _builtins.int
-    POOL_EPOCHS_FIELD_NUMBER: _builtins.int
-    request_id: _builtins.str
-    parent_seq_id: _builtins.str
-    @_builtins.property
-    def child_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """1..max_batch, distinct, new"""
-
-    @_builtins.property
-    def pool_epochs(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
-    def __init__(
-        self,
-        *,
-        request_id: _builtins.str = ...,
-        parent_seq_id: _builtins.str = ...,
-        child_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
-        pool_epochs: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["child_seq_ids", b"child_seq_ids", "parent_seq_id", b"parent_seq_id", "pool_epochs", b"pool_epochs", "request_id", b"request_id"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___ForkRequest: _TypeAlias = ForkRequest  # noqa: Y015
-
-@_typing.final
-class ForkResponse(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    CHILDREN_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def children(self) -> _containers.RepeatedCompositeFieldContainer[Global___SequenceTable]: ...
-    def __init__(
-        self,
-        *,
-        children: _abc.Iterable[Global___SequenceTable] | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["children", b"children"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___ForkResponse: _TypeAlias = ForkResponse  # noqa: Y015
-
-@_typing.final
-class FreeRequest(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    @_typing.final
-    class PoolEpochsEntry(_message.Message):
-        DESCRIPTOR: _descriptor.Descriptor
-
-        KEY_FIELD_NUMBER: _builtins.int
-        VALUE_FIELD_NUMBER: _builtins.int
-        key: _builtins.str
-        value: _builtins.int
-        def __init__(
-            self,
-            *,
-            key: _builtins.str = ...,
-            value: _builtins.int = ...,
-        ) -> None: ...
-        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
-        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-        def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-    REQUEST_ID_FIELD_NUMBER: _builtins.int
-    SEQ_IDS_FIELD_NUMBER: _builtins.int
-    POOL_EPOCHS_FIELD_NUMBER: _builtins.int
-    request_id: _builtins.str
-    @_builtins.property
-    def seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """1..max_batch, distinct"""
-
-    @_builtins.property
-    def pool_epochs(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
-    def __init__(
-        self,
-        *,
-        request_id: _builtins.str = ...,
-        seq_ids: _abc.Iterable[_builtins.str] | None = ...,
-        pool_epochs: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool_epochs", b"pool_epochs", "request_id", b"request_id", "seq_ids", b"seq_ids"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___FreeRequest: _TypeAlias = FreeRequest  # noqa: Y015
-
-@_typing.final
-class FreeResponse(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    NUM_FREED_FIELD_NUMBER: _builtins.int
-    num_freed: _builtins.int
-    def __init__(
-        self,
-        *,
-        num_freed: _builtins.int = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_freed", b"num_freed"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___FreeResponse: _TypeAlias = FreeResponse  # noqa: Y015
+Global___StepResponse: _TypeAlias = StepResponse  # noqa: Y015
 
 @_typing.final
 class GetTablesRequest(_message.Message):
@@ -838,11 +667,8 @@ class GetTablesRequest(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     SEQ_IDS_FIELD_NUMBER: _builtins.int
     KNOWN_VERSIONS_FIELD_NUMBER: _builtins.int
-    AFTER_OP_ID_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     epoch: _builtins.int
-    after_op_id: _builtins.int
-    """copy ops with op_id > this are returned"""
     @_builtins.property
     def seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """sequences of this node's pool"""
@@ -858,11 +684,10 @@ class GetTablesRequest(_message.Message):
         epoch: _builtins.int = ...,
         seq_ids: _abc.Iterable[_builtins.str] | None = ...,
         known_versions: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
-        after_op_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_op_id", b"after_op_id", "epoch", b"epoch", "known_versions", b"known_versions", "node_id", b"node_id", "seq_ids", b"seq_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "known_versions", b"known_versions", "node_id", b"node_id", "seq_ids", b"seq_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -873,232 +698,61 @@ class GetTablesResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TABLES_FIELD_NUMBER: _builtins.int
-    COPY_OPS_FIELD_NUMBER: _builtins.int
+    LAST_STEP_ID_FIELD_NUMBER: _builtins.int
+    last_step_id: _builtins.int
+    """the pool's last closed step (steps up to it are reflected)"""
     @_builtins.property
     def tables(self) -> _containers.RepeatedCompositeFieldContainer[Global___SequenceTable]:
         """only those newer than known_versions"""
-
-    @_builtins.property
-    def copy_ops(self) -> _containers.RepeatedCompositeFieldContainer[Global___CopyOp]:
-        """pending ops of the pool, op_id ascending"""
 
     def __init__(
         self,
         *,
         tables: _abc.Iterable[Global___SequenceTable] | None = ...,
-        copy_ops: _abc.Iterable[Global___CopyOp] | None = ...,
+        last_step_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["copy_ops", b"copy_ops", "tables", b"tables"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["last_step_id", b"last_step_id", "tables", b"tables"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetTablesResponse: _TypeAlias = GetTablesResponse  # noqa: Y015
 
 @_typing.final
-class AckCopyOpsRequest(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    REQUEST_ID_FIELD_NUMBER: _builtins.int
-    NODE_ID_FIELD_NUMBER: _builtins.int
-    EPOCH_FIELD_NUMBER: _builtins.int
-    UP_TO_OP_ID_FIELD_NUMBER: _builtins.int
-    request_id: _builtins.str
-    node_id: _builtins.str
-    epoch: _builtins.int
-    up_to_op_id: _builtins.int
-    def __init__(
-        self,
-        *,
-        request_id: _builtins.str = ...,
-        node_id: _builtins.str = ...,
-        epoch: _builtins.int = ...,
-        up_to_op_id: _builtins.int = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "node_id", b"node_id", "request_id", b"request_id", "up_to_op_id", b"up_to_op_id"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___AckCopyOpsRequest: _TypeAlias = AckCopyOpsRequest  # noqa: Y015
-
-@_typing.final
-class AckCopyOpsResponse(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    COMMITTED_PLAN_IDS_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def committed_plan_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Defrag plans whose moves are now all acknowledged and which were committed."""
-
-    def __init__(
-        self,
-        *,
-        committed_plan_ids: _abc.Iterable[_builtins.int] | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_plan_ids", b"committed_plan_ids"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___AckCopyOpsResponse: _TypeAlias = AckCopyOpsResponse  # noqa: Y015
-
-@_typing.final
-class PlanDefragRequest(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    REQUEST_ID_FIELD_NUMBER: _builtins.int
-    POOL_ID_FIELD_NUMBER: _builtins.int
-    KIND_FIELD_NUMBER: _builtins.int
-    MAX_MOVES_FIELD_NUMBER: _builtins.int
-    request_id: _builtins.str
-    pool_id: _builtins.str
-    kind: _builtins.str
-    """"compaction" (default when empty) or "contiguity" """
-    max_moves: _builtins.int
-    """0 = no limit"""
-    def __init__(
-        self,
-        *,
-        request_id: _builtins.str = ...,
-        pool_id: _builtins.str = ...,
-        kind: _builtins.str = ...,
-        max_moves: _builtins.int = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "max_moves", b"max_moves", "pool_id", b"pool_id", "request_id", b"request_id"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___PlanDefragRequest: _TypeAlias = PlanDefragRequest  # noqa: Y015
-
-@_typing.final
-class PlanDefragResponse(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    PLAN_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def plan(self) -> Global___DefragPlan:
-        """absent: nothing worth moving"""
-
-    def __init__(
-        self,
-        *,
-        plan: Global___DefragPlan | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_plan", b"_plan", "plan", b"plan"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_plan", b"_plan", "plan", b"plan"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType__plan: _TypeAlias = _typing.Literal["plan"]  # noqa: Y015
-    _WhichOneofArgType__plan: _TypeAlias = _typing.Literal["_plan", b"_plan"]  # noqa: Y015
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__plan) -> _WhichOneofReturnType__plan | None: ...
-
-Global___PlanDefragResponse: _TypeAlias = PlanDefragResponse  # noqa: Y015
-
-@_typing.final
-class CommitDefragRequest(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    REQUEST_ID_FIELD_NUMBER: _builtins.int
-    PLAN_ID_FIELD_NUMBER: _builtins.int
-    request_id: _builtins.str
-    plan_id: _builtins.int
-    def __init__(
-        self,
-        *,
-        request_id: _builtins.str = ...,
-        plan_id: _builtins.int = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["plan_id", b"plan_id", "request_id", b"request_id"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___CommitDefragRequest: _TypeAlias = CommitDefragRequest  # noqa: Y015
-
-@_typing.final
-class CommitDefragResponse(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    UPDATED_SEQ_IDS_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def updated_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """their table versions were bumped"""
-
-    def __init__(
-        self,
-        *,
-        updated_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["updated_seq_ids", b"updated_seq_ids"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___CommitDefragResponse: _TypeAlias = CommitDefragResponse  # noqa: Y015
-
-@_typing.final
-class AbortDefragRequest(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    REQUEST_ID_FIELD_NUMBER: _builtins.int
-    PLAN_ID_FIELD_NUMBER: _builtins.int
-    request_id: _builtins.str
-    plan_id: _builtins.int
-    def __init__(
-        self,
-        *,
-        request_id: _builtins.str = ...,
-        plan_id: _builtins.int = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["plan_id", b"plan_id", "request_id", b"request_id"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___AbortDefragRequest: _TypeAlias = AbortDefragRequest  # noqa: Y015
-
-@_typing.final
-class AbortDefragResponse(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    def __init__(
-        self,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___AbortDefragResponse: _TypeAlias = AbortDefragResponse  # noqa: Y015
-
-@_typing.final
 class RouteRequest(_message.Message):
+    """Route one prompt (token_ids, salt) or many at once (prompt i is the next num_token_ids[i]
+    ids; salt_index[i] into salts, -1 none; when num_token_ids is empty all ids are one prompt).
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SALT_FIELD_NUMBER: _builtins.int
+    NUM_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    SALT_INDEX_FIELD_NUMBER: _builtins.int
+    SALTS_FIELD_NUMBER: _builtins.int
     salt: _builtins.str
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def num_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def salt_index(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def salts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         salt: _builtins.str | None = ...,
+        num_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        salt_index: _abc.Iterable[_builtins.int] | None = ...,
+        salts: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_salt", b"_salt", "salt", b"salt"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_salt", b"_salt", "salt", b"salt", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_salt", b"_salt", "num_token_ids", b"num_token_ids", "salt", b"salt", "salt_index", b"salt_index", "salts", b"salts", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__salt: _TypeAlias = _typing.Literal["salt"]  # noqa: Y015
     _WhichOneofArgType__salt: _TypeAlias = _typing.Literal["_salt", b"_salt"]  # noqa: Y015
@@ -1135,7 +789,7 @@ class RouteEntry(_message.Message):
 Global___RouteEntry: _TypeAlias = RouteEntry  # noqa: Y015
 
 @_typing.final
-class RouteResponse(_message.Message):
+class RouteResult(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ENTRIES_FIELD_NUMBER: _builtins.int
@@ -1151,6 +805,34 @@ class RouteResponse(_message.Message):
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
     _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RouteResult: _TypeAlias = RouteResult  # noqa: Y015
+
+@_typing.final
+class RouteResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___RouteEntry]:
+        """the (first) prompt's ranking"""
+
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___RouteResult]:
+        """one per prompt when several were given"""
+
+    def __init__(
+        self,
+        *,
+        entries: _abc.Iterable[Global___RouteEntry] | None = ...,
+        results: _abc.Iterable[Global___RouteResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "results", b"results"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1178,6 +860,9 @@ class PoolStatus(_message.Message):
     DEFRAG_MOVES_FIELD_NUMBER: _builtins.int
     NUM_SEQUENCES_FIELD_NUMBER: _builtins.int
     CONTIGUITY_FIELD_NUMBER: _builtins.int
+    OPEN_STEP_FIELD_NUMBER: _builtins.int
+    SETTLED_STEP_FIELD_NUMBER: _builtins.int
+    SCHEDULER_ID_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     num_blocks: _builtins.int
     block_size: _builtins.int
@@ -1196,6 +881,12 @@ class PoolStatus(_message.Message):
     defrag_moves: _builtins.int
     num_sequences: _builtins.int
     contiguity: _builtins.float
+    open_step: _builtins.int
+    """the step new work is recorded in"""
+    settled_step: _builtins.int
+    """every step up to this one is reported by the scheduler"""
+    scheduler_id: _builtins.str
+    """the lease holder driving the pool ("" none)"""
     def __init__(
         self,
         *,
@@ -1217,10 +908,13 @@ class PoolStatus(_message.Message):
         defrag_moves: _builtins.int = ...,
         num_sequences: _builtins.int = ...,
         contiguity: _builtins.float = ...,
+        open_step: _builtins.int = ...,
+        settled_step: _builtins.int = ...,
+        scheduler_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "contiguity", b"contiguity", "cow_copies", b"cow_copies", "defrag_moves", b"defrag_moves", "evictions", b"evictions", "high_water_mark", b"high_water_mark", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_free_blocks", b"num_free_blocks", "num_reserved_blocks", b"num_reserved_blocks", "num_sequences", b"num_sequences", "num_tokens", b"num_tokens", "num_used_blocks", b"num_used_blocks", "pool_id", b"pool_id", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_query_tokens", b"prefix_query_tokens", "usage", b"usage", "waste_slots", b"waste_slots"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "contiguity", b"contiguity", "cow_copies", b"cow_copies", "defrag_moves", b"defrag_moves", "evictions", b"evictions", "high_water_mark", b"high_water_mark", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_free_blocks", b"num_free_blocks", "num_reserved_blocks", b"num_reserved_blocks", "num_sequences", b"num_sequences", "num_tokens", b"num_tokens", "num_used_blocks", b"num_used_blocks", "open_step", b"open_step", "pool_id", b"pool_id", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_query_tokens", b"prefix_query_tokens", "scheduler_id", b"scheduler_id", "settled_step", b"settled_step", "usage", b"usage", "waste_slots", b"waste_slots"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1619,7 +1313,9 @@ class TriggerDefragResponse(_message.Message):
     PLANS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def plans(self) -> _containers.RepeatedCompositeFieldContainer[Global___DefragPlan]:
-        """plans started; delivered to nodes as copy ops"""
+        """Plans made now, riding in each pool's open step (delivered with the scheduler's next Step);
+        a pool whose open step cannot take a plan (one is outstanding, nothing is movable) gets none.
+        """
 
     def __init__(
         self,

@@ -46,50 +46,15 @@ class BlockManagerStub:
                 request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
-        self.Allocate = channel.unary_unary(
-                '/pagedkv.v1.BlockManager/Allocate',
-                request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.AllocateRequest.SerializeToString,
-                response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.AllocateResponse.FromString,
-                _registered_method=True)
-        self.AppendSlots = channel.unary_unary(
-                '/pagedkv.v1.BlockManager/AppendSlots',
-                request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.AppendSlotsRequest.SerializeToString,
-                response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.AppendSlotsResponse.FromString,
-                _registered_method=True)
-        self.Fork = channel.unary_unary(
-                '/pagedkv.v1.BlockManager/Fork',
-                request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.ForkRequest.SerializeToString,
-                response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.ForkResponse.FromString,
-                _registered_method=True)
-        self.Free = channel.unary_unary(
-                '/pagedkv.v1.BlockManager/Free',
-                request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.FreeRequest.SerializeToString,
-                response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.FreeResponse.FromString,
+        self.Step = channel.unary_unary(
+                '/pagedkv.v1.BlockManager/Step',
+                request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.StepRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.StepResponse.FromString,
                 _registered_method=True)
         self.GetTables = channel.unary_unary(
                 '/pagedkv.v1.BlockManager/GetTables',
                 request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.GetTablesRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.GetTablesResponse.FromString,
-                _registered_method=True)
-        self.AckCopyOps = channel.unary_unary(
-                '/pagedkv.v1.BlockManager/AckCopyOps',
-                request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.AckCopyOpsRequest.SerializeToString,
-                response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.AckCopyOpsResponse.FromString,
-                _registered_method=True)
-        self.PlanDefrag = channel.unary_unary(
-                '/pagedkv.v1.BlockManager/PlanDefrag',
-                request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.PlanDefragRequest.SerializeToString,
-                response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.PlanDefragResponse.FromString,
-                _registered_method=True)
-        self.CommitDefrag = channel.unary_unary(
-                '/pagedkv.v1.BlockManager/CommitDefrag',
-                request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.CommitDefragRequest.SerializeToString,
-                response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.CommitDefragResponse.FromString,
-                _registered_method=True)
-        self.AbortDefrag = channel.unary_unary(
-                '/pagedkv.v1.BlockManager/AbortDefrag',
-                request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.AbortDefragRequest.SerializeToString,
-                response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.AbortDefragResponse.FromString,
                 _registered_method=True)
         self.Route = channel.unary_unary(
                 '/pagedkv.v1.BlockManager/Route',
@@ -118,68 +83,23 @@ class BlockManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Allocate(self, request, context):
-        """Admit new sequences (one scheduler step's admissions); per-item outcomes.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def AppendSlots(self, request, context):
-        """One scheduler step: slots for the new tokens of many sequences; per-item outcomes.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Fork(self, request, context):
-        """Children share every block of the parent (no copy until one of them writes).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Free(self, request, context):
-        """All-or-nothing: every id is validated before any is freed.
+    def Step(self, request, context):
+        """One scheduler step: reports of earlier Forwards, frees, admissions, forks, appends; the
+        answer is each pool's PoolStep (copy ops + table deltas) for the scheduler's Forward.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetTables(self, request, context):
-        """Tables newer than the versions the node holds, plus the copy ops to run first.
+        """A node's cold cache (start, restart, recovery): tables newer than the versions it holds.
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def AckCopyOps(self, request, context):
-        """The node applied every copy op of its pool with op_id <= up_to_op_id.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def PlanDefrag(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def CommitDefrag(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def AbortDefrag(self, request, context):
-        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Route(self, request, context):
-        """Pools ranked by cached prefix length, then free space. Read-only.
+        """Pools ranked by cached prefix length, then free space, for one or more prompts. Read-only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -198,50 +118,15 @@ def add_BlockManagerServicer_to_server(servicer, server):
                     request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.HeartbeatRequest.FromString,
                     response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.HeartbeatResponse.SerializeToString,
             ),
-            'Allocate': grpc.unary_unary_rpc_method_handler(
-                    servicer.Allocate,
-                    request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.AllocateRequest.FromString,
-                    response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.AllocateResponse.SerializeToString,
-            ),
-            'AppendSlots': grpc.unary_unary_rpc_method_handler(
-                    servicer.AppendSlots,
-                    request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.AppendSlotsRequest.FromString,
-                    response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.AppendSlotsResponse.SerializeToString,
-            ),
-            'Fork': grpc.unary_unary_rpc_method_handler(
-                    servicer.Fork,
-                    request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.ForkRequest.FromString,
-                    response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.ForkResponse.SerializeToString,
-            ),
-            'Free': grpc.unary_unary_rpc_method_handler(
-                    servicer.Free,
-                    request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.FreeRequest.FromString,
-                    response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.FreeResponse.SerializeToString,
+            'Step': grpc.unary_unary_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.StepRequest.FromString,
+                    response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.StepResponse.SerializeToString,
             ),
             'GetTables': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTables,
                     request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.GetTablesRequest.FromString,
                     response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.GetTablesResponse.SerializeToString,
-            ),
-            'AckCopyOps': grpc.unary_unary_rpc_method_handler(
-                    servicer.AckCopyOps,
-                    request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.AckCopyOpsRequest.FromString,
-                    response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.AckCopyOpsResponse.SerializeToString,
-            ),
-            'PlanDefrag': grpc.unary_unary_rpc_method_handler(
-                    servicer.PlanDefrag,
-                    request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.PlanDefragRequest.FromString,
-                    response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.PlanDefragResponse.SerializeToString,
-            ),
-            'CommitDefrag': grpc.unary_unary_rpc_method_handler(
-                    servicer.CommitDefrag,
-                    request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.CommitDefragRequest.FromString,
-                    response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.CommitDefragResponse.SerializeToString,
-            ),
-            'AbortDefrag': grpc.unary_unary_rpc_method_handler(
-                    servicer.AbortDefrag,
-                    request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.AbortDefragRequest.FromString,
-                    response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.AbortDefragResponse.SerializeToString,
             ),
             'Route': grpc.unary_unary_rpc_method_handler(
                     servicer.Route,
@@ -316,7 +201,7 @@ class BlockManager:
             _registered_method=True)
 
     @staticmethod
-    def Allocate(request,
+    def Step(request,
             target,
             options=(),
             channel_credentials=None,
@@ -329,90 +214,9 @@ class BlockManager:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pagedkv.v1.BlockManager/Allocate',
-            pagedkv_dot_v1_dot_block__manager__pb2.AllocateRequest.SerializeToString,
-            pagedkv_dot_v1_dot_block__manager__pb2.AllocateResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def AppendSlots(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pagedkv.v1.BlockManager/AppendSlots',
-            pagedkv_dot_v1_dot_block__manager__pb2.AppendSlotsRequest.SerializeToString,
-            pagedkv_dot_v1_dot_block__manager__pb2.AppendSlotsResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Fork(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pagedkv.v1.BlockManager/Fork',
-            pagedkv_dot_v1_dot_block__manager__pb2.ForkRequest.SerializeToString,
-            pagedkv_dot_v1_dot_block__manager__pb2.ForkResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Free(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pagedkv.v1.BlockManager/Free',
-            pagedkv_dot_v1_dot_block__manager__pb2.FreeRequest.SerializeToString,
-            pagedkv_dot_v1_dot_block__manager__pb2.FreeResponse.FromString,
+            '/pagedkv.v1.BlockManager/Step',
+            pagedkv_dot_v1_dot_block__manager__pb2.StepRequest.SerializeToString,
+            pagedkv_dot_v1_dot_block__manager__pb2.StepResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -440,114 +244,6 @@ class BlockManager:
             '/pagedkv.v1.BlockManager/GetTables',
             pagedkv_dot_v1_dot_block__manager__pb2.GetTablesRequest.SerializeToString,
             pagedkv_dot_v1_dot_block__manager__pb2.GetTablesResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def AckCopyOps(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pagedkv.v1.BlockManager/AckCopyOps',
-            pagedkv_dot_v1_dot_block__manager__pb2.AckCopyOpsRequest.SerializeToString,
-            pagedkv_dot_v1_dot_block__manager__pb2.AckCopyOpsResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def PlanDefrag(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pagedkv.v1.BlockManager/PlanDefrag',
-            pagedkv_dot_v1_dot_block__manager__pb2.PlanDefragRequest.SerializeToString,
-            pagedkv_dot_v1_dot_block__manager__pb2.PlanDefragResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def CommitDefrag(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pagedkv.v1.BlockManager/CommitDefrag',
-            pagedkv_dot_v1_dot_block__manager__pb2.CommitDefragRequest.SerializeToString,
-            pagedkv_dot_v1_dot_block__manager__pb2.CommitDefragResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def AbortDefrag(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pagedkv.v1.BlockManager/AbortDefrag',
-            pagedkv_dot_v1_dot_block__manager__pb2.AbortDefragRequest.SerializeToString,
-            pagedkv_dot_v1_dot_block__manager__pb2.AbortDefragResponse.FromString,
             options,
             channel_credentials,
             insecure,

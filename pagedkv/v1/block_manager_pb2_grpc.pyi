@@ -52,23 +52,14 @@ class BlockManagerStub:
     """
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.HeartbeatRequest, _block_manager_pb2.HeartbeatResponse]
     """Renews the node's lease. Not journaled: leases restart on block manager recovery."""
-    Allocate: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.AllocateRequest, _block_manager_pb2.AllocateResponse]
-    """Admit new sequences (one scheduler step's admissions); per-item outcomes."""
-    AppendSlots: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.AppendSlotsRequest, _block_manager_pb2.AppendSlotsResponse]
-    """One scheduler step: slots for the new tokens of many sequences; per-item outcomes."""
-    Fork: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.ForkRequest, _block_manager_pb2.ForkResponse]
-    """Children share every block of the parent (no copy until one of them writes)."""
-    Free: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.FreeRequest, _block_manager_pb2.FreeResponse]
-    """All-or-nothing: every id is validated before any is freed."""
+    Step: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.StepRequest, _block_manager_pb2.StepResponse]
+    """One scheduler step: reports of earlier Forwards, frees, admissions, forks, appends; the
+    answer is each pool's PoolStep (copy ops + table deltas) for the scheduler's Forward.
+    """
     GetTables: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.GetTablesRequest, _block_manager_pb2.GetTablesResponse]
-    """Tables newer than the versions the node holds, plus the copy ops to run first."""
-    AckCopyOps: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.AckCopyOpsRequest, _block_manager_pb2.AckCopyOpsResponse]
-    """The node applied every copy op of its pool with op_id <= up_to_op_id."""
-    PlanDefrag: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.PlanDefragRequest, _block_manager_pb2.PlanDefragResponse]
-    CommitDefrag: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.CommitDefragRequest, _block_manager_pb2.CommitDefragResponse]
-    AbortDefrag: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.AbortDefragRequest, _block_manager_pb2.AbortDefragResponse]
+    """A node's cold cache (start, restart, recovery): tables newer than the versions it holds."""
     Route: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.RouteRequest, _block_manager_pb2.RouteResponse]
-    """Pools ranked by cached prefix length, then free space. Read-only."""
+    """Pools ranked by cached prefix length, then free space, for one or more prompts. Read-only."""
 
 @_typing.type_check_only
 class BlockManagerAsyncStub(BlockManagerStub):
@@ -81,23 +72,14 @@ class BlockManagerAsyncStub(BlockManagerStub):
     """
     Heartbeat: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.HeartbeatRequest, _block_manager_pb2.HeartbeatResponse]  # type: ignore[assignment]
     """Renews the node's lease. Not journaled: leases restart on block manager recovery."""
-    Allocate: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.AllocateRequest, _block_manager_pb2.AllocateResponse]  # type: ignore[assignment]
-    """Admit new sequences (one scheduler step's admissions); per-item outcomes."""
-    AppendSlots: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.AppendSlotsRequest, _block_manager_pb2.AppendSlotsResponse]  # type: ignore[assignment]
-    """One scheduler step: slots for the new tokens of many sequences; per-item outcomes."""
-    Fork: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.ForkRequest, _block_manager_pb2.ForkResponse]  # type: ignore[assignment]
-    """Children share every block of the parent (no copy until one of them writes)."""
-    Free: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.FreeRequest, _block_manager_pb2.FreeResponse]  # type: ignore[assignment]
-    """All-or-nothing: every id is validated before any is freed."""
+    Step: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.StepRequest, _block_manager_pb2.StepResponse]  # type: ignore[assignment]
+    """One scheduler step: reports of earlier Forwards, frees, admissions, forks, appends; the
+    answer is each pool's PoolStep (copy ops + table deltas) for the scheduler's Forward.
+    """
     GetTables: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.GetTablesRequest, _block_manager_pb2.GetTablesResponse]  # type: ignore[assignment]
-    """Tables newer than the versions the node holds, plus the copy ops to run first."""
-    AckCopyOps: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.AckCopyOpsRequest, _block_manager_pb2.AckCopyOpsResponse]  # type: ignore[assignment]
-    """The node applied every copy op of its pool with op_id <= up_to_op_id."""
-    PlanDefrag: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.PlanDefragRequest, _block_manager_pb2.PlanDefragResponse]  # type: ignore[assignment]
-    CommitDefrag: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.CommitDefragRequest, _block_manager_pb2.CommitDefragResponse]  # type: ignore[assignment]
-    AbortDefrag: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.AbortDefragRequest, _block_manager_pb2.AbortDefragResponse]  # type: ignore[assignment]
+    """A node's cold cache (start, restart, recovery): tables newer than the versions it holds."""
     Route: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.RouteRequest, _block_manager_pb2.RouteResponse]  # type: ignore[assignment]
-    """Pools ranked by cached prefix length, then free space. Read-only."""
+    """Pools ranked by cached prefix length, then free space, for one or more prompts. Read-only."""
 
 class BlockManagerServicer(metaclass=_abc_1.ABCMeta):
     """---------------------------------------------------------------- data plane"""
@@ -121,36 +103,14 @@ class BlockManagerServicer(metaclass=_abc_1.ABCMeta):
         """Renews the node's lease. Not journaled: leases restart on block manager recovery."""
 
     @_abc_1.abstractmethod
-    def Allocate(
+    def Step(
         self,
-        request: _block_manager_pb2.AllocateRequest,
+        request: _block_manager_pb2.StepRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_block_manager_pb2.AllocateResponse, _abc.Awaitable[_block_manager_pb2.AllocateResponse]]:
-        """Admit new sequences (one scheduler step's admissions); per-item outcomes."""
-
-    @_abc_1.abstractmethod
-    def AppendSlots(
-        self,
-        request: _block_manager_pb2.AppendSlotsRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_block_manager_pb2.AppendSlotsResponse, _abc.Awaitable[_block_manager_pb2.AppendSlotsResponse]]:
-        """One scheduler step: slots for the new tokens of many sequences; per-item outcomes."""
-
-    @_abc_1.abstractmethod
-    def Fork(
-        self,
-        request: _block_manager_pb2.ForkRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_block_manager_pb2.ForkResponse, _abc.Awaitable[_block_manager_pb2.ForkResponse]]:
-        """Children share every block of the parent (no copy until one of them writes)."""
-
-    @_abc_1.abstractmethod
-    def Free(
-        self,
-        request: _block_manager_pb2.FreeRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_block_manager_pb2.FreeResponse, _abc.Awaitable[_block_manager_pb2.FreeResponse]]:
-        """All-or-nothing: every id is validated before any is freed."""
+    ) -> _typing.Union[_block_manager_pb2.StepResponse, _abc.Awaitable[_block_manager_pb2.StepResponse]]:
+        """One scheduler step: reports of earlier Forwards, frees, admissions, forks, appends; the
+        answer is each pool's PoolStep (copy ops + table deltas) for the scheduler's Forward.
+        """
 
     @_abc_1.abstractmethod
     def GetTables(
@@ -158,36 +118,7 @@ class BlockManagerServicer(metaclass=_abc_1.ABCMeta):
         request: _block_manager_pb2.GetTablesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_block_manager_pb2.GetTablesResponse, _abc.Awaitable[_block_manager_pb2.GetTablesResponse]]:
-        """Tables newer than the versions the node holds, plus the copy ops to run first."""
-
-    @_abc_1.abstractmethod
-    def AckCopyOps(
-        self,
-        request: _block_manager_pb2.AckCopyOpsRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_block_manager_pb2.AckCopyOpsResponse, _abc.Awaitable[_block_manager_pb2.AckCopyOpsResponse]]:
-        """The node applied every copy op of its pool with op_id <= up_to_op_id."""
-
-    @_abc_1.abstractmethod
-    def PlanDefrag(
-        self,
-        request: _block_manager_pb2.PlanDefragRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_block_manager_pb2.PlanDefragResponse, _abc.Awaitable[_block_manager_pb2.PlanDefragResponse]]: ...
-
-    @_abc_1.abstractmethod
-    def CommitDefrag(
-        self,
-        request: _block_manager_pb2.CommitDefragRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_block_manager_pb2.CommitDefragResponse, _abc.Awaitable[_block_manager_pb2.CommitDefragResponse]]: ...
-
-    @_abc_1.abstractmethod
-    def AbortDefrag(
-        self,
-        request: _block_manager_pb2.AbortDefragRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_block_manager_pb2.AbortDefragResponse, _abc.Awaitable[_block_manager_pb2.AbortDefragResponse]]: ...
+        """A node's cold cache (start, restart, recovery): tables newer than the versions it holds."""
 
     @_abc_1.abstractmethod
     def Route(
@@ -195,7 +126,7 @@ class BlockManagerServicer(metaclass=_abc_1.ABCMeta):
         request: _block_manager_pb2.RouteRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_block_manager_pb2.RouteResponse, _abc.Awaitable[_block_manager_pb2.RouteResponse]]:
-        """Pools ranked by cached prefix length, then free space. Read-only."""
+        """Pools ranked by cached prefix length, then free space, for one or more prompts. Read-only."""
 
 def add_BlockManagerServicer_to_server(servicer: BlockManagerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

@@ -22,33 +22,34 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from pagedkv.v1 import common_pb2 as pagedkv_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpagedkv/v1/compute_node.proto\x12\npagedkv.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"]\n\x0f\x46orwardSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x13\n\x0b\x63ontext_len\x18\x03 \x01(\r\x12\x14\n\x0cslot_mapping\x18\x04 \x03(\x03\"\x82\x01\n\nLayerInput\x12\r\n\x05layer\x18\x01 \x01(\r\x12!\n\x05query\x18\x02 \x01(\x0b\x32\x12.pagedkv.v1.Tensor\x12\x1f\n\x03key\x18\x03 \x01(\x0b\x32\x12.pagedkv.v1.Tensor\x12!\n\x05value\x18\x04 \x01(\x0b\x32\x12.pagedkv.v1.Tensor\"\xa2\x01\n\x0e\x46orwardRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\tsequences\x18\x02 \x03(\x0b\x32\x1b.pagedkv.v1.ForwardSequence\x12&\n\x06layers\x18\x03 \x03(\x0b\x32\x16.pagedkv.v1.LayerInput\x12\x15\n\rfreed_seq_ids\x18\x04 \x03(\t\x12\r\n\x05scale\x18\x05 \x01(\x01\"@\n\x0bLayerOutput\x12\r\n\x05layer\x18\x01 \x01(\r\x12\"\n\x06output\x18\x02 \x01(\x0b\x32\x12.pagedkv.v1.Tensor\"\xbd\x01\n\x0c\x46orwardStats\x12\x15\n\rtable_fetch_s\x18\x01 \x01(\x01\x12\x12\n\ncopy_ops_s\x18\x02 \x01(\x01\x12\x0f\n\x07write_s\x18\x03 \x01(\x01\x12\x13\n\x0b\x61ttention_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\x12\x1e\n\x16num_block_manager_rpcs\x18\x06 \x01(\r\x12\x14\n\x0cnum_copy_ops\x18\x07 \x01(\r\x12\x15\n\rkv_bytes_read\x18\x08 \x01(\x04\"d\n\x0f\x46orwardResponse\x12(\n\x07outputs\x18\x01 \x03(\x0b\x32\x17.pagedkv.v1.LayerOutput\x12\'\n\x05stats\x18\x02 \x01(\x0b\x32\x18.pagedkv.v1.ForwardStats\"\x14\n\x12GetNodeInfoRequest\"\x83\x02\n\x13GetNodeInfoResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x12\n\nregistered\x18\x03 \x01(\x08\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x12\n\nnum_blocks\x18\n \x01(\r\x12\x1a\n\x12last_applied_op_id\x18\x0b \x01(\x04\x12\x19\n\x11num_cached_tables\x18\x0c \x01(\r2\xa1\x01\n\x0b\x43omputeNode\x12\x42\n\x07\x46orward\x12\x1a.pagedkv.v1.ForwardRequest\x1a\x1b.pagedkv.v1.ForwardResponse\x12N\n\x0bGetNodeInfo\x12\x1e.pagedkv.v1.GetNodeInfoRequest\x1a\x1f.pagedkv.v1.GetNodeInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpagedkv/v1/compute_node.proto\x12\npagedkv.v1\x1a\x17pagedkv/v1/common.proto\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"N\n\x0f\x46orwardSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x16\n\x0enum_new_tokens\x18\x02 \x01(\r\x12\x13\n\x0b\x63ontext_len\x18\x03 \x01(\r\"\x82\x01\n\nLayerInput\x12\r\n\x05layer\x18\x01 \x01(\r\x12!\n\x05query\x18\x02 \x01(\x0b\x32\x12.pagedkv.v1.Tensor\x12\x1f\n\x03key\x18\x03 \x01(\x0b\x32\x12.pagedkv.v1.Tensor\x12!\n\x05value\x18\x04 \x01(\x0b\x32\x12.pagedkv.v1.Tensor\"\xb0\x01\n\x0e\x46orwardRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x05steps\x18\x02 \x03(\x0b\x32\x14.pagedkv.v1.PoolStep\x12.\n\tsequences\x18\x03 \x03(\x0b\x32\x1b.pagedkv.v1.ForwardSequence\x12&\n\x06layers\x18\x04 \x03(\x0b\x32\x16.pagedkv.v1.LayerInput\x12\r\n\x05scale\x18\x05 \x01(\x01\"@\n\x0bLayerOutput\x12\r\n\x05layer\x18\x01 \x01(\r\x12\"\n\x06output\x18\x02 \x01(\x0b\x32\x12.pagedkv.v1.Tensor\"\xd3\x01\n\x0c\x46orwardStats\x12\x15\n\rtable_fetch_s\x18\x01 \x01(\x01\x12\x12\n\ncopy_ops_s\x18\x02 \x01(\x01\x12\x0f\n\x07write_s\x18\x03 \x01(\x01\x12\x13\n\x0b\x61ttention_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\x12\x1e\n\x16num_block_manager_rpcs\x18\x06 \x01(\r\x12\x14\n\x0cnum_copy_ops\x18\x07 \x01(\r\x12\x15\n\rkv_bytes_read\x18\x08 \x01(\x04\x12\x14\n\x0clast_step_id\x18\t \x01(\x04\"d\n\x0f\x46orwardResponse\x12(\n\x07outputs\x18\x01 \x03(\x0b\x32\x17.pagedkv.v1.LayerOutput\x12\'\n\x05stats\x18\x02 \x01(\x0b\x32\x18.pagedkv.v1.ForwardStats\"\x14\n\x12GetNodeInfoRequest\"\xfd\x01\n\x13GetNodeInfoResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x12\n\nregistered\x18\x03 \x01(\x08\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x12\n\nnum_blocks\x18\n \x01(\r\x12\x14\n\x0clast_step_id\x18\x0b \x01(\x04\x12\x19\n\x11num_cached_tables\x18\x0c \x01(\r2\xa1\x01\n\x0b\x43omputeNode\x12\x42\n\x07\x46orward\x12\x1a.pagedkv.v1.ForwardRequest\x1a\x1b.pagedkv.v1.ForwardResponse\x12N\n\x0bGetNodeInfo\x12\x1e.pagedkv.v1.GetNodeInfoRequest\x1a\x1f.pagedkv.v1.GetNodeInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedkv.v1.compute_node_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TENSOR']._serialized_start=45
-  _globals['_TENSOR']._serialized_end=97
-  _globals['_FORWARDSEQUENCE']._serialized_start=99
-  _globals['_FORWARDSEQUENCE']._serialized_end=192
-  _globals['_LAYERINPUT']._serialized_start=195
-  _globals['_LAYERINPUT']._serialized_end=325
-  _globals['_FORWARDREQUEST']._serialized_start=328
-  _globals['_FORWARDREQUEST']._serialized_end=490
-  _globals['_LAYEROUTPUT']._serialized_start=492
-  _globals['_LAYEROUTPUT']._serialized_end=556
-  _globals['_FORWARDSTATS']._serialized_start=559
-  _globals['_FORWARDSTATS']._serialized_end=748
-  _globals['_FORWARDRESPONSE']._serialized_start=750
-  _globals['_FORWARDRESPONSE']._serialized_end=850
-  _globals['_GETNODEINFOREQUEST']._serialized_start=852
-  _globals['_GETNODEINFOREQUEST']._serialized_end=872
-  _globals['_GETNODEINFORESPONSE']._serialized_start=875
-  _globals['_GETNODEINFORESPONSE']._serialized_end=1134
-  _globals['_COMPUTENODE']._serialized_start=1137
-  _globals['_COMPUTENODE']._serialized_end=1298
+  _globals['_TENSOR']._serialized_start=70
+  _globals['_TENSOR']._serialized_end=122
+  _globals['_FORWARDSEQUENCE']._serialized_start=124
+  _globals['_FORWARDSEQUENCE']._serialized_end=202
+  _globals['_LAYERINPUT']._serialized_start=205
+  _globals['_LAYERINPUT']._serialized_end=335
+  _globals['_FORWARDREQUEST']._serialized_start=338
+  _globals['_FORWARDREQUEST']._serialized_end=514
+  _globals['_LAYEROUTPUT']._serialized_start=516
+  _globals['_LAYEROUTPUT']._serialized_end=580
+  _globals['_FORWARDSTATS']._serialized_start=583
+  _globals['_FORWARDSTATS']._serialized_end=794
+  _globals['_FORWARDRESPONSE']._serialized_start=796
+  _globals['_FORWARDRESPONSE']._serialized_end=896
+  _globals['_GETNODEINFOREQUEST']._serialized_start=898
+  _globals['_GETNODEINFOREQUEST']._serialized_end=918
+  _globals['_GETNODEINFORESPONSE']._serialized_start=921
+  _globals['_GETNODEINFORESPONSE']._serialized_end=1174
+  _globals['_COMPUTENODE']._serialized_start=1177
+  _globals['_COMPUTENODE']._serialized_end=1338
 # @@protoc_insertion_point(module_scope)

@@ -4,11 +4,12 @@ isort:skip_file
 Compute node protocol, version 1.
 
 A compute node owns the KV memory of one device (its pool, registered with the block
-manager) and runs the paged-attention kernels over it. The scheduler calls `Forward`
-once per step for a whole batch of sequences; the node fetches only the block tables
-it lacks from the block manager, applies pending copy ops (copy-on-write, defrag
-moves), writes the new tokens' K/V into their slots and returns the attention output.
-See compute_node/README.md for status codes, copy-op handling and the fencing rules.
+manager) and runs the paged-attention kernels over it. The scheduler is the one sequencer
+of the pool's memory: it calls `Forward` once per step for a whole batch, carrying the
+block manager's steps for this pool (copy ops and table deltas, `PoolStep`), which the node
+applies in order before writing the new tokens' K/V at the tail of each sequence and
+running attention. The hot path makes no call to the block manager.
+See compute_node/README.md for status codes, step handling and the fencing rules.
 
 Tensors travel as raw little-endian bytes in C order with their dtype and shape.
 """
@@ -17,6 +18,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from pagedkv.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -59,38 +61,31 @@ Global___Tensor: _TypeAlias = Tensor  # noqa: Y015
 
 @_typing.final
 class ForwardSequence(_message.Message):
-    """One sequence of the batch. Its new tokens are `slot_mapping.size()` consecutive
-    positions ending at `context_len - 1`.
+    """One sequence of the batch: `num_new_tokens` tokens written at the tail of its table, at
+    positions `context_len - num_new_tokens … context_len - 1`. The node checks that the tail is
+    exactly where its own record of the sequence ends (no write below it: a sequence never
+    writes into tokens it may share) and derives the slots from its table.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     SEQ_ID_FIELD_NUMBER: _builtins.int
-    VERSION_FIELD_NUMBER: _builtins.int
+    NUM_NEW_TOKENS_FIELD_NUMBER: _builtins.int
     CONTEXT_LEN_FIELD_NUMBER: _builtins.int
-    SLOT_MAPPING_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
-    version: _builtins.int
-    """Table version the slots were computed against (from Allocate / AppendSlots / Fork);
-    the node uses a cached table at least this new or fetches one.
-    """
+    num_new_tokens: _builtins.int
     context_len: _builtins.int
-    """Number of tokens in the sequence's context after this step (prefix + new tokens)."""
-    @_builtins.property
-    def slot_mapping(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """One slot per new token (block_id * block_size + offset), from the block manager."""
-
+    """tokens of the sequence after this step (prefix + new tokens)"""
     def __init__(
         self,
         *,
         seq_id: _builtins.str = ...,
-        version: _builtins.int = ...,
+        num_new_tokens: _builtins.int = ...,
         context_len: _builtins.int = ...,
-        slot_mapping: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_len", b"context_len", "seq_id", b"seq_id", "slot_mapping", b"slot_mapping", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_len", b"context_len", "num_new_tokens", b"num_new_tokens", "seq_id", b"seq_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -142,38 +137,40 @@ class ForwardRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    STEPS_FIELD_NUMBER: _builtins.int
     SEQUENCES_FIELD_NUMBER: _builtins.int
     LAYERS_FIELD_NUMBER: _builtins.int
-    FREED_SEQ_IDS_FIELD_NUMBER: _builtins.int
     SCALE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """for logs; a retry rewrites the same slots (idempotent)"""
+    """a retry with the same id re-runs the writes (idempotent)"""
     scale: _builtins.float
-    """Softmax scale; 0 = 1/sqrt(head_dim)."""
+    """softmax scale; 0 = 1/sqrt(head_dim)"""
+    @_builtins.property
+    def steps(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.PoolStep]:
+        """The block manager's steps of this node's pool since its last Forward, in order (consecutive
+        step ids); applied before the writes. May be empty (in-block decode answered locally).
+        """
+
     @_builtins.property
     def sequences(self) -> _containers.RepeatedCompositeFieldContainer[Global___ForwardSequence]:
-        """1..max_batch, distinct seq_ids"""
+        """0..max_batch, distinct seq_ids"""
 
     @_builtins.property
     def layers(self) -> _containers.RepeatedCompositeFieldContainer[Global___LayerInput]:
-        """1..num_layers, distinct layer indices"""
-
-    @_builtins.property
-    def freed_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Sequences the scheduler has freed: dropped from the node's table cache (no RPC)."""
+        """the layers, when there are sequences"""
 
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
+        steps: _abc.Iterable[_common_pb2.PoolStep] | None = ...,
         sequences: _abc.Iterable[Global___ForwardSequence] | None = ...,
         layers: _abc.Iterable[Global___LayerInput] | None = ...,
-        freed_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
         scale: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["freed_seq_ids", b"freed_seq_ids", "layers", b"layers", "request_id", b"request_id", "scale", b"scale", "sequences", b"sequences"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["layers", b"layers", "request_id", b"request_id", "scale", b"scale", "sequences", b"sequences", "steps", b"steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -218,17 +215,21 @@ class ForwardStats(_message.Message):
     NUM_BLOCK_MANAGER_RPCS_FIELD_NUMBER: _builtins.int
     NUM_COPY_OPS_FIELD_NUMBER: _builtins.int
     KV_BYTES_READ_FIELD_NUMBER: _builtins.int
+    LAST_STEP_ID_FIELD_NUMBER: _builtins.int
     table_fetch_s: _builtins.float
+    """cold-cache fetches only (0 in steady state)"""
     copy_ops_s: _builtins.float
     write_s: _builtins.float
     attention_s: _builtins.float
     total_s: _builtins.float
     num_block_manager_rpcs: _builtins.int
-    """node -> block manager calls made by this Forward"""
+    """node -> block manager calls made by this Forward (cold cache only)"""
     num_copy_ops: _builtins.int
-    """copy ops applied before this Forward"""
+    """copy ops applied before this Forward's writes"""
     kv_bytes_read: _builtins.int
     """K/V bytes the attention kernels read"""
+    last_step_id: _builtins.int
+    """the pool's last applied step after this Forward"""
     def __init__(
         self,
         *,
@@ -240,10 +241,11 @@ class ForwardStats(_message.Message):
         num_block_manager_rpcs: _builtins.int = ...,
         num_copy_ops: _builtins.int = ...,
         kv_bytes_read: _builtins.int = ...,
+        last_step_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_s", b"attention_s", "copy_ops_s", b"copy_ops_s", "kv_bytes_read", b"kv_bytes_read", "num_block_manager_rpcs", b"num_block_manager_rpcs", "num_copy_ops", b"num_copy_ops", "table_fetch_s", b"table_fetch_s", "total_s", b"total_s", "write_s", b"write_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_s", b"attention_s", "copy_ops_s", b"copy_ops_s", "kv_bytes_read", b"kv_bytes_read", "last_step_id", b"last_step_id", "num_block_manager_rpcs", b"num_block_manager_rpcs", "num_copy_ops", b"num_copy_ops", "table_fetch_s", b"table_fetch_s", "total_s", b"total_s", "write_s", b"write_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -304,7 +306,7 @@ class GetNodeInfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
-    LAST_APPLIED_OP_ID_FIELD_NUMBER: _builtins.int
+    LAST_STEP_ID_FIELD_NUMBER: _builtins.int
     NUM_CACHED_TABLES_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     epoch: _builtins.int
@@ -317,7 +319,8 @@ class GetNodeInfoResponse(_message.Message):
     device: _builtins.str
     block_size: _builtins.int
     num_blocks: _builtins.int
-    last_applied_op_id: _builtins.int
+    last_step_id: _builtins.int
+    """the pool's last applied block manager step"""
     num_cached_tables: _builtins.int
     def __init__(
         self,
@@ -332,12 +335,12 @@ class GetNodeInfoResponse(_message.Message):
         device: _builtins.str = ...,
         block_size: _builtins.int = ...,
         num_blocks: _builtins.int = ...,
-        last_applied_op_id: _builtins.int = ...,
+        last_step_id: _builtins.int = ...,
         num_cached_tables: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device", b"device", "dtype", b"dtype", "epoch", b"epoch", "head_dim", b"head_dim", "last_applied_op_id", b"last_applied_op_id", "node_id", b"node_id", "num_blocks", b"num_blocks", "num_cached_tables", b"num_cached_tables", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "registered", b"registered"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device", b"device", "dtype", b"dtype", "epoch", b"epoch", "head_dim", b"head_dim", "last_step_id", b"last_step_id", "node_id", b"node_id", "num_blocks", b"num_blocks", "num_cached_tables", b"num_cached_tables", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "registered", b"registered"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -4,11 +4,12 @@ isort:skip_file
 Compute node protocol, version 1.
 
 A compute node owns the KV memory of one device (its pool, registered with the block
-manager) and runs the paged-attention kernels over it. The scheduler calls `Forward`
-once per step for a whole batch of sequences; the node fetches only the block tables
-it lacks from the block manager, applies pending copy ops (copy-on-write, defrag
-moves), writes the new tokens' K/V into their slots and returns the attention output.
-See compute_node/README.md for status codes, copy-op handling and the fencing rules.
+manager) and runs the paged-attention kernels over it. The scheduler is the one sequencer
+of the pool's memory: it calls `Forward` once per step for a whole batch, carrying the
+block manager's steps for this pool (copy ops and table deltas, `PoolStep`), which the node
+applies in order before writing the new tokens' K/V at the tail of each sequence and
+running attention. The hot path makes no call to the block manager.
+See compute_node/README.md for status codes, step handling and the fencing rules.
 
 Tensors travel as raw little-endian bytes in C order with their dtype and shape.
 """

@@ -1,0 +1,218 @@
+"""The `step` operation's journaled payload and result: columnar, JSON-shaped, validated.
+
+A Step request travels as parallel lists (the protobuf's packed columns, copied as-is into the
+payload), so neither the servicer nor the journal builds one object per item. `StepInput`
+checks every list's shape before the state machine touches anything: a malformed request fails
+as a whole with nothing changed. The result (what a retried request id gets back) is columnar
+too, and `pool_step_dict` encodes one closed core step the way `PoolStep` carries it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from block_manager.core.errors import InvalidRequest
+from block_manager.core.types import StepOutput
+from block_manager.service.state_codec import MAX_ID_LEN
+
+SECTIONS = ("alloc", "written", "fork", "append")
+
+
+def _ints(name: str, value: object, *, minimum: int = 0) -> list[int]:
+    if not isinstance(value, list):
+        raise InvalidRequest(f"{name} must be a list of integers")
+    for v in value:
+        if type(v) is not int or v < minimum:
+            raise InvalidRequest(f"{name} must hold integers >= {minimum}")
+    return value
+
+
+def _ids(name: str, value: object) -> list[str]:
+    if not isinstance(value, list):
+        raise InvalidRequest(f"{name} must be a list of ids")
+    for v in value:
+        if type(v) is not str or not 0 < len(v) <= MAX_ID_LEN:
+            raise InvalidRequest(f"{name} entries must be non-empty strings of at most {MAX_ID_LEN} characters")
+    return value
+
+
+def _distinct(name: str, ids: Sequence[str]) -> None:
+    if len(set(ids)) != len(ids):
+        raise InvalidRequest(f"duplicate {name} in one step")
+
+
+def _split(name: str, counts: list[int], flat: list[int]) -> list[list[int] | None]:
+    """Per-item token ids: `flat` holds all of them (sum of counts) or none."""
+    if not flat:
+        return [None] * len(counts)
+    if len(flat) != sum(counts):
+        raise InvalidRequest(f"{name}: {len(flat)} token ids for {sum(counts)} tokens (give all or none)")
+    out: list[list[int] | None] = []
+    pos = 0
+    for n in counts:
+        out.append(flat[pos : pos + n])
+        pos += n
+    return out
+
+
+@dataclass(slots=True)
+class Report:
+    pool_id: str
+    epoch: int
+    completed_up_to: int
+    failed_from: int | None
+
+
+@dataclass(slots=True)
+class Alloc:
+    seq_id: str
+    pool_id: str
+    token_ids: list[int] | None
+    num_tokens: int | None
+    salt: str | None
+    num_compute: int | None
+
+
+@dataclass(slots=True)
+class StepInput:
+    """A decoded, shape-checked step payload."""
+
+    scheduler_id: str
+    pool_epochs: dict[str, int]
+    reports: list[Report]
+    free_ids: list[str]
+    allocs: list[Alloc]
+    written: list[tuple[str, int, list[int] | None]]
+    forks: list[tuple[str, list[str]]]
+    appends: list[tuple[str, int, list[int] | None]]
+
+    @classmethod
+    def decode(cls, p: Mapping[str, Any], max_batch: int) -> StepInput:
+        reports = [
+            Report(_ids("report pool", [r[0]])[0], int(r[1]), int(r[2]), int(r[3]) or None)
+            for r in p.get("reports", [])
+        ]
+        for r in reports:
+            if r.completed_up_to < 0 or (r.failed_from is not None and r.failed_from < 1) or r.epoch < 0:
+                raise InvalidRequest("report step ids and epochs must be >= 0")
+        _distinct("report pools", [r.pool_id for r in reports])
+        free_ids = _ids("free_seq_ids", p.get("free", []))
+        _distinct("free_seq_ids", free_ids)
+        allocs = _decode_allocs(p.get("alloc") or {})
+        _distinct("allocation seq_ids", [a.seq_id for a in allocs])
+        written = _decode_appends("written", p.get("written") or {})
+        appends = _decode_appends("append", p.get("append") or {})
+        forks = _decode_forks(p.get("fork") or {})
+        children = [c for _, cs in forks for c in cs]
+        _distinct("fork child ids", children)
+        for name, n in (("frees", len(free_ids)), ("allocations", len(allocs)), ("written reports", len(written)),
+                        ("forks", len(children)), ("appends", len(appends))):
+            if n > max_batch:
+                raise InvalidRequest(f"a step may carry at most {max_batch} {name}, got {n}")
+        epochs = p.get("pool_epochs") or {}
+        if not isinstance(epochs, dict):
+            raise InvalidRequest("pool_epochs must be a mapping")
+        return cls(str(p["scheduler_id"]), dict(epochs), reports, free_ids, allocs, written, forks, appends)
+
+
+def _decode_allocs(a: Mapping[str, Any]) -> list[Alloc]:
+    seq_ids = _ids("alloc_seq_ids", a.get("seq_ids", []))
+    n = len(seq_ids)
+    pools = _ids("pool_ids", a.get("pools", []))
+    salts = a.get("salts", [])
+    if not isinstance(salts, list) or any(type(s) is not str or len(s) > 1024 for s in salts):
+        raise InvalidRequest("salts must be strings of at most 1024 characters")
+    pool_index = _ints("alloc_pool_index", a.get("pool_index", []))
+    salt_index = a.get("salt_index", [])
+    num_token_ids = _ints("alloc_num_token_ids", a.get("num_token_ids", []))
+    num_tokens = _ints("alloc_num_tokens", a.get("num_tokens", []))
+    num_compute = _ints("alloc_num_compute", a.get("num_compute", []))
+    for name, col in (("alloc_pool_index", pool_index), ("alloc_salt_index", salt_index),
+                      ("alloc_num_token_ids", num_token_ids), ("alloc_num_tokens", num_tokens),
+                      ("alloc_num_compute", num_compute)):
+        if len(col) != n:
+            raise InvalidRequest(f"{name} has {len(col)} entries for {n} allocations")
+    token_ids = _ints("alloc_token_ids", a.get("token_ids", []))
+    if len(token_ids) != sum(num_token_ids):
+        raise InvalidRequest(f"alloc_token_ids has {len(token_ids)} ids, the counts say {sum(num_token_ids)}")
+    out: list[Alloc] = []
+    pos = 0
+    for i in range(n):
+        if pool_index[i] >= len(pools):
+            raise InvalidRequest(f"allocation {i}: pool index {pool_index[i]} out of range")
+        si = salt_index[i]
+        if type(si) is not int or not -1 <= si < len(salts):
+            raise InvalidRequest(f"allocation {i}: salt index {si!r} out of range")
+        k = num_token_ids[i]
+        toks = token_ids[pos : pos + k] if k else None
+        pos += k
+        if (toks is None) == (num_tokens[i] == 0):
+            raise InvalidRequest(f"allocation {i}: give token ids or a token count, exactly one")
+        out.append(Alloc(seq_ids[i], pools[pool_index[i]], toks, num_tokens[i] or None,
+                         salts[si] if si >= 0 else None, num_compute[i] or None))
+    return out
+
+
+def _decode_appends(section: str, a: Mapping[str, Any]) -> list[tuple[str, int, list[int] | None]]:
+    seq_ids = _ids(f"{section}_seq_ids", a.get("seq_ids", []))
+    counts = _ints(f"{section}_num_tokens", a.get("num_tokens", []), minimum=1)
+    if len(counts) != len(seq_ids):
+        raise InvalidRequest(f"{section}_num_tokens has {len(counts)} entries for {len(seq_ids)} sequences")
+    _distinct(f"{section} seq_ids", seq_ids)
+    ids = _split(section, counts, _ints(f"{section}_token_ids", a.get("token_ids", [])))
+    return list(zip(seq_ids, counts, ids))
+
+
+def _decode_forks(f: Mapping[str, Any]) -> list[tuple[str, list[str]]]:
+    parents = _ids("fork_parent_ids", f.get("parents", []))
+    counts = _ints("fork_num_children", f.get("num_children", []), minimum=1)
+    children = _ids("fork_child_ids", f.get("children", []))
+    if len(counts) != len(parents) or sum(counts) != len(children):
+        raise InvalidRequest("fork columns disagree: one child count per parent, one id per child")
+    out = []
+    pos = 0
+    for parent, n in zip(parents, counts):
+        out.append((parent, children[pos : pos + n]))
+        pos += n
+    return out
+
+
+def pool_step_dict(out: StepOutput, epoch: int) -> dict[str, Any]:
+    """One closed core step, columnar as `PoolStep` carries it."""
+    seq_ids, bases, versions, num_tokens, num_rep, rep_pos, rep_blk, num_app, app_blk = ([] for _ in range(9))
+    for d in out.deltas:
+        seq_ids.append(d.seq_id)
+        bases.append(d.base_version)
+        versions.append(d.version)
+        num_tokens.append(d.num_tokens)
+        num_rep.append(len(d.replaced))
+        for pos, block in d.replaced:
+            rep_pos.append(pos)
+            rep_blk.append(block)
+        num_app.append(len(d.appended))
+        app_blk.extend(d.appended)
+    return {
+        "pool_id": out.pool_id,
+        "epoch": epoch,
+        "step_id": out.step_id,
+        "copy_src": [op.src for op in out.copy_ops],
+        "copy_dst": [op.dst for op in out.copy_ops],
+        "copy_is_defrag": [op.kind == "defrag" for op in out.copy_ops],
+        "delta_seq_ids": seq_ids,
+        "delta_base_versions": bases,
+        "delta_versions": versions,
+        "delta_num_tokens": num_tokens,
+        "delta_num_replaced": num_rep,
+        "replaced_positions": rep_pos,
+        "replaced_blocks": rep_blk,
+        "delta_num_appended": num_app,
+        "appended_blocks": app_blk,
+        "dropped_seq_ids": list(out.dropped_seq_ids),
+        "plan_id": out.plan_id or 0,
+        "reset": out.reset,
+    }
+
+
+__all__ = ["SECTIONS", "Alloc", "Report", "StepInput", "pool_step_dict"]
