@@ -1,9 +1,12 @@
 """A small synchronous client of the compute node's Forward RPC, over NumPy arrays.
 
     client = ComputeNodeClient("127.0.0.1:50061")
-    outs = client.forward([SeqInput("s1", version=1, context_len=9, slot_mapping=[40],
-                                    query=q, key=k, value=v)], layers=[0, 1])
+    outs = client.forward([SeqInput("s1", context_len=9, query=q, key=k, value=v)], layers=[0, 1],
+                          steps=[result.steps["node-0"].message])
     # outs[i]: [num_layers, num_new_tokens, num_heads, head_dim] for sequence i
+
+`steps` are the block manager's `PoolStep` messages for this node since its last Forward (the
+scheduler passes them through from its `Step` results, in order).
 
 Per sequence, `query`/`key`/`value` are `[num_layers, num_new_tokens, heads, head_dim]` with the
 layers in the order of `layers`. The client packs every layer's tokens of the whole batch into
@@ -34,12 +37,14 @@ _request_ids = itertools.count(1)
 @dataclass(slots=True)
 class SeqInput:
     seq_id: str
-    version: int
-    context_len: int
-    slot_mapping: Sequence[int]
+    context_len: int   # the sequence's tokens after this Forward; the new ones are its last rows
     query: Any   # [num_layers, num_new_tokens, num_heads, head_dim]
     key: Any     # [num_layers, num_new_tokens, num_kv_heads, head_dim]
     value: Any
+
+    @property
+    def num_new_tokens(self) -> int:
+        return int(self.query.shape[1])
 
 
 @dataclass(slots=True)
@@ -68,6 +73,7 @@ class ComputeNodeClient:
         self.close()
 
     def node_info(self) -> pb.GetNodeInfoResponse:
+        """The node's geometry and registration."""
         return self._stub.GetNodeInfo(pb.GetNodeInfoRequest(), timeout=self.timeout_s)
 
     def forward_raw(self, request: pb.ForwardRequest) -> pb.ForwardResponse:
@@ -79,11 +85,12 @@ class ComputeNodeClient:
         seqs: Sequence[SeqInput],
         layers: Sequence[int],
         *,
-        freed_seq_ids: Sequence[str] = (),
+        steps: Sequence[Any] = (),
         scale: float = 0.0,
         request_id: str | None = None,
     ) -> ForwardOutput:
-        request = build_request(seqs, layers, freed_seq_ids=freed_seq_ids, scale=scale, request_id=request_id)
+        """Apply `steps` (PoolStep messages), write the sequences' K/V, attend."""
+        request = build_request(seqs, layers, steps=steps, scale=scale, request_id=request_id)
         response = self.forward_raw(request)
         return ForwardOutput(split_outputs(response, seqs), response.stats)
 
@@ -92,32 +99,30 @@ def build_request(
     seqs: Sequence[SeqInput],
     layers: Sequence[int],
     *,
-    freed_seq_ids: Sequence[str] = (),
+    steps: Sequence[Any] = (),
     scale: float = 0.0,
     request_id: str | None = None,
 ) -> pb.ForwardRequest:
     """Pack per-sequence arrays into one tensor per layer (tokens in request order)."""
     layer_msgs = []
-    for li, layer in enumerate(layers):
+    for li, layer in enumerate(layers if seqs else ()):
         q = _concat([s.query[li] for s in seqs])
         k = _concat([s.key[li] for s in seqs])
         v = _concat([s.value[li] for s in seqs])
         layer_msgs.append(
             pb.LayerInput(layer=layer, query=encode_tensor(q), key=encode_tensor(k), value=encode_tensor(v))
         )
-    return pb.ForwardRequest(
+    request = pb.ForwardRequest(
         request_id=request_id or f"fwd-{os.getpid()}-{next(_request_ids)}",
         sequences=[
-            pb.ForwardSequence(
-                seq_id=s.seq_id, version=s.version, context_len=s.context_len,
-                slot_mapping=[int(x) for x in s.slot_mapping],
-            )
+            pb.ForwardSequence(seq_id=s.seq_id, num_new_tokens=s.num_new_tokens, context_len=s.context_len)
             for s in seqs
         ],
         layers=layer_msgs,
-        freed_seq_ids=list(freed_seq_ids),
         scale=scale,
     )
+    request.steps.extend(steps)
+    return request
 
 
 def split_outputs(response: pb.ForwardResponse, seqs: Sequence[SeqInput]) -> list[np.ndarray]:
@@ -126,7 +131,7 @@ def split_outputs(response: pb.ForwardResponse, seqs: Sequence[SeqInput]) -> lis
     stacked = np.stack(per_layer) if per_layer else np.empty((0,))
     result, row = [], 0
     for s in seqs:
-        n = len(s.slot_mapping)
+        n = s.num_new_tokens
         result.append(stacked[:, row : row + n])
         row += n
     return result

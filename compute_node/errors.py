@@ -27,10 +27,17 @@ class UnknownSequence(ComputeNodeError):
 
 
 class StaleTable(ComputeNodeError):
-    """The request needs a table version the block manager does not have (yet), or the table
-    changed under slots computed for an older version: the caller should refresh and retry."""
+    """A step's table delta does not apply to the node's version of the table (the node and
+    the block manager disagree about the table): the scheduler should drop and re-admit it."""
 
     code = grpc.StatusCode.ABORTED
+
+
+class StaleStep(ComputeNodeError):
+    """The Forward's steps do not continue from the node's last applied step: a step was not
+    delivered. The scheduler must send every step of the pool, in order."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class NodeFenced(ComputeNodeError):

@@ -1,15 +1,18 @@
-"""One Forward, from request message to outputs, in three pure steps and one that writes.
+"""One Forward, from request message to outputs, in pure steps and one that writes.
 
-1. `parse_forward` turns the message into a `ForwardBatch` and checks everything that does not
-   need block tables (ids, counts, layers, tensor dtypes and shapes, slot ranges);
-2. `check_slots` checks each sequence's slots against its block table: the slots of its new
-   tokens must be exactly where its table puts positions `context_len - n … context_len - 1`;
-3. `plan_attention` splits the batch into a decode group (one new token) and a prefill group
+1. `parse_forward` turns the message into a `ForwardBatch` and checks everything that needs no
+   block table (ids, counts, layers, tensor dtypes and shapes);
+2. the node stages the Forward's block-manager steps (`tables.stage`: copy ops, table deltas);
+3. `resolve_sequences` checks each sequence against its (staged) table: its new tokens must be
+   written at exactly the tail the node holds (`context_len - n == num_tokens`: a sequence never
+   writes below its tail, so never into tokens it may share) and the table must cover them; the
+   slots follow from the table;
+4. `plan_attention` splits the batch into a decode group (one new token) and a prefill group
    (several), with the index tensors the kernels take;
-4. `execute` writes K/V into the slots and runs attention for every layer, scattering the two
-   groups' outputs back into request order.
+5. the node runs the steps' copy ops and commits their tables, then `execute` writes K/V into
+   the slots and runs attention for every layer, scattering the groups' outputs into order.
 
-Only step 4 touches the pool, and it runs after steps 1–3 raised nothing, so a bad request
+Only step 5 touches the pool, and it runs after steps 1–4 raised nothing, so a bad request
 never leaves a half-written pool behind.
 """
 
@@ -18,13 +21,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from compute_node.errors import InvalidForward, StaleTable
+from compute_node.errors import InvalidForward, UnknownSequence
 from compute_node.pool import KvPool, PoolGeometry
-from compute_node.tables import CachedTable, SeqId
+from compute_node.tables import NodeTable, SeqId
 from compute_node.wire import WireError, decode_tensor
 from pagedkv.v1 import compute_node_pb2 as pb
 
@@ -34,14 +38,10 @@ QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 @dataclass(slots=True)
 class SeqStep:
     seq_id: SeqId
-    version: int
+    num_new_tokens: int
     context_len: int
-    slot_mapping: np.ndarray   # int64 [num_new_tokens]
     row_start: int             # first row of its new tokens in the batch's token rows
-
-    @property
-    def num_new_tokens(self) -> int:
-        return int(self.slot_mapping.shape[0])
+    slot_mapping: np.ndarray | None = None   # int64 [num_new_tokens], from the table
 
 
 @dataclass(slots=True)
@@ -55,12 +55,12 @@ class LayerStep:
 @dataclass(slots=True)
 class ForwardBatch:
     request_id: str
+    steps: list[Any]            # the block manager's PoolStep messages, in order
     seqs: list[SeqStep]
     layers: list[LayerStep]
-    freed_seq_ids: list[SeqId]
     scale: float
     num_tokens: int
-    slot_mapping: torch.Tensor  # int64 [num_tokens], every sequence's slots in request order
+    slot_mapping: torch.Tensor | None = None  # int64 [num_tokens], in request order (resolve_sequences)
 
 
 @dataclass(slots=True)
@@ -85,19 +85,17 @@ def parse_forward(request: pb.ForwardRequest, geometry: PoolGeometry, max_batch:
     """Decode and check everything that needs no block table; `InvalidForward` otherwise."""
     if not request.request_id:
         raise InvalidForward("request_id must be set")
-    if not 1 <= len(request.sequences) <= max_batch:
-        raise InvalidForward(f"a forward needs 1..{max_batch} sequences, got {len(request.sequences)}")
+    if len(request.sequences) > max_batch:
+        raise InvalidForward(f"a forward takes at most {max_batch} sequences, got {len(request.sequences)}")
+    if not request.sequences and not request.steps:
+        raise InvalidForward("a forward needs sequences or steps")
     seqs = _parse_sequences(request, geometry)
     num_tokens = sum(s.num_new_tokens for s in seqs)
-    layers = _parse_layers(request, geometry, num_tokens)
+    layers = _parse_layers(request, geometry, num_tokens) if seqs else []
     scale = float(request.scale) if request.scale else 1.0 / math.sqrt(geometry.head_dim)
     if not math.isfinite(scale) or scale <= 0:
         raise InvalidForward(f"scale must be a positive finite number, got {request.scale}")
-    slot_mapping = torch.from_numpy(np.concatenate([s.slot_mapping for s in seqs]))
-    if torch.unique(slot_mapping).numel() != num_tokens:
-        raise InvalidForward("two new tokens of the batch have the same slot")
-    freed = [SeqId(s) for s in request.freed_seq_ids]
-    return ForwardBatch(request.request_id, seqs, layers, freed, scale, num_tokens, slot_mapping)
+    return ForwardBatch(request.request_id, list(request.steps), seqs, layers, scale, num_tokens)
 
 
 def _parse_sequences(request: pb.ForwardRequest, geometry: PoolGeometry) -> list[SeqStep]:
@@ -110,20 +108,14 @@ def _parse_sequences(request: pb.ForwardRequest, geometry: PoolGeometry) -> list
         if s.seq_id in seen:
             raise InvalidForward(f"sequence {s.seq_id!r} appears twice in the batch")
         seen.add(s.seq_id)
-        if s.version < 1:
-            raise InvalidForward(f"sequence {s.seq_id!r}: version must be >= 1")
-        slots = np.asarray(s.slot_mapping, dtype=np.int64)
-        n = int(slots.shape[0])
+        n = int(s.num_new_tokens)
         if n < 1:
-            raise InvalidForward(f"sequence {s.seq_id!r} has no new tokens (empty slot_mapping)")
+            raise InvalidForward(f"sequence {s.seq_id!r} has no new tokens")
         if s.context_len < n:
             raise InvalidForward(f"sequence {s.seq_id!r}: context_len {s.context_len} < {n} new tokens")
-        if int(slots.min()) < 0 or int(slots.max()) >= geometry.num_slots:
-            raise InvalidForward(
-                f"sequence {s.seq_id!r}: slots must lie in [0, {geometry.num_slots}), got "
-                f"{int(slots.min())} … {int(slots.max())}"
-            )
-        seqs.append(SeqStep(SeqId(s.seq_id), int(s.version), int(s.context_len), slots, row))
+        if -(-s.context_len // geometry.block_size) > geometry.num_blocks:
+            raise InvalidForward(f"sequence {s.seq_id!r}: context_len {s.context_len} exceeds the pool")
+        seqs.append(SeqStep(SeqId(s.seq_id), n, int(s.context_len), row))
         row += n
     return seqs
 
@@ -175,34 +167,44 @@ def _check_query(layer: int, query: torch.Tensor, geometry: PoolGeometry, num_to
         )
 
 
-def check_slots(batch: ForwardBatch, tables: dict[SeqId, CachedTable], block_size: int) -> None:
-    """Each sequence's slots must be where its table puts its newest positions.
-
-    A mismatch against a table of exactly the requested version is the caller's bug
-    (INVALID_ARGUMENT); against a newer table (a defrag commit moved the block since the
-    caller got its slots) the caller must refresh its slot mapping (ABORTED).
-    """
+def resolve_sequences(
+    batch: ForwardBatch, table_of: Any, block_size: int, cold: Any = ()
+) -> dict[SeqId, NodeTable]:
+    """Each sequence's table (from `table_of(seq_id)`, the staged view), the tail rule, the
+    slots. `UnknownSequence` for a sequence the node has no table for; `InvalidForward` when
+    the new tokens are not exactly at the tail the node holds or beyond the table. For a table
+    fetched cold (`cold` ids) the block manager's count may lag tokens the scheduler wrote
+    without telling it (in-block decode), so the tail may lie beyond it within the table."""
+    tables: dict[SeqId, NodeTable] = {}
     for s in batch.seqs:
-        table = tables[s.seq_id]
-        error = StaleTable if table.version > s.version else InvalidForward
-        num_blocks_needed = -(-s.context_len // block_size)
-        if num_blocks_needed > len(table.block_table):
-            raise error(
-                f"sequence {s.seq_id!r}: context_len {s.context_len} needs {num_blocks_needed} blocks, "
-                f"table version {table.version} has {len(table.block_table)}"
+        table = table_of(s.seq_id)
+        if table is None:
+            raise UnknownSequence(
+                f"sequence {s.seq_id!r} is not on this node (its table comes with the step that admitted it)"
             )
-        positions = np.arange(s.context_len - s.num_new_tokens, s.context_len, dtype=np.int64)
+        start = s.context_len - s.num_new_tokens
+        if start != table.num_tokens and not (s.seq_id in cold and start > table.num_tokens):
+            raise InvalidForward(
+                f"sequence {s.seq_id!r}: writes positions {start}…{s.context_len - 1} but the node holds "
+                f"{table.num_tokens} tokens: a Forward writes only at the tail of a sequence"
+            )
+        if -(-s.context_len // block_size) > len(table.block_table):
+            raise InvalidForward(
+                f"sequence {s.seq_id!r}: context_len {s.context_len} needs {-(-s.context_len // block_size)} "
+                f"blocks, its table (version {table.version}) has {len(table.block_table)}"
+            )
+        positions = np.arange(start, s.context_len, dtype=np.int64)
         blocks = np.asarray(table.block_table, dtype=np.int64)[positions // block_size]
-        expected = blocks * block_size + positions % block_size
-        if not np.array_equal(expected, s.slot_mapping):
-            bad = int(np.flatnonzero(expected != s.slot_mapping)[0])
-            raise error(
-                f"sequence {s.seq_id!r}: slot {int(s.slot_mapping[bad])} of position {int(positions[bad])} "
-                f"is not in its block table (version {table.version} expects {int(expected[bad])})"
-            )
+        s.slot_mapping = blocks * block_size + positions % block_size
+        tables[s.seq_id] = table
+    if batch.seqs:
+        batch.slot_mapping = torch.from_numpy(np.concatenate([s.slot_mapping for s in batch.seqs]))
+        if torch.unique(batch.slot_mapping).numel() != batch.num_tokens:
+            raise InvalidForward("two new tokens of the batch map to the same slot (shared tails?)")
+    return tables
 
 
-def plan_attention(batch: ForwardBatch, tables: dict[SeqId, CachedTable], geometry: PoolGeometry) -> AttentionPlan:
+def plan_attention(batch: ForwardBatch, tables: dict[SeqId, NodeTable], geometry: PoolGeometry) -> AttentionPlan:
     decode = [s for s in batch.seqs if s.num_new_tokens == 1]
     prefill = [s for s in batch.seqs if s.num_new_tokens > 1]
     bs = geometry.block_size
@@ -221,7 +223,7 @@ def plan_attention(batch: ForwardBatch, tables: dict[SeqId, CachedTable], geomet
 
 
 def _tables_tensor(
-    seqs: list[SeqStep], tables: dict[SeqId, CachedTable], block_size: int
+    seqs: list[SeqStep], tables: dict[SeqId, NodeTable], block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Padded int32 block tables (only the blocks each context uses) and int32 lengths."""
     used = [-(-s.context_len // block_size) for s in seqs]
@@ -235,6 +237,8 @@ def _tables_tensor(
 def execute(pool: KvPool, batch: ForwardBatch, plan: AttentionPlan) -> tuple[list[torch.Tensor], ExecuteTimings]:
     """Write every layer's new K/V, then attend; outputs in request order, one per layer."""
     device = pool.device
+    if batch.slot_mapping is None:
+        return [], ExecuteTimings(0.0, 0.0)
     slots = batch.slot_mapping.to(device)
     t0 = time.perf_counter()
     for step in batch.layers:

@@ -1,82 +1,163 @@
-"""The node's cache of block tables, keyed by sequence and version.
+"""The node's block tables, kept current by the block manager's steps (no RPC on the hot path).
 
-A table only ever moves forward (versions increase), so a cached table at least as new as the
-version a request needs can be used without asking the block manager: in steady-state decode
-most steps need no table RPC at all.
+Each Forward carries the steps of this node's pool since its previous Forward (`PoolStep`): the
+copy ops to run before the step's writes, the table deltas and the dropped sequences. The node
+applies them in order to its own tables; it never asks the block manager for a table in steady
+state. Per sequence it also keeps `num_tokens`, the positions its table holds K/V for (written,
+or being written by the current Forward): a Forward may only write at exactly that tail.
 
-One event makes cached tables untrustworthy although no request asked for a newer version:
-the commit of a defrag plan (triggered by this node acknowledging the plan's moves), which
-rewrites tables and frees the source blocks. Every cached table is then marked *suspect*, and
-the next forward that needs one re-checks it with a `GetTables` carrying `known_versions` (the
-block manager returns only what changed). Everything else that changes a table — a new block,
-copy-on-write, a fork child — bumps the version the scheduler then asks for.
+`stage` validates a Forward's steps against the cache *without* changing it (a bad Forward
+leaves the node untouched); `StagedSteps.commit` applies them once everything is checked.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import NewType
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NewType
+
+from compute_node.errors import InvalidForward, NodeFenced, StaleStep, StaleTable
 
 SeqId = NewType("SeqId", str)
 
 
-@dataclass(slots=True, frozen=True)
-class CachedTable:
-    seq_id: SeqId
-    block_table: tuple[int, ...]
+@dataclass(slots=True)
+class NodeTable:
+    """One sequence on this node: its table, the table's version, the positions it holds."""
+
+    block_table: list[int]
     version: int
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class StagedSteps:
+    """The effect of a Forward's steps, checked but not yet applied."""
+
+    copy_pairs: list[tuple[int, int]] = field(default_factory=list)
+    num_defrag_copies: int = 0
+    changed: dict[SeqId, NodeTable | None] = field(default_factory=dict)   # None: dropped
+    reset: bool = False
+    last_step_id: int | None = None
+
+    def table(self, cache: TableCache, seq_id: SeqId) -> NodeTable | None:
+        if seq_id in self.changed:
+            return self.changed[seq_id]
+        return None if self.reset else cache.get(seq_id)
 
 
 class TableCache:
-    """LRU of block tables with per-entry 'suspect' marks (see the module docstring)."""
+    """Tables of the sequences this node serves, plus the last step applied."""
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._tables: OrderedDict[SeqId, CachedTable] = OrderedDict()
-        self._suspect: set[SeqId] = set()
+    def __init__(self) -> None:
+        self._tables: dict[SeqId, NodeTable] = {}
+        self.last_step_id = 0
 
     def __len__(self) -> int:
         return len(self._tables)
 
-    def get(self, seq_id: SeqId) -> CachedTable | None:
-        table = self._tables.get(seq_id)
-        if table is not None:
-            self._tables.move_to_end(seq_id)
-        return table
+    def get(self, seq_id: SeqId) -> NodeTable | None:
+        return self._tables.get(seq_id)
 
-    def is_fresh(self, seq_id: SeqId, version: int) -> bool:
-        """Usable for a request that needs `version`, without asking the block manager."""
-        table = self._tables.get(seq_id)
-        return table is not None and table.version >= version and seq_id not in self._suspect
-
-    def known_version(self, seq_id: SeqId) -> int | None:
-        table = self._tables.get(seq_id)
-        return None if table is None else table.version
-
-    def put(self, table: CachedTable) -> None:
-        """Store a table from the block manager (never replacing a newer one)."""
-        old = self._tables.get(table.seq_id)
-        if old is None or table.version >= old.version:
-            self._tables[table.seq_id] = table
-        self._tables.move_to_end(table.seq_id)
-        while len(self._tables) > self.capacity:
-            evicted, _ = self._tables.popitem(last=False)
-            self._suspect.discard(evicted)
-
-    def confirm(self, seq_id: SeqId) -> None:
-        """The block manager confirmed the cached version is current."""
-        self._suspect.discard(seq_id)
-
-    def mark_all_suspect(self) -> None:
-        self._suspect.update(self._tables)
+    def put(self, seq_id: SeqId, table: NodeTable) -> None:
+        self._tables[seq_id] = table
 
     def drop(self, seq_ids: Iterable[SeqId]) -> None:
         for seq_id in seq_ids:
             self._tables.pop(seq_id, None)
-            self._suspect.discard(seq_id)
 
     def clear(self) -> None:
+        """A new registration (epoch): nothing of the old pool is valid."""
         self._tables.clear()
-        self._suspect.clear()
+        self.last_step_id = 0
+
+    def commit(self, staged: StagedSteps) -> None:
+        if staged.reset:
+            self._tables.clear()
+        for seq_id, table in staged.changed.items():
+            if table is None:
+                self._tables.pop(seq_id, None)
+            else:
+                self._tables[seq_id] = table
+        if staged.last_step_id is not None:
+            self.last_step_id = staged.last_step_id
+
+
+def stage(cache: TableCache, steps: Sequence[Any], node_id: str, epoch: int) -> StagedSteps:
+    """Check the steps (`PoolStep` messages) a Forward carries and compute their effect.
+
+    `StaleStep` (FAILED_PRECONDITION) when they do not continue from the node's last applied
+    step (a step was skipped: the scheduler must send every step, in order), `NodeFenced` for
+    another epoch, `StaleTable` (ABORTED) when a delta does not apply to the node's version of
+    a table, `InvalidForward` for malformed columns.
+    """
+    staged = StagedSteps()
+    last = cache.last_step_id
+    for i, m in enumerate(steps):
+        if m.pool_id != node_id:
+            raise InvalidForward(f"steps[{i}] is for pool {m.pool_id!r}, this node is {node_id!r}")
+        if m.epoch != epoch:
+            raise NodeFenced(f"steps[{i}] belongs to epoch {m.epoch}, the node's epoch is {epoch}")
+        if not m.reset and not m.base_step_id <= last < m.step_id:
+            raise StaleStep(
+                f"step {m.step_id} builds on step {m.base_step_id}, but the node has applied up to step {last}: "
+                "send every step of the pool, in order"
+            )
+        if m.reset and m.step_id <= last:
+            raise StaleStep(f"reset step {m.step_id} is not after the node's last step {last}")
+        last = m.step_id
+        if m.reset:
+            staged.reset = True
+            staged.changed.clear()
+        _stage_copies(staged, m, i)
+        for sid in m.dropped_seq_ids:
+            staged.changed[SeqId(sid)] = None
+        _stage_deltas(staged, cache, m, i)
+    staged.last_step_id = last if steps else None
+    return staged
+
+
+def _stage_copies(staged: StagedSteps, m: Any, i: int) -> None:
+    if not len(m.copy_src) == len(m.copy_dst) == len(m.copy_is_defrag):
+        raise InvalidForward(f"steps[{i}]: copy columns have different lengths")
+    staged.copy_pairs.extend(zip(m.copy_src, m.copy_dst))
+    staged.num_defrag_copies += sum(m.copy_is_defrag)
+
+
+def _stage_deltas(staged: StagedSteps, cache: TableCache, m: Any, i: int) -> None:
+    n = len(m.delta_seq_ids)
+    cols = (m.delta_base_versions, m.delta_versions, m.delta_num_tokens, m.delta_num_replaced, m.delta_num_appended)
+    if any(len(c) != n for c in cols):
+        raise InvalidForward(f"steps[{i}]: delta columns have different lengths")
+    if sum(m.delta_num_replaced) != len(m.replaced_positions) or len(m.replaced_positions) != len(m.replaced_blocks):
+        raise InvalidForward(f"steps[{i}]: replaced entries do not match their counts")
+    if sum(m.delta_num_appended) != len(m.appended_blocks):
+        raise InvalidForward(f"steps[{i}]: appended blocks do not match their counts")
+    rep = app = 0
+    for j in range(n):
+        sid = SeqId(m.delta_seq_ids[j])
+        base, version = m.delta_base_versions[j], m.delta_versions[j]
+        nr, na = m.delta_num_replaced[j], m.delta_num_appended[j]
+        appended = list(m.appended_blocks[app : app + na])
+        if base == 0:
+            table = NodeTable(appended, version, m.delta_num_tokens[j])
+        else:
+            old = staged.table(cache, sid)
+            if old is None or old.version != base:
+                have = None if old is None else old.version
+                raise StaleTable(
+                    f"sequence {sid!r}: step {m.step_id} changes table version {base}, the node has {have}"
+                )
+            blocks = list(old.block_table)
+            for pos, block in zip(m.replaced_positions[rep : rep + nr], m.replaced_blocks[rep : rep + nr]):
+                if pos >= len(blocks):
+                    raise InvalidForward(f"sequence {sid!r}: replaced position {pos} beyond its table")
+                blocks[pos] = block
+            blocks.extend(appended)
+            table = NodeTable(blocks, version, old.num_tokens)
+        staged.changed[sid] = table
+        rep += nr
+        app += na
+
+
+__all__ = ["NodeTable", "SeqId", "StagedSteps", "TableCache", "stage"]

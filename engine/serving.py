@@ -2,10 +2,12 @@
 
 This is what a scheduler embedding pagedkv does, step by step: the trace (block_manager's
 JSON-lines format) says which requests arrive, fork, decode and finish; the driver turns each
-scheduler step into one `StepBatch` against the block manager (Free, Allocate, Fork,
-AppendSlots — in-block decode appends answered locally) and one `Forward` per compute node
-with the step's new Q/K/V, then checks sampled attention outputs against a float64 dense
-reference computed from the same synthetic model.
+scheduler step into one `Step` against the block manager (reports of the previous Forwards,
+frees, allocations, forks, appends — in-block decode appends answered locally) and one
+`Forward` per compute node carrying that node's `PoolStep` (copy ops, table deltas) and the
+step's new Q/K/V, reports each Forward back with the next step, and checks attention outputs
+against a float64 dense reference computed from the same synthetic model — every sequence,
+every step by default (`check_every=1`, `check_all=True`): a check that samples hides bugs.
 
 New requests are placed with `Route` (cache-aware: the pool holding the longest cached
 prefix, then the emptiest). A request the block manager refuses (out of blocks) is
@@ -21,10 +23,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from block_manager.client import BlockManagerClient
+from block_manager.client import BlockManagerClient, StepResult
 from block_manager.client.admin import AdminClient
-from block_manager.client.types import ItemFailure
-from block_manager.core.types import AllocateResult
+from block_manager.client.types import Admission, ItemFailure
 from block_manager.trace.format import AllocateOp, AppendOp, ForkOp, FreeOp, TraceOp
 from compute_node.client import ComputeNodeClient, SeqInput
 from engine.synthetic import SyntheticModel, extend_hashes, reference_attention
@@ -74,6 +75,7 @@ class ServingReport:
     data_plane_rpcs: int = 0
     route_rpcs: int = 0
     forward_rpcs: int = 0
+    node_bm_rpcs: int = 0         # block manager calls the nodes made during Forwards (cold caches)
     deferred_tokens: int = 0
     defrag: dict[str, object] = field(default_factory=dict)
     final_status: dict[str, object] = field(default_factory=dict)
@@ -96,13 +98,15 @@ class ServingDriver:
         *,
         num_heads: int,
         max_model_len: int,
-        check_every: int = 10,
+        check_every: int = 1,
+        check_all: bool = True,
         sample_every: int = 5,
         seed: int = 0,
         admin_token: str | None = None,
         forward_timeout_s: float = 120.0,
+        scheduler_id: str | None = None,
     ) -> None:
-        self.client = BlockManagerClient(bm_address)
+        self.client = BlockManagerClient(bm_address, scheduler_id=scheduler_id)
         self.admin = AdminClient(bm_address, token=admin_token)
         self.nodes = {n: ComputeNodeClient(a, timeout_s=forward_timeout_s) for n, a in node_addresses.items()}
         info = next(iter(self.nodes.values())).node_info()
@@ -113,6 +117,7 @@ class ServingDriver:
         self.layers = list(range(info.num_layers))
         self.max_model_len = max_model_len
         self.check_every = check_every
+        self.check_all = check_all
         self.sample_every = sample_every
         self.seqs: dict[str, _Seq] = {}
         self.dead: set[str] = set()
@@ -121,6 +126,12 @@ class ServingDriver:
         self._pending_free: list[str] = []
 
     def close(self) -> None:
+        """Hand the pools back (another scheduler may drive them at once) and disconnect."""
+        try:
+            if self.client.held_pools:
+                self.client.release()
+        except Exception:  # noqa: BLE001 - best effort: the lease lapses on its own otherwise
+            pass
         self.client.close()
         self.admin.close()
         for node in self.nodes.values():
@@ -161,17 +172,19 @@ class ServingDriver:
         start = time.perf_counter()
         self._step += 1
         if any(a.seq_id == f.parent_id for a in allocs for f in forks):
-            # Parallel sampling forks a freshly admitted request: its prompt K/V must be in
-            # the pool before a child's copy-on-write copies the shared partial block, so the
-            # prefill runs first (as a real engine does: prefill, then sample n continuations).
+            # Parallel sampling forks a freshly admitted request: its prompt K/V must be written
+            # (and that Forward reported) before a child's copy-on-write copies the shared
+            # partial block, so the prefill runs first (as a real engine does: prefill, sample,
+            # then fork the n continuations).
             self._forward(self._commit(frees, allocs, [], None))
             frees, allocs = [], []
         self._forward(self._commit(frees, allocs, forks, append))
         self._sample(time.perf_counter() - start)
 
-    def _commit(self, frees: list[str], allocs: list[AllocateOp], forks: list[ForkOp],
-                append: AppendOp | None) -> tuple[dict[str, list[tuple[tuple[int, ...], int, int]]], list[str]]:
-        """One StepBatch; returns the Forward work (slots, version, context_len per part)."""
+    def _commit(
+        self, frees: list[str], allocs: list[AllocateOp], forks: list[ForkOp], append: AppendOp | None
+    ) -> tuple[StepResult, dict[str, list[tuple[str, int, int]]]]:
+        """One Step; returns it with the Forward work (seq, new tokens, context_len)."""
         step = self.client.step()
         freed = [s for s in frees if s in self.seqs] + self._pending_free
         self._pending_free = []
@@ -182,9 +195,10 @@ class ServingDriver:
                 self.report.skipped += 1
         if freed:
             step.free(freed)
-        for op in allocs:
+        routes = self._route_many(allocs)
+        for op, pool in zip(allocs, routes):
             self.report.num_requests += 1
-            step.allocate(op.seq_id, self._route(list(op.token_ids), op.salt), list(op.token_ids), salt=op.salt)
+            step.allocate(op.seq_id, pool, list(op.token_ids), salt=op.salt)
         allocated = {a.seq_id for a in allocs}
         for op in forks:
             if op.parent_id in self.seqs or op.parent_id in allocated:
@@ -202,27 +216,35 @@ class ServingDriver:
         # Per-item failures (out of blocks, a parent the block manager refused) come back in
         # the result; only whole-RPC errors raise.
         result = step.commit()
-        work: dict[str, list[tuple[tuple[int, ...], int, int]]] = {}
+        work: dict[str, list[tuple[str, int, int]]] = {}
         for s in freed:
             self.seqs.pop(s, None)
+        for sid in result.dropped:  # a reported failure dropped them: their requests restart
+            if self.seqs.pop(sid, None) is not None:
+                self.report.preempted += 1
+                self.dead.add(sid)
         for op in allocs:
             out = result.allocations.get(op.seq_id)
-            if isinstance(out, AllocateResult):
+            if isinstance(out, Admission):
                 seq = _Seq(op.seq_id, out.pool_id, op.salt, [], self._reservation(len(op.token_ids)))
                 extend_hashes(seq.hashes, op.token_ids, op.salt)
                 self.seqs[op.seq_id] = seq
                 self.report.prefill_tokens += len(op.token_ids)
                 self.report.cached_tokens += out.num_cached_tokens
-                work.setdefault(op.seq_id, []).append((out.slot_mapping, out.version, len(op.token_ids)))
+                n = out.num_tokens - out.num_cached_tokens
+                work.setdefault(out.pool_id, []).append((op.seq_id, n, out.num_tokens))
             else:
                 self.report.rejected += 1
                 self.dead.add(op.seq_id)
-        for parent, views in result.forks.items():
+        for parent, children in result.forks.items():
+            if isinstance(children, ItemFailure):
+                self.dead.update(next(f.child_ids for f in forks if f.parent_id == parent))
+                continue
             p = self.seqs[parent]
-            for v in views:
-                self.seqs[v.seq_id] = _Seq(v.seq_id, p.node_id, p.salt, list(p.hashes), p.reserved_slots)
+            for c in children:
+                self.seqs[c] = _Seq(c, p.node_id, p.salt, list(p.hashes), p.reserved_slots)
                 self.report.forks += 1
-                self.report.fork_shared_blocks += len(v.block_table)
+                self.report.fork_shared_blocks += -(-len(p.hashes) // self.report.block_size)
         for seq_id, token_ids in (append.seqs if append is not None else ()):
             out = result.appends.get(seq_id)
             if out is None or seq_id not in self.seqs:
@@ -236,44 +258,56 @@ class ServingDriver:
             seq = self.seqs[seq_id]
             extend_hashes(seq.hashes, token_ids, seq.salt)
             self.report.generated_tokens += len(token_ids)
-            work.setdefault(seq_id, []).append((out.slot_mapping, out.version, out.context_len))
-        return work, freed
+            # A sequence allocated and appended in the same step writes both in one Forward.
+            parts = work.setdefault(seq.node_id, [])
+            prior = next((i for i, p in enumerate(parts) if p[0] == seq_id), None)
+            if prior is None:
+                parts.append((seq_id, out.num_new_tokens, out.context_len))
+            else:
+                parts[prior] = (seq_id, parts[prior][1] + out.num_new_tokens, out.context_len)
+        return result, work
 
-    def _route(self, token_ids: list[int], salt: str | None) -> str:
+    def _route_many(self, allocs: list[AllocateOp]) -> list[str]:
+        """Cache-aware placement of every admission of the step, in one batched Route."""
+        if not allocs:
+            return []
         self.report.route_rpcs += 1
-        routes = self.client.route(token_ids, salt=salt)
-        for r in routes:
-            if r.pool_id in self.nodes:
-                return r.pool_id
-        return next(iter(self.nodes))
+        ranked = self.client.route_many([(list(op.token_ids), op.salt) for op in allocs])
+        fallback = next(iter(self.nodes))
+        return [next((r.pool_id for r in routes if r.pool_id in self.nodes), fallback) for routes in ranked]
 
     def _reservation(self, prompt_len: int) -> int:
         return max(self.max_model_len, prompt_len)
 
     # -- compute -------------------------------------------------------------------------------
-    def _forward(self, step_work: tuple[dict[str, list[tuple[tuple[int, ...], int, int]]], list[str]]) -> None:
-        work, freed = step_work
-        by_node: dict[str, list[tuple[str, SeqInput]]] = {}
-        for seq_id, parts in work.items():
-            seq = self.seqs[seq_id]
-            slots = [s for part in parts for s in part[0]]
-            if not slots:
-                continue
-            version, context_len = parts[-1][1], parts[-1][2]
-            hashes = seq.hashes[context_len - len(slots) : context_len]
-            k, v = self.model.kv(hashes)
-            q = self.model.queries(len(slots))
-            by_node.setdefault(seq.node_id, []).append(
-                (seq_id, SeqInput(seq_id, version, context_len, slots, q, k, v))
-            )
-        for node_id, items in by_node.items():
-            inputs = [x for _, x in items]
-            out = self.nodes[node_id].forward(inputs, self.layers, freed_seq_ids=[s for s in freed],
-                                              scale=self.model.scale)
+    def _forward(self, step_work: tuple[StepResult, dict[str, list[tuple[str, int, int]]]]) -> None:
+        """One Forward per node: the node's PoolStep (if the step has one) and its sequences'
+        new Q/K/V; each Forward is reported back with the next step."""
+        result, work = step_work
+        for node_id in sorted(set(work) | set(result.steps)):
+            items = [(sid, n, ctx) for sid, n, ctx in work.get(node_id, []) if n > 0]
+            inputs = []
+            for seq_id, n, context_len in items:
+                seq = self.seqs[seq_id]
+                k, v = self.model.kv(seq.hashes[context_len - n : context_len])
+                inputs.append(SeqInput(seq_id, context_len, self.model.queries(n), k, v))
+            pool_step = result.steps.get(node_id)
+            try:
+                out = self.nodes[node_id].forward(
+                    inputs, self.layers, steps=[pool_step.message] if pool_step else [], scale=self.model.scale
+                )
+            except Exception:
+                if pool_step is not None:
+                    self.client.report(pool_step, ok=False)
+                raise
+            if pool_step is not None:
+                self.client.report(pool_step, ok=True)
             self.report.forward_rpcs += 1
+            self.report.node_bm_rpcs += int(out.stats.num_block_manager_rpcs)
             if self.check_every and self._step % self.check_every == 0:
-                for (seq_id, inp), got in list(zip(items, out.outputs))[:2]:
-                    self._check(seq_id, inp, got)
+                checked = list(zip(inputs, out.outputs))
+                for inp, got in checked if self.check_all else checked[:2]:
+                    self._check(inp.seq_id, inp, got)
 
     def _check(self, seq_id: str, inp: SeqInput, got: np.ndarray) -> None:
         seq = self.seqs[seq_id]
@@ -289,8 +323,8 @@ class ServingDriver:
     def _sample(self, wall: float) -> None:
         d = self.report.defrag
         if d and "high_water_after" not in d and self._step > int(d["step"]):
-            # The plan commits once the nodes applied and acknowledged its copies (the next
-            # Forward on each node); read the mark as soon as no block is reserved any more.
+            # The plan commits once the Forward carrying its copies is reported (the step after
+            # next); read the mark as soon as no block is reserved any more.
             pools = self.admin.status()["pools"]
             if all(int(p["num_reserved_blocks"]) == 0 for p in pools):
                 d["high_water_after"] = {p["pool_id"]: int(p["high_water_mark"]) for p in pools}
@@ -312,12 +346,15 @@ class ServingDriver:
         leftover = list(self.seqs) + self._pending_free
         if leftover:
             self.client.free(leftover)
+        else:
+            self.client.flush_reports()
         self.seqs.clear()
         self._pending_free = []
 
     # -- admin ---------------------------------------------------------------------------------
     def trigger_defrag(self) -> dict[str, object]:
-        """Admin-triggered compaction; the plan commits once the nodes apply and ack it."""
+        """Admin-triggered compaction: the plan rides in each pool's next step and commits when
+        that step's Forward is reported."""
         pools = self.admin.status()["pools"]
         before = {p["pool_id"]: int(p["high_water_mark"]) for p in pools}
         moves_before = sum(int(p["defrag_moves"]) for p in pools)

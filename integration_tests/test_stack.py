@@ -24,9 +24,10 @@ from tests.support.polling import eventually_sync
 NUM_HEADS = 4
 
 
-def _driver(stack: LocalStack, seed: int = 0) -> ServingDriver:
+def _driver(stack: LocalStack, seed: int = 0, scheduler_id: str | None = None) -> ServingDriver:
+    """A scheduler that checks every sequence's output at every step."""
     return ServingDriver(stack.address("block-manager"), node_addresses(stack), num_heads=NUM_HEADS,
-                         max_model_len=256, check_every=2, sample_every=2, seed=seed)
+                         max_model_len=256, sample_every=2, seed=seed, scheduler_id=scheduler_id)
 
 
 def _admin(stack: LocalStack) -> AdminClient:
@@ -118,8 +119,11 @@ def test_compute_node_sigkill_fences_and_restart_registers_new_epoch(fresh_stack
     try:
         with ComputeNodeClient(fresh_stack.address("compute-node-1")) as n1:
             old_epoch = n1.node_info().epoch
-        client.allocate_one("victim", "node-1", list(range(40)))
-        client.allocate_one("survivor", "node-0", list(range(40)))
+        step = client.step()
+        step.allocate("victim", "node-1", list(range(40)))
+        step.allocate("survivor", "node-0", list(range(40)))
+        admitted = step.commit()
+        assert not admitted.failures
         fresh_stack.kill("compute-node-1")
         with _admin(fresh_stack) as admin:
             eventually_sync(
@@ -129,19 +133,23 @@ def test_compute_node_sigkill_fences_and_restart_registers_new_epoch(fresh_stack
             tables = _tables(admin)
             assert "victim" not in tables and "survivor" in tables          # blocks reclaimed, node-0 untouched
             assert admin.fsck()["ok"] is True
-        from block_manager.core.types import AppendRequest
-
-        outcome = client.append_slots([AppendRequest("victim", 1, (7,))])[0]
+        step = client.step()
+        step.append("victim", [7])
+        outcome = step.commit().appends["victim"]
         assert isinstance(getattr(outcome, "error", None), (NotFoundError, FailedPreconditionError))
         # restart: a new epoch, and it serves new sequences
         fresh_stack.start("compute-node-1")
         with ComputeNodeClient(fresh_stack.address("compute-node-1")) as n1:
             info = n1.node_info()
             assert info.registered and info.epoch > old_epoch
-        client.free(["survivor"])
+        # No Forward ever ran for the admissions: report so (the block manager drops what the
+        # step wrote, and the node's next step builds on the last one it really applied).
+        client.report(admitted.steps["node-0"], ok=False)
+        settled = client.flush_reports()
+        assert settled is not None and settled.dropped == {"survivor"}
     finally:
         client.close()
-    driver = _driver(fresh_stack, seed=3)
+    driver = _driver(fresh_stack, seed=3, scheduler_id=client.scheduler_id)  # the pools' lease holder
     try:
         report = driver.run(small_trace(seed=3, num_requests=8))
     finally:
@@ -154,8 +162,8 @@ _LOAD_CHILD = """
 import json, sys
 from integration_tests.helpers import small_trace
 from engine.serving import ServingDriver
-bm, n0, n1, prefix, seed = sys.argv[1:6]
-d = ServingDriver(bm, {"node-0": n0, "node-1": n1}, num_heads=4, max_model_len=256, check_every=4, seed=int(seed))
+bm, node_id, address, prefix, seed = sys.argv[1:6]
+d = ServingDriver(bm, {node_id: address}, num_heads=4, max_model_len=256, seed=int(seed))
 try:
     r = d.run(small_trace(seed=int(seed), num_requests=8, prefix=prefix))
 finally:
@@ -164,14 +172,15 @@ print(json.dumps({"checks": r.checks, "failures": r.check_failures, "rejected": 
 """
 
 
-def test_concurrent_clients_bounded_load(stack: LocalStack) -> None:
+def test_concurrent_schedulers_each_driving_its_own_node(stack: LocalStack) -> None:
+    """Two scheduler processes share the block manager, each with its own node (one scheduler
+    drives a pool at a time); a third one trying to drive a held pool is refused."""
     root = Path(__file__).resolve().parents[1]
     nodes = node_addresses(stack)
     procs = [
-        subprocess.Popen([sys.executable, "-c", _LOAD_CHILD, stack.address("block-manager"), nodes["node-0"],
-                          nodes["node-1"], f"c{i}-", str(10 + i)], cwd=root, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-        for i in range(3)
+        subprocess.Popen([sys.executable, "-c", _LOAD_CHILD, stack.address("block-manager"), node_id, address,
+                          f"c{i}-", str(10 + i)], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i, (node_id, address) in enumerate(sorted(nodes.items()))
     ]
     results = []
     for p in procs:

@@ -96,6 +96,14 @@ class AsyncBlockManagerClient(ClientBase):
         """Send pending Forward reports now (an idle scheduler: lets plans commit)."""
         return await self.step().commit(timeout_s=timeout_s) if self._reports else None
 
+    async def release(self, *, timeout_s: float | None = None) -> None:
+        """Give up this scheduler's pool leases (after freeing its sequences: any left are
+        dropped), so another scheduler can drive the pools at once."""
+        step = self.step()
+        step.release = True
+        await step.commit(timeout_s=timeout_s)
+        self.held_pools.clear()
+
     async def free(self, seq_ids: Sequence[str], *, timeout_s: float | None = None) -> int:
         """Free sequences in a step of their own (all or nothing)."""
         step = self.step()
@@ -143,7 +151,7 @@ class AsyncStep(StepBatch):
         except BlockManagerError:
             self.distrust()
             raise
-        client._sent(request)
+        client._sent(request, reply)
         return self.apply(reply)
 
 

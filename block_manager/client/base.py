@@ -51,6 +51,7 @@ class ClientBase:
         self.tracker = SequenceTracker(block_sizes)
         # pool -> (node epoch, completed_up_to, failed_from): sent with the next step
         self._reports: dict[str, tuple[int, int, int]] = {}
+        self.held_pools: set[str] = set()   # pools whose lease this scheduler took
 
     def report(self, step: PoolStepInfo, ok: bool) -> None:
         """Record the outcome of the Forward that carried `step` (sent with the next step).
@@ -74,11 +75,12 @@ class ClientBase:
     def _begin(self, batch: StepBatch, request_id: str) -> pb.StepRequest | None:
         return batch.build(request_id, self.scheduler_id, self._reports)
 
-    def _sent(self, request: pb.StepRequest) -> None:
+    def _sent(self, request: pb.StepRequest, reply: pb.StepResponse) -> None:
         """The reports in `request` reached the server (its answer arrived)."""
         for r in request.reports:
             if self._reports.get(r.pool_id) == (r.epoch, r.completed_up_to, r.failed_from):
                 del self._reports[r.pool_id]
+        self.held_pools.update(reply.lease_epochs)
 
     @staticmethod
     def _route_request(token_ids: Sequence[int], salt: str | None) -> pb.RouteRequest:

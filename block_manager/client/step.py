@@ -193,6 +193,7 @@ class StepBatch:
         self._forks: list[tuple[SeqId, tuple[SeqId, ...]]] = []
         self._appends: dict[SeqId, tuple[int, tuple[int, ...] | None]] = {}
         self._committed = False
+        self.release = False   # set by `client.release()`
         self.result = StepResult()
 
     # ---- collecting -----------------------------------------------------------------
@@ -278,9 +279,12 @@ class StepBatch:
         deferred = 0
         with_ids = True
         server: list[tuple[SeqId, int, list[int] | None]] = []
+        # A fork shares the parent's tail: this step's appends to the parent (and children)
+        # need the server's copy-on-write.
+        forked = {p for p, _ in self._forks} | {c for _, cs in self._forks for c in cs}
         for sid, (n, ids) in self._appends.items():
             t = tracker.get(sid)
-            if t is not None and t.can_append_locally(n):
+            if t is not None and sid not in forked and t.can_append_locally(n):
                 t.append_locally(n, ids)
                 deferred += n
                 res.appends[sid] = SeqSlots(sid, n, t.num_tokens, deferred=True)
@@ -299,6 +303,9 @@ class StepBatch:
                 m.append_token_ids.extend(all_ids)
         self._client.stats.deferred_tokens += deferred
         needed = m.reports or m.free_seq_ids or m.alloc_seq_ids or m.fork_parent_ids or m.append_seq_ids
+        if self.release:
+            m.release_leases = True
+            return m
         return m if needed else None
 
     def _build_allocs(self, m: pb.StepRequest) -> None:

@@ -102,6 +102,14 @@ class BlockManagerClient(ClientBase):
         """Send pending Forward reports now (an idle scheduler: lets plans commit)."""
         return self.step().commit(timeout_s=timeout_s) if self._reports else None
 
+    def release(self, *, timeout_s: float | None = None) -> None:
+        """Give up this scheduler's pool leases (after freeing its sequences: any left are
+        dropped), so another scheduler can drive the pools at once."""
+        step = self.step()
+        step.release = True
+        step.commit(timeout_s=timeout_s)
+        self.held_pools.clear()
+
     def free(self, seq_ids: Sequence[str], *, timeout_s: float | None = None) -> int:
         """Free sequences in a step of their own (all or nothing)."""
         step = self.step()
@@ -149,7 +157,7 @@ class SyncStep(StepBatch):
         except BlockManagerError:
             self.distrust()
             raise
-        client._sent(request)
+        client._sent(request, reply)
         return self.apply(reply)
 
 

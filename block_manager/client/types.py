@@ -75,6 +75,7 @@ class PoolStepInfo:
     dropped_seq_ids: tuple[SeqId, ...]
     plan_id: PlanId | None
     reset: bool
+    base_step_id: StepId
     message: Any
 
 

@@ -61,7 +61,8 @@ def pool_step(m: common_pb2.PoolStep) -> PoolStepInfo:
         )
     return PoolStepInfo(
         PoolId(m.pool_id), int(m.epoch), StepId(int(m.step_id)), ops, tuple(deltas),
-        tuple(SeqId(s) for s in m.dropped_seq_ids), PlanId(m.plan_id) if m.plan_id else None, bool(m.reset), m,
+        tuple(SeqId(s) for s in m.dropped_seq_ids), PlanId(m.plan_id) if m.plan_id else None, bool(m.reset),
+        StepId(int(m.base_step_id)), m,
     )
 
 

@@ -414,7 +414,7 @@ class BlockManager:
         pool.unsettled = []
         pool.settled_step = pool.step.step_id - 1
         # The open step's own work belonged to the old scheduler too: the next step only resets.
-        pool.step = StepWork(pool.step.step_id, reset=True)
+        pool.step = StepWork(pool.step.step_id, reset=True, base_step_id=0)
         return dropped
 
     def can_close_step(self, pool_id: PoolId) -> bool:
@@ -495,6 +495,8 @@ class BlockManager:
             failed = pool.unsettled
             pool.unsettled = []
             pool.settled_step = last_closed
+            # The next step builds on the last completed one: the node may lack the failed ones.
+            pool.step.base_step_id = failed_from - 1
             if pool.plan is not None and pool.plan.step_id >= failed_from:
                 aborted.append(pool.plan.plan_id)
                 _defrag.abort(pool)

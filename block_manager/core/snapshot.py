@@ -129,6 +129,7 @@ def _step_to_dict(step: StepWork) -> dict[str, Any]:
         "plan_id": step.plan_id,
         "has_writes": step.has_writes,
         "reset": step.reset,
+        "base_step_id": step.base_step_id,
     }
 
 
@@ -145,6 +146,7 @@ def _step_from_dict(d: dict[str, Any]) -> StepWork:
         None if d["plan_id"] is None else PlanId(int(d["plan_id"])),
         bool(d["has_writes"]),
         bool(d["reset"]),
+        None if d["base_step_id"] is None else int(d["base_step_id"]),
     )
 
 

@@ -45,6 +45,7 @@ class StepWork:
     plan_id: PlanId | None = None
     has_writes: bool = False
     reset: bool = False   # the pool changed hands: the node forgets every table it holds first
+    base_step_id: int | None = None  # set after a failure report: the last step to build on
 
     @property
     def has_work(self) -> bool:
@@ -109,6 +110,7 @@ def build_output(pool_id: str, step: StepWork, seqs: dict[SeqId, Sequence]) -> S
         tuple(step.dropped),
         step.plan_id,
         step.reset,
+        StepId(step.step_id - 1 if step.base_step_id is None else step.base_step_id),
     )
 
 

@@ -74,6 +74,7 @@ class StepOutput:
     dropped_seq_ids: tuple[SeqId, ...]
     plan_id: PlanId | None = None
     reset: bool = False    # the node forgets every cached table of the pool before this step
+    base_step_id: StepId = StepId(0)  # the step it builds on (step_id - 1 unless steps failed)
 
 
 @dataclass(slots=True, frozen=True)

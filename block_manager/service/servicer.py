@@ -63,6 +63,8 @@ def step_payload(request: pb.StepRequest) -> dict[str, Any]:
             "num_children": list(request.fork_num_children),
             "children": list(request.fork_child_ids),
         }
+    if request.release_leases:
+        payload["release"] = True
     if request.append_seq_ids:
         payload["append"] = {
             "seq_ids": list(request.append_seq_ids),
@@ -92,6 +94,7 @@ def fill_pool_step(msg: common_pb2.PoolStep, d: dict[str, Any]) -> None:
     msg.dropped_seq_ids.extend(d["dropped_seq_ids"])
     msg.plan_id = d["plan_id"]
     msg.reset = d["reset"]
+    msg.base_step_id = d["base_step_id"]
 
 
 def step_response(r: dict[str, Any]) -> pb.StepResponse:

@@ -277,6 +277,13 @@ class ServiceState:
                 out = core.close_step(pid)
                 if out is not None:
                     steps.append(pool_step_dict(out, self.registry.get(pid).epoch))
+        if p.get("release"):
+            for pid in sorted(held):
+                if pid in core.pool_ids and core.sequences(pid):
+                    for sid in core.abandon_pool(pid):
+                        self._remember(self.fenced_ids, sid, pid)
+                self.leases.release(pid)
+            lease_epochs = {}
         result = {
             "steps": steps,
             "settled": settled,

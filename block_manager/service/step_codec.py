@@ -212,6 +212,7 @@ def pool_step_dict(out: StepOutput, epoch: int) -> dict[str, Any]:
         "dropped_seq_ids": list(out.dropped_seq_ids),
         "plan_id": out.plan_id or 0,
         "reset": out.reset,
+        "base_step_id": out.base_step_id,
     }
 
 

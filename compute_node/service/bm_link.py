@@ -1,4 +1,4 @@
-"""The node's side of the block manager protocol: register, heartbeat, tables, copy-op acks.
+"""The node's side of the block manager protocol: register, heartbeat, cold-cache tables.
 
 A thin async wrapper over the generated stub that turns gRPC statuses into the few outcomes
 the node acts on (`LinkFenced`, `LinkUnavailable`, `LinkNotFound`, `LinkRejected`) and counts
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from compute_node.tables import CachedTable, SeqId
+from compute_node.tables import NodeTable, SeqId
 from pagedkv.rpc import is_retryable
 from pagedkv.v1 import block_manager_pb2 as bm_pb
 from pagedkv.v1 import block_manager_pb2_grpc as bm_grpc
@@ -52,8 +52,8 @@ class Registration:
 
 @dataclass(slots=True, frozen=True)
 class TablesReply:
-    tables: list[CachedTable]
-    copy_ops: list[tuple[int, int, int, str]]   # (op_id, src, dst, kind), op_id ascending
+    tables: dict[SeqId, NodeTable]   # num_tokens: the block manager's count (may lag deferred tokens)
+    last_step_id: int                # the pool's last closed step the tables reflect
 
 
 def _translate(exc: grpc.aio.AioRpcError) -> LinkError:
@@ -117,29 +117,15 @@ class BlockManagerLink:
     async def heartbeat(self, epoch: int) -> bm_pb.HeartbeatResponse:
         return await self._call(self._stub.Heartbeat, bm_pb.HeartbeatRequest(node_id=self.node_id, epoch=epoch))
 
-    async def get_tables(
-        self, epoch: int, seq_ids: list[SeqId], known_versions: dict[SeqId, int], after_op_id: int
-    ) -> TablesReply:
-        request = bm_pb.GetTablesRequest(
-            node_id=self.node_id, epoch=epoch, seq_ids=seq_ids, known_versions=known_versions,
-            after_op_id=after_op_id,
-        )
+    async def get_tables(self, epoch: int, seq_ids: list[SeqId]) -> TablesReply:
+        """The current tables of `seq_ids` (a cold cache; never on the hot path)."""
+        request = bm_pb.GetTablesRequest(node_id=self.node_id, epoch=epoch, seq_ids=seq_ids)
         reply = await self._call(self._stub.GetTables, request)
-        tables = [
-            CachedTable(SeqId(t.seq_id), tuple(int(b) for b in t.block_table), int(t.version))
+        tables = {
+            SeqId(t.seq_id): NodeTable([int(b) for b in t.block_table], int(t.version), int(t.num_tokens))
             for t in reply.tables
-        ]
-        ops = [(int(op.op_id), int(op.src), int(op.dst), op.kind) for op in reply.copy_ops]
-        return TablesReply(tables, ops)
-
-    async def ack_copy_ops(self, epoch: int, up_to_op_id: int) -> list[int]:
-        """Acknowledge ops ≤ up_to; returns the defrag plans this committed."""
-        request = bm_pb.AckCopyOpsRequest(
-            request_id=f"ack-{self.node_id}-{epoch}-{up_to_op_id}",
-            node_id=self.node_id, epoch=epoch, up_to_op_id=up_to_op_id,
-        )
-        reply = await self._call(self._stub.AckCopyOps, request)
-        return [int(p) for p in reply.committed_plan_ids]
+        }
+        return TablesReply(tables, int(reply.last_step_id))
 
     async def _call(self, method, request):  # type: ignore[no-untyped-def]
         self.num_rpcs += 1

@@ -51,7 +51,6 @@ class ComputeNodeConfig(YamlEnvSettings):
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     max_batch: int = Field(default=4096, ge=1)
     # Block tables kept in the node's cache (least recently used beyond this are dropped).
-    table_cache_size: int = Field(default=65536, ge=1)
     # Deadline of each node -> block manager call, and the pause between registration
     # / heartbeat retries while the block manager is unreachable.
     rpc_timeout_s: float = Field(default=5.0, gt=0)

@@ -1,25 +1,30 @@
-"""The compute node's state machine: registration, lease, table cache, copy ops, forwards.
+"""The compute node's state machine: registration, lease, table cache, forwards.
 
-Everything that touches the pool or the table cache runs under one asyncio lock, so a forward,
-a heartbeat-triggered copy-op sync and a re-registration after fencing never interleave. The
-kernels run in a worker thread (`asyncio.to_thread`) so the event loop keeps answering health
-checks and sending heartbeats while a long forward computes.
+Everything that touches the pool or the table cache runs under one asyncio lock, so a forward
+and a re-registration after fencing never interleave. The kernels run in a worker thread
+(`asyncio.to_thread`) so the event loop keeps answering health checks and sending heartbeats
+while a long forward computes.
+
+The scheduler is the one sequencer of the pool's memory: every change reaches the node inside a
+Forward, as the block manager's steps for this pool (copy ops, table deltas, drops) followed by
+the step's writes. The node applies them in order and makes no block-manager call on the hot
+path; the block manager hears of the Forward from the scheduler's next step.
 
 Lifecycle (one background task):
-- register the pool (retrying while the block manager is unreachable); the pool tensors are
-  allocated at the first registration, when the effective block size is known;
+- register the pool (retrying with capped backoff while the block manager is unreachable); the
+  pool tensors are allocated at the first registration, when the effective block size is known;
 - heartbeat every `lease_ttl / 3` (a timer wait, not a poll). Transient failures (block manager
   down or recovering) are retried with the same epoch — after a recovery the block manager
-  restarts every lease, so the node just keeps serving;
-- when the heartbeat reports copy ops newer than the last applied one (a defrag plan), apply
-  and acknowledge them without waiting for the next forward, so plans commit on idle nodes too.
+  restarts every lease, so the node just keeps serving.
 
 Fencing: FAILED_PRECONDITION on the node's own epoch means the block manager has dropped every
-sequence of that epoch and reclaimed their blocks. The node then clears its table cache and
-copy-op cursor and registers again (new epoch, empty pool); the KV bytes of the old sequences
-are unreachable garbage from then on. A forward that discovers the fencing fails with
-FAILED_PRECONDITION; later forwards for the old sequences get NOT_FOUND (the block manager
-no longer knows them in this pool), and the scheduler must re-admit them (re-prefill).
+sequence of that epoch and reclaimed their blocks. The node then clears its tables and registers
+again (new epoch, empty pool); the KV bytes of the old sequences are unreachable garbage from
+then on. Forwards carrying steps of the old epoch fail with FAILED_PRECONDITION, and the
+scheduler must re-admit its sequences (re-prefill).
+
+A Forward retried with the same request id (its answer was lost) re-runs the writes and the
+attention from the state before it: its steps are already applied and are not applied twice.
 """
 
 from __future__ import annotations
@@ -31,33 +36,14 @@ from dataclasses import dataclass
 
 import torch
 
-from compute_node.errors import (
-    BlockManagerUnavailable,
-    ComputeNodeError,
-    InvalidForward,
-    NodeFenced,
-    NotRegistered,
-    StaleTable,
-    UnknownSequence,
-)
-from compute_node.forward import ForwardBatch, check_slots, execute, plan_attention
+from compute_node.errors import BlockManagerUnavailable, NodeFenced, NotRegistered, StaleTable, UnknownSequence
+from compute_node.forward import ForwardBatch, execute, plan_attention, resolve_sequences
 from compute_node.pool import KvPool, PoolGeometry, blocks_for_budget, resolve_device
-from compute_node.service.bm_link import (
-    BlockManagerLink,
-    LinkError,
-    LinkFenced,
-    LinkNotFound,
-    LinkRejected,
-    LinkUnavailable,
-    Registration,
-    TablesReply,
-)
+from compute_node.service.bm_link import BlockManagerLink, LinkError, LinkFenced, LinkNotFound, Registration
 from compute_node.service.config import ComputeNodeConfig
 from compute_node.service.metrics import NodeMetrics
-from compute_node.tables import CachedTable, SeqId, TableCache
+from compute_node.tables import NodeTable, SeqId, StagedSteps, TableCache, stage
 from pagedkv.logging import get_logger
-
-CopyOpTuple = tuple[int, int, int, str]
 
 
 @dataclass(slots=True)
@@ -70,6 +56,7 @@ class ForwardStats:
     num_block_manager_rpcs: int = 0
     num_copy_ops: int = 0
     kv_bytes_read: int = 0
+    last_step_id: int = 0
 
 
 @dataclass(slots=True)
@@ -86,19 +73,17 @@ class ComputeNode:
         self.metrics = NodeMetrics()
         self.log = get_logger("compute_node", node_id=config.node_id)
         self.link = BlockManagerLink(config.block_manager_address, config.node_id, config.rpc_timeout_s)
-        self.tables = TableCache(config.table_cache_size)
+        self.tables = TableCache()
         self.pool: KvPool | None = None
         self.registration: Registration | None = None
-        self.last_applied_op_id = 0
-        self.last_acked_op_id = 0
-        self.bm_last_pending_op_id = 0     # from heartbeats
+        # The last successful Forward: a retry with its request id re-runs it from before it.
+        self._last_request_id: str | None = None
+        self._last_counts: dict[SeqId, int] = {}
+        self._cold_rpcs = 0
         self._lock = asyncio.Lock()
         self._stopping = asyncio.Event()
         self._registered = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        # Block manager calls made under the lock by the current forward (heartbeats run
-        # concurrently and are not counted).
-        self._forward_rpcs = 0
         # Called with True when the node (re-)registers and False when it is fenced; the
         # server flips its health status from here.
         self.on_registration: Callable[[bool], None] | None = None
@@ -161,14 +146,8 @@ class ComputeNode:
             self.metrics.bm_failures.labels("Heartbeat").inc()
             self.log.warning("heartbeat_failed", epoch=epoch, error=str(exc))
             return
-        self.bm_last_pending_op_id = max(self.bm_last_pending_op_id, int(reply.last_pending_op_id))
-        if self.bm_last_pending_op_id > self.last_applied_op_id or self.last_acked_op_id < self.last_applied_op_id:
-            try:
-                async with self._lock:
-                    if self.epoch == epoch:
-                        await self._sync_copy_ops_locked(epoch, [])
-            except ComputeNodeError as exc:
-                self.log.warning("copy_op_sync_failed", epoch=epoch, error=str(exc))
+        if reply.draining:
+            self.log.debug("draining")
 
     async def _try_register_locked(self) -> None:
         """Register (or re-register) the pool; on failure stay unregistered and log."""
@@ -219,39 +198,95 @@ class ComputeNode:
         self.metrics.epoch.set(0)
         self.tables.clear()
         self.metrics.cached_tables.set(0)
-        self.last_applied_op_id = self.last_acked_op_id = self.bm_last_pending_op_id = 0
+        self._last_request_id = None
         if self.on_registration is not None:
             self.on_registration(False)
 
     # ---- forward --------------------------------------------------------------------
     async def forward(self, batch: ForwardBatch) -> ForwardResult:
-        """Fetch what the batch lacks, apply pending copy ops, write K/V, attend."""
+        """Apply the batch's steps (copies, then tables), write K/V at each tail, attend."""
         t_start = time.perf_counter()
         async with self._lock:
             if self.registration is None or self.pool is None:
                 raise NotRegistered("the node is not registered with the block manager")
             epoch = self.registration.epoch
             pool = self.pool
-            self.tables.drop(batch.freed_seq_ids)
-            self._forward_rpcs = 0
-            t0 = time.perf_counter()
-            tables, ops = await self._resolve_tables_locked(batch, epoch)
-            t1 = time.perf_counter()
-            check_slots(batch, tables, pool.geometry.block_size)
+            self._cold_rpcs = 0
+            retry = batch.request_id == self._last_request_id
+            if retry:
+                # Its steps are applied already: re-run the writes from the counts before it.
+                staged = StagedSteps()
+                cold: dict[SeqId, NodeTable] = {}
+                counts = self._last_counts
+                table_of = lambda sid: self._retry_table(sid, counts)  # noqa: E731
+            else:
+                staged = stage(self.tables, batch.steps, self.config.node_id, epoch)
+                cold = await self._cold_tables(batch, staged, epoch)
+                table_of = lambda sid: cold.get(sid) or staged.table(self.tables, sid)  # noqa: E731
+            tables = resolve_sequences(batch, table_of, pool.geometry.block_size, cold=set(cold))
             plan = plan_attention(batch, tables, pool.geometry)
-            t2 = time.perf_counter()
-            await self._apply_copy_ops_locked(epoch, ops)
-            t3 = time.perf_counter()
+            t0 = time.perf_counter()
+            if staged.copy_pairs:
+                await asyncio.to_thread(pool.copy_blocks, staged.copy_pairs)
+            t1 = time.perf_counter()
+            before = {s.seq_id: tables[s.seq_id].num_tokens for s in batch.seqs}
+            self.tables.commit(staged)
+            for s in batch.seqs:
+                table = tables[s.seq_id]
+                table.num_tokens = s.context_len
+                self.tables.put(s.seq_id, table)
+            self._last_request_id, self._last_counts = batch.request_id, before
             outputs, timings = await asyncio.to_thread(execute, pool, batch, plan)
             stats = ForwardStats(
-                table_fetch_s=t1 - t0, copy_ops_s=t3 - t2, write_s=timings.write_s,
+                table_fetch_s=0.0, copy_ops_s=t1 - t0, write_s=timings.write_s,
                 attention_s=timings.attention_s, total_s=time.perf_counter() - t_start,
-                num_block_manager_rpcs=self._forward_rpcs, num_copy_ops=len(ops),
-                kv_bytes_read=plan.kv_bytes_read,
+                num_block_manager_rpcs=self._cold_rpcs, num_copy_ops=len(staged.copy_pairs),
+                kv_bytes_read=plan.kv_bytes_read, last_step_id=self.tables.last_step_id,
             )
             self.metrics.cached_tables.set(len(self.tables))
+            if staged.copy_pairs:
+                n_defrag = staged.num_defrag_copies
+                self.metrics.copy_ops.labels("defrag").inc(n_defrag)
+                self.metrics.copy_ops.labels("cow").inc(len(staged.copy_pairs) - n_defrag)
         self._observe(batch, stats)
         return ForwardResult([(step.layer, out) for step, out in zip(batch.layers, outputs)], stats)
+
+    async def _cold_tables(self, batch: ForwardBatch, staged: StagedSteps, epoch: int) -> dict[SeqId, NodeTable]:
+        """Tables of sequences the node does not hold (a cold cache: not on the hot path).
+
+        Only safe when the block manager's tables reflect exactly the steps this Forward
+        brings the node to (a later closed step may already have changed them): otherwise the
+        Forward is refused with ABORTED and the scheduler must send the missing steps.
+        """
+        self._cold_rpcs = 0
+        missing = [s.seq_id for s in batch.seqs if staged.table(self.tables, s.seq_id) is None]
+        if not missing:
+            return {}
+        self._cold_rpcs = 1
+        try:
+            reply = await self.link.get_tables(epoch, missing)
+            self.metrics.bm_rpcs.labels("GetTables").inc()
+        except LinkError as exc:
+            self.metrics.bm_failures.labels("GetTables").inc()
+            if isinstance(exc, LinkNotFound):
+                raise UnknownSequence(exc.details) from None
+            if isinstance(exc, LinkFenced):
+                raise NodeFenced(exc.details) from None
+            raise BlockManagerUnavailable(f"block manager unavailable for a cold table fetch: {exc}") from None
+        applied = staged.last_step_id if staged.last_step_id is not None else self.tables.last_step_id
+        if reply.last_step_id != applied:
+            raise StaleTable(
+                f"cold tables of {missing[:4]} reflect step {reply.last_step_id}, this Forward brings the node to "
+                f"step {applied}: send the missing steps"
+            )
+        self.log.info("cold_tables", num_tables=len(reply.tables))
+        return reply.tables
+
+    def _retry_table(self, seq_id: SeqId, counts: dict[SeqId, int]) -> NodeTable | None:
+        table = self.tables.get(seq_id)
+        if table is None or seq_id not in counts:
+            return table
+        return NodeTable(table.block_table, table.version, counts[seq_id])
 
     def _observe(self, batch: ForwardBatch, stats: ForwardStats) -> None:
         m = self.metrics
@@ -262,117 +297,3 @@ class ComputeNode:
         m.tokens.labels("decode").inc(num_decode)
         m.tokens.labels("prefill").inc(batch.num_tokens - num_decode)
 
-    async def _resolve_tables_locked(
-        self, batch: ForwardBatch, epoch: int
-    ) -> tuple[dict[SeqId, CachedTable], list[CopyOpTuple]]:
-        """Tables for every sequence of the batch, fetching only stale/missing ones in one call,
-        plus the pending copy ops that call returned (not yet applied)."""
-        need = [s for s in batch.seqs if not self.tables.is_fresh(s.seq_id, s.version)]
-        need_ops = self.bm_last_pending_op_id > self.last_applied_op_id
-        resolved: dict[SeqId, CachedTable] = {}
-        ops: list[CopyOpTuple] = []
-        if need or need_ops:
-            known = {s.seq_id: v for s in need if (v := self.tables.known_version(s.seq_id)) is not None}
-            reply = await self._get_tables_locked(epoch, [s.seq_id for s in need], known)
-            for table in reply.tables:
-                self.tables.put(table)
-                resolved[table.seq_id] = table
-            ops = [op for op in reply.copy_ops if op[0] > self.last_applied_op_id]
-            if ops:
-                # Remember them even if this forward fails validation before applying them:
-                # the next forward must fetch them again before it writes anything.
-                self.bm_last_pending_op_id = max(self.bm_last_pending_op_id, ops[-1][0])
-        for s in batch.seqs:
-            table = resolved.get(s.seq_id)
-            if table is None:
-                table = self.tables.get(s.seq_id)
-                if table is None:
-                    raise UnknownSequence(f"sequence {s.seq_id!r} is not in this node's pool")
-                self.tables.confirm(s.seq_id)   # the block manager had nothing newer
-                resolved[s.seq_id] = table
-            if table.version < s.version:
-                raise StaleTable(
-                    f"sequence {s.seq_id!r}: the request needs table version {s.version}, "
-                    f"the block manager has {table.version}"
-                )
-        return resolved, ops
-
-    async def _get_tables_locked(self, epoch: int, seq_ids: list[SeqId], known: dict[SeqId, int]) -> TablesReply:
-        self._forward_rpcs += 1
-        try:
-            reply = await self.link.get_tables(epoch, seq_ids, known, self.last_applied_op_id)
-            self.metrics.bm_rpcs.labels("GetTables").inc()
-            return reply
-        except LinkError as exc:
-            self.metrics.bm_failures.labels("GetTables").inc()
-            if isinstance(exc, LinkFenced):
-                await self._fenced_or_dropped_locked(epoch, exc)
-            raise self._translate(exc) from None
-
-    async def _fenced_or_dropped_locked(self, epoch: int, exc: LinkFenced) -> None:
-        """FAILED_PRECONDITION from GetTables is either our epoch (fenced) or one of the
-        sequences (dropped with an older epoch): a heartbeat tells which."""
-        self._forward_rpcs += 1
-        try:
-            await self.link.heartbeat(epoch)
-        except (LinkFenced, LinkNotFound):
-            self._reset_locked(f"get_tables: {exc.details}")
-            await self._try_register_locked()
-            raise NodeFenced(
-                f"node epoch {epoch} was fenced by the block manager; its sequences are gone, "
-                f"re-admit them (new epoch {self.epoch or 'pending'})"
-            ) from None
-        except LinkError as hb_exc:
-            raise BlockManagerUnavailable(f"block manager unreachable: {hb_exc}") from None
-        raise UnknownSequence(exc.details) from None
-
-    @staticmethod
-    def _translate(exc: LinkError) -> ComputeNodeError:
-        if isinstance(exc, LinkUnavailable):
-            return BlockManagerUnavailable(f"block manager unavailable: {exc.details}")
-        if isinstance(exc, LinkNotFound):
-            return UnknownSequence(exc.details)
-        if isinstance(exc, LinkRejected) and exc.code.name == "INVALID_ARGUMENT":
-            return InvalidForward(exc.details)
-        if isinstance(exc, LinkRejected) and exc.code.name == "ABORTED":
-            return StaleTable(exc.details)
-        return ComputeNodeError(f"block manager refused: {exc.code.name}")
-
-    async def _apply_copy_ops_locked(self, epoch: int, ops: list[CopyOpTuple]) -> None:
-        """Run ops (op_id order) in every layer, then acknowledge the applied prefix."""
-        if ops and self.pool is not None:
-            await asyncio.to_thread(self.pool.copy_blocks, [(src, dst) for _, src, dst, _ in ops])
-            self.last_applied_op_id = ops[-1][0]
-            for _, _, _, kind in ops:
-                self.metrics.copy_ops.labels(kind).inc()
-            self.log.info("copy_ops_applied", num_ops=len(ops), up_to_op_id=self.last_applied_op_id)
-        if self.last_acked_op_id >= self.last_applied_op_id:
-            return
-        self._forward_rpcs += 1
-        try:
-            committed = await self.link.ack_copy_ops(epoch, self.last_applied_op_id)
-            self.metrics.bm_rpcs.labels("AckCopyOps").inc()
-        except LinkFenced as exc:
-            self._reset_locked(f"ack_copy_ops: {exc.details}")
-            await self._try_register_locked()
-            raise NodeFenced(f"node epoch {epoch} was fenced by the block manager") from None
-        except LinkError as exc:
-            # The ops are applied; the ack is retried by the next heartbeat or forward.
-            self.metrics.bm_failures.labels("AckCopyOps").inc()
-            self.log.warning("ack_failed", up_to_op_id=self.last_applied_op_id, error=str(exc))
-            return
-        self.last_acked_op_id = self.last_applied_op_id
-        if committed:
-            # Committed plans rewrote tables and freed their source blocks: re-check every
-            # cached table before it is used again (this forward may still read the sources:
-            # nothing can overwrite them before the next forward, which runs after ours).
-            self.tables.mark_all_suspect()
-            self.log.info("defrag_committed", plan_ids=committed)
-
-    async def _sync_copy_ops_locked(self, epoch: int, seq_ids: list[SeqId]) -> None:
-        """Fetch, apply and acknowledge pending copy ops outside any forward."""
-        reply = await self._get_tables_locked(epoch, seq_ids, {})
-        for table in reply.tables:
-            self.tables.put(table)
-        ops = [op for op in reply.copy_ops if op[0] > self.last_applied_op_id]
-        await self._apply_copy_ops_locked(epoch, ops)

@@ -48,7 +48,7 @@ class ComputeNodeServicer(pb_grpc.ComputeNodeServicer):
             stats=pb.ForwardStats(
                 table_fetch_s=s.table_fetch_s, copy_ops_s=s.copy_ops_s, write_s=s.write_s,
                 attention_s=s.attention_s, total_s=s.total_s, num_block_manager_rpcs=s.num_block_manager_rpcs,
-                num_copy_ops=s.num_copy_ops, kv_bytes_read=s.kv_bytes_read,
+                num_copy_ops=s.num_copy_ops, kv_bytes_read=s.kv_bytes_read, last_step_id=s.last_step_id,
             ),
         )
 
@@ -69,6 +69,6 @@ class ComputeNodeServicer(pb_grpc.ComputeNodeServicer):
             device=str(node.device),
             block_size=0 if geometry is None else geometry.block_size,
             num_blocks=0 if geometry is None else geometry.num_blocks,
-            last_applied_op_id=node.last_applied_op_id,
+            last_step_id=node.tables.last_step_id,
             num_cached_tables=len(node.tables),
         )

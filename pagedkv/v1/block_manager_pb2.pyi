@@ -379,9 +379,14 @@ class StepRequest(_message.Message):
     APPEND_SEQ_IDS_FIELD_NUMBER: _builtins.int
     APPEND_NUM_TOKENS_FIELD_NUMBER: _builtins.int
     APPEND_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    RELEASE_LEASES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     scheduler_id: _builtins.str
     """the pools' lease holder (one scheduler drives a pool)"""
+    release_leases: _builtins.bool
+    """After this step, give up the leases of every pool this scheduler drives (a scheduler
+    shutting down): pools where it still has sequences are handed back empty (dropped).
+    """
     @_builtins.property
     def pool_epochs(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """optional fencing: pool -> node epoch the caller knows"""
@@ -476,10 +481,11 @@ class StepRequest(_message.Message):
         append_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
         append_num_tokens: _abc.Iterable[_builtins.int] | None = ...,
         append_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        release_leases: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_num_compute", b"alloc_num_compute", "alloc_num_token_ids", b"alloc_num_token_ids", "alloc_num_tokens", b"alloc_num_tokens", "alloc_pool_index", b"alloc_pool_index", "alloc_salt_index", b"alloc_salt_index", "alloc_seq_ids", b"alloc_seq_ids", "alloc_token_ids", b"alloc_token_ids", "append_num_tokens", b"append_num_tokens", "append_seq_ids", b"append_seq_ids", "append_token_ids", b"append_token_ids", "fork_child_ids", b"fork_child_ids", "fork_num_children", b"fork_num_children", "fork_parent_ids", b"fork_parent_ids", "free_seq_ids", b"free_seq_ids", "pool_epochs", b"pool_epochs", "pool_ids", b"pool_ids", "reports", b"reports", "request_id", b"request_id", "salts", b"salts", "scheduler_id", b"scheduler_id", "written_num_tokens", b"written_num_tokens", "written_seq_ids", b"written_seq_ids", "written_token_ids", b"written_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_num_compute", b"alloc_num_compute", "alloc_num_token_ids", b"alloc_num_token_ids", "alloc_num_tokens", b"alloc_num_tokens", "alloc_pool_index", b"alloc_pool_index", "alloc_salt_index", b"alloc_salt_index", "alloc_seq_ids", b"alloc_seq_ids", "alloc_token_ids", b"alloc_token_ids", "append_num_tokens", b"append_num_tokens", "append_seq_ids", b"append_seq_ids", "append_token_ids", b"append_token_ids", "fork_child_ids", b"fork_child_ids", "fork_num_children", b"fork_num_children", "fork_parent_ids", b"fork_parent_ids", "free_seq_ids", b"free_seq_ids", "pool_epochs", b"pool_epochs", "pool_ids", b"pool_ids", "release_leases", b"release_leases", "reports", b"reports", "request_id", b"request_id", "salts", b"salts", "scheduler_id", b"scheduler_id", "written_num_tokens", b"written_num_tokens", "written_seq_ids", b"written_seq_ids", "written_token_ids", b"written_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

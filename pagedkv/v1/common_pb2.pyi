@@ -53,6 +53,7 @@ class PoolStep(_message.Message):
     DROPPED_SEQ_IDS_FIELD_NUMBER: _builtins.int
     PLAN_ID_FIELD_NUMBER: _builtins.int
     RESET_FIELD_NUMBER: _builtins.int
+    BASE_STEP_ID_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     epoch: _builtins.int
     """the node registration the step belongs to"""
@@ -63,6 +64,11 @@ class PoolStep(_message.Message):
     reset: _builtins.bool
     """The pool changed scheduler: the node forgets every table it holds for the pool before
     applying this step, and accepts its step id after any earlier one.
+    """
+    base_step_id: _builtins.int
+    """The last step whose effects this one builds on: normally step_id - 1; after the scheduler
+    reported steps failed, the step before them (the node may or may not have applied the
+    failed ones: every sequence they touched is dropped, so either is consistent).
     """
     @_builtins.property
     def copy_src(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -127,10 +133,11 @@ class PoolStep(_message.Message):
         dropped_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
         plan_id: _builtins.int = ...,
         reset: _builtins.bool = ...,
+        base_step_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["appended_blocks", b"appended_blocks", "copy_dst", b"copy_dst", "copy_is_defrag", b"copy_is_defrag", "copy_src", b"copy_src", "delta_base_versions", b"delta_base_versions", "delta_num_appended", b"delta_num_appended", "delta_num_replaced", b"delta_num_replaced", "delta_num_tokens", b"delta_num_tokens", "delta_seq_ids", b"delta_seq_ids", "delta_versions", b"delta_versions", "dropped_seq_ids", b"dropped_seq_ids", "epoch", b"epoch", "plan_id", b"plan_id", "pool_id", b"pool_id", "replaced_blocks", b"replaced_blocks", "replaced_positions", b"replaced_positions", "reset", b"reset", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["appended_blocks", b"appended_blocks", "base_step_id", b"base_step_id", "copy_dst", b"copy_dst", "copy_is_defrag", b"copy_is_defrag", "copy_src", b"copy_src", "delta_base_versions", b"delta_base_versions", "delta_num_appended", b"delta_num_appended", "delta_num_replaced", b"delta_num_replaced", "delta_num_tokens", b"delta_num_tokens", "delta_seq_ids", b"delta_seq_ids", "delta_versions", b"delta_versions", "dropped_seq_ids", b"dropped_seq_ids", "epoch", b"epoch", "plan_id", b"plan_id", "pool_id", b"pool_id", "replaced_blocks", b"replaced_blocks", "replaced_positions", b"replaced_positions", "reset", b"reset", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -59,8 +59,12 @@ class ShadowNode:
     versions: dict[str, int] = field(default_factory=dict)
     num_tokens: dict[str, int] = field(default_factory=dict)
     mem: dict[int, int] = field(default_factory=dict)
+    last_step: int = 0
 
     def apply(self, out: StepOutput) -> None:
+        # Steps arrive in order; after failed (never applied) steps the next one says so.
+        assert out.base_step_id <= self.last_step < out.step_id, (out.base_step_id, self.last_step, out.step_id)
+        self.last_step = out.step_id
         bs = self.block_size
         for op in out.copy_ops:  # before any write of the step
             for off in range(bs):
