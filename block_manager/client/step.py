@@ -194,6 +194,7 @@ class StepBatch:
         self._appends: dict[SeqId, tuple[int, tuple[int, ...] | None]] = {}
         self._committed = False
         self.release = False   # set by `client.release()`
+        self.flush = False     # set by `client.flush_reports()`: send the reports even alone
         self.result = StepResult()
 
     # ---- collecting -----------------------------------------------------------------
@@ -302,7 +303,10 @@ class StepBatch:
             if with_ids and all_ids is not None:
                 m.append_token_ids.extend(all_ids)
         self._client.stats.deferred_tokens += deferred
-        needed = m.reports or m.free_seq_ids or m.alloc_seq_ids or m.fork_parent_ids or m.append_seq_ids
+        # Reports alone do not justify a round trip: they ride with the next step that needs one.
+        needed = m.free_seq_ids or m.alloc_seq_ids or m.fork_parent_ids or m.append_seq_ids
+        if self.flush and m.reports:
+            needed = True
         if self.release:
             m.release_leases = True
             return m

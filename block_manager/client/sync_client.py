@@ -100,7 +100,11 @@ class BlockManagerClient(ClientBase):
 
     def flush_reports(self, *, timeout_s: float | None = None) -> StepResult | None:
         """Send pending Forward reports now (an idle scheduler: lets plans commit)."""
-        return self.step().commit(timeout_s=timeout_s) if self._reports else None
+        if not self._reports:
+            return None
+        step = self.step()
+        step.flush = True
+        return step.commit(timeout_s=timeout_s)
 
     def release(self, *, timeout_s: float | None = None) -> None:
         """Give up this scheduler's pool leases (after freeing its sequences: any left are

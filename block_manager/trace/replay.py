@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import ParamSpec, TypeVar
 
-from block_manager.core.errors import CoreError, OutOfBlocks
+from block_manager.core.errors import CoreError, OutOfBlocks, PendingWrite
 from block_manager.core.manager import BlockManager
 from block_manager.core.types import AppendFailure, AppendRequest, AppendResult, PoolId, SeqId
 from block_manager.trace.format import (
@@ -293,6 +293,15 @@ class TraceReplayer:
         if requests:
             start = time.perf_counter_ns()
             results = self.manager.append_slots(requests)
+            pending = [i for i, r in enumerate(results) if isinstance(r, AppendFailure)
+                       and isinstance(r.error, PendingWrite)]
+            if pending:
+                # Copy-on-write of a block this very step wrote (a fork of a fresh prompt): the
+                # scheduler runs the prefill's Forward first, then appends the children.
+                self._forward()
+                retried = self.manager.append_slots([requests[i] for i in pending])
+                for i, r in zip(pending, retried):
+                    results[i] = r
             elapsed = time.perf_counter_ns() - start
             self.core_ns += elapsed
             self.append_step_ns.append(elapsed)
@@ -302,6 +311,7 @@ class TraceReplayer:
                     self._preempt_or_raise(op.line_no, request.seq_id, result.error)
                 else:
                     self._apply_append(self.live[request.seq_id], result)
+        self._forward()
         self._sample_step()
 
     def _apply_append(self, seq: _Live, result: AppendResult) -> None:
@@ -316,9 +326,18 @@ class TraceReplayer:
             table.append(b)
             self.ref_cnt[b] = self.ref_cnt.get(b, 0) + 1
 
+    def _forward(self) -> None:
+        """The step's Forward, as a scheduler runs it: close the pool's step (its copies and
+        deltas would go to the node) and report it complete."""
+        start = time.perf_counter_ns()
+        for out in self.manager.close_steps():
+            self.manager.settle_steps(out.pool_id, out.step_id)
+        self.core_ns += time.perf_counter_ns() - start
+
     def _preempt_or_raise(self, line_no: int, seq_id: SeqId, error: CoreError) -> None:
         if not isinstance(error, OutOfBlocks):
             raise TraceError(line_no, f"append {seq_id!r}: {type(error).__name__}: {error}")
+        self._forward()  # the sequence's earlier writes ran before the scheduler preempts it
         self._timed(self.manager.free, [seq_id])
         self._drop_live(seq_id)
         self.dead.add(seq_id)
@@ -361,7 +380,12 @@ class TraceReplayer:
         for seq_id in op.seq_ids:
             self.dead.discard(seq_id)
         if seq_ids:
-            self._timed(self.manager.free, seq_ids)
+            try:
+                self._timed(self.manager.free, seq_ids)
+            except PendingWrite:
+                # Freed in the step that wrote it: the scheduler runs that step's Forward first.
+                self._forward()
+                self._timed(self.manager.free, seq_ids)
             for seq_id in seq_ids:
                 self._drop_live(seq_id)
 

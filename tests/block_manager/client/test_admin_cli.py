@@ -11,24 +11,28 @@ from pathlib import Path
 import pytest
 
 from block_manager.cli.admin import EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE, main
-from block_manager.client import AllocateSpec, BlockManagerClient, ItemFailure
-from block_manager.core.types import PoolId, SeqId
+from block_manager.client import BlockManagerClient, ItemFailure
 from engine.localstack import ServiceProcess
+from tests.block_manager.client.step_workload import forwarded
+
+SCHEDULER = "admin-cli-test"
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
 def populated(bm_token):
-    with BlockManagerClient(bm_token.address) as c:
+    with BlockManagerClient(bm_token.address, scheduler_id=SCHEDULER) as c:
         c.register_node(
             "n1", 32, block_size=4, geometry={"device": "cpu", "dtype": "float16"}, address="127.0.0.1:7001"
         )
         c.register_node("n2", 16, block_size=4)
-        c.allocate_one("s1", "n1", list(range(10)))
-        c.allocate_one("s2", "n1", num_tokens=3)
-        c.allocate_one("s3", "n2", num_tokens=9)
-        c.allocate_one("tmp", "n1", list(range(100, 108)))
+        step = c.step()
+        step.allocate("s1", "n1", list(range(10)))
+        step.allocate("s2", "n1", num_tokens=3)
+        step.allocate("s3", "n2", num_tokens=9)
+        step.allocate("tmp", "n1", list(range(100, 108)))
+        assert not forwarded(c, step.commit()).failures
         c.free(["tmp"])  # two cached prefix blocks
     return bm_token
 
@@ -66,8 +70,10 @@ def test_mutating_subcommands(capsys, populated):
     code, out, _ = run(capsys, populated, "drain", "n2")
     assert code == 0 and "draining (1 live sequences)" in out
     assert populated.state.registry.get("n2").draining
-    with BlockManagerClient(populated.address) as c:
-        (fail,) = c.allocate([AllocateSpec(SeqId("x"), PoolId("n2"), None, 1)])
+    with BlockManagerClient(populated.address, scheduler_id=SCHEDULER) as c:
+        step = c.step()
+        step.allocate("x", "n2", num_tokens=1)
+        fail = step.commit().allocations["x"]
         assert isinstance(fail, ItemFailure) and fail.error.reason == "PoolDraining"
     code, out, _ = run(capsys, populated, "--json", "drain", "n2", "--undrain")
     assert code == 0 and json.loads(out) == {"num_sequences": 1}

@@ -1,5 +1,6 @@
-"""The scheduler-step helper: batching, deferred in-block appends (slots equal the
-server's), RPCs per generated token, fork flushes, restart re-reporting, misuse."""
+"""The scheduler-step helper: one Step RPC per step, deferred in-block appends (the client's
+mirrored tables agree with the server's), RPCs per generated token, fork flushes, restart
+re-reporting, misuse, ambiguous failures."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from block_manager.client import (
 )
 from block_manager.core.types import AppendRequest, SeqId
 from tests.block_manager.client.server_thread import ServerThread
-from tests.block_manager.client.step_workload import check_against_tables, expected_server_steps, record
+from tests.block_manager.client.step_workload import check_against_tables, expected_server_steps, forwarded, record
 
 BS = 8
 
@@ -32,23 +33,27 @@ def tables_of(client: BlockManagerClient, epoch: int, seq_ids: list[str]) -> dic
     return {t.seq_id: t.block_table for t in client.get_tables("n1", epoch, seq_ids).tables}
 
 
-def test_decode_rpcs_per_token_and_slots_match_server(client, bm):
+def admit(client: BlockManagerClient, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    step = client.step()
+    for sid, tokens in prompts.items():
+        step.allocate(sid, "n1", tokens)
+    res = forwarded(client, step.commit())
+    assert not res.failures
+    return {sid: client.tracker.get(sid).slot_mapping(0, len(tokens)) for sid, tokens in prompts.items()}
+
+
+def test_decode_rpcs_per_token_and_tables_match_server(client, bm):
     reg = client.register_node("n1", 64, block_size=BS)
     seqs = [f"s{i}" for i in range(4)]
-    step = client.step()
-    for i, sid in enumerate(seqs):
-        step.allocate(sid, "n1", [100 * i + t for t in range(5)])
-    res = step.commit()
-    assert res.num_rpcs == 1 and not res.failures
-    slots = {sid: list(res.allocations[sid].slot_mapping) for sid in seqs}
+    slots = admit(client, {sid: [100 * i + t for t in range(5)] for i, sid in enumerate(seqs)})
     rpcs_before = client.stats.rpcs
     num_steps = 20
     for k in range(num_steps):
         step = client.step()
         for sid in seqs:
             step.append(sid, [7000 + k])
-        res = step.commit()
-        record(slots, res.appends)
+        res = forwarded(client, step.commit())
+        record(client, slots, res.appends)
         assert res.num_rpcs in (0, 1)
     decode_rpcs = client.stats.rpcs - rpcs_before
     assert decode_rpcs == expected_server_steps(5, num_steps, BS) == 6
@@ -59,6 +64,7 @@ def test_decode_rpcs_per_token_and_slots_match_server(client, bm):
         t = client.tracker.get(sid)
         assert core.get_sequence(SeqId(sid)).num_tokens == t.num_tokens - t.num_deferred
         assert t.num_deferred < BS - 1
+        assert tuple(t.block_table) == core.get_sequence(SeqId(sid)).block_table
     step = client.step()
     step.free(seqs)
     assert step.commit().num_freed == 4 and len(client.tracker) == 0
@@ -67,24 +73,18 @@ def test_decode_rpcs_per_token_and_slots_match_server(client, bm):
 
 def test_full_blocks_are_reported_for_prefix_caching(client, bm):
     client.register_node("n1", 64, block_size=BS)
-    step = client.step()
-    step.allocate("a", "n1", list(range(5)))
-    step.commit()
+    admit(client, {"a": list(range(5))})
     for t in range(5, 16):  # fills block 0 (token 7) and block 1 (token 15) through the helper
         step = client.step()
         step.append("a", [t])
-        step.commit()
-    step = client.step()
-    step.free(["a"])
-    step.commit()
+        forwarded(client, step.commit())
+    client.free(["a"])
     assert client.route(list(range(17)))[0].num_cached_tokens == 16
 
 
-def test_fork_flushes_deferred_parent_and_children_cow(client, bm):
+def test_fork_reports_deferred_parent_first_and_children_cow(client, bm):
     reg = client.register_node("n1", 64, block_size=BS)
-    step = client.step()
-    step.allocate("p", "n1", list(range(5)))
-    step.commit()
+    admit(client, {"p": list(range(5))})
     step = client.step()
     step.append("p", [5])
     assert step.commit().appends["p"].deferred
@@ -92,20 +92,19 @@ def test_fork_flushes_deferred_parent_and_children_cow(client, bm):
     step = client.step()
     step.fork("p", ["c"])
     step.append("c", [6])
-    res = step.commit()
-    assert res.num_rpcs == 3  # flush AppendSlots, Fork, AppendSlots
-    assert res.forks["p"][0].num_tokens == 6
-    c = res.appends["c"]
-    assert isinstance(c, SeqSlots) and not c.deferred and len(c.copy_ops) == 1 and c.copy_ops[0].kind == "cow"
-    step = client.step()
-    step.append("p", [6])  # tail was shared at the fork: the server decides (no CoW now)
-    out = step.commit().appends["p"]
-    assert isinstance(out, SeqSlots) and not out.deferred and out.copy_ops == ()
-    step = client.step()
-    step.append("c", [7])
-    assert step.commit().appends["c"].deferred is False  # c: off 7 -> fill goes to the server
+    step.append("p", [6])  # the fork shares p's tail: the server decides (copy-on-write)
+    res = forwarded(client, step.commit())
+    assert res.num_rpcs == 1  # the already-written report, the fork and the appends: one Step
+    assert res.forks["p"] == ("c",)
+    assert bm.state.core.get_sequence(SeqId("c")).num_tokens == 7
+    c, p = res.appends["c"], res.appends["p"]
+    assert isinstance(c, SeqSlots) and not c.deferred and c.context_len == 7
+    assert isinstance(p, SeqSlots) and not p.deferred and p.context_len == 7
+    cows = [op for op in res.steps["n1"].copy_ops if op.kind == "cow"]
+    assert len(cows) == 1  # c copies the shared partial block; p then owns it alone
     tables = tables_of(client, reg.epoch, ["p", "c"])
-    assert tables["p"][0] != tables["c"][0]
+    assert tables["p"][0] != tables["c"][0] or tables["p"][-1] != tables["c"][-1]
+    assert tables["p"] == tuple(client.tracker.get("p").block_table)
     assert bm.fsck() == []
 
 
@@ -113,28 +112,27 @@ def test_deferred_tokens_are_re_reported_after_restart(tmp_path):
     db = f"sqlite:///{tmp_path / 'bm.db'}"
     first = ServerThread(database_url=db)
     try:
-        with BlockManagerClient(first.address) as c:
+        with BlockManagerClient(first.address, scheduler_id="sched") as c:
             c.register_node("n1", 32, block_size=BS)
-            step = c.step()
-            step.allocate("s", "n1", list(range(3)))
-            slots = {"s": list(step.commit().allocations["s"].slot_mapping)}
+            slots = admit(c, {"s": list(range(3))})
             for t in (3, 4, 5):
                 step = c.step()
                 step.append("s", [t])
-                record(slots, step.commit().appends)
-            tracker = c.tracker
+                record(c, slots, step.commit().appends)
+            tracker, reports = c.tracker, c.pending_reports
             assert tracker.get("s").num_deferred == 3
     finally:
         first.stop()
     second = ServerThread(database_url=db)
     try:
         assert second.state.core.get_sequence(SeqId("s")).num_tokens == 3  # never reported
-        with BlockManagerClient(second.address) as c:
+        with BlockManagerClient(second.address, scheduler_id="sched") as c:
             c.tracker = tracker
+            c._reports.update(reports)
             for t in (6, 7, 8):
                 step = c.step()
                 step.append("s", [t])
-                record(slots, step.commit().appends)
+                record(c, slots, forwarded(c, step.commit()).appends)
             assert c.stats.rpcs == 2  # fill (6 -> 7) and new block (8)
             view = second.state.core.get_sequence(SeqId("s"))
             assert view.num_tokens == 9
@@ -148,11 +146,11 @@ def test_foreign_append_is_detected(client, bm):
     client.register_node("n1", 32, block_size=BS)
     step = client.step()
     step.allocate("s", "n1", num_tokens=2)
-    step.commit()
+    forwarded(client, step.commit())
     step = client.step()
     step.append("s", num_new_tokens=1)
     assert step.commit().appends["s"].deferred
-    client.append_slots([AppendRequest(SeqId("s"), 1)])  # behind the helper's back
+    bm.state.core.append_slots([AppendRequest(SeqId("s"), 1)])  # behind the helper's back
     step = client.step()
     step.append("s", num_new_tokens=5)  # 3 + 1 deferred + 5 crosses the block: server
     out = step.commit().appends["s"]
@@ -165,11 +163,11 @@ def test_untracked_pool_always_asks_server(bm):
         node.register_node("n1", 32, block_size=BS)  # the scheduler never learns the block size
         step = sched.step()
         step.allocate("s", "n1", num_tokens=2)
-        step.commit()
+        forwarded(sched, step.commit())
         for _ in range(3):
             step = sched.step()
             step.append("s", num_new_tokens=1)
-            assert step.commit().num_rpcs == 1
+            assert forwarded(sched, step.commit()).num_rpcs == 1
         assert sched.stats.deferred_tokens == 0
 
 
@@ -180,7 +178,7 @@ def test_item_failures_and_misuse(client):
     step.allocate("big", "n1", num_tokens=1000)
     step.append("ghost", num_new_tokens=1)
     res = step.commit()
-    assert res.num_rpcs == 2
+    assert res.num_rpcs == 1
     assert isinstance(res.allocations["big"], ItemFailure) and isinstance(
         res.allocations["big"].error, OutOfBlocksError
     )
@@ -195,6 +193,8 @@ def test_item_failures_and_misuse(client):
         step.append("x", [])
     with pytest.raises(InvalidArgumentError):
         step.append("y", [1, 2], num_new_tokens=3)
+    with pytest.raises(InvalidArgumentError):
+        step.allocate("z", "n1")
 
 
 def test_ambiguous_failures_stop_local_answers(bm):
@@ -207,11 +207,11 @@ def test_ambiguous_failures_stop_local_answers(bm):
         step = c.step()
         step.allocate("s", "n1", num_tokens=2)
         step.allocate("p", "n1", num_tokens=2)
-        step.commit()
+        forwarded(c, step.commit())
         step = c.step()
         step.append("s", num_new_tokens=1)
         assert step.commit().appends["s"].deferred
-        proxy.fail_after_forward("AppendSlots", times=2)
+        proxy.fail_after_forward("Step", times=2)
         step = c.step()
         step.append("s", num_new_tokens=6)  # crosses the block: server; every answer lost
         with pytest.raises(UnavailableError):
@@ -222,14 +222,4 @@ def test_ambiguous_failures_stop_local_answers(bm):
         step.append("s", num_new_tokens=1)
         res = step.commit()
         assert res.num_rpcs == 1 and res.appends["s"].context_len == 10
-        proxy.fail_after_forward("Fork", times=2)
-        step = c.step()
-        step.fork("p", ["q"])
-        with pytest.raises(UnavailableError):
-            step.commit()
-        assert c.tracker.get("p") is None  # the fork did happen: p's tail is shared now
-        step = c.step()
-        step.append("p", num_new_tokens=1)
-        out = step.commit().appends["p"]
-        assert isinstance(out, SeqSlots) and not out.deferred and out.copy_ops[0].kind == "cow"
     assert bm.fsck() == []

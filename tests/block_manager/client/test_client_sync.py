@@ -1,6 +1,7 @@
-"""Sync client against an in-process block manager: every data-plane call, typed errors,
-request-id reuse on retry (through a proxy that drops the answer after the server acted),
-deadlines."""
+"""Sync client against an in-process block manager: registration, the scheduler step (one Step
+RPC), the step contract (PoolSteps to forward, reports with the next step), scheduler leases,
+typed errors, request-id reuse on retry (through a proxy that drops the answer after the server
+acted), deadlines."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 
 from block_manager.client import (
     NO_RETRY,
-    AllocateSpec,
+    AdminClient,
+    Admission,
     AlreadyExistsError,
     BlockManagerClient,
     DeadlineExceededError,
@@ -19,20 +21,24 @@ from block_manager.client import (
     NotFoundError,
     OutOfBlocksError,
     RetryPolicy,
+    SeqSlots,
 )
-from block_manager.core.types import AllocateResult, AppendRequest, AppendResult, PoolId, SeqId
+from block_manager.core.types import PoolId, SeqId
 
 FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.02)
 
 
 @pytest.fixture
 def client(bm):
-    with BlockManagerClient(bm.address, timeout_s=5.0, retry=FAST_RETRY, seed=0) as c:
+    with BlockManagerClient(bm.address, timeout_s=5.0, retry=FAST_RETRY, seed=0, scheduler_id="sched-a") as c:
         yield c
 
 
-def spec(seq: str, pool: str = "n1", tokens: list[int] | None = None, num_tokens: int | None = None) -> AllocateSpec:
-    return AllocateSpec(SeqId(seq), PoolId(pool), tuple(tokens) if tokens is not None else None, num_tokens)
+def forward_all(c: BlockManagerClient, result, ok: bool = True) -> None:
+    """What the scheduler does between steps: run each pool's Forward (here: nothing to run)
+    and report it."""
+    for pool_step in result.steps.values():
+        c.report(pool_step, ok=ok)
 
 
 def test_register_heartbeat_and_route(client):
@@ -42,90 +48,159 @@ def test_register_heartbeat_and_route(client):
     assert (reg.pool_id, reg.epoch, reg.block_size, reg.num_blocks) == ("n1", 1, 4, 32)
     assert reg.lease_ttl_s == pytest.approx(30.0)
     hb = client.heartbeat("n1", reg.epoch)
-    assert hb.draining is False and hb.last_pending_op_id is None
-    client.allocate_one("s1", "n1", list(range(9)))
+    assert hb.draining is False
+    step = client.step()
+    step.allocate("s1", "n1", list(range(9)))
+    forward_all(client, step.commit())
     client.free(["s1"])  # full blocks of s1 stay cached
     routes = client.route(list(range(9)))
     assert routes[0].pool_id == "n1" and routes[0].num_cached_tokens == 8 and routes[0].address == "127.0.0.1:9"
+    many = client.route_many([(list(range(9)), None), (list(range(9)), "other-tenant"), ([5, 6], None)])
+    assert [r[0].num_cached_tokens for r in many] == [8, 0, 0]
 
 
-def test_allocate_append_fork_free_roundtrip(client):
+def test_one_step_rpc_carries_allocations_forks_appends_and_frees(client):
     client.register_node("n1", 32, block_size=4)
-    outs = client.allocate([spec("a", tokens=[1, 2, 3, 4, 5]), spec("b", num_tokens=3)])
-    a, b = outs
-    assert isinstance(a, AllocateResult) and a.block_table and len(a.slot_mapping) == 5 and a.version == 1
-    assert isinstance(b, AllocateResult) and len(b.slot_mapping) == 3
-    appended = client.append_slots([AppendRequest(SeqId("a"), 3, (6, 7, 8)), AppendRequest(SeqId("b"), 1)])
-    ra, rb = appended
-    assert isinstance(ra, AppendResult) and ra.num_tokens == 8 and len(ra.slot_mapping) == 3
-    assert ra.slot_mapping[0] == a.block_table[1] * 4 + 1
-    assert isinstance(rb, AppendResult) and rb.num_tokens == 4 and rb.new_block_ids == ()
-    children = client.fork("b", ["b1", "b2"])
-    assert [c.seq_id for c in children] == ["b1", "b2"]
-    assert all(c.block_table == b.block_table and c.num_tokens == 4 for c in children)
+    step = client.step()
+    step.allocate("a", "n1", [1, 2, 3, 4, 5])
+    step.allocate("b", "n1", num_tokens=3)
+    first = step.commit()
+    assert first.num_rpcs == 1 and client.stats.per_method["Step"] == 1
+    a, b = first.allocations["a"], first.allocations["b"]
+    assert a == Admission(SeqId("a"), PoolId("n1"), 0, 5) and b.num_tokens == 3
+    pool_step = first.steps[PoolId("n1")]
+    assert pool_step.step_id == 1 and {d.seq_id for d in pool_step.deltas} == {"a", "b"}
+    assert all(d.base_version == 0 for d in pool_step.deltas)  # new tables: the whole table
+    forward_all(client, first)
+    step = client.step()
+    step.append("a", [6, 7, 8])
+    step.append("b", num_new_tokens=1)
+    step.fork("b", ["b1", "b2"])
+    second = step.commit()
+    assert second.settled[PoolId("n1")].settled_step == 1  # the report rode along
+    assert second.appends["a"] == SeqSlots(SeqId("a"), 3, 8)
+    assert second.appends["b"] == SeqSlots(SeqId("b"), 1, 4)
+    assert second.forks["b"] == ("b1", "b2")
+    # the client mirrors the tables from the deltas: slots for the workers, no server round trip
+    a_table = client.tracker.get("a").block_table
+    assert client.tracker.get("a").slot_mapping(5, 8) == [a_table[1] * 4 + i for i in (1, 2, 3)]
+    forward_all(client, second)
     assert client.free(["a", "b", "b1", "b2"]) == 4
-    assert client.stats.per_method["Allocate"] == 1 and client.stats.retries == 0
+    assert client.stats.retries == 0
 
 
-def test_cow_copy_ops_tables_and_ack(client):
-    reg = client.register_node("n1", 16, block_size=4)
-    client.allocate_one("p", "n1", num_tokens=2)
-    client.fork("p", ["c"])
-    (res,) = client.append_slots([AppendRequest(SeqId("c"), 1)])
-    assert isinstance(res, AppendResult) and len(res.copy_ops) == 1 and res.copy_ops[0].kind == "cow"
-    op = res.copy_ops[0]
-    upd = client.get_tables("n1", reg.epoch, ["p", "c"], {"p": 1})
-    assert [t.seq_id for t in upd.tables] == ["c"] and upd.tables[0].block_table == (op.dst,)
-    assert [o.op_id for o in upd.copy_ops] == [op.op_id]
-    assert client.heartbeat("n1", reg.epoch).last_pending_op_id == op.op_id
-    assert client.ack_copy_ops("n1", reg.epoch, op.op_id) == []
-    assert client.get_tables("n1", reg.epoch, [], after_op_id=0).copy_ops == ()
+def test_copy_on_write_waits_for_the_parents_forward(client):
+    client.register_node("n1", 16, block_size=4)
+    step = client.step()
+    step.allocate("p", "n1", num_tokens=2)
+    first = step.commit()
+    step = client.step()
+    step.fork("p", ["c"])
+    step.append("c", num_new_tokens=1)
+    early = step.commit()
+    # p's K/V is written by the Forward of step 1, not reported yet: copying it would copy garbage
+    assert isinstance(early.appends["c"], ItemFailure) and early.appends["c"].error.reason == "PendingWrite"
+    forward_all(client, first)
+    step = client.step()
+    step.append("c", num_new_tokens=1)
+    third = step.commit()
+    (cow,) = third.steps[PoolId("n1")].copy_ops
+    assert cow.kind == "cow" and client.tracker.get("c").block_table == [cow.dst]
+    (delta,) = third.steps[PoolId("n1")].deltas
+    # c's table first reaches the node in this step (the fork alone wrote nothing): whole table
+    assert (delta.seq_id, delta.base_version, delta.appended) == ("c", 0, (cow.dst,))
 
 
-def test_defrag_plan_commit_and_abort(client):
-    reg = client.register_node("n1", 16, block_size=2)
+def test_defrag_rides_in_a_step_and_commits_when_reported(client, bm):
+    client.register_node("n1", 16, block_size=2)
+    step = client.step()
     for i in range(4):
-        client.allocate_one(f"s{i}", "n1", num_tokens=2)
+        step.allocate(f"s{i}", "n1", num_tokens=2)
+    forward_all(client, step.commit())
     client.free(["s0", "s1"])  # holes at the bottom; s2, s3 full blocks above them
-    plan = client.plan_defrag("n1", "compaction")
-    assert plan is not None and plan.kind == "compaction" and plan.moves
-    client.abort_defrag(plan.plan_id)
-    plan = client.plan_defrag("n1")
-    assert plan is not None
-    with pytest.raises(FailedPreconditionError):
-        client.commit_defrag(plan.plan_id)  # moves not acknowledged yet
-    assert client.ack_copy_ops("n1", reg.epoch, plan.moves[-1].op_id) == [plan.plan_id]
-    with pytest.raises(NotFoundError):
-        client.commit_defrag(plan.plan_id)  # committed by the ack
-    assert client.plan_defrag("n1") is None
+    with AdminClient(bm.address) as admin:
+        (plan,) = admin.trigger_defrag("n1", "compaction")["plans"]
+    step = client.step()
+    step.append("s2", num_new_tokens=1)
+    carrying = step.commit()
+    moves = [op for op in carrying.steps[PoolId("n1")].copy_ops if op.kind == "defrag"]
+    assert [(m.src, m.dst) for m in moves] == [(m["src"], m["dst"]) for m in plan["moves"]]
+    forward_all(client, carrying)
+    after = client.step()
+    after.append("s3", num_new_tokens=1)
+    res = after.commit()
+    assert res.settled[PoolId("n1")].committed_plan_ids == (int(plan["plan_id"]),)
+    # the rewritten tables reach the node with the next step
+    assert {d.seq_id for d in res.steps[PoolId("n1")].deltas} >= {"s2", "s3"}
+    assert bm.fsck() == []
+
+
+def test_a_failed_forward_drops_what_its_step_wrote(client, bm):
+    client.register_node("n1", 16, block_size=4)
+    step = client.step()
+    step.allocate("keep", "n1", num_tokens=3)
+    forward_all(client, step.commit())
+    step = client.step()
+    step.allocate("lost", "n1", num_tokens=6)
+    failed = step.commit()
+    forward_all(client, failed, ok=False)
+    res = client.flush_reports()
+    assert res is not None and res.dropped == {"lost"}
+    assert [v.seq_id for v in bm.state.core.sequences()] == ["keep"]
+    assert client.tracker.get("lost") is None
 
 
 def test_error_mapping(client, bm):
     reg = client.register_node("n1", 4, block_size=4)
-    (fail,) = client.allocate([spec("big", num_tokens=100)])
+    step = client.step()
+    step.allocate("big", "n1", num_tokens=100)
+    fail = step.commit().allocations["big"]
     assert isinstance(fail, ItemFailure) and isinstance(fail.error, OutOfBlocksError)
     assert fail.error.reason == "OutOfBlocks" and fail.seq_id == "big"
-    with pytest.raises(OutOfBlocksError):
-        client.allocate_one("big", "n1", num_tokens=100)
-    client.allocate_one("s", "n1", num_tokens=1)
-    with pytest.raises(AlreadyExistsError):
-        client.fork("s", ["s"])
+    step = client.step()
+    step.allocate("s", "n1", num_tokens=1)
+    forward_all(client, step.commit())
+    step = client.step()
+    step.fork("s", ["s"])
+    assert isinstance(step.commit().forks["s"].error, AlreadyExistsError)
     with pytest.raises(NotFoundError):
         client.free(["nope"])
     client.free(["s"])
     with pytest.raises(FailedPreconditionError) as exc:
         client.free(["s"])
     assert "already freed" in exc.value.message
+    step = client.step()
+    step.append("x", [1])
+    step.append("x2", [1])
     with pytest.raises(InvalidArgumentError):
-        client.allocate([])
-    with pytest.raises(InvalidArgumentError):
-        client.free(["x"], request_id="")
+        step.commit(request_id="r" * 200)
     client.register_node("n1", 4, block_size=4)  # new epoch fences epoch 1
     with pytest.raises(FailedPreconditionError):
         client.heartbeat("n1", reg.epoch)
+    step = client.step(pool_epochs={"n1": reg.epoch})
+    step.allocate("t", "n1", num_tokens=1)
     with pytest.raises(FailedPreconditionError):
-        client.allocate([spec("t", num_tokens=1)], pool_epochs={"n1": reg.epoch})
-    assert client.stats.retries == 0 and client.stats.errors == 7  # per-item failures are answers
+        step.commit()
+    assert client.stats.retries == 0
+    assert bm.fsck() == []
+
+
+def test_one_scheduler_per_pool(client, bm):
+    client.register_node("n1", 16, block_size=4)
+    step = client.step()
+    step.allocate("a", "n1", num_tokens=3)
+    forward_all(client, step.commit())
+    with BlockManagerClient(bm.address, retry=NO_RETRY, scheduler_id="sched-b") as other:
+        step = other.step()
+        step.allocate("b", "n1", num_tokens=3)
+        with pytest.raises(FailedPreconditionError) as exc:
+            step.commit()
+        assert "sched-a" in exc.value.message
+        client.free(["a"])
+        client.release()  # sched-a hands the pool back
+        step = other.step()
+        step.allocate("b", "n1", num_tokens=3)
+        assert isinstance(step.commit().allocations["b"], Admission)
     assert bm.fsck() == []
 
 
@@ -133,18 +208,22 @@ def test_retry_reuses_request_id_after_server_acted(bm):
     proxy = bm.start_proxy()
     with BlockManagerClient(f"127.0.0.1:{proxy.port}", retry=FAST_RETRY, seed=1) as c:
         c.register_node("n1", 8, block_size=4)
-        proxy.fail_after_forward("Allocate")
-        a = c.allocate_one("s", "n1", num_tokens=5)  # first answer lost, retry replays it
-        assert c.stats.retries == 1 and c.stats.per_method["Allocate"] == 2
-        assert bm.state.core.get_sequence(SeqId("s")).block_table == a.block_table
+        proxy.fail_after_forward("Step")
+        step = c.step()
+        step.allocate("s", "n1", num_tokens=5)
+        first = step.commit()  # first answer lost, the retry replays it
+        assert c.stats.retries == 1 and c.stats.per_method["Step"] == 2
+        assert isinstance(first.allocations["s"], Admission)
         assert bm.state.core.metrics(PoolId("n1")).num_used_blocks == 2  # allocated once
-        proxy.fail_after_forward("AppendSlots")
-        (r,) = c.append_slots([AppendRequest(SeqId("s"), 4)])
-        assert isinstance(r, AppendResult) and r.num_tokens == 9  # not 13: acted once
-        proxy.fail_after_forward("Free", times=2)
+        forward_all(c, first)
+        proxy.fail_after_forward("Step")
+        step = c.step()
+        step.append("s", num_new_tokens=4)
+        assert step.commit().appends["s"].context_len == 9  # not 13: acted once
+        proxy.fail_after_forward("Step", times=2)
         assert c.free(["s"]) == 1  # the replay, not FAILED_PRECONDITION (double free)
         assert c.stats.retries == 4
-    assert proxy.calls.count("Free") == 3
+    assert proxy.calls.count("Step") == 7
     assert bm.fsck() == []
 
 
@@ -152,15 +231,17 @@ def test_retries_are_bounded_and_only_for_transient_codes(bm):
     proxy = bm.start_proxy()
     with BlockManagerClient(f"127.0.0.1:{proxy.port}", retry=FAST_RETRY) as c:
         c.register_node("n1", 8)
-        proxy.fail_after_forward("Free", times=5)
-        c.allocate_one("s", "n1", num_tokens=1)
+        step = c.step()
+        step.allocate("s", "n1", num_tokens=1)
+        forward_all(c, step.commit())
+        proxy.fail_after_forward("Step", times=5)
         with pytest.raises(Exception) as exc:
             c.free(["s"])
         assert exc.value.code == grpc.StatusCode.UNAVAILABLE
-        assert c.stats.per_method["Free"] == FAST_RETRY.max_attempts
+        assert c.stats.per_method["Step"] == 1 + FAST_RETRY.max_attempts
         with pytest.raises(NotFoundError):
             c.free(["unknown"])
-        assert c.stats.per_method["Free"] == FAST_RETRY.max_attempts + 1  # NOT_FOUND: no retry
+        assert c.stats.per_method["Step"] == 2 + FAST_RETRY.max_attempts  # NOT_FOUND: no retry
 
 
 def test_deadline(bm):
