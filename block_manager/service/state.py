@@ -208,9 +208,11 @@ class ServiceState:
     # ---- the scheduler step ---------------------------------------------------------
     def pools_of(self, step: StepInput) -> list[PoolId]:
         """Every live pool the step touches (reports, allocations, the pools of the sequences
-        it names), sorted; unknown sequences are skipped (their items fail on their own)."""
-        pools: set[str] = {r.pool_id for r in step.reports if r.pool_id in self.core.pool_ids}
-        pools.update(a.pool_id for a in step.allocs)
+        it names), sorted; unknown pools and sequences are skipped (their items fail on their
+        own)."""
+        live = set(self.core.pool_ids)
+        pools: set[str] = {r.pool_id for r in step.reports if r.pool_id in live}
+        pools.update(a.pool_id for a in step.allocs if a.pool_id in live)
         sids = [*step.free_ids, *(w[0] for w in step.written), *(f[0] for f in step.forks),
                 *(a[0] for a in step.appends)]
         for sid in sids:
@@ -228,7 +230,6 @@ class ServiceState:
         self._check_pool_epochs(step.pool_epochs)
         pools = self.pools_of(step)
         for pid in pools:
-            self.registry.check_active(pid)
             self.leases.check(pid, sched, now)
         reports = [r for r in step.reports if self._report_applies(r)]
         to_drop: set[SeqId] = set()
@@ -337,6 +338,7 @@ class ServiceState:
         tokens: list[int] = []
         for i, a in enumerate(step.allocs):
             try:
+                self.registry.check_active(a.pool_id)
                 res = self.core.allocate(
                     SeqId(a.seq_id), PoolId(a.pool_id), a.token_ids, num_tokens=a.num_tokens, salt=a.salt,
                     num_compute=a.num_compute,

@@ -42,7 +42,7 @@ async def test_status_list_describe(harness: Harness) -> None:
 async def test_reset_prefix_cache(harness: Harness) -> None:
     await harness.register("n1", num_blocks=16)
     await harness.allocate("a", tokens=list(range(8)))
-    await harness.stub.Free(pb.FreeRequest(request_id=rid(), seq_ids=["a"]))
+    await harness.free("a")
     before = (await harness.admin.Status(pb.StatusRequest())).pools[0]
     assert before.num_cached_blocks == 2
     r = await harness.admin.ResetPrefixCache(pb.ResetPrefixCacheRequest(request_id=rid()))
@@ -50,7 +50,7 @@ async def test_reset_prefix_cache(harness: Harness) -> None:
     after = (await harness.admin.Status(pb.StatusRequest())).pools[0]
     assert (after.num_cached_blocks, after.num_free_blocks) == (0, 16)
     again = await harness.allocate("b", tokens=list(range(8)))
-    assert again.allocation.num_cached_tokens == 0
+    assert list(again.alloc_num_cached_tokens) == [0]
 
 
 async def test_admin_token_required_when_configured(start_server: Any) -> None:
@@ -97,7 +97,7 @@ async def test_metrics_endpoint(start_server: Any) -> None:
     await h.register("n1", num_blocks=16)
     await h.allocate("a", tokens=list(range(8)))
     await h.allocate("b", tokens=list(range(8)))
-    await h.stub.Fork(pb.ForkRequest(request_id=rid(), parent_seq_id="a", child_seq_ids=["c"]))
+    await h.fork("a", "c")
     await h.append(("c", 1))
     # a: 2 blocks; b: hits a's first block, recomputes the last (+1); c shares a's and
     # opens a fresh block for its 9th token (+1): 4 of 16 used.
@@ -111,6 +111,6 @@ async def test_metrics_endpoint(start_server: Any) -> None:
     assert 'pagedkv_prefix_cache_hits_total{pool="n1"} 4.0' in text
     assert 'pagedkv_cow_copies_total{pool="n1"} 0.0' in text  # c's first append opens a new block
     assert 'pagedkv_evictions_total{pool="n1"} 0.0' in text
-    assert 'pagedkv_rpc_latency_seconds_count{code="OK",method="Allocate"} 2.0' in text
+    assert 'pagedkv_rpc_latency_seconds_count{code="OK",method="Step"} 4.0' in text
     assert "pagedkv_journal_transactions_total" in text
 

@@ -10,8 +10,7 @@ from typing import Any
 
 from block_manager.service.runtime import ServiceRuntime
 from block_manager.store import open_store
-from pagedkv.v1 import block_manager_pb2 as pb
-from tests.block_manager.service.service_helpers import Harness, rid, service_config
+from tests.block_manager.service.service_helpers import Harness, service_config
 
 NUM_CLIENTS = 8
 NUM_ROUNDS = 12
@@ -26,24 +25,20 @@ async def _client(h: Harness, cid: int, seed: int) -> int:
         sid = f"c{cid}-{r}"
         prompt = [rng.randrange(50) for _ in range(rng.randrange(1, 12))]
         out = await h.allocate(sid, pool=pool, tokens=prompt)
-        assert out.WhichOneof("outcome") == "allocation", out
+        assert not out.errors, out
         live.append(sid)
         ops += 1
-        resp = await h.stub.AppendSlots(
-            pb.AppendSlotsRequest(
-                request_id=rid(), items=[pb.AppendItem(seq_id=s, num_new_tokens=rng.randrange(1, 6)) for s in live]
-            )
-        )
-        assert all(o.WhichOneof("outcome") == "appended" for o in resp.outcomes), resp
+        resp = await h.append(*[(s, rng.randrange(1, 6)) for s in live])
+        assert not resp.errors, resp
         ops += 1
         if rng.random() < 0.3:
             child = f"{sid}-fork"
-            await h.stub.Fork(pb.ForkRequest(request_id=rid(), parent_seq_id=sid, child_seq_ids=[child]))
+            assert not (await h.fork(sid, child)).errors
             live.append(child)
             ops += 1
         if len(live) > 3:
             victims = [live.pop(rng.randrange(len(live))) for _ in range(2)]
-            await h.stub.Free(pb.FreeRequest(request_id=rid(), seq_ids=victims))
+            await h.free(*victims)
             ops += 1
     return ops
 

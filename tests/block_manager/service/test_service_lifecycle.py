@@ -18,7 +18,14 @@ from block_manager.service.server import BlockManagerServer, main
 from block_manager.store import MemoryStore, NewRecord, StoreOptions
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
-from tests.block_manager.service.service_helpers import Harness, eventually, expect_code, rid, service_config
+from tests.block_manager.service.service_helpers import (
+    Harness,
+    eventually,
+    expect_code,
+    rid,
+    service_config,
+    step_request,
+)
 
 
 def test_config_yaml_env_and_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -50,25 +57,25 @@ async def test_restart_answers_request_ids_covered_by_a_snapshot(tmp_path: Path)
     url = f"sqlite:///{tmp_path / 'bm.db'}"
     server, channel, stub = await _open(url, snapshot_every_records=2)
     await stub.RegisterNode(pb.RegisterNodeRequest(request_id=rid(), node_id="n1", num_blocks=32))
-    alloc = pb.AllocateRequest(request_id="early", items=[pb.AllocateItem(seq_id="a", pool_id="n1", num_tokens=5)])
-    first = await stub.Allocate(alloc)
-    for i in range(4):
-        await stub.AppendSlots(
-            pb.AppendSlotsRequest(request_id=f"step-{i}", items=[pb.AppendItem(seq_id="a", num_new_tokens=1)])
-        )
+    alloc = step_request(request_id="early", allocs=[("a", "n1", None, 5, None, 0)])
+    first = await stub.Step(alloc)
+    steps = [
+        step_request(request_id=f"step-{i}", appends=[("a", 1)], reports={"n1": (1, i + 1, 0)}) for i in range(4)
+    ]
+    for req in steps:
+        await stub.Step(req)
     await channel.close()
     await server.stop(0)  # graceful: final snapshot, so nothing is replayed on restart
 
     server, channel, stub = await _open(url)
     try:
         assert server.runtime is not None and server.runtime.num_replayed == 0
-        assert await stub.Allocate(alloc) == first  # from the store's request index
-        step0 = pb.AppendSlotsRequest(request_id="step-0", items=[pb.AppendItem(seq_id="a", num_new_tokens=1)])
-        await stub.AppendSlots(step0)
+        assert await stub.Step(alloc) == first  # from the store's request index
+        await stub.Step(steps[0])
         admin = pb_grpc.BlockManagerAdminStub(channel)
         assert (await admin.DescribeSequence(pb.DescribeSequenceRequest(seq_id="a"))).table.num_tokens == 9
-        other = pb.AllocateRequest(request_id="early", items=[pb.AllocateItem(seq_id="b", pool_id="n1", num_tokens=5)])
-        await expect_code(stub.Allocate(other), grpc.StatusCode.INVALID_ARGUMENT)
+        other = step_request(request_id="early", allocs=[("b", "n1", None, 5, None, 0)])
+        await expect_code(stub.Step(other), grpc.StatusCode.INVALID_ARGUMENT)
     finally:
         await channel.close()
         await server.stop(0)

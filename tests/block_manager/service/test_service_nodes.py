@@ -7,7 +7,7 @@ from typing import Any
 import grpc
 
 from pagedkv.v1 import block_manager_pb2 as pb
-from tests.block_manager.service.service_helpers import Harness, expect_code, rid
+from tests.block_manager.service.service_helpers import Harness, expect_code, item_errors, rid, step_request
 from tests.support.polling import eventually
 
 FP = grpc.StatusCode.FAILED_PRECONDITION
@@ -20,17 +20,11 @@ async def test_reregistration_fences_old_epoch_and_reclaims(harness: Harness) ->
     assert new.epoch == old.epoch + 1
     await expect_code(harness.stub.Heartbeat(pb.HeartbeatRequest(node_id="n1", epoch=old.epoch)), FP)
     await expect_code(harness.stub.GetTables(pb.GetTablesRequest(node_id="n1", epoch=old.epoch)), FP)
-    await expect_code(
-        harness.stub.AckCopyOps(pb.AckCopyOpsRequest(request_id=rid(), node_id="n1", epoch=old.epoch, up_to_op_id=0)),
-        FP,
-    )
-    pinned = pb.AppendSlotsRequest(
-        request_id=rid(), items=[pb.AppendItem(seq_id="a", num_new_tokens=1)], pool_epochs={"n1": old.epoch}
-    )
-    await expect_code(harness.stub.AppendSlots(pinned), FP)
+    pinned = step_request(appends=[("a", 1)], pool_epochs={"n1": old.epoch})
+    await expect_code(harness.stub.Step(pinned), FP)
     # the old epoch's sequence is gone; writes to it name the fencing
-    out = (await harness.append(("a", 1))).outcomes[0]
-    assert out.error.code == FP.value[0] and out.error.reason == "NodeFenced"
+    out = item_errors(await harness.append(("a", 1)), "append")[0]
+    assert out.code == FP.value[0] and out.reason == "NodeFenced"
     status = await harness.admin.Status(pb.StatusRequest())
     assert status.pools[0].num_used_blocks == 0
     assert await harness.fsck() == []
@@ -52,14 +46,14 @@ async def test_lease_expiry_fences_and_reclaims_blocks(start_server: Any) -> Non
     assert nodes["n1"].fenced and not nodes["n2"].fenced
     assert nodes["n2"].lease_remaining_s > 0
     await expect_code(h.stub.Heartbeat(pb.HeartbeatRequest(node_id="n1", epoch=reg.epoch)), FP)
-    out = await h.allocate("c", pool="n1", num_tokens=1)
-    assert out.error.code == FP.value[0] and out.error.reason == "NodeFenced"
+    out = item_errors(await h.allocate("c", pool="n1", num_tokens=1), "alloc")[0]
+    assert out.code == FP.value[0] and out.reason == "NodeFenced"
     status = await h.admin.Status(pb.StatusRequest())
     assert [p.pool_id for p in status.pools] == ["n2"] and status.num_sequences == 1
     # the fenced node comes back with a new epoch and an empty pool
     back = await h.register("n1", num_blocks=16)
     assert back.epoch == reg.epoch + 1
-    assert (await h.allocate("c", pool="n1", num_tokens=1)).WhichOneof("outcome") == "allocation"
+    assert not (await h.allocate("c", pool="n1", num_tokens=1)).errors
     assert await h.fsck() == []
 
 
@@ -69,9 +63,11 @@ async def test_drain_node_refuses_new_sequences_only(harness: Harness) -> None:
     await harness.allocate("a", num_tokens=4)
     resp = await harness.admin.DrainNode(pb.DrainNodeRequest(request_id=rid(), node_id="n1"))
     assert resp.num_sequences == 1
-    out = await harness.allocate("b", num_tokens=4)
-    assert out.error.code == FP.value[0] and out.error.reason == "PoolDraining"
-    assert (await harness.append(("a", 4))).outcomes[0].WhichOneof("outcome") == "appended"
+    out = item_errors(await harness.allocate("b", num_tokens=4), "alloc")[0]
+    assert out.code == FP.value[0] and out.reason == "PoolDraining"
+    fork = item_errors(await harness.fork("a", "a1"), "fork")[0]  # a fork is a new sequence too
+    assert fork.code == FP.value[0] and fork.reason == "PoolDraining"
+    assert not (await harness.append(("a", 4))).errors
     routes = (await harness.stub.Route(pb.RouteRequest(token_ids=[1, 2, 3]))).entries
     assert [e.pool_id for e in routes] == ["n2"]
     reg = (await harness.admin.ListNodes(pb.ListNodesRequest())).nodes[0]
@@ -79,7 +75,7 @@ async def test_drain_node_refuses_new_sequences_only(harness: Harness) -> None:
     hb = await harness.stub.Heartbeat(pb.HeartbeatRequest(node_id="n1", epoch=reg.epoch))
     assert hb.draining
     await harness.admin.DrainNode(pb.DrainNodeRequest(request_id=rid(), node_id="n1", undrain=True))
-    assert (await harness.allocate("b", num_tokens=4)).WhichOneof("outcome") == "allocation"
+    assert not (await harness.allocate("b", num_tokens=4)).errors
     await expect_code(
         harness.admin.DrainNode(pb.DrainNodeRequest(request_id=rid(), node_id="zz")), grpc.StatusCode.NOT_FOUND
     )

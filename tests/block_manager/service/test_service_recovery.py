@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.localstack import ServiceProcess
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
+from tests.block_manager.service.service_helpers import step_request
 from tests.support.polling import eventually
 
 REPO = Path(__file__).resolve().parents[3]
@@ -33,7 +34,9 @@ SERVER_ENV = {
     "PAGEDKV_LEASE_TTL_S": "60",
     "PAGEDKV_DEFRAG__ENABLED": "false",
     "PAGEDKV_STORE_LOCK_WAIT_S": "20",
+    "PAGEDKV_MAX_UNSETTLED_STEPS": "64",  # six workers close steps faster than reports catch up
 }
+LAST_STEP = [0]
 
 
 def start_server(database_url: str, tmp: Path, name: str) -> ServiceProcess:
@@ -61,49 +64,39 @@ async def _load(stub: pb_grpc.BlockManagerStub, w: Worker, stop: asyncio.Event) 
     while not stop.is_set():
         n += 1
         sid = f"w{w.wid}-s{n}"
-        ops: list[tuple[str, object]] = [
-            (
-                "alloc",
-                pb.AllocateRequest(
-                    request_id=f"{sid}-a", items=[pb.AllocateItem(seq_id=sid, pool_id="n1", num_tokens=3)]
-                ),
-            )
-        ]
-        ops += [
-            (
-                "append",
-                pb.AppendSlotsRequest(request_id=f"{sid}-p{k}", items=[pb.AppendItem(seq_id=sid, num_new_tokens=2)]),
-            )
-            for k in range(4)
-        ]
+        ops: list[tuple[str, dict]] = [("alloc", {"allocs": [(sid, "n1", None, 3, None, 0)]})]
+        ops += [("append", {"appends": [(sid, 2)]}) for _ in range(4)]
         if n % 2:
-            ops.append(("free", pb.FreeRequest(request_id=f"{sid}-f", seq_ids=[sid])))
-        for kind, req in ops:
+            ops.append(("free", {"frees": [sid]}))
+        for i, (kind, sections) in enumerate(ops):
             if stop.is_set():
                 return
+            # Every step reports the latest step any worker saw (their Forwards "ran").
+            req = step_request(request_id=f"{sid}-{i}", reports={"n1": (1, LAST_STEP[0], 0)}, **sections)
             w.inflight = (kind, req)
             try:
                 resp = await _call(stub, kind, req)
             except grpc.aio.AioRpcError:
                 return  # the server died under us: this op stays in flight
             w.inflight = None
+            for ps in resp.steps:  # type: ignore[attr-defined]
+                LAST_STEP[0] = max(LAST_STEP[0], ps.step_id)
             w.num_acked += 1
             w.responses.append((kind, req, resp))
             _account(w, kind, req)
 
 
-async def _call(stub: pb_grpc.BlockManagerStub, kind: str, req: object) -> object:
-    method = {"alloc": stub.Allocate, "append": stub.AppendSlots, "free": stub.Free}[kind]
-    return await method(req, timeout=10)
+async def _call(stub: pb_grpc.BlockManagerStub, kind: str, req: pb.StepRequest) -> pb.StepResponse:
+    return await stub.Step(req, timeout=10)
 
 
-def _account(w: Worker, kind: str, req: object) -> None:
+def _account(w: Worker, kind: str, req: pb.StepRequest) -> None:
     if kind == "alloc":
-        w.acked[req.items[0].seq_id] = 3  # type: ignore[attr-defined]
+        w.acked[req.alloc_seq_ids[0]] = 3
     elif kind == "append":
-        w.acked[req.items[0].seq_id] += 2  # type: ignore[attr-defined]
+        w.acked[req.append_seq_ids[0]] += 2
     else:
-        sid = req.seq_ids[0]  # type: ignore[attr-defined]
+        sid = req.free_seq_ids[0]
         del w.acked[sid]
         w.freed.add(sid)
 
@@ -120,6 +113,7 @@ async def _wait_serving(channel: grpc.aio.Channel, timeout: float = 60.0) -> Non
 
 
 async def _crash_and_recover(database_url: str, tmp: Path) -> None:
+    LAST_STEP[0] = 0
     first = await asyncio.to_thread(start_server, database_url, tmp, "first")
     port = first.port
     try:
@@ -184,7 +178,7 @@ def _inflight_effect(w: Worker) -> dict[str, int]:
     if w.inflight is None or w.inflight[0] != "append":
         return {}
     req = w.inflight[1]
-    return {req.items[0].seq_id: 2}  # type: ignore[attr-defined]
+    return {req.append_seq_ids[0]: 2}  # type: ignore[attr-defined]
 
 
 async def test_sigkill_mid_load_sqlite(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from block_manager.core.errors import InvalidRequest, NodeFenced, StaleEpoch, UnknownPool
+from block_manager.core.errors import FailedPrecondition, InvalidRequest, NodeFenced, StaleEpoch, UnknownPool
 from block_manager.core.nodes import NodeRegistry
 from block_manager.service.state import ServiceState, StateConfig
 
@@ -55,51 +55,51 @@ def _state() -> ServiceState:
     return s
 
 
+def _alloc(seq_id: str, tokens: list[int] | None = None, num_tokens: int = 0, num_compute: int = 0) -> dict:
+    return {"seq_ids": [seq_id], "pools": ["n1"], "salts": [], "pool_index": [0], "salt_index": [-1],
+            "num_token_ids": [len(tokens or [])], "token_ids": tokens or [],
+            "num_tokens": [0 if tokens else num_tokens], "num_compute": [num_compute]}
+
+
+def _step(**sections: object) -> dict:
+    return {"scheduler_id": "s", **sections}
+
+
 def test_apply_rejects_bad_payloads_without_changes() -> None:
     s = _state()
-    s.apply(
-        "allocate", {"items": [{"seq_id": "a", "pool_id": "n1", "token_ids": None, "num_tokens": 5, "salt": None}]}, 0.0
-    )
+    s.apply("step", _step(alloc=_alloc("a", num_tokens=5)), 0.0)
     before = s.to_snapshot()
     bad = [
         ("nope", {}),
-        ("allocate", {"items": []}),
-        ("allocate", {"items": [{"seq_id": "b", "pool_id": ["x"]}]}),
-        ("allocate", {"items": [{"seq_id": "b", "pool_id": "n1", "num_tokens": 1}, {"seq_id": 3, "pool_id": "n1"}]}),
-        ("append_slots", {"items": [["a", 1, None], [["unhashable"], 1, None]]}),
-        ("append_slots", {"items": [["a", 1]]}),
-        ("free", {"seq_ids": ["a", "a"]}),
+        ("allocate", {"items": []}),  # the pre-step operations are gone
+        ("step", {}),  # no scheduler
+        ("step", _step(alloc={**_alloc("b", num_tokens=1), "pools": [["x"]]})),
+        ("step", _step(alloc={**_alloc("b", num_tokens=1), "pool_index": [1]})),
+        ("step", _step(alloc={**_alloc("b", num_tokens=1), "num_compute": []})),
+        ("step", _step(append={"seq_ids": ["a", ["unhashable"]], "num_tokens": [1, 1], "token_ids": []})),
+        ("step", _step(append={"seq_ids": ["a"], "num_tokens": [0], "token_ids": []})),
+        ("step", _step(append={"seq_ids": ["a", "a"], "num_tokens": [1, 1], "token_ids": []})),
+        ("step", _step(free=["a", "a"])),
+        ("step", _step(fork={"parents": ["a"], "num_children": [2], "children": ["c"]})),
+        ("step", _step(reports=[["n1", 1, 5, 0]])),
         ("register_node", {"node_id": "n1", "num_blocks": 10**9, "block_size": 4}),
         ("register_node", {"node_id": "n1", "num_blocks": 8, "block_size": 4, "geometry": "x"}),
-        ("ack_copy_ops", {"node_id": "n1", "epoch": 1, "up_to_op_id": -1}),
     ]
     for op, payload in bad:
-        with pytest.raises(InvalidRequest):
+        with pytest.raises((InvalidRequest, FailedPrecondition)):
             s.apply(op, payload, 0.0)
         assert s.to_snapshot() == before, (op, payload)
 
 
 def test_replay_reproduces_state_and_results() -> None:
     ops = [
-        (
-            "allocate",
-            {
-                "items": [
-                    {"seq_id": "a", "pool_id": "n1", "token_ids": list(range(9)), "num_tokens": None, "salt": None}
-                ]
-            },
-        ),
-        ("fork", {"parent": "a", "children": ["b"]}),
-        ("append_slots", {"items": [["a", 2, [1, 2]], ["b", 3, None]]}),
-        ("free", {"seq_ids": ["a"]}),
-        (
-            "allocate",
-            {
-                "items": [
-                    {"seq_id": "c", "pool_id": "n1", "token_ids": list(range(9)), "num_tokens": None, "salt": None}
-                ]
-            },
-        ),
+        ("step", _step(alloc=_alloc("a", tokens=list(range(9))))),
+        ("step", _step(reports=[["n1", 1, 1, 0]], fork={"parents": ["a"], "num_children": [1], "children": ["b"]})),
+        ("step", _step(append={"seq_ids": ["a", "b"], "num_tokens": [2, 3], "token_ids": [1, 2, 7, 8, 9]})),
+        ("plan_defrag", {"pool_id": "n1", "kind": "compaction", "max_moves": None}),
+        ("step", _step(reports=[["n1", 1, 2, 0]], free=["a"], alloc=_alloc("c", tokens=list(range(9)), num_compute=4))),
+        ("step", _step(reports=[["n1", 1, 2, 3]])),
+        ("release_pool", {"pool_id": "n1", "scheduler_id": "s", "epoch": 1}),
         ("expire_node", {"node_id": "n1", "epoch": 1}),
     ]
     live = _state()
@@ -110,5 +110,6 @@ def test_replay_reproduces_state_and_results() -> None:
     assert json.loads(json.dumps(results)) == json.loads(json.dumps(again))
     assert replayed.to_snapshot() == live.to_snapshot()
     assert live.fsck() == []
+    assert results[4]["alloc_num_cached_tokens"] == [8] and results[4]["alloc_num_tokens"] == [9]
     restored = ServiceState.from_snapshot(json.loads(json.dumps(live.to_snapshot())), live.config, now=5.0)
     assert restored.to_snapshot() == live.to_snapshot()
