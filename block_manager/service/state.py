@@ -257,6 +257,8 @@ class ServiceState:
                 )
         self._check_free_pending(step.free_ids, to_drop)
         # ---- apply ----
+        new_leases = any(self.leases.get(pid) is None for pid in pools)
+        settled_before = {r.pool_id: core.settled_step_id(r.pool_id) for r in reports}
         lease_epochs = {pid: self.leases.acquire(pid, sched, now) for pid in pools}
         settled = [self._settle(r) for r in reports]
         dropped = {sid for s in settled for sid in s[4]}
@@ -285,6 +287,17 @@ class ServiceState:
                         self._remember(self.fenced_ids, sid, pid)
                 self.leases.release(pid)
             lease_epochs = {}
+        num_items = len(step.allocs) + len(step.written) + len(step.forks) + len(step.appends)
+        # a step whose every item failed and that settled, freed, closed and took nothing is
+        # answered but not journaled (replaying it would change nothing)
+        mutated = bool(
+            new_leases
+            or frees
+            or steps
+            or p.get("release")
+            or len(errors) < num_items
+            or any(s[1] != settled_before[s[0]] or s[2] or s[3] or s[4] for s in settled)
+        )
         result = {
             "steps": steps,
             "settled": settled,
@@ -294,7 +307,7 @@ class ServiceState:
             "append_num_tokens": append_tokens,
             "lease_epochs": lease_epochs,
         }
-        return Applied(result, True)
+        return Applied(result, mutated)
 
     def _report_applies(self, r: Any) -> bool:
         """A report on a pool that is gone or re-registered since is moot (that incarnation's

@@ -299,6 +299,8 @@ class CoreMachine(RuleBasedStateMachine):
         for sid in ids:
             self.forget(sid)
         for pid in sorted(POOLS):
+            # only written blocks move: run the pool's Forward first so the fresh writes count
+            self.forward(pid, False)
             self.plan_defrag(pid, kind, max_moves)
 
     @rule(

@@ -11,13 +11,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedkv.v1 import block_manager_pb2 as pb
-from tests.block_manager.service.service_helpers import Harness, rid
+from tests.block_manager.service.service_helpers import Harness, rid, service_config, step_request
 
 C = grpc.StatusCode
 INVALID: set[C | None] = {C.INVALID_ARGUMENT}
 ITEM: set[C | None] = {None}  # OK, with the failure reported per item (batched RPCs)
 NUM_CASES = 240
 NUM_RAW = 60
+MAX_BATCH = service_config().max_batch
 
 
 def _garbage_id(rng: random.Random) -> str:
@@ -28,10 +29,43 @@ def _bad_request_id(rng: random.Random) -> str:
     return rng.choice(["", "x" * 129, "tab\tid", "\u00e9t\u00e9"])
 
 
+def _skewed_alloc(rng: random.Random) -> pb.StepRequest:
+    """An allocation whose parallel columns disagree (one column short, an index out of range,
+    or token ids that do not add up to the counts)."""
+    m = step_request(allocs=[("fz", "n1", [1, 2, 3], 0, "s", 0)])
+    broken = rng.choice(["pool_index", "salt_index", "num_tokens", "token_ids", "pool_range", "salt_range"])
+    if broken == "pool_index":
+        m.ClearField("alloc_pool_index")
+    elif broken == "salt_index":
+        m.alloc_salt_index.append(-1)
+    elif broken == "num_tokens":
+        m.alloc_num_tokens.append(4)
+    elif broken == "token_ids":
+        m.alloc_token_ids.append(9)
+    elif broken == "pool_range":
+        m.alloc_pool_index[0] = 5
+    else:
+        m.alloc_salt_index[0] = rng.choice([1, -2])
+    return m
+
+
+def _skewed_fork(rng: random.Random) -> pb.StepRequest:
+    m = step_request(forks=[("live", ["k1", "k2"])])
+    if rng.random() < 0.5:
+        m.fork_num_children[0] = 3
+    else:
+        m.fork_num_children.append(1)
+    return m
+
+
 def _cases(rng: random.Random, epoch: int) -> list[tuple[str, str, Callable[[], Any], set[C | None]]]:
     """(service, method, request factory, allowed codes); every request is invalid."""
     g = lambda: _garbage_id(rng)  # noqa: E731
-    item = lambda **kw: pb.AllocateItem(**{"seq_id": "fz", "pool_id": "n1", "num_tokens": 2, **kw})  # noqa: E731
+    step = step_request
+
+    def alloc(seq_id: str = "fz", pool_id: str = "n1", num_tokens: int = 2, salt: str | None = None) -> tuple:
+        return (seq_id, pool_id, None, num_tokens, salt, 0)
+
     return [
         ("d", "RegisterNode", lambda: pb.RegisterNodeRequest(request_id=rid(), node_id=g(), num_blocks=8), INVALID),
         (
@@ -60,149 +94,52 @@ def _cases(rng: random.Random, epoch: int) -> list[tuple[str, str, Callable[[], 
             {C.FAILED_PRECONDITION},
         ),
         ("d", "Heartbeat", lambda: pb.HeartbeatRequest(node_id=g(), epoch=1), {C.NOT_FOUND}),
-        ("d", "Allocate", lambda: pb.AllocateRequest(request_id=rid()), INVALID),
-        ("d", "Allocate", lambda: pb.AllocateRequest(request_id=_bad_request_id(rng), items=[item()]), INVALID),
-        ("d", "Allocate", lambda: pb.AllocateRequest(request_id=rid(), items=[item(), item()]), INVALID),
+        ("d", "Step", lambda: pb.StepRequest(request_id=rid()), INVALID),  # no scheduler id
+        ("d", "Step", lambda: step(scheduler_id=rng.choice(["s" * 200, "t\u00e9", "tab\tid"])), INVALID),
+        ("d", "Step", lambda: step(request_id=_bad_request_id(rng), appends=[("live", 1)]), INVALID),
+        ("d", "Step", lambda: step(scheduler_id="intruder", appends=[("live", 1)]), {C.FAILED_PRECONDITION}),
+        ("d", "Step", lambda: step(allocs=[alloc(), alloc()]), INVALID),  # same seq twice
+        ("d", "Step", lambda: step(allocs=[alloc(seq_id=rng.choice(["", "y" * 300]))]), INVALID),
+        ("d", "Step", lambda: step(allocs=[alloc(salt="s" * 2000)]), INVALID),
+        ("d", "Step", lambda: step(allocs=[alloc()], pool_epochs={"n1": 0}), INVALID),
+        ("d", "Step", lambda: step(allocs=[alloc()], pool_epochs={"n1": epoch + 3}), {C.FAILED_PRECONDITION}),
         (
             "d",
-            "Allocate",
-            lambda: pb.AllocateRequest(request_id=rid(), items=[item(seq_id=rng.choice(["", "y" * 300]))]),
-            INVALID,
-        ),
-        ("d", "Allocate", lambda: pb.AllocateRequest(request_id=rid(), items=[item(salt="s" * 2000)]), INVALID),
-        ("d", "Allocate", lambda: pb.AllocateRequest(request_id=rid(), items=[item()], pool_epochs={"n1": 0}), INVALID),
-        (
-            "d",
-            "Allocate",
-            lambda: pb.AllocateRequest(request_id=rid(), items=[item()], pool_epochs={"n1": epoch + 3}),
-            {C.FAILED_PRECONDITION},
-        ),
-        (
-            "d",
-            "Allocate",
-            lambda: pb.AllocateRequest(request_id=rid(), items=[item()], pool_epochs={g() or "q": 1}),
+            "Step",
+            lambda: step(allocs=[alloc()], pool_epochs={g() or "q": 1}),
             {C.NOT_FOUND, C.INVALID_ARGUMENT},
         ),
+        ("d", "Step", lambda: _skewed_alloc(rng), INVALID),  # columns that disagree
+        ("d", "Step", lambda: step(allocs=[alloc(num_tokens=0)]), INVALID),  # neither ids nor count
+        ("d", "Step", lambda: step(allocs=[alloc(pool_id=g() or "q")]), INVALID | ITEM),
+        ("d", "Step", lambda: step(allocs=[alloc(seq_id="live")]), ITEM),  # exists
+        ("d", "Step", lambda: step(allocs=[alloc(num_tokens=2**32 - 1)]), ITEM),  # too big
+        ("d", "Step", lambda: step(appends=[("live", 1), ("live", 1)]), INVALID),
+        ("d", "Step", lambda: step(appends=[(rng.choice(["", "z" * 300]), 1)]), INVALID),
+        ("d", "Step", lambda: step(appends=[("live", 0)]), INVALID),
+        ("d", "Step", lambda: step(appends=[("live", 3, [1])]), INVALID),  # 1 token id for 3 tokens
+        ("d", "Step", lambda: step(appends=[("ghost", 1)]), ITEM),
+        ("d", "Step", lambda: step(appends=[("live", 2**32 - 1)]), ITEM),
+        ("d", "Step", lambda: step(appends=[("live", 1)], pool_epochs={"n1": epoch + 1}), {C.FAILED_PRECONDITION}),
+        ("d", "Step", lambda: step(written=[("live", rng.choice([64, 2**31]))]), ITEM),  # past the block
+        ("d", "Step", lambda: step(forks=[(rng.choice(["", "p" * 300]), ["k"])]), INVALID),
+        ("d", "Step", lambda: step(forks=[("live", ["k", "k"])]), INVALID),
+        ("d", "Step", lambda: step(forks=[("live", [rng.choice(["", "k" * 300])])]), INVALID),
+        ("d", "Step", lambda: _skewed_fork(rng), INVALID),
+        ("d", "Step", lambda: step(forks=[("ghost", ["k"])]), ITEM),
+        ("d", "Step", lambda: step(forks=[("live", ["k", "live"])]), ITEM),
+        ("d", "Step", lambda: step(frees=["live", "live"]), INVALID),
+        ("d", "Step", lambda: step(frees=["live", "ghost"]), {C.NOT_FOUND}),
+        ("d", "Step", lambda: step(frees=["live", g()]), {C.NOT_FOUND, C.INVALID_ARGUMENT}),
+        ("d", "Step", lambda: step(reports={"n1": (epoch, 2**40, 0)}), {C.FAILED_PRECONDITION}),  # never handed out
         (
             "d",
-            "Allocate",
-            lambda: pb.AllocateRequest(request_id=rid(), items=[item(token_ids=[1, 2])]),
-            ITEM,
-        ),  # both given
-        ("d", "Allocate", lambda: pb.AllocateRequest(request_id=rid(), items=[item(num_tokens=0)]), ITEM),  # neither
-        (
-            "d",
-            "Allocate",
-            lambda: pb.AllocateRequest(request_id=rid(), items=[item(pool_id=g() or "q")]),
-            INVALID | ITEM,
+            "Step",
+            lambda: step(reports={"n1": (epoch, 0, rng.choice([3, 2**40]))}),
+            INVALID | {C.FAILED_PRECONDITION},
         ),
-        ("d", "Allocate", lambda: pb.AllocateRequest(request_id=rid(), items=[item(seq_id="live")]), ITEM),  # exists
-        (
-            "d",
-            "Allocate",
-            lambda: pb.AllocateRequest(request_id=rid(), items=[item(num_tokens=2**32 - 1)]),
-            ITEM,
-        ),  # too big
-        ("d", "AppendSlots", lambda: pb.AppendSlotsRequest(request_id=rid()), INVALID),
-        (
-            "d",
-            "AppendSlots",
-            lambda: pb.AppendSlotsRequest(
-                request_id=_bad_request_id(rng), items=[pb.AppendItem(seq_id="live", num_new_tokens=1)]
-            ),
-            INVALID,
-        ),
-        (
-            "d",
-            "AppendSlots",
-            lambda: pb.AppendSlotsRequest(
-                request_id=rid(), items=[pb.AppendItem(seq_id=rng.choice(["", "z" * 300]), num_new_tokens=1)]
-            ),
-            INVALID,
-        ),
-        (
-            "d",
-            "AppendSlots",
-            lambda: pb.AppendSlotsRequest(request_id=rid(), items=[pb.AppendItem(seq_id="live", num_new_tokens=0)]),
-            ITEM,
-        ),
-        (
-            "d",
-            "AppendSlots",
-            lambda: pb.AppendSlotsRequest(
-                request_id=rid(), items=[pb.AppendItem(seq_id="live", num_new_tokens=3, token_ids=[1])]
-            ),
-            ITEM,
-        ),
-        (
-            "d",
-            "AppendSlots",
-            lambda: pb.AppendSlotsRequest(request_id=rid(), items=[pb.AppendItem(seq_id="ghost", num_new_tokens=1)]),
-            ITEM,
-        ),
-        (
-            "d",
-            "AppendSlots",
-            lambda: pb.AppendSlotsRequest(
-                request_id=rid(), items=[pb.AppendItem(seq_id="live", num_new_tokens=2**32 - 1)]
-            ),
-            ITEM,
-        ),
-        (
-            "d",
-            "AppendSlots",
-            lambda: pb.AppendSlotsRequest(
-                request_id=rid(), items=[pb.AppendItem(seq_id="live", num_new_tokens=1)], pool_epochs={"n1": epoch + 1}
-            ),
-            {C.FAILED_PRECONDITION},
-        ),
-        (
-            "d",
-            "Fork",
-            lambda: pb.ForkRequest(request_id=rid(), parent_seq_id=rng.choice(["", "p" * 300]), child_seq_ids=["k"]),
-            INVALID,
-        ),
-        ("d", "Fork", lambda: pb.ForkRequest(request_id=rid(), parent_seq_id="live"), INVALID),
-        (
-            "d",
-            "Fork",
-            lambda: pb.ForkRequest(request_id=rid(), parent_seq_id="live", child_seq_ids=["k", "k"]),
-            INVALID,
-        ),
-        (
-            "d",
-            "Fork",
-            lambda: pb.ForkRequest(request_id=rid(), parent_seq_id="live", child_seq_ids=[rng.choice(["", "k" * 300])]),
-            INVALID,
-        ),
-        (
-            "d",
-            "Fork",
-            lambda: pb.ForkRequest(request_id=rid(), parent_seq_id="ghost", child_seq_ids=["k"]),
-            {C.NOT_FOUND},
-        ),
-        (
-            "d",
-            "Fork",
-            lambda: pb.ForkRequest(request_id=rid(), parent_seq_id="live", child_seq_ids=["k", "live"]),
-            {C.ALREADY_EXISTS},
-        ),
-        (
-            "d",
-            "Fork",
-            lambda: pb.ForkRequest(request_id=_bad_request_id(rng), parent_seq_id="live", child_seq_ids=["k"]),
-            INVALID,
-        ),
-        ("d", "Free", lambda: pb.FreeRequest(request_id=rid()), INVALID),
-        ("d", "Free", lambda: pb.FreeRequest(request_id=rid(), seq_ids=["live", "live"]), INVALID),
-        ("d", "Free", lambda: pb.FreeRequest(request_id=rid(), seq_ids=["live", "ghost"]), {C.NOT_FOUND}),
-        (
-            "d",
-            "Free",
-            lambda: pb.FreeRequest(request_id=rid(), seq_ids=["live", g()]),
-            {C.NOT_FOUND, C.INVALID_ARGUMENT},
-        ),
-        ("d", "Free", lambda: pb.FreeRequest(request_id=_bad_request_id(rng), seq_ids=["live"]), INVALID),
+        ("d", "Step", lambda: step(reports={g() or "q": (1, 0, 0)}), INVALID | ITEM),
+        ("d", "Step", lambda: step(appends=[(f"s{i}", 1) for i in range(MAX_BATCH + 1)]), INVALID),
         ("d", "GetTables", lambda: pb.GetTablesRequest(node_id="n1", epoch=0), INVALID),
         ("d", "GetTables", lambda: pb.GetTablesRequest(node_id="n1", epoch=epoch, seq_ids=["live", "live"]), INVALID),
         ("d", "GetTables", lambda: pb.GetTablesRequest(node_id="n1", epoch=epoch, seq_ids=["ghost"]), {C.NOT_FOUND}),
@@ -213,45 +150,16 @@ def _cases(rng: random.Random, epoch: int) -> list[tuple[str, str, Callable[[], 
             {C.ABORTED},
         ),
         ("d", "GetTables", lambda: pb.GetTablesRequest(node_id="n2", epoch=1, seq_ids=["live"]), INVALID),
-        (
-            "d",
-            "AckCopyOps",
-            lambda: pb.AckCopyOpsRequest(request_id=rid(), node_id="n1", epoch=0, up_to_op_id=1),
-            INVALID,
-        ),
-        (
-            "d",
-            "AckCopyOps",
-            lambda: pb.AckCopyOpsRequest(request_id=rid(), node_id="n1", epoch=epoch, up_to_op_id=2**63),
-            INVALID,
-        ),
-        (
-            "d",
-            "AckCopyOps",
-            lambda: pb.AckCopyOpsRequest(request_id=rid(), node_id=g() or "q", epoch=1),
-            {C.NOT_FOUND, C.INVALID_ARGUMENT},
-        ),
-        ("d", "PlanDefrag", lambda: pb.PlanDefragRequest(request_id=rid(), pool_id="n1", kind=g() or "x"), INVALID),
-        (
-            "d",
-            "PlanDefrag",
-            lambda: pb.PlanDefragRequest(request_id=rid(), pool_id=g() or "q"),
-            {C.NOT_FOUND, C.INVALID_ARGUMENT},
-        ),
-        ("d", "PlanDefrag", lambda: pb.PlanDefragRequest(request_id=_bad_request_id(rng), pool_id="n1"), INVALID),
-        (
-            "d",
-            "CommitDefrag",
-            lambda: pb.CommitDefragRequest(request_id=rid(), plan_id=rng.randrange(2**63)),
-            {C.NOT_FOUND},
-        ),
-        (
-            "d",
-            "AbortDefrag",
-            lambda: pb.AbortDefragRequest(request_id=rid(), plan_id=rng.randrange(2**63)),
-            {C.NOT_FOUND},
-        ),
         ("d", "Route", lambda: pb.RouteRequest(), INVALID),
+        ("d", "Route", lambda: pb.RouteRequest(token_ids=[1, 2, 3], num_token_ids=[1, 1]), INVALID),
+        (
+            "d",
+            "Route",
+            lambda: pb.RouteRequest(
+                token_ids=[1, 2], num_token_ids=[1, 1], salt_index=[0, rng.choice([1, -2])], salts=["a"]
+            ),
+            INVALID,
+        ),
         ("a", "ListSequences", lambda: pb.ListSequencesRequest(pool_id=g() or "q"), {C.NOT_FOUND, C.INVALID_ARGUMENT}),
         ("a", "DescribeSequence", lambda: pb.DescribeSequenceRequest(seq_id=rng.choice(["", "d" * 300])), INVALID),
         ("a", "DescribeSequence", lambda: pb.DescribeSequenceRequest(seq_id="ghost"), {C.NOT_FOUND}),
@@ -306,7 +214,10 @@ async def test_malformed_requests_every_rpc(harness: Harness) -> None:
         else:
             # only per-item failures may answer OK, and each item must carry its error
             assert None in allowed, f"{method}({request}) unexpectedly succeeded"
-            assert all(o.WhichOneof("outcome") == "error" for o in resp.outcomes)
+            if method == "Step":
+                num_items = (len(request.alloc_seq_ids) + len(request.written_seq_ids)
+                             + len(request.fork_parent_ids) + len(request.append_seq_ids))
+                assert len(resp.errors) == num_items and not resp.steps, f"{request} -> {resp}"
     assert await _observable(harness) == before
     assert await harness.fsck() == []
 
