@@ -87,8 +87,8 @@ def stage(cache: TableCache, steps: Sequence[Any], node_id: str, epoch: int) -> 
     """Check the steps (`PoolStep` messages) a Forward carries and compute their effect.
 
     `StaleStep` (FAILED_PRECONDITION) when they do not continue from the node's last applied
-    step (a step was skipped: the scheduler must send every step, in order), `NodeFenced` for
-    another epoch, `StaleTable` (ABORTED) when a delta does not apply to the node's version of
+    step (a step was skipped: the scheduler must send every step, in order) or belong to an
+    earlier epoch, `NodeFenced` for a later epoch (the block manager re-registered the pool), `StaleTable` (ABORTED) when a delta does not apply to the node's version of
     a table, `InvalidForward` for malformed columns.
     """
     staged = StagedSteps()
@@ -96,8 +96,10 @@ def stage(cache: TableCache, steps: Sequence[Any], node_id: str, epoch: int) -> 
     for i, m in enumerate(steps):
         if m.pool_id != node_id:
             raise InvalidForward(f"steps[{i}] is for pool {m.pool_id!r}, this node is {node_id!r}")
-        if m.epoch != epoch:
-            raise NodeFenced(f"steps[{i}] belongs to epoch {m.epoch}, the node's epoch is {epoch}")
+        if m.epoch > epoch:
+            raise NodeFenced(f"steps[{i}] belongs to epoch {m.epoch}: the node's epoch {epoch} was fenced")
+        if m.epoch < epoch:
+            raise StaleStep(f"steps[{i}] belongs to epoch {m.epoch}, an earlier registration of this node ({epoch})")
         if not m.reset and not m.base_step_id <= last < m.step_id:
             raise StaleStep(
                 f"step {m.step_id} builds on step {m.base_step_id}, but the node has applied up to step {last}: "

@@ -217,11 +217,20 @@ class ComputeNode:
                 # Its steps are applied already: re-run the writes from the counts before it.
                 staged = StagedSteps()
                 cold: dict[SeqId, NodeTable] = {}
+                fetch_s = 0.0
                 counts = self._last_counts
                 table_of = lambda sid: self._retry_table(sid, counts)  # noqa: E731
             else:
-                staged = stage(self.tables, batch.steps, self.config.node_id, epoch)
+                try:
+                    staged = stage(self.tables, batch.steps, self.config.node_id, epoch)
+                except NodeFenced as exc:
+                    # The block manager registered the pool anew behind our back: start over.
+                    self._reset_locked(f"forward: {exc}")
+                    await self._try_register_locked()
+                    raise
+                t_fetch = time.perf_counter()
                 cold = await self._cold_tables(batch, staged, epoch)
+                fetch_s = time.perf_counter() - t_fetch
                 table_of = lambda sid: cold.get(sid) or staged.table(self.tables, sid)  # noqa: E731
             tables = resolve_sequences(batch, table_of, pool.geometry.block_size, cold=set(cold))
             plan = plan_attention(batch, tables, pool.geometry)
@@ -238,7 +247,7 @@ class ComputeNode:
             self._last_request_id, self._last_counts = batch.request_id, before
             outputs, timings = await asyncio.to_thread(execute, pool, batch, plan)
             stats = ForwardStats(
-                table_fetch_s=0.0, copy_ops_s=t1 - t0, write_s=timings.write_s,
+                table_fetch_s=fetch_s, copy_ops_s=t1 - t0, write_s=timings.write_s,
                 attention_s=timings.attention_s, total_s=time.perf_counter() - t_start,
                 num_block_manager_rpcs=self._cold_rpcs, num_copy_ops=len(staged.copy_pairs),
                 kv_bytes_read=plan.kv_bytes_read, last_step_id=self.tables.last_step_id,

@@ -16,12 +16,15 @@ from typing import Any
 import grpc
 import numpy as np
 
+from block_manager.client import AsyncBlockManagerClient
+from block_manager.client.async_client import AsyncStep
+from block_manager.client.step import StepResult
+from block_manager.client.types import PoolStepInfo
 from block_manager.service.server import BlockManagerServer
 from compute_node.client import SeqInput, build_request, split_outputs
 from compute_node.service.config import load_config as load_cn_config
 from compute_node.service.server import ComputeNodeServer
 from kernels import reference
-from pagedkv.v1 import block_manager_pb2 as bm_pb
 from pagedkv.v1 import block_manager_pb2_grpc as bm_grpc
 from pagedkv.v1 import compute_node_pb2 as pb
 from pagedkv.v1 import compute_node_pb2_grpc as pb_grpc
@@ -89,10 +92,9 @@ async def start_node(bm_address: str, **overrides: Any) -> ComputeNodeServer:
 
 @dataclass(slots=True)
 class Shadow:
-    """Everything the test knows about one sequence: BM bookkeeping + full K/V history."""
+    """Everything the test knows about one sequence: its length and full K/V history."""
 
     seq_id: str
-    version: int
     num_tokens: int = 0
     # per layer: [num_tokens, num_kv_heads, head_dim] float64
     keys: list[np.ndarray] = field(default_factory=list)
@@ -101,118 +103,129 @@ class Shadow:
 
 @dataclass(slots=True)
 class Step:
-    """One sequence's part of a forward: its new tokens' slots and inputs."""
+    """One sequence's part of a Forward: its new tokens' inputs (they go at its tail)."""
 
     seq_id: str
-    slot_mapping: list[int]
     query: np.ndarray   # [num_layers, n, num_heads, head_dim]
     key: np.ndarray     # [num_layers, n, num_kv_heads, head_dim]
     value: np.ndarray
 
+    @property
+    def num_new_tokens(self) -> int:
+        return int(self.query.shape[1])
+
 
 class Scheduler:
-    """Drives the block manager (Allocate/AppendSlots/Fork/Free) and the node (Forward)."""
+    """A scheduler over the real client library: one `Step` RPC per call that needs one (the
+    client answers in-block decode appends itself), every `PoolStep` passed to the node in the
+    next Forward, every Forward reported with the next step."""
 
     def __init__(
         self, bm_address: str, node_address: str, pool_id: str, *, seed: int = 0, dtype: str = "float32"
     ) -> None:
-        self.bm_channel = grpc.aio.insecure_channel(bm_address)
-        self.bm = bm_grpc.BlockManagerStub(self.bm_channel)
+        self.client = AsyncBlockManagerClient(
+            bm_address, block_sizes={pool_id: BLOCK_SIZE}, timeout_s=30, scheduler_id=f"sched-{pool_id}"
+        )
+        self.bm = bm_grpc.BlockManagerStub(self.client._channel)
         self.node_channel = grpc.aio.insecure_channel(node_address)
         self.node = pb_grpc.ComputeNodeStub(self.node_channel)
         self.pool_id = pool_id
         self.rng = np.random.default_rng(seed)
         self.dtype = np.dtype(dtype)
         self.seqs: dict[str, Shadow] = {}
+        self.pending: list[PoolStepInfo] = []   # this pool's steps the node has not applied yet
         self.last_stats: pb.ForwardStats | None = None
+        self.last_result: StepResult | None = None
 
     async def close(self) -> None:
-        await self.bm_channel.close()
+        await self.client.close()
         await self.node_channel.close()
 
-    def connect_bm(self, bm_address: str) -> None:
-        """A new channel to a (restarted) block manager; the old one must be closed first."""
-        self.bm_channel = grpc.aio.insecure_channel(bm_address)
-        self.bm = bm_grpc.BlockManagerStub(self.bm_channel)
+    def connect_node(self, node_address: str) -> None:
+        """A channel to a (restarted) node; the old one must be closed first."""
+        self.node_channel = grpc.aio.insecure_channel(node_address)
+        self.node = pb_grpc.ComputeNodeStub(self.node_channel)
 
     # ---- block manager side -------------------------------------------------------------
+    async def commit(self, step: AsyncStep) -> StepResult:
+        """Send a filled client step; keep its PoolStep for the next Forward."""
+        res = await step.commit()
+        if res.failures:
+            raise RuntimeError(f"step items failed: {res.failures}")
+        info = res.steps.get(self.pool_id)
+        if info is not None:
+            self.pending.append(info)
+        self.last_result = res
+        return res
+
     async def allocate(self, seq_id: str, tokens: list[int]) -> Step:
-        resp = await self.bm.Allocate(
-            bm_pb.AllocateRequest(
-                request_id=rid("alloc"),
-                items=[bm_pb.AllocateItem(seq_id=seq_id, pool_id=self.pool_id, token_ids=tokens)],
-            ),
-            wait_for_ready=True, timeout=30,
-        )
-        out = resp.outcomes[0]
-        if out.HasField("error"):
-            raise RuntimeError(f"allocate {seq_id}: {out.error}")
-        a = out.allocation
-        cached = int(a.num_cached_tokens)
+        step = self.client.step()
+        step.allocate(seq_id, self.pool_id, tokens)
+        res = await self.commit(step)
+        cached = res.allocations[seq_id].num_cached_tokens   # type: ignore[union-attr]
         keys, values = prompt_kv(tokens, self.dtype)
         self.seqs[seq_id] = Shadow(
-            seq_id, int(a.version), cached,
+            seq_id, cached,
             [keys[layer, :cached].astype(np.float64) for layer in range(NUM_LAYERS)],
             [values[layer, :cached].astype(np.float64) for layer in range(NUM_LAYERS)],
         )
-        slots = list(a.slot_mapping)
-        n = len(slots)
+        n = len(tokens) - cached
         query = self.rng.standard_normal((NUM_LAYERS, n, NUM_HEADS, HEAD_DIM)).astype(self.dtype)
-        return Step(seq_id, slots, query, keys[:, cached:], values[:, cached:])
+        return Step(seq_id, query, keys[:, cached:], values[:, cached:])
 
     async def append(self, seq_ids: list[str]) -> list[Step]:
-        resp = await self.bm.AppendSlots(
-            bm_pb.AppendSlotsRequest(
-                request_id=rid("app"), items=[bm_pb.AppendItem(seq_id=s, num_new_tokens=1) for s in seq_ids]
-            ),
-            wait_for_ready=True, timeout=30,
-        )
-        steps = []
-        for seq_id, out in zip(seq_ids, resp.outcomes):
-            if out.HasField("error"):
-                raise RuntimeError(f"append {seq_id}: {out.error}")
-            self.seqs[seq_id].version = int(out.appended.version)
-            steps.append(self._new_step(seq_id, list(out.appended.slot_mapping)))
-        return steps
+        step = self.client.step()
+        for s in seq_ids:
+            step.append(s, num_new_tokens=1)
+        await self.commit(step)
+        return [self.new_step(s, 1) for s in seq_ids]
 
     async def fork(self, parent: str, children: list[str]) -> None:
-        resp = await self.bm.Fork(
-            bm_pb.ForkRequest(request_id=rid("fork"), parent_seq_id=parent, child_seq_ids=children)
-        )
+        step = self.client.step()
+        step.fork(parent, children)
+        await self.commit(step)
         p = self.seqs[parent]
-        for child in resp.children:
-            self.seqs[child.seq_id] = Shadow(
-                child.seq_id, int(child.version), p.num_tokens,
-                [k.copy() for k in p.keys], [v.copy() for v in p.values],
-            )
+        for child in children:
+            self.seqs[child] = Shadow(child, p.num_tokens, [k.copy() for k in p.keys], [v.copy() for v in p.values])
 
     async def free(self, seq_ids: list[str]) -> None:
-        await self.bm.Free(bm_pb.FreeRequest(request_id=rid("free"), seq_ids=seq_ids))
+        step = self.client.step()
+        step.free(seq_ids)
+        await self.commit(step)
         for s in seq_ids:
             del self.seqs[s]
 
     # ---- compute node side --------------------------------------------------------------
     def request(self, steps: list[Step], **kw: Any) -> pb.ForwardRequest:
-        seqs = [self._seq_input(s) for s in steps]
-        return build_request(seqs, list(range(NUM_LAYERS)), **kw)
+        """The Forward of `steps`, carrying every pending PoolStep (not sent)."""
+        seqs = [self.seq_input(s) for s in steps]
+        return build_request(seqs, list(range(NUM_LAYERS)), steps=[p.message for p in self.pending], **kw)
 
     async def forward(self, steps: list[Step], *, atol: float = 2e-4, **kw: Any) -> list[np.ndarray]:
-        """Forward the steps, commit them to the shadow and check every output against the
-        float64 reference over the shadow history."""
-        seqs = [self._seq_input(s) for s in steps]
-        response = await self.node.Forward(build_request(seqs, list(range(NUM_LAYERS)), **kw))
+        """Forward the steps with the pending PoolSteps, report them done, commit the new
+        tokens to the shadow and check every output against the float64 reference."""
+        seqs = [self.seq_input(s) for s in steps]
+        request = build_request(seqs, list(range(NUM_LAYERS)), steps=[p.message for p in self.pending], **kw)
+        response = await self.node.Forward(request)
+        self.delivered()
         self.last_stats = response.stats
         outputs = split_outputs(response, seqs)
         for step, out in zip(steps, outputs):
-            self._commit(step)
+            self.commit_tokens(step)
             expected = self.expected(step)
             np.testing.assert_allclose(out, expected, atol=atol, rtol=1e-3, err_msg=f"sequence {step.seq_id}")
         return outputs
 
+    def delivered(self, ok: bool = True) -> None:
+        """The pending steps reached the node (`ok`) or never will: report them."""
+        for info in self.pending:
+            self.client.report(info, ok)
+        self.pending.clear()
+
     def expected(self, step: Step) -> np.ndarray:
         """Reference attention of the step's queries over the (already committed) shadow."""
         shadow = self.seqs[step.seq_id]
-        n, ctx = len(step.slot_mapping), shadow.num_tokens
+        n, ctx = step.num_new_tokens, shadow.num_tokens
         result = np.empty((NUM_LAYERS, n, NUM_HEADS, HEAD_DIM))
         for layer in range(NUM_LAYERS):
             # The whole history as one dense block: table [[0]], block_size = ctx.
@@ -224,28 +237,24 @@ class Scheduler:
             )
         return result
 
-    def _commit(self, step: Step) -> None:
+    def commit_tokens(self, step: Step) -> None:
+        """The step's tokens are written: add them to the shadow history."""
         shadow = self.seqs[step.seq_id]
         for layer in range(NUM_LAYERS):
             shadow.keys[layer] = np.concatenate([shadow.keys[layer], step.key[layer].astype(np.float64)])
             shadow.values[layer] = np.concatenate([shadow.values[layer], step.value[layer].astype(np.float64)])
-        shadow.num_tokens += len(step.slot_mapping)
+        shadow.num_tokens += step.num_new_tokens
 
-    def _seq_input(self, step: Step) -> SeqInput:
+    def seq_input(self, step: Step) -> SeqInput:
         shadow = self.seqs[step.seq_id]
-        return SeqInput(
-            step.seq_id, shadow.version, shadow.num_tokens + len(step.slot_mapping), step.slot_mapping,
-            step.query, step.key, step.value,
-        )
+        return SeqInput(step.seq_id, shadow.num_tokens + step.num_new_tokens, step.query, step.key, step.value)
 
-    def _new_step(self, seq_id: str, slots: list[int]) -> Step:
-        n = len(slots)
+    def new_step(self, seq_id: str, n: int) -> Step:
+        """Random inputs for `n` new tokens of a sequence."""
         r = self.rng
         return Step(
             seq_id,
-            slots,
             r.standard_normal((NUM_LAYERS, n, NUM_HEADS, HEAD_DIM)).astype(self.dtype),
             r.standard_normal((NUM_LAYERS, n, NUM_KV_HEADS, HEAD_DIM)).astype(self.dtype),
             r.standard_normal((NUM_LAYERS, n, NUM_KV_HEADS, HEAD_DIM)).astype(self.dtype),
         )
-

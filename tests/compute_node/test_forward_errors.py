@@ -1,5 +1,5 @@
-"""Bad requests to every RPC of the compute node: a typed status, and not one byte of the pool
-changed (the K/V caches are compared before and after each rejected Forward)."""
+"""Bad requests to every RPC of the compute node: a typed status, and nothing changed (the K/V
+caches and the node's tables are compared before and after each rejected Forward)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from compute_node.errors import InvalidForward, StaleTable
-from compute_node.forward import SeqStep, check_slots
-from compute_node.tables import CachedTable, SeqId
 from pagedkv.v1 import compute_node_pb2 as pb
 from tests.compute_node.harness import BLOCK_SIZE, NUM_BLOCKS
 
@@ -29,11 +26,14 @@ def _set(field: str, value: object) -> Mutator:
 def _seq(**kw: object) -> Mutator:
     def mutate(r: pb.ForwardRequest) -> None:
         for k, v in kw.items():
-            if k == "slot_mapping":
-                del r.sequences[0].slot_mapping[:]
-                r.sequences[0].slot_mapping.extend(v)  # type: ignore[arg-type]
-            else:
-                setattr(r.sequences[0], k, v)
+            setattr(r.sequences[0], k, v)
+
+    return mutate
+
+
+def _step(mutate_step: Callable[[object], None]) -> Mutator:
+    def mutate(r: pb.ForwardRequest) -> None:
+        mutate_step(r.steps[0])
 
     return mutate
 
@@ -55,8 +55,9 @@ def _dup_sequence(r: pb.ForwardRequest) -> None:
     r.sequences.append(r.sequences[0])
 
 
-def _drop_sequences(r: pb.ForwardRequest) -> None:
+def _drop_sequences_and_steps(r: pb.ForwardRequest) -> None:
     del r.sequences[:]
+    del r.steps[:]
 
 
 def _drop_layers(r: pb.ForwardRequest) -> None:
@@ -88,14 +89,14 @@ def _second_layer_query_f16(r: pb.ForwardRequest) -> None:
 
 INVALID: dict[str, Mutator] = {
     "empty request id": _set("request_id", ""),
-    "no sequences": _drop_sequences,
+    "neither sequences nor steps": _drop_sequences_and_steps,
     "duplicate sequence": _dup_sequence,
     "empty seq id": _seq(seq_id=""),
-    "version 0": _seq(version=0),
-    "no new tokens": _seq(slot_mapping=[]),
+    "no new tokens": _seq(num_new_tokens=0),
     "context shorter than new tokens": _seq(context_len=0),
-    "slot outside the pool": _seq(slot_mapping=[NUM_BLOCKS * BLOCK_SIZE]),
-    "negative slot": _seq(slot_mapping=[-1]),
+    "context beyond the pool": _seq(context_len=NUM_BLOCKS * BLOCK_SIZE + 1),
+    "writes below the tail": _seq(context_len=8),           # x holds 8 tokens: the new one is the 9th
+    "writes past the tail": _seq(context_len=10),
     "no layers": _drop_layers,
     "layer out of range": lambda r: setattr(r.layers[0], "layer", 7),
     "duplicate layer": _dup_layer,
@@ -107,23 +108,39 @@ INVALID: dict[str, Mutator] = {
     "layers disagree on query dtype": _second_layer_query_f16,
     "negative scale": _set("scale", -1.0),
     "nan scale": _set("scale", float("nan")),
+    "step of another pool": _step(lambda m: setattr(m, "pool_id", "node-b")),
+    "copy columns disagree": _step(lambda m: m.copy_src.append(3)),
+    "delta columns disagree": _step(lambda m: m.delta_versions.append(99)),
+    "appended blocks disagree with their counts": _step(lambda m: m.appended_blocks.append(7)),
+    "replaced entries disagree with their counts": _step(lambda m: m.replaced_positions.append(0)),
 }
 
 
-def _pool_state(cluster) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    pool = cluster.node.node.pool
-    return torch.stack([*pool.key_caches, *pool.value_caches]).clone()
+def _pool_state(cluster) -> tuple[torch.Tensor, dict, int]:  # type: ignore[no-untyped-def]
+    """The pool's bytes and the node's tables: a rejected Forward changes neither."""
+    node = cluster.node.node
+    pool = node.pool
+    tables = {sid: (list(t.block_table), t.version, t.num_tokens) for sid, t in node.tables._tables.items()}
+    return torch.stack([*pool.key_caches, *pool.value_caches]).clone(), tables, node.tables.last_step_id
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return torch.equal(a[0], b[0]) and a[1:] == b[1:]
 
 
 async def _prepared(cluster):  # type: ignore[no-untyped-def]
+    """x holds 8 tokens (2 full blocks) and y 3; two steps pending: x's append (a new block)
+    and z's admission."""
     s = cluster.sched
-    await s.forward([await s.allocate("x", [1, 2, 3, 4, 5])])
+    await s.forward([await s.allocate("x", [1, 2, 3, 4, 5, 6, 7, 8])])
     await s.forward([await s.allocate("y", [9, 8, 7])])
     steps = await s.append(["x"])
+    steps.append(await s.allocate("z", [4, 4]))
+    assert len(s.pending) == 2
     return s, steps
 
 
-async def test_invalid_requests_are_rejected_and_write_nothing(cluster) -> None:  # type: ignore[no-untyped-def]
+async def test_invalid_requests_are_rejected_and_change_nothing(cluster) -> None:  # type: ignore[no-untyped-def]
     s, steps = await _prepared(cluster)
     before = _pool_state(cluster)
     for name, mutate in INVALID.items():
@@ -131,30 +148,48 @@ async def test_invalid_requests_are_rejected_and_write_nothing(cluster) -> None:
         mutate(request)
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await s.node.Forward(request)
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
-        assert torch.equal(_pool_state(cluster), before), f"{name}: pool changed"
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {info.value.details()}"
+        assert _same(_pool_state(cluster), before), f"{name}: pool or tables changed"
     # The untouched request still works afterwards.
     await s.forward(steps)
 
 
-async def test_table_dependent_errors(cluster) -> None:  # type: ignore[no-untyped-def]
+def _skip_first_step(r: pb.ForwardRequest) -> None:
+    del r.steps[0]
+
+
+def _repeat_step(r: pb.ForwardRequest) -> None:
+    r.steps.append(r.steps[0])
+
+
+async def test_step_and_table_errors(cluster) -> None:  # type: ignore[no-untyped-def]
     s, steps = await _prepared(cluster)
     before = _pool_state(cluster)
-    y_slot = (await s.append(["y"]))[0].slot_mapping[0]
     cases: dict[str, tuple[Mutator, grpc.StatusCode]] = {
-        # A slot of another sequence's block: in the pool, but not in x's table at its position.
-        "slot of another sequence": (_seq(slot_mapping=[y_slot]), grpc.StatusCode.INVALID_ARGUMENT),
-        "context beyond the table": (_seq(context_len=40), grpc.StatusCode.INVALID_ARGUMENT),
+        "a step skipped": (_skip_first_step, grpc.StatusCode.FAILED_PRECONDITION),
+        "a step twice": (_repeat_step, grpc.StatusCode.FAILED_PRECONDITION),
+        "a step of an earlier registration": (
+            _step(lambda m: setattr(m, "epoch", 0)), grpc.StatusCode.FAILED_PRECONDITION,
+        ),
+        "a delta on a table version the node does not hold": (
+            _step(lambda m: m.delta_base_versions.__setitem__(0, 1 << 40)), grpc.StatusCode.ABORTED,
+        ),
         "unknown sequence": (_seq(seq_id="nope"), grpc.StatusCode.NOT_FOUND),
-        "version the block manager does not have": (_seq(version=1 << 40), grpc.StatusCode.ABORTED),
     }
     for name, (mutate, code) in cases.items():
         request = s.request(steps)
         mutate(request)
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await s.node.Forward(request)
-        assert info.value.code() == code, name
-        assert torch.equal(_pool_state(cluster), before), f"{name}: pool changed"
+        assert info.value.code() == code, f"{name}: {info.value.code().name} {info.value.details()}"
+        assert _same(_pool_state(cluster), before), f"{name}: pool or tables changed"
+    # More new tokens than x's table covers (2 blocks + the new one: 12 slots, 8 + 5 needed).
+    request = s.request([s.new_step("x", 5), steps[1]])
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await s.node.Forward(request)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "blocks" in info.value.details()
+    assert _same(_pool_state(cluster), before)
+    await s.forward(steps)
 
 
 async def test_one_bad_sequence_fails_the_whole_batch(cluster) -> None:  # type: ignore[no-untyped-def]
@@ -162,7 +197,7 @@ async def test_one_bad_sequence_fails_the_whole_batch(cluster) -> None:  # type:
     before = _pool_state(cluster)
     good = s.request(steps)
     bad = s.request(steps)
-    bad.sequences.append(pb.ForwardSequence(seq_id="ghost", version=1, context_len=1, slot_mapping=[200]))
+    bad.sequences.append(pb.ForwardSequence(seq_id="ghost", num_new_tokens=1, context_len=1))
     for layer, src in zip(bad.layers, good.layers):   # one more token row per layer
         for name in ("query", "key", "value"):
             t = getattr(layer, name)
@@ -172,7 +207,22 @@ async def test_one_bad_sequence_fails_the_whole_batch(cluster) -> None:  # type:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await s.node.Forward(bad)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
-    assert torch.equal(_pool_state(cluster), before)
+    assert _same(_pool_state(cluster), before)
+
+
+async def test_a_retried_forward_is_answered_again(cluster) -> None:  # type: ignore[no-untyped-def]
+    """The same request id twice (the answer was lost): the steps are not applied twice and
+    the writes land at the same slots, so the outputs are identical."""
+    s, steps = await _prepared(cluster)
+    request = s.request(steps)
+    first = await s.node.Forward(request)
+    second = await s.node.Forward(request)
+    assert [o.output.data for o in first.outputs] == [o.output.data for o in second.outputs]
+    assert second.stats.last_step_id == first.stats.last_step_id == s.pending[-1].step_id
+    s.delivered()
+    for st in steps:
+        s.commit_tokens(st)
+    await s.forward(await s.append(["x", "y", "z"]))
 
 
 async def test_get_node_info(cluster) -> None:  # type: ignore[no-untyped-def]
@@ -196,7 +246,7 @@ async def test_unregistered_node_answers_unavailable() -> None:
         info = await stub.GetNodeInfo(pb.GetNodeInfoRequest())
         assert not info.registered and info.epoch == 0
         request = pb.ForwardRequest(
-            request_id="r", sequences=[pb.ForwardSequence(seq_id="x", version=1, context_len=1, slot_mapping=[0])]
+            request_id="r", sequences=[pb.ForwardSequence(seq_id="x", num_new_tokens=1, context_len=1)]
         )
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.Forward(request)
@@ -204,19 +254,3 @@ async def test_unregistered_node_answers_unavailable() -> None:
         await channel.close()
     finally:
         await server.stop(0)
-
-
-def test_check_slots_distinguishes_caller_bug_from_moved_table() -> None:
-    step = SeqStep(SeqId("s"), version=3, context_len=6, slot_mapping=np.array([21], np.int64), row_start=0)
-
-    class Batch:
-        seqs = [step]
-
-    same_version = {SeqId("s"): CachedTable(SeqId("s"), (7, 5), 3)}
-    check_slots(Batch, same_version, 4)  # type: ignore[arg-type]   # position 5 -> block 5, slot 21
-    moved = {SeqId("s"): CachedTable(SeqId("s"), (7, 9), 4)}   # defrag moved block 5 -> 9
-    with pytest.raises(StaleTable):
-        check_slots(Batch, moved, 4)  # type: ignore[arg-type]
-    wrong = {SeqId("s"): CachedTable(SeqId("s"), (7, 9), 3)}
-    with pytest.raises(InvalidForward):
-        check_slots(Batch, wrong, 4)  # type: ignore[arg-type]

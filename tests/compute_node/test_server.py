@@ -60,19 +60,19 @@ async def test_health_reflection_and_metrics() -> None:
 async def test_sync_client_numpy_in_numpy_out(cluster) -> None:  # type: ignore[no-untyped-def]
     s = cluster.sched
     step = await s.allocate("c", [3, 1, 4, 1, 5, 9])
-    shadow = s.seqs["c"]
+    pool_steps = [p.message for p in s.pending]
 
     def call() -> np.ndarray:
         with ComputeNodeClient(cluster.node.address) as client:
             assert client.node_info().registered
-            seq = SeqInput("c", shadow.version, len(step.slot_mapping), step.slot_mapping,
-                           step.query, step.key, step.value)
-            out = client.forward([seq], layers=[0, 1])
-            assert out.stats.num_block_manager_rpcs == 1
+            seq = SeqInput("c", 6, step.query, step.key, step.value)
+            out = client.forward([seq], layers=[0, 1], steps=pool_steps)
+            assert out.stats.num_block_manager_rpcs == 0 and out.stats.last_step_id == pool_steps[-1].step_id
             return out.outputs[0]
 
     out = await asyncio.to_thread(call)
-    s._commit(step)
+    s.delivered()
+    s.commit_tokens(step)
     np.testing.assert_allclose(out, s.expected(step), atol=2e-4, rtol=1e-3)
     assert out.dtype == np.float32 and out.shape == (2, 6, 4, 32)
 

@@ -8,11 +8,14 @@ import numpy as np
 import pytest
 import torch
 
+from compute_node.errors import InvalidForward, NodeFenced, StaleStep, StaleTable, UnknownSequence
+from compute_node.forward import ForwardBatch, parse_forward, resolve_sequences
 from compute_node.pool import KvPool, PoolGeometry, blocks_for_budget
 from compute_node.service.config import ConfigError, load_config
-from compute_node.tables import CachedTable, SeqId, TableCache
+from compute_node.tables import NodeTable, SeqId, TableCache, stage
 from compute_node.wire import WireError, decode_tensor, encode_tensor, tensor_to_numpy
 from pagedkv.v1 import compute_node_pb2 as pb
+from pagedkv.v1.common_pb2 import PoolStep
 
 
 # ---- config -------------------------------------------------------------------------------
@@ -78,24 +81,89 @@ def test_wire_numpy_and_errors() -> None:
         decode_tensor(pb.Tensor(dtype="float64", shape=[1], data=b"\x00" * 8), "f64")
 
 
-# ---- table cache --------------------------------------------------------------------------
-def test_table_cache_versions_lru_and_suspects() -> None:
-    cache = TableCache(capacity=2)
-    a, b, c = SeqId("a"), SeqId("b"), SeqId("c")
-    cache.put(CachedTable(a, (1, 2), 3))
-    assert cache.is_fresh(a, 3) and cache.is_fresh(a, 2) and not cache.is_fresh(a, 4)
-    cache.put(CachedTable(a, (9,), 2))                 # older than cached: ignored
-    assert cache.get(a).block_table == (1, 2)
-    cache.put(CachedTable(b, (5,), 1))
-    cache.mark_all_suspect()
-    assert not cache.is_fresh(a, 1) and cache.known_version(a) == 3
-    cache.confirm(a)
-    assert cache.is_fresh(a, 3) and not cache.is_fresh(b, 1)
-    cache.get(a)                                       # a most recently used
-    cache.put(CachedTable(c, (6,), 1))                 # evicts b
-    assert cache.get(b) is None and len(cache) == 2
-    cache.drop([a])
-    assert cache.get(a) is None
+# ---- tables: staging the block manager's steps ------------------------------------------
+def _pool_step(step_id: int, *, base: int | None = None, epoch: int = 1, **cols: object) -> PoolStep:
+    return PoolStep(pool_id="n", epoch=epoch, step_id=step_id,
+                    base_step_id=step_id - 1 if base is None else base, **cols)  # type: ignore[arg-type]
+
+
+def _new_table(sid: str, version: int, blocks: list[int], covered: int = 0) -> dict:
+    return dict(delta_seq_ids=[sid], delta_base_versions=[0], delta_versions=[version], delta_num_tokens=[covered],
+                delta_num_replaced=[0], delta_num_appended=[len(blocks)], appended_blocks=blocks)
+
+
+def test_stage_applies_deltas_only_on_commit() -> None:
+    cache = TableCache()
+    staged = stage(cache, [_pool_step(1, **_new_table("a", 3, [4, 5], covered=4))], "n", 1)
+    assert cache.get(SeqId("a")) is None and cache.last_step_id == 0       # staging changes nothing
+    cache.commit(staged)
+    assert cache.get(SeqId("a")) == NodeTable([4, 5], 3, 4) and cache.last_step_id == 1
+    # step 2: replace position 0 (a defrag move), append block 9, copy 5 -> 9 first; drop "gone"
+    move = _pool_step(
+        2, copy_src=[5], copy_dst=[9], copy_is_defrag=[False], delta_seq_ids=["a"], delta_base_versions=[3],
+        delta_versions=[7], delta_num_tokens=[0], delta_num_replaced=[1], replaced_positions=[0],
+        replaced_blocks=[1], delta_num_appended=[1], appended_blocks=[9], dropped_seq_ids=["gone"],
+    )
+    staged = stage(cache, [move], "n", 1)
+    assert staged.copy_pairs == [(5, 9)] and staged.table(cache, SeqId("gone")) is None
+    cache.commit(staged)
+    assert cache.get(SeqId("a")) == NodeTable([1, 5, 9], 7, 4)
+
+
+@pytest.mark.parametrize(
+    ("steps", "error"),
+    [
+        ([_pool_step(2, **_new_table("b", 1, [0]))], StaleStep),                  # step 1 skipped
+        ([_pool_step(1, epoch=2, **_new_table("b", 1, [0]))], NodeFenced),        # a later registration
+        ([_pool_step(1, epoch=0, **_new_table("b", 1, [0]))], StaleStep),         # an earlier one
+        ([_pool_step(1, delta_seq_ids=["a"], delta_base_versions=[2], delta_versions=[5], delta_num_tokens=[0],
+                     delta_num_replaced=[0], delta_num_appended=[0])], StaleTable),   # not the version held
+        ([_pool_step(1, copy_src=[1], copy_dst=[])], InvalidForward),
+        ([PoolStep(pool_id="other", epoch=1, step_id=1)], InvalidForward),
+    ],
+)
+def test_stage_refuses_steps_that_do_not_apply(steps: list, error: type) -> None:
+    cache = TableCache()
+    cache.put(SeqId("a"), NodeTable([3], 1, 2))
+    with pytest.raises(error):
+        stage(cache, steps, "n", 1)
+
+
+def test_reset_and_failed_steps() -> None:
+    cache = TableCache()
+    cache.commit(stage(cache, [_pool_step(1, **_new_table("a", 1, [0])), _pool_step(2, **_new_table("b", 2, [1]))],
+                       "n", 1))
+    # Steps 3 and 4 were reported failed (the node may have applied them or not): step 5
+    # builds on step 2 and is accepted either way.
+    cache.commit(stage(cache, [_pool_step(3, **_new_table("c", 3, [2]))], "n", 1))
+    staged = stage(cache, [_pool_step(5, base=2, **_new_table("d", 5, [3]))], "n", 1)
+    assert staged.last_step_id == 5
+    # A reset (the pool changed scheduler) forgets every table first.
+    reset = _pool_step(9, base=0, reset=True, **_new_table("e", 9, [4]))
+    cache.commit(stage(cache, [reset], "n", 1))
+    assert len(cache) == 1 and cache.get(SeqId("e")) is not None and cache.last_step_id == 9
+
+
+def test_tail_rule_and_slots() -> None:
+    """A sequence writes exactly at the tail the node holds; slots follow from its table."""
+    g = PoolGeometry(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float32", block_size=4, num_blocks=8)
+
+    def batch(context_len: int, n: int) -> ForwardBatch:
+        req = pb.ForwardRequest(request_id="r", sequences=[pb.ForwardSequence(seq_id="s", num_new_tokens=n,
+                                                                              context_len=context_len)])
+        t = torch.zeros(n, 1, 4)
+        req.layers.add(layer=0, query=encode_tensor(t), key=encode_tensor(t), value=encode_tensor(t))
+        return parse_forward(req, g, 16)
+
+    table = NodeTable([6, 2], 1, 5)
+    b = batch(7, 2)
+    resolve_sequences(b, lambda sid: table, 4)
+    assert b.slot_mapping.tolist() == [2 * 4 + 1, 2 * 4 + 2]   # positions 5, 6 in block 2
+    for context_len, n in ((6, 2), (8, 2), (9, 4)):         # below the tail, past it, beyond the table
+        with pytest.raises(InvalidForward):
+            resolve_sequences(batch(context_len, n), lambda sid: table, 4)
+    with pytest.raises(UnknownSequence):
+        resolve_sequences(batch(7, 2), lambda sid: None, 4)
 
 
 # ---- pool ---------------------------------------------------------------------------------
