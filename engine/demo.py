@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watermark", type=float, default=0.01, help="admission watermark")
     p.add_argument("--node-blocks", type=int, default=2048, help="services: blocks per compute node")
     p.add_argument("--num-heads", type=int, default=8, help="services: query heads (GQA over the nodes' KV heads)")
-    p.add_argument("--check-every", type=int, default=10, help="services: check outputs every N steps")
+    p.add_argument("--check-every", type=int, default=1,
+                   help="services: check every sequence's outputs every N steps (0: never)")
     p.add_argument("--plot", default="pagedkv-demo.png", help="services: where to write the PNG plot")
     return p
 

@@ -2,9 +2,10 @@
 
 Starts the block manager and both compute nodes from docker-compose.yml as local processes
 (`engine.localstack`: embedded SQLite in a temp volume), drives the demo trace through them
-with `engine.serving.ServingDriver` (Route → Allocate/AppendSlots/Fork/Free via the client's
-step helper → Forward on the owning node, sampled outputs checked against float64), triggers
-one admin defrag midway, prints the report and writes the PNG plot. Everything it started is
+with `engine.serving.ServingDriver` (batched Route → one Step RPC per scheduler step through the
+client's step helper → Forward on the owning node carrying that node's PoolStep; every
+sequence's outputs checked against float64 every step), triggers one admin defrag midway
+(its moves ride in the next steps), prints the report and writes the PNG plot. Everything it started is
 stopped on the way out, also on Ctrl-C or an error.
 """
 

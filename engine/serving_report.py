@@ -90,8 +90,9 @@ def render(r: ServingReport, console: Console, *, title: str) -> None:
     s.add_row("Forward RPCs per step", f"{r.forward_rpcs / max(1, len(r.steps)):.2f}")
     s.add_row("step latency p50 / p99", f"{r.step_latency_ms(50):.1f} ms / {r.step_latency_ms(99):.1f} ms")
     verdict = "[green]OK[/green]" if r.check_failures == 0 and r.checks else "[red]FAILED[/red]"
-    s.add_row("correctness (sampled outputs vs float64 reference)",
-              f"{verdict} {r.checks - r.check_failures}/{r.checks}, max rel err {r.max_rel_error:.1e}")
+    s.add_row(f"correctness vs float64 reference ({r.check_policy})",
+              f"{verdict} {r.checks - r.check_failures}/{r.checks} sequence outputs, "
+              f"max rel err {r.max_rel_error:.1e}")
     console.print(s)
 
 

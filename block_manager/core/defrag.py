@@ -205,6 +205,10 @@ def commit(pool: Pool) -> list[SeqId]:
             # may keep the old table (whose blocks are free now), so the sequence is dropped.
             seq.last_step = pool.step.step_id
             changed.append(seq.seq_id)
+    if plan.kind == "compaction":
+        pool.compaction_plans += 1
+    else:
+        pool.contiguity_plans += 1
     pool.plan = None
     pool.last_defrag_step = pool.num_steps
     return changed
@@ -220,6 +224,7 @@ def abort(pool: Pool) -> None:
         if pool.ref_cnt[op.src] == 0:
             _release_reserved(pool, op.src)
         _release_reserved(pool, op.dst)
+    pool.aborted_plans += 1
     pool.plan = None
 
 

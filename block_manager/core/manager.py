@@ -626,6 +626,9 @@ class BlockManager:
             cow_copies=pool.cow_copies,
             evictions=pool.evictions,
             defrag_moves=pool.defrag_moves,
+            compaction_plans=pool.compaction_plans,
+            contiguity_plans=pool.contiguity_plans,
+            aborted_plans=pool.aborted_plans,
             num_sequences=len(pool.seqs),
             contiguity=_defrag.contiguity_score(pool),
         )

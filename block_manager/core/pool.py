@@ -55,7 +55,8 @@ class Pool:
         "cached_list", "meta", "prefix_index", "reserved", "pinned", "num_used",
         "num_reserved", "seqs", "next_op_id", "plan", "write_step", "step", "unsettled",
         "settled_step", "num_steps", "last_defrag_step", "prefix_query_tokens", "prefix_hit_tokens",
-        "cow_copies", "evictions", "defrag_moves", "last_version",
+        "cow_copies", "evictions", "defrag_moves", "compaction_plans", "contiguity_plans", "aborted_plans",
+        "last_version",
     )
 
     def __init__(self, pool_id: PoolId, num_blocks: int, block_size: int) -> None:
@@ -95,6 +96,9 @@ class Pool:
         self.cow_copies = 0
         self.evictions = 0
         self.defrag_moves = 0
+        self.compaction_plans = 0   # committed plans by kind, and plans aborted
+        self.contiguity_plans = 0
+        self.aborted_plans = 0
 
     def new_version(self) -> int:
         self.last_version += 1

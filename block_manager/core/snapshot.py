@@ -37,7 +37,7 @@ FORMAT = 2
 _COUNTERS = (
     "num_used", "num_reserved", "next_op_id", "num_steps", "last_defrag_step",
     "prefix_query_tokens", "prefix_hit_tokens", "cow_copies", "evictions", "defrag_moves",
-    "last_version", "settled_step",
+    "compaction_plans", "contiguity_plans", "aborted_plans", "last_version", "settled_step",
 )
 
 

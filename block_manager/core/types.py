@@ -241,5 +241,8 @@ class PoolMetrics:
     cow_copies: int
     evictions: int
     defrag_moves: int
+    compaction_plans: int   # committed defrag plans by kind
+    contiguity_plans: int
+    aborted_plans: int
     num_sequences: int
     contiguity: float

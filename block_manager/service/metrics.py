@@ -83,6 +83,9 @@ class _StateCollector(Collector):
         cow = CounterMetricFamily("pagedkv_cow_copies", "Copy-on-write block copies.", labels=["pool"])
         evictions = CounterMetricFamily("pagedkv_evictions", "Cached blocks evicted.", labels=["pool"])
         moves = CounterMetricFamily("pagedkv_defrag_moves", "Blocks moved by committed defrag plans.", labels=["pool"])
+        plans = CounterMetricFamily(
+            "pagedkv_defrag_plans", "Defrag plans by outcome and kind.", labels=["pool", "outcome", "kind"]
+        )
         for m in snap["pools"]:
             pool = [m.pool_id]
             usage.add_metric(pool, m.usage)
@@ -101,7 +104,10 @@ class _StateCollector(Collector):
             cow.add_metric(pool, m.cow_copies)
             evictions.add_metric(pool, m.evictions)
             moves.add_metric(pool, m.defrag_moves)
-        yield from (usage, blocks, hwm, waste, seqs, contiguity, queries, hits, cow, evictions, moves)
+            plans.add_metric([m.pool_id, "committed", "compaction"], m.compaction_plans)
+            plans.add_metric([m.pool_id, "committed", "contiguity"], m.contiguity_plans)
+            plans.add_metric([m.pool_id, "aborted", ""], m.aborted_plans)
+        yield from (usage, blocks, hwm, waste, seqs, contiguity, queries, hits, cow, evictions, moves, plans)
         nodes = GaugeMetricFamily("pagedkv_nodes", "Registered nodes by state.", labels=["state"])
         for state in ("active", "draining", "fenced"):
             nodes.add_metric([state], snap[f"nodes_{state}"])

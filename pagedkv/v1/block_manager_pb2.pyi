@@ -869,6 +869,9 @@ class PoolStatus(_message.Message):
     OPEN_STEP_FIELD_NUMBER: _builtins.int
     SETTLED_STEP_FIELD_NUMBER: _builtins.int
     SCHEDULER_ID_FIELD_NUMBER: _builtins.int
+    COMPACTION_PLANS_FIELD_NUMBER: _builtins.int
+    CONTIGUITY_PLANS_FIELD_NUMBER: _builtins.int
+    ABORTED_PLANS_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     num_blocks: _builtins.int
     block_size: _builtins.int
@@ -893,6 +896,11 @@ class PoolStatus(_message.Message):
     """every step up to this one is reported by the scheduler"""
     scheduler_id: _builtins.str
     """the lease holder driving the pool ("" none)"""
+    compaction_plans: _builtins.int
+    """defrag plans committed, by kind"""
+    contiguity_plans: _builtins.int
+    aborted_plans: _builtins.int
+    """defrag plans aborted (their step failed, or they timed out)"""
     def __init__(
         self,
         *,
@@ -917,10 +925,13 @@ class PoolStatus(_message.Message):
         open_step: _builtins.int = ...,
         settled_step: _builtins.int = ...,
         scheduler_id: _builtins.str = ...,
+        compaction_plans: _builtins.int = ...,
+        contiguity_plans: _builtins.int = ...,
+        aborted_plans: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "contiguity", b"contiguity", "cow_copies", b"cow_copies", "defrag_moves", b"defrag_moves", "evictions", b"evictions", "high_water_mark", b"high_water_mark", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_free_blocks", b"num_free_blocks", "num_reserved_blocks", b"num_reserved_blocks", "num_sequences", b"num_sequences", "num_tokens", b"num_tokens", "num_used_blocks", b"num_used_blocks", "open_step", b"open_step", "pool_id", b"pool_id", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_query_tokens", b"prefix_query_tokens", "scheduler_id", b"scheduler_id", "settled_step", b"settled_step", "usage", b"usage", "waste_slots", b"waste_slots"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted_plans", b"aborted_plans", "block_size", b"block_size", "compaction_plans", b"compaction_plans", "contiguity", b"contiguity", "contiguity_plans", b"contiguity_plans", "cow_copies", b"cow_copies", "defrag_moves", b"defrag_moves", "evictions", b"evictions", "high_water_mark", b"high_water_mark", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_free_blocks", b"num_free_blocks", "num_reserved_blocks", b"num_reserved_blocks", "num_sequences", b"num_sequences", "num_tokens", b"num_tokens", "num_used_blocks", b"num_used_blocks", "open_step", b"open_step", "pool_id", b"pool_id", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_query_tokens", b"prefix_query_tokens", "scheduler_id", b"scheduler_id", "settled_step", b"settled_step", "usage", b"usage", "waste_slots", b"waste_slots"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -95,6 +95,42 @@ async def test_defrag_moves_ride_in_a_step_and_keep_outputs_identical() -> None:
         await bm.stop(0)
 
 
+async def test_compaction_between_a_step_and_its_forward() -> None:
+    """Issue 9's deterministic repro, end to end: an admin compaction issued after a step was
+    answered and before its Forward ran. The sequences that Forward is about to write must not
+    move (their K/V is not written yet); once reported, they may. Every output is checked."""
+    bm = await start_bm()
+    node = await start_node(bm.address)
+    s = Scheduler(bm.address, node.address, "node-a", seed=4)
+    admin = bm_grpc.BlockManagerAdminStub(s.client._channel)
+
+    async def compact() -> bm_pb.TriggerDefragResponse:
+        return await admin.TriggerDefrag(bm_pb.TriggerDefragRequest(request_id=rid("defrag"), pool_id="node-a"))
+
+    try:
+        fillers = [await s.allocate(f"f{i}", [i] * 8) for i in range(3)]
+        await s.forward(fillers)
+        await s.free([f"f{i}" for i in range(3)])                 # a hole of 6 blocks at the bottom
+        fresh = [await s.allocate(f"n{i}", list(range(10 * i, 10 * i + 9))) for i in range(2)]
+        fresh_blocks = {b for i in range(2) for b in s.client.tracker.get(f"n{i}").block_table}
+        plans = (await compact()).plans
+        assert all(m.src not in fresh_blocks for p in plans for m in p.moves)   # unwritten: they stay
+        await s.forward(fresh)                                    # outputs checked against float64
+        await s.forward(await s.append(["n0", "n1"]))
+        res = await s.client.flush_reports()
+        assert res is None or not res.dropped
+        plans = (await compact()).plans                           # written now: they may move
+        assert plans and {m.src for p in plans for m in p.moves} & fresh_blocks
+        for _ in range(2 * BLOCK_SIZE):                           # the moves ride in, commit, tables switch
+            await s.forward(await s.append(["n0", "n1"]))
+        status = await admin.Status(bm_pb.StatusRequest())
+        assert status.pools[0].compaction_plans >= 1 and status.pools[0].aborted_plans == 0
+    finally:
+        await s.close()
+        await node.stop(0)
+        await bm.stop(0)
+
+
 async def test_float16_pool_prefill_and_decode() -> None:
     bm = await start_bm()
     geometry = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 32, "dtype": "float16"}

@@ -76,6 +76,7 @@ def test_compaction_lowers_high_water_mark_and_keeps_runs() -> None:
         assert t[1] == t[0] + 1  # a run stays a run
     met = m.metrics("p")
     assert met.defrag_moves == len(plan.moves) and met.num_reserved_blocks == 0
+    assert (met.compaction_plans, met.contiguity_plans, met.aborted_plans) == (1, 0, 0)
     assert m.fsck() == []
     assert m.plan_defrag("p", "compaction") is None
 
@@ -91,6 +92,7 @@ def test_compaction_skips_partial_blocks_and_respects_max_moves() -> None:
     assert plan is not None
     assert [(op.src, op.dst) for op in plan.moves] == [(5, 0), (6, 1)]
     m.abort_defrag(plan.plan_id)
+    assert m.metrics("p").aborted_plans == 1 and m.metrics("p").compaction_plans == 0
     plan = m.plan_defrag("p")
     assert plan is not None
     assert 7 not in [op.src for op in plan.moves]
