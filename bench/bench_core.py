@@ -1,8 +1,16 @@
 """Micro-benchmark of the block manager core, in-process.
 
-Prints batched `append_slots` latency for a decode step of N sequences (1 token each,
-with token ids so full blocks get hashed), p50/p99 in µs over many steps, and
-allocate/free throughput. Numbers only; nothing is asserted.
+Prints the latency of one decode step's batched append for N sequences (1 token each, with
+token ids so full blocks get hashed), p50/p99 in µs over many steps, and allocate/free
+throughput. Numbers only; nothing is asserted.
+
+Append APIs compared in one run (each in a fresh interpreter, interleaved rounds):
+  * `columns`   — `append_tokens`, the columnar path the Step RPC uses;
+  * `slots`     — `append_slots`, one request object in and one result object out per sequence;
+  * `baseline`  — `append_slots` of an older revision (`--baseline REV`, default the commit
+                  before the step protocol), extracted with `git archive` into a temp dir.
+The new core also closes and settles the step each iteration (what a Forward cycle costs the
+block manager); that is timed separately.
 
 Sequences start at staggered prompt lengths (as in a running batch, so about 1/block_size
 of them cross a block boundary per step); `--aligned` makes every sequence cross at the
@@ -10,22 +18,37 @@ same step, the worst case. Wall time includes being descheduled on a shared mach
 time (process CPU clock) does not, so both are printed.
 
     .venv/bin/python bench/bench_core.py [--seqs 256] [--steps 2000] [--block-size 16] [--aligned]
+                                         [--baseline 4395670] [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from array import array
+from pathlib import Path
 
-from block_manager.core import AppendRequest, BlockManager
-from pagedkv.stats import percentile
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_BASELINE = "4395670"   # main before the step protocol (issue 9's "today")
 
 
-def bench_append(
-    num_seqs: int, num_steps: int, block_size: int, prompt_len: int, aligned: bool
-) -> tuple[list[float], list[float]]:
-    """Wall and CPU seconds of each `append_slots` step."""
+def _pct(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (kept local: the child also runs against old trees)."""
+    s = sorted(values)
+    return s[max(0, min(len(s) - 1, -(-len(s) * q // 100) - 1))]
+
+
+def child(api: str, num_seqs: int, num_steps: int, block_size: int, prompt_len: int, aligned: bool) -> None:
+    """Run in a fresh interpreter against whatever `block_manager` is on sys.path; prints
+    JSON: per-step wall and CPU seconds of the append (and of close+settle when it exists)."""
+    from block_manager.core import AppendRequest, BlockManager
+
     blocks_per_seq = (prompt_len + block_size + num_steps) // block_size + 2
     m = BlockManager(watermark=0.0)
     m.add_pool("p", num_seqs * blocks_per_seq, block_size)
@@ -33,21 +56,46 @@ def bench_append(
         length = prompt_len if aligned else prompt_len + i % block_size
         m.allocate(f"s{i}", "p", [i] * length)
     seq_ids = [f"s{i}" for i in range(num_seqs)]
-    wall: list[float] = []
-    cpu: list[float] = []
+    ones = [1] * num_seqs
+    steps = hasattr(m, "close_step")
+    wall, cpu, cycle = [], [], []
     for step in range(num_steps):
-        batch = [AppendRequest(sid, 1, (step,)) for sid in seq_ids]
-        c0 = time.process_time()
-        t0 = time.perf_counter()
-        m.append_slots(batch)
+        if steps:
+            t0 = time.process_time()
+            out = m.close_step("p")
+            if out is not None:
+                m.settle_steps("p", out.step_id)
+            cycle.append(time.process_time() - t0)
+        if api == "columns":
+            toks = array("q", [step]) * num_seqs
+            c0 = time.process_time()
+            t0 = time.perf_counter()
+            m.append_tokens(seq_ids, ones, toks)
+        else:
+            batch = [AppendRequest(sid, 1, (step,)) for sid in seq_ids]
+            c0 = time.process_time()
+            t0 = time.perf_counter()
+            m.append_slots(batch)
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     if m.fsck():
         raise SystemExit("fsck failed after the benchmark")
-    return wall, cpu
+    print(json.dumps({"wall": wall, "cpu": cpu, "cycle": cycle}))
+
+
+def _run_child(api: str, tree: Path, args: argparse.Namespace) -> dict[str, list[float]]:
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    argv = [sys.executable, str(Path(__file__).resolve()), "--child", api, "--seqs", str(args.seqs),
+            "--steps", str(args.steps), "--block-size", str(args.block_size), "--prompt-len", str(args.prompt_len)]
+    if args.aligned:
+        argv.append("--aligned")
+    out = subprocess.run(argv, env=env, cwd=tree, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def bench_alloc_free(num_rounds: int, block_size: int, prompt_len: int) -> tuple[float, float]:
+    from block_manager.core import BlockManager
+
     m = BlockManager(watermark=0.0, enable_prefix_caching=False)
     m.add_pool("p", 4096, block_size)
     ids = [f"r{i}" for i in range(64)]
@@ -57,10 +105,14 @@ def bench_alloc_free(num_rounds: int, block_size: int, prompt_len: int) -> tuple
         for sid in ids:
             m.allocate(sid, "p", num_tokens=prompt_len)
         t1 = time.perf_counter()
-        m.free(ids)
+        out = m.close_step("p")   # the allocations' writes ran (a scheduler frees after its Forward)
+        if out is not None:
+            m.settle_steps("p", out.step_id)
         t2 = time.perf_counter()
+        m.free(ids)
+        t3 = time.perf_counter()
         t_alloc += t1 - t0
-        t_free += t2 - t1
+        t_free += t3 - t2
     n = num_rounds * len(ids)
     return n / t_alloc, n / t_free
 
@@ -72,18 +124,47 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=100)
     ap.add_argument("--aligned", action="store_true", help="all sequences cross blocks together")
+    ap.add_argument("--baseline", default=DEFAULT_BASELINE, help="git revision to compare with ('' to skip)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per API (median reported)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    wall, cpu = bench_append(args.seqs, args.steps, args.block_size, args.prompt_len, args.aligned)
+    if args.child:
+        child(args.child, args.seqs, args.steps, args.block_size, args.prompt_len, args.aligned)
+        return
+    trees = {"columns": REPO, "slots": REPO}
+    tmp = None
+    if args.baseline:
+        tmp = tempfile.TemporaryDirectory(prefix="bench-core-base-")
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", args.baseline, "block_manager", "pagedkv"],
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp.name], input=archive, check=True)
+        trees["baseline"] = Path(tmp.name)
     layout = "aligned" if args.aligned else "staggered"
-    print(f"append_slots, batch of {args.seqs} x 1 token, block_size {args.block_size}, {layout}:")
-    for name, values in (("wall", wall), ("cpu ", cpu)):
-        us = [t * 1e6 for t in values[len(values) // 10 :]]  # drop warm-up
-        print(
-            f"  {name}: p50 {percentile(us, 50):.0f} µs, p99 {percentile(us, 99):.0f} µs, "
-            f"min {min(us):.0f} µs, mean {statistics.fmean(us):.0f} µs over {len(us)} steps"
-        )
+    print(f"append for {args.seqs} sequences x 1 token, block_size {args.block_size}, {layout}, "
+          f"{args.steps} steps x {args.rounds} rounds (median of the rounds' p50/p99; CPU time)")
+    p50: dict[str, list[float]] = {api: [] for api in trees}
+    p99: dict[str, list[float]] = {api: [] for api in trees}
+    cycle: list[float] = []
+    for _ in range(args.rounds):
+        for api, tree in trees.items():
+            res = _run_child(api, tree, args)
+            us = [t * 1e6 for t in res["cpu"][len(res["cpu"]) // 10 :]]   # drop warm-up
+            p50[api].append(_pct(us, 50))
+            p99[api].append(_pct(us, 99))
+            if res["cycle"] and api == "columns":
+                cycle.append(_pct([t * 1e6 for t in res["cycle"][len(res["cycle"]) // 10 :]], 50))
+    base = statistics.median(p50["baseline"]) if "baseline" in p50 else None
+    for api in trees:
+        m50, m99 = statistics.median(p50[api]), statistics.median(p99[api])
+        ratio = f"  {base / m50:.2f}x faster than baseline {args.baseline}" if base and api != "baseline" else ""
+        print(f"  {api:9s} p50 {m50:7.1f} µs  p99 {m99:7.1f} µs{ratio}")
+    if cycle:
+        print(f"  close_step + settle_steps per step (new core): p50 {statistics.median(cycle):.1f} µs")
+    sys.path.insert(0, str(REPO))
     a_rate, f_rate = bench_alloc_free(200, args.block_size, 512)
     print(f"allocate (512-token prompt, no hashing): {a_rate:,.0f} seq/s; free: {f_rate:,.0f} seq/s")
+    if tmp is not None:
+        tmp.cleanup()
 
 
 if __name__ == "__main__":

@@ -1,18 +1,23 @@
-"""Block manager service benchmarks (issue 3), client and servers in separate processes.
+"""Block manager service benchmarks, client and servers in separate processes.
 
-1. `append`: AppendSlots p50/p99 for 1/16/64/256/512 decode sequences (one token each),
-   next to a bare gRPC echo (generic handler, raw bytes) with the same request and
-   response sizes, measured in the same run; ratio = AppendSlots p50 / echo p50.
-2. `steps`: decode steps/s (one AppendSlots of 64 sequences per step) against memory://,
-   durable SQLite (WAL, synchronous=FULL) and PostgreSQL (throwaway cluster, fsync=on),
-   with 1 client and with 8 concurrent clients (group commit).
+1. `step`: the Step RPC of one decode step for 1/16/64/256/512 sequences (one token each,
+   with token ids, the previous step reported; lengths staggered so 1/16 cross a block per
+   step), p50/p99, next to a bare gRPC echo (generic handler, raw bytes) with the same request
+   and response sizes, measured in the same run; ratio = Step p50 / echo p50.
+2. `steps`: decode steps/s of a continuous-batching scheduler (the client's step helper, every
+   step's appends sent to the server, 64 sequences) against memory://, SQLite (WAL) with
+   synchronous=NORMAL and =FULL, and PostgreSQL (throwaway cluster, fsync=on), with 1 client
+   and with 8 concurrent clients (group commit); ratio to memory:// in the same round.
 3. `recovery`: 100k blocks in use; SIGKILL the server, restart, time until health SERVING
    (journal replay only, and from the final snapshot after a graceful stop).
-4. `rpt`: RPCs per generated token for a continuous-batching decode workload through the
-   client's step helper (with and without deferred in-block appends) vs one AppendSlots
-   per sequence.
+4. `rpt`: RPCs per generated token of a continuous-batching decode workload through the step
+   helper, with and without deferred in-block appends.
+5. `scale`: one block manager process serving N = 1, 4, 16 simulated node schedulers (each
+   its own pool, 256 running sequences, continuous batching through the step helper, every
+   step reported as if its Forward ran): sustained steps/s, p50/p99 step latency, server CPU
+   per step.
 
-    .venv/bin/python bench/bench_service.py [--only append,steps,recovery,rpt] [--no-postgres] [--quick]
+    .venv/bin/python bench/bench_service.py [--only step,steps,recovery,rpt,scale] [--no-postgres] [--quick]
 """
 
 from __future__ import annotations
@@ -40,9 +45,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from block_manager.client import AsyncBlockManagerClient, BlockManagerClient, RetryPolicy  # noqa: E402
-from block_manager.client.types import AllocateSpec, ItemFailure  # noqa: E402
-from block_manager.core.types import AppendRequest, PoolId, SeqId  # noqa: E402
+from block_manager.client import AdminClient, AsyncBlockManagerClient, BlockManagerClient, RetryPolicy  # noqa: E402
 from engine.localstack import ServiceProcess  # noqa: E402
 from pagedkv.lifecycle import write_port_file  # noqa: E402
 from pagedkv.stats import percentile  # noqa: E402
@@ -130,36 +133,106 @@ def run_echo_server(port_file: Path) -> None:
     asyncio.run(main())
 
 
-# ---- helpers ---------------------------------------------------------------------------
-def setup_decode(c: BlockManagerClient, node: str, num_seqs: int, num_steps: int, prefix: str = "s") -> list[SeqId]:
-    c.register_node(node, num_seqs * (2 + (BS + num_steps) // BS) + 16, block_size=BS)
-    seq_ids = [SeqId(f"{prefix}{i}") for i in range(num_seqs)]
-    for lo in range(0, num_seqs, 1024):
-        outs = c.allocate([AllocateSpec(s, PoolId(node), tuple(range(BS)), None) for s in seq_ids[lo : lo + 1024]])
-        if any(not hasattr(o, "block_table") for o in outs):
-            raise RuntimeError(f"allocation failed: {outs[0]}")
-    return seq_ids
+# ---- a scheduler that drives one pool through the step helper -------------------------------
+class SimScheduler:
+    """Continuous batching over one pool with the real async client: each step frees the
+    finished sequences, admits new ones (prompts with a shared system prompt: prefix hits),
+    appends one token to every running sequence and commits ONE step; every PoolStep the
+    server returns is reported done with the next step, as if its Forward ran at once."""
+
+    def __init__(self, client: AsyncBlockManagerClient, pool: str, batch: int, rng: random.Random,
+                 *, defer: bool = True) -> None:
+        self.client, self.pool, self.batch, self.rng = client, pool, batch, rng
+        self.live: dict[str, int] = {}     # seq -> tokens still to generate
+        self.next_id = 0
+        self.generated = 0
+        self.system = [rng.randrange(32000) for _ in range(64)]
+        if not defer:
+            client.tracker.block_sizes.clear()   # the helper cannot answer appends locally
+
+    async def register(self, num_blocks: int) -> None:
+        await self.client.register_node(self.pool, num_blocks, block_size=BS)
+
+    async def step(self) -> None:
+        rng = self.rng
+        step = self.client.step()
+        done = [s for s, left in self.live.items() if left == 0]
+        if done:
+            step.free(done)
+            for s in done:
+                del self.live[s]
+        admitted = []
+        while len(self.live) + len(admitted) < self.batch:
+            sid = f"{self.pool}-{self.next_id}"
+            self.next_id += 1
+            prompt = self.system + [rng.randrange(32000) for _ in range(rng.randint(16, 200))]
+            step.allocate(sid, self.pool, prompt)
+            admitted.append(sid)
+        for sid in self.live:
+            step.append(sid, [rng.randrange(32000)])
+        res = await step.commit()
+        if res.failures:
+            raise RuntimeError(f"step failed: {res.failures[0]}")
+        for sid in self.live:
+            self.live[sid] -= 1
+            self.generated += 1
+        for sid in admitted:
+            self.live[sid] = rng.randint(32, 256)
+        for info in res.steps.values():
+            self.client.report(info, True)
+
+    async def drain(self) -> None:
+        if self.live:
+            await self.client.free(list(self.live))
+            self.live.clear()
 
 
-# ---- 1. AppendSlots vs echo --------------------------------------------------------------
-def bench_append(sizes: list[int], iters: int) -> list[dict[str, float]]:
+def pool_blocks(batch: int) -> int:
+    return batch * ((64 + 200 + 256) // BS + 2) + 64
+
+
+# ---- 1. Step vs echo ------------------------------------------------------------------------
+def _decode_step(pool: str, epoch: int, seq_ids: list[str], k: int, report_up_to: int) -> pb.StepRequest:
+    m = pb.StepRequest(request_id=f"{pool}-{k}", scheduler_id="bench")
+    if report_up_to:
+        m.reports.add(pool_id=pool, epoch=epoch, completed_up_to=report_up_to)
+    m.append_seq_ids.extend(seq_ids)
+    m.append_num_tokens.extend([1] * len(seq_ids))
+    m.append_token_ids.extend([7 + k % 1000] * len(seq_ids))
+    return m
+
+
+def bench_step(sizes: list[int], iters: int) -> list[dict[str, float]]:
     rows = []
     with bm_server("memory://") as (target, _), echo_server() as echo_target:
-        with BlockManagerClient(target) as c, grpc.insecure_channel(echo_target) as ech:
-            stub = pb_grpc.BlockManagerStub(grpc.insecure_channel(target))
+        with BlockManagerClient(target, scheduler_id="bench") as c, grpc.insecure_channel(echo_target) as ech, \
+                grpc.insecure_channel(target) as ch:
+            stub = pb_grpc.BlockManagerStub(ch)
             echo = ech.unary_unary(ECHO_METHOD)
             for n in sizes:
-                seq_ids = setup_decode(c, f"node{n}", n, iters + 80, prefix=f"n{n}-")
-                items = [pb.AppendItem(seq_id=s, num_new_tokens=1, token_ids=[7]) for s in seq_ids]
-                bm_lat, cl_lat, echo_lat = [], [], []
+                pool = f"node{n}"
+                reg = c.register_node(pool, n * ((BS + iters + 40) // BS + 3) + 16, block_size=BS)
+                seq_ids = [f"n{n}-{i}" for i in range(n)]
+                for lo in range(0, n, 256):
+                    st = c.step()
+                    for i in range(lo, min(n, lo + 256)):   # staggered: 1/BS of them cross per step
+                        st.allocate(seq_ids[i], pool, [i % 97] * (BS + i % BS))
+                    res = st.commit()
+                    for info in res.steps.values():
+                        c.report(info, True)
+                c.flush_reports()
+                last = 0
+                bm_lat, echo_lat = [], []
                 req_size = resp_size = 0
                 for k in range(iters + 10):
-                    req = pb.AppendSlotsRequest(request_id=f"a{n}-{k}", items=items)
+                    req = _decode_step(pool, reg.epoch, seq_ids, k, last)
                     t0 = time.perf_counter()
-                    resp = stub.AppendSlots(req, timeout=30)
+                    resp = stub.Step(req, timeout=30)
                     dt = time.perf_counter() - t0
-                    if resp.outcomes[-1].HasField("error"):
-                        raise RuntimeError(f"append failed: {resp.outcomes[-1].error}")
+                    if resp.errors:
+                        raise RuntimeError(f"step failed: {resp.errors[0]}")
+                    if resp.steps:
+                        last = resp.steps[0].step_id
                     req_size, resp_size = req.ByteSize(), resp.ByteSize()
                     payload = struct.pack("<I", resp_size) + b"\x00" * max(0, req_size - 4)
                     t0 = time.perf_counter()
@@ -168,51 +241,40 @@ def bench_append(sizes: list[int], iters: int) -> list[dict[str, float]]:
                     if k >= 10:  # warm-up
                         bm_lat.append(dt)
                         echo_lat.append(de)
-                reqs = [AppendRequest(s, 1, (7,)) for s in seq_ids]
-                for _ in range(min(iters, 50)):
-                    t0 = time.perf_counter()
-                    outs = c.append_slots(reqs)
-                    cl_lat.append(time.perf_counter() - t0)
-                    if isinstance(outs[-1], ItemFailure):
-                        raise RuntimeError(f"append failed: {outs[-1]}")
                 row = {
                     "seqs": n, "req_bytes": req_size, "resp_bytes": resp_size,
                     "bm_p50_ms": 1e3 * percentile(bm_lat, 50), "bm_p99_ms": 1e3 * percentile(bm_lat, 99),
                     "echo_p50_ms": 1e3 * percentile(echo_lat, 50), "echo_p99_ms": 1e3 * percentile(echo_lat, 99),
-                    "client_p50_ms": 1e3 * percentile(cl_lat, 50),
                 }
                 row["ratio_p50"] = row["bm_p50_ms"] / row["echo_p50_ms"]
                 rows.append(row)
                 print(
-                    f"append {n:4d} seqs  req {req_size:6d}B resp {resp_size:6d}B  "
-                    f"AppendSlots p50 {row['bm_p50_ms']:.3f} p99 "
-                    f"{row['bm_p99_ms']:.3f} ms | echo p50 {row['echo_p50_ms']:.3f} p99 {row['echo_p99_ms']:.3f} ms | "
-                    f"ratio {row['ratio_p50']:.2f} | via client lib p50 {row['client_p50_ms']:.3f} ms",
+                    f"step {n:4d} seqs  req {req_size:6d}B resp {resp_size:6d}B  Step p50 {row['bm_p50_ms']:.3f} "
+                    f"p99 {row['bm_p99_ms']:.3f} ms (p99/p50 {row['bm_p99_ms'] / row['bm_p50_ms']:.1f}) | echo p50 "
+                    f"{row['echo_p50_ms']:.3f} p99 {row['echo_p99_ms']:.3f} ms | ratio {row['ratio_p50']:.2f}",
                     flush=True,
                 )
     return rows
 
 
-# ---- 2. steps/s per backend --------------------------------------------------------------
-async def _async_steps(target: str, tag: str, num_clients: int, num_seqs: int, seconds: float) -> float:
-    """Decode steps/s summed over `num_clients` concurrent clients, each with its own node
-    (fresh per round, sized so no append can run out of blocks)."""
+# ---- 2. steps/s per backend ----------------------------------------------------------------
+async def _async_steps(target: str, tag: str, num_clients: int, batch: int, seconds: float) -> float:
+    """Steps/s summed over `num_clients` concurrent schedulers, each with its own pool (fresh
+    per round); every append goes to the server (no local answers) so each step is one RPC."""
 
     async def one(idx: int) -> int:
-        node = f"{tag}-w{idx}"
-        async with AsyncBlockManagerClient(target, retry=RetryPolicy(max_attempts=1)) as c:
-            await c.register_node(node, num_seqs * 128 + 16, block_size=BS)
-            sids = [SeqId(f"{node}-{i}") for i in range(num_seqs)]
-            await c.allocate([AllocateSpec(s, PoolId(node), None, BS) for s in sids])
-            reqs = [AppendRequest(s, 1, None) for s in sids]
+        pool = f"{tag}-w{idx}"
+        async with AsyncBlockManagerClient(target, retry=RetryPolicy(max_attempts=1), scheduler_id=pool) as c:
+            sim = SimScheduler(c, pool, batch, random.Random(idx), defer=False)
+            await sim.register(pool_blocks(batch) * 4)
+            await sim.step()   # admission
             steps = 0
             end = time.perf_counter() + seconds
             while time.perf_counter() < end:
-                outs = await c.append_slots(reqs)
-                if not hasattr(outs[-1], "slot_mapping"):
-                    raise RuntimeError(f"append failed: {outs[-1]}")
+                await sim.step()
                 steps += 1
-            await c.free(sids)
+            await sim.drain()
+            await c.release()
             return steps
 
     t0 = time.perf_counter()
@@ -224,20 +286,24 @@ def bench_steps(with_postgres: bool, seconds: float, rounds: int) -> list[dict[s
     """All backends' servers run at once; short rounds alternate between them and the
     median per backend is reported, so load drift from other processes hits all alike."""
     tmp = Path(tempfile.mkdtemp(prefix="bench-svc-"))
-    backends: list[tuple[str, str]] = [("memory", "memory://"), ("sqlite (WAL, FULL)", f"sqlite:///{tmp / 'bm.db'}")]
+    backends: list[tuple[str, str, dict[str, str]]] = [
+        ("memory", "memory://", {}),
+        ("sqlite (WAL, NORMAL)", f"sqlite:///{tmp / 'normal.db'}", {"PAGEDKV_SQLITE_SYNCHRONOUS": "NORMAL"}),
+        ("sqlite (WAL, FULL)", f"sqlite:///{tmp / 'full.db'}", {"PAGEDKV_SQLITE_SYNCHRONOUS": "FULL"}),
+    ]
     cluster = None
     if with_postgres:
         from tests.fixtures.postgres import PostgresCluster
 
         cluster = PostgresCluster()
         cluster.start()
-        backends.append(("postgresql (fsync=on)", cluster.create_database()))
-    samples: dict[tuple[str, int], list[float]] = {(name, n): [] for name, _ in backends for n in (1, 8)}
+        backends.append(("postgresql (fsync=on)", cluster.create_database(), {}))
+    samples: dict[tuple[str, int], list[float]] = {(name, n): [] for name, _, _ in backends for n in (1, 8)}
     try:
         with contextlib.ExitStack() as stack:
             targets = [
-                (name, stack.enter_context(bm_server(url, PAGEDKV_SNAPSHOT_INTERVAL_S="3600"))[0])
-                for name, url in backends
+                (name, stack.enter_context(bm_server(url, PAGEDKV_SNAPSHOT_INTERVAL_S="3600", **env))[0])
+                for name, url, env in backends
             ]
             for r in range(rounds):
                 for name, target in targets:
@@ -248,19 +314,19 @@ def bench_steps(with_postgres: bool, seconds: float, rounds: int) -> list[dict[s
             cluster.stop()
     rows: list[dict[str, object]] = []
     base = {n: statistics.median(samples[(backends[0][0], n)]) for n in (1, 8)}
-    for name, _ in backends:
+    for name, _, _ in backends:
         one, eight = (statistics.median(samples[(name, n)]) for n in (1, 8))
         rows.append({"backend": name, "steps_s_1": one, "steps_s_8": eight})
         print(
             f"steps  {name:24s} 1 client {one:7.0f} steps/s ({one / base[1]:.2f}x memory) | "
             f"8 clients {eight:7.0f} steps/s ({eight / base[8]:.2f}x memory)  "
-            f"[median of {rounds} x {seconds:g}s rounds]",
+            f"[median of {rounds} x {seconds:g}s rounds, 64 sequences per client]",
             flush=True,
         )
     return rows
 
 
-# ---- 3. recovery --------------------------------------------------------------------------
+# ---- 3. recovery ------------------------------------------------------------------------------
 def bench_recovery(num_blocks: int, with_postgres: bool) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     tmp = Path(tempfile.mkdtemp(prefix="bench-rec-"))
@@ -282,22 +348,23 @@ def bench_recovery(num_blocks: int, with_postgres: bool) -> list[dict[str, objec
     try:
         for name, url in urls:
             with bm_server(url, **env) as (target, proc):
-                with BlockManagerClient(target, timeout_s=120) as c:
+                with BlockManagerClient(target, timeout_s=120, scheduler_id="rec") as c:
                     c.register_node("big", num_blocks + num_seqs + 64, block_size=BS)
-                    outs: list[object] = []
                     for lo in range(0, num_seqs, 100):  # 100 allocations per journal record
-                        outs += c.allocate(
-                            [
-                                AllocateSpec(SeqId(f"r{i}"), PoolId("big"), None, per_seq * BS)
-                                for i in range(lo, min(num_seqs, lo + 100))
-                            ]
-                        )
-                    reqs = [AppendRequest(SeqId(f"r{i}"), 1, None) for i in range(num_seqs)]
-                    outs += c.append_slots(reqs)  # one block more each: 100k + num_seqs in use
-                    if any(isinstance(o, ItemFailure) for o in outs):
-                        raise RuntimeError(
-                            "building the state failed: " + str(next(o for o in outs if isinstance(o, ItemFailure)))
-                        )
+                        st = c.step()
+                        for i in range(lo, min(num_seqs, lo + 100)):
+                            st.allocate(f"r{i}", "big", num_tokens=per_seq * BS)
+                        res = st.commit()
+                        if res.failures:
+                            raise RuntimeError(f"building the state failed: {res.failures[0]}")
+                        for info in res.steps.values():
+                            c.report(info, True)
+                    st = c.step()
+                    for i in range(num_seqs):   # one block more each: 100k + num_seqs in use
+                        st.append(f"r{i}", num_new_tokens=1)
+                    res = st.commit()
+                    if res.failures:
+                        raise RuntimeError(f"building the state failed: {res.failures[0]}")
                     used = num_seqs * (per_seq + 1)
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
@@ -307,10 +374,10 @@ def bench_recovery(num_blocks: int, with_postgres: bool) -> list[dict[str, objec
                 with bm_server(url, log, PAGEDKV_LOG_LEVEL="INFO", **env) as (target, proc):
                     dt = time.perf_counter() - t0
                     recovered = next(json.loads(line) for line in log.read_text().splitlines() if '"recovered"' in line)
-                    with BlockManagerClient(target) as c:
-                        check = c.append_slots([AppendRequest(SeqId("r0"), 1, None)])[0]
-                        if not hasattr(check, "slot_mapping"):
-                            raise RuntimeError(f"recovered state is wrong: {check}")
+                    with AdminClient(target) as admin:
+                        n = admin.describe_sequence("r0")
+                        if int(n["table"]["num_tokens"]) != per_seq * BS + 1:
+                            raise RuntimeError(f"recovered state is wrong: {n}")
                     # leaving the context stops gracefully -> final snapshot for the next mode
                 rec_s, replayed = recovered["seconds"], recovered["records"]
                 rows.append(
@@ -338,70 +405,86 @@ def bench_recovery(num_blocks: int, with_postgres: bool) -> list[dict[str, objec
     return rows
 
 
-# ---- 4. RPCs per generated token ----------------------------------------------------------
-RPT_MODES = ("step helper + deferred appends", "step helper, no deferral", "one AppendSlots per sequence")
+# ---- 4. RPCs per generated token --------------------------------------------------------------
+RPT_MODES = ("step helper + deferred in-block appends", "step helper, every append to the server")
 
 
 def bench_rpt(batches: list[int], seed: int = 0) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
+
+    async def run(target: str, batch: int, mode: str, tag: str) -> dict[str, object]:
+        async with AsyncBlockManagerClient(target, timeout_s=30, scheduler_id=tag) as c:
+            sim = SimScheduler(c, tag, batch, random.Random(seed), defer=mode == RPT_MODES[0])
+            await sim.register(pool_blocks(batch))
+            target_tokens = 64 * max(batch, 8)
+            while sim.generated < target_tokens:
+                await sim.step()
+            await sim.drain()
+            await c.release()
+            return {"batch": batch, "mode": mode, "tokens": sim.generated, "rpcs": c.stats.rpcs,
+                    "step_rpcs": c.stats.per_method.get("Step", 0)}
+
     with bm_server("memory://") as (target, _):
-        for batch, mode in [(b, m) for b in batches for m in RPT_MODES if b <= 8 or m != RPT_MODES[2]]:
-            num_finished = max(16, 4 * batch)
-            rng = random.Random(seed)
-            node = f"rpt{len(rows)}"
-            with BlockManagerClient(target, timeout_s=30) as c:
-                c.register_node(node, batch * 64, block_size=BS)
-                if mode != "step helper + deferred appends":
-                    c.tracker.block_sizes.clear()  # the helper cannot answer locally
-                live: dict[str, int] = {}  # seq -> tokens still to generate
-                next_id = finished = generated = 0
-                c.stats.rpcs = 0
-                while finished < num_finished:
-                    step = c.step()
-                    done = [s for s, left in live.items() if left == 0]
-                    if done:
-                        step.free(done)
-                        finished += len(done)
-                        for s in done:
-                            del live[s]
-                    admitted: set[str] = set()
-                    while len(live) < batch and next_id < num_finished + batch:
-                        sid = f"{node}-{next_id}"
-                        next_id += 1
-                        step.allocate(sid, node, [rng.randrange(32000) for _ in range(rng.randint(16, 300))])
-                        live[sid] = rng.randint(32, 256)
-                        admitted.add(sid)
-                    decoding = [s for s in live if s not in admitted]  # admitted ones ran prefill
-                    if mode == "one AppendSlots per sequence":
-                        step.commit()
-                        for sid in decoding:
-                            c.append_slots([AppendRequest(SeqId(sid), 1, (rng.randrange(32000),))])
-                    else:
-                        for sid in decoding:
-                            step.append(sid, [rng.randrange(32000)])
-                        step.commit()
-                    for sid in decoding:
-                        live[sid] -= 1
-                        generated += 1
-                per_method = dict(c.stats.per_method)
-                decode_rpcs = per_method.get("AppendSlots", 0)
-                rows.append(
-                    {
-                        "batch": batch,
-                        "mode": mode,
-                        "tokens": generated,
-                        "rpcs": c.stats.rpcs,
-                        "append_rpcs": decode_rpcs,
-                        "rpcs_per_token": c.stats.rpcs / generated,
-                        "append_rpcs_per_token": decode_rpcs / generated,
-                    }
-                )
-                print(
-                    f"rpt  batch {batch:3d}  {mode:32s} tokens {generated:6d}  "
-                    f"all RPCs {c.stats.rpcs:6d} ({c.stats.rpcs / generated:.4f}/token)  "
-                    f"AppendSlots {decode_rpcs:6d} ({decode_rpcs / generated:.4f}/token)  per method {per_method}",
-                    flush=True,
-                )
+        for batch in batches:
+            for mode in RPT_MODES:
+                row = asyncio.run(run(target, batch, mode, f"rpt{len(rows)}"))
+                row["step_rpcs_per_token"] = row["step_rpcs"] / row["tokens"]  # type: ignore[operator]
+                rows.append(row)
+                print(f"rpt  batch {batch:3d}  {mode:42s} tokens {row['tokens']:6d}  Step RPCs {row['step_rpcs']:5d} "
+                      f"({row['step_rpcs_per_token']:.4f}/token)  all RPCs {row['rpcs']}", flush=True)
+    return rows
+
+
+# ---- 5. scale: N schedulers on one block manager -----------------------------------------------
+def _proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bench_scale(counts: list[int], batch: int, seconds: float) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+
+    async def run(target: str, n: int, server_pid: int) -> dict[str, object]:
+        clients = [AsyncBlockManagerClient(target, timeout_s=60, scheduler_id=f"s{n}-{i}") for i in range(n)]
+        sims = [SimScheduler(c, f"s{n}-{i}", batch, random.Random(i)) for i, c in enumerate(clients)]
+        for sim in sims:
+            await sim.register(pool_blocks(batch))
+        await asyncio.gather(*(sim.step() for sim in sims))   # admissions
+        lat: list[float] = []
+        rpcs0 = sum(c.stats.per_method.get("Step", 0) for c in clients)
+        end = time.perf_counter() + seconds
+
+        async def loop(sim: SimScheduler) -> int:
+            steps = 0
+            while time.perf_counter() < end:
+                t0 = time.perf_counter()
+                await sim.step()
+                lat.append(time.perf_counter() - t0)
+                steps += 1
+            return steps
+
+        cpu0, t0 = _proc_cpu_s(server_pid), time.perf_counter()
+        steps = sum(await asyncio.gather(*(loop(s) for s in sims)))
+        wall, cpu = time.perf_counter() - t0, _proc_cpu_s(server_pid) - cpu0
+        rpcs = sum(c.stats.per_method.get("Step", 0) for c in clients) - rpcs0
+        for sim in sims:
+            await sim.drain()
+            await sim.client.release()
+        for c in clients:
+            await c.close()
+        return {"schedulers": n, "seqs_each": batch, "steps_s": steps / wall, "step_rpcs_s": rpcs / wall,
+                "p50_ms": 1e3 * percentile(lat, 50), "p99_ms": 1e3 * percentile(lat, 99),
+                "server_cpu_ms_per_rpc": 1e3 * cpu / max(rpcs, 1), "server_cpu_util": cpu / wall}
+
+    with bm_server("memory://") as (target, proc):
+        for n in counts:
+            row = asyncio.run(run(target, n, proc.pid))
+            rows.append(row)
+            print(f"scale {n:3d} schedulers x {batch} seqs: {row['steps_s']:7.1f} steps/s "
+                  f"({row['step_rpcs_s']:6.1f} Step RPCs/s; the rest answered locally) | step p50 {row['p50_ms']:.2f} "
+                  f"p99 {row['p99_ms']:.2f} ms | server CPU {row['server_cpu_ms_per_rpc']:.2f} ms per Step RPC, "
+                  f"{100 * row['server_cpu_util']:.0f}% of a core", flush=True)
     return rows
 
 
@@ -409,7 +492,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port-file", type=Path, help=argparse.SUPPRESS)
-    p.add_argument("--only", default="append,steps,recovery,rpt")
+    p.add_argument("--only", default="step,steps,recovery,rpt,scale")
     p.add_argument("--no-postgres", action="store_true")
     p.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
     args = p.parse_args()
@@ -420,14 +503,16 @@ def main() -> None:
     print(
         f"# bench_service  python {sys.version.split()[0]}  grpc {grpc.__version__}  cpus {os.cpu_count()}", flush=True
     )
-    if "append" in only:
-        bench_append([1, 16, 64, 256, 512], 30 if args.quick else 300)
+    if "step" in only:
+        bench_step([1, 16, 64, 256, 512], 30 if args.quick else 300)
     if "steps" in only:
         bench_steps(not args.no_postgres, 0.5 if args.quick else 1.5, 2 if args.quick else 5)
     if "recovery" in only:
         bench_recovery(5_000 if args.quick else 100_000, not args.no_postgres)
     if "rpt" in only:
         bench_rpt([1, 8] if args.quick else [1, 8, 64])
+    if "scale" in only:
+        bench_scale([1, 4] if args.quick else [1, 4, 16], 64 if args.quick else 256, 2.0 if args.quick else 10.0)
 
 
 if __name__ == "__main__":

@@ -61,8 +61,8 @@ def _check_steps(pool: Pool) -> list[str]:
         elif not d.created and any(i >= d.base_len for i in d.replaced):
             out.append(p + f"sequence {sid!r}: replaced positions beyond the step's base length")
     for sid, seq in pool.seqs.items():
-        if seq.last_step > open_id or seq.last_write_step > seq.last_step:
-            out.append(p + f"sequence {sid!r} last written in future step {seq.last_step}")
+        if seq.last_touched_step > open_id:
+            out.append(p + f"sequence {sid!r} last written in future step {seq.last_touched_step}")
     plan = pool.plan
     if plan is not None and plan.step_id > open_id:
         out.append(p + f"plan {plan.plan_id} rides in future step {plan.step_id}")

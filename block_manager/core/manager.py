@@ -22,8 +22,9 @@ from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 
 from block_manager.core import defrag as _defrag
-from block_manager.core.append import append_batch
+from block_manager.core.append import AppendOutcome, append_columns, item_error
 from block_manager.core.errors import (
+    CoreError,
     FailedPrecondition,
     InvalidRequest,
     OutOfBlocks,
@@ -49,6 +50,7 @@ from block_manager.core.types import (
     AppendRequest,
     AppendResult,
     BlockId,
+    CopyOp,
     DefragKind,
     DefragPlan,
     DefragPolicy,
@@ -213,7 +215,8 @@ class BlockManager:
         for b in hits:
             pool.share_block(b)
         table = hits + [pool.take_block() for _ in range(num_new)]
-        seq = Sequence(seq_id, pool_id, table, total, pool.new_version(), salt, hashing)
+        # the pool's own id object: the batched append tells pools apart by identity
+        seq = Sequence(seq_id, pool.pool_id, table, total, pool.new_version(), salt, hashing)
         num_cached = len(hits) * bs
         step = pool.step
         step.has_writes = True
@@ -269,22 +272,79 @@ class BlockManager:
             needed += 1
         return needed <= pool.num_available
 
-    def append_slots(
-        self, requests: Seq[AppendRequest], *, already_written: bool = False
-    ) -> list[AppendResult | AppendFailure]:
-        """Add slots for one scheduler step's batch of sequences.
+    def append_tokens(
+        self,
+        seq_ids: Seq[SeqId],
+        num_new_tokens: Seq[int],
+        token_ids: Seq[int] | None = None,
+        *,
+        already_written: bool = False,
+    ) -> AppendOutcome:
+        """Add tokens to a batch of sequences (one scheduler step), columnar: sequence i gets
+        `num_new_tokens[i]` tokens; `token_ids` holds all their ids back to back (or is None:
+        hashing then stops for those sequences, the chain cannot continue without content).
 
-        Per sequence: the slot of every new token, blocks added at block boundaries, and a
-        copy-on-write op when the partial last block is shared (ref_cnt > 1: the sequence
-        gets a fresh block, the node copies the old one first — only once the step that
-        wrote that block is settled, `PendingWrite` otherwise). A sequence that fails
-        (unknown, malformed, out of blocks) gets an `AppendFailure` and is unchanged; the
-        others proceed in request order. Counts one step for each pool touched.
+        Per sequence: blocks added at block boundaries, and a copy-on-write op when the
+        partial last block is shared (ref_cnt > 1: the sequence gets a fresh block, the node
+        copies the old one first — only once the step that wrote that block is settled,
+        `PendingWrite` otherwise). A sequence that fails (unknown, malformed, out of blocks)
+        is listed in `failures` and is unchanged; the others proceed in request order. The
+        new tokens' slots follow from the tables (`slot_range`), which reach the node as the
+        step's deltas. Counts one step for each pool touched.
 
         `already_written=True` reports tokens the scheduler already wrote into the
         sequence's exclusive partial last block without asking (see append.py).
         """
-        return append_batch(self._pools, self._seqs, requests, already_written)
+        return append_columns(self._pools, self._seqs, seq_ids, num_new_tokens, token_ids,
+                              already_written=already_written)
+
+    def append_slots(
+        self, requests: Seq[AppendRequest], *, already_written: bool = False
+    ) -> list[AppendResult | AppendFailure]:
+        """`append_tokens` with one request object per sequence and, per sequence, its new
+        tokens' slots, the blocks it gained and its copy-on-write op (what an embedding
+        scheduler that drives its workers directly wants)."""
+        reqs = list(requests)
+        # Per-item token tuples can disagree with their counts (a flat list cannot say
+        # which): validate item by item first; the rest goes through the columnar path.
+        bad: dict[int, CoreError] = {}
+        seen: set[str] = set()
+        for i, r in enumerate(reqs):
+            err = item_error(self._seqs, self._pools, seen, r.seq_id, r.num_new_tokens, r.token_ids, already_written)
+            if err is not None:
+                bad[i] = err
+            if r.seq_id in self._seqs:
+                seen.add(r.seq_id)
+        good = [i for i in range(len(reqs)) if i not in bad]
+        with_ids = [i for i in good if reqs[i].token_ids is not None]
+        runs = [good] if len(with_ids) in (0, len(good)) else [[i] for i in good]  # mixed: one at a time
+        before = {i: (self._seqs[reqs[i].seq_id].num_tokens, len(self._seqs[reqs[i].seq_id].block_table))
+                  for i in good}
+        ops: dict[int, CopyOp] = {}
+        for run in runs:
+            rs = [reqs[i] for i in run]
+            ids = None if rs and rs[0].token_ids is None else [t for r in rs for t in r.token_ids]  # type: ignore[union-attr]
+            out = append_columns(self._pools, self._seqs, [r.seq_id for r in rs], [r.num_new_tokens for r in rs],
+                                 ids, already_written=already_written)
+            for j, err in out.failures:
+                bad[run[j]] = err
+            for j, op in out.copy_ops.items():
+                ops[run[j]] = op
+        results: list[AppendResult | AppendFailure] = []
+        for i, r in enumerate(reqs):
+            err = bad.get(i)
+            if err is not None:
+                results.append(AppendFailure(r.seq_id, err))
+                continue
+            seq = self._seqs[r.seq_id]
+            old, old_len = before[i]
+            op = ops.get(i)
+            results.append(AppendResult(
+                r.seq_id, slot_range(seq.block_table, self._pools[seq.pool_id].block_size, old, seq.num_tokens),
+                tuple(BlockId(b) for b in seq.block_table[old_len:]), (op,) if op is not None else (),
+                seq.version, seq.num_tokens,
+            ))
+        return results
 
     def fork(self, parent: SeqId, child_ids: Seq[SeqId]) -> list[SequenceView]:
         """Children share every block of the parent (ref counts up, nothing copied); the
@@ -356,6 +416,15 @@ class BlockManager:
     def get_sequence(self, seq_id: SeqId) -> SequenceView:
         return self._seq(seq_id).view()
 
+    def has_sequence(self, seq_id: SeqId) -> bool:
+        return seq_id in self._seqs
+
+    def pools_of(self, seq_ids: Seq[SeqId]) -> set[PoolId]:
+        """The pools of the known sequences among `seq_ids` (unknown ones are skipped);
+        cheap: no view is built (a Step asks this for every sequence it names)."""
+        get = self._seqs.get
+        return {s.pool_id for s in map(get, seq_ids) if s is not None}
+
     def get_tables(
         self, seq_ids: Seq[SeqId], known_versions: Mapping[SeqId, int] | None = None
     ) -> list[SequenceView]:
@@ -393,7 +462,7 @@ class BlockManager:
 
     def writers_since(self, pool_id: PoolId, step_id: int) -> list[SeqId]:
         """The sequences a failure of `step_id` (and later steps) would drop."""
-        return [sid for sid, seq in self._pool(pool_id).seqs.items() if seq.last_step >= step_id]
+        return [sid for sid, seq in self._pool(pool_id).seqs.items() if seq.last_touched_step >= step_id]
 
     def abandon_pool(self, pool_id: PoolId) -> list[SeqId]:
         """Hand the pool to a new scheduler: drop every sequence (the old scheduler's), count its
@@ -500,7 +569,7 @@ class BlockManager:
             if pool.plan is not None and pool.plan.step_id >= failed_from:
                 aborted.append(pool.plan.plan_id)
                 _defrag.abort(pool)
-            dropped = [sid for sid, seq in pool.seqs.items() if seq.last_step >= failed_from]
+            dropped = [sid for sid, seq in pool.seqs.items() if seq.last_touched_step >= failed_from]
             for sid in dropped:
                 self._drop(sid)
             for record in failed:

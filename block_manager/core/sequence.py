@@ -18,11 +18,11 @@ class Sequence:
     prefix index) because the next block's hash chains from it. `tail_token_ids` holds
     the tokens of the partial last block, the only content still needed to hash it once
     it fills up. `hashing` turns off for good when an append arrives without token ids.
-    `last_step` is the last pool step whose failure would leave the sequence inconsistent on
-    its node (it wrote tokens, was created, or had its table rewritten then): if that step's
-    Forward fails, the sequence is dropped. `last_write_step` is the last step that gave it
-    tokens to write; while that step is still open the sequence cannot be freed (its writes,
-    which forks and prefix hits of this step may share, would never happen).
+    `last_write_step` is the last step that gave it tokens to write; while that step is still
+    open the sequence cannot be freed (its writes, which forks and prefix hits of this step may
+    share, would never happen). `last_step` is the last step that created it or changed its
+    table. A failure of either step leaves the sequence inconsistent on its node, so it is
+    dropped then (`last_touched_step`). Two fields so the hot in-block append stores one.
     """
 
     seq_id: SeqId
@@ -36,6 +36,11 @@ class Sequence:
     block_hashes: list[BlockHash] = field(default_factory=list)
     last_step: int = 0        # see the class docstring (steps.py)
     last_write_step: int = 0
+
+    @property
+    def last_touched_step(self) -> int:
+        """The last step whose failed Forward would leave the sequence inconsistent."""
+        return max(self.last_step, self.last_write_step)
 
     def view(self) -> SequenceView:
         return SequenceView(

@@ -34,9 +34,9 @@ from block_manager.core.errors import (
 from block_manager.core.leases import PoolLeases, check_scheduler_id
 from block_manager.core.manager import DEFAULT_MAX_UNSETTLED_STEPS, MAX_POOL_BLOCKS, BlockManager
 from block_manager.core.nodes import NodeRegistry, check_node_id
-from block_manager.core.types import AppendFailure, AppendRequest, DefragPlan, DefragPolicy, PoolId, SeqId
+from block_manager.core.types import DefragPlan, DefragPolicy, PoolId, SeqId
 from block_manager.service.state_codec import check_count, check_optional_str, plan_dict
-from block_manager.service.step_codec import StepInput, pool_step_dict
+from block_manager.service.step_codec import AppendColumns, StepInput, pool_step_dict
 
 SNAPSHOT_FORMAT = 2
 DEFRAG_KINDS = ("compaction", "contiguity")
@@ -213,14 +213,13 @@ class ServiceState:
         live = set(self.core.pool_ids)
         pools: set[str] = {r.pool_id for r in step.reports if r.pool_id in live}
         pools.update(a.pool_id for a in step.allocs if a.pool_id in live)
-        sids = [*step.free_ids, *(w[0] for w in step.written), *(f[0] for f in step.forks),
-                *(a[0] for a in step.appends)]
-        for sid in sids:
-            try:
-                pools.add(self.core.get_sequence(SeqId(sid)).pool_id)
-            except UnknownSequence:
-                pass
+        pools |= self.core.pools_of([*step.free_ids, *self._item_seq_ids(step)])
         return sorted(PoolId(p) for p in pools)
+
+    @staticmethod
+    def _item_seq_ids(step: StepInput) -> list[SeqId]:
+        """The existing sequences a step's items name (forks, appends, already-written)."""
+        return [*(SeqId(f[0]) for f in step.forks), *step.appends.seq_ids, *step.written.seq_ids]  # type: ignore[list-item]
 
     def _step(self, p: dict[str, Any], now: float) -> Applied:
         sched = check_scheduler_id(p.get("scheduler_id"))
@@ -236,18 +235,10 @@ class ServiceState:
         for r in reports:
             to_drop |= self._check_report(r)
         for sid in step.free_ids:
-            if SeqId(sid) in to_drop:
-                continue
-            try:
-                core.get_sequence(SeqId(sid))
-            except UnknownSequence:
-                raise self._missing_seq_error(SeqId(sid)) from None
+            if SeqId(sid) not in to_drop and not core.has_sequence(SeqId(sid)):
+                raise self._missing_seq_error(SeqId(sid))
         has_items = {a.pool_id for a in step.allocs}
-        for sid in [*(f[0] for f in step.forks), *(a[0] for a in step.appends), *(w[0] for w in step.written)]:
-            try:
-                has_items.add(core.get_sequence(SeqId(sid)).pool_id)
-            except UnknownSequence:
-                pass
+        has_items |= core.pools_of(self._item_seq_ids(step))
         settled_after = {r.pool_id: r.failed_from or r.completed_up_to for r in reports}
         for pid in sorted(has_items & set(pools)):
             pending = [s for s in core.unsettled_step_ids(pid) if s > settled_after.get(pid, 0)]
@@ -381,23 +372,17 @@ class ServiceState:
                 self._forget(SeqId(c))
 
     def _append(
-        self, items: list[tuple[str, int, list[int] | None]], section: str, errors: list[list[Any]],
-        *, already_written: bool,
+        self, items: AppendColumns, section: str, errors: list[list[Any]], *, already_written: bool,
     ) -> list[int]:
         if not items:
             return []
-        requests = [AppendRequest(SeqId(sid), n, None if ids is None else tuple(ids)) for sid, n, ids in items]
-        out: list[int] = []
-        for i, res in enumerate(self.core.append_slots(requests, already_written=already_written)):
-            if type(res) is AppendFailure:
-                err = res.error
-                if isinstance(err, UnknownSequence):
-                    err = self._missing_seq_error(res.seq_id)
-                errors.append(item_error(section, i, err))
-                out.append(0)
-            else:
-                out.append(res.num_tokens)  # type: ignore[union-attr]
-        return out
+        out = self.core.append_tokens(items.seq_ids, items.counts, items.token_ids,  # type: ignore[arg-type]
+                                      already_written=already_written)
+        for i, err in out.failures:
+            if isinstance(err, UnknownSequence):
+                err = self._missing_seq_error(SeqId(items.seq_ids[i]))
+            errors.append(item_error(section, i, err))
+        return out.num_tokens
 
     def _release_pool(self, p: dict[str, Any], now: float) -> Applied:
         """Hand a pool over: the lapsed holder's sequences are dropped (their scheduler is

@@ -559,3 +559,27 @@ def test_already_written_tokens_stay_inside_the_partial_block() -> None:
         (f,) = m.append_slots([bad], already_written=True)  # would fill / cross the block
         assert isinstance(f, AppendFailure) and isinstance(f.error, InvalidRequest)
     assert m.get_sequence("a").num_tokens == 7 and m.fsck() == []
+
+
+def test_append_tokens_columnar() -> None:
+    """The columnar append the Step RPC uses: flat token ids, per-item failures by index,
+    token counts after; a malformed batch is checked item by item with the same errors."""
+    m = make(num_blocks=8)
+    for sid in "abc":
+        m.allocate(sid, "p", [1, 2, 3])
+    forward(m)
+    out = m.append_tokens(["a", "b", "c"], [1, 2, 1], [7, 8, 9, 10])
+    assert out.num_tokens == [4, 5, 4] and out.failures == [] and out.copy_ops == {}
+    assert m.get_sequence("b").num_tokens == 5 and len(m.get_sequence("b").block_table) == 2
+    before = m.to_snapshot()
+    out = m.append_tokens(["a", "zz", "c", "a"], [1, 1, 2**31, 1], None, already_written=False)
+    assert out.num_tokens[1:] == [0, 0, 0] and [i for i, _ in out.failures] == [1, 2, 3]
+    assert [type(e).__name__ for _, e in out.failures] == ["UnknownSequence", "OutOfBlocks", "InvalidRequest"]
+    assert out.num_tokens[0] == 5 and not m._seqs["a"].hashing   # no ids: hashing stops
+    # an already-written report that does not fit in the partial block fails alone, cheaply
+    out = m.append_tokens(["c"], [2**31], None, already_written=True)
+    assert [type(e).__name__ for _, e in out.failures] == ["InvalidRequest"]
+    assert m.get_sequence("c").num_tokens == before["pools"][0]["sequences"][2]["num_tokens"]
+    with pytest.raises(InvalidRequest):
+        m.append_tokens(["b"], [1], [1, 2])                  # ids for all or none
+    assert m.fsck() == []
