@@ -36,6 +36,7 @@ from block_manager.store.records import (
     JournalRecord,
     NewRecord,
     Recovered,
+    RetainedRequest,
     canonical_json,
     payload_digest,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "MemoryStore",
     "NewRecord",
     "Recovered",
+    "RetainedRequest",
     "SchemaVersionError",
     "SqlStore",
     "Store",
