@@ -171,7 +171,8 @@ MAX_DETAIL_CHARS = 1024
 
 
 def clip(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
-    """`text` cut to at most `limit` characters, saying how long it was.
+    """`text` cut to at most `limit` characters: its start and its end, with the middle
+    replaced by a note of the full length (messages usually end with what went wrong).
 
     For anything that echoes a client's value back (status details, per-item error messages,
     log fields): a 20 000-character node id must come back as a short INVALID_ARGUMENT or
@@ -179,8 +180,12 @@ def clip(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
     """
     if len(text) <= limit:
         return text
-    tail = f"... [{len(text)} chars]"
-    return text[: max(0, limit - len(tail))] + tail
+    note = f" ...[{len(text)} chars]... "
+    keep = limit - len(note)
+    if keep < 2:
+        return text[: max(0, limit)]
+    head = keep * 2 // 3
+    return text[:head] + note + text[len(text) - (keep - head) :]
 
 
 class Undecodable:
