@@ -15,10 +15,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from pagedkv.settings import ConfigError, YamlEnvSettings, load_settings
+from pagedkv.settings import ConfigError, YamlEnvSettings, checked_log_level, load_settings
 
 DType = Literal["float16", "bfloat16", "float32"]
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -62,6 +62,11 @@ class ComputeNodeConfig(YamlEnvSettings):
     metrics_port: int | None = Field(default=None, ge=0, le=65535)   # None: no endpoint; 0: ephemeral
     shutdown_grace_s: float = Field(default=5.0, ge=0)
     log_level: str = "INFO"
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_log_level(cls, v: str) -> str:
+        return checked_log_level(v)
 
     @model_validator(mode="after")
     def _retry_bounds(self) -> ComputeNodeConfig:
