@@ -4,8 +4,9 @@ Starts the block manager and both compute nodes from docker-compose.yml as local
 (`engine.localstack`: embedded SQLite in a temp volume), drives the demo trace through them
 with `engine.serving.ServingDriver` (Route → Allocate/AppendSlots/Fork/Free via the client's
 step helper → Forward on the owning node, sampled outputs checked against float64), triggers
-one admin defrag midway, prints the report and writes the PNG plot. Everything it started is
-stopped on the way out, also on Ctrl-C or an error.
+one admin defrag midway, prints the report and writes the PNG plot (`args.plot`, already checked
+by `demo.check_plot_path`: the working directory's `pagedkv-demo.png` unless `--plot` says
+otherwise). Everything it started is stopped on the way out, also on Ctrl-C or an error.
 """
 
 from __future__ import annotations
