@@ -1,11 +1,15 @@
 """Drive a running block manager from your scheduler: one round trip per step, at most."""
 import os
+import sys
 
 from block_manager.client import BlockManagerClient
 
 target = os.environ.get("PAGEDKV_TARGET", "127.0.0.1:50051")
 with BlockManagerClient(target, timeout_s=5.0) as client:
-    pool = client.route(list(range(100, 164)), salt="tenant-1")[0].pool_id   # cache-aware placement
+    routes = client.route(list(range(100, 164)), salt="tenant-1")   # cache-aware placement
+    if not routes:
+        sys.exit(f"no compute node is registered with the block manager at {target}: start one first")
+    pool = routes[0].pool_id
     client.tracker.set_block_size(pool, 16)       # lets the client answer in-block appends locally
     step = client.step()
     step.allocate("req-a", pool, list(range(100, 170)), salt="tenant-1")
