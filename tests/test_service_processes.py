@@ -106,3 +106,22 @@ log.info("hidden-later")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
     events = [json.loads(line)["event"] for line in result.stderr.splitlines() if line.startswith("{")]
     assert events == ["before", "shown-debug", "shown-error"], result.stderr
+
+
+def test_ctrl_c_in_a_block_manager_command_is_one_line(busy_port: int) -> None:
+    """SIGINT while `block-manager admin` waits on a server that never answers."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "block_manager.cli.main", "admin", "--target", f"127.0.0.1:{busy_port}",
+         "--timeout", "120", "status"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):   # the port accepts and never answers
+            proc.wait(timeout=2)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130 and err.strip() == "block-manager: interrupted", err[-2000:]
