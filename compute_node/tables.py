@@ -83,13 +83,15 @@ class TableCache:
             self.last_step_id = staged.last_step_id
 
 
-def stage(cache: TableCache, steps: Sequence[Any], node_id: str, epoch: int) -> StagedSteps:
+def stage(cache: TableCache, steps: Sequence[Any], node_id: str, epoch: int, num_blocks: int) -> StagedSteps:
     """Check the steps (`PoolStep` messages) a Forward carries and compute their effect.
 
     `StaleStep` (FAILED_PRECONDITION) when they do not continue from the node's last applied
     step (a step was skipped: the scheduler must send every step, in order) or belong to an
-    earlier epoch, `NodeFenced` for a later epoch (the block manager re-registered the pool), `StaleTable` (ABORTED) when a delta does not apply to the node's version of
-    a table, `InvalidForward` for malformed columns.
+    earlier epoch, `NodeFenced` for a later epoch (the block manager re-registered the pool),
+    `StaleTable` (ABORTED) when a delta does not apply to the node's version of a table,
+    `InvalidForward` for malformed columns or a block id outside the pool's `num_blocks` (the
+    kernels index the pool without bounds checks, so no such id may reach them).
     """
     staged = StagedSteps()
     last = cache.last_step_id
@@ -111,12 +113,20 @@ def stage(cache: TableCache, steps: Sequence[Any], node_id: str, epoch: int) -> 
         if m.reset:
             staged.reset = True
             staged.changed.clear()
+        _check_blocks(m, i, num_blocks)
         _stage_copies(staged, m, i)
         for sid in m.dropped_seq_ids:
             staged.changed[SeqId(sid)] = None
         _stage_deltas(staged, cache, m, i)
     staged.last_step_id = last if steps else None
     return staged
+
+
+def _check_blocks(m: Any, i: int, num_blocks: int) -> None:
+    for name in ("copy_src", "copy_dst", "replaced_blocks", "appended_blocks"):
+        col = getattr(m, name)
+        if col and max(col) >= num_blocks:
+            raise InvalidForward(f"steps[{i}].{name} names block {max(col)}; the pool has {num_blocks} blocks")
 
 
 def _stage_copies(staged: StagedSteps, m: Any, i: int) -> None:

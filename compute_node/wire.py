@@ -7,6 +7,7 @@ and is decoded through torch, which does.
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -25,17 +26,27 @@ if sys.byteorder != "little":  # pragma: no cover - every supported host is litt
     raise ImportError("compute_node.wire assumes a little-endian host")
 
 
+MAX_DIMS = 8
+
+
 class WireError(ValueError):
     """A tensor message whose dtype, shape and byte length do not agree."""
 
 
 def decode_tensor(msg: pb.Tensor, name: str) -> torch.Tensor:
-    """A CPU torch tensor over (a copy of) the message's bytes; `WireError` when malformed."""
+    """A CPU torch tensor over (a copy of) the message's bytes; `WireError` when malformed.
+
+    The element count is computed in Python integers and checked against the byte length
+    before anything is allocated: in int64 (`np.prod`) a shape like `[65536] * 4` wraps to 0
+    and `[4, 5, 5581, 8681, 49477, 384773]` to 4, which made a forged shape look consistent.
+    """
     dtype = WIRE_DTYPES.get(msg.dtype)
     if dtype is None:
         raise WireError(f"{name}.dtype must be one of {sorted(WIRE_DTYPES)}, got {msg.dtype!r}")
+    if len(msg.shape) > MAX_DIMS:
+        raise WireError(f"{name} has {len(msg.shape)} dimensions; at most {MAX_DIMS} are accepted")
     shape = tuple(int(d) for d in msg.shape)
-    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    numel = math.prod(shape)
     expected = numel * dtype.itemsize
     if len(msg.data) != expected:
         raise WireError(

@@ -15,6 +15,7 @@ generation (`demo_trace_config`) and reporting (`render_report`) are shared by e
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -27,6 +28,13 @@ from rich.table import Table
 
 from block_manager.trace.generate import TraceConfig, write_trace
 from block_manager.trace.replay import ReplayReport, replay
+
+DEFAULT_PLOT = "pagedkv-demo.png"
+EXIT_INTERRUPTED = 130
+
+
+class PlotPathError(ValueError):
+    """`--plot` names a place the PNG cannot be written to."""
 
 
 @dataclass(slots=True)
@@ -142,11 +150,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-heads", type=int, default=8, help="services: query heads (GQA over the nodes' KV heads)")
     p.add_argument("--check-every", type=int, default=1,
                    help="services: check every sequence's outputs every N steps (0: never)")
-    p.add_argument("--plot", default="pagedkv-demo.png", help="services: where to write the PNG plot")
+    p.add_argument("--plot", default=DEFAULT_PLOT,
+                   help=f"services: where to write the PNG plot (default: {DEFAULT_PLOT} in the working directory)")
     return p
 
 
+def check_plot_path(text: str) -> Path:
+    """The plot's path, checked before the run (not after minutes of serving): an existing,
+    writable directory, a file name matplotlib can write, and matplotlib itself installed.
+    `PlotPathError` with a one-line reason otherwise."""
+    path = Path(text).expanduser()
+    if not path.is_absolute():
+        path = Path.cwd() / path
+    if path.is_dir():
+        raise PlotPathError(f"--plot {text}: is a directory; give a file name such as {path / DEFAULT_PLOT}")
+    if not path.parent.is_dir():
+        raise PlotPathError(f"--plot {text}: directory {path.parent} does not exist")
+    if not os.access(path.parent, os.W_OK):
+        raise PlotPathError(f"--plot {text}: directory {path.parent} is not writable")
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise PlotPathError("the plot needs matplotlib: pip install 'pagedkv[demo]' (run.sh demo does)") from None
+    formats = Figure().canvas.get_supported_filetypes()
+    suffix = path.suffix.lower().lstrip(".")
+    if suffix not in formats:
+        raise PlotPathError(f"--plot {text}: unsupported image type {path.suffix or '(none)'!r}; use .png")
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # everything started was stopped on the way out (context managers)
+        print("pagedkv-demo: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.requests is None:
         args.requests = 120 if args.mode == "services" else 400
@@ -155,6 +196,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               "--num-heads must be >= 1", file=sys.stderr)
         return 2
     if args.mode == "services":
+        try:
+            args.plot = check_plot_path(args.plot)
+        except PlotPathError as exc:
+            print(f"pagedkv-demo: error: {exc}", file=sys.stderr)
+            return 2
         from engine.demo_services import run
 
         return run(args)

@@ -5,8 +5,10 @@ Starts the block manager and both compute nodes from docker-compose.yml as local
 with `engine.serving.ServingDriver` (batched Route → one Step RPC per scheduler step through the
 client's step helper → Forward on the owning node carrying that node's PoolStep; every
 sequence's outputs checked against float64 every step), triggers one admin defrag midway
-(its moves ride in the next steps), prints the report and writes the PNG plot. Everything it started is
-stopped on the way out, also on Ctrl-C or an error.
+(its moves ride in the next steps), prints the report and writes the PNG plot (`args.plot`,
+already checked by `demo.check_plot_path`: the working directory's `pagedkv-demo.png` unless
+`--plot` says otherwise). Everything it started is stopped on the way out, also on Ctrl-C or
+an error.
 """
 
 from __future__ import annotations

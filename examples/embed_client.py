@@ -8,7 +8,7 @@ target = os.environ.get("PAGEDKV_TARGET", "127.0.0.1:50051")
 with BlockManagerClient(target, timeout_s=5.0) as client:
     routes = client.route(list(range(100, 164)), salt="tenant-1")   # cache-aware placement
     if not routes:
-        sys.exit(f"no compute node is registered with the block manager at {target} (start one: see README)")
+        sys.exit(f"no compute node is registered with the block manager at {target}: start one first")
     pool = routes[0].pool_id
     client.tracker.set_block_size(pool, 16)       # lets the client answer in-block appends locally
     step = client.step()

@@ -6,7 +6,9 @@ A service object (`BlockManagerServer`, `ComputeNodeServer`) owns what is partic
 services start, report health, write their port and stop in exactly the same way.
 
 Exit codes of `run_until_signal`: 0 after a signal-initiated graceful stop, 1 when start-up
-failed (one line on stderr), 3 when the service declared itself failed (e.g. the block
+failed (one line on stderr; whatever the failed start had set up is stopped first, so no
+half-started gRPC server is left to the garbage collector), 130 for a Ctrl-C that arrives
+before the signal handlers are installed, 3 when the service declared itself failed (e.g. the block
 manager's journal could not be written: a supervisor restarts it and recovery rebuilds
 exactly what was acknowledged).
 """
@@ -34,6 +36,7 @@ EXIT_OK = 0
 EXIT_START_FAILED = 1
 EXIT_USAGE = 2
 EXIT_SERVICE_FAILED = 3
+EXIT_INTERRUPTED = 130
 
 C = TypeVar("C")
 
@@ -158,7 +161,8 @@ async def run_until_signal(
         await service.start()
     except startup_errors as exc:
         log.error("cannot start", error=str(exc))
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
+        await _stop_quietly(service)
         return EXIT_START_FAILED
     if port_file is not None and service.port is not None:
         write_port_file(port_file, service.port)
@@ -175,6 +179,22 @@ async def run_until_signal(
     log.info("signal received; shutting down", grace_s=grace_s)
     await service.stop()
     return EXIT_OK
+
+
+def _one_line(exc: BaseException) -> str:
+    """`OSError(98, "cannot serve metrics on ...: Address already in use")` prints as its
+    message, not as "[Errno 98] ..."; any text is kept to its first line."""
+    text = exc.strerror if isinstance(exc, OSError) and exc.strerror and exc.errno else str(exc)
+    return (text or type(exc).__name__).splitlines()[0]
+
+
+async def _stop_quietly(service: Service) -> None:
+    """Release what a failed start had already set up (a started gRPC server left to the
+    garbage collector shuts down after the loop closed: "Event loop is closed" noise)."""
+    try:
+        await service.stop(0)
+    except Exception as exc:  # noqa: BLE001 - the start failure is what the user must see
+        log.warning("cleanup after a failed start failed", error=repr(exc))
 
 
 def flag_overrides(pairs: Iterable[tuple[str, Any]]) -> dict[str, Any]:
@@ -196,10 +216,15 @@ def run_service_main(
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     configure_logging(log_level(config))
-    return asyncio.run(serve(config))
+    try:
+        return asyncio.run(serve(config))
+    except KeyboardInterrupt:  # Ctrl-C before the signal handlers were installed
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 __all__ = [
+    "EXIT_INTERRUPTED",
     "EXIT_OK",
     "EXIT_SERVICE_FAILED",
     "EXIT_START_FAILED",

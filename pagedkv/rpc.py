@@ -1,12 +1,19 @@
-"""Client-side call discipline shared by every gRPC client of the project.
+"""Call discipline shared by every gRPC client and server of the project.
 
-One code set, one backoff rule, one loop (sync and asyncio flavours): the block manager's data
-and admin clients and the compute node's link to the block manager all retry the same way.
+Clients: one code set, one backoff rule, one loop (sync and asyncio flavours): the block
+manager's data and admin clients and the compute node's link to the block manager all retry the
+same way. Only UNAVAILABLE and DEADLINE_EXCEEDED are retried: those are the codes where the
+caller cannot know whether the server acted. Every mutating request carries a request id
+generated once per *logical* call and resent verbatim, so a retry of an operation the server
+already applied returns the recorded result instead of acting twice. Every other code is a
+definite answer. Loops that retry until they succeed (a node registering with a block manager
+that is down) use `Backoff`: capped and jittered, so a fleet does not hammer a server that is
+coming back, nor flood its own log.
 
-Only UNAVAILABLE and DEADLINE_EXCEEDED are retried: those are the codes where the caller cannot
-know whether the server acted. Every mutating request carries a request id generated once per
-*logical* call and resent verbatim, so a retry of an operation the server already applied
-returns the recorded result instead of acting twice. Every other code is a definite answer.
+Servers (both services' error-mapping interceptors): a request whose bytes do not parse reaches
+the handler as `Undecodable` (gRPC would otherwise answer UNKNOWN with the parser's class name),
+and every status detail goes through `clip`, because details echo client values (ids) and a
+detail longer than the peer's metadata limit turns any status into RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -16,10 +23,11 @@ import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
@@ -118,13 +126,124 @@ async def acall_with_retry(
         await asyncio.sleep(policy.backoff_s(attempt, rng))
 
 
+@dataclass(slots=True)
+class Backoff:
+    """Delays for a loop that retries until it succeeds (no attempt limit).
+
+    After failure `k` (1-based) the delay is `min(max_s, initial_s * multiplier**(k-1))`
+    scaled by a uniform factor in `[1 - jitter, 1]`: it grows to the cap and stays there, and
+    a fleet restarted together spreads out. `reset()` after a success starts again at
+    `initial_s`. The exponent stops growing once the cap is reached, so the loop may run
+    forever without overflowing. Pass a seeded `rng` to make the delays reproducible.
+    """
+
+    initial_s: float = 0.5
+    max_s: float = 10.0
+    multiplier: float = 2.0
+    jitter: float = 0.5
+    rng: random.Random = field(default_factory=random.Random)
+    failures: int = 0
+    _base_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.initial_s <= self.max_s or self.multiplier < 1:
+            raise ValueError("Backoff needs 0 < initial_s <= max_s and multiplier >= 1")
+        if not 0.0 <= self.jitter <= 1.0:
+            raise ValueError(f"jitter must be in [0, 1], got {self.jitter}")
+
+    def next_delay(self) -> float:
+        """Record one more failure; seconds to wait before the next attempt."""
+        self.failures += 1
+        if self.failures == 1:
+            self._base_s = self.initial_s
+        elif self._base_s < self.max_s:
+            self._base_s = min(self.max_s, self._base_s * self.multiplier)
+        return self._base_s * (1.0 - self.jitter * self.rng.random())
+
+    def reset(self) -> None:
+        """The operation succeeded: the next failure waits `initial_s` again."""
+        self.failures = 0
+        self._base_s = 0.0
+
+
+# ---- the server edge --------------------------------------------------------------------
+MAX_DETAIL_CHARS = 1024
+
+
+def clip(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
+    """`text` cut to at most `limit` characters: its start and its end, with the middle
+    replaced by a note of the full length (messages usually end with what went wrong).
+
+    For anything that echoes a client's value back (status details, per-item error messages,
+    log fields): a 20 000-character node id must come back as a short INVALID_ARGUMENT or
+    NOT_FOUND, not as RESOURCE_EXHAUSTED "metadata size exceeds hard limit" from the transport.
+    """
+    if len(text) <= limit:
+        return text
+    note = f" ...[{len(text)} chars]... "
+    keep = limit - len(note)
+    if keep < 2:
+        return text[: max(0, limit)]
+    head = keep * 2 // 3
+    return text[:head] + note + text[len(text) - (keep - head) :]
+
+
+class Undecodable:
+    """Stands in for a request whose bytes do not parse, so the handler wrapper can answer
+    INVALID_ARGUMENT (grpc itself would answer UNKNOWN from inside its deserializer, naming
+    the parser's exception class)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def tolerant_deserializer(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """`deserializer`, returning `Undecodable` instead of raising on malformed bytes."""
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except (DecodeError, ValueError, UnicodeDecodeError) as exc:
+            return Undecodable(clip(str(exc), 200) or "cannot parse the request")
+
+    return parse
+
+
+Behavior = Callable[[Any, Any], Awaitable[Any]]
+
+
+def wrap_unary_handler(
+    handler: grpc.RpcMethodHandler | None, fn: Callable[[Behavior], Behavior], *, tolerant: bool = False
+) -> grpc.RpcMethodHandler | None:
+    """A unary-unary handler whose behaviour is `fn(original behaviour)`; with `tolerant`, its
+    requests are parsed by `tolerant_deserializer`. Other handler kinds pass through."""
+    if handler is None or handler.unary_unary is None:
+        return handler
+    deserializer = handler.request_deserializer
+    return grpc.unary_unary_rpc_method_handler(
+        fn(handler.unary_unary),
+        request_deserializer=tolerant_deserializer(deserializer) if tolerant else deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
 __all__ = [
+    "MAX_DETAIL_CHARS",
     "NO_RETRY",
     "RETRYABLE_CODES",
+    "Backoff",
     "RetryPolicy",
+    "Undecodable",
     "acall_with_retry",
     "call_with_retry",
+    "clip",
     "is_retryable",
     "new_request_id",
     "request_id_or_new",
+    "tolerant_deserializer",
+    "wrap_unary_handler",
 ]

@@ -10,8 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, TypeVar
 
+import yaml
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, YamlConfigSettingsSource
+
+from pagedkv.logging import LEVELS, level_number
 
 
 class ConfigError(ValueError):
@@ -40,6 +43,36 @@ class YamlEnvSettings(BaseSettings):
 S = TypeVar("S", bound=YamlEnvSettings)
 
 
+def checked_log_level(name: str) -> str:
+    """The canonical name of a log level ("debug" -> "DEBUG"); `ValueError` (a config problem)
+    for anything else, so a typo is reported instead of silently logging at INFO."""
+    level_number(name)
+    upper = name.strip().upper()
+    return "WARNING" if upper == "WARN" else upper
+
+
+def _yaml_problem(path: Path, exc: yaml.YAMLError) -> str:
+    """One line for a YAML syntax error: what and where (PyYAML's text spans several lines)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"config file {path} is not valid YAML: {problem}{where}"
+
+
+def _check_yaml_mapping(path: Path) -> None:
+    """`ConfigError` unless `path` holds a YAML mapping (or nothing)."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(_yaml_problem(path, exc)) from None
+    if doc is not None and not isinstance(doc, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of settings, not a {type(doc).__name__}")
+
+
 def load_settings(cls: type[S], path: str | Path | None, overrides: dict[str, Any]) -> S:
     """Build `cls` from defaults < YAML `path` < environment < `overrides`."""
     kwargs: dict[str, Any] = dict(overrides)
@@ -47,11 +80,15 @@ def load_settings(cls: type[S], path: str | Path | None, overrides: dict[str, An
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
+        _check_yaml_mapping(p)
         kwargs["_yaml_file"] = p
     try:
         return cls(**kwargs)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise ConfigError(f"invalid configuration: {problems}") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read configuration: {exc}") from None
+
+
+__all__ = ["LEVELS", "ConfigError", "YamlEnvSettings", "checked_log_level", "load_settings"]

@@ -6,6 +6,7 @@
 #   extras: test -> dev (pytest, ruff, the CUDA simulator's compiler pieces, transformers),
 #           demo -> demo, setup -> $PAGEDKV_EXTRAS (default: none; the GPU image passes "cuda").
 set -euo pipefail
+caller_dir=$PWD   # the demo writes its plot where it was started from, not into the repository
 cd "$(dirname "$0")/.."
 VENV=${PAGEDKV_VENV:-.venv}
 case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
@@ -36,6 +37,6 @@ fi
 export PATH="$VENV/bin:$PATH"
 case "$cmd" in
   setup) exit 0 ;;
-  demo) exec "$VENV/bin/pagedkv-demo" "$@" ;;
+  demo) cd "$caller_dir" && exec "$VENV/bin/pagedkv-demo" "$@" ;;
   test) exec "$VENV/bin/python" -m pytest "$@" ;;
 esac

@@ -18,3 +18,23 @@ def test_readme_embeds_the_examples() -> None:
     for name in ("embed_core.py", "embed_client.py"):
         body = (ROOT / "examples" / name).read_text().strip()
         assert body in readme, f"README's copy of examples/{name} is stale"
+
+
+def test_client_example_without_nodes_says_so(tmp_path: Path) -> None:
+    """Against a fresh `block-manager serve` (no node registered yet) the client example stops
+    with a message, not an IndexError from `route(...)[0]`."""
+    import os
+    import subprocess
+    import sys
+
+    from engine.localstack import ServiceProcess
+
+    argv = [sys.executable, "-m", "block_manager.cli.main", "serve", "--listen", "127.0.0.1:0",
+            "--database-url", "memory://"]
+    with ServiceProcess.start(argv, workdir=tmp_path, name="bm") as bm:
+        env = {**os.environ, "PAGEDKV_TARGET": bm.address}
+        run = subprocess.run([sys.executable, str(ROOT / "examples" / "embed_client.py")], env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    expected = f"no compute node is registered with the block manager at {bm.address}: start one first"
+    assert run.stderr.strip() == expected

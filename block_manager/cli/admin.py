@@ -4,10 +4,13 @@
       status | nodes | seqs [--pool P] [--limit N] | table SEQ | defrag [POOL] [--kind K]
       | drain NODE [--undrain] | fsck | reset-prefix-cache [--pool P]
 
-Human-readable rich tables by default, `--json` (the admin RPC's response, proto field
-names) for scripts. Failures are one line on stderr, never a traceback. Exit codes:
-0 ok; 1 the server refused the request or `fsck` found problems; 2 bad usage;
-3 the server could not be reached or did not answer in time.
+The global options may also follow the command (`admin status --target HOST:PORT`).
+Human-readable rich tables by default (pools and nodes sorted by id, "(none)" for an empty
+list), `--json` (the admin RPC's response, proto field names) for scripts. Failures are one
+line on stderr, never a traceback; a target that is not a block manager (a compute node's
+port, say) is named as what it is. Exit codes: 0 ok; 1 the server refused the request or
+`fsck` found problems; 2 bad usage; 3 the server could not be reached, did not answer in
+time, or is not a block manager.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from block_manager.client.admin import AdminClient
+from block_manager.client.admin import AdminClient, served_services
 from block_manager.client.errors import BlockManagerError
 from block_manager.client.retry import RetryPolicy
 
@@ -36,43 +39,70 @@ CLI_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0.05, max_backoff_s=0.
 Result = dict[str, Any]
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="block-manager admin", description="Inspect and operate a running block manager.")
+def _global_options(p: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """The options every command takes, before or after the command name. Only the main
+    parser has defaults: a subcommand's copy sets a value only when it is given."""
+
+    def default(value: Any) -> Any:
+        return value if defaults else argparse.SUPPRESS
+
     p.add_argument(
         "--target",
-        default=os.environ.get("PAGEDKV_ADMIN_TARGET", DEFAULT_TARGET),
+        default=default(os.environ.get("PAGEDKV_ADMIN_TARGET", DEFAULT_TARGET)),
         help="HOST:PORT (env PAGEDKV_ADMIN_TARGET)",
     )
     p.add_argument(
         "--token",
-        default=os.environ.get("PAGEDKV_ADMIN_TOKEN") or None,
+        default=default(os.environ.get("PAGEDKV_ADMIN_TOKEN") or None),
         help="admin bearer token (env PAGEDKV_ADMIN_TOKEN)",
     )
-    p.add_argument("--json", action="store_true", help="print the raw response as JSON")
-    p.add_argument("--timeout", type=float, default=5.0, help="per-call deadline in seconds (default 5)")
+    p.add_argument("--json", action="store_true", default=default(False), help="print the raw response as JSON")
+    p.add_argument(
+        "--timeout", type=float, default=default(5.0), help="per-call deadline in seconds (default 5)"
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="block-manager admin", description="Inspect and operate a running block manager.")
+    _global_options(p, defaults=True)
+    common = argparse.ArgumentParser(add_help=False)
+    _global_options(common, defaults=False)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser("status", help="server state and per-pool usage")
-    sub.add_parser("nodes", help="registered compute nodes")
-    s = sub.add_parser("seqs", help="live sequences")
+
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_text, parents=[common])
+
+    command("status", "server state and per-pool usage")
+    command("nodes", "registered compute nodes")
+    s = command("seqs", "live sequences")
     s.add_argument("--pool", default="", help="only this pool")
     s.add_argument("--limit", type=int, default=0, help="at most this many (0: server maximum)")
-    s = sub.add_parser("table", help="one sequence's block table")
+    s = command("table", "one sequence's block table")
     s.add_argument("seq", help="sequence id")
-    s = sub.add_parser("defrag", help="start defragmentation plans")
+    s = command("defrag", "start defragmentation plans")
     s.add_argument("pool", nargs="?", default="", help="pool id (default: every pool)")
     s.add_argument("--kind", default="", choices=["", "compaction", "contiguity"], help="default compaction")
-    s = sub.add_parser("drain", help="stop admitting new sequences on a node")
+    s = command("drain", "stop admitting new sequences on a node")
     s.add_argument("node", help="node id")
     s.add_argument("--undrain", action="store_true", help="admit new sequences again")
-    sub.add_parser("fsck", help="consistency check (exit 1 when problems are found)")
-    s = sub.add_parser("reset-prefix-cache", help="drop cached prefix blocks")
+    command("fsck", "consistency check (exit 1 when problems are found)")
+    s = command("reset-prefix-cache", "drop cached prefix blocks")
     s.add_argument("--pool", default="", help="only this pool (default: every pool)")
     return p
 
 
+def _status(client: AdminClient, args: argparse.Namespace) -> Result:
+    """Status, plus (for the human view) the node list, so the node count can say how many
+    registered nodes are active, draining and fenced, as `admin nodes` lists them."""
+    result = client.status()
+    if not args.json and result.get("state") != "recovering":
+        result["_nodes"] = client.list_nodes().get("nodes", [])
+    return result
+
+
 def _call(client: AdminClient, args: argparse.Namespace) -> Result:
     calls: dict[str, Callable[[], Result]] = {
-        "status": client.status,
+        "status": lambda: _status(client, args),
         "nodes": client.list_nodes,
         "seqs": lambda: client.list_sequences(args.pool, args.limit),
         "table": lambda: client.describe_sequence(args.seq),
@@ -99,18 +129,37 @@ def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) ->
     return t
 
 
+def _print_table(con: Console, title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    if rows:
+        con.print(_table(title, columns, rows))
+    else:
+        con.print(f"{title}: (none)")
+
+
 def _short(ids: Sequence[Any], keep: int = 12) -> str:
     text = " ".join(str(i) for i in ids[:keep])
     return text + (f" … (+{len(ids) - keep})" if len(ids) > keep else "")
 
 
+def _node_counts(r: Result) -> str:
+    nodes = r.get("_nodes")
+    if nodes is None:
+        return f"nodes {r['num_nodes']} active"
+    fenced = sum(1 for n in nodes if n.get("fenced"))
+    draining = sum(1 for n in nodes if n.get("draining") and not n.get("fenced"))
+    text = f"nodes {len(nodes) - fenced} active"
+    if draining:
+        text += f" ({draining} draining)"
+    return text + f", {fenced} fenced"
+
+
 def _show_status(con: Console, r: Result) -> None:
     con.print(
-        f"state [bold]{r['state']}[/bold]  store {r['store']}  nodes {r['num_nodes']}  sequences {r['num_sequences']}  "
+        f"state [bold]{r['state']}[/bold]  store {r['store']}  {_node_counts(r)}  sequences {r['num_sequences']}  "
         f"journal seq {r['last_seq_no']}  uptime {r['uptime_s']:.0f}s"
     )
     rows = []
-    for p in r["pools"]:
+    for p in sorted(r["pools"], key=lambda p: p["pool_id"]):
         hit = p["prefix_hit_tokens"] / p["prefix_query_tokens"] if p["prefix_query_tokens"] else 0.0
         rows.append(
             (
@@ -152,7 +201,7 @@ def _show_status(con: Console, r: Result) -> None:
         "defrag",
         "contig",
     )
-    con.print(_table("pools", cols, rows))
+    _print_table(con, "pools", cols, rows)
 
 
 def _show_nodes(con: Console, r: Result) -> None:
@@ -169,15 +218,10 @@ def _show_nodes(con: Console, r: Result) -> None:
             "yes" if n["fenced"] else "no",
             f"{n['lease_remaining_s']:.1f}s",
         )
-        for n in r["nodes"]
+        for n in sorted(r["nodes"], key=lambda n: n["node_id"])
     ]
-    con.print(
-        _table(
-            "nodes",
-            ("node", "epoch", "address", "blocks", "bs", "device", "dtype", "draining", "fenced", "lease"),
-            rows,
-        )
-    )
+    cols = ("node", "epoch", "address", "blocks", "bs", "device", "dtype", "draining", "fenced", "lease")
+    _print_table(con, "nodes", cols, rows)
 
 
 def _show_seqs(con: Console, r: Result) -> None:
@@ -185,7 +229,7 @@ def _show_seqs(con: Console, r: Result) -> None:
         (s["seq_id"], s["pool_id"], s["num_tokens"], len(s["block_table"]), s["version"], _short(s["block_table"]))
         for s in r["sequences"]
     ]
-    con.print(_table("sequences", ("seq", "pool", "tokens", "blocks", "version", "block table"), rows))
+    _print_table(con, "sequences", ("seq", "pool", "tokens", "blocks", "version", "block table"), rows)
     if r["truncated"]:
         con.print(f"(truncated after {len(rows)}; use --pool or --limit)")
 
@@ -196,7 +240,7 @@ def _show_table(con: Console, r: Result) -> None:
               f"block size {r['block_size']}  blocks {r['num_blocks']}")
     bs, n = r["block_size"], t["num_tokens"]
     rows = [(i, b, f"{i * bs}-{min(n, (i + 1) * bs) - 1}") for i, b in enumerate(t["block_table"])]
-    con.print(_table("block table", ("logical", "block", "tokens"), rows))
+    _print_table(con, "block table", ("logical", "block", "tokens"), rows)
 
 
 def _show_defrag(con: Console, r: Result) -> None:
@@ -233,8 +277,23 @@ def _show(con: Console, args: argparse.Namespace, r: Result) -> None:
     views[args.command](con, r)
 
 
+_KNOWN_SERVICES = {"pagedkv.v1.ComputeNode": "a pagedkv compute node"}
+
+
+def _not_a_block_manager(target: str, timeout_s: float) -> str:
+    services = served_services(target, timeout_s)
+    if services is None:
+        return f"{target} does not serve the block manager admin API (UNIMPLEMENTED); is --target right?"
+    known = [_KNOWN_SERVICES[s] for s in services if s in _KNOWN_SERVICES]
+    what = known[0] if known else "a gRPC server"
+    listed = ", ".join(services) or "no services"
+    return f"{target} is not a block manager: it is {what} ({listed}); point --target at the block manager"
+
+
 def _error_line(exc: BlockManagerError, args: argparse.Namespace) -> tuple[str, int]:
     name = exc.code.name
+    if name == "UNIMPLEMENTED":
+        return _not_a_block_manager(args.target, args.timeout), EXIT_UNREACHABLE
     if name == "UNAVAILABLE" and ("connect" in exc.message.lower() or not exc.message):
         return f"cannot reach block manager at {args.target} (UNAVAILABLE)", EXIT_UNREACHABLE
     if name == "UNAVAILABLE":

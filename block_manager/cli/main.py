@@ -7,7 +7,8 @@
   offline tools start fast and work without the service's dependencies being importable.
 
 Errors are one line on stderr with a non-zero exit code: 2 for bad input (usage, malformed
-trace, bad knobs), 1 for anything the environment caused (unreadable file, missing module).
+trace, bad knobs), 1 for anything the environment caused (unreadable file, missing module),
+130 for Ctrl-C.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
 
 _PASSTHROUGH: dict[str, tuple[str, str]] = {  # subcommand -> (module, help)
     "serve": ("block_manager.service.server", "run the block manager gRPC service"),
@@ -175,6 +177,14 @@ def _passthrough(command: str, rest: list[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C in any subcommand: one line, not a traceback
+        print("block-manager: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] in _PASSTHROUGH:
         return _passthrough(args_list[0], args_list[1:])

@@ -15,6 +15,8 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message
+from grpc_health.v1 import health
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from block_manager.client.base import CHANNEL_OPTIONS, DEFAULT_TIMEOUT_S
 from block_manager.client.errors import error_from_rpc
@@ -101,4 +103,19 @@ class AdminClient:
         )
 
 
-__all__ = ["AdminClient", "message_dict"]
+def served_services(target: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[str] | None:
+    """The gRPC services `target` announces through server reflection (health and reflection
+    left out), or None when it cannot say. For telling an operator what listens on a port that
+    answered UNIMPLEMENTED to an admin call (e.g. a compute node's)."""
+    request = reflection_pb2.ServerReflectionRequest(list_services="")
+    try:
+        with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            reply = next(iter(stub.ServerReflectionInfo(iter([request]), timeout=timeout_s)))
+    except (grpc.RpcError, StopIteration):
+        return None
+    skip = {health.SERVICE_NAME, "grpc.reflection.v1alpha.ServerReflection", "grpc.reflection.v1.ServerReflection"}
+    return sorted(s.name for s in reply.list_services_response.service if s.name not in skip)
+
+
+__all__ = ["AdminClient", "message_dict", "served_services"]

@@ -18,7 +18,7 @@ from pydantic_settings import SettingsConfigDict
 
 from block_manager.core.types import DefragPolicy
 from block_manager.service.state import StateConfig
-from pagedkv.settings import ConfigError, YamlEnvSettings, load_settings
+from pagedkv.settings import ConfigError, YamlEnvSettings, checked_log_level, load_settings
 
 
 class DefragSettings(BaseModel):
@@ -85,6 +85,11 @@ class BlockManagerConfig(YamlEnvSettings):
     @classmethod
     def _empty_token_is_none(cls, v: str | None) -> str | None:
         return v or None
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_log_level(cls, v: str) -> str:
+        return checked_log_level(v)
 
     def state_config(self) -> StateConfig:
         return StateConfig(

@@ -24,8 +24,15 @@ class RequestIdConflict(ServiceError):
 
 
 class RequestExpired(ServiceError):
-    """A retried request id whose recorded result is no longer retained: refusing it is
-    the only answer that cannot act twice."""
+    """A retried request id the server still remembers but whose recorded result is no
+    longer retained (in memory or in the journal): refusing it is the only answer that
+    cannot act twice."""
+
+
+class RecordRejected(ServiceError):
+    """The request cannot be journaled because of its own content (an id or digest too long
+    for the store's columns, a payload that is not JSON). Raised before anything is applied:
+    the request fails (INVALID_ARGUMENT), the server goes on serving."""
 
 
 class Unauthenticated(ServiceError):
@@ -43,6 +50,7 @@ class RecoveryError(ServiceError):
 
 __all__ = [
     "JournalFailure",
+    "RecordRejected",
     "RecoveryError",
     "RequestExpired",
     "RequestIdConflict",

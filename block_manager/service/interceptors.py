@@ -3,8 +3,11 @@
 `ErrorMappingInterceptor` wraps every unary handler: it binds the request id, node and
 epoch into structlog's context for the duration of the call, times it for the latency
 histogram, and turns an escaping exception into a status via `status.status_for` —
-domain errors keep their message, anything else becomes INTERNAL with a generic message
-while the exception is logged with its traceback. Handlers never call `context.abort`
+domain errors keep their message (clipped by `status.clip`: messages echo client ids, and a
+detail beyond the peer's metadata limit would reach it as RESOURCE_EXHAUSTED), anything else
+becomes INTERNAL with a generic message while the exception is logged with its traceback.
+Requests whose bytes do not parse arrive as `pagedkv.rpc.Undecodable` and are answered
+INVALID_ARGUMENT. Handlers never call `context.abort`
 for domain errors themselves, so the mapping cannot drift between RPCs.
 
 `AdminAuthInterceptor` guards `BlockManagerAdmin` with `authorization: Bearer <token>`
@@ -20,12 +23,12 @@ from typing import Any
 
 import grpc
 import structlog
-from google.protobuf.message import DecodeError
 
 from block_manager.core.errors import InvalidRequest
 from block_manager.service.metrics import ServiceMetrics
-from block_manager.service.status import status_for
+from block_manager.service.status import clip, status_for
 from pagedkv.logging import get_logger
+from pagedkv.rpc import Undecodable, wrap_unary_handler
 
 log = get_logger(__name__)
 
@@ -33,42 +36,13 @@ ADMIN_SERVICE = "pagedkv.v1.BlockManagerAdmin"
 _CONTEXT_FIELDS = ("request_id", "node_id", "epoch")
 
 Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+_LOG_ID_CHARS = 160
 
 
-class Undecodable:
-    """Stands in for a request whose bytes do not parse, so the handler wrapper can answer
-    INVALID_ARGUMENT (grpc itself would answer UNKNOWN from inside its deserializer)."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: str) -> None:
-        self.error = error
-
-
-def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
-    if deserializer is None:
-        return None
-
-    def parse(data: bytes) -> Any:
-        try:
-            return deserializer(data)
-        except DecodeError as exc:
-            return Undecodable(str(exc))
-
-    return parse
-
-
-def _wrap_unary(
-    handler: grpc.RpcMethodHandler, fn: Callable[[Handler], Handler], *, tolerant: bool = False
-) -> grpc.RpcMethodHandler:
-    if handler is None or handler.unary_unary is None:
-        return handler
-    deserializer = handler.request_deserializer
-    return grpc.unary_unary_rpc_method_handler(
-        fn(handler.unary_unary),
-        request_deserializer=_tolerant(deserializer) if tolerant else deserializer,
-        response_serializer=handler.response_serializer,
-    )
+def _log_value(value: Any) -> Any:
+    """Request fields bound into every log line of the call, clipped (a client may send a
+    20 000-character id)."""
+    return clip(value, _LOG_ID_CHARS) if isinstance(value, str) else value
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
@@ -91,7 +65,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or not method.startswith("/pagedkv."):
             return handler  # unknown method, health, reflection: not ours to map
         short = method.rsplit("/", 1)[-1]
-        wrapped = _wrap_unary(handler, lambda behavior: self._mapped(behavior, short), tolerant=True)
+        wrapped = wrap_unary_handler(handler, lambda behavior: self._mapped(behavior, short), tolerant=True)
         self._wrapped[method] = wrapped
         return wrapped
 
@@ -99,7 +73,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         metrics = self._metrics
 
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            ctx = {f: getattr(request, f) for f in _CONTEXT_FIELDS if getattr(request, f, None)}
+            ctx = {f: _log_value(getattr(request, f)) for f in _CONTEXT_FIELDS if getattr(request, f, None)}
             t0 = time.perf_counter()
             code = grpc.StatusCode.OK
             with structlog.contextvars.bound_contextvars(rpc=method, **ctx):
@@ -117,8 +91,9 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                         log.exception("internal error")
                         await context.abort(code, "internal error")
                     code = mapped
-                    log.info("rpc failed", code=mapped.name, error=str(exc), error_type=type(exc).__name__)
-                    await context.abort(mapped, str(exc) or type(exc).__name__)
+                    detail = clip(str(exc) or type(exc).__name__)
+                    log.info("rpc failed", code=mapped.name, error=detail, error_type=type(exc).__name__)
+                    await context.abort(mapped, detail)
                 finally:
                     if metrics is not None:
                         metrics.observe_rpc(method, code.name, time.perf_counter() - t0)
@@ -149,7 +124,7 @@ class AdminAuthInterceptor(grpc.aio.ServerInterceptor):
             log.warning("admin call rejected", rpc=details.method)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid admin bearer token")
 
-        return _wrap_unary(handler, lambda _behavior: deny)
+        return wrap_unary_handler(handler, lambda _behavior: deny)
 
 
 __all__ = ["ADMIN_SERVICE", "AdminAuthInterceptor", "ErrorMappingInterceptor"]

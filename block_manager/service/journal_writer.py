@@ -10,7 +10,10 @@ what keeps durable throughput close to in-memory throughput.
 Records are committed in the order they were applied, so the journal order is the order
 of state changes and replay reproduces it. If a transaction fails, the state already holds
 changes the journal lacks: every waiter gets `JournalFailure` and `on_failure` is called so
-the server stops serving (fail-stop) instead of acknowledging what it could lose.
+the server stops serving (fail-stop) instead of acknowledging what it could lose. Refusals a
+request's own content could cause are ruled out before its op is applied (see
+`ServiceRuntime`), so a failed transaction here is a store failure — or a bug, which is
+logged as such (`journal refused a validated record`) and handled the same way.
 
 Snapshots are written by the flusher too, at a moment when nothing is queued or in
 flight, so the state it serialises corresponds exactly to the last committed seq_no. Under
@@ -29,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from block_manager.service.errors import JournalFailure
-from block_manager.store import MemoryStore, NewRecord, Store
+from block_manager.store import DuplicateRequestId, InvalidRecord, MemoryStore, NewRecord, Store
 from pagedkv.logging import get_logger
 
 log = get_logger(__name__)
@@ -45,6 +48,7 @@ class JournalWriter:
         snapshot_every_records: int,
         on_failure: Callable[[BaseException], None],
         on_commit: Callable[[int, int], None] | None = None,
+        on_snapshot: Callable[[int], None] | None = None,
         journal: bool = True,
     ) -> None:
         self.store = store
@@ -56,6 +60,7 @@ class JournalWriter:
         self._snapshot_every_records = snapshot_every_records
         self._on_failure = on_failure
         self._on_commit = on_commit
+        self._on_snapshot = on_snapshot
         # The memory store does no I/O: appending inline avoids a thread hop per batch.
         self._inline = isinstance(store, MemoryStore)
         self._executor = None if self._inline else ThreadPoolExecutor(1, thread_name_prefix="journal")
@@ -130,7 +135,11 @@ class JournalWriter:
 
     def _fail(self, exc: BaseException, batch: list[tuple[NewRecord, asyncio.Future[int]]]) -> None:
         self._failed = exc
-        log.error("journal append failed; stopping", error=repr(exc), num_records=len(batch))
+        if isinstance(exc, (InvalidRecord, DuplicateRequestId)):
+            # The runtime validates records before applying them: reaching this is a bug.
+            log.error("journal refused a validated record; stopping", error=repr(exc), num_records=len(batch))
+        else:
+            log.error("journal append failed; stopping", error=repr(exc), num_records=len(batch))
         waiters = batch + self._pending
         self._pending = []
         self._gate.set()  # waiters at the gate get JournalFailure from commit()
@@ -163,6 +172,8 @@ class JournalWriter:
             return
         self.snapshot_seq_no = seq_no
         log.info("snapshot written", seq_no=seq_no)
+        if self._on_snapshot is not None:
+            self._on_snapshot(seq_no)
 
     async def drain(self) -> None:
         """Wait until everything queued so far is committed (or failed)."""

@@ -151,8 +151,12 @@ class ServiceMetrics:
         self.rpc_requests.labels(method, code).inc()
 
     def serve(self, address: str, port: int) -> int:
-        """Start the text endpoint (`GET /metrics`); returns the bound port."""
-        self._http, self._thread = start_http_server(port, addr=address, registry=self.registry)
+        """Start the text endpoint (`GET /metrics`); returns the bound port. `OSError` naming
+        the address when it cannot listen (a bare "[Errno 98]" says neither what nor where)."""
+        try:
+            self._http, self._thread = start_http_server(port, addr=address, registry=self.registry)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot serve metrics on {address}:{port}: {exc.strerror or exc}") from None
         self.port = int(self._http.server_port)
         return self.port
 

@@ -4,13 +4,36 @@
 decisions: lease expiry, defrag plans and their timeouts):
 
 1. a request id seen before returns its recorded result (waiting for its commit if it
-   is still in flight) — or `RequestIdConflict` when the payload digest differs;
+   is still in flight) — or `RequestIdConflict` when the payload digest differs, or
+   `RequestExpired` when the server still knows the id but no longer its result;
 2. otherwise the op is applied to the in-memory state on the event loop (which
    serialises mutations), journaled through the group-commit writer, and the result is
    returned only after the transaction committed.
 
 Ops that fail raise with the state unchanged and record nothing; ops that change nothing
 (e.g. an Allocate whose every item failed) are answered but not journaled.
+
+What one request can and cannot do to the process. The state is changed *before* the
+journal write, so a record the store refuses after the op was applied leaves the state ahead
+of the journal: the writer then stops the server (fail-stop, exit 3), which is right for a
+store failure (disk, lost database session) and wrong for a request's own content. So
+everything the store could refuse because of one request is settled before `apply`:
+
+- the record's columns (`store.records.check_record_fields`: request id 1..256 characters,
+  digest <= 64, no NUL) — else `RecordRejected` (INVALID_ARGUMENT), nothing applied;
+- its payload is encoded to canonical JSON (what the store writes, handed to it as is) —
+  else `RecordRejected`, nothing applied;
+- its request id is not journaled yet: the request index holds every id the journal holds
+  (`RequestIndex`, durable mode), so a retry is answered from the index or the journal,
+  never applied again; an id the index still knows whose result is gone everywhere is
+  refused with `RequestExpired` (FAILED_PRECONDITION);
+- the op's own checks (`ServiceState.apply` validates the whole request before it mutates
+  anything, and raises with the state unchanged).
+
+The result is produced by the state machine (ints, strings, lists) and always encodes. After
+these checks a store refusal can only be the store's fault, and fail-stop stays the answer.
+The server's own decisions use ids from `internal_request_id` (a namespace clients cannot
+reach); `mutate(..., internal=True)` moves any id it is given into that namespace.
 
 Recovery (`start`) runs off the event loop — the state is not reachable meanwhile,
 every RPC gets UNAVAILABLE — and replays the journal through `ServiceState.apply`, the
@@ -20,40 +43,38 @@ same code the live RPCs use.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from collections.abc import Callable
 from typing import Any, Literal
 
 from block_manager.core.errors import PoolLeased
 from block_manager.service.config import BlockManagerConfig
-from block_manager.service.errors import RecoveryError, RequestExpired, RequestIdConflict, ServerUnavailable
+from block_manager.service.errors import (
+    RecordRejected,
+    RecoveryError,
+    RequestExpired,
+    RequestIdConflict,
+    ServerUnavailable,
+)
 from block_manager.service.journal_writer import JournalWriter
-from block_manager.service.request_index import Recorded, RequestIndex
+from block_manager.service.request_index import (
+    Recorded,
+    RequestIndex,
+    as_internal_request_id,
+    fit_digest,
+    internal_request_id,
+)
 from block_manager.service.state import ServiceState
 from block_manager.service.step_codec import StepInput
-from block_manager.store import MemoryStore, NewRecord, Store
-from block_manager.store.records import JournalRecord
+from block_manager.store import InvalidRecord, NewRecord, Store, canonical_json
+from block_manager.store.records import JournalRecord, RetainedRequest, check_record_fields
 from pagedkv.lifecycle import TaskSet
 from pagedkv.logging import get_logger
+from pagedkv.rpc import Backoff, clip
 
 log = get_logger(__name__)
 
 Phase = Literal["recovering", "serving", "draining", "failed", "stopped"]
-
-# The server's own mutations (lease expiry, pool handover, defrag decisions) are journaled
-# under ids no client can send: clients are limited to printable ASCII, these start with a
-# control character. Long parts are hashed so an id always fits the store's column.
-_INTERNAL_PREFIX = "\x1finternal:"
-
-
-def internal_request_id(kind: str, *parts: object) -> str:
-    """A request id for a server-made mutation, outside the clients' id namespace."""
-    body = ":".join(str(p) for p in parts)
-    if len(body) > 160:
-        body = hashlib.sha256(body.encode()).hexdigest()
-    return f"{_INTERNAL_PREFIX}{kind}:{body}"
-
 
 class ServiceRuntime:
     def __init__(
@@ -75,9 +96,13 @@ class ServiceRuntime:
         self.num_replayed = 0
         self.recovery_s = 0.0
         self.recovery_problems: list[str] = []
-        self._requests = RequestIndex(config.max_retained_requests, config.max_retained_result_items)
-        self._store_lookup_until = 0.0
+        self._requests = RequestIndex(
+            config.max_retained_requests, config.max_retained_result_items, durable=journal
+        )
         self._lease_timer: asyncio.TimerHandle | None = None
+        # A lease expiry that fails is retried with a growing delay, not at once (the timer
+        # would otherwise fire every millisecond while the failure lasts).
+        self._expiry_backoff = Backoff(initial_s=0.05, max_s=5.0)
         self._listeners: list[Callable[[str, dict[str, Any], dict[str, Any]], None]] = []
         self._phase_listeners: list[Callable[[Phase], None]] = []
         self.writer = JournalWriter(
@@ -86,6 +111,7 @@ class ServiceRuntime:
             snapshot_interval_s=config.snapshot_interval_s,
             snapshot_every_records=config.snapshot_every_records,
             on_failure=self._journal_failed,
+            on_snapshot=self._after_snapshot,
             journal=journal,
         )
         self.on_applied(self._after_apply)
@@ -111,18 +137,14 @@ class ServiceRuntime:
         t0 = time.perf_counter()
         try:
             state, records, snapshot_seq_no, problems = await asyncio.to_thread(self._recover)
+            retained = await asyncio.to_thread(self.store.retained_requests) if self.writer.journal else []
         except Exception as exc:
             self._set_phase("failed")
             raise RecoveryError(f"recovery failed: {exc}") from exc
         self.state = state
         self.writer.snapshot_seq_no = snapshot_seq_no
         self.writer.last_seq_no = self.store.last_seq_no
-        for rec in records[-self.config.max_retained_requests :]:
-            self._requests.put(rec.request_id, Recorded(rec.payload_digest, rec.result, None))
-        if not isinstance(self.store, MemoryStore):
-            # Records older than the snapshot are not replayed but may still be retained
-            # by the store for retries; ask it on a miss while such retries can arrive.
-            self._store_lookup_until = time.monotonic() + self.config.request_retention_s
+        self._index_retained(retained, records)
         self.num_replayed = len(records)
         self.recovery_s = time.perf_counter() - t0
         self.recovery_problems = problems
@@ -131,6 +153,14 @@ class ServiceRuntime:
         log.info("recovered", records=len(records), snapshot_seq_no=snapshot_seq_no, seconds=round(self.recovery_s, 3))
         self._set_phase("serving")
         self.schedule_lease_check()
+
+    def _index_retained(self, retained: list[RetainedRequest], records: list[JournalRecord]) -> None:
+        """Every id the journal holds goes into the request index (with the replayed
+        records' results): a retry of any of them must never be applied again."""
+        results = {rec.request_id: rec.result for rec in records}
+        for r in retained:
+            entry = Recorded(r.payload_digest, results.get(r.request_id), None, r.seq_no)
+            self._requests.put(r.request_id, entry)
 
     def _recover(self) -> tuple[ServiceState, list[JournalRecord], int, list[str]]:
         """Snapshot + replay + fsck, on a worker thread (nothing else touches the state
@@ -169,6 +199,12 @@ class ServiceRuntime:
     def _journal_failed(self, exc: BaseException) -> None:
         self._set_phase("failed")
 
+    def _after_snapshot(self, seq_no: int) -> None:
+        """The store may now prune records the snapshot covers beyond the newest
+        `max_retained_requests` (and older ones by age): forget at most those, so the index
+        keeps holding every id the journal holds."""
+        self._requests.forget_through(min(seq_no, self.writer.last_seq_no - self.config.max_retained_requests))
+
     # ---- guards ---------------------------------------------------------------------
     def check_readable(self) -> None:
         if self.phase in ("recovering", "failed", "stopped"):
@@ -180,17 +216,13 @@ class ServiceRuntime:
 
     # ---- mutations ------------------------------------------------------------------
     async def _recorded(self, request_id: str, digest: str) -> dict[str, Any] | None:
-        """The recorded result of a known request id (None: never seen)."""
+        """The recorded result of a known request id (None: never seen, or forgotten by both
+        the index and the journal)."""
         rec = self._requests.get(request_id)
-        if rec is None and time.monotonic() < self._store_lookup_until:
-            found = await asyncio.to_thread(self.store.lookup_request, request_id)
-            rec = self._requests.get(request_id)  # may have landed meanwhile
-            if rec is None and found is not None:
-                rec = Recorded(found.payload_digest, found.result, None)
         if rec is None:
             return None
         if rec.digest != digest:
-            raise RequestIdConflict(f"request id {request_id!r} was used for a different request")
+            raise RequestIdConflict(f"request id {clip(request_id, 160)!r} was used for a different request")
         if rec.committed is not None:
             await asyncio.shield(rec.committed)
         if rec.result is not None:
@@ -199,16 +231,31 @@ class ServiceRuntime:
             found = await asyncio.to_thread(self.store.lookup_request, request_id)
             if found is not None:
                 return found.result
-        raise RequestExpired(f"request id {request_id!r} is too old: its result is no longer retained")
+        raise RequestExpired(
+            f"request id {clip(request_id, 160)!r} expired: its result is no longer retained; "
+            "send the request again with a new id if it is still wanted"
+        )
 
     async def mutate(
         self, op: str, request_id: str, digest: str, payload: dict[str, Any], *, internal: bool = False
     ) -> dict[str, Any]:
-        """Apply + journal one op idempotently; see the module docstring."""
+        """Apply + journal one op idempotently; see the module docstring.
+
+        `internal=True` marks the server's own decisions: they run while draining too, and
+        `request_id` is moved into the internal namespace (`as_internal_request_id`; ids
+        from `internal_request_id` are already there). Digests longer than the journal's
+        column are replaced by their sha256 (they are only compared for equality).
+        """
         if internal:
             self.check_readable()
+            request_id = as_internal_request_id(request_id)
         else:
             self.check_writable()
+        digest = fit_digest(digest)
+        try:
+            check_record_fields(request_id, op, digest)
+        except InvalidRecord as exc:
+            raise RecordRejected(f"cannot journal this request: {exc}") from None
         recorded = await self._recorded(request_id, digest)
         if recorded is not None:
             return recorded
@@ -219,16 +266,22 @@ class ServiceRuntime:
             recorded = await self._recorded(request_id, digest)
             if recorded is not None:
                 return recorded
+        try:
+            payload_json = canonical_json(payload)  # what the store writes; no await until it has it
+        except InvalidRecord as exc:
+            raise RecordRejected(f"cannot journal this request: {exc}") from None
         applied = self.state.apply(op, payload, self.clock())
         if not applied.mutated:
             return applied.result
-        record = NewRecord(request_id, op, payload, applied.result, digest)
+        record = NewRecord(request_id, op, payload, applied.result, digest, payload_json)
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._requests.put(request_id, Recorded(digest, applied.result, fut))
+        entry = Recorded(digest, applied.result, fut)
+        self._requests.put(request_id, entry)
         for listener in self._listeners:
             listener(op, payload, applied.result)
         try:
-            fut.set_result(await self.writer.commit(record))
+            entry.seq_no = await self.writer.commit(record)
+            fut.set_result(entry.seq_no)
         except BaseException as exc:
             fut.set_exception(exc)
             fut.exception()  # retrieved: waiters re-raise it, nobody else must log it
@@ -308,16 +361,23 @@ class ServiceRuntime:
             self.schedule_lease_check()
 
     async def _expire(self, nodes: list[tuple[str, int]]) -> None:
+        failed = False
         for node_id, epoch in nodes:
             payload = {"node_id": node_id, "epoch": epoch}
             rid = internal_request_id("expire", node_id, epoch)
             try:
                 result = await self.mutate("expire_node", rid, rid, payload, internal=True)
-            except Exception as exc:  # noqa: BLE001 - logged; the next timer retries
-                log.error("lease expiry failed", node=node_id, epoch=epoch, error=repr(exc))
+            except Exception as exc:  # noqa: BLE001 - logged; retried after a backoff
+                log.error("lease expiry failed", node=clip(node_id, 160), epoch=epoch, error=clip(repr(exc)))
+                failed = True
                 continue
             log.warning("lease expired; node fenced", node=node_id, epoch=epoch, dropped=len(result["dropped_seq_ids"]))
-        self.schedule_lease_check()
+        if not failed:
+            self._expiry_backoff.reset()
+            self.schedule_lease_check()
+        elif self.phase in ("serving", "draining"):
+            delay = self._expiry_backoff.next_delay()
+            self._lease_timer = asyncio.get_running_loop().call_later(delay, self._on_lease_timer)
 
     # ---- stats ----------------------------------------------------------------------
     @property

@@ -4,6 +4,9 @@ Used by `ErrorMappingInterceptor` for whole-RPC failures and by the servicer for
 errors of batched responses, so both always agree. Item errors are recorded by the state
 machine as `{"reason": <class name>, "message": ...}` (transport-free, journal-safe); the
 servicer turns the reason back into a code with `code_for_reason`.
+
+Every message that reaches a client goes through `clip` (re-exported from `pagedkv.rpc`):
+the interceptor applies it to whole-RPC details, the servicers to per-item messages.
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ from block_manager.core.errors import (
 )
 from block_manager.service.errors import (
     JournalFailure,
+    RecordRejected,
     RecoveryError,
     RequestExpired,
     RequestIdConflict,
     ServerUnavailable,
     Unauthenticated,
 )
+from pagedkv.rpc import MAX_DETAIL_CHARS, clip
 
 # Most specific first: `status_for` walks the MRO of the exception's class.
 _CODES: dict[type[Exception], grpc.StatusCode] = {
@@ -43,6 +48,7 @@ _CODES: dict[type[Exception], grpc.StatusCode] = {
     CoreError: grpc.StatusCode.FAILED_PRECONDITION,
     ServerUnavailable: grpc.StatusCode.UNAVAILABLE,
     RequestIdConflict: grpc.StatusCode.INVALID_ARGUMENT,
+    RecordRejected: grpc.StatusCode.INVALID_ARGUMENT,
     RequestExpired: grpc.StatusCode.FAILED_PRECONDITION,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     JournalFailure: grpc.StatusCode.UNAVAILABLE,
@@ -82,4 +88,4 @@ def code_for_reason(reason: str) -> grpc.StatusCode:
     return _REASON_CODES.get(reason, grpc.StatusCode.FAILED_PRECONDITION)
 
 
-__all__ = ["code_for_reason", "status_for"]
+__all__ = ["MAX_DETAIL_CHARS", "clip", "code_for_reason", "status_for"]

@@ -3,7 +3,9 @@
 The service journals every mutating RPC as a `NewRecord` (group-committed with `append`),
 writes periodic snapshots with `write_snapshot`, answers retried request ids from
 `lookup_request`, and on start-up rebuilds its state from `recover()`: the latest snapshot
-plus every later record, replayed in seq_no order through the deterministic core.
+plus every later record, replayed in seq_no order through the deterministic core; it then
+indexes every request id the journal still holds (`retained_requests()`), so a retry of any
+of them is answered, never applied a second time.
 
 URLs for `open_store`:
 - `sqlite:///path/to/journal.db` (the default deployment): WAL, `synchronous=FULL`, and an
@@ -36,6 +38,7 @@ from block_manager.store.records import (
     JournalRecord,
     NewRecord,
     Recovered,
+    RetainedRequest,
     canonical_json,
     payload_digest,
 )
@@ -49,6 +52,7 @@ __all__ = [
     "MemoryStore",
     "NewRecord",
     "Recovered",
+    "RetainedRequest",
     "SchemaVersionError",
     "SqlStore",
     "Store",

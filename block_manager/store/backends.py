@@ -53,10 +53,12 @@ def _open_sqlite(url: URL, options: StoreOptions) -> SqlStore:
     if not url.database or url.database == ":memory:":
         raise StoreError("an SQLite store needs a file path (use memory:// for no durability)")
     path = Path(url.database).expanduser().resolve()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise StoreError(f"cannot create directory {path.parent}: {exc}") from exc
+    # A missing directory is refused, not created: it is far more often a typo or a volume that
+    # is not mounted (the journal would then live, and vanish, inside the container).
+    if not path.parent.is_dir():
+        raise StoreError(
+            f"cannot open SQLite store {path}: directory {path.parent} does not exist (create it first)"
+        )
     lock = FileLock(path.with_name(path.name + ".lock"), options.lock_wait_s)
     try:
         engine = create_engine(url.set(drivername="sqlite+pysqlite", database=str(path)))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 from block_manager.store.errors import StoreError
-from block_manager.store.records import JournalRecord, NewRecord, Recovered
+from block_manager.store.records import JournalRecord, NewRecord, Recovered, RetainedRequest
 
 
 @dataclass(slots=True, frozen=True)
@@ -98,6 +98,15 @@ class Store(Protocol):
 
     def lookup_request(self, request_id: str) -> JournalRecord | None:
         """The journaled record of `request_id`, if still within the retention window."""
+        ...
+
+    def retained_requests(self) -> list[RetainedRequest]:
+        """Every request id the journal holds, in seq_no order (ids and digests only).
+
+        The service loads these at start-up: a retry of any of them must be answered from the
+        journal, never applied a second time (the journal's unique request id would refuse
+        the second record, and the in-memory state would already hold the change).
+        """
         ...
 
     def records_after(self, seq_no: int, limit: int = 1000) -> list[JournalRecord]:

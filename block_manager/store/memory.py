@@ -18,6 +18,7 @@ from block_manager.store.records import (
     JournalRecord,
     NewRecord,
     Recovered,
+    RetainedRequest,
     canonical_json,
     check_records_after_args,
     check_request_id,
@@ -102,6 +103,14 @@ class MemoryStore:
                 return None
             rec, created_at = self._journal[seq_no]
             return _to_journal_record(seq_no, rec, created_at)
+
+    def retained_requests(self) -> list[RetainedRequest]:
+        with self._lock:
+            self._check_open()
+            return [
+                RetainedRequest(seq_no, rec.request_id, rec.payload_digest)
+                for seq_no, (rec, _) in self._journal.items()
+            ]
 
     def records_after(self, seq_no: int, limit: int = 1000) -> list[JournalRecord]:
         check_records_after_args(seq_no, limit)

@@ -18,6 +18,7 @@ from block_manager.store.errors import DuplicateRequestId, InvalidRecord
 
 MAX_REQUEST_ID_LEN = 256
 MAX_OP_LEN = 64
+MAX_DIGEST_LEN = 64
 
 _ENCODER = json.JSONEncoder(
     ensure_ascii=False, allow_nan=False, sort_keys=True, separators=(",", ":")
@@ -53,6 +54,19 @@ class NewRecord:
     op: str
     payload: dict
     result: dict
+    payload_digest: str
+    # `canonical_json(payload)` when the caller already encoded it (the service does, before
+    # it applies the op, so that a payload the store cannot hold fails only its request).
+    payload_json: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class RetainedRequest:
+    """A request id the journal still holds (so a retry of it must be answered from the
+    journal, never applied again)."""
+
+    seq_no: int
+    request_id: str
     payload_digest: str
 
 
@@ -96,6 +110,23 @@ class EncodedRecord:
     payload_digest: str
 
 
+def check_record_fields(request_id: str, op: str, payload_digest: str) -> None:
+    """`InvalidRecord` unless every store can hold these columns.
+
+    The one definition of what a record's scalar columns may contain, used by `encode_records`
+    and — before it applies anything — by the service, so that a request whose id or digest
+    no store can hold is refused on its own instead of failing a whole group commit. Column
+    limits are the PostgreSQL ones (SQLite enforces none): `VARCHAR(n)` counts characters, and
+    no text may contain NUL.
+    """
+    if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_LEN or "\0" in request_id:
+        raise InvalidRecord(f"request_id must be a string of 1..{MAX_REQUEST_ID_LEN} characters without NUL")
+    if not isinstance(op, str) or not 0 < len(op) <= MAX_OP_LEN or "\0" in op:
+        raise InvalidRecord(f"op must be a string of 1..{MAX_OP_LEN} characters without NUL")
+    if not isinstance(payload_digest, str) or len(payload_digest) > MAX_DIGEST_LEN or "\0" in payload_digest:
+        raise InvalidRecord(f"payload_digest must be a string of at most {MAX_DIGEST_LEN} characters without NUL")
+
+
 def encode_records(records: Sequence[NewRecord]) -> list[EncodedRecord]:
     """Validate and encode a batch; `InvalidRecord` / `DuplicateRequestId` on bad input."""
     encoded: list[EncodedRecord] = []
@@ -103,15 +134,9 @@ def encode_records(records: Sequence[NewRecord]) -> list[EncodedRecord]:
     for record in records:
         if not isinstance(record, NewRecord):
             raise InvalidRecord(f"expected NewRecord, got {type(record).__name__}")
-        rid = record.request_id
-        if not isinstance(rid, str) or not 0 < len(rid) <= MAX_REQUEST_ID_LEN:
-            raise InvalidRecord(f"request_id must be a string of 1..{MAX_REQUEST_ID_LEN} chars")
-        if not isinstance(record.op, str) or not 0 < len(record.op) <= MAX_OP_LEN:
-            raise InvalidRecord(f"op must be a string of 1..{MAX_OP_LEN} chars")
+        check_record_fields(record.request_id, record.op, record.payload_digest)
         if not isinstance(record.payload, dict) or not isinstance(record.result, dict):
             raise InvalidRecord("payload and result must be dicts")
-        if not isinstance(record.payload_digest, str):
-            raise InvalidRecord("payload_digest must be a string")
         if record.request_id in seen:
             raise DuplicateRequestId(f"request id {record.request_id!r} repeated in one batch")
         seen.add(record.request_id)
@@ -119,7 +144,7 @@ def encode_records(records: Sequence[NewRecord]) -> list[EncodedRecord]:
             EncodedRecord(
                 request_id=record.request_id,
                 op=record.op,
-                payload=canonical_json(record.payload),
+                payload=canonical_json(record.payload) if record.payload_json is None else record.payload_json,
                 result=canonical_json(record.result),
                 payload_digest=record.payload_digest,
             )

@@ -24,7 +24,7 @@ from sqlalchemy import (
 )
 
 from block_manager.store.errors import SchemaVersionError
-from block_manager.store.records import MAX_OP_LEN, MAX_REQUEST_ID_LEN
+from block_manager.store.records import MAX_DIGEST_LEN, MAX_OP_LEN, MAX_REQUEST_ID_LEN
 
 SCHEMA_VERSION = 1
 
@@ -41,7 +41,7 @@ journal = Table(
     Column("op", String(MAX_OP_LEN), nullable=False),
     Column("payload", Text, nullable=False),
     Column("result", Text, nullable=False),
-    Column("payload_digest", String(64), nullable=False),
+    Column("payload_digest", String(MAX_DIGEST_LEN), nullable=False),
     Column("created_at", Double, nullable=False),
 )
 

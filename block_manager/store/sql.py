@@ -25,6 +25,7 @@ from block_manager.store.records import (
     JournalRecord,
     NewRecord,
     Recovered,
+    RetainedRequest,
     check_records_after_args,
     check_request_id,
     decode_json,
@@ -149,6 +150,14 @@ class SqlStore:
         with self._guard("lookup_request"), self._engine.connect() as conn:
             row = conn.execute(select(journal).where(journal.c.request_id == request_id)).first()
         return None if row is None else _row_to_record(row)
+
+    def retained_requests(self) -> list[RetainedRequest]:
+        self._check_usable()
+        with self._guard("retained_requests"), self._engine.connect() as conn:
+            rows = conn.execute(
+                select(journal.c.seq_no, journal.c.request_id, journal.c.payload_digest).order_by(journal.c.seq_no)
+            ).all()
+        return [RetainedRequest(int(r.seq_no), r.request_id, r.payload_digest) for r in rows]
 
     def records_after(self, seq_no: int, limit: int = 1000) -> list[JournalRecord]:
         check_records_after_args(seq_no, limit)

@@ -15,10 +15,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from pagedkv.settings import ConfigError, YamlEnvSettings, load_settings
+from pagedkv.settings import ConfigError, YamlEnvSettings, checked_log_level, load_settings
 
 DType = Literal["float16", "bfloat16", "float32"]
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -50,15 +50,27 @@ class ComputeNodeConfig(YamlEnvSettings):
     # "auto": CUDA when torch sees a GPU, else the CPU; or an explicit "cpu" / "cuda:N".
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     max_batch: int = Field(default=4096, ge=1)
-    # Block tables kept in the node's cache (least recently used beyond this are dropped).
-    # Deadline of each node -> block manager call, and the pause between registration
-    # / heartbeat retries while the block manager is unreachable.
+    # Deadline of each node -> block manager call. Registration is retried while the block
+    # manager is unreachable, first after `retry_interval_s`, then with a doubling, jittered
+    # delay capped at `max_retry_interval_s`.
     rpc_timeout_s: float = Field(default=5.0, gt=0)
     retry_interval_s: float = Field(default=0.5, gt=0)
+    max_retry_interval_s: float = Field(default=10.0, gt=0)
     metrics_address: str = "127.0.0.1"
     metrics_port: int | None = Field(default=None, ge=0, le=65535)   # None: no endpoint; 0: ephemeral
     shutdown_grace_s: float = Field(default=5.0, ge=0)
     log_level: str = "INFO"
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_log_level(cls, v: str) -> str:
+        return checked_log_level(v)
+
+    @model_validator(mode="after")
+    def _retry_bounds(self) -> ComputeNodeConfig:
+        if self.max_retry_interval_s < self.retry_interval_s:
+            raise ValueError("max_retry_interval_s must be >= retry_interval_s")
+        return self
 
     @model_validator(mode="after")
     def _one_pool_size(self) -> ComputeNodeConfig:

@@ -58,6 +58,10 @@ class NodeMetrics:
         return generate_latest(self.registry)
 
     def serve(self, address: str, port: int) -> tuple[object, int]:
-        """Start the `/metrics` HTTP endpoint; returns (server, bound port)."""
-        server, _thread = start_http_server(port, addr=address, registry=self.registry)
+        """Start the `/metrics` HTTP endpoint; returns (server, bound port). `OSError` naming the
+        address when it cannot listen."""
+        try:
+            server, _thread = start_http_server(port, addr=address, registry=self.registry)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot serve metrics on {address}:{port}: {exc.strerror or exc}") from None
         return server, int(server.server_port)

@@ -44,6 +44,7 @@ from compute_node.service.config import ComputeNodeConfig
 from compute_node.service.metrics import NodeMetrics
 from compute_node.tables import NodeTable, SeqId, StagedSteps, TableCache, stage
 from pagedkv.logging import get_logger
+from pagedkv.rpc import Backoff
 
 
 @dataclass(slots=True)
@@ -114,13 +115,17 @@ class ComputeNode:
         await self.link.close()
 
     async def _run(self) -> None:
+        # Registration is retried until it succeeds: capped, jittered backoff, so a node whose
+        # block manager is down neither floods its log nor hammers the manager when it returns.
+        backoff = Backoff(initial_s=self.config.retry_interval_s, max_s=self.config.max_retry_interval_s)
         while not self._stopping.is_set():
             if self.registration is None:
                 async with self._lock:
                     await self._try_register_locked()
                 if self.registration is None:
-                    await self._sleep(self.config.retry_interval_s)
+                    await self._sleep(backoff.next_delay())
                 continue
+            backoff.reset()
             await self._sleep(self.registration.lease_ttl_s / 3)
             if self.registration is not None and not self._stopping.is_set():
                 await self._beat(self.registration.epoch)
@@ -222,7 +227,7 @@ class ComputeNode:
                 table_of = lambda sid: self._retry_table(sid, counts)  # noqa: E731
             else:
                 try:
-                    staged = stage(self.tables, batch.steps, self.config.node_id, epoch)
+                    staged = stage(self.tables, batch.steps, self.config.node_id, epoch, pool.geometry.num_blocks)
                 except NodeFenced as exc:
                     # The block manager registered the pool anew behind our back: start over.
                     self._reset_locked(f"forward: {exc}")

@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 
 from compute_node.service.config import ComputeNodeConfig
+from compute_node.service.interceptors import ErrorMappingInterceptor
 from compute_node.service.node import ComputeNode
 from compute_node.service.servicer import ComputeNodeServicer
 from compute_node.service.warmup import warm_up_cpu_kernels
@@ -60,6 +61,7 @@ class ComputeNodeServer:
     async def start(self) -> None:
         cfg = self.config
         server = new_server(
+            [ErrorMappingInterceptor()],
             options={
                 "grpc.max_receive_message_length": MAX_MESSAGE_BYTES,
                 "grpc.max_send_message_length": MAX_MESSAGE_BYTES,

@@ -113,6 +113,9 @@ INVALID: dict[str, Mutator] = {
     "delta columns disagree": _step(lambda m: m.delta_versions.append(99)),
     "appended blocks disagree with their counts": _step(lambda m: m.appended_blocks.append(7)),
     "replaced entries disagree with their counts": _step(lambda m: m.replaced_positions.append(0)),
+    "copy of a block beyond the pool": _step(lambda m: (m.copy_src.append(NUM_BLOCKS), m.copy_dst.append(0),
+                                                        m.copy_is_defrag.append(False))),
+    "a table block beyond the pool": _step(lambda m: m.appended_blocks.__setitem__(0, NUM_BLOCKS)),
 }
 
 

@@ -94,7 +94,7 @@ def _new_table(sid: str, version: int, blocks: list[int], covered: int = 0) -> d
 
 def test_stage_applies_deltas_only_on_commit() -> None:
     cache = TableCache()
-    staged = stage(cache, [_pool_step(1, **_new_table("a", 3, [4, 5], covered=4))], "n", 1)
+    staged = stage(cache, [_pool_step(1, **_new_table("a", 3, [4, 5], covered=4))], "n", 1, 16)
     assert cache.get(SeqId("a")) is None and cache.last_step_id == 0       # staging changes nothing
     cache.commit(staged)
     assert cache.get(SeqId("a")) == NodeTable([4, 5], 3, 4) and cache.last_step_id == 1
@@ -104,7 +104,7 @@ def test_stage_applies_deltas_only_on_commit() -> None:
         delta_versions=[7], delta_num_tokens=[0], delta_num_replaced=[1], replaced_positions=[0],
         replaced_blocks=[1], delta_num_appended=[1], appended_blocks=[9], dropped_seq_ids=["gone"],
     )
-    staged = stage(cache, [move], "n", 1)
+    staged = stage(cache, [move], "n", 1, 16)
     assert staged.copy_pairs == [(5, 9)] and staged.table(cache, SeqId("gone")) is None
     cache.commit(staged)
     assert cache.get(SeqId("a")) == NodeTable([1, 5, 9], 7, 4)
@@ -120,27 +120,29 @@ def test_stage_applies_deltas_only_on_commit() -> None:
                      delta_num_replaced=[0], delta_num_appended=[0])], StaleTable),   # not the version held
         ([_pool_step(1, copy_src=[1], copy_dst=[])], InvalidForward),
         ([PoolStep(pool_id="other", epoch=1, step_id=1)], InvalidForward),
+        ([_pool_step(1, copy_src=[16], copy_dst=[0], copy_is_defrag=[True])], InvalidForward),   # beyond the pool
+        ([_pool_step(1, **_new_table("b", 1, [3, 2**32 - 1]))], InvalidForward),
     ],
 )
 def test_stage_refuses_steps_that_do_not_apply(steps: list, error: type) -> None:
     cache = TableCache()
     cache.put(SeqId("a"), NodeTable([3], 1, 2))
     with pytest.raises(error):
-        stage(cache, steps, "n", 1)
+        stage(cache, steps, "n", 1, 16)
 
 
 def test_reset_and_failed_steps() -> None:
     cache = TableCache()
     cache.commit(stage(cache, [_pool_step(1, **_new_table("a", 1, [0])), _pool_step(2, **_new_table("b", 2, [1]))],
-                       "n", 1))
+                       "n", 1, 16))
     # Steps 3 and 4 were reported failed (the node may have applied them or not): step 5
     # builds on step 2 and is accepted either way.
-    cache.commit(stage(cache, [_pool_step(3, **_new_table("c", 3, [2]))], "n", 1))
-    staged = stage(cache, [_pool_step(5, base=2, **_new_table("d", 5, [3]))], "n", 1)
+    cache.commit(stage(cache, [_pool_step(3, **_new_table("c", 3, [2]))], "n", 1, 16))
+    staged = stage(cache, [_pool_step(5, base=2, **_new_table("d", 5, [3]))], "n", 1, 16)
     assert staged.last_step_id == 5
     # A reset (the pool changed scheduler) forgets every table first.
     reset = _pool_step(9, base=0, reset=True, **_new_table("e", 9, [4]))
-    cache.commit(stage(cache, [reset], "n", 1))
+    cache.commit(stage(cache, [reset], "n", 1, 16))
     assert len(cache) == 1 and cache.get(SeqId("e")) is not None and cache.last_step_id == 9
 
 

@@ -22,6 +22,11 @@ from block_manager.store import (
 )
 
 HERE = Path(__file__).parent
+# Child processes' pipes must be closed by the tests themselves, not by the garbage collector.
+pytestmark = [
+    pytest.mark.filterwarnings("error::ResourceWarning"),
+    pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning"),
+]
 REPO = HERE.parents[2]
 
 
@@ -115,6 +120,8 @@ def test_acknowledged_records_survive_sigkill(durable_url: str, opened) -> None:
         finally:
             proc.kill()
             proc.wait(timeout=30)
+            if proc.stdout is not None:
+                proc.stdout.close()   # else the pipe is left to the garbage collector (ResourceWarning)
     assert last_snap > 0
     store = opened(durable_url, StoreOptions(lock_wait_s=10.0))
     recovered = store.recover()

@@ -1,0 +1,115 @@
+"""`pagedkv-demo` and `scripts/run.sh demo` as a user meets them (issue 10): the plot goes to the
+working directory or `--plot`, a bad `--plot` is refused before the run, Ctrl-C is one line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import engine.demo_services
+from engine import demo
+from tests.support.polling import eventually_sync
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def no_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(args: object) -> int:
+        raise AssertionError("the services run started although --plot is unusable")
+
+    monkeypatch.setattr(engine.demo_services, "run", refuse)
+
+
+@pytest.mark.parametrize(
+    ("plot", "reason"),
+    [
+        ("missing-dir/out.png", "does not exist"),
+        (".", "is a directory"),
+        ("out.nosuchformat", "unsupported image type"),
+    ],
+)
+def test_bad_plot_path_is_refused_before_the_run(
+    plot: str, reason: str, no_run: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert demo.main(["--requests", "2", "--plot", plot]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("pagedkv-demo: error: --plot") and reason in err, err
+
+
+def test_default_plot_goes_to_the_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[Path] = []
+    monkeypatch.setattr(engine.demo_services, "run", lambda args: seen.append(args.plot) or 0)
+    monkeypatch.chdir(tmp_path)
+    assert demo.main(["--requests", "2"]) == 0
+    assert seen == [tmp_path / "pagedkv-demo.png"]
+
+
+def test_run_sh_demo_starts_in_the_callers_directory(tmp_path: Path) -> None:
+    """run.sh cds to the repository to install; the demo itself must run where it was called
+    from (its PNG landed in the repository root whatever the working directory)."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    fake_demo = venv / "bin" / "pagedkv-demo"
+    fake_demo.write_text("#!/bin/sh\npwd\n")
+    fake_demo.chmod(0o755)
+    (venv / ".pagedkv-installed-demo").touch()   # "installed": run.sh skips pip
+    os.utime(venv / ".pagedkv-installed-demo", (4102444800, 4102444800))   # newer than pyproject.toml
+    work = tmp_path / "work"
+    work.mkdir()
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "run.sh"), "demo"], cwd=work, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PAGEDKV_VENV": str(venv)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(work)
+
+
+def _children(pid: int) -> set[int]:
+    """Pids whose parent is `pid` (from /proc: no psutil here)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue   # exited meanwhile
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+def test_ctrl_c_is_one_line_and_stops_the_stack(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine.demo", "--requests", "200", "--plot", str(tmp_path / "p.png")],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert "starting block manager" in proc.stdout.readline()
+        services = eventually_sync(lambda: _children(proc.pid), what="the first service process")
+        proc.send_signal(signal.SIGINT)   # mid start-up: the stack is half up
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == demo.EXIT_INTERRUPTED
+    assert err.strip() == "pagedkv-demo: interrupted", err[-2000:]
+    assert not [pid for pid in services if _alive(pid)], "a service outlived the demo"
