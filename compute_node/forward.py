@@ -33,6 +33,9 @@ from compute_node.wire import WireError, decode_tensor
 from pagedkv.v1 import compute_node_pb2 as pb
 
 QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The kernels take the softmax scale as a float32: it must be a normal float32.
+_MIN_SCALE = float(np.finfo(np.float32).tiny)
+_MAX_SCALE = float(np.finfo(np.float32).max)
 
 
 @dataclass(slots=True)
@@ -93,8 +96,8 @@ def parse_forward(request: pb.ForwardRequest, geometry: PoolGeometry, max_batch:
     num_tokens = sum(s.num_new_tokens for s in seqs)
     layers = _parse_layers(request, geometry, num_tokens) if seqs else []
     scale = float(request.scale) if request.scale else 1.0 / math.sqrt(geometry.head_dim)
-    if not math.isfinite(scale) or scale <= 0:
-        raise InvalidForward(f"scale must be a positive finite number, got {request.scale}")
+    if not math.isfinite(scale) or not _MIN_SCALE <= scale <= _MAX_SCALE:
+        raise InvalidForward(f"scale must be a positive number a float32 holds, got {request.scale}")
     return ForwardBatch(request.request_id, list(request.steps), seqs, layers, scale, num_tokens)
 
 
