@@ -21,6 +21,7 @@ from block_manager.core.types import SeqId
 from block_manager.service.defrag_runner import DefragRunner
 from block_manager.service.protocol import MutatingServicer, check_request_id, request_digest
 from block_manager.service.runtime import ServiceRuntime
+from block_manager.service.state import ServiceState
 from block_manager.service.state_codec import check_count, check_ids
 from block_manager.service.status import code_for_reason
 from pagedkv.v1 import block_manager_pb2 as pb
@@ -118,6 +119,79 @@ def step_response(r: dict[str, Any]) -> pb.StepResponse:
     return resp
 
 
+def register_payload(request: pb.RegisterNodeRequest) -> dict[str, Any]:
+    g = request.geometry
+    return {
+        "node_id": request.node_id,
+        "num_blocks": request.num_blocks,
+        "block_size": request.block_size,
+        "geometry": {
+            "num_layers": g.num_layers,
+            "num_kv_heads": g.num_kv_heads,
+            "head_dim": g.head_dim,
+            "dtype": g.dtype,
+            "device": g.device,
+        },
+        "address": request.address,
+    }
+
+
+def register_response(r: dict[str, Any]) -> pb.RegisterNodeResponse:
+    return pb.RegisterNodeResponse(
+        pool_id=r["pool_id"],
+        epoch=r["epoch"],
+        lease_ttl_s=r["lease_ttl_s"],
+        block_size=r["block_size"],
+        num_blocks=r["num_blocks"],
+        prefetch_window=r["prefetch_window"],
+    )
+
+
+def route_response(state: ServiceState, request: pb.RouteRequest) -> pb.RouteResponse:
+    """Pools ranked per prompt (one prompt, or many: `num_token_ids` splits the ids)."""
+    token_ids = list(request.token_ids)
+    if len(token_ids) > MAX_ROUTE_TOKENS:
+        raise InvalidRequest(f"route takes at most {MAX_ROUTE_TOKENS} token ids, got {len(token_ids)}")
+    if not request.num_token_ids:
+        salt = request.salt if request.HasField("salt") else None
+        return pb.RouteResponse(entries=_route_entries(state, token_ids, salt))
+    counts = list(request.num_token_ids)
+    salts = list(request.salts)
+    if len(counts) > state.config.max_batch or sum(counts) != len(token_ids):
+        raise InvalidRequest("route: one token count per prompt, summing to the token ids given")
+    if request.salt_index and len(request.salt_index) != len(counts):
+        raise InvalidRequest("route: one salt index per prompt (or none)")
+    resp = pb.RouteResponse()
+    pos = 0
+    for i, n in enumerate(counts):
+        si = request.salt_index[i] if request.salt_index else -1
+        if not -1 <= si < len(salts):
+            raise InvalidRequest(f"route: salt index {si} out of range")
+        entries = _route_entries(state, token_ids[pos : pos + n], salts[si] if si >= 0 else None)
+        resp.results.add().entries.extend(entries)
+        pos += n
+    if resp.results:
+        resp.entries.extend(resp.results[0].entries)
+    return resp
+
+
+def _route_entries(state: ServiceState, token_ids: list[int], salt: str | None) -> list[pb.RouteEntry]:
+    out = []
+    for e in state.core.route(token_ids, salt):
+        node = state.registry.get(e.pool_id)
+        if node.draining or node.fenced:
+            continue
+        out.append(
+            pb.RouteEntry(
+                pool_id=e.pool_id,
+                num_cached_tokens=e.num_cached_tokens,
+                num_free_blocks=e.num_free_blocks,
+                address=node.address,
+            )
+        )
+    return out
+
+
 class BlockManagerServicer(MutatingServicer, pb_grpc.BlockManagerServicer):
     def __init__(self, runtime: ServiceRuntime, defrag: DefragRunner) -> None:
         super().__init__(runtime)
@@ -127,29 +201,8 @@ class BlockManagerServicer(MutatingServicer, pb_grpc.BlockManagerServicer):
     async def RegisterNode(
         self, request: pb.RegisterNodeRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterNodeResponse:
-        g = request.geometry
-        payload = {
-            "node_id": request.node_id,
-            "num_blocks": request.num_blocks,
-            "block_size": request.block_size,
-            "geometry": {
-                "num_layers": g.num_layers,
-                "num_kv_heads": g.num_kv_heads,
-                "head_dim": g.head_dim,
-                "dtype": g.dtype,
-                "device": g.device,
-            },
-            "address": request.address,
-        }
-        r = await self._mutate("RegisterNode", request, "register_node", payload)
-        return pb.RegisterNodeResponse(
-            pool_id=r["pool_id"],
-            epoch=r["epoch"],
-            lease_ttl_s=r["lease_ttl_s"],
-            block_size=r["block_size"],
-            num_blocks=r["num_blocks"],
-            prefetch_window=r["prefetch_window"],
-        )
+        r = await self._mutate("RegisterNode", request, "register_node", register_payload(request))
+        return register_response(r)
 
     async def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
@@ -189,48 +242,15 @@ class BlockManagerServicer(MutatingServicer, pb_grpc.BlockManagerServicer):
     # ---- routing --------------------------------------------------------------------
     async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
         self.runtime.check_readable()
-        state = self.runtime.state
-        token_ids = list(request.token_ids)
-        if len(token_ids) > MAX_ROUTE_TOKENS:
-            raise InvalidRequest(f"route takes at most {MAX_ROUTE_TOKENS} token ids, got {len(token_ids)}")
-        if not request.num_token_ids:
-            salt = request.salt if request.HasField("salt") else None
-            return pb.RouteResponse(entries=self._route_entries(token_ids, salt))
-        counts = list(request.num_token_ids)
-        salts = list(request.salts)
-        if len(counts) > state.config.max_batch or sum(counts) != len(token_ids):
-            raise InvalidRequest("route: one token count per prompt, summing to the token ids given")
-        if request.salt_index and len(request.salt_index) != len(counts):
-            raise InvalidRequest("route: one salt index per prompt (or none)")
-        resp = pb.RouteResponse()
-        pos = 0
-        for i, n in enumerate(counts):
-            si = request.salt_index[i] if request.salt_index else -1
-            if not -1 <= si < len(salts):
-                raise InvalidRequest(f"route: salt index {si} out of range")
-            entries = self._route_entries(token_ids[pos : pos + n], salts[si] if si >= 0 else None)
-            resp.results.add().entries.extend(entries)
-            pos += n
-        if resp.results:
-            resp.entries.extend(resp.results[0].entries)
-        return resp
-
-    def _route_entries(self, token_ids: list[int], salt: str | None) -> list[pb.RouteEntry]:
-        state = self.runtime.state
-        out = []
-        for e in state.core.route(token_ids, salt):
-            node = state.registry.get(e.pool_id)
-            if node.draining or node.fenced:
-                continue
-            out.append(
-                pb.RouteEntry(
-                    pool_id=e.pool_id,
-                    num_cached_tokens=e.num_cached_tokens,
-                    num_free_blocks=e.num_free_blocks,
-                    address=node.address,
-                )
-            )
-        return out
+        return route_response(self.runtime.state, request)
 
 
-__all__ = ["BlockManagerServicer", "fill_pool_step", "step_payload", "step_response"]
+__all__ = [
+    "BlockManagerServicer",
+    "fill_pool_step",
+    "register_payload",
+    "register_response",
+    "route_response",
+    "step_payload",
+    "step_response",
+]
