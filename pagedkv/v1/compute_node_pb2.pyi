@@ -278,6 +278,233 @@ class ForwardResponse(_message.Message):
 Global___ForwardResponse: _TypeAlias = ForwardResponse  # noqa: Y015
 
 @_typing.final
+class Sampling(_message.Message):
+    """How one sequence draws its next token (see compute_node/model/sampling.py)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    TOP_P_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    MIN_P_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    temperature: _builtins.float
+    """0: greedy"""
+    top_p: _builtins.float
+    """0 is read as 1 (off)"""
+    top_k: _builtins.int
+    """0: off"""
+    min_p: _builtins.float
+    seed: _builtins.int
+    """token i is drawn from a number derived from (seed, i)"""
+    logprobs: _builtins.int
+    """unset: none; 0: the sampled token's; k: also the top k"""
+    def __init__(
+        self,
+        *,
+        temperature: _builtins.float = ...,
+        top_p: _builtins.float = ...,
+        top_k: _builtins.int = ...,
+        min_p: _builtins.float = ...,
+        seed: _builtins.int | None = ...,
+        logprobs: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_seed", b"_seed", "logprobs", b"logprobs", "seed", b"seed"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_seed", b"_seed", "logprobs", b"logprobs", "min_p", b"min_p", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
+    _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
+    _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
+    _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+
+Global___Sampling: _TypeAlias = Sampling  # noqa: Y015
+
+@_typing.final
+class GenerateSequence(_message.Message):
+    """One sequence of a model step: its new token ids, at positions
+    `context_len - len(token_ids) … context_len - 1` (the tail of the node's record of it).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_ID_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    CONTEXT_LEN_FIELD_NUMBER: _builtins.int
+    SAMPLING_FIELD_NUMBER: _builtins.int
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    seq_id: _builtins.str
+    context_len: _builtins.int
+    num_output_tokens: _builtins.int
+    """the index of the token to sample (seeded draws)"""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def sampling(self) -> Global___Sampling:
+        """unset: compute K/V only (a middle prefill chunk)"""
+
+    def __init__(
+        self,
+        *,
+        seq_id: _builtins.str = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        context_len: _builtins.int = ...,
+        sampling: Global___Sampling | None = ...,
+        num_output_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_len", b"context_len", "num_output_tokens", b"num_output_tokens", "sampling", b"sampling", "seq_id", b"seq_id", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateSequence: _TypeAlias = GenerateSequence  # noqa: Y015
+
+@_typing.final
+class GenerateRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    STEPS_FIELD_NUMBER: _builtins.int
+    SEQUENCES_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """a retry with the same id gets the same answer, run once"""
+    @_builtins.property
+    def steps(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.PoolStep]:
+        """as in ForwardRequest"""
+
+    @_builtins.property
+    def sequences(self) -> _containers.RepeatedCompositeFieldContainer[Global___GenerateSequence]: ...
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        steps: _abc.Iterable[_common_pb2.PoolStep] | None = ...,
+        sequences: _abc.Iterable[Global___GenerateSequence] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "sequences", b"sequences", "steps", b"steps"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class SampledToken(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_ID_FIELD_NUMBER: _builtins.int
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    TOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    seq_id: _builtins.str
+    token_id: _builtins.int
+    logprob: _builtins.float
+    @_builtins.property
+    def top_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """most likely first"""
+
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def __init__(
+        self,
+        *,
+        seq_id: _builtins.str = ...,
+        token_id: _builtins.int = ...,
+        logprob: _builtins.float | None = ...,
+        top_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        top_logprobs: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "logprob", b"logprob"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "logprob", b"logprob", "seq_id", b"seq_id", "token_id", b"token_id", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__logprob: _TypeAlias = _typing.Literal["logprob"]  # noqa: Y015
+    _WhichOneofArgType__logprob: _TypeAlias = _typing.Literal["_logprob", b"_logprob"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprob) -> _WhichOneofReturnType__logprob | None: ...
+
+Global___SampledToken: _TypeAlias = SampledToken  # noqa: Y015
+
+@_typing.final
+class GenerateStats(_message.Message):
+    """Where a model step's time went (seconds)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PREPARE_S_FIELD_NUMBER: _builtins.int
+    DENSE_S_FIELD_NUMBER: _builtins.int
+    ATTENTION_S_FIELD_NUMBER: _builtins.int
+    SAMPLE_S_FIELD_NUMBER: _builtins.int
+    COPY_OPS_S_FIELD_NUMBER: _builtins.int
+    TOTAL_S_FIELD_NUMBER: _builtins.int
+    NUM_COPY_OPS_FIELD_NUMBER: _builtins.int
+    LAST_STEP_ID_FIELD_NUMBER: _builtins.int
+    prepare_s: _builtins.float
+    """checks and index tensors (host)"""
+    dense_s: _builtins.float
+    """embedding, norms, matmuls, LM head"""
+    attention_s: _builtins.float
+    """K/V writes and paged attention kernels"""
+    sample_s: _builtins.float
+    copy_ops_s: _builtins.float
+    total_s: _builtins.float
+    """the whole RPC on the node"""
+    num_copy_ops: _builtins.int
+    last_step_id: _builtins.int
+    def __init__(
+        self,
+        *,
+        prepare_s: _builtins.float = ...,
+        dense_s: _builtins.float = ...,
+        attention_s: _builtins.float = ...,
+        sample_s: _builtins.float = ...,
+        copy_ops_s: _builtins.float = ...,
+        total_s: _builtins.float = ...,
+        num_copy_ops: _builtins.int = ...,
+        last_step_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_s", b"attention_s", "copy_ops_s", b"copy_ops_s", "dense_s", b"dense_s", "last_step_id", b"last_step_id", "num_copy_ops", b"num_copy_ops", "prepare_s", b"prepare_s", "sample_s", b"sample_s", "total_s", b"total_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateStats: _TypeAlias = GenerateStats  # noqa: Y015
+
+@_typing.final
+class GenerateResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKENS_FIELD_NUMBER: _builtins.int
+    STATS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tokens(self) -> _containers.RepeatedCompositeFieldContainer[Global___SampledToken]:
+        """one per sequence with `sampling`, in request order"""
+
+    @_builtins.property
+    def stats(self) -> Global___GenerateStats: ...
+    def __init__(
+        self,
+        *,
+        tokens: _abc.Iterable[Global___SampledToken] | None = ...,
+        stats: Global___GenerateStats | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
+
+@_typing.final
 class GetNodeInfoRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -308,6 +535,10 @@ class GetNodeInfoResponse(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     LAST_STEP_ID_FIELD_NUMBER: _builtins.int
     NUM_CACHED_TABLES_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    VOCAB_SIZE_FIELD_NUMBER: _builtins.int
+    MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
+    EOS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     epoch: _builtins.int
     """0 while not registered"""
@@ -322,6 +553,12 @@ class GetNodeInfoResponse(_message.Message):
     last_step_id: _builtins.int
     """the pool's last applied block manager step"""
     num_cached_tables: _builtins.int
+    model: _builtins.str
+    """the served model's directory name ("" : attention only)"""
+    vocab_size: _builtins.int
+    max_model_len: _builtins.int
+    @_builtins.property
+    def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -337,10 +574,14 @@ class GetNodeInfoResponse(_message.Message):
         num_blocks: _builtins.int = ...,
         last_step_id: _builtins.int = ...,
         num_cached_tables: _builtins.int = ...,
+        model: _builtins.str = ...,
+        vocab_size: _builtins.int = ...,
+        max_model_len: _builtins.int = ...,
+        eos_token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device", b"device", "dtype", b"dtype", "epoch", b"epoch", "head_dim", b"head_dim", "last_step_id", b"last_step_id", "node_id", b"node_id", "num_blocks", b"num_blocks", "num_cached_tables", b"num_cached_tables", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "registered", b"registered"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "epoch", b"epoch", "head_dim", b"head_dim", "last_step_id", b"last_step_id", "max_model_len", b"max_model_len", "model", b"model", "node_id", b"node_id", "num_blocks", b"num_blocks", "num_cached_tables", b"num_cached_tables", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "registered", b"registered", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -39,6 +39,11 @@ class ComputeNodeStub:
                 request_serializer=pagedkv_dot_v1_dot_compute__node__pb2.ForwardRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_v1_dot_compute__node__pb2.ForwardResponse.FromString,
                 _registered_method=True)
+        self.Generate = channel.unary_unary(
+                '/pagedkv.v1.ComputeNode/Generate',
+                request_serializer=pagedkv_dot_v1_dot_compute__node__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_v1_dot_compute__node__pb2.GenerateResponse.FromString,
+                _registered_method=True)
         self.GetNodeInfo = channel.unary_unary(
                 '/pagedkv.v1.ComputeNode/GetNodeInfo',
                 request_serializer=pagedkv_dot_v1_dot_compute__node__pb2.GetNodeInfoRequest.SerializeToString,
@@ -58,6 +63,15 @@ class ComputeNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Generate(self, request, context):
+        """One model step (nodes serving a model): apply the pool's steps, run every layer for the
+        whole batch (prefill chunks and decodes mixed), sample one token per sequence that asks.
+        Logits never leave the node. Validated before anything is written, like Forward.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetNodeInfo(self, request, context):
         """The node's pool geometry and registration (read-only).
         """
@@ -72,6 +86,11 @@ def add_ComputeNodeServicer_to_server(servicer, server):
                     servicer.Forward,
                     request_deserializer=pagedkv_dot_v1_dot_compute__node__pb2.ForwardRequest.FromString,
                     response_serializer=pagedkv_dot_v1_dot_compute__node__pb2.ForwardResponse.SerializeToString,
+            ),
+            'Generate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=pagedkv_dot_v1_dot_compute__node__pb2.GenerateRequest.FromString,
+                    response_serializer=pagedkv_dot_v1_dot_compute__node__pb2.GenerateResponse.SerializeToString,
             ),
             'GetNodeInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetNodeInfo,
@@ -106,6 +125,33 @@ class ComputeNode:
             '/pagedkv.v1.ComputeNode/Forward',
             pagedkv_dot_v1_dot_compute__node__pb2.ForwardRequest.SerializeToString,
             pagedkv_dot_v1_dot_compute__node__pb2.ForwardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.v1.ComputeNode/Generate',
+            pagedkv_dot_v1_dot_compute__node__pb2.GenerateRequest.SerializeToString,
+            pagedkv_dot_v1_dot_compute__node__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

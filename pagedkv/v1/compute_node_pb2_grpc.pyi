@@ -47,6 +47,11 @@ class ComputeNodeStub:
     Everything is validated before anything is written: an error status means no slot
     of the pool changed.
     """
+    Generate: _grpc.UnaryUnaryMultiCallable[_compute_node_pb2.GenerateRequest, _compute_node_pb2.GenerateResponse]
+    """One model step (nodes serving a model): apply the pool's steps, run every layer for the
+    whole batch (prefill chunks and decodes mixed), sample one token per sequence that asks.
+    Logits never leave the node. Validated before anything is written, like Forward.
+    """
     GetNodeInfo: _grpc.UnaryUnaryMultiCallable[_compute_node_pb2.GetNodeInfoRequest, _compute_node_pb2.GetNodeInfoResponse]
     """The node's pool geometry and registration (read-only)."""
 
@@ -57,6 +62,11 @@ class ComputeNodeAsyncStub(ComputeNodeStub):
     """One scheduler step: write K/V of the new tokens, run paged attention, return outputs.
     Everything is validated before anything is written: an error status means no slot
     of the pool changed.
+    """
+    Generate: _aio.UnaryUnaryMultiCallable[_compute_node_pb2.GenerateRequest, _compute_node_pb2.GenerateResponse]  # type: ignore[assignment]
+    """One model step (nodes serving a model): apply the pool's steps, run every layer for the
+    whole batch (prefill chunks and decodes mixed), sample one token per sequence that asks.
+    Logits never leave the node. Validated before anything is written, like Forward.
     """
     GetNodeInfo: _aio.UnaryUnaryMultiCallable[_compute_node_pb2.GetNodeInfoRequest, _compute_node_pb2.GetNodeInfoResponse]  # type: ignore[assignment]
     """The node's pool geometry and registration (read-only)."""
@@ -71,6 +81,17 @@ class ComputeNodeServicer(metaclass=_abc_1.ABCMeta):
         """One scheduler step: write K/V of the new tokens, run paged attention, return outputs.
         Everything is validated before anything is written: an error status means no slot
         of the pool changed.
+        """
+
+    @_abc_1.abstractmethod
+    def Generate(
+        self,
+        request: _compute_node_pb2.GenerateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_compute_node_pb2.GenerateResponse, _abc.Awaitable[_compute_node_pb2.GenerateResponse]]:
+        """One model step (nodes serving a model): apply the pool's steps, run every layer for the
+        whole batch (prefill chunks and decodes mixed), sample one token per sequence that asks.
+        Logits never leave the node. Validated before anything is written, like Forward.
         """
 
     @_abc_1.abstractmethod

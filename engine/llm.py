@@ -1,0 +1,155 @@
+"""`LLM`: generate text with a Hugging Face model directory, the paged KV cache underneath.
+
+    from pagedkv import LLM, SamplingParams
+    llm = LLM(model="/models/Qwen2.5-0.5B-Instruct")
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+    print(outs[0].outputs[0].text)
+
+By default everything runs in this process: the block manager's state machine
+(`LocalBlockManagerClient`, no server) and one model node on the best device (CUDA when
+present). `LLM(model=DIR, block_manager="host:port")` drives running services instead: the
+nodes registered with that block manager (started with `compute-node serve --model DIR`),
+found through the block manager and used data-parallel, routed by prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from engine.executor import NodeExecutor, RemoteNode
+from engine.llm_engine import EngineConfig, EngineError, LLMEngine
+from engine.params import InvalidParams, RequestOutput, SamplingParams
+from engine.tokenizer import Tokenizer
+
+Prompt = str | Mapping[str, Any]   # text, or {"prompt_token_ids": [...]}
+
+
+class LLM:
+    """A model served with continuous batching over a paged KV cache (see the module docstring).
+
+    Options: `block_size` (tokens per KV block), `kv_cache_memory` (bytes for the KV pool) or
+    `num_kv_blocks`, `dtype` ("float32", "float16", "bfloat16"; default the checkpoint's),
+    `device` ("auto", "cpu", "cuda", "cuda:N"), `enable_prefix_caching`, `max_num_seqs`,
+    `max_num_batched_tokens` (per step; longer prompts are prefilled in chunks),
+    `max_model_len`.
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        block_manager: str | None = None,
+        block_size: int = 16,
+        kv_cache_memory: int | None = None,
+        num_kv_blocks: int | None = None,
+        dtype: str | None = None,
+        device: str = "auto",
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        watermark: float = 0.01,
+    ) -> None:
+        self.model_dir = Path(model)
+        if not self.model_dir.is_dir():
+            raise EngineError(f"model directory {self.model_dir} does not exist")
+        self.tokenizer = Tokenizer(self.model_dir)
+        nodes: dict[str, NodeExecutor]
+        if block_manager is None:
+            from block_manager.service.config import BlockManagerConfig
+            from engine.local_bm import LocalBlockManagerClient
+            from engine.local_node import LocalNode
+
+            client = LocalBlockManagerClient(BlockManagerConfig(
+                database_url="memory://", block_size=block_size, watermark=watermark,
+                enable_prefix_caching=enable_prefix_caching,
+            ))
+            if kv_cache_memory is None and num_kv_blocks is None:
+                kv_cache_memory = 512 << 20
+            node = LocalNode.start(client, "local-0", self.model_dir, block_size=block_size,
+                                   num_blocks=num_kv_blocks, kv_memory_bytes=None if num_kv_blocks else kv_cache_memory,
+                                   dtype=dtype, device=device, max_model_len=max_model_len)
+            nodes = {node.node_id: node}
+        else:
+            from block_manager.client import BlockManagerClient
+
+            client = BlockManagerClient(block_manager)
+            routes = client.route([0])
+            if not routes:
+                raise EngineError(f"no compute node is registered with the block manager at {block_manager}")
+            nodes = {r.pool_id: RemoteNode(r.pool_id, r.address) for r in routes}
+        self.client = client
+        self.engine = LLMEngine(
+            client, nodes,
+            EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                         max_model_len=max_model_len),
+            detokenize=self.tokenizer.decode,
+        )
+        if block_manager is not None and self.engine.model_name != self.model_dir.name:
+            raise EngineError(f"the nodes serve {self.engine.model_name!r}, not {self.model_dir.name!r}")
+        if self.tokenizer.eos_token_id is not None:
+            self.engine.eos_token_ids = self.engine.eos_token_ids | {self.tokenizer.eos_token_id}
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """One `RequestOutput` per prompt, in order, each with `n` completions."""
+        if isinstance(prompts, (str, Mapping)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise InvalidParams(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, per_prompt):
+                text, token_ids = self._tokens(prompt)
+                ids.append(self.engine.add_request(token_ids, p, prompt=text))
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        self.engine.flush()
+        return [finished[rid] for rid in ids]
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], sampling_params: SamplingParams | None = None) \
+            -> RequestOutput:
+        """One conversation through the model's chat template."""
+        text = self.tokenizer.apply_chat_template(messages)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return self.generate({"prompt_token_ids": ids, "prompt": text}, sampling_params)[0]
+
+    def _tokens(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, Sequence) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise InvalidParams("prompt_token_ids must be a list of integers")
+            return prompt.get("prompt"), list(ids)
+        raise InvalidParams("a prompt is a string or {'prompt_token_ids': [...]}")
+
+    def close(self) -> None:
+        self.engine.close()
+        for node in self.engine.nodes.values():
+            node.close()
+        self.client.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["LLM"]

@@ -1,0 +1,521 @@
+"""The engine: continuous batching over the block manager and the model nodes, one step at a time.
+
+Each `step()`:
+
+1. plans the step under a token budget (`max_num_batched_tokens`) and a sequence cap
+   (`max_num_seqs`): running sequences first (a decode token each, or the next chunk of a
+   long prompt: chunked prefill), forks of `n > 1` requests whose shared prompt is computed,
+   then new requests in arrival order (cache-aware placement: one batched Route);
+2. sends ONE `Step` to the block manager (frees of finished and preempted sequences, the
+   reports of the previous step's Forwards, admissions, forks, appends with their token ids
+   so generated text is prefix-cached too; in-block decode appends are answered by the
+   client library without a round trip);
+3. sends each node one `Generate` carrying that node's `PoolStep` (copy ops and table deltas
+   to apply first) and its sequences' new token ids; nodes run in parallel (data parallel:
+   every node holds a full model replica);
+4. reports every Forward with the next step, appends the sampled tokens, applies stop rules
+   and returns what changed.
+
+An admission that does not fit (the block manager keeps a watermark of free blocks for the
+running sequences) waits. A running sequence whose append does not fit preempts the most
+recently admitted running sequence (possibly itself): it is freed and re-queued at the front,
+and later recomputes everything it had (recompute preemption). A node that fails a step has
+its step reported failed (the block manager drops what that step wrote) and its sequences are
+re-queued the same way, so a request survives a failed Forward.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from block_manager.client import BlockManagerClient, ItemFailure, OutOfBlocksError, PoolStepInfo, StepResult
+from compute_node.model.sampling import derive_seed
+from engine.executor import NodeExecutor
+from engine.params import CompletionOutput, InvalidParams, RequestOutput, SamplingParams
+from engine.sequence import Request, SeqStatus, Sequence
+from pagedkv.rpc import RETRYABLE_CODES
+from pagedkv.stats import percentile
+from pagedkv.v1 import compute_node_pb2 as pb
+
+STAT_WINDOW = 100_000
+
+
+class EngineError(Exception):
+    """A request the engine cannot serve (too long for the model or for the KV memory)."""
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    max_num_seqs: int = 256               # running sequences at once
+    max_num_batched_tokens: int = 2048    # new tokens per step (chunked prefill splits prompts)
+    max_model_len: int | None = None      # None: the nodes' (the smallest)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters since the engine started (the API server exports them)."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_failed_steps: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generated_tokens: int = 0
+    num_finished: int = 0
+    # recent samples only (a long-running server must not grow without bound)
+    ttft_s: deque[float] = field(default_factory=lambda: deque(maxlen=STAT_WINDOW))   # arrival → first token
+    itl_s: deque[float] = field(default_factory=lambda: deque(maxlen=STAT_WINDOW))    # between tokens
+    step_s: deque[float] = field(default_factory=lambda: deque(maxlen=STAT_WINDOW))
+    bm_s: float = 0.0          # time in block manager calls (Step, Route)
+    node_s: float = 0.0        # time in Generate calls (wall, nodes in parallel)
+
+    def summary(self) -> dict[str, float]:
+        def p(xs: deque[float], q: float) -> float:
+            return 1e3 * percentile(xs, q) if xs else 0.0
+
+        return {
+            "steps": self.num_steps, "preemptions": self.num_preemptions,
+            "generated_tokens": self.generated_tokens, "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "ttft_p50_ms": p(self.ttft_s, 50), "ttft_p99_ms": p(self.ttft_s, 99),
+            "itl_p50_ms": p(self.itl_s, 50), "itl_p99_ms": p(self.itl_s, 99),
+        }
+
+
+@dataclass(slots=True)
+class _Work:
+    """One sequence's share of a node's Generate this step."""
+
+    seq: Sequence
+    token_ids: list[int]
+    context_len: int
+    sample: bool
+
+
+class LLMEngine:
+    """One scheduler over one block manager (`client`) and model nodes (`nodes`, by pool id)."""
+
+    def __init__(
+        self,
+        client: BlockManagerClient,
+        nodes: dict[str, NodeExecutor],
+        config: EngineConfig | None = None,
+        *,
+        detokenize: Any = None,
+    ) -> None:
+        if not nodes:
+            raise EngineError("the engine needs at least one model node")
+        self.client = client
+        self.nodes = nodes
+        self.config = config or EngineConfig()
+        self.detokenize = detokenize          # token ids -> text, or None
+        infos = {nid: node.info() for nid, node in nodes.items()}
+        for nid, info in infos.items():
+            if not info.model:
+                raise EngineError(f"node {nid!r} serves no model (start it with a model directory)")
+            if not info.registered:
+                raise EngineError(f"node {nid!r} is not registered with the block manager")
+            client.tracker.set_block_size(nid, info.block_size)
+        first = next(iter(infos.values()))
+        if any((i.model, i.vocab_size) != (first.model, first.vocab_size) for i in infos.values()):
+            raise EngineError("every node must serve the same model")
+        self.model_name = first.model
+        self.vocab_size = first.vocab_size
+        self.eos_token_ids = frozenset(first.eos_token_ids)
+        node_len = min(i.max_model_len for i in infos.values())
+        self.max_model_len = min(self.config.max_model_len or node_len, node_len)
+        self.pool_blocks = {nid: (i.num_blocks, i.block_size) for nid, i in infos.items()}
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._to_free: list[Sequence] = []
+        self._changed: set[str] = set()   # requests with news since the last outputs
+        self._usage_at = -1e9
+        self._usage = 0.0
+        self._ids = itertools.count()
+        self._pool = ThreadPoolExecutor(max_workers=len(nodes), thread_name_prefix="generate") \
+            if len(nodes) > 1 else None
+
+    # ---- requests -----------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; `EngineError` / `InvalidParams` when it can never be served."""
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise InvalidParams("the prompt is empty")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise InvalidParams(f"prompt token ids must be in [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise EngineError(
+                f"the prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
+                "(prompt + at least one generated token)"
+            )
+        capacity = max(n * bs for n, bs in self.pool_blocks.values())
+        if len(ids) + 1 > capacity:
+            raise EngineError(f"the prompt needs {len(ids) + 1} KV slots; the largest node holds {capacity}")
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise InvalidParams(f"request id {rid!r} is already in use")
+        req = Request(rid, prompt, ids, params)
+        req.outputs = [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None,
+                                        top_logprobs=[] if params.logprobs else None) for i in range(params.n)]
+        req.detok_offsets = [0] * params.n
+        fork = params.n > 1 and len(ids) >= 2
+        for i in range(params.n):
+            seed = None if params.seed is None else derive_seed(params.seed, i)
+            seq = Sequence(req, i, list(ids), len(ids), seed, fork_parent=fork and i == 0)
+            req.seqs.append(seq)
+            if not fork or i == 0:
+                self.waiting.append(seq)
+            else:
+                seq.status = SeqStatus.FORKING   # created by the parent's fork
+        self.requests[rid] = req
+        self.stats.prompt_tokens += len(ids)
+        return rid
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request (a client went away): its sequences are freed with the next step."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        req.aborted = True
+        for seq in req.seqs:
+            self._finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def kv_usage(self) -> float:
+        """Fraction of the nodes' KV blocks in use (read from the block manager at most once a
+        second: Route reports every pool's free blocks)."""
+        now = time.monotonic()
+        if now - self._usage_at >= 1.0:
+            self._usage_at = now
+            routes = self.client.route([0])
+            total = sum(self.pool_blocks[r.pool_id][0] for r in routes if r.pool_id in self.pool_blocks)
+            free = sum(r.num_free_blocks for r in routes if r.pool_id in self.pool_blocks)
+            self._usage = 1.0 - free / total if total else 0.0
+        return self._usage
+
+    # ---- the step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; the outputs of the requests that changed."""
+        started = time.perf_counter()
+        batch = self.client.step()
+        free_ids = [s.seq_id for s in self._to_free if s.seq_id]
+        if free_ids:
+            batch.free(free_ids)
+        freeing = self._to_free
+        self._to_free = []
+        budget = self.config.max_num_batched_tokens
+        planned: list[tuple[Sequence, int]] = []     # (seq, tokens to compute) for appends
+        forks: list[Sequence] = []
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.fork_parent and seq.num_computed == seq.prefill_target:
+                forks.append(seq)
+                continue
+            n = min(len(seq.token_ids) - seq.num_computed, seq.prefill_target - seq.num_computed
+                    if seq.num_computed < seq.prefill_target else 1, budget)
+            if n <= 0:
+                continue
+            batch.append(seq.seq_id, seq.token_ids[seq.num_computed : seq.num_computed + n])
+            planned.append((seq, n))
+            budget -= n
+        children_of: dict[Sequence, list[Sequence]] = {}
+        for parent in forks:
+            kids = [s for s in parent.request.seqs if s.status is SeqStatus.FORKING]
+            for kid in kids:
+                kid.seq_id = kid.new_admission_id()
+            batch.fork(parent.seq_id, [k.seq_id for k in kids])
+            children_of[parent] = kids
+            for s in (parent, *kids):   # each computes the last prompt token and samples
+                batch.append(s.seq_id, [s.token_ids[-1]] if s is parent else [parent.token_ids[-1]])
+            budget -= 1 + len(kids)
+        admitted = self._plan_admissions(batch, budget, len(self.running) + sum(map(len, children_of.values())))
+        t0 = time.perf_counter()
+        result = batch.commit()
+        self.stats.bm_s += time.perf_counter() - t0
+        for seq in freeing:
+            seq.seq_id = ""
+        work = self._apply_step_result(result, planned, children_of, admitted)
+        self._run_nodes(result, work)
+        self.stats.num_steps += 1
+        self.stats.step_s.append(time.perf_counter() - started)
+        return self._collect_outputs()
+
+    def _plan_admissions(self, batch: Any, budget: int, num_running: int) -> list[tuple[Sequence, str]]:
+        """New (and preempted) sequences, in order, while budget and sequence slots last."""
+        if budget <= 0 or not self.waiting or num_running >= self.config.max_num_seqs:
+            return []
+        candidates = list(itertools.islice(self.waiting, self.config.max_num_seqs - num_running))
+        t0 = time.perf_counter()
+        routes = self.client.route_many([(s.token_ids, None) for s in candidates])
+        self.stats.bm_s += time.perf_counter() - t0
+        admitted: list[tuple[Sequence, str]] = []
+        for seq, ranked in zip(candidates, routes):
+            if budget <= 0:
+                break
+            ranked = [r for r in ranked if r.pool_id in self.nodes]
+            pool = ranked[0].pool_id if ranked else next(iter(self.nodes))
+            cached = ranked[0].num_cached_tokens if ranked else 0
+            seq.seq_id = seq.new_admission_id()
+            tokens = seq.token_ids[: seq.prefill_target] if seq.fork_parent else seq.token_ids
+            batch.allocate(seq.seq_id, pool, tokens, num_compute=budget)
+            admitted.append((seq, pool))
+            budget -= max(1, len(tokens) - cached)
+        return admitted
+
+    def _apply_step_result(
+        self,
+        result: StepResult,
+        planned: list[tuple[Sequence, int]],
+        children_of: dict[Sequence, list[Sequence]],
+        admitted: list[tuple[Sequence, str]],
+    ) -> dict[str, list[_Work]]:
+        work: dict[str, list[_Work]] = {}
+
+        def add(seq: Sequence, start: int, end: int) -> None:
+            # a sequence samples once its whole prompt is computed (a fork parent stops one short)
+            item = _Work(seq, seq.token_ids[start:end], end, end >= seq.num_prompt)
+            work.setdefault(seq.node_id or "", []).append(item)
+
+        dropped = set(result.dropped)
+        for seq in list(self.running):
+            if seq.seq_id in dropped:
+                self._requeue(seq)
+        failed_appends: list[Sequence] = []
+        for seq, n in planned:
+            out = result.appends.get(seq.seq_id)
+            if isinstance(out, ItemFailure) or out is None:
+                if isinstance(out, ItemFailure) and isinstance(out.error, OutOfBlocksError):
+                    failed_appends.append(seq)
+                elif out is not None:
+                    raise EngineError(f"append for {seq.seq_id} failed: {out.error}")
+                continue
+            add(seq, seq.num_computed, seq.num_computed + n)
+        for parent, kids in children_of.items():
+            fork = result.forks.get(parent.seq_id)
+            if isinstance(fork, ItemFailure):
+                raise EngineError(f"fork of {parent.seq_id} failed: {fork.error}")
+            parent.fork_parent = False
+            for kid in kids:
+                kid.status, kid.node_id, kid.num_computed = SeqStatus.RUNNING, parent.node_id, parent.num_computed
+                self.running.append(kid)
+            for s in (parent, *kids):
+                out = result.appends.get(s.seq_id)
+                if isinstance(out, ItemFailure) or out is None:
+                    if isinstance(out, ItemFailure) and isinstance(out.error, OutOfBlocksError):
+                        failed_appends.append(s)
+                        continue
+                    raise EngineError(f"append for {s.seq_id} failed: {out}")
+                add(s, s.num_computed, s.num_computed + 1)
+        for seq, pool in admitted:
+            adm = result.allocations.get(seq.seq_id)
+            if isinstance(adm, ItemFailure) or adm is None:
+                seq.seq_id = ""   # it waits (the block manager keeps its watermark); a new id next time
+                if isinstance(adm, ItemFailure) and not isinstance(adm.error, OutOfBlocksError):
+                    raise EngineError(f"admission of {seq.request.request_id} failed: {adm.error}")
+                continue
+            self.waiting.remove(seq)
+            seq.status, seq.node_id = SeqStatus.RUNNING, pool
+            seq.num_computed = adm.num_cached_tokens
+            if seq.request.num_cached_tokens == 0 and seq.index == 0:
+                seq.request.num_cached_tokens = adm.num_cached_tokens
+            self.stats.cached_prompt_tokens += adm.num_cached_tokens
+            self.running.append(seq)
+            add(seq, adm.num_cached_tokens, adm.num_tokens)
+        if failed_appends:
+            busy = {w.seq for items in work.values() for w in items}
+            self._preempt_for(failed_appends, busy)
+        return work
+
+    def _preempt_for(self, starved: list[Sequence], busy: set[Sequence]) -> None:
+        """Free the most recently admitted running sequences without work in this step, one
+        per starved append (a starved sequence, whose append changed nothing, may be its own
+        victim); they recompute later. A sequence with work this step is never a victim: its
+        step's slots are assigned, so its Forward must write them."""
+        for _ in starved:
+            victims = [s for s in self.running if s not in busy]
+            if not victims:
+                return
+            self.stats.num_preemptions += 1
+            self._requeue(victims[-1], free=True)
+
+    def _requeue(self, seq: Sequence, *, free: bool = False) -> None:
+        """Back to the front of the queue with everything it has as its prompt."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if free and seq.seq_id:
+            self._to_free.append(seq)
+            # the id is forgotten once the free is sent; a new admission gets a new one
+        else:
+            seq.seq_id = ""
+        seq.status = SeqStatus.WAITING
+        seq.node_id = None
+        seq.num_computed = 0
+        seq.num_prompt = len(seq.token_ids)   # a fork parent keeps its flag until its fork ran
+        self.waiting.appendleft(seq)
+
+    # ---- the nodes ----------------------------------------------------------------------
+    def _run_nodes(self, result: StepResult, work: dict[str, list[_Work]]) -> None:
+        jobs: list[tuple[str, pb.GenerateRequest, PoolStepInfo | None, list[_Work]]] = []
+        for node_id in sorted(set(work) | set(result.steps)):
+            items = [w for w in work.get(node_id, []) if w.seq.status is SeqStatus.RUNNING]
+            info = result.steps.get(node_id)
+            request = pb.GenerateRequest(request_id=f"{node_id}-{self.stats.num_steps}-{id(self)}")
+            if info is not None:
+                request.steps.append(info.message)
+            for w in items:
+                s = request.sequences.add(seq_id=w.seq.seq_id, context_len=w.context_len,
+                                          num_output_tokens=w.seq.num_output_tokens)
+                s.token_ids.extend(w.token_ids)
+                if w.sample:
+                    _fill_sampling(s.sampling, w.seq)
+            jobs.append((node_id, request, info, items))
+        t0 = time.perf_counter()
+        if self._pool is not None and len(jobs) > 1:
+            futures = [self._pool.submit(self._generate, node_id, req) for node_id, req, _, _ in jobs]
+            replies = [f.result() for f in futures]
+        else:
+            replies = [self._generate(node_id, req) for node_id, req, _, _ in jobs]
+        self.stats.node_s += time.perf_counter() - t0
+        now = time.perf_counter()
+        for (_node_id, _req, info, items), reply in zip(jobs, replies):
+            if info is not None:
+                self.client.report(info, reply is not None)
+            if reply is None:
+                self.stats.num_failed_steps += 1
+                for w in items:
+                    self._requeue(w.seq)   # the block manager drops what the failed step wrote
+                continue
+            tokens = iter(reply.tokens)
+            for w in items:
+                w.seq.num_computed = w.context_len
+                if w.sample:
+                    self._accept(w.seq, next(tokens), now)
+
+    def _generate(self, node_id: str, request: pb.GenerateRequest) -> pb.GenerateResponse | None:
+        """The node's answer, or None when it is unreachable or timed out (the step is then
+        reported failed and its sequences recompute elsewhere or later). Any other error is
+        a bug on one side or the other and stops the engine."""
+        try:
+            return self.nodes[node_id].generate(request)
+        except grpc.RpcError as exc:
+            if exc.code() in RETRYABLE_CODES:
+                return None
+            raise EngineError(f"node {node_id!r} refused a step: {exc.code().name}: {exc.details()}") from exc
+
+    def _accept(self, seq: Sequence, tok: pb.SampledToken, now: float) -> None:
+        req, out = seq.request, seq.output
+        token = int(tok.token_id)
+        seq.token_ids.append(token)
+        out.token_ids.append(token)
+        if out.logprobs is not None:
+            out.logprobs.append(float(tok.logprob))
+        if out.top_logprobs is not None:
+            out.top_logprobs.append(list(zip(tok.top_token_ids, tok.top_logprobs)))
+        self.stats.generated_tokens += 1
+        if req.first_token_s is None:
+            req.first_token_s = now
+            self.stats.ttft_s.append(now - req.arrival_s)
+        elif seq.last_token_s is not None:
+            self.stats.itl_s.append(now - seq.last_token_s)
+        seq.last_token_s = now
+        self._changed.add(req.request_id)
+        p = req.params
+        if not p.ignore_eos and token in self.eos_token_ids or token in p.stop_token_ids:
+            self._finish(seq, "stop")
+        elif len(out.token_ids) >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self._changed.add(seq.request.request_id)
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if seq.output.finish_reason is None:
+            seq.output.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+            if seq.seq_id:
+                self._to_free.append(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+
+    # ---- outputs ------------------------------------------------------------------------
+    def _collect_outputs(self) -> list[RequestOutput]:
+        outs: list[RequestOutput] = []
+        changed, self._changed = self._changed, set()
+        for rid in sorted(changed, key=lambda r: self.requests[r].arrival_s if r in self.requests else 0):
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if self.detokenize is not None:
+                for o in req.outputs:
+                    o.text = self.detokenize(o.token_ids)
+            done = req.finished
+            outs.append(RequestOutput(rid, req.prompt, req.prompt_token_ids, req.outputs,
+                                      req.num_cached_tokens, done))
+            if done:
+                del self.requests[rid]
+                self.stats.num_finished += 1
+        return outs
+
+    def flush(self) -> None:
+        """Send the last frees and reports (an idle engine: blocks back, plans can commit)."""
+        batch = self.client.step()
+        ids = [s.seq_id for s in self._to_free if s.seq_id]
+        self._to_free = []
+        if ids:
+            batch.free(ids)
+            batch.commit()
+        elif self.client.pending_reports:
+            self.client.flush_reports()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+def _fill_sampling(s: pb.Sampling, seq: Sequence) -> None:
+    p = seq.request.params
+    s.temperature = p.temperature
+    s.top_p = p.top_p
+    s.top_k = p.top_k or 0
+    s.min_p = p.min_p
+    if seq.seed is not None:
+        s.seed = seq.seed
+    if p.logprobs is not None:
+        s.logprobs = p.logprobs
+
+
+def generate_all(engine: LLMEngine, requests: Iterable[str]) -> None:
+    """Step until every listed request finished."""
+    pending = set(requests)
+    while pending & set(engine.requests):
+        engine.step()
+
+
+__all__ = ["EngineConfig", "EngineError", "EngineStats", "LLMEngine"]
