@@ -93,7 +93,7 @@ class AsyncBlockManagerClient(ClientBase):
         return AsyncStep(self, pool_epochs)
 
     async def flush_reports(self, *, timeout_s: float | None = None) -> StepResult | None:
-        """Send pending Forward reports now (an idle scheduler: lets plans commit)."""
+        """Send pending Forward reports now (an idle scheduler: plans whose moves ran commit)."""
         if not self._reports:
             return None
         step = self.step()

@@ -99,7 +99,7 @@ class BlockManagerClient(ClientBase):
         return SyncStep(self, pool_epochs)
 
     def flush_reports(self, *, timeout_s: float | None = None) -> StepResult | None:
-        """Send pending Forward reports now (an idle scheduler: lets plans commit)."""
+        """Send pending Forward reports now (an idle scheduler: plans whose moves ran commit)."""
         if not self._reports:
             return None
         step = self.step()

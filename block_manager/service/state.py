@@ -263,10 +263,14 @@ class ServiceState:
         self._append(step.written, "written", errors, already_written=True)
         self._fork(step, errors)
         append_tokens = self._append(step.appends, "append", errors, already_written=False)
-        # ---- close the open step of every pool this scheduler drives ----
+        # ---- close the open step of every pool this step has tokens (or forks) for ----
+        # Only a step whose Forward the scheduler is about to run hands out a PoolStep: a Step
+        # of frees or reports alone closes nothing, so no PoolStep (a defrag plan's copies, say)
+        # can come back from a call whose caller has no Forward to carry it in. What waits in
+        # the open step rides in the pool's next step with tokens.
         held = [pid for pid, lease in self.leases.holders().items() if lease.scheduler_id == sched]
         steps = []
-        for pid in sorted(set(pools) | set(held)):
+        for pid in sorted(has_items):
             if pid in core.pool_ids and core.can_close_step(pid):
                 out = core.close_step(pid)
                 if out is not None:
