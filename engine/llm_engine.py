@@ -408,7 +408,9 @@ class LLMEngine:
             if reply is None:
                 self.stats.num_failed_steps += 1
                 for w in items:
-                    self._requeue(w.seq)   # the block manager drops what the failed step wrote
+                    # The failed report drops the step's writers; the others (their tokens were
+                    # answered locally) are freed: the Step skips frees of what it just dropped.
+                    self._requeue(w.seq, free=True)
                 continue
             tokens = iter(reply.tokens)
             for w in items:

@@ -24,6 +24,19 @@ async def _trigger(h: Harness, **kw: Any) -> pb.DefragPlan:
     return plans[0]
 
 
+async def test_steps_without_tokens_hand_out_no_pool_step(harness: Harness) -> None:
+    """A Step of frees or reports alone (client.free, flush_reports) has no Forward to follow:
+    it must not return the plan's PoolStep, or the node would never see those moves."""
+    await _fragment(harness)
+    await harness.allocate("extra", num_tokens=4)
+    plan = await _trigger(harness)
+    assert list((await harness.free("extra")).steps) == []
+    assert list((await harness.flush()).steps) == []
+    carrying = await harness.append(("s3", 1))
+    (ps,) = carrying.steps
+    assert ps.plan_id == plan.plan_id and len(ps.copy_src) == len(plan.moves)
+
+
 async def test_moves_ride_in_the_next_step_and_commit_when_it_is_reported(harness: Harness) -> None:
     await _fragment(harness)
     before = {s: harness.table(s) for s in ("s3", "s4", "s5")}
