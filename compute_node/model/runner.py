@@ -73,6 +73,7 @@ class ModelRunner:
         device: str = "auto",
         max_model_len: int | None = None,
     ) -> None:
+        self.model_dir = Path(model_dir)
         self.model_config = ModelConfig.from_dir(model_dir)
         cfg = self.model_config
         self.dtype = resolve_dtype(dtype, cfg.dtype)
