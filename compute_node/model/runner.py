@@ -35,14 +35,14 @@ class StepTimings:
     """Where one `execute` spent its time (seconds), when `ModelRunner.profile` is on."""
 
     prepare_s: float = 0.0     # checking the batch, building index tensors (host)
-    dense_s: float = 0.0       # embedding, norms, matmuls, RoPE, LM head (torch)
+    dense_s: float = 0.0       # embedding, norms, matmuls, RoPE, LM head (torch ops and the layer loop)
     attention_s: float = 0.0   # K/V writes and paged attention kernels
     sample_s: float = 0.0
     total_s: float = 0.0
 
     @property
     def host_s(self) -> float:
-        """Everything else: Python bookkeeping around the phases, building outputs."""
+        """Everything else: building the outputs, bookkeeping between the phases."""
         return self.total_s - self.prepare_s - self.dense_s - self.attention_s - self.sample_s
 
 
@@ -126,23 +126,22 @@ class ModelRunner:
         prepared = time.perf_counter()
         timer = PhaseTimer() if timings is not None else None
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.pool, inputs.meta, timer)
+        sampled_at = forwarded = self._sync_time()
         if inputs.sample_seqs:
             logits = self.model.logits(hidden[inputs.sample_rows])   # float32 [num_sampled, vocab]
             forwarded = self._sync_time()
             seqs = [batch[i] for i in inputs.sample_seqs]
             params = [s.sample for s in seqs if s.sample is not None]
             sampled = self.sampler.sample(logits, params, [s.num_output_tokens for s in seqs])
+            sampled_at = time.perf_counter()
             for i, seq, token in zip(inputs.sample_seqs, seqs, sampled):
                 outputs[i] = SeqOutput(seq.seq_id, token.token_id, token.logprob, token.top_logprobs)
-        else:
-            forwarded = self._sync_time()
         if timings is not None and timer is not None:
-            done = time.perf_counter()
             timings.prepare_s = prepared - started
             timings.attention_s = timer.attention_s
             timings.dense_s = forwarded - prepared - timer.attention_s
-            timings.sample_s = done - forwarded
-            timings.total_s = done - started
+            timings.sample_s = sampled_at - forwarded
+            timings.total_s = time.perf_counter() - started
             self.last_timings = timings
         return outputs
 
