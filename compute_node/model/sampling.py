@@ -27,6 +27,8 @@ import torch
 from compute_node.model.errors import InvalidSamplingParams
 
 MAX_LOGPROBS = 20
+# Temperatures below this are greedy: dividing logits by them would overflow float32.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 _MASK64 = (1 << 64) - 1
 
 
@@ -34,7 +36,7 @@ _MASK64 = (1 << 64) - 1
 class SamplingParams:
     """How one sequence picks its next token.
 
-    `temperature` 0 is greedy. `top_k` None (or ≥ vocab) and `top_p` 1 and `min_p` 0 disable
+    `temperature` 0 (or below 1e-5) is greedy. `top_k` None (or ≥ vocab) and `top_p` 1 and `min_p` 0 disable
     their filter. `seed` None samples from the process RNG (not reproducible). `logprobs` None
     returns no logprobs; 0 the sampled token's; k also the k most likely tokens'.
     """
@@ -62,7 +64,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 @dataclass(slots=True)
@@ -141,7 +143,7 @@ class Sampler:
     def _filtered_logits(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         vocab = logits.shape[-1]
         device = logits.device
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
         x = logits.to(torch.float32) / temps.unsqueeze(-1)
         top_ks = [min(p.top_k, vocab) if p.top_k is not None else vocab for p in params]
         if min(top_ks) < vocab:

@@ -32,7 +32,7 @@ def test_invalid_params_are_rejected(kwargs: dict) -> None:
 
 def test_greedy_rows_take_the_argmax_in_a_mixed_batch() -> None:
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
-    params = [SamplingParams(temperature=0.0), SamplingParams(seed=1), SamplingParams(temperature=0.0),
+    params = [SamplingParams(temperature=0.0), SamplingParams(seed=1), SamplingParams(temperature=1e-9),
               SamplingParams(), SamplingParams(temperature=0.0, logprobs=2), SamplingParams(seed=2, top_k=3)]
     out = Sampler().sample(logits, params, [0] * 6)
     for i in (0, 2, 4):
