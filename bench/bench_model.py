@@ -14,7 +14,8 @@ Three measurements, each ours and theirs in the same run (ratios; the machine is
    cache's tensors at the end of `generate`.
 3. Batch-1 decode latency: median step of ours vs transformers' per-token time
    ((time of N+1 new tokens - time of 1) / N) after a `--b1-context`-token prompt.
-Plus the per-step time split of our decode steps at the full batch (dense / attention kernels /
+Wall and CPU time (all threads) are both shown: on a shared machine wall time also counts waiting
+for a core. Plus the per-step time split of our decode steps at the full batch (dense / attention kernels /
 sampling / host). Greedy outputs are compared with transformers' (sanity, not a gate).
 
     .venv/bin/python bench/bench_model.py [--requests 32] [--budget 2048] [--block-size 16]
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import resource
 import statistics
 import tempfile
 import time
@@ -52,9 +54,16 @@ class Seq:
         return self.num_computed < len(self.prompt)
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process, all threads (user + system)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 @dataclass
 class OurRun:
     seconds: float
+    cpu_s: float
     outputs: list[list[int]]
     peak_blocks: int
     num_steps: int
@@ -74,7 +83,7 @@ def run_ours(runner: ModelRunner, workload: list[tuple[list[int], int]], budget:
     running: list[Seq] = []
     outputs: list[list[int]] = [[] for _ in workload]
     peak = steps = 0
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), cpu_seconds()
     while waiting or running:
         batch: list[SeqWork] = []
         owners: list[Seq] = []
@@ -110,7 +119,7 @@ def run_ours(runner: ModelRunner, workload: list[tuple[list[int], int]], budget:
                 free.extend(s.table)
                 outputs[s.index] = s.output
     seconds = time.perf_counter() - started
-    return OurRun(seconds, outputs, peak, steps)
+    return OurRun(seconds, cpu_seconds() - cpu_started, outputs, peak, steps)
 
 
 @dataclass
@@ -151,7 +160,15 @@ def decode_split(runner: ModelRunner, workload: list[tuple[list[int], int]], ste
     return DecodeSplit(timings, sum(e.self_cpu_time_total for e in dense_ops) / 3 / 1e6)
 
 
-def run_transformers(hf: object, workload: list[tuple[list[int], int]], pad_id: int) -> tuple[float, list[list[int]], int]:
+@dataclass
+class TheirRun:
+    seconds: float
+    cpu_s: float
+    outputs: list[list[int]]
+    cache_bytes: int
+
+
+def run_transformers(hf: object, workload: list[tuple[list[int], int]], pad_id: int) -> TheirRun:
     longest = max(len(p) for p, _ in workload)
     max_new = max(n for _, n in workload)
     ids = torch.full((len(workload), longest), pad_id, dtype=torch.long)
@@ -159,16 +176,16 @@ def run_transformers(hf: object, workload: list[tuple[list[int], int]], pad_id: 
     for row, (prompt, _) in enumerate(workload):
         ids[row, longest - len(prompt):] = torch.tensor(prompt)
         mask[row, longest - len(prompt):] = 1
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), cpu_seconds()
     with torch.inference_mode():
         out = hf.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,  # type: ignore[attr-defined]
                           do_sample=False, eos_token_id=None, pad_token_id=pad_id, return_dict_in_generate=True)
-    seconds = time.perf_counter() - started
+    seconds, cpu_s = time.perf_counter() - started, cpu_seconds() - cpu_started
     generated = out.sequences[:, longest:].tolist()
     cache_bytes = 0
     for layer in out.past_key_values.layers:
         cache_bytes += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
-    return seconds, [g[:n] for g, (_, n) in zip(generated, workload)], cache_bytes
+    return TheirRun(seconds, cpu_s, [g[:n] for g, (_, n) in zip(generated, workload)], cache_bytes)
 
 
 def decode_latency_ours(runner: ModelRunner, context: int, steps: int) -> float:
@@ -229,7 +246,7 @@ def main() -> None:
         run_transformers(hf, make_workload(2, 8192, 99), 1)
 
         ours = run_ours(runner, workload, args.budget)
-        hf_s, hf_outputs, hf_cache_bytes = run_transformers(hf, workload, 1)
+        theirs = run_transformers(hf, workload, 1)
         split = decode_split(runner, workload)
         b1_ours = decode_latency_ours(runner, args.b1_context, args.b1_steps)
         b1_hf = decode_latency_transformers(hf, args.b1_context, args.b1_steps)
@@ -237,8 +254,10 @@ def main() -> None:
     useful = sum(n for _, n in workload)
     raw_hf = len(workload) * max(n for _, n in workload)
     ours_kv = ours.peak_blocks * runner.geometry.bytes_per_block
-    same = sum(a == b for a, b in zip(ours.outputs, hf_outputs))
-    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(ours.outputs, hf_outputs)]
+    hf_s, hf_cache_bytes = theirs.seconds, theirs.cache_bytes
+    same = sum(a == b for a, b in zip(ours.outputs, theirs.outputs))
+    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+              for a, b in zip(ours.outputs, theirs.outputs)]
     print(f"model: llama {num_params / 1e6:.1f}M params, fp32, CPU, torch threads {torch.get_num_threads()}; "
           f"{len(workload)} requests, prompts {sum(len(p) for p, _ in workload)} tokens, outputs {useful} tokens")
     print(f"ours: {ours.num_steps} steps, budget {args.budget} tokens/step, block size {args.block_size}")
@@ -248,6 +267,8 @@ def main() -> None:
     print(f"| throughput, requested tokens/s | {useful / ours.seconds:.1f} | {useful / hf_s:.1f} | "
           f"{hf_s / ours.seconds:.2f}x | >= 2x |")
     print(f"| wall time of the workload, s | {ours.seconds:.1f} | {hf_s:.1f} | | |")
+    print(f"| CPU time of the workload (all threads), s | {ours.cpu_s:.1f} | {theirs.cpu_s:.1f} | "
+          f"{ours.cpu_s / theirs.cpu_s:.2f}x | |")
     print(f"| transformers raw rate (all {raw_hf} generated tokens)/s | | {raw_hf / hf_s:.1f} | | |")
     print(f"| peak KV memory, MiB | {ours_kv / 2**20:.1f} | {hf_cache_bytes / 2**20:.1f} | "
           f"{ours_kv / hf_cache_bytes:.2f}x | <= 0.5x |")
