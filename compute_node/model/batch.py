@@ -8,7 +8,6 @@ leaves a half-written pool behind.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -82,8 +81,7 @@ def prepare_step(
     num_used_blocks = (seq_lens + bs - 1) // bs
     tables = _padded_tables(seqs, num_used_blocks, geometry.num_blocks)   # int32 [num_seqs, max_used]
 
-    input_ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs), dtype=np.int64,
-                            count=int(num_new.sum()))
+    input_ids = _token_ids(seqs)
     if input_ids.min() < 0 or input_ids.max() >= vocab_size:
         row = int(np.flatnonzero((input_ids < 0) | (input_ids >= vocab_size))[0])
         seq = seqs[int(np.searchsorted(np.cumsum(num_new), row, side="right"))]
@@ -149,6 +147,16 @@ def _check_fields(batch: Sequence[SeqWork], max_model_len: int) -> None:
                                  f"length {max_model_len}")
 
 
+def _token_ids(seqs: list[SeqWork]) -> np.ndarray:
+    """Every sequence's new tokens, concatenated as int64; anything but integers is refused
+    (NumPy would silently truncate a float or parse a string)."""
+    arrays = [np.asarray(s.token_ids) for s in seqs]
+    for s, ids in zip(seqs, arrays):
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise InvalidBatch(f"sequence {s.seq_id!r}: token_ids must be a flat sequence of integers")
+    return np.concatenate(arrays).astype(np.int64, copy=False)
+
+
 def _padded_tables(seqs: list[SeqWork], num_used_blocks: np.ndarray, num_blocks: int) -> np.ndarray:
     """int32 `[num_seqs, max_used]` of each sequence's used blocks (padding 0, never read)."""
     tables = np.zeros((len(seqs), int(num_used_blocks.max())), dtype=np.int32)
@@ -156,7 +164,9 @@ def _padded_tables(seqs: list[SeqWork], num_used_blocks: np.ndarray, num_blocks:
         if len(s.block_table) < used:
             raise InvalidBatch(f"sequence {s.seq_id!r}: {s.num_computed_tokens + len(s.token_ids)} tokens need "
                                f"{used} blocks, its block table has {len(s.block_table)}")
-        row = np.asarray(s.block_table[:used], dtype=np.int64)
+        row = np.asarray(s.block_table[:used])
+        if row.ndim != 1 or row.dtype.kind not in "iu":
+            raise InvalidBatch(f"sequence {s.seq_id!r}: block_table must be a flat sequence of integers")
         if row.min() < 0 or row.max() >= num_blocks:
             bad = int(row[(row < 0) | (row >= num_blocks)][0])
             raise InvalidBatch(f"sequence {s.seq_id!r}: block id {bad} outside the pool [0, {num_blocks})")
