@@ -60,6 +60,9 @@ class ModelRunner:
     Exactly one of `num_blocks` and `kv_memory_bytes` sizes the pool. `dtype` overrides the
     checkpoint's (`config.json` torch_dtype); the KV pool uses the same dtype. `max_model_len`
     caps positions below the model's `max_position_embeddings` (never above it).
+
+    One step at a time: the runner is not thread-safe (the scheduler is the one sequencer of a
+    pool, so the servicer calls it from one thread or under a lock).
     """
 
     def __init__(
@@ -77,7 +80,10 @@ class ModelRunner:
         self.model_config = ModelConfig.from_dir(model_dir)
         cfg = self.model_config
         self.dtype = resolve_dtype(dtype, cfg.dtype)
-        self.device = resolve_device(device)
+        try:
+            self.device = resolve_device(device)
+        except (ValueError, RuntimeError) as exc:
+            raise ModelLoadError(f"device {device!r}: {exc}") from None
         if block_size < 1:
             raise ModelLoadError(f"block_size must be >= 1, got {block_size}")
         if (num_blocks is None) == (kv_memory_bytes is None):

@@ -173,6 +173,8 @@ def test_pool_sizing_and_config(model_dir: Path) -> None:
         ModelRunner(model_dir, block_size=8, num_blocks=4, kv_memory_bytes=10, device="cpu")
     with pytest.raises(ModelLoadError):
         ModelRunner(model_dir, block_size=8, num_blocks=4, max_model_len=65, device="cpu")
+    with pytest.raises(ModelLoadError):
+        ModelRunner(model_dir, block_size=8, num_blocks=4, device="tpu:7")
     capped = ModelRunner(model_dir, block_size=8, num_blocks=4, max_model_len=16, device="cpu")
     with pytest.raises(ContextTooLong):
         capped.execute([SeqWork("x", _prompt(17), 0, [0, 1, 2])])
