@@ -74,7 +74,7 @@ def test_greedy_matches_transformers_generate(model_root: Path, name: str) -> No
     requests = [
         Request(base, 10),                                            # 13 tokens over 4 blocks of 4
         Request(_prompt(rng, vocab, 6), 12),
-        Request(_prompt(rng, vocab, 21), 6, admit_step=2, chunk_size=8),  # chunked: 8 + 8 + 5
+        Request(_prompt(rng, vocab, 23), 6, admit_step=2, chunk_size=7),  # chunked mid-block: 7+7+7+2
         Request(_prompt(rng, vocab, 1), 8, admit_step=3),               # a one-token prompt
         Request(base[:12] + _prompt(rng, vocab, 5), 9, admit_step=2,     # prefix hit: 3 blocks shared
                 share_from=0, shared_blocks=3),
