@@ -105,12 +105,18 @@ class KvPool:
         )
 
     def decode(
-        self, layer: int, query: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
+        self,
+        layer: int,
+        query: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One query token per sequence over its whole paged context."""
+        """One query token per sequence over its whole paged context (into `out` when given)."""
         return kernels.paged_attention_decode(
             query, self.key_caches[layer], self.value_caches[layer], block_tables, seq_lens, scale,
-            backend=self.backend,
+            out=out, backend=self.backend,
         )
 
     def prefill(
@@ -121,11 +127,13 @@ class KvPool:
         seq_lens: torch.Tensor,
         query_start_loc: torch.Tensor,
         scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Many query tokens per sequence, causal over the paged prefix plus themselves."""
+        """Many query tokens per sequence, causal over the paged prefix plus themselves (into
+        `out` when given)."""
         return kernels.paged_prefill_attention(
             query, self.key_caches[layer], self.value_caches[layer], block_tables, seq_lens,
-            query_start_loc, scale, backend=self.backend,
+            query_start_loc, scale, out=out, backend=self.backend,
         )
 
     def read_tokens(self, layer: int, slots: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,81 @@
+"""Paged attention of one step: K/V written into the pool, then the decode and prefill kernels.
+
+The runner orders a step's tokens decode sequences first (one token each), then prefill
+sequences (several tokens each), so the two groups are two contiguous row ranges of every
+`[num_tokens, ...]` tensor: each kernel reads a view of the queries and writes a view of one
+output tensor, with no gather or scatter per layer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from compute_node.pool import KvPool
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Index tensors shared by every layer of one step (all on the pool's device)."""
+
+    slot_mapping: torch.Tensor                 # int64 [num_tokens]
+    num_decode_tokens: int                     # rows [0, num_decode_tokens) are decode sequences
+    decode_block_tables: torch.Tensor | None   # int32 [num_decode_seqs, max_blocks]
+    decode_seq_lens: torch.Tensor | None       # int32 [num_decode_seqs]
+    prefill_block_tables: torch.Tensor | None  # int32 [num_prefill_seqs, max_blocks]
+    prefill_seq_lens: torch.Tensor | None      # int32 [num_prefill_seqs]
+    prefill_query_start_loc: torch.Tensor | None  # int32 [num_prefill_seqs + 1], from the group's first row
+    scale: float
+
+
+@dataclass(slots=True)
+class PhaseTimer:
+    """Seconds spent in the attention kernels (K/V writes included) over a step, when profiling.
+    On a GPU each phase synchronises, which is why it is off unless asked for."""
+
+    attention_s: float = 0.0
+
+    def start(self, device: torch.device) -> float:
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        return time.perf_counter()
+
+    def stop(self, device: torch.device, started: float) -> None:
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        self.attention_s += time.perf_counter() - started
+
+
+def paged_attention(
+    pool: KvPool,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    meta: AttentionMetadata,
+    timer: PhaseTimer | None = None,
+) -> torch.Tensor:
+    """Store this step's K/V `[num_tokens, num_kv_heads, head_dim]` in `layer`'s pages, then
+    attend every query `[num_tokens, num_heads, head_dim]` to its sequence's paged context
+    (the cached prefix plus the tokens of this step, causally). Returns `[num_tokens, num_heads,
+    head_dim]` in the query's dtype."""
+    started = timer.start(pool.device) if timer is not None else 0.0
+    pool.write(layer, key, value, meta.slot_mapping)
+    out = torch.empty_like(query)
+    split = meta.num_decode_tokens
+    if meta.decode_block_tables is not None and meta.decode_seq_lens is not None:
+        pool.decode(layer, query[:split], meta.decode_block_tables, meta.decode_seq_lens, meta.scale, out=out[:split])
+    if (
+        meta.prefill_block_tables is not None
+        and meta.prefill_seq_lens is not None
+        and meta.prefill_query_start_loc is not None
+    ):
+        pool.prefill(
+            layer, query[split:], meta.prefill_block_tables, meta.prefill_seq_lens,
+            meta.prefill_query_start_loc, meta.scale, out=out[split:],
+        )
+    if timer is not None:
+        timer.stop(pool.device, started)
+    return out

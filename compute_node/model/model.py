@@ -1,0 +1,195 @@
+"""The decoder (Llama / Qwen2 / Qwen3) over a flat token batch, with attention on the KV pool.
+
+Weights are held as plain tensors, loaded once from the checkpoint and fused where one matmul
+can replace several (q/k/v → one `qkv` weight, gate/up → one `gate_up` weight): fewer, larger
+matmuls are what a CPU or GPU runs fastest, and a fused weight's output rows are exactly the
+separate ones' (the same dot products), so the numbers do not change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from compute_node.model.attention import AttentionMetadata, PhaseTimer, paged_attention
+from compute_node.model.config import DTYPES, ModelConfig
+from compute_node.model.errors import WeightsError
+from compute_node.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu_mlp
+from compute_node.model.weights import Checkpoint
+from compute_node.pool import KvPool
+
+
+@dataclass(slots=True)
+class DecoderLayer:
+    input_norm: torch.Tensor              # [hidden]
+    qkv_weight: torch.Tensor              # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None           # [head_dim] (Qwen3)
+    k_norm: torch.Tensor | None
+    o_weight: torch.Tensor                # [hidden, num_heads * head_dim]
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor               # [hidden]
+    gate_up_weight: torch.Tensor          # [2 * intermediate, hidden]
+    gate_up_bias: torch.Tensor | None
+    down_weight: torch.Tensor             # [hidden, intermediate]
+    down_bias: torch.Tensor | None
+
+
+class DecoderModel:
+    """Embedding → decoder layers → final norm → LM head, for one `ModelConfig`."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        embed: torch.Tensor,
+        layers: list[DecoderLayer],
+        final_norm: torch.Tensor,
+        lm_head: torch.Tensor,
+    ) -> None:
+        self.config = config
+        self.embed = embed                 # [vocab, hidden]
+        self.layers = layers
+        self.final_norm = final_norm       # [hidden]
+        self.lm_head = lm_head             # [vocab, hidden]; the embedding itself when tied
+        self.dtype = embed.dtype
+        self.device = embed.device
+        self.inv_freq = config.rope.inv_freq(config.head_dim).to(self.device)   # float32 [head_dim // 2]
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+
+    @classmethod
+    def load(cls, checkpoint: Checkpoint, config: ModelConfig, dtype: str, device: torch.device) -> DecoderModel:
+        loader = _Loader(checkpoint, config, DTYPES[dtype], device)
+        embed = loader.get("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
+        layers = [loader.layer(i) for i in range(config.num_layers)]
+        final_norm = loader.get("model.norm.weight", (config.hidden_size,))
+        if config.tie_word_embeddings:
+            lm_head = embed
+        else:
+            lm_head = loader.get("lm_head.weight", (config.vocab_size, config.hidden_size))
+        return cls(config, embed, layers, final_norm, lm_head)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        pool: KvPool,
+        meta: AttentionMetadata,
+        timer: PhaseTimer | None = None,
+    ) -> torch.Tensor:
+        """Hidden states `[num_tokens, hidden]` after the last layer (before the final norm),
+        writing every layer's K/V of these tokens into `pool` on the way."""
+        cfg = self.config
+        num_tokens = input_ids.shape[0]
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)
+        hidden = F.embedding(input_ids, self.embed)   # [num_tokens, hidden]
+        for index, layer in enumerate(self.layers):
+            residual = hidden
+            x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+            q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
+            k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+            q = apply_rope(q, cos, sin)   # [num_tokens, num_heads, head_dim]
+            k = apply_rope(k, cos, sin)   # [num_tokens, num_kv_heads, head_dim]
+            # v is a strided view into qkv; the kernel stores rows, so it gets a contiguous copy.
+            attn = paged_attention(pool, index, q, k, v.contiguous(), meta, timer)
+            hidden = residual + F.linear(attn.view(num_tokens, self.q_size), layer.o_weight, layer.o_bias)
+            residual = hidden
+            x = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
+            hidden = residual + swiglu_mlp(x, layer.gate_up_weight, layer.gate_up_bias, layer.down_weight, layer.down_bias)
+        return hidden
+
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits `[rows, vocab]` of last-layer hidden rows (final norm applied here)."""
+        return F.linear(self.final_hidden(hidden), self.lm_head).float()
+
+
+class _Loader:
+    """Reads and checks one tensor at a time, converting it to the run dtype and device."""
+
+    def __init__(self, checkpoint: Checkpoint, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        self.checkpoint = checkpoint
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        missing = sorted(set(self._expected_names()) - checkpoint.names)
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise WeightsError(f"checkpoint lacks tensors the model needs: {', '.join(missing[:5])}{more}")
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        tensor = self.checkpoint.get(name)
+        if tuple(tensor.shape) != shape:
+            raise WeightsError(f"tensor {name!r} has shape {list(tensor.shape)}, the config implies {list(shape)}")
+        if not tensor.is_floating_point():
+            raise WeightsError(f"tensor {name!r} has dtype {tensor.dtype}, expected a floating point type")
+        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def layer(self, i: int) -> DecoderLayer:
+        cfg = self.config
+        p = f"model.layers.{i}."
+        hidden, head_dim, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        q_size, kv_size = cfg.num_heads * head_dim, cfg.num_kv_heads * head_dim
+        attn, mlp = p + "self_attn.", p + "mlp."
+        qkv_weight = torch.cat([
+            self.get(attn + "q_proj.weight", (q_size, hidden)),
+            self.get(attn + "k_proj.weight", (kv_size, hidden)),
+            self.get(attn + "v_proj.weight", (kv_size, hidden)),
+        ])
+        qkv_bias = None
+        if cfg.qkv_bias:
+            qkv_bias = torch.cat([
+                self.get(attn + "q_proj.bias", (q_size,)),
+                self.get(attn + "k_proj.bias", (kv_size,)),
+                self.get(attn + "v_proj.bias", (kv_size,)),
+            ])
+        gate_up_bias = None
+        if cfg.mlp_bias:
+            gate_up_bias = torch.cat([self.get(mlp + "gate_proj.bias", (inter,)), self.get(mlp + "up_proj.bias", (inter,))])
+        return DecoderLayer(
+            input_norm=self.get(p + "input_layernorm.weight", (hidden,)),
+            qkv_weight=qkv_weight,
+            qkv_bias=qkv_bias,
+            q_norm=self.get(attn + "q_norm.weight", (head_dim,)) if cfg.qk_norm else None,
+            k_norm=self.get(attn + "k_norm.weight", (head_dim,)) if cfg.qk_norm else None,
+            o_weight=self.get(attn + "o_proj.weight", (hidden, q_size)),
+            o_bias=self.get(attn + "o_proj.bias", (hidden,)) if cfg.o_bias else None,
+            post_norm=self.get(p + "post_attention_layernorm.weight", (hidden,)),
+            gate_up_weight=torch.cat([
+                self.get(mlp + "gate_proj.weight", (inter, hidden)),
+                self.get(mlp + "up_proj.weight", (inter, hidden)),
+            ]),
+            gate_up_bias=gate_up_bias,
+            down_weight=self.get(mlp + "down_proj.weight", (hidden, inter)),
+            down_bias=self.get(mlp + "down_proj.bias", (hidden,)) if cfg.mlp_bias else None,
+        )
+
+    def _expected_names(self) -> list[str]:
+        cfg = self.config
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not cfg.tie_word_embeddings:
+            names.append("lm_head.weight")
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+            names += [f"{p}self_attn.{n}_proj.weight" for n in "qkvo"]
+            names += [f"{p}mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+            if cfg.qkv_bias:
+                names += [f"{p}self_attn.{n}_proj.bias" for n in "qkv"]
+            if cfg.o_bias:
+                names.append(p + "self_attn.o_proj.bias")
+            if cfg.mlp_bias:
+                names += [f"{p}mlp.{n}_proj.bias" for n in ("gate", "up", "down")]
+            if cfg.qk_norm:
+                names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        return names

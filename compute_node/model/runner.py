@@ -1,0 +1,176 @@
+"""`ModelRunner`: the node-side API that runs a decoder over the node's KV pool, one step at a
+time, for whatever mix of prefill and decode sequences the scheduler sends.
+
+The scheduler owns every block decision (which blocks a sequence has, prefix-cache hits,
+copy-on-write, defragmentation moves); the runner only executes: it derives slots from the
+given block tables and positions, writes K/V there, attends over the pages and samples. One
+step, one call:
+
+    runner.copy_blocks(step.copy_pairs)       # CoW copies / defrag moves, before the writes
+    outputs = runner.execute(step.sequences)  # list aligned with the batch; None = nothing sampled
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from compute_node.model.attention import PhaseTimer
+from compute_node.model.batch import SeqOutput, SeqWork, StepInputs, prepare_step
+from compute_node.model.config import ModelConfig, resolve_dtype
+from compute_node.model.errors import InvalidBatch, ModelLoadError
+from compute_node.model.model import DecoderModel
+from compute_node.model.sampling import Sampler
+from compute_node.model.weights import Checkpoint
+from compute_node.pool import KvPool, PoolGeometry, blocks_for_budget, resolve_device
+
+
+@dataclass(slots=True)
+class StepTimings:
+    """Where one `execute` spent its time (seconds), when `ModelRunner.profile` is on."""
+
+    prepare_s: float = 0.0     # checking the batch, building index tensors (host)
+    dense_s: float = 0.0       # embedding, norms, matmuls, RoPE, LM head (torch ops and the layer loop)
+    attention_s: float = 0.0   # K/V writes and paged attention kernels
+    sample_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def host_s(self) -> float:
+        """Everything else: building the outputs, bookkeeping between the phases."""
+        return self.total_s - self.prepare_s - self.dense_s - self.attention_s - self.sample_s
+
+
+@dataclass(slots=True)
+class DebugForward:
+    """Every new token's final-normed hidden state and logits, in batch order (tests only)."""
+
+    hidden_states: torch.Tensor   # [num_tokens, hidden]
+    logits: torch.Tensor          # float32 [num_tokens, vocab]
+
+
+class ModelRunner:
+    """Loads a Hugging Face decoder directory and runs batches over its own KV pool.
+
+    Exactly one of `num_blocks` and `kv_memory_bytes` sizes the pool. `dtype` overrides the
+    checkpoint's (`config.json` torch_dtype); the KV pool uses the same dtype. `max_model_len`
+    caps positions below the model's `max_position_embeddings` (never above it).
+
+    One step at a time: the runner is not thread-safe (the scheduler is the one sequencer of a
+    pool, so the servicer calls it from one thread or under a lock).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        block_size: int,
+        num_blocks: int | None = None,
+        kv_memory_bytes: int | None = None,
+        dtype: str | torch.dtype | None = None,
+        device: str = "auto",
+        max_model_len: int | None = None,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.model_config = ModelConfig.from_dir(model_dir)
+        cfg = self.model_config
+        self.dtype = resolve_dtype(dtype, cfg.dtype)
+        try:
+            self.device = resolve_device(device)
+        except (ValueError, RuntimeError) as exc:
+            raise ModelLoadError(f"device {device!r}: {exc}") from None
+        if block_size < 1:
+            raise ModelLoadError(f"block_size must be >= 1, got {block_size}")
+        if (num_blocks is None) == (kv_memory_bytes is None):
+            raise ModelLoadError("give exactly one of num_blocks and kv_memory_bytes")
+        if num_blocks is None:
+            num_blocks = blocks_for_budget(
+                int(kv_memory_bytes or 0), num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim, dtype=self.dtype, block_size=block_size,
+            )
+        if num_blocks < 1:
+            raise ModelLoadError(f"the KV pool needs at least one block, got {num_blocks}")
+        if max_model_len is not None and not 1 <= max_model_len <= cfg.max_position_embeddings:
+            raise ModelLoadError(f"max_model_len must be in [1, {cfg.max_position_embeddings}], got {max_model_len}")
+        self.max_model_len = max_model_len or cfg.max_position_embeddings
+        with Checkpoint(model_dir) as checkpoint:
+            self.model = DecoderModel.load(checkpoint, cfg, self.dtype, self.device)
+        geometry = PoolGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, block_size, num_blocks)
+        self.pool = KvPool(geometry, self.device)
+        self.sampler = Sampler()
+        self.profile = False
+        self.last_timings: StepTimings | None = None
+
+    @property
+    def geometry(self) -> PoolGeometry:
+        return self.pool.geometry
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy whole blocks src → dst in every layer, in order (CoW copies, defrag moves)."""
+        num_blocks = self.geometry.num_blocks
+        for pair in pairs:
+            if len(pair) != 2 or not all(isinstance(b, (int, np.integer)) and 0 <= b < num_blocks for b in pair):
+                raise InvalidBatch(f"copy pair {pair!r} must be two block ids in [0, {num_blocks})")
+        self.pool.copy_blocks([(int(src), int(dst)) for src, dst in pairs])
+
+    @torch.inference_mode()
+    def execute(self, batch: Sequence[SeqWork]) -> list[SeqOutput | None]:
+        """Run one step: compute K/V and hidden states of every sequence's new tokens and sample
+        one token for each sequence that asks. Returns one entry per `batch` item, in order:
+        a `SeqOutput`, or None where `sample` is None. Raises `InvalidBatch` (pool untouched)."""
+        outputs: list[SeqOutput | None] = [None] * len(batch)
+        if not batch:
+            return outputs
+        timings = StepTimings() if self.profile else None
+        started = time.perf_counter()
+        inputs = self._prepare(batch)
+        prepared = time.perf_counter()
+        timer = PhaseTimer() if timings is not None else None
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.pool, inputs.meta, timer)
+        sampled_at = forwarded = self._sync_time()
+        if inputs.sample_seqs:
+            logits = self.model.logits(hidden[inputs.sample_rows])   # float32 [num_sampled, vocab]
+            forwarded = self._sync_time()
+            seqs = [batch[i] for i in inputs.sample_seqs]
+            params = [s.sample for s in seqs if s.sample is not None]
+            sampled = self.sampler.sample(logits, params, [s.num_output_tokens for s in seqs])
+            sampled_at = time.perf_counter()
+            for i, seq, token in zip(inputs.sample_seqs, seqs, sampled):
+                outputs[i] = SeqOutput(seq.seq_id, token.token_id, token.logprob, token.top_logprobs)
+        if timings is not None and timer is not None:
+            timings.prepare_s = prepared - started
+            timings.attention_s = timer.attention_s
+            timings.dense_s = forwarded - prepared - timer.attention_s
+            timings.sample_s = sampled_at - forwarded
+            timings.total_s = time.perf_counter() - started
+            self.last_timings = timings
+        return outputs
+
+    @torch.inference_mode()
+    def debug_forward(self, batch: Sequence[SeqWork]) -> DebugForward:
+        """Like `execute` (K/V written the same way), but returns every new token's hidden state
+        and logits instead of sampling. For tests and diagnostics, never the serving path."""
+        inputs = self._prepare(batch)
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.pool, inputs.meta)
+        # Rows are decode-first; put them back in batch order.
+        rows = [torch.arange(int(inputs.row_starts[j]), int(inputs.row_starts[j + 1]))
+                for j in np.argsort(inputs.row_order, kind="stable")]
+        hidden = hidden[torch.cat(rows).to(hidden.device)]
+        return DebugForward(self.model.final_hidden(hidden), self.model.logits(hidden))
+
+    def _prepare(self, batch: Sequence[SeqWork]) -> StepInputs:
+        cfg = self.model_config
+        return prepare_step(
+            batch, self.geometry, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len,
+            head_dim=cfg.head_dim, device=self.device,
+        )
+
+    def _sync_time(self) -> float:
+        if self.profile and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return time.perf_counter()
