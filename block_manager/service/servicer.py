@@ -27,7 +27,7 @@ from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 from pagedkv.v1 import common_pb2
 
-MAX_ROUTE_TOKENS = 1 << 20
+MAX_ROUTE_TOKENS = 1 << 17   # the default of the `max_route_tokens` setting
 
 
 def step_payload(request: pb.StepRequest) -> dict[str, Any]:
@@ -119,9 +119,12 @@ def step_response(r: dict[str, Any]) -> pb.StepResponse:
 
 
 class BlockManagerServicer(MutatingServicer, pb_grpc.BlockManagerServicer):
-    def __init__(self, runtime: ServiceRuntime, defrag: DefragRunner) -> None:
+    def __init__(
+        self, runtime: ServiceRuntime, defrag: DefragRunner, *, max_route_tokens: int = MAX_ROUTE_TOKENS
+    ) -> None:
         super().__init__(runtime)
         self.defrag = defrag
+        self.max_route_tokens = max_route_tokens
 
     # ---- nodes ----------------------------------------------------------------------
     async def RegisterNode(
@@ -190,9 +193,9 @@ class BlockManagerServicer(MutatingServicer, pb_grpc.BlockManagerServicer):
     async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
         self.runtime.check_readable()
         state = self.runtime.state
+        if len(request.token_ids) > self.max_route_tokens:   # before copying them
+            raise InvalidRequest(f"route takes at most {self.max_route_tokens} token ids, got {len(request.token_ids)}")
         token_ids = list(request.token_ids)
-        if len(token_ids) > MAX_ROUTE_TOKENS:
-            raise InvalidRequest(f"route takes at most {MAX_ROUTE_TOKENS} token ids, got {len(token_ids)}")
         if not request.num_token_ids:
             salt = request.salt if request.HasField("salt") else None
             return pb.RouteResponse(entries=self._route_entries(token_ids, salt))
