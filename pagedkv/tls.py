@@ -70,16 +70,19 @@ class TlsSettings(BaseModel):
 
 
 def _read_pem(path: Path | None, what: str) -> bytes | None:
-    """The bytes of a PEM file; `ValueError` naming the setting when it is not PEM (gRPC would
-    fail later, deep inside the handshake, with a message that names no file)."""
+    """The bytes of a PEM file; `ValueError` naming the setting when it holds no certificate
+    (no private key, for a `key_file`): gRPC would fail later, deep inside the handshake, with
+    a message that names no file."""
     if path is None:
         return None
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
         raise OSError(exc.errno, f"cannot read {what} {path}: {exc.strerror}") from None
-    if b"-----BEGIN " not in data:
-        raise ValueError(f"{what} {path} is not a PEM file")
+    marker = b"PRIVATE KEY-----" if what.endswith("key_file") else b"-----BEGIN CERTIFICATE-----"
+    if marker not in data:
+        kind = "private key" if what.endswith("key_file") else "certificate"
+        raise ValueError(f"{what} {path} is not a PEM file with a {kind}")
     return data
 
 
