@@ -2,7 +2,10 @@
 (and so before anything can change) it
 
 1. refuses a call whose deadline has already passed (DEADLINE_EXCEEDED): a request that sat
-   in a queue longer than its caller waits is not applied behind the caller's back;
+   in a queue longer than its caller waits is not applied behind the caller's back. Later,
+   gRPC AsyncIO cancels a running handler when its deadline passes (at its next `await`), so a
+   mutation still waiting (the journal's gate, a request-id lookup) is not applied either;
+   one already applied is journaled and its retry gets the recorded result;
 2. authenticates the caller (`pagedkv.auth.Authenticator`: bearer token or client
    certificate) and asks the service's `authorize(method, principal, request)` rule whether
    that principal may make this call with this request (a node only for its own node id, ...):
