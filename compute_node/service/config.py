@@ -84,6 +84,8 @@ class ComputeNodeConfig(YamlEnvSettings):
     def _tls_listener(self) -> ComputeNodeConfig:
         if self.tls.active and not (self.tls.cert_file and self.tls.key_file):
             raise ValueError("a TLS listener needs tls.cert_file and tls.key_file")
+        if self.auth_enabled and not (self.auth.tokens or self.tls.require_client_cert):
+            raise ValueError("auth.enabled: nobody could call: configure auth.tokens or tls.require_client_cert")
         return self
 
     @property

@@ -317,3 +317,36 @@ async def test_healthcheck_and_admin_cli_over_mutual_tls(
     monkeypatch.setenv("PAGEDKV_ADMIN_CA_FILE", str(dev_certs.path("admin-key.pem")))      # not a certificate
     code = await asyncio.to_thread(run, admin_cli.main, "--target", target, "status")
     assert code == admin_cli.EXIT_USAGE and "not a PEM file" in capsys.readouterr().err
+
+
+def test_security_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch, dev_certs: DevCerts) -> None:
+    """What an operator writes in a container's environment (JSON for mappings)."""
+    import json
+
+    from block_manager.service.config import load_config
+    from compute_node.service.config import load_config as load_cn
+    from pagedkv.settings import ConfigError
+
+    monkeypatch.setenv("PAGEDKV_TLS__CERT_FILE", str(dev_certs.path("block-manager.pem")))
+    monkeypatch.setenv("PAGEDKV_TLS__KEY_FILE", str(dev_certs.path("block-manager-key.pem")))
+    monkeypatch.setenv("PAGEDKV_AUTH__TOKENS", json.dumps({"node:node-0": TOKENS["node:node-0"]}))
+    monkeypatch.setenv("PAGEDKV_MAX_ROUTE_TOKENS", "4096")
+    cfg = load_config()
+    assert cfg.tls.active and not cfg.tls.require_client_cert and cfg.auth_enabled
+    assert cfg.auth.tokens == {"node:node-0": TOKENS["node:node-0"]} and cfg.max_route_tokens == 4096
+    monkeypatch.setenv("PAGEDKV_TLS__REQUIRE_CLIENT_CERT", "true")          # without a CA
+    with pytest.raises(ConfigError, match="require_client_cert needs ca_file"):
+        load_config()
+    monkeypatch.delenv("PAGEDKV_TLS__REQUIRE_CLIENT_CERT")
+    monkeypatch.setenv("PAGEDKV_AUTH__TOKENS", json.dumps({"node:node-0": "short"}))
+    with pytest.raises(ConfigError, match="at least 16"):
+        load_config()
+    monkeypatch.setenv("PAGEDKV_AUTH__TOKENS", "{}")
+    monkeypatch.setenv("PAGEDKV_AUTH__ENABLED", "true")                      # on, but nobody could call
+    with pytest.raises(ConfigError, match="nobody could call"):
+        load_config()
+    monkeypatch.setenv("PAGEDKV_CN_BLOCK_MANAGER_TOKEN", TOKENS["node:node-0"])
+    monkeypatch.setenv("PAGEDKV_CN_AUTH__CERT_PRINCIPALS", json.dumps({"sched.example.com": "scheduler"}))
+    cn = load_cn()
+    assert cn.block_manager_token == TOKENS["node:node-0"] and not cn.auth_enabled
+    assert cn.auth.cert_principals == {"sched.example.com": "scheduler"}
