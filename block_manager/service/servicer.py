@@ -177,6 +177,7 @@ class BlockManagerServicer(MutatingServicer, pb_grpc.BlockManagerServicer):
         seq_ids = [SeqId(s) for s in request.seq_ids]
         check_count("number of seq_ids", len(seq_ids), 0, state.config.max_batch)
         check_ids("seq_id", seq_ids)
+        check_count("number of known_versions", len(request.known_versions), 0, state.config.max_batch)
         known = {SeqId(k): v for k, v in request.known_versions.items()}
         views = state.core.get_tables(seq_ids, known)
         for v in views:
@@ -201,7 +202,9 @@ class BlockManagerServicer(MutatingServicer, pb_grpc.BlockManagerServicer):
             return pb.RouteResponse(entries=self._route_entries(token_ids, salt))
         counts = list(request.num_token_ids)
         salts = list(request.salts)
-        if len(counts) > state.config.max_batch or sum(counts) != len(token_ids):
+        if len(counts) > state.config.max_batch or len(salts) > state.config.max_batch:
+            raise InvalidRequest(f"route takes at most {state.config.max_batch} prompts and salts")
+        if sum(counts) != len(token_ids):
             raise InvalidRequest("route: one token count per prompt, summing to the token ids given")
         if request.salt_index and len(request.salt_index) != len(counts):
             raise InvalidRequest("route: one salt index per prompt (or none)")

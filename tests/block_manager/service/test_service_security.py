@@ -350,3 +350,15 @@ def test_security_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch,
     cn = load_cn()
     assert cn.block_manager_token == TOKENS["node:node-0"] and not cn.auth_enabled
     assert cn.auth.cert_principals == {"sched.example.com": "scheduler"}
+
+
+async def test_item_caps_on_tables_and_route(servers: Any) -> None:
+    _, peer = await servers(max_batch=8)
+    p = peer(None)
+    reg = await p.call(p.data, "RegisterNode", register_request("node-0"))
+    many = pb.GetTablesRequest(node_id="node-0", epoch=reg.epoch, known_versions={f"s{i}": 1 for i in range(9)})
+    assert await p.code(p.data, "GetTables", many) == grpc.StatusCode.INVALID_ARGUMENT
+    salts = pb.RouteRequest(token_ids=[1], num_token_ids=[1], salts=[f"t{i}" for i in range(9)])
+    assert await p.code(p.data, "Route", salts) == grpc.StatusCode.INVALID_ARGUMENT
+    assert await p.code(p.data, "Route", pb.RouteRequest(token_ids=[1], num_token_ids=[1], salts=["t"])) == \
+        grpc.StatusCode.OK
