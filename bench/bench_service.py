@@ -16,8 +16,13 @@
    its own pool, 256 running sequences, continuous batching through the step helper, every
    step reported as if its Forward ran): sustained steps/s, p50/p99 step latency, server CPU
    per step.
+6. `tls`: the Step RPC of one decode step (1/64/256 sequences) against three block managers
+   running at once — plaintext without auth, plaintext with bearer-token auth, mutual TLS with
+   identities from certificates (dev CA from scripts/gen-dev-certs.sh) — interleaved call by
+   call, p50/p99 and the ratio to plaintext; plus Route of 10^6 token ids with the old limit
+   (accepted) and the default `max_route_tokens` (refused), and of 131072 (accepted).
 
-    .venv/bin/python bench/bench_service.py [--only step,steps,recovery,rpt,scale] [--no-postgres] [--quick]
+    .venv/bin/python bench/bench_service.py [--only step,steps,recovery,rpt,scale,tls] [--no-postgres] [--quick]
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from block_manager.client import AdminClient, AsyncBlockManagerClient, BlockMana
 from engine.localstack import ServiceProcess  # noqa: E402
 from pagedkv.lifecycle import write_port_file  # noqa: E402
 from pagedkv.stats import percentile  # noqa: E402
+from pagedkv.tls import TlsSettings, open_channel  # noqa: E402
 from pagedkv.v1 import block_manager_pb2 as pb  # noqa: E402
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -67,9 +73,9 @@ def server_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def wait_serving(target: str, timeout_s: float = 120.0) -> None:
+def wait_serving(target: str, timeout_s: float = 120.0, tls: TlsSettings | None = None) -> None:
     """Block on the health service's Watch stream until SERVING (no polling)."""
-    with grpc.insecure_channel(target) as ch:
+    with open_channel(target, tls) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         deadline = time.monotonic() + timeout_s
         while True:
@@ -89,14 +95,14 @@ def wait_serving(target: str, timeout_s: float = 120.0) -> None:
 
 @contextmanager
 def bm_server(
-    database_url: str, log_file: Path | None = None, **env: str
+    database_url: str, log_file: Path | None = None, tls: TlsSettings | None = None, **env: str
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     workdir = Path(tempfile.mkdtemp(prefix="bench-bm-")) if log_file is None else log_file.parent
     argv = [sys.executable, "-m", "block_manager.service.server", "--listen", "127.0.0.1:0", "--database-url"]
     name = log_file.stem if log_file else "bm"
     env = server_env(**env)
     with ServiceProcess.start([*argv, database_url], workdir=workdir, name=name, env=env, cwd=REPO) as server:
-        wait_serving(server.address)
+        wait_serving(server.address, tls=tls)
         yield server.address, server.proc
 
 
@@ -540,11 +546,100 @@ def bench_scale(counts: list[int], batch: int, seconds: float) -> list[dict[str,
     return rows
 
 
+# ---- 6. TLS and auth overhead on the Step RPC -------------------------------------------------
+SCHED_TOKEN = "bench-scheduler-token-0123456789"
+NODE_TOKEN = "bench-node-token-0123456789abcd"
+
+
+def bench_tls(sizes: list[int], iters: int) -> list[dict[str, object]]:
+    certs = Path(tempfile.mkdtemp(prefix="bench-certs-"))
+    subprocess.run(["bash", str(REPO / "scripts" / "gen-dev-certs.sh"), str(certs)], check=True, capture_output=True)
+
+    def tls(name: str) -> TlsSettings:
+        return TlsSettings(ca_file=certs / "ca.pem", cert_file=certs / f"{name}.pem",
+                           key_file=certs / f"{name}-key.pem")
+
+    mtls_env = {"PAGEDKV_TLS__CERT_FILE": str(certs / "block-manager.pem"),
+                "PAGEDKV_TLS__KEY_FILE": str(certs / "block-manager-key.pem"),
+                "PAGEDKV_TLS__CA_FILE": str(certs / "ca.pem"), "PAGEDKV_TLS__REQUIRE_CLIENT_CERT": "true"}
+    token_env = {"PAGEDKV_AUTH__TOKENS": json.dumps({"scheduler": SCHED_TOKEN, "node:node-0": NODE_TOKEN})}
+    # variant -> (server env, server-side TLS for the health wait, client TLS for the scheduler / node, token)
+    variants = {
+        "plaintext": ({}, None, None, None, None),
+        "plaintext + tokens": (token_env, None, None, None, (SCHED_TOKEN, NODE_TOKEN)),
+        "mTLS (certificate identities)": (mtls_env, tls("admin"), tls("scheduler"), tls("compute-node-0"), None),
+    }
+    rows: list[dict[str, object]] = []
+    max_n, total = max(sizes), len(sizes) * (iters + 10)
+    with contextlib.ExitStack() as stack:
+        targets = {}
+        for name, (env, wait_tls, sched_tls, node_tls, tokens) in variants.items():
+            target = stack.enter_context(bm_server("memory://", tls=wait_tls, **env))[0]
+            node_md = (("authorization", f"Bearer {tokens[1]}"),) if tokens else ()
+            sched_md = (("authorization", f"Bearer {tokens[0]}"),) if tokens else ()
+            with BlockManagerClient(target, tls=node_tls, token=tokens[1] if tokens else None) as node:
+                reg = node.register_node("node-0", max_n * ((BS + total + 40) // BS + 3) + 16, block_size=BS)
+            client = stack.enter_context(BlockManagerClient(
+                target, scheduler_id="bench", tls=sched_tls, token=tokens[0] if tokens else None))
+            seq_ids = [f"s{i}" for i in range(max_n)]
+            for lo in range(0, max_n, 256):
+                st = client.step()
+                for i in range(lo, min(max_n, lo + 256)):
+                    st.allocate(seq_ids[i], "node-0", [i % 97] * (BS + i % BS))
+                for info in st.commit().steps.values():
+                    client.report(info, True)
+            client.flush_reports()
+            channel = stack.enter_context(open_channel(target, sched_tls))
+            targets[name] = (pb_grpc.BlockManagerStub(channel), sched_md, reg.epoch, seq_ids, [0], node_md)
+        for n in sizes:
+            lat: dict[str, list[float]] = {name: [] for name in variants}
+            for k in range(iters + 10):
+                for name, (stub, md, epoch, seq_ids, last, _) in targets.items():
+                    req = _decode_step("node-0", epoch, seq_ids[:n], k, last[0])
+                    req.request_id = f"tls-{n}-{k}"
+                    t0 = time.perf_counter()
+                    resp = stub.Step(req, timeout=30, metadata=md)
+                    dt = time.perf_counter() - t0
+                    if resp.errors:
+                        raise RuntimeError(f"{name}: step failed: {resp.errors[0]}")
+                    if resp.steps:
+                        last[0] = resp.steps[0].step_id
+                    if k >= 10:
+                        lat[name].append(dt)
+            base = percentile(lat["plaintext"], 50)
+            for name in variants:
+                p50, p99 = percentile(lat[name], 50), percentile(lat[name], 99)
+                rows.append({"seqs": n, "variant": name, "p50_ms": 1e3 * p50, "p99_ms": 1e3 * p99, "ratio": p50 / base})
+                print(f"tls {n:4d} seqs  {name:30s} Step p50 {1e3 * p50:.3f} p99 {1e3 * p99:.3f} ms  "
+                      f"ratio to plaintext {p50 / base:.2f}", flush=True)
+        # Route of 10^6 token ids: accepted with the old 1 << 20 cap, refused with the default
+        stub, md, *_ = targets["plaintext"]
+        for label, count in (("131072 token ids (default cap: accepted)", 131072),
+                             ("10^6 token ids (default cap: refused)", 1_000_000)):
+            req = pb.RouteRequest(token_ids=[7] * count)
+            t0 = time.perf_counter()
+            try:
+                stub.Route(req, timeout=60, metadata=md)
+                outcome = "OK"
+            except grpc.RpcError as exc:
+                outcome = exc.code().name  # type: ignore[attr-defined]
+            print(f"tls route {label}: {outcome} in {1e3 * (time.perf_counter() - t0):.1f} ms", flush=True)
+    with bm_server("memory://", PAGEDKV_MAX_ROUTE_TOKENS=str(1 << 20)) as (target, _):
+        with BlockManagerClient(target) as node:
+            node.register_node("node-0", 1024, block_size=BS)
+        with grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
+            t0 = time.perf_counter()
+            pb_grpc.BlockManagerStub(ch).Route(pb.RouteRequest(token_ids=[7] * 1_000_000), timeout=60)
+            print(f"tls route 10^6 token ids (old cap 1 << 20: accepted): OK in "
+                  f"{1e3 * (time.perf_counter() - t0):.1f} ms", flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port-file", type=Path, help=argparse.SUPPRESS)
-    p.add_argument("--only", default="step,steps,recovery,rpt,scale")
+    p.add_argument("--only", default="step,steps,recovery,rpt,scale,tls")
     p.add_argument("--no-postgres", action="store_true")
     p.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
     args = p.parse_args()
@@ -565,6 +660,8 @@ def main() -> None:
         bench_rpt([1, 8] if args.quick else [1, 8, 64])
     if "scale" in only:
         bench_scale([1, 4] if args.quick else [1, 4, 16], 64 if args.quick else 256, 2.0 if args.quick else 10.0)
+    if "tls" in only:
+        bench_tls([1, 64, 256], 30 if args.quick else 300)
 
 
 if __name__ == "__main__":

@@ -23,11 +23,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import numpy as np
 import torch
 
 from compute_node.wire import encode_tensor, tensor_to_numpy
+from pagedkv.auth import token_metadata
+from pagedkv.tls import TlsSettings, open_channel
 from pagedkv.v1 import compute_node_pb2 as pb
 from pagedkv.v1 import compute_node_pb2_grpc as pb_grpc
 
@@ -53,14 +54,27 @@ class ForwardOutput:
     stats: pb.ForwardStats
 
 
+DEFAULT_MAX_MESSAGE_BYTES = 256 << 20   # the node's own default limit
+
+
 class ComputeNodeClient:
-    def __init__(self, address: str, *, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float = 30.0,
+        tls: TlsSettings | None = None,
+        token: str | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        """`tls`: the CA that verifies the node and the scheduler's client certificate (mutual
+        TLS); `token`: the scheduler's bearer token; neither: plaintext without credentials."""
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(
-            address,
-            options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)],
-        )
+        self._metadata = token_metadata(token)
+        limits = [("grpc.max_receive_message_length", max_message_bytes),
+                  ("grpc.max_send_message_length", max_message_bytes)]
+        self._channel = open_channel(address, tls, limits)
         self._stub = pb_grpc.ComputeNodeStub(self._channel)
 
     def close(self) -> None:
@@ -74,11 +88,11 @@ class ComputeNodeClient:
 
     def node_info(self) -> pb.GetNodeInfoResponse:
         """The node's geometry and registration."""
-        return self._stub.GetNodeInfo(pb.GetNodeInfoRequest(), timeout=self.timeout_s)
+        return self._stub.GetNodeInfo(pb.GetNodeInfoRequest(), timeout=self.timeout_s, metadata=self._metadata)
 
     def forward_raw(self, request: pb.ForwardRequest) -> pb.ForwardResponse:
         """Send a prepared request; raises `grpc.RpcError` with the node's status."""
-        return self._stub.Forward(request, timeout=self.timeout_s)
+        return self._stub.Forward(request, timeout=self.timeout_s, metadata=self._metadata)
 
     def forward(
         self,

@@ -12,9 +12,15 @@ the code. So the integration tests and the demo start each service with the `com
   dependants start after their dependencies published their ports (compose's `depends_on`);
 - an environment variable named `*_PORT` whose value is one of the service's container ports
   becomes that port's local counterpart, 0 (ephemeral) for ports other than the gRPC one;
-- a named volume's mount path (`/data`) becomes a directory under the stack's work dir;
+- a named volume's mount path (`/data`) becomes a directory under the stack's work dir, and a
+  bind mount's (`${PAGEDKV_CERTS_DIR:-./certs/dev}:/certs:ro`) the host directory it names
+  (relative paths from the compose file's directory);
+- override files (`docker-compose.mtls.yml`) merge onto the base file as `docker compose -f
+  base -f override` does: mappings merge key by key, `volumes` by mount path, `ports` add up,
+  other lists (`command`, a health check's `test`) are replaced;
 - `${VAR:-default}` is interpolated from the given environment, as compose does;
-- the health check's `["CMD", "python", ...]` runs with this interpreter.
+- the health check's `["CMD", "python", ...]` runs with this interpreter and the service's
+  environment (as inside its container: a probe may read the service's own TLS settings).
 
 Processes get their own session (SIGKILL reaches the whole service) and their output goes to
 `<workdir>/<service>.log`.
@@ -28,13 +34,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 COMPOSE_FILE = Path(__file__).resolve().parents[1] / "docker-compose.yml"
+MTLS_COMPOSE_FILE = COMPOSE_FILE.with_name("docker-compose.mtls.yml")
 _INTERP = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
 
 
@@ -54,6 +61,28 @@ class ServiceSpec:
     healthcheck: list[str] | None
     depends_on: list[str]
     profiles: list[str]
+    binds: dict[str, str] = field(default_factory=dict)   # mount path in the container -> host path
+
+
+def _mount_target(entry: object) -> str:
+    return str(entry).split(":")[1] if ":" in str(entry) else str(entry)
+
+
+def merge_compose(base: dict, override: dict) -> dict:
+    """`override` merged onto `base` as compose merges `-f base -f override` files."""
+    out = dict(base)
+    for key, value in override.items():
+        old = out.get(key)
+        if isinstance(old, dict) and isinstance(value, dict):
+            out[key] = merge_compose(old, value)
+        elif key == "volumes" and isinstance(old, list) and isinstance(value, list):
+            targets = {_mount_target(v) for v in value}
+            out[key] = [v for v in old if _mount_target(v) not in targets] + list(value)
+        elif key == "ports" and isinstance(old, list) and isinstance(value, list):
+            out[key] = old + [v for v in value if v not in old]
+        else:
+            out[key] = value
+    return out
 
 
 def interpolate(value: str, env: Mapping[str, str]) -> str:
@@ -61,19 +90,27 @@ def interpolate(value: str, env: Mapping[str, str]) -> str:
     return _INTERP.sub(lambda m: env.get(m.group(1)) or (m.group(2) or ""), value)
 
 
-def load_compose(path: Path = COMPOSE_FILE, env: Mapping[str, str] | None = None) -> dict[str, ServiceSpec]:
+def load_compose(
+    path: Path = COMPOSE_FILE, env: Mapping[str, str] | None = None, overrides: Sequence[Path] = ()
+) -> dict[str, ServiceSpec]:
     env = dict(os.environ if env is None else env)
     doc = yaml.safe_load(Path(path).read_text())
+    for extra in overrides:
+        doc = merge_compose(doc, yaml.safe_load(Path(extra).read_text()))
+    base_dir = Path(path).resolve().parent
     specs: dict[str, ServiceSpec] = {}
     for name, svc in doc["services"].items():
         if "command" not in svc:
             continue                     # third-party image services (postgres) run their own entrypoint
         environment = {k: interpolate(str(v), env) for k, v in (svc.get("environment") or {}).items()}
         ports = [int(str(p).split(":")[-1].split("/")[0]) for p in svc.get("ports") or []]
-        volumes = {}
+        volumes, binds = {}, {}
         for v in svc.get("volumes") or []:
-            source, _, target = str(v).partition(":")
-            volumes[source] = target.split(":")[0]
+            source, _, target = interpolate(str(v), env).partition(":")
+            if source.startswith((".", "/", "~")):      # a bind mount of a host path
+                binds[target.split(":")[0]] = str((base_dir / Path(source).expanduser()).resolve())
+            else:
+                volumes[source] = target.split(":")[0]
         test = (svc.get("healthcheck") or {}).get("test")
         depends = svc.get("depends_on") or {}
         depends_on = [d for d, cond in (depends.items() if isinstance(depends, dict) else ((d, {}) for d in depends))
@@ -87,6 +124,7 @@ def load_compose(path: Path = COMPOSE_FILE, env: Mapping[str, str] | None = None
             healthcheck=[interpolate(str(c), env) for c in test[1:]] if test and test[0] == "CMD" else None,
             depends_on=depends_on,
             profiles=list(svc.get("profiles") or []),
+            binds=binds,
         )
     return specs
 
@@ -173,6 +211,7 @@ class _Running:
     spec: ServiceSpec
     proc: subprocess.Popen[bytes]
     log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -182,6 +221,8 @@ class LocalStack:
     workdir: Path
     compose_file: Path = COMPOSE_FILE
     interp_env: Mapping[str, str] | None = None
+    # Override files merged onto `compose_file` in order (`docker-compose.mtls.yml`).
+    override_files: Sequence[Path] = ()
     # Extra environment per service, applied on top of the compose file's (tests use it for
     # short lease TTLs; the compose file stays what production runs).
     overrides: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -192,7 +233,7 @@ class LocalStack:
     def __post_init__(self) -> None:
         self.workdir = Path(self.workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.specs = load_compose(self.compose_file, self.interp_env)
+        self.specs = load_compose(self.compose_file, self.interp_env, self.override_files)
 
     # -- addressing ---------------------------------------------------------------------------
     def address(self, service: str, container_port: int | None = None) -> str:
@@ -232,6 +273,9 @@ class LocalStack:
         for volume, mount in spec.volumes.items():
             if mount in value:
                 value = value.replace(mount, str(self.volume_dir(volume)))
+        for mount, host in spec.binds.items():
+            if value == mount or value.startswith(mount + "/"):
+                value = host + value[len(mount):]
         return value
 
     def volume_dir(self, volume: str) -> Path:
@@ -263,7 +307,7 @@ class LocalStack:
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.workdir)
-        self.running[service] = _Running(self.specs[service], proc, log_path)
+        self.running[service] = _Running(self.specs[service], proc, log_path, env)
         try:
             port = wait_port_file(port_file, proc, timeout_s)
         except StackError as exc:
@@ -298,7 +342,10 @@ class LocalStack:
         if spec.healthcheck is None:
             return self.running[service].proc.poll() is None
         argv = [sys.executable if a == "python" else self.rewrite(service, a) for a in spec.healthcheck]
-        return subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30).returncode == 0
+        env = self.running[service].env or None
+        return subprocess.run(
+            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30, env=env
+        ).returncode == 0
 
     def wait_healthy(self, service: str, timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + timeout_s

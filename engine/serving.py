@@ -31,6 +31,7 @@ from block_manager.trace.format import AllocateOp, AppendOp, ForkOp, FreeOp, Tra
 from compute_node.client import ComputeNodeClient, SeqInput
 from engine.synthetic import SyntheticModel, extend_hashes, reference_attention
 from pagedkv.stats import percentile
+from pagedkv.tls import TlsSettings
 
 # fp16 K/V with fp32 accumulation: the kernels' error is a few fp32 ulps of the output norm;
 # 2e-3 relative to the output norm leaves room for fp16-rounded queries nowhere (queries are
@@ -115,10 +116,18 @@ class ServingDriver:
         admin_token: str | None = None,
         forward_timeout_s: float = 120.0,
         scheduler_id: str | None = None,
+        tls: TlsSettings | None = None,
+        token: str | None = None,
+        admin_tls: TlsSettings | None = None,
     ) -> None:
-        self.client = BlockManagerClient(bm_address, scheduler_id=scheduler_id)
-        self.admin = AdminClient(bm_address, token=admin_token)
-        self.nodes = {n: ComputeNodeClient(a, timeout_s=forward_timeout_s) for n, a in node_addresses.items()}
+        # Credentials (none: plaintext): the scheduler's `tls` / `token` towards the block
+        # manager and the nodes; the admin plane's (`admin_tls`, default `tls`; `admin_token`).
+        self.client = BlockManagerClient(bm_address, scheduler_id=scheduler_id, tls=tls, token=token)
+        self.admin = AdminClient(bm_address, token=admin_token, tls=admin_tls or tls)
+        self.nodes = {
+            n: ComputeNodeClient(a, timeout_s=forward_timeout_s, tls=tls, token=token)
+            for n, a in node_addresses.items()
+        }
         info = next(iter(self.nodes.values())).node_info()
         for node_id in self.nodes:
             # Lets the step helper answer in-block decode appends locally (no round trip).

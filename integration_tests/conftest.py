@@ -14,6 +14,9 @@ import pytest
 
 from engine.localstack import LocalStack
 from integration_tests.helpers import LEASE_TTL_S
+from tests.fixtures.certs import dev_certs
+
+__all__ = ["dev_certs"]
 
 STACK_ENV = {"PAGEDKV_LEASE_TTL_S": str(LEASE_TTL_S), "PAGEDKV_CN_NUM_BLOCKS": "1024", "PAGEDKV_LOG_LEVEL": "WARNING"}
 

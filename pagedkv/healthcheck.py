@@ -1,9 +1,15 @@
-"""`python -m pagedkv.healthcheck HOST:PORT [--service NAME]`: exit 0 when SERVING.
+"""`python -m pagedkv.healthcheck HOST:PORT [--service NAME] [TLS options]`: exit 0 when SERVING.
 
 The container health check of both services (docker-compose.yml) and the readiness probe of
 the local stack: it asks the standard gRPC health service, so it reports what the server
 itself says (NOT_SERVING while recovering, registering or draining) rather than "the port
 accepts connections".
+
+TLS: `--ca-file` / `--cert-file` / `--key-file` / `--server-name` / `--tls` (environment
+`PAGEDKV_HEALTHCHECK_*`), or `--tls-env PREFIX` to dial with the service's own settings from
+its environment (`PAGEDKV_TLS__` for the block manager, `PAGEDKV_CN_TLS__` for a compute node):
+inside a service's container the probe then uses the service's certificate, and stays
+plaintext when the service has no TLS configured. The health service needs no token.
 """
 
 from __future__ import annotations
@@ -14,10 +20,12 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedkv.tls import TlsSettings, add_tls_arguments, open_channel, tls_from_args, tls_from_env
 
-def check(target: str, service: str = "", timeout_s: float = 2.0) -> str:
+
+def check(target: str, service: str = "", timeout_s: float = 2.0, tls: TlsSettings | None = None) -> str:
     """The health status name (`SERVING`, `NOT_SERVING`, ...) or `UNREACHABLE`."""
-    with grpc.insecure_channel(target) as channel:
+    with open_channel(target, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
@@ -36,8 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("target", help="HOST:PORT of a pagedkv service")
     parser.add_argument("--service", default="", help="health service name ('' = the whole server)")
     parser.add_argument("--timeout", type=float, default=2.0)
+    parser.add_argument("--tls-env", metavar="PREFIX", help="TLS settings from the environment: PREFIXCA_FILE, ...")
+    add_tls_arguments(parser, "PAGEDKV_HEALTHCHECK_")
     args = parser.parse_args(argv)
-    status = check(args.target, args.service, args.timeout)
+    try:
+        tls = tls_from_args(args) or (tls_from_env(args.tls_env) if args.tls_env else None)
+        status = check(args.target, args.service, args.timeout, tls)
+    except (OSError, ValueError) as exc:   # unreadable or non-PEM certificate files
+        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
     print(status)
     return 0 if status == "SERVING" else 1
 

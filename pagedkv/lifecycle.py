@@ -30,6 +30,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pagedkv.logging import configure_logging, get_logger
 from pagedkv.settings import ConfigError
+from pagedkv.tls import TlsSettings, is_loopback, server_credentials
 
 log = get_logger(__name__)
 
@@ -109,15 +110,54 @@ def new_server(
     return grpc.aio.server(interceptors=list(interceptors), options=list(opts.items()))
 
 
-def bind(server: grpc.aio.Server, address: str) -> int:
-    """Listen on `address`; the bound port (the real one when `address` ends in `:0`)."""
+def limit_options(*, max_message_bytes: int, max_concurrent_streams: int | None) -> dict[str, Any]:
+    """Server options for the resource limits both services configure: the largest message
+    received or sent (a bigger one is refused with RESOURCE_EXHAUSTED before it is parsed) and
+    the streams one HTTP/2 connection may have open at once (further calls wait client-side)."""
+    opts: dict[str, Any] = {
+        "grpc.max_receive_message_length": max_message_bytes,
+        "grpc.max_send_message_length": max_message_bytes,
+    }
+    if max_concurrent_streams is not None:
+        opts["grpc.max_concurrent_streams"] = max_concurrent_streams
+    return opts
+
+
+def bind(server: grpc.aio.Server, address: str, tls: TlsSettings | None = None) -> int:
+    """Listen on `address` (with TLS when `tls` is active); the bound port (the real one when
+    `address` ends in `:0`). A plaintext listener on a non-loopback address is logged loudly:
+    anyone who can reach it can read and forge every call."""
+    secure = tls is not None and tls.active
+    credentials = server_credentials(tls) if secure else None  # type: ignore[arg-type]
     try:
-        port = server.add_insecure_port(address)
+        port = server.add_secure_port(address, credentials) if secure else server.add_insecure_port(address)
     except RuntimeError:  # grpc raises RuntimeError("Failed to bind ...") on some versions
         port = 0
     if port == 0:
         raise OSError(f"cannot listen on {address}")
+    if not secure and not is_loopback(address):
+        log.warning(
+            "PLAINTEXT LISTENER ON A NON-LOOPBACK ADDRESS: every call can be read and forged by anyone on the "
+            "network; configure tls.cert_file / tls.key_file (and tls.require_client_cert) beyond development",
+            address=address,
+        )
     return port
+
+
+def check_exposure(address: str, tls: TlsSettings | None, auth_enabled: bool, tokens: bool) -> None:
+    """Log what a listener on `address` exposes: no authentication beyond loopback, or bearer
+    tokens sent in cleartext."""
+    if is_loopback(address):
+        return
+    secure = tls is not None and tls.active
+    if not auth_enabled:
+        log.warning(
+            "NO AUTHENTICATION ON A NON-LOOPBACK ADDRESS: any peer may make any call; configure mutual TLS "
+            "(tls.require_client_cert) or auth.tokens",
+            address=address,
+        )
+    elif tokens and not secure:
+        log.warning("bearer tokens travel in cleartext on this listener: configure TLS", address=address)
 
 
 def install_health_and_reflection(
@@ -254,8 +294,10 @@ __all__ = [
     "TaskSet",
     "address_with_port",
     "bind",
+    "check_exposure",
     "flag_overrides",
     "install_health_and_reflection",
+    "limit_options",
     "new_server",
     "run_service_main",
     "run_until_signal",

@@ -1,6 +1,7 @@
 """`block-manager admin ...`: the operator's view of a running block manager.
 
-    block-manager admin [--target HOST:PORT] [--token T] [--json] [--timeout S] COMMAND
+    block-manager admin [--target HOST:PORT] [--token T] [--json] [--timeout S]
+                        [--tls] [--ca-file F] [--cert-file F --key-file F] [--server-name N] COMMAND
       status | nodes | seqs [--pool P] [--limit N] | table SEQ | defrag [POOL] [--kind K]
       | drain NODE [--undrain] | fsck | reset-prefix-cache [--pool P]
 
@@ -28,6 +29,7 @@ from rich.table import Table
 from block_manager.client.admin import AdminClient, served_services
 from block_manager.client.errors import BlockManagerError
 from block_manager.client.retry import RetryPolicy
+from pagedkv.tls import add_tls_arguments, tls_from_args
 
 EXIT_OK = 0
 EXIT_REFUSED = 1
@@ -60,6 +62,7 @@ def _global_options(p: argparse.ArgumentParser, *, defaults: bool) -> None:
     p.add_argument(
         "--timeout", type=float, default=default(5.0), help="per-call deadline in seconds (default 5)"
     )
+    add_tls_arguments(p, "PAGEDKV_ADMIN_", defaults=defaults)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -280,8 +283,8 @@ def _show(con: Console, args: argparse.Namespace, r: Result) -> None:
 _KNOWN_SERVICES = {"pagedkv.v1.ComputeNode": "a pagedkv compute node"}
 
 
-def _not_a_block_manager(target: str, timeout_s: float) -> str:
-    services = served_services(target, timeout_s)
+def _not_a_block_manager(target: str, timeout_s: float, args: argparse.Namespace) -> str:
+    services = served_services(target, timeout_s, tls_from_args(args))
     if services is None:
         return f"{target} does not serve the block manager admin API (UNIMPLEMENTED); is --target right?"
     known = [_KNOWN_SERVICES[s] for s in services if s in _KNOWN_SERVICES]
@@ -290,12 +293,22 @@ def _not_a_block_manager(target: str, timeout_s: float) -> str:
     return f"{target} is not a block manager: it is {what} ({listed}); point --target at the block manager"
 
 
+def _tls_hint(exc: BlockManagerError, args: argparse.Namespace) -> str:
+    """A connection the server closed during the handshake is usually a TLS mismatch."""
+    text = exc.message.lower()
+    if not any(w in text for w in ("socket closed", "handshake", "ssl", "certificate")):
+        return ""
+    if tls_from_args(args) is None:
+        return ": the server may require TLS; pass --ca-file (and --cert-file/--key-file for mutual TLS)"
+    return ": TLS handshake failed; check --ca-file, --cert-file/--key-file and --server-name"
+
+
 def _error_line(exc: BlockManagerError, args: argparse.Namespace) -> tuple[str, int]:
     name = exc.code.name
     if name == "UNIMPLEMENTED":
-        return _not_a_block_manager(args.target, args.timeout), EXIT_UNREACHABLE
+        return _not_a_block_manager(args.target, args.timeout, args), EXIT_UNREACHABLE
     if name == "UNAVAILABLE" and ("connect" in exc.message.lower() or not exc.message):
-        return f"cannot reach block manager at {args.target} (UNAVAILABLE)", EXIT_UNREACHABLE
+        return f"cannot reach block manager at {args.target} (UNAVAILABLE){_tls_hint(exc, args)}", EXIT_UNREACHABLE
     if name == "UNAVAILABLE":
         return f"block manager at {args.target} is unavailable: {exc.message}", EXIT_UNREACHABLE
     if name == "DEADLINE_EXCEEDED":
@@ -318,7 +331,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("error: --timeout must be > 0", file=sys.stderr)
         return EXIT_USAGE
     try:
-        with AdminClient(args.target, token=args.token, timeout_s=args.timeout, retry=CLI_RETRY) as client:
+        tls = tls_from_args(args)
+        client = AdminClient(args.target, token=args.token, timeout_s=args.timeout, retry=CLI_RETRY, tls=tls)
+    except (OSError, ValueError) as exc:   # an unreadable or non-PEM certificate file
+        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        with client:
             result = _call(client, args)
     except BlockManagerError as exc:
         line, code = _error_line(exc, args)

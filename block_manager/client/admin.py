@@ -21,7 +21,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from block_manager.client.base import CHANNEL_OPTIONS, DEFAULT_TIMEOUT_S
 from block_manager.client.errors import error_from_rpc
 from block_manager.client.retry import ClientStats, RetryPolicy, new_request_id
+from pagedkv.auth import token_metadata
 from pagedkv.rpc import call_with_retry
+from pagedkv.tls import TlsSettings, open_channel
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
@@ -41,13 +43,16 @@ class AdminClient:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         retry: RetryPolicy | None = None,
         channel: grpc.Channel | None = None,
+        tls: TlsSettings | None = None,
     ) -> None:
+        """`token`: the admin bearer token; `tls`: the CA that verifies the server and, for
+        mutual TLS, an admin client certificate (plaintext when not given)."""
         self.target = target
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._metadata = token_metadata(token)
         self._own_channel = channel is None
-        self._channel = channel if channel is not None else grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._channel = channel if channel is not None else open_channel(target, tls, CHANNEL_OPTIONS)
         self._stub = pb_grpc.BlockManagerAdminStub(self._channel)
         self._rng = random.Random()
         self.stats = ClientStats()
@@ -103,13 +108,15 @@ class AdminClient:
         )
 
 
-def served_services(target: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[str] | None:
+def served_services(
+    target: str, timeout_s: float = DEFAULT_TIMEOUT_S, tls: TlsSettings | None = None
+) -> list[str] | None:
     """The gRPC services `target` announces through server reflection (health and reflection
     left out), or None when it cannot say. For telling an operator what listens on a port that
     answered UNIMPLEMENTED to an admin call (e.g. a compute node's)."""
     request = reflection_pb2.ServerReflectionRequest(list_services="")
     try:
-        with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+        with open_channel(target, tls, CHANNEL_OPTIONS) as channel:
             stub = reflection_pb2_grpc.ServerReflectionStub(channel)
             reply = next(iter(stub.ServerReflectionInfo(iter([request]), timeout=timeout_s)))
     except (grpc.RpcError, StopIteration):

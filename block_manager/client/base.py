@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import random
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from block_manager.client import wire
 from block_manager.client.retry import ClientStats, RetryPolicy
 from block_manager.client.step import SequenceTracker, StepBatch
 from block_manager.client.types import PoolStepInfo
+from pagedkv.auth import token_metadata
+from pagedkv.tls import TlsSettings, open_channel
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
@@ -25,26 +27,33 @@ class ClientBase:
     time, and every step of this client (and of its processes' successors that reuse the id)
     renews it. `block_sizes` (pool id -> block size) lets the step helper answer in-block
     decode appends locally; pools registered through this client are learned automatically.
+
+    Security: `tls` (a `pagedkv.tls.TlsSettings`: the CA that verifies the server, and the
+    client certificate for mutual TLS) and `token` (a bearer token sent with every call);
+    neither given: plaintext, no credentials (loopback development).
     """
 
     def __init__(
         self,
         target: str,
         channel: Any | None,
-        new_channel: Callable[..., Any],
+        aio: bool,
         *,
         timeout_s: float,
         retry: RetryPolicy | None,
         block_sizes: Mapping[str, int] | None,
         seed: int | None,
         scheduler_id: str | None,
+        tls: TlsSettings | None = None,
+        token: str | None = None,
     ) -> None:
         self.target = target
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()
         self.scheduler_id = scheduler_id or f"scheduler-{uuid.uuid4().hex[:12]}"
         self._own_channel = channel is None
-        self._channel = channel if channel is not None else new_channel(target, options=CHANNEL_OPTIONS)
+        self._channel = channel if channel is not None else open_channel(target, tls, CHANNEL_OPTIONS, aio=aio)
+        self._metadata = token_metadata(token)
         self._stub = pb_grpc.BlockManagerStub(self._channel)
         self._rng = random.Random(seed)
         self.stats = ClientStats()

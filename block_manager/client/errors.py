@@ -70,6 +70,13 @@ class UnauthenticatedError(BlockManagerError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class PermissionDeniedError(BlockManagerError):
+    """Valid credentials that may not make this call (a node acting for another node, a
+    scheduler on the admin plane, ...)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class InternalError(BlockManagerError):
     code = grpc.StatusCode.INTERNAL
 
@@ -97,6 +104,7 @@ _BY_CODE: dict[grpc.StatusCode, type[BlockManagerError]] = {
         UnavailableError,
         DeadlineExceededError,
         UnauthenticatedError,
+        PermissionDeniedError,
         InternalError,
     )
 }
@@ -136,6 +144,7 @@ __all__ = [
     "InvalidArgumentError",
     "NotFoundError",
     "OutOfBlocksError",
+    "PermissionDeniedError",
     "StepStateError",
     "UnauthenticatedError",
     "UnavailableError",

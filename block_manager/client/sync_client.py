@@ -25,6 +25,7 @@ from block_manager.client.retry import RetryPolicy, new_request_id, request_id_o
 from block_manager.client.step import StepBatch, StepResult
 from block_manager.client.types import HeartbeatResult, NodeRegistration, PoolRoute, TablesUpdate
 from pagedkv.rpc import call_with_retry
+from pagedkv.tls import TlsSettings
 from pagedkv.v1 import block_manager_pb2 as pb
 
 
@@ -39,11 +40,14 @@ class BlockManagerClient(ClientBase):
         block_sizes: Mapping[str, int] | None = None,
         seed: int | None = None,
         scheduler_id: str | None = None,
+        tls: TlsSettings | None = None,
+        token: str | None = None,
     ) -> None:
-        """Connect to `target` (host:port); `scheduler_id` defaults to a fresh unique name."""
+        """Connect to `target` (host:port); `scheduler_id` defaults to a fresh unique name; `tls`
+        and `token`: see `ClientBase` (plaintext without credentials when neither is given)."""
         super().__init__(
-            target, channel, grpc.insecure_channel, timeout_s=timeout_s, retry=retry, block_sizes=block_sizes,
-            seed=seed, scheduler_id=scheduler_id,
+            target, channel, False, timeout_s=timeout_s, retry=retry, block_sizes=block_sizes,
+            seed=seed, scheduler_id=scheduler_id, tls=tls, token=token,
         )
 
     def close(self) -> None:
@@ -62,7 +66,7 @@ class BlockManagerClient(ClientBase):
         timeout = timeout_s if timeout_s is not None else self.timeout_s
         try:
             return call_with_retry(
-                lambda: fn(request, timeout=timeout), self.retry, self._rng,
+                lambda: fn(request, timeout=timeout, metadata=self._metadata), self.retry, self._rng,
                 lambda retry: self.stats.record_attempt(method, retry),
             )
         except grpc.RpcError as exc:

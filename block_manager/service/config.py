@@ -13,12 +13,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from block_manager.core.types import DefragPolicy
 from block_manager.service.state import StateConfig
+from pagedkv.auth import AuthSettings
 from pagedkv.settings import ConfigError, YamlEnvSettings, checked_log_level, load_settings
+from pagedkv.tls import TlsSettings
 
 
 class DefragSettings(BaseModel):
@@ -78,6 +80,16 @@ class BlockManagerConfig(YamlEnvSettings):
     metrics_address: str = "127.0.0.1"
     metrics_port: int | None = Field(default=None, ge=0, le=65535)   # None: no endpoint; 0: ephemeral
     admin_token: str | None = None
+    # Security between hosts (README "Running across hosts"): TLS on the listener (mutual TLS
+    # with tls.require_client_cert) and who may call what (pagedkv.auth, service/access.py).
+    tls: TlsSettings = TlsSettings()
+    auth: AuthSettings = AuthSettings()
+    # Resource limits: the largest message received or sent, streams per HTTP/2 connection,
+    # calls in flight per peer (principal, else client IP), token ids in one Route.
+    max_message_bytes: int = Field(default=64 << 20, ge=1 << 16, le=1 << 30)
+    max_concurrent_streams: int | None = Field(default=100, ge=1)
+    max_inflight_per_peer: int | None = Field(default=256, ge=1)
+    max_route_tokens: int = Field(default=1 << 17, ge=1)
     shutdown_grace_s: float = Field(default=5.0, ge=0)
     log_level: str = "INFO"
 
@@ -85,6 +97,20 @@ class BlockManagerConfig(YamlEnvSettings):
     @classmethod
     def _empty_token_is_none(cls, v: str | None) -> str | None:
         return v or None
+
+    @model_validator(mode="after")
+    def _tls_for_identity(self) -> BlockManagerConfig:
+        if self.tls.require_client_cert and not (self.tls.cert_file and self.tls.key_file):
+            raise ValueError("tls.require_client_cert needs the server's tls.cert_file and tls.key_file")
+        if self.tls.active and not (self.tls.cert_file and self.tls.key_file):
+            raise ValueError("a TLS listener needs tls.cert_file and tls.key_file")
+        if self.auth_enabled and not (self.auth.tokens or self.tls.require_client_cert or self.admin_token):
+            raise ValueError("auth.enabled: nobody could call: configure auth.tokens or tls.require_client_cert")
+        return self
+
+    @property
+    def auth_enabled(self) -> bool:
+        return self.auth.is_enabled(self.tls.require_client_cert)
 
     @field_validator("log_level")
     @classmethod

@@ -1,4 +1,4 @@
-"""Server interceptors: admin-token auth, and the ONE place domain errors become statuses.
+"""Server interceptor: the ONE place domain errors become statuses.
 
 `ErrorMappingInterceptor` wraps every unary handler: it binds the request id, node and
 epoch into structlog's context for the duration of the call, times it for the latency
@@ -10,13 +10,12 @@ Requests whose bytes do not parse arrive as `pagedkv.rpc.Undecodable` and are an
 INVALID_ARGUMENT. Handlers never call `context.abort`
 for domain errors themselves, so the mapping cannot drift between RPCs.
 
-`AdminAuthInterceptor` guards `BlockManagerAdmin` with `authorization: Bearer <token>`
-when a token is configured; health and reflection stay open.
+Credentials, deadlines and per-peer limits are checked before this, by the edge guard
+(`pagedkv.guard.EdgeGuard` with the rules of `access.py`), which answers its own refusals.
 """
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -101,30 +100,4 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         return call
 
 
-class AdminAuthInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, token: str | None) -> None:
-        self._expected = f"Bearer {token}".encode() if token else None
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if self._expected is None or not details.method.startswith(f"/{ADMIN_SERVICE}/"):
-            return handler
-        supplied = b""
-        for key, value in details.invocation_metadata or ():
-            if key == "authorization":
-                supplied = value.encode() if isinstance(value, str) else value
-        if hmac.compare_digest(supplied, self._expected):
-            return handler
-
-        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            log.warning("admin call rejected", rpc=details.method)
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid admin bearer token")
-
-        return wrap_unary_handler(handler, lambda _behavior: deny)
-
-
-__all__ = ["ADMIN_SERVICE", "AdminAuthInterceptor", "ErrorMappingInterceptor"]
+__all__ = ["ADMIN_SERVICE", "ErrorMappingInterceptor"]

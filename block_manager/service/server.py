@@ -20,22 +20,27 @@ from pathlib import Path
 
 import grpc
 
+from block_manager.service import access
 from block_manager.service.admin_servicer import BlockManagerAdminServicer
 from block_manager.service.config import BlockManagerConfig, load_config
 from block_manager.service.defrag_runner import DefragRunner
 from block_manager.service.errors import RecoveryError
-from block_manager.service.interceptors import AdminAuthInterceptor, ErrorMappingInterceptor
+from block_manager.service.interceptors import ErrorMappingInterceptor
 from block_manager.service.metrics import ServiceMetrics
 from block_manager.service.runtime import Phase, ServiceRuntime
 from block_manager.service.servicer import BlockManagerServicer
 from block_manager.store import StoreError, StoreOptions, open_store
 from block_manager.store.base import Store
+from pagedkv.auth import Authenticator
+from pagedkv.guard import EdgeGuard
 from pagedkv.lifecycle import (
     TaskSet,
     address_with_port,
     bind,
+    check_exposure,
     flag_overrides,
     install_health_and_reflection,
+    limit_options,
     new_server,
     run_service_main,
     run_until_signal,
@@ -86,22 +91,30 @@ class BlockManagerServer:
         self.metrics.attach(runtime, asyncio.get_running_loop())
         runtime.on_phase(self._on_phase)
 
-        interceptors: list[grpc.aio.ServerInterceptor] = [ErrorMappingInterceptor(self.metrics)]
-        if cfg.admin_token:  # each interceptor costs every call; no token, no auth layer
-            interceptors.insert(0, AdminAuthInterceptor(cfg.admin_token))
-        server = new_server(interceptors)
-        pb_grpc.add_BlockManagerServicer_to_server(BlockManagerServicer(runtime, self.defrag), server)
+        self.guard = edge_guard(cfg, self.metrics)
+        server = new_server(
+            [self.guard, ErrorMappingInterceptor(self.metrics)],
+            options=limit_options(
+                max_message_bytes=cfg.max_message_bytes, max_concurrent_streams=cfg.max_concurrent_streams
+            ),
+        )
+        servicer = BlockManagerServicer(runtime, self.defrag, max_route_tokens=cfg.max_route_tokens)
+        pb_grpc.add_BlockManagerServicer_to_server(servicer, server)
         pb_grpc.add_BlockManagerAdminServicer_to_server(BlockManagerAdminServicer(runtime, self.defrag), server)
         self.health = install_health_and_reflection(server, (DATA_SERVICE, ADMIN_SERVICE), self.tasks)
         try:
-            self.port = bind(server, cfg.listen_address)
-        except OSError:
+            self.port = bind(server, cfg.listen_address, cfg.tls)
+        except (OSError, ValueError):
             await asyncio.to_thread(store.close)
             raise
+        check_exposure(cfg.listen_address, cfg.tls, cfg.auth_enabled, bool(cfg.auth.tokens))
         await self.health.set(False)
         await server.start()
         self._server = server
-        log.info("listening", address=cfg.listen_address, port=self.port)
+        log.info(
+            "listening", address=cfg.listen_address, port=self.port, tls=cfg.tls.active,
+            mtls=cfg.tls.require_client_cert, auth=cfg.auth_enabled,
+        )
         if cfg.metrics_port is not None:
             mport = self.metrics.serve(cfg.metrics_address, cfg.metrics_port)
             log.info("metrics endpoint", address=cfg.metrics_address, port=mport)
@@ -150,6 +163,26 @@ class BlockManagerServer:
             await self._server.wait_for_termination()
 
 
+def edge_guard(cfg: BlockManagerConfig, metrics: ServiceMetrics | None = None) -> EdgeGuard:
+    """The first interceptor: deadlines, identities (`access.authorize`), calls in flight per
+    peer. With authentication off, the legacy `admin_token` alone still guards the admin plane."""
+    authenticator: Authenticator | None = None
+    guarded = None
+    if cfg.auth_enabled:
+        authenticator = Authenticator(cfg.auth, {"admin": cfg.admin_token})
+    elif cfg.admin_token:
+        authenticator = Authenticator(cfg.auth.model_copy(update={"cert_principals": {}, "cert_uri_prefix": ""}),
+                                      {"admin": cfg.admin_token})
+        guarded = access.is_admin_method
+    on_refused = None
+    if metrics is not None:
+        on_refused = lambda method, code, seconds: metrics.observe_rpc(method, code.name, seconds)  # noqa: E731
+    return EdgeGuard(
+        authenticator=authenticator, authorize=access.authorize, guarded=guarded,
+        max_inflight_per_peer=cfg.max_inflight_per_peer, on_refused=on_refused,
+    )
+
+
 async def serve(config: BlockManagerConfig, port_file: Path | None = None) -> int:
     """Run one block manager until a signal (exit 0) or a journal failure (exit 3)."""
     server = BlockManagerServer(config)
@@ -157,7 +190,7 @@ async def serve(config: BlockManagerConfig, port_file: Path | None = None) -> in
         server,
         prog="block-manager",
         port_file=port_file,
-        startup_errors=(StoreError, RecoveryError, OSError),
+        startup_errors=(StoreError, RecoveryError, OSError, ValueError),
         failed=server.failed,
         grace_s=config.shutdown_grace_s,
     )

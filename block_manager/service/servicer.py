@@ -28,7 +28,7 @@ from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 from pagedkv.v1 import common_pb2
 
-MAX_ROUTE_TOKENS = 1 << 20
+MAX_ROUTE_TOKENS = 1 << 17   # the default of the `max_route_tokens` setting
 
 
 def step_payload(request: pb.StepRequest) -> dict[str, Any]:
@@ -147,17 +147,21 @@ def register_response(r: dict[str, Any]) -> pb.RegisterNodeResponse:
     )
 
 
-def route_response(state: ServiceState, request: pb.RouteRequest) -> pb.RouteResponse:
+def route_response(
+    state: ServiceState, request: pb.RouteRequest, max_tokens: int = MAX_ROUTE_TOKENS
+) -> pb.RouteResponse:
     """Pools ranked per prompt (one prompt, or many: `num_token_ids` splits the ids)."""
+    if len(request.token_ids) > max_tokens:   # before copying them
+        raise InvalidRequest(f"route takes at most {max_tokens} token ids, got {len(request.token_ids)}")
     token_ids = list(request.token_ids)
-    if len(token_ids) > MAX_ROUTE_TOKENS:
-        raise InvalidRequest(f"route takes at most {MAX_ROUTE_TOKENS} token ids, got {len(token_ids)}")
     if not request.num_token_ids:
         salt = request.salt if request.HasField("salt") else None
         return pb.RouteResponse(entries=_route_entries(state, token_ids, salt))
     counts = list(request.num_token_ids)
     salts = list(request.salts)
-    if len(counts) > state.config.max_batch or sum(counts) != len(token_ids):
+    if len(counts) > state.config.max_batch or len(salts) > state.config.max_batch:
+        raise InvalidRequest(f"route takes at most {state.config.max_batch} prompts and salts")
+    if sum(counts) != len(token_ids):
         raise InvalidRequest("route: one token count per prompt, summing to the token ids given")
     if request.salt_index and len(request.salt_index) != len(counts):
         raise InvalidRequest("route: one salt index per prompt (or none)")
@@ -193,9 +197,12 @@ def _route_entries(state: ServiceState, token_ids: list[int], salt: str | None) 
 
 
 class BlockManagerServicer(MutatingServicer, pb_grpc.BlockManagerServicer):
-    def __init__(self, runtime: ServiceRuntime, defrag: DefragRunner) -> None:
+    def __init__(
+        self, runtime: ServiceRuntime, defrag: DefragRunner, *, max_route_tokens: int = MAX_ROUTE_TOKENS
+    ) -> None:
         super().__init__(runtime)
         self.defrag = defrag
+        self.max_route_tokens = max_route_tokens
 
     # ---- nodes ----------------------------------------------------------------------
     async def RegisterNode(
@@ -227,6 +234,7 @@ class BlockManagerServicer(MutatingServicer, pb_grpc.BlockManagerServicer):
         seq_ids = [SeqId(s) for s in request.seq_ids]
         check_count("number of seq_ids", len(seq_ids), 0, state.config.max_batch)
         check_ids("seq_id", seq_ids)
+        check_count("number of known_versions", len(request.known_versions), 0, state.config.max_batch)
         known = {SeqId(k): v for k, v in request.known_versions.items()}
         views = state.core.get_tables(seq_ids, known)
         for v in views:
@@ -242,7 +250,7 @@ class BlockManagerServicer(MutatingServicer, pb_grpc.BlockManagerServicer):
     # ---- routing --------------------------------------------------------------------
     async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
         self.runtime.check_readable()
-        return route_response(self.runtime.state, request)
+        return route_response(self.runtime.state, request, self.max_route_tokens)
 
 
 __all__ = [

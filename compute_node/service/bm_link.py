@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import grpc
 
 from compute_node.tables import NodeTable, SeqId
+from pagedkv.auth import token_metadata
 from pagedkv.rpc import is_retryable
+from pagedkv.tls import TlsSettings, open_channel
 from pagedkv.v1 import block_manager_pb2 as bm_pb
 from pagedkv.v1 import block_manager_pb2_grpc as bm_grpc
 
@@ -70,20 +72,29 @@ def _translate(exc: grpc.aio.AioRpcError) -> LinkError:
 class BlockManagerLink:
     """One channel to the block manager, shared by the heartbeat task and forwards."""
 
-    def __init__(self, address: str, node_id: str, timeout_s: float) -> None:
+    def __init__(
+        self, address: str, node_id: str, timeout_s: float, *, tls: TlsSettings | None = None, token: str | None = None
+    ) -> None:
+        """`tls`: the node's settings (its certificate is the client certificate, `ca_file`
+        verifies the block manager); `token`: its bearer token there (without mTLS)."""
         self.address = address
         self.node_id = node_id
         self.timeout_s = timeout_s
         self.num_rpcs = 0
+        self._metadata = token_metadata(token)
         # gRPC's default reconnect backoff grows to minutes; a node must notice a restarted
-        # block manager within a heartbeat or two, so cap it at a second.
-        self._channel = grpc.aio.insecure_channel(
+        # block manager within a heartbeat or two, so cap it at a second. GetTables answers
+        # may exceed gRPC's 4 MiB default: accept what the block manager may send.
+        self._channel = open_channel(
             address,
-            options=[
+            tls,
+            [
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.min_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 1000),
+                ("grpc.max_receive_message_length", 64 << 20),
             ],
+            aio=True,
         )
         self._stub = bm_grpc.BlockManagerStub(self._channel)
 
@@ -130,6 +141,6 @@ class BlockManagerLink:
     async def _call(self, method, request):  # type: ignore[no-untyped-def]
         self.num_rpcs += 1
         try:
-            return await method(request, timeout=self.timeout_s)
+            return await method(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise _translate(exc) from None

@@ -18,7 +18,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from pagedkv.auth import AuthSettings
 from pagedkv.settings import ConfigError, YamlEnvSettings, checked_log_level, load_settings
+from pagedkv.tls import TlsSettings
 
 DType = Literal["float16", "bfloat16", "float32"]
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -58,8 +60,37 @@ class ComputeNodeConfig(YamlEnvSettings):
     max_retry_interval_s: float = Field(default=10.0, gt=0)
     metrics_address: str = "127.0.0.1"
     metrics_port: int | None = Field(default=None, ge=0, le=65535)   # None: no endpoint; 0: ephemeral
+    # Security between hosts (README "Running across hosts"). `tls`: the Forward listener and
+    # the node's own channel to the block manager (its certificate is the client certificate
+    # there; ca_file verifies both ways). `auth`: who may send Forwards (schedulers only).
+    # `block_manager_token`: this node's bearer token at the block manager (without mTLS).
+    tls: TlsSettings = TlsSettings()
+    auth: AuthSettings = AuthSettings()
+    block_manager_token: str | None = None
+    # Resource limits: the largest message received or sent (a Forward carries Q/K/V),
+    # streams per HTTP/2 connection, calls in flight per peer (principal, else client IP).
+    max_message_bytes: int = Field(default=256 << 20, ge=1 << 16, le=(1 << 31) - 1)
+    max_concurrent_streams: int | None = Field(default=100, ge=1)
+    max_inflight_per_peer: int | None = Field(default=64, ge=1)
     shutdown_grace_s: float = Field(default=5.0, ge=0)
     log_level: str = "INFO"
+
+    @field_validator("block_manager_token")
+    @classmethod
+    def _empty_token_is_none(cls, v: str | None) -> str | None:
+        return v or None
+
+    @model_validator(mode="after")
+    def _tls_listener(self) -> ComputeNodeConfig:
+        if self.tls.active and not (self.tls.cert_file and self.tls.key_file):
+            raise ValueError("a TLS listener needs tls.cert_file and tls.key_file")
+        if self.auth_enabled and not (self.auth.tokens or self.tls.require_client_cert):
+            raise ValueError("auth.enabled: nobody could call: configure auth.tokens or tls.require_client_cert")
+        return self
+
+    @property
+    def auth_enabled(self) -> bool:
+        return self.auth.is_enabled(self.tls.require_client_cert)
 
     @field_validator("log_level")
     @classmethod

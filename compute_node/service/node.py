@@ -73,7 +73,10 @@ class ComputeNode:
         self.device = resolve_device(config.device)
         self.metrics = NodeMetrics()
         self.log = get_logger("compute_node", node_id=config.node_id)
-        self.link = BlockManagerLink(config.block_manager_address, config.node_id, config.rpc_timeout_s)
+        self.link = BlockManagerLink(
+            config.block_manager_address, config.node_id, config.rpc_timeout_s, tls=config.tls,
+            token=config.block_manager_token,
+        )
         self.tables = TableCache()
         self.pool: KvPool | None = None
         self.registration: Registration | None = None

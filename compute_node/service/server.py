@@ -17,16 +17,21 @@ from pathlib import Path
 
 import grpc
 
+from compute_node.service import access
 from compute_node.service.config import ComputeNodeConfig
 from compute_node.service.interceptors import ErrorMappingInterceptor
 from compute_node.service.node import ComputeNode
 from compute_node.service.servicer import ComputeNodeServicer
 from compute_node.service.warmup import warm_up_cpu_kernels
+from pagedkv.auth import Authenticator
+from pagedkv.guard import EdgeGuard
 from pagedkv.lifecycle import (
     TaskSet,
     address_with_port,
     bind,
+    check_exposure,
     install_health_and_reflection,
+    limit_options,
     new_server,
     run_until_signal,
 )
@@ -37,7 +42,16 @@ from pagedkv.v1 import compute_node_pb2_grpc as pb_grpc
 log = get_logger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ComputeNode"].full_name
-MAX_MESSAGE_BYTES = 256 << 20
+
+
+def edge_guard(cfg: ComputeNodeConfig) -> EdgeGuard:
+    """Deadlines, identities (`access.authorize`: Forward from schedulers only), calls in
+    flight per peer."""
+    return EdgeGuard(
+        authenticator=Authenticator(cfg.auth) if cfg.auth_enabled else None,
+        authorize=access.authorize,
+        max_inflight_per_peer=cfg.max_inflight_per_peer,
+    )
 
 
 class ComputeNodeServer:
@@ -60,14 +74,15 @@ class ComputeNodeServer:
 
     async def start(self) -> None:
         cfg = self.config
+        self.guard = edge_guard(cfg)
         server = new_server(
-            [ErrorMappingInterceptor()],
-            options={
-                "grpc.max_receive_message_length": MAX_MESSAGE_BYTES,
-                "grpc.max_send_message_length": MAX_MESSAGE_BYTES,
-            }
+            [self.guard, ErrorMappingInterceptor()],
+            options=limit_options(
+                max_message_bytes=cfg.max_message_bytes, max_concurrent_streams=cfg.max_concurrent_streams
+            ),
         )
-        self.port = bind(server, cfg.listen_address)
+        self.port = bind(server, cfg.listen_address, cfg.tls)
+        check_exposure(cfg.listen_address, cfg.tls, cfg.auth_enabled, bool(cfg.auth.tokens))
         advertise = cfg.advertise_address or self.address
         if advertise.endswith(":0"):  # "whatever port I bound": a listener on port 0 advertises the real one
             advertise = address_with_port(advertise, self.port)
@@ -78,7 +93,10 @@ class ComputeNodeServer:
         await health.set(False)
         await server.start()
         self._server = server
-        log.info("listening", address=cfg.listen_address, port=self.port, node_id=cfg.node_id)
+        log.info(
+            "listening", address=cfg.listen_address, port=self.port, node_id=cfg.node_id, tls=cfg.tls.active,
+            mtls=cfg.tls.require_client_cert, auth=cfg.auth_enabled,
+        )
         if cfg.metrics_port is not None:
             self._metrics_server, self.metrics_port = node.metrics.serve(cfg.metrics_address, cfg.metrics_port)
             log.info("metrics endpoint", address=cfg.metrics_address, port=self.metrics_port)
@@ -109,5 +127,6 @@ class ComputeNodeServer:
 async def serve(config: ComputeNodeConfig, port_file: Path | None = None) -> int:
     """Run one compute node until a signal (exit 0)."""
     return await run_until_signal(
-        ComputeNodeServer(config), prog="compute-node", port_file=port_file, grace_s=config.shutdown_grace_s
+        ComputeNodeServer(config), prog="compute-node", port_file=port_file, grace_s=config.shutdown_grace_s,
+        startup_errors=(OSError, ValueError),
     )

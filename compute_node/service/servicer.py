@@ -10,12 +10,16 @@ from __future__ import annotations
 import grpc
 import structlog
 
-from compute_node.errors import ComputeNodeError, NotRegistered
+from compute_node.errors import ComputeNodeError, InvalidForward, NotRegistered
 from compute_node.forward import parse_forward
 from compute_node.service.node import ComputeNode
 from compute_node.wire import encode_tensor
 from pagedkv.v1 import compute_node_pb2 as pb
 from pagedkv.v1 import compute_node_pb2_grpc as pb_grpc
+
+# A scheduler sends a node the pool steps it has not forwarded yet, and the block manager lets
+# at most 64 steps of a pool await their Forward's report (`max_unsettled_steps` <= 64).
+MAX_STEPS_PER_FORWARD = 64
 
 
 class ComputeNodeServicer(pb_grpc.ComputeNodeServicer):
@@ -26,6 +30,10 @@ class ComputeNodeServicer(pb_grpc.ComputeNodeServicer):
         node = self.node
         structlog.contextvars.bind_contextvars(request_id=request.request_id, rpc="Forward")
         try:
+            if len(request.steps) > MAX_STEPS_PER_FORWARD:
+                raise InvalidForward(
+                    f"a forward carries at most {MAX_STEPS_PER_FORWARD} pool steps, got {len(request.steps)}"
+                )
             geometry = node.geometry
             if geometry is None:
                 raise NotRegistered("the node has not registered its pool yet")

@@ -13,7 +13,6 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 import numpy as np
 
 from block_manager.client import AsyncBlockManagerClient
@@ -25,6 +24,8 @@ from compute_node.client import SeqInput, build_request, split_outputs
 from compute_node.service.config import load_config as load_cn_config
 from compute_node.service.server import ComputeNodeServer
 from kernels import reference
+from pagedkv.auth import token_metadata
+from pagedkv.tls import TlsSettings, open_channel
 from pagedkv.v1 import block_manager_pb2_grpc as bm_grpc
 from pagedkv.v1 import compute_node_pb2 as pb
 from pagedkv.v1 import compute_node_pb2_grpc as pb_grpc
@@ -121,13 +122,17 @@ class Scheduler:
     next Forward, every Forward reported with the next step."""
 
     def __init__(
-        self, bm_address: str, node_address: str, pool_id: str, *, seed: int = 0, dtype: str = "float32"
+        self, bm_address: str, node_address: str, pool_id: str, *, seed: int = 0, dtype: str = "float32",
+        tls: TlsSettings | None = None, token: str | None = None,
     ) -> None:
+        """`tls` / `token`: the scheduler's credentials towards both services (none: plaintext)."""
         self.client = AsyncBlockManagerClient(
-            bm_address, block_sizes={pool_id: BLOCK_SIZE}, timeout_s=30, scheduler_id=f"sched-{pool_id}"
+            bm_address, block_sizes={pool_id: BLOCK_SIZE}, timeout_s=30, scheduler_id=f"sched-{pool_id}", tls=tls,
+            token=token,
         )
         self.bm = bm_grpc.BlockManagerStub(self.client._channel)
-        self.node_channel = grpc.aio.insecure_channel(node_address)
+        self._tls, self._metadata = tls, token_metadata(token)
+        self.node_channel = open_channel(node_address, tls, aio=True)
         self.node = pb_grpc.ComputeNodeStub(self.node_channel)
         self.pool_id = pool_id
         self.rng = np.random.default_rng(seed)
@@ -143,7 +148,7 @@ class Scheduler:
 
     def connect_node(self, node_address: str) -> None:
         """A channel to a (restarted) node; the old one must be closed first."""
-        self.node_channel = grpc.aio.insecure_channel(node_address)
+        self.node_channel = open_channel(node_address, self._tls, aio=True)
         self.node = pb_grpc.ComputeNodeStub(self.node_channel)
 
     # ---- block manager side -------------------------------------------------------------
@@ -206,7 +211,7 @@ class Scheduler:
         tokens to the shadow and check every output against the float64 reference."""
         seqs = [self.seq_input(s) for s in steps]
         request = build_request(seqs, list(range(NUM_LAYERS)), steps=[p.message for p in self.pending], **kw)
-        response = await self.node.Forward(request)
+        response = await self.node.Forward(request, metadata=self._metadata)
         self.delivered()
         self.last_stats = response.stats
         outputs = split_outputs(response, seqs)

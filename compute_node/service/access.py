@@ -1,0 +1,33 @@
+"""Who may call what on a compute node (the rule `pagedkv.guard.EdgeGuard` applies).
+
+| method | principal |
+|---|---|
+| `ComputeNode/Forward` | `scheduler` / `scheduler:<id>`: a Forward writes into the node's KV memory |
+| `ComputeNode/GetNodeInfo` | `scheduler`, `admin` |
+| anything else of ours | nobody (a new RPC must be given its rule here) |
+
+Nodes never call each other, and the block manager never calls a node: a `node:*` principal
+(another node's certificate from the same CA) is refused everything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedkv.auth import Principal
+
+PREFIX = "/pagedkv.v1.ComputeNode/"
+_ALLOWED = {"Forward": frozenset({"scheduler"}), "GetNodeInfo": frozenset({"scheduler", "admin"})}
+
+
+def authorize(method: str, principal: Principal, request: Any) -> str | None:
+    """Why `principal` may not call `method`; None when it may."""
+    roles = _ALLOWED.get(method.rsplit("/", 1)[-1]) if method.startswith(PREFIX) else None
+    if roles is None:
+        return f"{principal} may not call {method}"
+    if principal.role not in roles:
+        return f"{method.rsplit('/', 1)[-1]} is for {' and '.join(sorted(roles))} principals; {principal} is not one"
+    return None
+
+
+__all__ = ["PREFIX", "authorize"]

@@ -1,0 +1,87 @@
+"""The whole stack with mutual TLS (docker-compose.yml + docker-compose.mtls.yml, certificates
+from scripts/gen-dev-certs.sh made in the test's temp dir): the mixed workload passes with every
+call authenticated by certificate, and the stack refuses what it must.
+
+One stack for the module: the workload leaves it as it found it (everything freed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from block_manager.client import BlockManagerClient, PermissionDeniedError, UnavailableError
+from block_manager.client.admin import AdminClient
+from compute_node.client import ComputeNodeClient
+from engine.localstack import MTLS_COMPOSE_FILE, LocalStack
+from engine.serving import ServingDriver
+from integration_tests.conftest import STACK_ENV
+from integration_tests.helpers import node_addresses, small_trace
+from pagedkv.tls import open_channel
+from tests.fixtures.certs import DevCerts, generate
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> DevCerts:
+    return generate(tmp_path_factory.mktemp("stack-certs"), nodes=("node-0", "node-1"))
+
+
+@pytest.fixture(scope="module")
+def mtls_stack(tmp_path_factory: pytest.TempPathFactory, certs: DevCerts) -> Iterator[LocalStack]:
+    env = {**STACK_ENV, "PAGEDKV_CERTS_DIR": str(certs.dir)}
+    stack = LocalStack(Path(tmp_path_factory.mktemp("mtls-stack")), interp_env=env,
+                       override_files=[MTLS_COMPOSE_FILE])
+    try:
+        stack.up()          # health checks dial each service with its own certificate
+        yield stack
+    finally:
+        stack.down()
+
+
+def test_mixed_workload_with_mutual_tls(mtls_stack: LocalStack, certs: DevCerts) -> None:
+    driver = ServingDriver(mtls_stack.address("block-manager"), node_addresses(mtls_stack), num_heads=4,
+                           max_model_len=256, sample_every=2, seed=1, tls=certs.client("scheduler"),
+                           admin_tls=certs.client("admin"))
+    try:
+        report = driver.run(small_trace(seed=1), defrag_at_step=20)
+    finally:
+        driver.close()
+    assert report.checks > 0 and report.check_failures == 0, report.max_rel_error
+    assert report.rejected == report.preempted == report.skipped == 0
+    pools = report.final_status["pools"]
+    assert sum(int(p.get("prefix_hit_tokens", 0)) for p in pools) > 0
+    assert report.forks > 0 and sum(int(p.get("cow_copies", 0)) for p in pools) > 0
+    assert report.defrag["trigger"] is not None
+    with AdminClient(mtls_stack.address("block-manager"), tls=certs.client("admin"), timeout_s=20) as admin:
+        assert admin.fsck().get("ok") is True
+        assert admin.list_sequences().get("sequences", []) == []
+        assert {n["node_id"] for n in admin.list_nodes()["nodes"]} == {"node-0", "node-1"}
+
+
+def test_the_mtls_stack_refuses_plaintext_and_wrong_roles(mtls_stack: LocalStack, certs: DevCerts) -> None:
+    bm = mtls_stack.address("block-manager")
+    for service in ("block-manager", "compute-node-0"):
+        with grpc.insecure_channel(mtls_stack.address(service)) as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    with BlockManagerClient(bm, tls=certs.client(None), timeout_s=10) as anonymous:
+        with pytest.raises(UnavailableError):
+            anonymous.route([1, 2, 3])
+    with AdminClient(bm, tls=certs.client("scheduler"), timeout_s=10) as not_admin:
+        with pytest.raises(PermissionDeniedError):
+            not_admin.status()
+    with BlockManagerClient(bm, tls=certs.client("compute-node-0"), timeout_s=10) as node0:
+        with pytest.raises(PermissionDeniedError):
+            node0.register_node("node-1", 16)                       # node-0's certificate as node-1
+    with ComputeNodeClient(mtls_stack.address("compute-node-1"), tls=certs.client("compute-node-0")) as n1:
+        with pytest.raises(grpc.RpcError) as err:
+            n1.node_info()                                          # a node is no scheduler
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with open_channel(bm, certs.client("scheduler")) as ch:        # health needs only the handshake
+        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -1,0 +1,146 @@
+"""The edge guard: the first interceptor of both services. Before a call reaches a handler
+(and so before anything can change) it
+
+1. refuses a call whose deadline has already passed (DEADLINE_EXCEEDED): a request that sat
+   in a queue longer than its caller waits is not applied behind the caller's back. Later,
+   gRPC AsyncIO cancels a running handler when its deadline passes (at its next `await`), so a
+   mutation still waiting (the journal's gate, a request-id lookup) is not applied either;
+   one already applied is journaled and its retry gets the recorded result;
+2. authenticates the caller (`pagedkv.auth.Authenticator`: bearer token or client
+   certificate) and asks the service's `authorize(method, principal, request)` rule whether
+   that principal may make this call with this request (a node only for its own node id, ...):
+   UNAUTHENTICATED for missing or invalid credentials, PERMISSION_DENIED for valid ones that
+   are not allowed;
+3. caps the calls in flight per peer (`max_inflight_per_peer`; the peer is the authenticated
+   principal, else the client's IP address): RESOURCE_EXHAUSTED beyond it, so one client
+   cannot tie up every worker of the server (HTTP/2's `max_concurrent_streams` caps one
+   connection; this caps a peer across all its connections).
+
+Only the service's own methods (`/pagedkv.*`) are guarded: health and reflection stay open to
+any peer that completed the transport handshake (orchestrators probe them; with mutual TLS the
+handshake already demands a certificate from the CA). A refused call is logged with the
+method, the peer and the reason, and reported to `on_refused` (metrics).
+
+The error-mapping interceptor of each service stays the one place where domain errors become
+statuses; this guard answers only for the edge's own refusals.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from pagedkv.auth import Authenticator, Principal, Refusal
+from pagedkv.logging import get_logger
+from pagedkv.rpc import clip, wrap_unary_handler
+
+log = get_logger(__name__)
+
+Authorize = Callable[[str, Principal, Any], str | None]
+Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+
+
+def peer_host(peer: str) -> str:
+    """`ipv4:10.0.0.5:51234` -> `ipv4:10.0.0.5`, `ipv6:[::1]:5` -> `ipv6:[::1]` (one key per client
+    host, whatever the connection)."""
+    if peer.startswith(("ipv4:", "ipv6:")):
+        return peer.rsplit(":", 1)[0]
+    return peer
+
+
+class EdgeGuard(grpc.aio.ServerInterceptor):
+    def __init__(
+        self,
+        *,
+        authenticator: Authenticator | None = None,
+        authorize: Authorize | None = None,
+        guarded: Callable[[str], bool] | None = None,
+        max_inflight_per_peer: int | None = None,
+        on_refused: Callable[[str, grpc.StatusCode, float], None] | None = None,
+        prefix: str = "/pagedkv.",
+    ) -> None:
+        """`authenticator` None: no identity checks. `guarded(method)`: whether `method` needs
+        credentials (default: every method of ours). `authorize(method, principal, request)`
+        returns why the principal may not make the call, or None."""
+        self._auth = authenticator
+        self._authorize = authorize
+        self._guarded = guarded or (lambda _method: True)
+        self._cap = max_inflight_per_peer
+        self._on_refused = on_refused
+        self._prefix = prefix
+        self._inflight: dict[str, int] = {}
+        self._wrapped: dict[str, grpc.RpcMethodHandler | None] = {}
+
+    @property
+    def inflight(self) -> dict[str, int]:
+        return dict(self._inflight)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method = details.method
+        if method in self._wrapped:
+            return self._wrapped[method]
+        handler = await continuation(details)
+        if handler is None or not method.startswith(self._prefix):
+            return handler
+        needs_auth = self._auth is not None and self._guarded(method)
+        wrapped = wrap_unary_handler(handler, lambda behavior: self._guard(behavior, method, needs_auth))
+        self._wrapped[method] = wrapped
+        return wrapped
+
+    def _guard(self, behavior: Handler, method: str, needs_auth: bool) -> Handler:
+        auth, authorize, cap, inflight = self._auth, self._authorize, self._cap, self._inflight
+
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            t0 = time.perf_counter()
+            remaining = context.time_remaining()
+            if remaining is not None and remaining <= 0:
+                await self._refuse(context, method, t0, None, Refusal(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed before the server could start it"))
+            principal: Principal | None = None
+            if needs_auth:
+                found = auth.identify(context)  # type: ignore[union-attr]
+                if isinstance(found, Refusal):
+                    await self._refuse(context, method, t0, None, found)
+                principal = found  # type: ignore[assignment]
+                why = authorize(method, principal, request) if authorize is not None else None  # type: ignore[arg-type]
+                if why is not None:
+                    await self._refuse(context, method, t0, principal, Refusal(grpc.StatusCode.PERMISSION_DENIED, why))
+            if cap is None:
+                return await behavior(request, context)
+            key = str(principal) if principal is not None else peer_host(context.peer())
+            n = inflight.get(key, 0)
+            if n >= cap:
+                await self._refuse(context, method, t0, principal, Refusal(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"too many calls in flight from this peer (limit {cap})"))
+            inflight[key] = n + 1
+            try:
+                return await behavior(request, context)
+            finally:
+                left = inflight[key] - 1
+                if left:
+                    inflight[key] = left
+                else:
+                    del inflight[key]
+
+        return call
+
+    async def _refuse(
+        self, context: grpc.aio.ServicerContext, method: str, t0: float, principal: Principal | None, refusal: Refusal
+    ) -> None:
+        log.warning(
+            "call refused", rpc=method.rsplit("/", 1)[-1], code=refusal.code.name, reason=clip(refusal.message, 300),
+            peer=context.peer(), principal=str(principal) if principal is not None else None,
+        )
+        if self._on_refused is not None:
+            self._on_refused(method.rsplit("/", 1)[-1], refusal.code, time.perf_counter() - t0)
+        await context.abort(refusal.code, clip(refusal.message))
+
+
+__all__ = ["Authorize", "EdgeGuard", "peer_host"]
