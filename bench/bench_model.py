@@ -126,7 +126,7 @@ def run_ours(runner: ModelRunner, workload: list[tuple[list[int], int]], budget:
 @dataclass
 class DecodeSplit:
     timings: list[StepTimings]
-    torch_op_s: float   # per step: self time of aten ops in the dense phase (torch.profiler)
+    torch_op_share: float   # fraction of the dense phase spent in aten ops (torch.profiler)
 
 
 def decode_split(runner: ModelRunner, workload: list[tuple[list[int], int]], steps: int = 12) -> DecodeSplit:
@@ -152,13 +152,17 @@ def decode_split(runner: ModelRunner, workload: list[tuple[list[int], int]], ste
         step(k + 1)
         if k >= 2 and runner.last_timings is not None:
             timings.append(runner.last_timings)
+    profiled_dense = 0.0
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for k in range(steps - 3, steps):
             step(k + 1)
+            profiled_dense += runner.last_timings.dense_s if runner.last_timings is not None else 0.0
     runner.profile = False
     # aten ops of the dense phase: everything but the sampler's argmax and the index building.
     dense_ops = [e for e in prof.key_averages() if e.key.startswith("aten::") and e.key != "aten::argmax"]
-    return DecodeSplit(timings, sum(e.self_cpu_time_total for e in dense_ops) / 3 / 1e6)
+    aten_s = sum(e.self_cpu_time_total for e in dense_ops) / 1e6
+    # The torch-op share of the dense phase, from the same (profiled) steps.
+    return DecodeSplit(timings, min(1.0, aten_s / profiled_dense) if profiled_dense else 1.0)
 
 
 @dataclass
@@ -289,7 +293,7 @@ def main() -> None:
     print(f"| mean identical prefix, tokens | {statistics.mean(prefix):.1f} of {useful / len(workload):.1f} | | | |")
     mean = {k: statistics.mean(getattr(t, k) for t in split.timings) * 1e3
             for k in ("dense_s", "attention_s", "sample_s", "prepare_s", "host_s", "total_s")}
-    torch_ops = split.torch_op_s * 1e3
+    torch_ops = split.torch_op_share * mean["dense_s"]
     print()
     print(f"Our decode step at batch {len(workload)} (mean of {len(split.timings)} steps; torch-op share of the "
           f"dense phase from torch.profiler over 3 more steps), ms:")
