@@ -273,7 +273,8 @@ def main() -> None:
     same = sum(a == b for a, b in zip(ours.outputs, theirs.outputs))
     prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
               for a, b in zip(ours.outputs, theirs.outputs)]
-    print(f"best of {args.repeats} alternating runs per side; model: llama {num_params / 1e6:.1f}M params, fp32, CPU, torch threads {torch.get_num_threads()}; "
+    print(f"best of {args.repeats} alternating runs per side; model: llama {num_params / 1e6:.1f}M params, fp32, "
+          f"CPU, torch threads {torch.get_num_threads()}; "
           f"{len(workload)} requests, prompts {sum(len(p) for p, _ in workload)} tokens, outputs {useful} tokens")
     print(f"ours: {ours.num_steps} steps, budget {args.budget} tokens/step, block size {args.block_size}")
     print()

@@ -113,6 +113,7 @@ class LLM:
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)
+            self.engine.flush()
             raise
         finished: dict[str, RequestOutput] = {}
         while len(finished) < len(ids):

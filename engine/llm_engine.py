@@ -201,6 +201,8 @@ class LLMEngine:
         req.aborted = True
         for seq in req.seqs:
             self._finish(seq, "abort")
+        del self.requests[request_id]   # its blocks go back with the next step (or `flush`)
+        self._changed.discard(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

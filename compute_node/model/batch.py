@@ -85,7 +85,9 @@ def prepare_step(
     if input_ids.min() < 0 or input_ids.max() >= vocab_size:
         row = int(np.flatnonzero((input_ids < 0) | (input_ids >= vocab_size))[0])
         seq = seqs[int(np.searchsorted(np.cumsum(num_new), row, side="right"))]
-        raise InvalidBatch(f"sequence {seq.seq_id!r}: token id {int(input_ids[row])} outside the vocabulary [0, {vocab_size})")
+        raise InvalidBatch(
+            f"sequence {seq.seq_id!r}: token id {int(input_ids[row])} outside the vocabulary [0, {vocab_size})"
+        )
     row_starts = np.zeros(len(seqs) + 1, dtype=np.int64)
     np.cumsum(num_new, out=row_starts[1:])
     seq_of_row = np.repeat(np.arange(len(seqs)), num_new)

@@ -103,7 +103,9 @@ class DecoderModel:
             hidden = residual + F.linear(attn.view(num_tokens, self.q_size), layer.o_weight, layer.o_bias)
             residual = hidden
             x = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
-            hidden = residual + swiglu_mlp(x, layer.gate_up_weight, layer.gate_up_bias, layer.down_weight, layer.down_bias)
+            hidden = residual + swiglu_mlp(
+                x, layer.gate_up_weight, layer.gate_up_bias, layer.down_weight, layer.down_bias
+            )
         return hidden
 
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -155,7 +157,9 @@ class _Loader:
             ])
         gate_up_bias = None
         if cfg.mlp_bias:
-            gate_up_bias = torch.cat([self.get(mlp + "gate_proj.bias", (inter,)), self.get(mlp + "up_proj.bias", (inter,))])
+            gate_up_bias = torch.cat(
+                [self.get(mlp + "gate_proj.bias", (inter,)), self.get(mlp + "up_proj.bias", (inter,))]
+            )
         return DecoderLayer(
             input_norm=self.get(p + "input_layernorm.weight", (hidden,)),
             qkv_weight=qkv_weight,

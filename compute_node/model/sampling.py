@@ -60,7 +60,9 @@ class SamplingParams:
         if self.seed is not None and not _is_int(self.seed):
             raise InvalidSamplingParams(f"seed must be None or an integer, got {self.seed!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise InvalidSamplingParams(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+            raise InvalidSamplingParams(
+                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
 
     @property
     def greedy(self) -> bool:

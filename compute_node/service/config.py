@@ -45,6 +45,13 @@ class ComputeNodeConfig(YamlEnvSettings):
     advertise_address: str | None = None
     block_manager_address: str = "127.0.0.1:50051"
     geometry: GeometrySettings = GeometrySettings()
+    # A Hugging Face model directory to serve (Llama / Qwen2 / Qwen3 safetensors): the node then
+    # answers `Generate` and its pool's geometry and dtype come from the model (`geometry` is
+    # ignored); `model_dtype` overrides the checkpoint's dtype; `max_model_len` caps positions.
+    # Without a model the node serves attention only (`Forward`, the synthetic test path).
+    model: str | None = None
+    model_dtype: DType | None = None
+    max_model_len: int | None = Field(default=None, ge=1)
     # None: use the block manager's default block size (learned at registration).
     block_size: int | None = Field(default=None, ge=1, le=4096)
     num_blocks: int | None = Field(default=None, ge=1, le=1 << 24)

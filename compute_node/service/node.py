@@ -33,18 +33,31 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from compute_node.errors import BlockManagerUnavailable, NodeFenced, NotRegistered, StaleTable, UnknownSequence
+from compute_node.errors import (
+    BlockManagerUnavailable,
+    InvalidForward,
+    NodeFenced,
+    NotRegistered,
+    StaleTable,
+    UnknownSequence,
+)
 from compute_node.forward import ForwardBatch, execute, plan_attention, resolve_sequences
+from compute_node.generate import Generator
+from compute_node.model import ModelRunner
 from compute_node.pool import KvPool, PoolGeometry, blocks_for_budget, resolve_device
 from compute_node.service.bm_link import BlockManagerLink, LinkError, LinkFenced, LinkNotFound, Registration
-from compute_node.service.config import ComputeNodeConfig
+from compute_node.service.config import DEFAULT_NUM_BLOCKS, ComputeNodeConfig
 from compute_node.service.metrics import NodeMetrics
 from compute_node.tables import NodeTable, SeqId, StagedSteps, TableCache, stage
 from pagedkv.logging import get_logger
 from pagedkv.rpc import Backoff
+from pagedkv.v1 import compute_node_pb2 as pb
+
+DEFAULT_MODEL_BLOCK_SIZE = 16
 
 
 @dataclass(slots=True)
@@ -79,6 +92,8 @@ class ComputeNode:
         )
         self.tables = TableCache()
         self.pool: KvPool | None = None
+        self.runner: ModelRunner | None = None     # set by `load_model` when a model is served
+        self.generator: Generator | None = None
         self.registration: Registration | None = None
         # The last successful Forward: a retry with its request id re-runs it from before it.
         self._last_request_id: str | None = None
@@ -93,6 +108,28 @@ class ComputeNode:
         self.on_registration: Callable[[bool], None] | None = None
 
     # ---- lifecycle ------------------------------------------------------------------
+    def load_model(self) -> None:
+        """Load the configured model and size its KV pool (before registering; blocking: run
+        it in a thread). Block size: the configured one, else 16."""
+        cfg = self.config
+        if cfg.model is None:
+            return
+        budget = cfg.memory_budget_bytes if cfg.num_blocks is None else None
+        num_blocks = cfg.num_blocks if cfg.num_blocks is not None or budget is not None else DEFAULT_NUM_BLOCKS
+        self.runner = runner = ModelRunner(
+            cfg.model, block_size=cfg.block_size or DEFAULT_MODEL_BLOCK_SIZE, num_blocks=num_blocks,
+            kv_memory_bytes=budget, dtype=cfg.model_dtype, device=str(self.device), max_model_len=cfg.max_model_len,
+        )
+        self.pool = runner.pool
+        self.generator = Generator(runner, self.tables, max_batch=cfg.max_batch)
+        self.metrics.set_pool(runner.geometry, str(self.device))
+        self.log.info("model_loaded", model=cfg.model, architecture=runner.model_config.architecture,
+                      dtype=runner.geometry.dtype, num_blocks=runner.geometry.num_blocks)
+
+    @property
+    def model_name(self) -> str:
+        return "" if self.config.model is None else Path(self.config.model).name
+
     @property
     def geometry(self) -> PoolGeometry | None:
         return None if self.pool is None else self.pool.geometry
@@ -162,6 +199,8 @@ class ComputeNode:
         cfg, g = self.config, self.config.geometry
         pool_geometry = self.geometry
         if pool_geometry is not None:
+            g = pool_geometry   # type: ignore[assignment]   # a model's (or an earlier registration's)
+        if pool_geometry is not None:
             block_size: int | None = pool_geometry.block_size
             num_blocks = pool_geometry.num_blocks
         else:
@@ -205,10 +244,30 @@ class ComputeNode:
         self.registration = None
         self.metrics.epoch.set(0)
         self.tables.clear()
+        if self.generator is not None:
+            self.generator.reset()
         self.metrics.cached_tables.set(0)
         self._last_request_id = None
         if self.on_registration is not None:
             self.on_registration(False)
+
+    # ---- generate (a model node) ----------------------------------------------------
+    async def generate(self, request: pb.GenerateRequest) -> pb.GenerateResponse:
+        """One model step (see `compute_node.generate`), under the node's lock."""
+        async with self._lock:
+            if self.generator is None:
+                raise InvalidForward("this node serves no model (start it with --model DIR); use Forward")
+            if self.registration is None:
+                raise NotRegistered("the node is not registered with the block manager")
+            epoch = self.registration.epoch
+            try:
+                resp = await asyncio.to_thread(self.generator.generate, request, self.config.node_id, epoch)
+            except NodeFenced as exc:
+                self._reset_locked(f"generate: {exc}")
+                await self._try_register_locked()
+                raise
+        self.metrics.cached_tables.set(len(self.tables))
+        return resp
 
     # ---- forward --------------------------------------------------------------------
     async def forward(self, batch: ForwardBatch) -> ForwardResult:

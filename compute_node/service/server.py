@@ -100,8 +100,9 @@ class ComputeNodeServer:
         if cfg.metrics_port is not None:
             self._metrics_server, self.metrics_port = node.metrics.serve(cfg.metrics_address, cfg.metrics_port)
             log.info("metrics endpoint", address=cfg.metrics_address, port=self.metrics_port)
+        await asyncio.to_thread(node.load_model)
         if node.device.type == "cpu":
-            g = cfg.geometry
+            g = node.geometry or cfg.geometry
             await asyncio.to_thread(warm_up_cpu_kernels, g.num_kv_heads, g.head_dim, g.dtype)
         node.start()
 

@@ -12,6 +12,8 @@ import structlog
 
 from compute_node.errors import ComputeNodeError, InvalidForward, NotRegistered
 from compute_node.forward import parse_forward
+from compute_node.generate import node_info_fields
+from compute_node.model import ModelError
 from compute_node.service.node import ComputeNode
 from compute_node.wire import encode_tensor
 from pagedkv.v1 import compute_node_pb2 as pb
@@ -60,12 +62,34 @@ class ComputeNodeServicer(pb_grpc.ComputeNodeServicer):
             ),
         )
 
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        node = self.node
+        structlog.contextvars.bind_contextvars(request_id=request.request_id, rpc="Generate")
+        try:
+            resp = await node.generate(request)
+        except ComputeNodeError as exc:
+            node.metrics.forwards.labels(exc.code.name).inc()
+            node.log.info("generate_rejected", code=exc.code.name, error=str(exc))
+            await context.abort(exc.code, str(exc))
+        except ModelError as exc:   # the runner refused the batch (its own checks): nothing written
+            node.metrics.forwards.labels("INVALID_ARGUMENT").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception:
+            node.metrics.forwards.labels("INTERNAL").inc()
+            node.log.exception("generate_failed")
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error (logged on the compute node)")
+        finally:
+            structlog.contextvars.unbind_contextvars("request_id", "rpc")
+        node.metrics.forwards.labels("OK").inc()
+        return resp
+
     async def GetNodeInfo(
         self, request: pb.GetNodeInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetNodeInfoResponse:
         node = self.node
-        g = node.config.geometry
         geometry = node.geometry
+        g = geometry or node.config.geometry
+        model = {} if node.runner is None else node_info_fields(node.runner, node.model_name)
         return pb.GetNodeInfoResponse(
             node_id=node.config.node_id,
             epoch=node.epoch,
@@ -79,4 +103,5 @@ class ComputeNodeServicer(pb_grpc.ComputeNodeServicer):
             num_blocks=0 if geometry is None else geometry.num_blocks,
             last_step_id=node.tables.last_step_id,
             num_cached_tables=len(node.tables),
+            **model,  # type: ignore[arg-type]
         )

@@ -104,7 +104,8 @@ def _admit(r: Request, requests: list[Request], alloc: BlockAllocator, bs: int) 
     if r.share_from is None:
         return
     source = requests[r.share_from]
-    if source.num_computed < r.shared_blocks * bs or source.prompt[: r.shared_blocks * bs] != r.prompt[: r.shared_blocks * bs]:
+    shared = r.shared_blocks * bs
+    if source.num_computed < shared or source.prompt[:shared] != r.prompt[:shared]:
         raise RuntimeError("scenario bug: the shared prefix is not computed yet or differs")
     r.table = source.table[: r.shared_blocks]
     r.num_computed = r.shared_blocks * bs

@@ -1,0 +1,164 @@
+"""One model step on a node: the block manager's steps, then every layer for the batch, then sampling.
+
+`Generator` is the domain logic behind the `Generate` RPC, shared by the node process and the
+engine's in-process node. Like `Forward`, everything is checked before anything changes: the
+request's fields, the pool steps (`tables.stage`: order, epoch, versions, block ids), each
+sequence against its staged table (its new tokens must start exactly at the tail the node
+holds, the table must cover them, positions stay within the model's context) and the sampling
+parameters. Only then are the copy ops run, the tables committed and the model executed. A
+retried request id is answered from the last response, not run twice (a step's writes must
+happen once, and a sampled token must not change on a retry).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from compute_node.errors import InvalidForward, UnknownSequence
+from compute_node.model import InvalidSamplingParams, ModelRunner, SamplingParams, SeqWork
+from compute_node.tables import NodeTable, SeqId, TableCache, stage
+from pagedkv.v1 import compute_node_pb2 as pb
+
+
+@dataclass(slots=True)
+class _Seq:
+    seq_id: SeqId
+    token_ids: list[int]
+    context_len: int
+    sampling: SamplingParams | None
+    num_output_tokens: int
+
+
+class Generator:
+    def __init__(self, runner: ModelRunner, tables: TableCache, *, max_batch: int = 4096) -> None:
+        self.runner = runner
+        self.tables = tables
+        self.max_batch = max_batch
+        self._last: tuple[str, pb.GenerateResponse] | None = None
+
+    def reset(self) -> None:
+        """A new registration: nothing of the old epoch's pool is valid."""
+        self._last = None
+
+    def generate(self, request: pb.GenerateRequest, node_id: str, epoch: int) -> pb.GenerateResponse:
+        started = time.perf_counter()
+        if not request.request_id:
+            raise InvalidForward("request_id must be set")
+        if self._last is not None and self._last[0] == request.request_id:
+            return self._last[1]
+        seqs = self._parse(request)
+        runner = self.runner
+        staged = stage(self.tables, request.steps, node_id, epoch, runner.geometry.num_blocks)
+        bs = runner.geometry.block_size
+        work: list[SeqWork] = []
+        tables: dict[SeqId, NodeTable] = {}
+        for s in seqs:
+            table = staged.table(self.tables, s.seq_id)
+            if table is None:
+                raise UnknownSequence(
+                    f"sequence {s.seq_id!r} is not on this node (its table comes with the step that admitted it)"
+                )
+            start = s.context_len - len(s.token_ids)
+            if start != table.num_tokens:
+                raise InvalidForward(
+                    f"sequence {s.seq_id!r}: computes positions {start}…{s.context_len - 1} but the node holds "
+                    f"{table.num_tokens} tokens: a step writes only at the tail of a sequence"
+                )
+            if -(-s.context_len // bs) > len(table.block_table):
+                raise InvalidForward(
+                    f"sequence {s.seq_id!r}: context_len {s.context_len} needs {-(-s.context_len // bs)} blocks, "
+                    f"its table has {len(table.block_table)}"
+                )
+            tables[s.seq_id] = table
+            work.append(SeqWork(s.seq_id, s.token_ids, start, list(table.block_table), s.sampling,
+                                s.num_output_tokens))
+        # ---- everything is checked: apply ----
+        t0 = time.perf_counter()
+        if staged.copy_pairs:
+            runner.copy_blocks(staged.copy_pairs)
+        copy_s = time.perf_counter() - t0
+        self.tables.commit(staged)
+        for s in seqs:
+            table = tables[s.seq_id]
+            table.num_tokens = s.context_len
+            self.tables.put(s.seq_id, table)
+        was_profiling = runner.profile
+        runner.profile = True
+        try:
+            outputs = runner.execute(work) if work else []
+        finally:
+            runner.profile = was_profiling
+        resp = pb.GenerateResponse()
+        for out in outputs:
+            if out is None:
+                continue
+            tok = resp.tokens.add(seq_id=out.seq_id, token_id=out.token_id)
+            if out.logprob is not None:
+                tok.logprob = out.logprob
+            for token_id, logprob in out.top_logprobs or ():
+                tok.top_token_ids.append(token_id)
+                tok.top_logprobs.append(logprob)
+        t = runner.last_timings if work else None
+        st = resp.stats
+        if t is not None:
+            st.prepare_s, st.dense_s, st.attention_s, st.sample_s = t.prepare_s, t.dense_s, t.attention_s, t.sample_s
+        st.copy_ops_s = copy_s
+        st.num_copy_ops = len(staged.copy_pairs)
+        st.last_step_id = self.tables.last_step_id
+        st.total_s = time.perf_counter() - started
+        self._last = (request.request_id, resp)
+        return resp
+
+    def _parse(self, request: pb.GenerateRequest) -> list[_Seq]:
+        runner = self.runner
+        vocab = runner.model_config.vocab_size
+        if len(request.sequences) > self.max_batch:
+            raise InvalidForward(f"a step takes at most {self.max_batch} sequences, got {len(request.sequences)}")
+        if not request.sequences and not request.steps:
+            raise InvalidForward("a step needs sequences or pool steps")
+        out: list[_Seq] = []
+        seen: set[str] = set()
+        for i, s in enumerate(request.sequences):
+            if not s.seq_id:
+                raise InvalidForward(f"sequences[{i}].seq_id is empty")
+            if s.seq_id in seen:
+                raise InvalidForward(f"sequence {s.seq_id!r} appears twice in the step")
+            seen.add(s.seq_id)
+            ids = list(s.token_ids)
+            if not ids:
+                raise InvalidForward(f"sequence {s.seq_id!r} has no new tokens")
+            if max(ids) >= vocab:
+                raise InvalidForward(f"sequence {s.seq_id!r}: token id {max(ids)} outside the vocabulary ({vocab})")
+            if not len(ids) <= s.context_len <= runner.max_model_len:
+                raise InvalidForward(
+                    f"sequence {s.seq_id!r}: context_len {s.context_len} must be in [{len(ids)}, "
+                    f"{runner.max_model_len}] (its new tokens .. the model's context)"
+                )
+            sampling = None
+            if s.HasField("sampling"):
+                p = s.sampling
+                try:
+                    sampling = SamplingParams(
+                        temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k or None, min_p=p.min_p,
+                        seed=p.seed if p.HasField("seed") else None,
+                        logprobs=p.logprobs if p.HasField("logprobs") else None,
+                    )
+                except InvalidSamplingParams as exc:
+                    raise InvalidForward(f"sequence {s.seq_id!r}: {exc}") from None
+            out.append(_Seq(SeqId(s.seq_id), ids, int(s.context_len), sampling, int(s.num_output_tokens)))
+        return out
+
+
+def node_info_fields(runner: ModelRunner, model_name: str) -> dict[str, object]:
+    """The model part of `GetNodeInfoResponse`."""
+    cfg = runner.model_config
+    return {
+        "model": model_name,
+        "vocab_size": cfg.vocab_size,
+        "max_model_len": runner.max_model_len,
+        "eos_token_ids": list(cfg.eos_token_ids),
+    }
+
+
+__all__ = ["Generator", "node_info_fields"]

@@ -1,0 +1,69 @@
+"""A model node inside the engine's process (`LLM(model=DIR)` with no services).
+
+It is the node's own step logic (`compute_node.generate.Generator`: the same checks, the same
+table handling, the same model runner) with the gRPC layer left out: it registers its pool with
+the engine's block manager client and answers `Generate` requests by direct call.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from block_manager.client import BlockManagerClient
+from compute_node.generate import Generator, node_info_fields
+from compute_node.model import ModelRunner
+from compute_node.tables import TableCache
+from pagedkv.v1 import compute_node_pb2 as pb
+
+
+class LocalNode:
+    def __init__(self, node_id: str, runner: ModelRunner, epoch: int, model_name: str) -> None:
+        self.node_id = node_id
+        self.runner = runner
+        self.epoch = epoch
+        self.model_name = model_name
+        self.tables = TableCache()
+        self.generator = Generator(runner, self.tables)
+
+    @classmethod
+    def start(
+        cls,
+        client: BlockManagerClient,
+        node_id: str,
+        model_dir: str | Path,
+        *,
+        block_size: int,
+        num_blocks: int | None = None,
+        kv_memory_bytes: int | None = None,
+        dtype: str | None = None,
+        device: str = "auto",
+        max_model_len: int | None = None,
+    ) -> LocalNode:
+        """Load the model, size the KV pool, register it with `client`'s block manager."""
+        runner = ModelRunner(model_dir, block_size=block_size, num_blocks=num_blocks,
+                             kv_memory_bytes=kv_memory_bytes, dtype=dtype, device=device,
+                             max_model_len=max_model_len)
+        g = runner.geometry
+        reg = client.register_node(node_id, g.num_blocks, block_size=g.block_size, geometry={
+            "num_layers": g.num_layers, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
+            "dtype": g.dtype, "device": str(runner.device),
+        })
+        return cls(node_id, runner, reg.epoch, Path(model_dir).name)
+
+    def info(self) -> pb.GetNodeInfoResponse:
+        g = self.runner.geometry
+        return pb.GetNodeInfoResponse(
+            node_id=self.node_id, epoch=self.epoch, registered=True, num_layers=g.num_layers,
+            num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, dtype=g.dtype, device=str(self.runner.device),
+            block_size=g.block_size, num_blocks=g.num_blocks, last_step_id=self.tables.last_step_id,
+            num_cached_tables=len(self.tables), **node_info_fields(self.runner, self.model_name),  # type: ignore[arg-type]
+        )
+
+    def generate(self, request: pb.GenerateRequest) -> pb.GenerateResponse:
+        return self.generator.generate(request, self.node_id, self.epoch)
+
+    def close(self) -> None:
+        pass
+
+
+__all__ = ["LocalNode"]

@@ -1,0 +1,105 @@
+"""The engine end to end in one process (`LLM(model=DIR)`): greedy tokens equal transformers'
+`generate` token for token (only a reference near-tie may diverge, as the model tests define),
+through everything the engine does to a batch: mixed prompt lengths crossing block boundaries,
+prefix-cache hits, chunked prefill, recompute preemption, n > 1 by fork."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.llm import LLM
+from engine.llm_engine import EngineError
+from engine.params import InvalidParams, SamplingParams
+from tests.compute_node.model.model_helpers import compare_greedy, hf_greedy
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def _prompts(seed: int, lengths: list[int], vocab: int = 512) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
+
+
+def _check_greedy(llm: LLM, hf: Any, prompts: list[list[int]], label: str, params: SamplingParams = GREEDY) -> None:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for i, (p, out) in enumerate(zip(prompts, outs)):
+        ref = hf_greedy(hf, p, params.max_tokens)
+        for c in out.outputs:
+            compare_greedy(c.token_ids, ref, f"{label} prompt {i} completion {c.index}")
+
+
+@pytest.mark.parametrize("name", ["llama-gqa4-hd64", "qwen2-gqa1-hd64-tied", "qwen3-gqa8-hd128"])
+def test_mixed_batch_matches_transformers(name: str, model_dirs: dict[str, Path], hf_models: dict[str, Any]) -> None:
+    with LLM(model_dirs[name], block_size=4, num_kv_blocks=256, device="cpu") as llm:
+        _check_greedy(llm, hf_models[name], _prompts(1, [1, 3, 4, 5, 9, 17, 30]), name)
+
+
+def test_prefix_hits_chunked_prefill_and_forks(model_dirs: dict[str, Path], hf_models: dict[str, Any]) -> None:
+    name = "llama-gqa4-hd64"
+    shared = _prompts(2, [21])[0]
+    prompts = [shared + tail for tail in _prompts(3, [2, 7, 13])]
+    with LLM(model_dirs[name], block_size=4, num_kv_blocks=256, device="cpu", max_num_batched_tokens=8) as llm:
+        _check_greedy(llm, hf_models[name], prompts[:1], "first")            # fills the prefix cache
+        _check_greedy(llm, hf_models[name], prompts, "chunked + prefix hits")
+        assert llm.engine.stats.cached_prompt_tokens >= 2 * 20              # whole shared blocks reused
+        params = SamplingParams(n=3, temperature=0, max_tokens=10, ignore_eos=True)
+        before = llm.engine.stats.num_steps
+        _check_greedy(llm, hf_models[name], prompts[1:2], "n=3", params)    # children identical to the reference
+        assert llm.engine.stats.num_steps > before
+
+
+def test_preemption_and_resume_give_the_same_tokens(model_dirs: dict[str, Path], hf_models: dict[str, Any]) -> None:
+    name = "qwen3-gqa8-hd128"
+    prompts = _prompts(4, [10, 14, 6, 11, 9, 13])
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    # 28 blocks of 4 slots cannot hold six sequences growing to ~38 tokens at once
+    with LLM(model_dirs[name], block_size=4, num_kv_blocks=28, device="cpu", watermark=0.0) as llm:
+        _check_greedy(llm, hf_models[name], prompts, "preempted", params)
+        assert llm.engine.stats.num_preemptions > 0
+
+
+def test_seeded_sampling_is_reproducible(model_dirs: dict[str, Path]) -> None:
+    prompts = [{"prompt_token_ids": p} for p in _prompts(5, [5, 12])]
+    params = SamplingParams(n=2, temperature=0.9, top_p=0.95, top_k=50, max_tokens=16, seed=1234, ignore_eos=True)
+    runs = []
+    for num_blocks in (256, 24):    # the second run preempts: same tokens anyway
+        with LLM(model_dirs["llama-gqa4-hd64"], block_size=4, num_kv_blocks=num_blocks, device="cpu",
+                 watermark=0.0) as llm:
+            runs.append([[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)])
+    assert runs[0] == runs[1]
+    assert runs[0][0][0] != runs[0][0][1]      # the two completions draw independent streams
+
+
+def test_text_prompts_and_stop_tokens(model_dirs: dict[str, Path]) -> None:
+    with LLM(model_dirs["llama-gqa4-hd64"], block_size=4, num_kv_blocks=128, device="cpu") as llm:
+        out = llm.generate("the cache pages", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+        assert out.prompt_token_ids[0] == llm.tokenizer.encode("x")[0]      # BOS from the tokenizer
+        assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
+        stop = out.outputs[0].token_ids[3]
+        again = llm.generate("the cache pages", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                               stop_token_ids=(stop,)))[0]
+        first = out.outputs[0].token_ids.index(stop)
+        assert again.outputs[0].token_ids == out.outputs[0].token_ids[: first + 1]
+        assert again.outputs[0].finish_reason == "stop"
+        assert llm.engine.running == [] and not llm.engine.requests
+
+
+def test_bad_input_is_refused_and_frees_everything(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(EngineError, match="does not exist"):
+        LLM(tmp_path / "nope")
+    with LLM(model_dirs["llama-gqa4-hd64"], block_size=4, num_kv_blocks=64, device="cpu", max_model_len=64) as llm:
+        with pytest.raises(EngineError, match="context"):
+            llm.generate({"prompt_token_ids": [1] * 64})
+        with pytest.raises(InvalidParams, match="vocabulary|\\[0, 512\\)"):
+            llm.generate({"prompt_token_ids": [1, 99999]})
+        for bad in ({"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"n": 0}, {"seed": -1}):
+            with pytest.raises(InvalidParams):
+                SamplingParams(**bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidParams):
+            llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": "x"}])
+        assert not llm.engine.requests and not llm.engine.waiting    # nothing left behind
+        assert llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2))[0].finished
