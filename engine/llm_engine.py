@@ -499,6 +499,15 @@ class LLMEngine:
             self.client.flush_reports()
 
     def close(self) -> None:
+        """Free what is left, hand the pools back (another scheduler may drive them at once)."""
+        try:
+            for req in list(self.requests):
+                self.abort_request(req)
+            self.flush()
+            if self.client.held_pools:
+                self.client.release()
+        except Exception:  # noqa: BLE001 - best effort: leases lapse on their own otherwise
+            pass
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 

@@ -123,12 +123,15 @@ def test_watermark_rejects_before_the_pool_is_full() -> None:
 
 def test_prefix_hits_need_the_same_salt() -> None:
     prompt = list(range(20))
+    # a step ends at an append: b is admitted after a's prompt was written (hits need that)
     same = _ops(
         {"op": "allocate", "seq": "a", "tokens": prompt, "salt": "t1"},
+        {"op": "append", "seqs": {"a": [5]}},
         {"op": "allocate", "seq": "b", "tokens": prompt + [99], "salt": "t1"},
     )
     other = _ops(
         {"op": "allocate", "seq": "a", "tokens": prompt, "salt": "t1"},
+        {"op": "append", "seqs": {"a": [5]}},
         {"op": "allocate", "seq": "b", "tokens": prompt + [99], "salt": "t2"},
     )
     assert replay(same, num_blocks=32, block_size=4).prefix_hit_tokens == 20

@@ -57,6 +57,9 @@ def test_allocate_num_tokens_only() -> None:
 def test_prefix_hit_shares_full_blocks() -> None:
     m = make()
     a = m.allocate("a", "p", list(range(10)))
+    same_step = m.allocate("early", "p", list(range(10)))
+    assert same_step.num_cached_tokens == 0   # a's blocks are not written before its step ran
+    forward(m)
     b = m.allocate("b", "p", list(range(10)))
     assert b.num_cached_tokens == 8
     assert b.block_table[:2] == a.block_table[:2]
@@ -64,13 +67,14 @@ def test_prefix_hit_shares_full_blocks() -> None:
     bs = 4
     assert b.slot_mapping == tuple(b.block_table[2] * bs + i for i in range(2))
     met = m.metrics("p")
-    assert met.prefix_query_tokens == 20 and met.prefix_hit_tokens == 8
+    assert met.prefix_query_tokens == 30 and met.prefix_hit_tokens == 8
     assert m.fsck() == []
 
 
 def test_full_prompt_hit_keeps_last_token_to_compute() -> None:
     m = make()
     m.allocate("a", "p", list(range(8)))
+    forward(m)
     b = m.allocate("b", "p", list(range(8)))
     assert b.num_cached_tokens == 4
     assert len(b.slot_mapping) == 4
@@ -79,6 +83,7 @@ def test_full_prompt_hit_keeps_last_token_to_compute() -> None:
 def test_salt_isolates_tenants() -> None:
     m = make()
     m.allocate("a", "p", list(range(9)), salt="t1")
+    forward(m)
     assert m.allocate("b", "p", list(range(9)), salt="t2").num_cached_tokens == 0
     assert m.allocate("c", "p", list(range(9)), salt="t1").num_cached_tokens == 8
     assert m.allocate("d", "p", list(range(9))).num_cached_tokens == 0
@@ -198,11 +203,13 @@ def test_append_hashes_blocks_as_they_fill() -> None:
     m.allocate("a", "p", [0, 1, 2])
     m.append_slots([AppendRequest("a", 3, (3, 4, 5))])
     m.append_slots([AppendRequest("a", 3, (6, 7, 8))])
+    forward(m)
     # Same content as a prompt: blocks 0..1 hit.
     assert m.allocate("b", "p", list(range(9))).num_cached_tokens == 8
     # Without tokens hashing stops for "a".
     m.append_slots([AppendRequest("a", 3)])
     m.append_slots([AppendRequest("a", 1, (12,))])
+    forward(m)
     assert m.allocate("c", "p", list(range(13))).num_cached_tokens == 8
     assert m.fsck() == []
 
@@ -280,6 +287,7 @@ def test_fork_children_inherit_hashing() -> None:
     forward(m)
     m.fork("a", ["c"])
     m.append_slots([AppendRequest("c", 2, (6, 7))])
+    forward(m)
     assert m.allocate("d", "p", list(range(9))).num_cached_tokens == 8
 
 
@@ -371,6 +379,8 @@ def test_pools_and_route() -> None:
     prompt = list(range(20))
     assert [e.pool_id for e in m.route(prompt)] == ["n2", "n1", "n3"]
     m.allocate("a", "n1", prompt)
+    assert m.route(prompt + [7])[0].num_cached_tokens == 0   # not written yet: nothing to hit
+    forward(m)
     ranked = m.route(prompt + [7])
     assert ranked[0].pool_id == "n1" and ranked[0].num_cached_tokens == 20
     m.set_draining("n1", True)
@@ -494,6 +504,7 @@ def test_integer_like_token_ids_are_accepted_and_hashed_like_ints() -> None:
     assert isinstance(r, AppendResult) and r.num_tokens == 9
     (bad,) = m.append_slots([AppendRequest("a", 1, (True,))])
     assert isinstance(bad, AppendFailure) and isinstance(bad.error, InvalidRequest)
+    forward(m)
     assert m.allocate("b", "p", list(range(9))).num_cached_tokens == 8
     assert m.fsck() == []
 

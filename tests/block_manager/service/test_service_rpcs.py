@@ -202,6 +202,7 @@ async def test_route_ranks_by_cached_prefix_then_free_space(harness: Harness) ->
     await harness.register("n2", num_blocks=32)
     prompt = list(range(12))
     await harness.allocate("a", pool="n1", tokens=prompt)
+    await harness.flush()   # a's Forward reported: its full blocks hold K/V and can be hit
     entries = (await harness.stub.Route(pb.RouteRequest(token_ids=prompt))).entries
     assert [e.pool_id for e in entries] == ["n1", "n2"]
     assert entries[0].num_cached_tokens == 8 and entries[0].address == "127.0.0.1:1"
