@@ -1,15 +1,15 @@
 """`pagedkv-demo`: the project's main job.
 
-It generates a realistic serving workload (shared system prompts, mixed prompt and output
-lengths, parallel sampling with n=4 for some requests, two tenants), drives it through the
-block manager and prints what paging buys: KV blocks against per-sequence contiguous
-preallocation, internal waste, concurrency at equal memory, prefix-cache hits, CoW copies,
-evictions and the latency of one batched append step.
-
-Modes: `--mode core` replays the workload through the in-process core (`block_manager.core`).
-A later `--mode services` starts the block manager and compute nodes as processes and drives
-the same trace through them; it only has to produce a `DemoResult`, because workload
-generation (`demo_trace_config`) and reporting (`render_report`) are shared by every mode.
+Modes:
+- `services` (default, `engine/demo_services.py`): a real model (`--model DIR`, or a small
+  random-weight Llama built locally) served by the block manager and two compute nodes as
+  processes, through the continuous-batching engine; reports tokens/s, time to first token,
+  inter-token latency, KV blocks against contiguous preallocation, prefix hits, CoW copies,
+  preemptions, and how many greedy completions equal the reference; writes a plot.
+- `attention` (`engine/demo_attention.py`): the same stack fed synthetic Q/K/V, every
+  sequence's attention output checked against float64 every step (the attention-level path).
+- `core`: the workload replayed through the in-process block manager core: what paging buys
+  (waste, concurrency at equal memory, prefix hits, CoW, evictions, append latency).
 """
 
 from __future__ import annotations
@@ -139,9 +139,17 @@ def render_report(result: DemoResult, console: Console) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedkv-demo", description=__doc__.splitlines()[2])
-    p.add_argument("--mode", choices=["services", *sorted(MODES)], default="services",
-                   help="services: block manager + compute nodes as processes (default); core: in-process replay")
-    p.add_argument("--requests", type=int, default=None, help="number of requests (default: 120 services, 400 core)")
+    p.add_argument("--mode", choices=["services", "attention", *sorted(MODES)], default="services",
+                   help="services: a model served by the block manager + two compute nodes as processes (default); "
+                        "attention: the same stack fed synthetic Q/K/V (the attention-level test path); "
+                        "core: in-process block manager replay")
+    p.add_argument("--model", default=None,
+                   help="services: a Hugging Face model directory (Llama/Qwen2/Qwen3); default: build a small "
+                        "random-weight Llama locally")
+    p.add_argument("--max-batched-tokens", type=int, default=256,
+                   help="services: new tokens per engine step (longer prompts are prefilled in chunks)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="number of requests (default: 48 services, 120 attention, 400 core)")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--num-blocks", type=int, default=8192, help="blocks in the pool")
     p.add_argument("--block-size", type=int, default=16, help="token slots per block")
@@ -190,19 +198,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.requests is None:
-        args.requests = 120 if args.mode == "services" else 400
-    if min(args.requests, args.num_blocks, args.block_size, args.node_blocks, args.num_heads) < 1:
-        print("pagedkv-demo: error: --requests, --num-blocks, --block-size, --node-blocks and "
-              "--num-heads must be >= 1", file=sys.stderr)
+        args.requests = {"services": 48, "attention": 120}.get(args.mode, 400)
+    if min(args.requests, args.num_blocks, args.block_size, args.node_blocks, args.num_heads,
+           args.max_batched_tokens) < 1:
+        print("pagedkv-demo: error: --requests, --num-blocks, --block-size, --node-blocks, --num-heads and "
+              "--max-batched-tokens must be >= 1", file=sys.stderr)
         return 2
-    if args.mode == "services":
+    if args.mode in ("services", "attention"):
         try:
             args.plot = check_plot_path(args.plot)
         except PlotPathError as exc:
             print(f"pagedkv-demo: error: {exc}", file=sys.stderr)
             return 2
-        from engine.demo_services import run
-
+        if args.mode == "attention":
+            from engine.demo_attention import run
+        else:
+            from engine.demo_services import run
         return run(args)
     with tempfile.TemporaryDirectory(prefix="pagedkv-demo-") as tmp:
         result = MODES[args.mode](args, Path(tmp))

@@ -1,84 +1,333 @@
-"""`pagedkv-demo --mode services`: the pair as real processes, a serving workload through them.
+"""`pagedkv-demo` (services mode): a real model served through the block manager and two nodes.
 
 Starts the block manager and both compute nodes from docker-compose.yml as local processes
-(`engine.localstack`: embedded SQLite in a temp volume), drives the demo trace through them
-with `engine.serving.ServingDriver` (batched Route → one Step RPC per scheduler step through the
-client's step helper → Forward on the owning node carrying that node's PoolStep; every
-sequence's outputs checked against float64 every step), triggers one admin defrag midway
-(its moves ride in the next steps), prints the report and writes the PNG plot (`args.plot`,
-already checked by `demo.check_plot_path`: the working directory's `pagedkv-demo.png` unless
-`--plot` says otherwise). Everything it started is stopped on the way out, also on Ctrl-C or
-an error.
+(`engine.localstack`), every node loading the model (`--model DIR`, any supported Hugging Face
+directory; without it, a small Llama-architecture model with random weights and a small
+tokenizer is built locally first: no download). The engine (`engine.llm_engine`) then serves a
+mixed workload through them — shared system prompts (prefix hits), `n > 1` parallel samples
+(fork + copy-on-write), long and short prompts (chunked prefill), greedy and seeded sampling —
+and the report says what it cost and what paging bought: tokens/s, time to first token and
+inter-token latency, KV blocks in use against per-request contiguous preallocation, prefix
+hits, CoW copies, preemptions, defrag, and how many greedy completions matched the reference:
+transformers' `generate` when transformers is installed, else the model run alone (one
+sequence, its own pool, no batching, no cache sharing). Everything it started is stopped on the
+way out, also on Ctrl-C or an error.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import random
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
-from block_manager.trace.format import AppendOp, parse_trace
-from block_manager.trace.generate import TraceConfig, generate_trace
+from block_manager.client import AdminClient, BlockManagerClient
+from engine.executor import RemoteNode
+from engine.llm_engine import EngineConfig, LLMEngine
 from engine.localstack import LocalStack
-from engine.serving import ServingDriver
-from engine.serving_report import plot, render
+from engine.params import RequestOutput, SamplingParams
+from engine.tokenizer import Tokenizer
 
 NODES = ("compute-node-0", "compute-node-1")
+NEAR_TIE_REL = 1e-4
 
 
-def services_trace_config(num_requests: int, seed: int) -> TraceConfig:
-    """The demo mix, with outputs short enough that CPU attention finishes in minutes."""
-    return TraceConfig(
-        num_requests=num_requests, seed=seed,
-        num_system_prompts=3, system_prompt_len=192, shared_prompt_fraction=0.6,
-        prompt_len_min=32, prompt_len_max=512, output_len_min=16, output_len_max=256,
-        parallel_n=4, parallel_fraction=0.2, arrival_rate=1.0, max_running=48, num_tenants=2,
-    )
+@dataclass(slots=True)
+class DemoRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class Sample:
+    t: float
+    used_blocks: int
+    contiguous_blocks: int
+
+
+@dataclass(slots=True)
+class ModelDemoReport:
+    model: str
+    built: bool
+    num_requests: int = 0
+    generated: int = 0
+    wall_s: float = 0.0
+    stats: dict[str, float] = field(default_factory=dict)
+    samples: list[Sample] = field(default_factory=list)
+    pools: list[dict[str, Any]] = field(default_factory=list)
+    reference: str = ""
+    checked: int = 0
+    matched: int = 0
+    mismatches: list[str] = field(default_factory=list)
+
+
+def build_workload(tok: Tokenizer, num_requests: int, seed: int, vocab: int) -> list[DemoRequest]:
+    """Chat-like requests: a few shared system prompts, user text of mixed length, some n > 1."""
+    rng = random.Random(seed)
+    from compute_node.model._tiny_corpus import CORPUS
+
+    lines = [ln for ln in CORPUS.splitlines() if ln.strip()]
+    systems = [" ".join(rng.sample(lines, 6)) for _ in range(3)]
+    out = []
+    for i in range(num_requests):
+        user = " ".join(rng.sample(lines, rng.choice([1, 1, 2, 4, 8])))
+        text = (systems[i % 3] + "\n" if rng.random() < 0.7 else "") + user
+        ids = [t for t in tok.encode(text) if t < vocab]
+        kind = rng.random()
+        max_tokens = rng.choice([16, 32, 64, 96])
+        if kind < 0.2:
+            params = SamplingParams(n=rng.choice([2, 3, 4]), temperature=0.8, top_p=0.95, max_tokens=max_tokens,
+                                    seed=rng.randrange(1 << 30), ignore_eos=True)
+        elif kind < 0.35:
+            params = SamplingParams(temperature=0.7, max_tokens=max_tokens, seed=rng.randrange(1 << 30),
+                                    ignore_eos=True)
+        else:
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        out.append(DemoRequest(ids, params))
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
     console = Console()
-    cfg = services_trace_config(args.requests, args.seed)
-    ops = parse_trace(list(generate_trace(cfg)))
-    num_steps = sum(isinstance(op, AppendOp) for op in ops)
-    env = {"PAGEDKV_CN_NUM_BLOCKS": str(args.node_blocks), "PAGEDKV_LOG_LEVEL": "WARNING"}
-    with tempfile.TemporaryDirectory(prefix="pagedkv-demo-") as tmp, \
-            LocalStack(Path(tmp), interp_env=env) as stack:
-        console.print(f"starting block manager + {len(NODES)} compute nodes from docker-compose.yml ...")
+    with tempfile.TemporaryDirectory(prefix="pagedkv-demo-") as tmp:
+        model_dir, built = _model_dir(args, Path(tmp))
+        env = {
+            "PAGEDKV_CN_NUM_BLOCKS": str(args.node_blocks), "PAGEDKV_LOG_LEVEL": "WARNING",
+            "PAGEDKV_CN_MODEL": str(model_dir), "PAGEDKV_BLOCK_SIZE": str(args.block_size),
+        }
+        # the two nodes share this machine's cores: one thread pool each, no oversubscription
+        threads = str(max(1, (os.cpu_count() or 2) // len(NODES)))
+        overrides = {n: {"PAGEDKV_CN_MODEL": str(model_dir), "PAGEDKV_CN_BLOCK_SIZE": str(args.block_size),
+                         "OMP_NUM_THREADS": threads, "NUMBA_NUM_THREADS": threads} for n in NODES}
+        with LocalStack(Path(tmp) / "stack", interp_env=env, overrides=overrides) as stack:
+            console.print(f"starting block manager + {len(NODES)} compute nodes serving {model_dir.name} ...")
+            t0 = time.perf_counter()
+            stack.up()
+            console.print(f"stack healthy in {time.perf_counter() - t0:.1f} s")
+            if built:
+                console.print(f"[yellow]no --model given: built {model_dir.name}, a random-weight Llama-architecture "
+                              "model and a small tokenizer, locally (no download); its text is noise, its "
+                              "tokens are checked all the same[/yellow]")
+            report = serve(stack, model_dir, args, console)
+            report.built = built
+        render(report, console)
+        plot(report, Path(args.plot))
+        console.print(f"plot: {args.plot}")
+    return 0 if report.matched == report.checked else 1
+
+
+def _model_dir(args: argparse.Namespace, tmp: Path) -> tuple[Path, bool]:
+    if args.model:
+        path = Path(args.model)
+        if not (path / "config.json").is_file():
+            raise SystemExit(f"pagedkv-demo: error: --model {path}: no config.json there")
+        return path.resolve(), False
+    from compute_node.model.tiny import build_tiny_model
+
+    return build_tiny_model(tmp / "tiny-llama", "llama", seed=args.seed), True
+
+
+def serve(stack: LocalStack, model_dir: Path, args: argparse.Namespace, console: Console) -> ModelDemoReport:
+    tok = Tokenizer(model_dir)
+    client = BlockManagerClient(stack.address("block-manager"))
+    nodes = {f"node-{i}": RemoteNode(f"node-{i}", stack.address(n)) for i, n in enumerate(NODES)}
+    engine = LLMEngine(client, nodes, EngineConfig(max_num_batched_tokens=args.max_batched_tokens),
+                       detokenize=tok.decode)
+    admin = AdminClient(stack.address("block-manager"))
+    report = ModelDemoReport(model=model_dir.name, built=False)
+    workload = build_workload(tok, args.requests, args.seed, engine.vocab_size)
+    report.num_requests = len(workload)
+    outputs: dict[str, RequestOutput] = {}
+    ids = []
+    try:
         t0 = time.perf_counter()
-        stack.up()
-        console.print(f"stack healthy in {time.perf_counter() - t0:.1f} s "
-                      f"(block manager {stack.address('block-manager')}, "
-                      + ", ".join(f"{n} {stack.address(n)}" for n in NODES) + ")")
-        driver = ServingDriver(
-            stack.address("block-manager"),
-            {f"node-{i}": stack.address(n) for i, n in enumerate(NODES)},
-            num_heads=args.num_heads, max_model_len=cfg.prompt_len_max + cfg.output_len_max,
-            check_every=args.check_every, seed=args.seed,
-        )
-        try:
-            with Progress(TextColumn("serving"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                          console=console, transient=True) as progress:
-                task = progress.add_task("steps", total=num_steps)
-                report = driver.run(ops, on_step=lambda _: progress.advance(task),
-                                    defrag_at_step=num_steps // 2)
-        finally:
-            driver.close()
-        fsck = stack_fsck(stack)
-    render(report, console, title=f"pagedkv demo (services) — {cfg.num_requests} requests, "
-                                  f"{num_steps} steps, 2 nodes x {args.node_blocks} blocks")
-    console.print(f"fsck after the run: {'clean' if not fsck else fsck}")
-    path = plot(report, Path(args.plot))
-    console.print(f"plot: {path}")
-    return 0 if report.check_failures == 0 and not fsck else 1
+        # arrivals: a third up front, the rest one per step (a steady stream)
+        pending = list(workload)
+        head, pending = pending[: len(pending) // 3], pending[len(pending) // 3:]
+        for r in head:
+            ids.append(engine.add_request(r.prompt_ids, r.params))
+        with Progress(TextColumn("serving"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=True) as progress:
+            task = progress.add_task("requests", total=len(workload))
+            step = 0
+            while engine.has_unfinished_requests() or pending:
+                if pending:
+                    r = pending.pop(0)
+                    ids.append(engine.add_request(r.prompt_ids, r.params))
+                for out in engine.step():
+                    if out.finished:
+                        outputs[out.request_id] = out
+                        progress.advance(task)
+                step += 1
+                if step % 4 == 0:
+                    report.samples.append(_sample(admin, engine, time.perf_counter() - t0))
+        engine.flush()
+        report.wall_s = time.perf_counter() - t0
+        report.stats = engine.stats.summary()
+        report.generated = engine.stats.generated_tokens
+        report.pools = admin.status().get("pools", [])
+    finally:
+        engine.close()
+        admin.close()
+        client.close()
+    _check_reference(report, model_dir, workload, [outputs[i] for i in ids], console)
+    return report
 
 
-def stack_fsck(stack: LocalStack) -> list[str]:
-    from block_manager.client.admin import AdminClient
+def _sample(admin: AdminClient, engine: LLMEngine, t: float) -> Sample:
+    pools = admin.status().get("pools", [])
+    used = sum(int(p.get("num_used_blocks", 0)) for p in pools)
+    bs = next(iter(engine.pool_blocks.values()))[1]
+    # what per-request contiguous preallocation holds: prompt + max_tokens for every running sequence
+    contiguous = sum(-(-(len(s.request.prompt_token_ids) + s.request.params.max_tokens) // bs)
+                     for s in engine.running)
+    return Sample(t, used, contiguous)
 
-    with AdminClient(stack.address("block-manager")) as admin:
-        return list(admin.fsck().get("problems", []))
+
+def _check_reference(report: ModelDemoReport, model_dir: Path, workload: list[DemoRequest],
+                     outputs: list[RequestOutput], console: Console) -> None:
+    greedy = [(r, o) for r, o in zip(workload, outputs) if r.params.greedy]
+    reference = _reference(model_dir)
+    report.reference = reference.name
+    with Progress(TextColumn("checking greedy completions against " + reference.name), BarColumn(),
+                  MofNCompleteColumn(), console=console, transient=True) as progress:
+        task = progress.add_task("check", total=len(greedy))
+        for r, out in greedy:
+            tokens, gaps = reference.greedy(r.prompt_ids, r.params.max_tokens)
+            for c in out.outputs:
+                report.checked += 1
+                bad = next((i for i, (a, b) in enumerate(zip(c.token_ids, tokens)) if a != b), None)
+                if bad is None and len(c.token_ids) == len(tokens):
+                    report.matched += 1
+                elif bad is not None and gaps[bad] < NEAR_TIE_REL:
+                    report.matched += 1     # a near-tie at the first difference: both are right
+                else:
+                    report.mismatches.append(f"{out.request_id}/{c.index} at token {bad}")
+            progress.advance(task)
+
+
+class _Reference(Protocol):
+    name: str
+
+    def greedy(self, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+        """The reference's greedy tokens and, per token, its top-2 logit gap (relative)."""
+        ...
+
+
+def _reference(model_dir: Path) -> _Reference:
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return _RunnerReference(model_dir)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+    class HfReference:
+        name = "transformers generate"
+
+        def __init__(self) -> None:
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+        def greedy(self, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+            with torch.no_grad():
+                out = self.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                                          dtype=torch.long), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                          eos_token_id=None, pad_token_id=0, output_logits=True,
+                                          return_dict_in_generate=True)
+            return out.sequences[0, len(prompt):].tolist(), [_gap(step[0]) for step in out.logits]
+
+    return HfReference()
+
+
+class _RunnerReference:
+    name = "the model alone (one sequence, its own pool)"
+
+    def __init__(self, model_dir: Path) -> None:
+        from compute_node.model import ModelRunner
+
+        self.runner = ModelRunner(model_dir, block_size=16, num_blocks=64, dtype="float32", device="cpu")
+
+    def greedy(self, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+        from compute_node.model import SeqWork
+
+        table = list(range(-(-(len(prompt) + n) // 16)))
+        tokens: list[int] = []
+        gaps: list[float] = []
+        done = 0
+        new = list(prompt)
+        for _ in range(n):
+            dbg = self.runner.debug_forward([SeqWork("ref", new, done, table)])
+            logits = dbg.logits[-1]
+            done += len(new)
+            tok = int(logits.argmax())
+            tokens.append(tok)
+            gaps.append(_gap(logits))
+            new = [tok]
+        return tokens, gaps
+
+
+def _gap(logits: Any) -> float:
+    import torch
+
+    top2 = torch.topk(logits.float(), 2).values
+    return float(top2[0] - top2[1]) / max(abs(float(top2[0])), 1e-6)
+
+
+def render(r: ModelDemoReport, console: Console) -> None:
+    s = r.stats
+    t = Table(title=f"pagedkv demo — {r.model} on 2 compute nodes, {r.num_requests} requests")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    rate = r.generated / max(r.wall_s, 1e-9)
+    t.add_row("generated tokens / wall", f"{r.generated} in {r.wall_s:.1f} s = {rate:.1f} tok/s")
+    t.add_row("time to first token p50 / p99", f"{s.get('ttft_p50_ms', 0):.0f} / {s.get('ttft_p99_ms', 0):.0f} ms")
+    t.add_row("inter-token latency p50 / p99", f"{s.get('itl_p50_ms', 0):.0f} / {s.get('itl_p99_ms', 0):.0f} ms")
+    peak_used = max((x.used_blocks for x in r.samples), default=0)
+    peak_contig = max((x.contiguous_blocks for x in r.samples), default=0)
+    t.add_row("peak KV blocks: paged / contiguous preallocation",
+              f"{peak_used} / {peak_contig} ({peak_used / max(peak_contig, 1):.2f}x)")
+    hits = sum(int(p.get("prefix_hit_tokens", 0)) for p in r.pools)
+    queried = sum(int(p.get("prefix_query_tokens", 0)) for p in r.pools)
+    t.add_row("prefix cache hit tokens / queried", f"{hits} / {queried} ({100 * hits / max(queried, 1):.1f}%)")
+    t.add_row("copy-on-write copies (n > 1 forks)", str(sum(int(p.get("cow_copies", 0)) for p in r.pools)))
+    t.add_row("preemptions (recompute)", str(int(s.get("preemptions", 0))))
+    plans = sum(int(p.get("compaction_plans", 0)) + int(p.get("contiguity_plans", 0)) for p in r.pools)
+    t.add_row("defrag plans committed / blocks moved",
+              f"{plans} / {sum(int(p.get('defrag_moves', 0)) for p in r.pools)}")
+    verdict = "[green]OK[/green]" if r.matched == r.checked else "[red]MISMATCH[/red]"
+    t.add_row(f"greedy completions equal to {r.reference}", f"{verdict} {r.matched}/{r.checked}")
+    console.print(t)
+    for m in r.mismatches[:5]:
+        console.print(f"[red]mismatch: {m}[/red]")
+
+
+def plot(r: ModelDemoReport, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ts = [x.t for x in r.samples]
+    ax.plot(ts, [x.used_blocks for x in r.samples], label="paged (blocks in use)")
+    ax.plot(ts, [x.contiguous_blocks for x in r.samples], label="contiguous preallocation", linestyle="--")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("KV blocks")
+    ax.set_title(f"{r.model}: KV memory while serving")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+__all__ = ["ModelDemoReport", "build_workload", "run"]
