@@ -10,7 +10,7 @@ Layouts (per layer):
 
 Every entry point validates its arguments (`KernelInputError` on bad input, nothing mutated)
 and then dispatches to a backend:
-- `"cpu"`: Numba `njit(parallel=True)` kernels in `kernels.cpu`;
+- `"cpu"`: Numba `njit(parallel=True)` kernels in `kernels.cpu` (entry points in `kernels.cpu.api`);
 - `"cuda"`: Numba CUDA kernels in `kernels.cuda` (imported lazily so the CPU path never pays
   for, or depends on, numba.cuda);
 - `"auto"`: by where the data lives — a CUDA torch tensor or Numba device array selects cuda,
@@ -48,9 +48,9 @@ def _backend_module(backend: str, data: Sequence[Any]) -> Any:
     if backend == "cpu":
         if any(on_device):
             raise KernelInputError("backend='cpu' was given GPU-resident arrays")
-        from kernels import cpu
+        from kernels.cpu import api
 
-        return cpu
+        return api
     if backend == "cuda":
         from kernels import cuda
 
