@@ -44,6 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-reps", type=int, default=50, help="timed repetitions per case (cap)")
     p.add_argument("--skip-correctness", action="store_true")
     p.add_argument("--skip-bench", action="store_true")
+    p.add_argument("--host-path-cpu", action="store_true",
+                   help="no GPU needed: Python cost per call of the three decode entry points\n"
+                        "in Numba's simulator with every launch stubbed out (prints, exits)")
     return p.parse_args(argv)
 
 
@@ -438,9 +441,63 @@ def _opt(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def host_path_cpu(calls: int = 2000) -> dict[str, float]:
+    """Our Python per decode call, without a GPU: the simulator's arrays stand in for device
+    tensors and the kernel launch (and graph replay) is a no-op, so what is timed is
+    validation, dispatch, variant lookup, address and launch-configuration handling."""
+    import os
+
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"  # before numba is first imported
+    import torch
+
+    import kernels
+    from kernels.cuda import _runtime, graph, plan
+
+    def stub(kernel: Any, grid: Any, threads: int, stream: Any) -> Any:
+        return lambda *args: None
+
+    for module in (_runtime, plan, graph):
+        for name in ("launcher",):
+            if hasattr(module, name):
+                setattr(module, name, stub)
+    from kernels.cuda import decode
+
+    decode.launcher = stub
+    gen = torch.Generator().manual_seed(0)
+    batch, ctx, block = 64, 512, 16
+    kc = torch.randn((batch * ctx // block, NUM_KV_HEADS, block, HEAD_DIM), generator=gen).half()
+    vc = torch.randn_like(kc)
+    tables = torch.randperm(kc.shape[0], generator=gen).to(torch.int32).view(batch, -1)
+    lens = torch.full((batch,), ctx, dtype=torch.int32)
+    q = torch.randn((batch, NUM_HEADS, HEAD_DIM), generator=gen).half()
+    out = torch.empty_like(q)
+    the_plan = plan.DecodePlan(kc, NUM_HEADS, batch, tables.shape[1], num_parts=1)
+    graphs = graph.DecodeGraphs([kc], [vc], NUM_HEADS, tables.shape[1], 0.1, buckets=(batch,))
+    graphs.prepare(tables, lens)
+    graphs._graph(0, batch)._launch = lambda: None  # the replay itself
+    paths = {
+        "public API (validation + dispatch)": lambda: kernels.paged_attention_decode(
+            q, kc, vc, tables, lens, 0.1, out=out, backend="cuda"),
+        "DecodePlan.launch": lambda: the_plan.launch(q, kc, vc, tables, lens, 0.1, out),
+        "DecodeGraphs.run (copy q + replay)": lambda: graphs.run(0, q),
+    }
+    costs = {}
+    for name, fn in paths.items():
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        costs[name] = (time.perf_counter() - t0) / calls * 1e6
+        print(f"{name}: {costs[name]:.1f} us per call (launch stubbed)", flush=True)
+    return costs
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     block_sizes = [int(b) for b in args.block_sizes.split(",") if b]
+    if args.host_path_cpu:
+        host_path_cpu()
+        return 0
     import torch
 
     if not torch.cuda.is_available():

@@ -17,7 +17,7 @@ from numba import cuda, float32, int32, uint32
 
 from kernels.cuda._merge import chunk_dims, make_row_stats, make_store_chunk, make_sum_chunk
 from kernels.cuda._ops import st_f32
-from kernels.cuda._runtime import device_function
+from kernels.cuda._runtime import SIMULATOR, device_function
 from kernels.cuda._spec import ROW_TILE, TC_STEP_TOKENS, AttentionSpec
 from kernels.cuda._stage import tile_geometry
 from kernels.cuda._tc_attend import make_tc_attend, make_tc_load_queries, make_tc_stage
@@ -66,12 +66,15 @@ def make_block_attention(spec: AttentionSpec, row_source: Any, row_target: Any) 
     q_type = uint32 if tc else float32
     state_rows = 2 * ROW_TILE
     state_len = 4 * ROW_TILE
+    # cp.async and ldmatrix need 16-byte aligned shared addresses (Numba would align a
+    # float32 array to 4); the simulator rejects any alignment argument but None.
+    smem_align = None if SIMULATOR else 16
 
     @device_function
     def run(k_ptr: Any, v_ptr: Any, tbl_ptr: Any, kv_head: Any, begin: Any, end: Any,
             scale_log2: Any, s0: Any, s1: Any, s2: Any, s3: Any, s4: Any, s5: Any,
             t0: Any, t1: Any, t2: Any, t3: Any, t4: Any, t5: Any) -> None:
-        buf = cuda.shared.array(buf_floats, float32)
+        buf = cuda.shared.array(buf_floats, float32, alignment=smem_align)
         ms = cuda.shared.array((num_warps, state_rows), float32)
         ls = cuda.shared.array((num_warps, state_rows), float32)
         o = cuda.local.array(num_acc, float32)
