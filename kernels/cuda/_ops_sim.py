@@ -76,19 +76,16 @@ def _words(ptr: SimPtr, n: int) -> Any:
     return tuple(int(w) for w in words) if n > 1 else int(words[0])
 
 
-def ld_kv_v4(ptr: SimPtr) -> Any:
+def ld_v4(ptr: SimPtr) -> Any:
     return _words(ptr, 4)
 
 
-def ld_kv_v2(ptr: SimPtr) -> Any:
+def ld_v2(ptr: SimPtr) -> Any:
     return _words(ptr, 2)
 
 
-def ld_kv_u32(ptr: SimPtr) -> Any:
+def ld_u32(ptr: SimPtr) -> Any:
     return _words(ptr, 1)
-
-
-ld_v4, ld_v2, ld_u32 = ld_kv_v4, ld_kv_v2, ld_kv_u32
 
 
 def ld_s32(ptr: SimPtr) -> Any:
@@ -311,14 +308,6 @@ def mma16816_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
     return _mma("bf16", 16, (int(a0), int(a1), int(a2), int(a3)), (int(b0), int(b1)), (c0, c1, c2, c3))
 
 
-def mma1688_f16(a0, a1, b0, c0, c1, c2, c3):
-    return _mma("f16", 8, (int(a0), int(a1)), (int(b0),), (c0, c1, c2, c3))
-
-
-def mma1688_bf16(a0, a1, b0, c0, c1, c2, c3):
-    return _mma("bf16", 8, (int(a0), int(a1)), (int(b0),), (c0, c1, c2, c3))
-
-
 # --------------------------------------------------------------------------------------------
 # Register-level conversions
 # --------------------------------------------------------------------------------------------
@@ -377,7 +366,3 @@ def ex2(x: Any) -> Any:
 
 def bits_f32(word: Any) -> Any:
     return np.array([int(word) & 0xFFFFFFFF], dtype=np.uint32).view(np.float32)[0]
-
-
-def f32_bits(x: Any) -> int:
-    return int(np.array([x], dtype=np.float32).view(np.uint32)[0])

@@ -7,8 +7,8 @@ end), staging the step's K and V tiles in its shared memory with `cp.async`, one
 
 Lane l owns `vec` consecutive dims [l*vec, (l+1)*vec) of every row (`spec.simt_vec`) and keeps
 the R query rows' slices (R*vec <= 32 registers) and accumulators there. A step is
-T = 32 / R_pad tokens (R_pad: R rounded up to a power of two), so the step's (token, row) dot
-products are exactly 32: each lane computes its partial sums of all 32, and one transposing
+T = 32 / R_pad tokens (R_pad: R rounded up to a power of two, at least 4 — at most 8 tokens),
+so the step's (token, row) dot products are exactly 32: each lane computes its partial sums of all 32, and one transposing
 reduction (31 shuffles: at each level a lane keeps half of its sums and sends the other half)
 leaves lane p with the full dot product of pair p = (token p // R_pad, row p % R_pad). Softmax
 then runs on lanes: a row's max is a reduction over the lanes of that row. For P·V, each lane
@@ -53,12 +53,13 @@ NEG_INF = float32(-math.inf)
 
 
 def padded_rows(spec: AttentionSpec) -> int:
-    return 1 << (spec.rows - 1).bit_length()
+    """Rows of a step's (token, row) pairs: R rounded up to a power of two, at least 4."""
+    return WARP // spec.simt_step
 
 
 def step_tokens(spec: AttentionSpec) -> int:
     """Tokens per warp step: (token, row) pairs fill the 32 lanes exactly."""
-    return WARP // padded_rows(spec)
+    return spec.simt_step
 
 
 def simt_sizes(spec: AttentionSpec) -> tuple[int, int, int]:

@@ -28,6 +28,7 @@ MAX_HEAD_DIM = 256
 TC_MAX_ROWS = 16  # one m16 tile of query rows
 TC_STEP_TOKENS = 16  # two n8 tiles of tokens per warp step
 ROW_TILE = 8  # rows merged across warps per pass (one n8 tile of the O^T accumulator)
+SIMT_MIN_ROWS = 4  # SIMT steps pad rows to >= 4, so a step is <= 8 tokens
 KIND_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
 MODES = ("decode", "split", "prefill")
 
@@ -66,7 +67,7 @@ class AttentionSpec:
         (16-byte padded rows) under the 48 KB of shared memory Numba can give a block."""
         if self.path == "tc":
             return NUM_WARPS if self.head_dim <= 128 else WIDE_HEAD_WARPS
-        step = WARP // (1 << (self.rows - 1).bit_length())
+        step = self.simt_step
         per_warp = 2 * step * (self.head_dim * KIND_BYTES[self.kv_kind] + 16)
         warps = NUM_WARPS
         while warps > 1 and warps * per_warp > STAGING_BUDGET:
@@ -76,6 +77,14 @@ class AttentionSpec:
     @property
     def num_threads(self) -> int:
         return WARP * self.num_warps
+
+    @property
+    def simt_step(self) -> int:
+        """Tokens per SIMT warp step: (token, row) pairs fill the 32 lanes exactly, with rows
+        padded to a power of two and at least 4 (at most 8 tokens: a step's unrolled code and
+        its staged tiles stay small)."""
+        padded = max(SIMT_MIN_ROWS, 1 << (self.rows - 1).bit_length())
+        return WARP // padded
 
     @property
     def num_heads(self) -> int:

@@ -39,6 +39,7 @@ GATED = [
     "decode bf16 d128 bs16 g4",
     "split f16 d128 bs16 g4",
     "decode f32 d128 bs16 g4",  # SIMT path
+    "decode f32 d256 bs16 g1",  # SIMT: the widest rows that must still fit shared memory
     "prefill f16 d128 bs16 g4",
     "prefill f16 d256 bs16 g4",  # could not launch before (512 threads x 160 registers)
     "reduce f16 d128",
@@ -73,6 +74,9 @@ def test_analysis_reads_machine_code() -> None:
         "@P0 BRA `(.L_x_0)",
         "LDG.E.U16 R3, desc[UR4][R4.64]",
         "EXIT",
+        ".L_x_9:",  # a diverged-warp slow path after the last EXIT, branching back: no loop
+        "SHFL.BFLY P0, R5, R6, R7, R8",
+        "BRA `(.L_x_0)",
     ]
     assert KS.loops(code) == [(1, 6)]
     assert KS.steady_loop(code) == (1, 6)
@@ -83,5 +87,5 @@ def test_analysis_reads_machine_code() -> None:
     assert KS.blocks_per_sm(96, 35328, 128) == 5
     assert KS.blocks_per_sm(240, 19360, 128) == 2
     assert KS.blocks_per_sm(160, 35648, 512) == 0  # the seed's head_dim 256 prefill
-    narrow = KS.Report("x", 64, 0, 0, 128, 8, {}, {"16-bit": 4}, 10, 64, 2.5)
+    narrow = KS.Report("x", 64, 0, 0, 0, 128, 8, {}, {"16-bit": 4}, 10, 64, 2.5)
     assert any("narrower" in p for p in KS.check(narrow))
