@@ -65,6 +65,8 @@ def _reference(case, q):
         (np.float16, np.float32, 2, 1, 4, 16, [13, 2]),
         # SIMT: head_dim 12, GQA 3, block 4
         (np.float32, np.float32, 1, 3, 4, 12, [9, 20]),
+        # SIMT: 12 rows (two row tiles in the merge), 2-token steps
+        (np.float32, np.float32, 1, 12, 8, 16, [21]),
     ],
 )
 def test_decode_matches_reference(kv_dtype, q_dtype, num_kv_heads, group, block_size,
@@ -194,7 +196,7 @@ def test_zero_length_from_device_yields_zeros() -> None:
         (np.float16, 2, 1, 4, 16, [20, 3], [20, 11]),
         # GQA 8 (2 query tokens per tile), block 16, head_dim 128: the shipped width
         (np.float16, 1, 8, 16, 128, [5, 2], [21, 16]),
-        # SIMT (float32): MHA, block 4, two row tiles
+        # SIMT (float32): MHA, block 4, 4-row tiles
         (np.float32, 1, 1, 4, 16, [20, 3], [20, 11]),
     ],
 )
