@@ -18,6 +18,10 @@ and then dispatches to a backend:
 
 Backends receive the validated arguments unchanged (NumPy arrays or torch tensors, `out`
 possibly None) and return the output array; they do their own zero-copy conversion.
+
+On a GPU, decode attention can also be prepared once and replayed: `kernels.DecodePlan` (one
+launch, capturable in a CUDA graph) and `kernels.DecodeGraphs` (CUDA graphs per batch-size
+bucket and layer); both live in `kernels.cuda` and are imported on first use.
 """
 
 from __future__ import annotations
@@ -32,12 +36,28 @@ Backend = Literal["auto", "cpu", "cuda"]
 
 __all__ = [
     "Backend",
+    "DecodeGraphs",
+    "DecodePlan",
     "KernelInputError",
     "copy_blocks",
     "paged_attention_decode",
     "paged_prefill_attention",
     "write_slots",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """`DecodePlan` / `DecodeGraphs` from `kernels.cuda`, imported only when asked for (the CPU
+    path never loads numba.cuda)."""
+    if name == "DecodePlan":
+        from kernels.cuda.plan import DecodePlan
+
+        return DecodePlan
+    if name == "DecodeGraphs":
+        from kernels.cuda.graph import DecodeGraphs
+
+        return DecodeGraphs
+    raise AttributeError(f"module 'kernels' has no attribute {name!r}")
 
 
 def _backend_module(backend: str, data: Sequence[Any]) -> Any:

@@ -7,10 +7,16 @@ conversion.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
+import kernels
 from kernels._validate import KernelInputError
 from kernels.cuda import _runtime
 from kernels.cuda._host import Scratch, launch_bounds, spec_for
@@ -18,6 +24,8 @@ from kernels.cuda._runtime import SIMULATOR, check_aligned, device_ptr, launcher
 from kernels.cuda._spec import AttentionSpec, simt_vec
 from kernels.cuda.block_copy import plan_waves
 from kernels.cuda.decode_split import MAX_PARTS, choose_num_partitions, partitions_for
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _apply_waves(blocks: np.ndarray, ordered: np.ndarray, bounds: list[tuple[int, int]]) -> None:
@@ -149,3 +157,13 @@ def test_host_arrays_rejected_without_a_gpu_path() -> None:
     with pytest.raises(KernelInputError, match="aligned"):
         check_aligned("out", 8)
     check_aligned("out", 256)
+
+
+def test_graph_entry_points_are_imported_lazily() -> None:
+    code = ("import sys, kernels; assert 'kernels.cuda' not in sys.modules; "
+            "from kernels.cuda.graph import DecodeGraphs; from kernels.cuda.plan import DecodePlan; "
+            "assert kernels.DecodeGraphs is DecodeGraphs and kernels.DecodePlan is DecodePlan")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=REPO,
+                   env=dict(os.environ, PYTHONPATH=str(REPO)))
+    with pytest.raises(AttributeError):
+        _ = kernels.NoSuchThing
