@@ -223,7 +223,7 @@ def make_simt_attend(spec: AttentionSpec) -> Any:
             nt = int32(tok0 + step * num_warps)
             valid = min(int32(end - tok0), step)
             cp_async_wait1()  # this step's K landed
-            syncwarp()
+            syncwarp()  # every lane's K copies visible before any lane reads the tile
             t_mine = cuda.laneid // r_pad
             x = scores(smem, qf, part, kv) * scale_log2
             syncwarp()  # K tile read by all lanes: free for the next step's copies
@@ -241,7 +241,7 @@ def make_simt_attend(spec: AttentionSpec) -> Any:
             st[0] = m_new
             st[1] = st[1] * alpha + p
             cp_async_wait1()  # this step's V landed
-            syncwarp()
+            syncwarp()  # every lane's V copies visible before any lane reads the tile
             accumulate(v_tile, o, p, alpha, kv)
             syncwarp()  # V tile read: free
             if nt < end:

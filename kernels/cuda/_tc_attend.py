@@ -223,7 +223,7 @@ def make_tc_attend(spec: AttentionSpec) -> Any:
                 stage(smem, k_src, nt, STEP, per_token, lo, hi, cur, nxt, win)
             cp_async_commit()  # (an empty group when there is no next full step)
             cp_async_wait1()  # this step's V landed
-            syncwarp()
+            syncwarp()  # every lane's V copies visible before any lane reads the tile
             pv(v_tile, o, pf, rs)
             syncwarp()  # V tile read: free
             if more:  # offsets again rather than hold them over the step (registers)
@@ -238,7 +238,7 @@ def make_tc_attend(spec: AttentionSpec) -> Any:
             stage(v_tile, v_src, tok0, valid, per_token, lo, hi, cur, nxt, win)
             cp_async_commit()
             cp_async_wait0()
-            syncwarp()
+            syncwarp()  # every lane's copies visible before any lane reads the tiles
             scores_softmax(smem, tok0, True, lims, last_pos, scale_log2, qf, st, s, pf, rs)
             pv(v_tile, o, pf, rs)
         cp_async_wait0()  # no copy may outlive the loop: the merge reuses the buffer
