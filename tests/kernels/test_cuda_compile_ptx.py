@@ -48,6 +48,10 @@ def _ptx(variant) -> str:
     # time lands in local memory (`.local`) before ptxas even allocates registers.
     assert ".local" not in ptx, "local-memory arrays in PTX"
     assert ".maxntid" in ptx, "launch bounds missing: ptxas could exceed what the launch holds"
+    # No fastmath: flush-to-zero or approximate division anywhere but the deliberate ex2.
+    approx = [line for line in ptx.splitlines()
+              if re.search(r"\.ftz|\.approx", line) and "ex2.approx.ftz.f32" not in line]
+    assert not approx, f"fast-math instructions in PTX: {approx[:3]}"
     return ptx
 
 
