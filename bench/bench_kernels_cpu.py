@@ -17,6 +17,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import numba
 import numpy as np
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels.cpu import decode as cpu_decode
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 GROUP = NUM_HEADS // NUM_KV_HEADS
@@ -88,6 +90,13 @@ def _torch_gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return gathered.permute(0, 2, 1, 3, 4).reshape(batch, NUM_KV_HEADS, -1, HEAD_DIM)
 
 
+def _gather_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """torch SDPA including the gather of the paged K/V into contiguous tensors."""
+    return _torch_decode(query, _torch_gather(key_cache, tables), _torch_gather(value_cache, tables),
+                         scale)
+
+
 def _torch_decode(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     # The GROUP query heads of one KV head become GROUP query rows of that head: exact GQA
     # decode and the fastest of the torch CPU formulations we tried (vs enable_gqa / repeat).
@@ -110,17 +119,17 @@ def bench_decode(rng: np.random.Generator, bandwidth: float, quick: bool) -> Non
                 out = torch.empty_like(query)
                 scale = HEAD_DIM**-0.5
                 reps = 20 if batch * ctx <= 16 * 512 else 5
-                t_kernel, cpu_kernel = timeit_cpu(lambda: kernels.paged_attention_decode(
-                    query, key_cache, value_cache, tables, lens, scale, out=out), reps)
+                t_kernel, cpu_kernel = timeit_cpu(partial(
+                    kernels.paged_attention_decode, query, key_cache, value_cache, tables, lens,
+                    scale, out=out), reps)
                 tt = torch.from_numpy(tables).long()
                 k, v = _torch_gather(key_cache, tt), _torch_gather(value_cache, tt)
-                t_sdpa = timeit(lambda: _torch_decode(query, k, v, scale), reps)
-                t_gather = timeit(lambda: _torch_decode(
-                    query, _torch_gather(key_cache, tt), _torch_gather(value_cache, tt), scale
-                ), reps)
+                t_sdpa = timeit(partial(_torch_decode, query, k, v, scale), reps)
+                t_gather = timeit(partial(_gather_decode, query, key_cache, value_cache, tt,
+                                          scale), reps)
                 del k, v
                 kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * key_cache.element_size()
-                split = kernels.cpu.decode.use_split(batch, NUM_KV_HEADS, ctx, BLOCK_SIZE)
+                split = cpu_decode.use_split(batch, NUM_KV_HEADS, ctx, BLOCK_SIZE)
                 print(f"{dtype:>8} {batch:>4} {ctx:>5} {t_kernel * 1e3:>10.2f} "
                       f"{cpu_kernel * 1e3:>8.2f} "
                       f"{kv_bytes / t_kernel / 1e9:>8.2f} {kv_bytes / t_kernel / bandwidth:>10.2f} "
@@ -131,8 +140,6 @@ def bench_decode(rng: np.random.Generator, bandwidth: float, quick: bool) -> Non
 
 def bench_split(rng: np.random.Generator) -> None:
     """Single-pass vs split-K decode where (sequence, KV head) items are fewer than cores."""
-    from kernels.cpu import decode as cpu_decode
-
     print("\n## split-K decode: 1 sequence, MQA (32 query heads, 1 KV head), fp16 KV")
     print(f"{'ctx':>6} {'single ms':>10} {'split ms':>9} {'speed-up':>9} {'rule picks':>11}")
     for ctx in (4096, 32768):
@@ -145,8 +152,8 @@ def bench_split(rng: np.random.Generator) -> None:
         query = rng.standard_normal((1, NUM_HEADS, HEAD_DIM), np.float32)
         times = {}
         for split in (False, True):
-            times[split] = timeit(lambda: cpu_decode.paged_attention_decode(
-                query, key_cache, value_cache, tables, lens, 0.1, split=split), 20)
+            times[split] = timeit(partial(cpu_decode.paged_attention_decode, query, key_cache,
+                                          value_cache, tables, lens, 0.1, split=split), 20)
         picks = "split" if cpu_decode.use_split(1, 1, ctx, BLOCK_SIZE) else "single"
         print(f"{ctx:>6} {times[False] * 1e3:>10.2f} {times[True] * 1e3:>9.2f} "
               f"{times[False] / times[True]:>8.2f}x {picks:>11}")
@@ -163,8 +170,8 @@ def bench_prefill(rng: np.random.Generator) -> None:
         query = torch.randn(num_seqs * q_len, NUM_HEADS, HEAD_DIM).half()
         out = torch.empty_like(query)
         scale = HEAD_DIM**-0.5
-        t_kernel = timeit(lambda: kernels.paged_prefill_attention(
-            query, key_cache, value_cache, tables, lens, starts, scale, out=out), 5)
+        t_kernel = timeit(partial(kernels.paged_prefill_attention, query, key_cache, value_cache,
+                                  tables, lens, starts, scale, out=out), 5)
         # Causal QK^T and PV: ~2 * 2 * head_dim FLOPs per visible (query, key) pair per head.
         pairs = num_seqs * sum(prefix + j + 1 for j in range(q_len))
         gflops = 4 * HEAD_DIM * NUM_HEADS * pairs / t_kernel / 1e9
@@ -174,7 +181,7 @@ def bench_prefill(rng: np.random.Generator) -> None:
             k = _torch_gather(key_cache, tt).repeat_interleave(GROUP, 1)
             v = _torch_gather(value_cache, tt).repeat_interleave(GROUP, 1)
             q = query.view(num_seqs, q_len, NUM_HEADS, HEAD_DIM).transpose(1, 2)
-            t_sdpa = timeit(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), 5)
+            t_sdpa = timeit(partial(F.scaled_dot_product_attention, q, k, v, is_causal=True), 5)
             torch_ms = f"{t_sdpa * 1e3:.2f}"
         shape = f"{num_seqs}x(prefix {prefix} + {q_len})"
         print(f"{shape:>28} {t_kernel * 1e3:>10.2f} {gflops:>8.1f} {torch_ms:>14}")
@@ -190,14 +197,14 @@ def bench_write_copy(rng: np.random.Generator, bandwidth: float) -> None:
     for num_tokens in (64, 4096):
         key = rng.standard_normal((num_tokens, NUM_KV_HEADS, HEAD_DIM)).astype(np.float16)
         slots = rng.permutation(num_blocks * BLOCK_SIZE)[:num_tokens].astype(np.int64)
-        t = timeit(lambda: kernels.write_slots(key, key, key_cache, value_cache, slots), 20)
+        t = timeit(partial(kernels.write_slots, key, key, key_cache, value_cache, slots), 20)
         moved = 2 * 2 * key.nbytes  # K and V, read + written
         print(f"{f'write_slots {num_tokens} tokens':>34} {t * 1e3:>8.3f} {moved / t / 1e9:>11.2f}"
               f" {moved / t / bandwidth:>10.2f}")
     layers = [np.zeros((1024, *shape[1:]), np.float16) for _ in range(8)]
     for num_pairs in (16, 256):
         pairs = rng.permutation(1024)[: 2 * num_pairs].reshape(num_pairs, 2).astype(np.int64)
-        t = timeit(lambda: kernels.copy_blocks(layers[:4], layers[4:], pairs), 20)
+        t = timeit(partial(kernels.copy_blocks, layers[:4], layers[4:], pairs), 20)
         moved = 2 * 8 * num_pairs * layers[0][0].nbytes
         label = f"copy_blocks {num_pairs} pairs x 4 layers"
         print(f"{label:>34} {t * 1e3:>8.3f} {moved / t / 1e9:>11.2f} {moved / t / bandwidth:>10.2f}")

@@ -10,7 +10,7 @@ Layouts (per layer):
 
 Every entry point validates its arguments (`KernelInputError` on bad input, nothing mutated)
 and then dispatches to a backend:
-- `"cpu"`: Numba `njit(parallel=True)` kernels in `kernels.cpu`;
+- `"cpu"`: Numba `njit(parallel=True)` kernels in `kernels.cpu` (entry points in `kernels.cpu.api`);
 - `"cuda"`: Numba CUDA kernels in `kernels.cuda` (imported lazily so the CPU path never pays
   for, or depends on, numba.cuda);
 - `"auto"`: by where the data lives — a CUDA torch tensor or Numba device array selects cuda,
@@ -18,6 +18,10 @@ and then dispatches to a backend:
 
 Backends receive the validated arguments unchanged (NumPy arrays or torch tensors, `out`
 possibly None) and return the output array; they do their own zero-copy conversion.
+
+On a GPU, decode attention can also be prepared once and replayed: `kernels.DecodePlan` (one
+launch, capturable in a CUDA graph) and `kernels.DecodeGraphs` (CUDA graphs per batch-size
+bucket and layer); both live in `kernels.cuda` and are imported on first use.
 """
 
 from __future__ import annotations
@@ -32,12 +36,28 @@ Backend = Literal["auto", "cpu", "cuda"]
 
 __all__ = [
     "Backend",
+    "DecodeGraphs",
+    "DecodePlan",
     "KernelInputError",
     "copy_blocks",
     "paged_attention_decode",
     "paged_prefill_attention",
     "write_slots",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """`DecodePlan` / `DecodeGraphs` from `kernels.cuda`, imported only when asked for (the CPU
+    path never loads numba.cuda)."""
+    if name == "DecodePlan":
+        from kernels.cuda.plan import DecodePlan
+
+        return DecodePlan
+    if name == "DecodeGraphs":
+        from kernels.cuda.graph import DecodeGraphs
+
+        return DecodeGraphs
+    raise AttributeError(f"module 'kernels' has no attribute {name!r}")
 
 
 def _backend_module(backend: str, data: Sequence[Any]) -> Any:
@@ -48,9 +68,9 @@ def _backend_module(backend: str, data: Sequence[Any]) -> Any:
     if backend == "cpu":
         if any(on_device):
             raise KernelInputError("backend='cpu' was given GPU-resident arrays")
-        from kernels import cpu
+        from kernels.cpu import api
 
-        return cpu
+        return api
     if backend == "cuda":
         from kernels import cuda
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.extending import intrinsic
 
+from kernels.cpu._cache import njit_cached
 from kernels.cpu._host import KIND_BF16, KIND_F16
 
 # Fast-math without `nnan`/`ninf`: the running max starts at -inf and a NaN in a corrupted
@@ -39,7 +40,7 @@ def half_bits_to_f32(typingctx, bits):
     return types.float32(types.uint16), codegen
 
 
-@njit(fastmath=FASTMATH, cache=True)
+@njit_cached(fastmath=FASTMATH)
 def load_tile(cache, block, head, num_tokens, kv_kind, tile_f32, tile_u32):
     """Widen `cache[block, head, :num_tokens, :]` to float32 into `tile_f32`.
 
@@ -64,7 +65,7 @@ def load_tile(cache, block, head, num_tokens, kv_kind, tile_f32, tile_u32):
                 bits[d] = np.uint32(src[2 * d]) | (np.uint32(src[2 * d + 1]) << 16)
 
 
-@njit(fastmath=FASTMATH, cache=True)
+@njit_cached(fastmath=FASTMATH)
 def score_tile(q_rows, row, k_tile, num_tokens, scores):
     """scores[row, t] = q_rows[row] · k_tile[t] for t < num_tokens (q_rows pre-scaled)."""
     q = q_rows[row]
@@ -78,7 +79,7 @@ def score_tile(q_rows, row, k_tile, num_tokens, scores):
         out[t] = dot
 
 
-@njit(fastmath=FASTMATH, cache=True)
+@njit_cached(fastmath=FASTMATH)
 def online_softmax_step(scores, row, num_tokens, v_tile, m, l, acc):
     """Fold one block's logits `scores[row, :num_tokens]` into the running state of `row`.
 
@@ -114,7 +115,7 @@ def online_softmax_step(scores, row, num_tokens, v_tile, m, l, acc):
     m[row] = m_new
 
 
-@njit(fastmath=FASTMATH, cache=True)
+@njit_cached(fastmath=FASTMATH)
 def attend_blocks(q_group, key_cache, value_cache, kv_kind, table_row, seq_len, kv_head,
                   first_block, end_block, m, l, acc):
     """Decode attention of one GQA group over logical blocks [first_block, end_block).

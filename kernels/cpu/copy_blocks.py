@@ -12,12 +12,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from kernels.cpu import _host, _parallel
+from kernels.cpu._cache import njit_cached
 
 
-@njit(cache=True, inline="always")
+@njit_cached(inline="always")
 def _copy_row(cache, block_mapping, item):
     # cache: [num_blocks, num_kv_heads, block_size, row] uint16 bits (row = head_dim, x2 fp32)
     # block_mapping: [num_pairs, 2] int64 (src, dst)
@@ -28,7 +29,7 @@ def _copy_row(cache, block_mapping, item):
         cache[block_mapping[p, 1], h, offset, :] = cache[block_mapping[p, 0], h, offset, :]
 
 
-@njit(parallel=True, cache=True)
+@njit_cached(parallel=True)
 def _copy_blocks_kernel(cache, block_mapping):
     for item in prange(cache.shape[1] * cache.shape[2]):
         _copy_row(cache, block_mapping, item)

@@ -12,15 +12,15 @@ from typing import Any
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
-from kernels.cpu import _host
-from kernels.cpu import _parallel
+from kernels.cpu import _host, _parallel
+from kernels.cpu._cache import njit_cached
 from kernels.cpu._tile import FASTMATH, attend_blocks
 from kernels.cpu.decode_split import decode_split, num_partitions
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
+@njit_cached(parallel=True, fastmath=FASTMATH)
 def _decode_kernel(query, key_cache, value_cache, kv_kind, block_tables, seq_lens, scale, out):
     # query/out: [num_seqs, num_heads, head_dim] float32
     # key_cache/value_cache: [num_blocks, num_kv_heads, block_size, head_dim] uint16|uint32 bits

@@ -10,8 +10,9 @@ log-sum-exp rescaling. Same arithmetic as `decode.py`, so results agree to float
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
+from kernels.cpu._cache import njit_cached
 from kernels.cpu._tile import FASTMATH, attend_blocks
 
 # 512 tokens: long enough that per-partition overhead (scratch, reduce) is noise, short enough
@@ -25,7 +26,7 @@ def num_partitions(max_seq_len: int, block_size: int) -> int:
     return -(-num_blocks // blocks_per_partition)
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
+@njit_cached(parallel=True, fastmath=FASTMATH)
 def _partition_kernel(query, key_cache, value_cache, kv_kind, block_tables, seq_lens, scale,
                       blocks_per_partition, part_m, part_l, part_acc):
     # query: [num_seqs, num_heads, head_dim] float32
@@ -61,7 +62,7 @@ def _partition_kernel(query, key_cache, value_cache, kv_kind, block_tables, seq_
                 part_acc[s, h0 + g, part, d] = acc[g, d]
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
+@njit_cached(parallel=True, fastmath=FASTMATH)
 def _reduce_kernel(part_m, part_l, part_acc, out):
     # out: [num_seqs, num_heads, head_dim] float32
     num_seqs, num_heads, num_parts = part_m.shape
@@ -71,8 +72,7 @@ def _reduce_kernel(part_m, part_l, part_acc, out):
         h = item % num_heads
         m_max = part_m[s, h, 0]  # partition 0 is never empty: seq_len >= 1
         for p in range(1, num_parts):
-            if part_m[s, h, p] > m_max:
-                m_max = part_m[s, h, p]
+            m_max = max(m_max, part_m[s, h, p])
         total = np.float32(0.0)
         for d in range(head_dim):
             out[s, h, d] = 0.0

@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
-from kernels.cpu import _host
-from kernels.cpu import _parallel
+from kernels.cpu import _host, _parallel
+from kernels.cpu._cache import njit_cached
 from kernels.cpu._tile import FASTMATH, load_tile, online_softmax_step, score_tile
 
 # 16 query tokens × group rows share one K/V tile load; the scratch for 16 × 8 rows × 128 dims
@@ -23,7 +23,7 @@ from kernels.cpu._tile import FASTMATH, load_tile, online_softmax_step, score_ti
 QUERY_TILE = 16
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
+@njit_cached(parallel=True, fastmath=FASTMATH)
 def _prefill_kernel(query, key_cache, value_cache, kv_kind, block_tables, seq_lens,
                     query_start_loc, tile_seq, tile_row, tile_len, scale, out):
     # query/out: [total_query_tokens, num_heads, head_dim] float32

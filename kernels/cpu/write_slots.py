@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from kernels.cpu import _host, _parallel
+from kernels.cpu._cache import njit_cached
 
 
-@njit(cache=True, inline="always")
+@njit_cached(inline="always")
 def _write_token(key, value, key_cache, value_cache, slot_mapping, t):
     # key/value: [num_tokens, num_kv_heads, row] uint16 bits (row = head_dim, x2 for fp32)
     # key_cache/value_cache: [num_blocks, num_kv_heads, block_size, row] uint16 bits
@@ -25,7 +26,7 @@ def _write_token(key, value, key_cache, value_cache, slot_mapping, t):
         value_cache[block, h, offset, :] = value[t, h, :]
 
 
-@njit(parallel=True, cache=True)
+@njit_cached(parallel=True)
 def _write_slots_kernel(key, value, key_cache, value_cache, slot_mapping):
     for t in prange(key.shape[0]):
         _write_token(key, value, key_cache, value_cache, slot_mapping, t)

@@ -2,20 +2,26 @@
 
 The public dispatcher (`kernels/__init__.py`) validates arguments, then calls these four
 functions with the public parameters minus `backend`. Data must live on the GPU (CUDA torch
-tensors, viewed zero-copy, or Numba device arrays; host index arrays are copied over); under
+tensors or Numba device arrays; host index arrays are copied over through pinned memory); under
 `NUMBA_ENABLE_CUDASIM=1` NumPy arrays and CPU torch tensors run in Numba's simulator.
 
-Decisions:
-- Attention: one thread block per (sequence, KV head[, partition]) so a GQA group's K/V is read
-  once; K/V tiles staged in shared memory (float32, padded rows), the next tile prefetched into
-  registers, block-table entries staged `prefetch_window` at a time; online softmax in
-  float32. Split-K + reduce for few long sequences (rule: `decode.choose_num_partitions`).
-- Reductions use shared memory and barriers, no warp shuffles: the simulator has none, and a
-  per-(row, token) dot product split over a few lanes needs only one extra summation pass.
-- bf16: torch bf16 does not cross the CUDA array interface, so it is passed as its int16 bits;
-  kernels widen it to float32 (bit shift) and round float32 outputs to nearest even.
-- Kernel variants come from cached factories keyed by `AttentionSpec` (head dim, block size,
-  group size, dtypes, threads, prefetch window): all shapes are compile-time constants.
+Design (issue 13; machine-code budgets checked by `bench/kernel_sass.py`):
+- Kernels take raw device addresses and compile-time geometry (`AttentionSpec`): one 64-bit
+  base per cache block, 32-bit offsets, constant strides and trip counts, no Numba array
+  indexing (no per-element wraparound checks) in any hot loop.
+- Attention: one thread block per (sequence, KV head[, row block or partition]) holding up to 16
+  query rows (a GQA group, x query tokens for prefill), so K/V bytes are read once per group.
+  Its warps split the token range and merge once at the end: no barrier in the main loop. Each
+  warp stages 16-token K/V tiles into its own shared memory with `cp.async` (16-byte copies,
+  the next tile in flight) and computes on tensor cores (`mma.sync` fp16/bf16 → fp32, fragments
+  by `ldmatrix`), or with fp32 FMAs and warp shuffles for fp32 caches (`_simt_attend.py`).
+  Softmax in base 2 with explicit -inf masking; no `fastmath`.
+- Split-K (`decode_split`) when the one-pass grid fills less than half the GPU, partitions
+  sized by each sequence's length; a warp-parallel reduce (`decode_reduce`).
+- Host path (`_host.py`, `graph.py`): memoised specs, kernels and launch configurations, reused
+  scratch, and `DecodeGraphs` to replay decode from CUDA graphs per batch-size bucket.
+- `_ops.py` picks the machine-level operations: inline PTX on a GPU (`_ops_gpu.py`), Python
+  twins with per-warp exchanges under the simulator (`_ops_sim.py`). One kernel source.
 - copy_blocks keeps sequential pair semantics by grouping dependent pairs into waves.
 """
 

@@ -1,53 +1,64 @@
 """Where CUDA kernels run: real GPU or Numba's simulator, and how arguments get there.
 
-Everything that differs between the simulator and a real device lives here, so the kernel
-files contain only kernels and their launch arithmetic:
+Everything that differs between the simulator and a real device lives here (and in
+`_ops.py`), so the kernel files contain only kernels and their launch arithmetic:
 
-- which `cuda.jit` options are legal (`lineinfo` makes the simulator's jit raise);
-- how a torch tensor becomes a kernel argument (a zero-copy `as_cuda_array` view on a GPU, a
-  NumPy view in the simulator) — bf16 crosses as its int16 bit pattern, because the CUDA
-  array interface has no bf16 type code;
+- which `cuda.jit` options are legal (`lineinfo`, `launch_bounds`, `forceinline` make the
+  simulator's jit raise);
+- how an array becomes a kernel argument: kernels take raw device addresses (`device_ptr`:
+  `data_ptr()` of a CUDA torch tensor, never a copy, and no per-call array-interface view);
+  under the simulator a `SimPtr` over the host array's bytes;
 - which stream a launch goes on (torch's current stream, so kernels order correctly with the
-  caller's torch work without a device synchronisation);
-- how scratch buffers are allocated (torch's caching allocator when torch owns the data:
+  caller's torch work without a device synchronisation), and the memoised launch
+  configurations;
+- how output buffers are allocated (torch's caching allocator when torch owns the data:
   `cuda.device_array` would call cudaMalloc, which synchronises the device).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 from numba import config, cuda
 
-from kernels._validate import KernelInputError, dtype_name, is_device_array, is_torch
+from kernels._validate import KernelInputError, dtype_name, is_torch
 
 SIMULATOR: bool = bool(config.ENABLE_CUDASIM)
 
-# Threads per attention thread block. 128 = 4 warps: enough lanes to stage a 16x128 fp16
-# tile in two coalesced loads per thread, few enough that several blocks stay resident per SM.
-# The simulator runs one OS thread per GPU thread, so it uses 32 (same code, more loop trips).
-DEFAULT_NUM_THREADS: int = 32 if SIMULATOR else 128
-
-_VIEW_CACHE_SIZE = 64
-_view_cache: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
 _stream_cache: dict[int, Any] = {}
+_launch_cache: dict[tuple[Any, ...], Any] = {}
+_LAUNCH_CACHE_SIZE = 1024
 
 
-def jit_options() -> dict[str, Any]:
-    """Options for kernel `cuda.jit`: GPU-only options are dropped under the simulator."""
+def jit_options(launch_bounds: tuple[int, ...] | None = None) -> dict[str, Any]:
+    """Options for kernel `cuda.jit`: GPU-only options are dropped under the simulator.
+
+    No `fastmath`: in Numba it means LLVM `fast` (no NaN, no infinity) plus approximate
+    division, and the softmax relies on -inf (masked tokens, empty rows). The few places that
+    want an approximation say so explicitly (`ex2.approx` in `_ops_gpu.py`).
+    `launch_bounds` (threads per block, min resident blocks per SM) goes into the PTX, so
+    ptxas fits the registers to what the launch needs.
+    """
     if SIMULATOR:
-        return {"fastmath": True}
-    return {"fastmath": True, "lineinfo": True}
+        return {}
+    options: dict[str, Any] = {"lineinfo": True}
+    if launch_bounds:
+        options["launch_bounds"] = launch_bounds
+    return options
 
 
-def storage_dtype(x: Any) -> np.dtype:
-    """The element type a kernel sees for `x` (bfloat16 is seen as its int16 bits)."""
-    name = dtype_name(x)
-    if name == "bfloat16":
-        return np.dtype(np.int16)
-    return np.dtype(name)
+def device_function(fn: Any) -> Any:
+    """`cuda.jit(device=True)`, inlined by NVVM on a GPU build (`forceinline`).
+
+    Every device function of the kernels is small and called from a hot loop: inlined, its
+    per-lane local arrays become registers. NVVM-level inlining compiles each function once;
+    Numba's IR-level `inline="always"` re-types it at every call site (tens of seconds per
+    variant instead of about two).
+    """
+    if SIMULATOR:
+        return cuda.jit(device=True)(fn)
+    return cuda.jit(device=True, forceinline=True)(fn)
 
 
 def kind_of(x: Any) -> str:
@@ -55,66 +66,44 @@ def kind_of(x: Any) -> str:
     return {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}[dtype_name(x)]
 
 
-def to_kernel_array(x: Any, *, cache_view: bool = False) -> Any:
-    """A kernel argument viewing the same memory as `x` (never a copy).
+def device_ptr(x: Any) -> Any:
+    """The address of `x`'s first element as a kernel argument (never a copy).
 
-    `cache_view=True` memoises the converted view (keyed by pointer, shape, strides, dtype):
-    `as_cuda_array` costs tens of microseconds per call, which matters for the KV caches that
-    every launch passes. Only long-lived tensors should be cached — the view keeps its tensor
-    alive.
+    A CUDA torch tensor or Numba device array gives its device address (an int); under the
+    simulator, NumPy arrays and CPU torch tensors give a `SimPtr` over their bytes.
     """
-    if is_torch(x):
-        import torch
+    if SIMULATOR:
+        from kernels.cuda._ops_sim import sim_ptr
 
-        if x.dtype == torch.bfloat16:
-            x = x.view(torch.int16)
+        if is_torch(x):
+            if x.is_cuda:
+                raise KernelInputError("CUDA tensors cannot be used under NUMBA_ENABLE_CUDASIM")
+            import torch
+
+            x = x.detach()
+            if x.dtype == torch.bfloat16:
+                x = x.view(torch.int16)
+            return sim_ptr(x.numpy())
+        return sim_ptr(np.asarray(x))
+    if is_torch(x):
         if not x.is_cuda:
-            if SIMULATOR:
-                return x.detach().numpy()
             raise KernelInputError("the cuda backend needs CUDA tensors, got a CPU tensor")
-        if SIMULATOR:
-            raise KernelInputError("CUDA tensors cannot be used under NUMBA_ENABLE_CUDASIM")
-        key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()), str(x.dtype), x.device.index)
-        if cache_view:
-            view = _view_cache.get(key)
-            if view is not None:
-                _view_cache.move_to_end(key)
-                return view
-        # sync=False: torch's CAI names its stream and Numba would otherwise block the host
-        # on it at every conversion; we launch on that same stream, so order is kept anyway.
-        view = cuda.from_cuda_array_interface(x.__cuda_array_interface__, owner=x, sync=False)
-        if cache_view:
-            _view_cache[key] = view
-            if len(_view_cache) > _VIEW_CACHE_SIZE:
-                _view_cache.popitem(last=False)
-        return view
+        return int(x.data_ptr())
     if isinstance(x, np.ndarray):
-        if SIMULATOR:
-            return x
         raise KernelInputError(
             "the cuda backend needs device data (CUDA torch tensors or Numba device arrays), "
             "got a NumPy array"
         )
     if hasattr(x, "__cuda_array_interface__"):
-        return x if hasattr(x, "copy_to_host") else cuda.as_cuda_array(x)
+        return int(x.__cuda_array_interface__["data"][0])
     raise KernelInputError(f"unsupported array type for the cuda backend: {type(x).__name__}")
 
 
-def to_kernel_index(x: Any, like: Any) -> Any:
-    """An index array (tables, lengths, slots) on the device where `like` (the cache) lives.
-
-    Host index arrays are common (the scheduler builds them on the CPU); on a GPU they are
-    copied over — asynchronously through torch when torch owns the cache. In the simulator
-    everything is host memory already.
-    """
-    if SIMULATOR or is_device_array(x):
-        return to_kernel_array(x)
-    host = x.detach().numpy() if is_torch(x) else np.ascontiguousarray(x)
-    if is_torch(like):
-        import torch
-
-        return to_kernel_array(torch.from_numpy(host).to(like.device, non_blocking=True))
-    return cuda.to_device(host)
+def check_aligned(name: str, ptr: Any, align: int = 16) -> None:
+    """Vector loads and stores need aligned addresses: a view with an odd offset would fault."""
+    offset = ptr.offset if SIMULATOR else ptr
+    if offset % align:
+        raise KernelInputError(f"{name} must start at a {align}-byte aligned address")
 
 
 def stream_for(*arrays: Any) -> Any:
@@ -132,6 +121,18 @@ def stream_for(*arrays: Any) -> Any:
                 _stream_cache[handle] = stream
             return stream
     return 0
+
+
+def launcher(kernel: Any, grid: tuple[int, ...] | int, threads: int, stream: Any) -> Any:
+    """`kernel[grid, threads, stream]`, memoised: building a launch configuration checks the
+    grid and may warn, which costs more per call than the launch itself."""
+    key = (id(kernel), grid, threads, id(stream))
+    config_ = _launch_cache.get(key)
+    if config_ is None:
+        if len(_launch_cache) >= _LAUNCH_CACHE_SIZE:
+            _launch_cache.clear()
+        config_ = _launch_cache[key] = kernel[grid, threads, stream]
+    return config_
 
 
 def empty_like_kind(like: Any, shape: tuple[int, ...], dtype: str) -> Any:

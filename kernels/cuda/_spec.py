@@ -1,8 +1,16 @@
-"""Compile-time shape of an attention kernel variant, and its shared-memory budget.
+"""Compile-time shape of an attention kernel variant.
 
-Every attention kernel is built by a cached factory from one `AttentionSpec`, so head dim,
-block size, GQA group size, dtypes and thread count are constants inside the kernel (loops
-unroll, index arithmetic folds, local arrays get fixed sizes).
+Every attention kernel is built by a cached factory from one `AttentionSpec`: head dim, block
+size, KV heads, GQA group, dtypes and the launch shape are constants inside the kernel, so
+strides fold into immediates, loops have constant trip counts and per-lane arrays have fixed
+sizes (registers, never local memory). A model needs a handful of variants.
+
+Two implementations of the per-warp tile step exist (`path`):
+- "tc" — tensor cores (`mma.sync` m16n8k16 / m16n8k8, float32 accumulators) when queries and
+  K/V share one 16-bit type and head_dim is a multiple of 16: a few instructions per 16 bytes
+  of K/V however many query heads share them;
+- "simt" — float32 FMAs with warp-shuffle reductions: float32 caches, mixed query/cache types
+  and head dims that are not multiples of 16 (any multiple of 1…8 up to 256, see `simt_vec`).
 """
 
 from __future__ import annotations
@@ -12,118 +20,113 @@ from dataclasses import dataclass
 
 from kernels._validate import KernelInputError
 
-# Numba cannot launch with more than 48 KB of (static or dynamic) shared memory per block.
-MAX_SHARED_BYTES = 48 * 1024
-# Tokens per staged K/V tile: a whole block when it is small, else a divisor of it.
-MAX_TILE_TOKENS = 32
-# Query rows (query tokens x heads of one GQA group) one prefill thread block handles.
-PREFILL_ROWS = 16
-DEFAULT_PREFETCH_WINDOW = 8
-# K (and V) elements each thread holds in registers for the next tile. Beyond ~16 the
-# unrolled prefetch arrays spill to local memory (seen in the sm_90 PTX), so larger blocks
-# are staged as several tiles.
-MAX_TILE_ELEMS_PER_THREAD = 16
-# float32 output accumulators per thread. 16 (prefill: 16 rows x 128 dims over 128 threads)
-# already lands in local memory in the sm_90 PTX, so wide variants get more threads instead.
-MAX_ACC_ELEMS_PER_THREAD = 8
-MAX_THREADS = 1024
+WARP = 32
+NUM_WARPS = 4  # 128 threads: four independent token streams per thread block
+WIDE_HEAD_WARPS = 2  # head_dim > 128: two warps keep the staging buffers under 48 KB
+STAGING_BUDGET = 40 * 1024  # bytes of K/V staging per block (48 KB minus the merge state)
+MAX_HEAD_DIM = 256
+TC_MAX_ROWS = 16  # one m16 tile of query rows
+TC_STEP_TOKENS = 16  # two n8 tiles of tokens per warp step
+ROW_TILE = 8  # rows merged across warps per pass (one n8 tile of the O^T accumulator)
+SIMT_MIN_ROWS = 4  # SIMT steps pad rows to >= 4, so a step is <= 8 tokens
+KIND_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
+MODES = ("decode", "split", "prefill")
+
+
+def simt_vec(head_dim: int, kv_kind: str) -> int:
+    """Elements of one row each SIMT lane owns: a power of two dividing head_dim, at least
+    4 bytes (a 32-bit load) and small enough that 32 lanes cover the row; 0 if none fits."""
+    min_vec = max(1, 4 // KIND_BYTES[kv_kind], math.ceil(head_dim / WARP))
+    vec = 1
+    while vec < min_vec:
+        vec *= 2
+    return vec if vec <= 8 and head_dim % vec == 0 else 0
 
 
 @dataclass(slots=True, frozen=True)
 class AttentionSpec:
-    """One attention kernel variant.
-
-    `query_tile` is 1 for decode; for prefill it is how many query tokens of one sequence
-    share a thread block (so K/V tiles are staged once for `query_tile * group_size` rows).
-    """
+    """One attention kernel variant (see the module docstring)."""
 
     head_dim: int
     block_size: int
+    num_kv_heads: int
     group_size: int
     q_kind: str
     kv_kind: str
     out_kind: str
-    num_threads: int
-    prefetch_window: int = DEFAULT_PREFETCH_WINDOW
-    query_tile: int = 1
+    mode: str = "decode"
 
     @property
-    def num_rows(self) -> int:
-        return self.group_size * self.query_tile
+    def path(self) -> str:
+        same_16bit = self.q_kind == self.kv_kind and self.kv_kind in ("f16", "bf16")
+        return "tc" if same_16bit and self.head_dim % 16 == 0 else "simt"
 
     @property
-    def score_split(self) -> int:
-        """Threads that share one (row, token) dot product when there are few pairs.
-
-        With one query row (MHA decode) a 16-token tile has only 16 dot products; splitting
-        each over several lanes keeps all threads busy instead of 16.
-        """
-        pairs = self.num_rows * self.tile_tokens
-        split = 1
-        while split * 2 * pairs <= self.num_threads and split * 2 <= self.head_dim:
-            split *= 2
-        return split
-
-    @property
-    def tile_tokens(self) -> int:
-        """Largest divisor of block_size, at most 32, whose staging fits in shared memory and
-        in MAX_TILE_ELEMS_PER_THREAD prefetch registers per thread."""
-        for tokens in range(min(self.block_size, MAX_TILE_TOKENS), 0, -1):
-            fits_registers = tokens * self.head_dim <= MAX_TILE_ELEMS_PER_THREAD * self.num_threads
-            fits_shared = self._shared_bytes(tokens) <= MAX_SHARED_BYTES
-            if self.block_size % tokens == 0 and fits_registers and fits_shared:
-                return tokens
-        raise KernelInputError(
-            f"head_dim {self.head_dim} with {self.num_rows} query rows does not fit the "
-            f"{MAX_SHARED_BYTES} B shared-memory budget of the cuda backend"
-        )
-
-    def _shared_bytes(self, tokens: int) -> int:
-        d, r = self.head_dim, self.num_rows
-        pairs = r * tokens
-        split = max(1, self.num_threads // max(pairs, 1))
-        floats = (
-            tokens * (d + 1)  # K tile, padded rows
-            + tokens * d  # V tile
-            + max(pairs * split, pairs)  # partial scores
-            + r * tokens  # probabilities
-            + r * d  # scaled queries
-            + 4 * r  # alpha, running max, running sum, limits
-        )
-        return 4 * (floats + self.prefetch_window)
+    def num_warps(self) -> int:
+        """Warps (token streams) per block: as many as keep each warp's two staged K/V tiles
+        (16-byte padded rows) under the 48 KB of shared memory Numba can give a block."""
+        if self.path == "tc":
+            return NUM_WARPS if self.head_dim <= 128 else WIDE_HEAD_WARPS
+        step = self.simt_step
+        per_warp = 2 * step * (self.head_dim * KIND_BYTES[self.kv_kind] + 16)
+        warps = NUM_WARPS
+        while warps > 1 and warps * per_warp > STAGING_BUDGET:
+            warps //= 2
+        return warps
 
     @property
-    def tile_elems_per_thread(self) -> int:
-        return math.ceil(self.tile_tokens * self.head_dim / self.num_threads)
+    def num_threads(self) -> int:
+        return WARP * self.num_warps
 
     @property
-    def acc_elems_per_thread(self) -> int:
-        return math.ceil(self.num_rows * self.head_dim / self.num_threads)
+    def simt_step(self) -> int:
+        """Tokens per SIMT warp step: (token, row) pairs fill the 32 lanes exactly, with rows
+        padded to a power of two and at least 4 (at most 8 tokens: a step's unrolled code and
+        its staged tiles stay small)."""
+        padded = max(SIMT_MIN_ROWS, 1 << (self.rows - 1).bit_length())
+        return WARP // padded
+
+    @property
+    def num_heads(self) -> int:
+        return self.num_kv_heads * self.group_size
+
+    @property
+    def max_rows(self) -> int:
+        """Query rows one thread block can hold: an m16 tile (tc), or as many as keep a SIMT
+        lane's queries and accumulators at <= 32 registers each."""
+        if self.path == "tc":  # head_dim > 128: one n8 row tile keeps O and Q in registers
+            return TC_MAX_ROWS if self.head_dim <= 128 else ROW_TILE
+        return min(16, WARP // simt_vec(self.head_dim, self.kv_kind))
+
+    @property
+    def rows(self) -> int:
+        """Query rows per thread block: decode holds (part of) one GQA group; prefill fills the
+        block with consecutive query tokens x the group's heads."""
+        if self.mode == "prefill":  # SIMT: 4 rows keep 8-token steps (fewer shuffles per byte)
+            return self.max_rows if self.path == "tc" else min(self.max_rows, SIMT_MIN_ROWS)
+        return min(self.group_size, self.max_rows)
+
+    @property
+    def row_blocks(self) -> int:
+        """Thread blocks per (sequence, KV head) that split a decode GQA group's rows."""
+        return math.ceil(self.group_size / self.rows) if self.mode != "prefill" else 1
+
+    @property
+    def row_tiles(self) -> int:
+        return math.ceil(self.rows / ROW_TILE)
+
 
     def check(self) -> None:
         """Reject variants the kernels cannot run, with a readable reason."""
-        if self.num_threads % 32 != 0 or not 32 <= self.num_threads <= 1024:
+        if self.mode not in MODES:
+            raise KernelInputError(f"unknown attention mode {self.mode!r}")
+        if not 4 <= self.head_dim <= MAX_HEAD_DIM or self.head_dim % 4:
             raise KernelInputError(
-                f"num_threads must be a multiple of 32 in [32, 1024], got {self.num_threads}"
-            )
-        if self.num_rows > self.num_threads:
+                f"the cuda backend supports head_dim 4..{MAX_HEAD_DIM} in multiples of 4, "
+                f"got {self.head_dim}")
+        if self.path == "simt" and simt_vec(self.head_dim, self.kv_kind) == 0:
             raise KernelInputError(
-                f"{self.num_rows} query rows per thread block exceed {self.num_threads} threads"
-            )
-        if self.prefetch_window < 1:
-            raise KernelInputError("prefetch_window must be >= 1")
-        _ = self.tile_tokens
-
-
-def threads_for(num_rows: int, head_dim: int, base: int) -> int:
-    """Threads per block: `base`, doubled until each thread holds <= MAX_ACC_ELEMS_PER_THREAD
-    accumulators (so they stay in registers)."""
-    threads = base
-    while num_rows * head_dim > MAX_ACC_ELEMS_PER_THREAD * threads and threads < MAX_THREADS:
-        threads *= 2
-    return threads
-
-
-def prefill_query_tile(group_size: int) -> int:
-    """Query tokens per prefill thread block: fill PREFILL_ROWS rows (at least one token)."""
-    return max(1, PREFILL_ROWS // group_size)
+                f"head_dim {self.head_dim} is not supported by the cuda backend for "
+                f"{self.kv_kind} caches (a multiple of 16 always is)")
+        if self.block_size < 1 or self.num_kv_heads < 1 or self.group_size < 1:
+            raise KernelInputError("block_size, num_kv_heads and group_size must be >= 1")

@@ -9,8 +9,9 @@ reads or writes). Pairs within one wave touch disjoint blocks and run in paralle
 one after the other on the same stream. The usual batch (CoW copies into fresh blocks) is a
 single wave.
 
-All layers go in one launch per wave: the per-layer caches are passed as tuples (Numba
-specialises the kernel on the layer count) and grid axis y indexes the layer.
+All layers go in one launch per wave: a small device table holds every layer's K and V
+address (built once per set of pools and memoised), grid axis y indexes the layer, and blocks
+move in 16-byte chunks.
 """
 
 from __future__ import annotations
@@ -19,14 +20,23 @@ from functools import cache
 from typing import Any
 
 import numpy as np
-from numba import cuda, types
+from numba import cuda
 
 from kernels._validate import KernelInputError, is_device_array, is_torch
-from kernels.cuda._dtypes import NUMBA_STORAGE
+from kernels.cuda._host import ADDR, index_ptr
+from kernels.cuda._ops import ld_s64
 from kernels.cuda._runtime import (
-    DEFAULT_NUM_THREADS, SIMULATOR, jit_options, kind_of, max_grid_blocks, stream_for,
-    to_kernel_array, to_kernel_index,
+    SIMULATOR,
+    device_ptr,
+    jit_options,
+    kind_of,
+    launcher,
+    max_grid_blocks,
+    stream_for,
 )
+from kernels.cuda._spec import KIND_BYTES
+from kernels.cuda._stage import chunk_of
+from kernels.cuda.slot_write import THREADS, make_copy_chunk
 
 
 def plan_waves(pairs: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
@@ -59,36 +69,35 @@ def plan_waves(pairs: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
 
 
 @cache
-def build_copy_kernel(num_kv_heads: int, block_size: int, head_dim: int) -> Any:
-    block_elems = num_kv_heads * block_size * head_dim
-    per_head = block_size * head_dim
+def build_copy_kernel(num_kv_heads: int, block_size: int, head_dim: int, kind: str) -> Any:
+    block_bytes = num_kv_heads * block_size * head_dim * KIND_BYTES[kind]
+    chunk = chunk_of(block_bytes)
+    chunks = block_bytes // chunk
+    copy = make_copy_chunk(chunk)
 
-    def copy_kernel(key_caches: Any, value_caches: Any, pairs: Any, begin: Any, end: Any) -> None:
+    def copy_kernel(caches: Any, pairs: Any, begin: Any, end: Any) -> None:
+        # caches: [2 * num_layers] int64 addresses, K of every layer then V; grid y = layer
         layer = cuda.blockIdx.y
-        kc = key_caches[layer]  # [num_blocks, num_kv_heads, block_size, head_dim]
-        vc = value_caches[layer]
+        kc = ld_s64(caches + 16 * layer)
+        vc = ld_s64(caches + 16 * layer + 8)
         for i in range(begin + cuda.blockIdx.x, end, cuda.gridDim.x):
-            src = pairs[i, 0]
-            dst = pairs[i, 1]
-            for e in range(cuda.threadIdx.x, block_elems, cuda.blockDim.x):
-                h = e // per_head
-                rest = e - h * per_head
-                t = rest // head_dim
-                d = rest - t * head_dim
-                kc[dst, h, t, d] = kc[src, h, t, d]
-                vc[dst, h, t, d] = vc[src, h, t, d]
+            # pairs: [num_pairs, 2] int64 (src, dst); a block is [kv_heads, block, dim]
+            src = ld_s64(pairs + 16 * i) * block_bytes
+            dst = ld_s64(pairs + 16 * i + 8) * block_bytes
+            for e in range(cuda.threadIdx.x, chunks, cuda.blockDim.x):
+                copy(kc + dst + e * chunk, kc + src + e * chunk)
+                copy(vc + dst + e * chunk, vc + src + e * chunk)
 
     return copy_kernel
 
 
-def copy_signature(kind: str, num_layers: int) -> tuple[Any, ...]:
-    layers = types.UniTuple(types.Array(NUMBA_STORAGE[kind], 4, "C"), num_layers)
-    return (layers, layers, types.Array(types.int64, 2, "C"), types.int64, types.int64)
+COPY_SIGNATURE = (ADDR, ADDR, ADDR, ADDR)
 
 
 @cache
-def copy_kernel(num_kv_heads: int, block_size: int, head_dim: int) -> Any:
-    return cuda.jit(**jit_options())(build_copy_kernel(num_kv_heads, block_size, head_dim))
+def copy_kernel(num_kv_heads: int, block_size: int, head_dim: int, kind: str) -> Any:
+    return cuda.jit(COPY_SIGNATURE, **jit_options((THREADS, 1)))(
+        build_copy_kernel(num_kv_heads, block_size, head_dim, kind))
 
 
 def _host_pairs(block_mapping: Any) -> np.ndarray:
@@ -98,6 +107,35 @@ def _host_pairs(block_mapping: Any) -> np.ndarray:
     if is_device_array(block_mapping) and not SIMULATOR:
         return cuda.as_cuda_array(block_mapping).copy_to_host().reshape(-1, 2)
     return np.asarray(block_mapping).reshape(-1, 2)
+
+
+_LAYER_TABLES: dict[tuple[Any, ...], Any] = {}  # cache addresses → their device copy
+
+
+def _layer_table(key_caches: Any, value_caches: Any, like: Any) -> Any:
+    """Address of a device table of every layer's K and V address (memoised: pools live for
+    the process). Under the simulator, a table object whose entries are the `SimPtr`s."""
+    ptrs = []
+    for kc, vc in zip(key_caches, value_caches):
+        ptrs += [device_ptr(kc), device_ptr(vc)]
+    if SIMULATOR:
+        from kernels.cuda._ops_sim import SimPtrTable
+
+        return SimPtrTable(ptrs)
+    key = tuple(ptrs)
+    table = _LAYER_TABLES.get(key)
+    if table is None:
+        host = np.array(ptrs, dtype=np.int64)
+        if is_torch(like):
+            import torch
+
+            table = torch.from_numpy(host).to(like.device)
+        else:
+            table = cuda.to_device(host)
+        if len(_LAYER_TABLES) > 64:
+            _LAYER_TABLES.clear()
+        _LAYER_TABLES[key] = table
+    return device_ptr(table)
 
 
 def copy_blocks(key_caches: Any, value_caches: Any, block_mapping: Any) -> None:
@@ -112,12 +150,12 @@ def copy_blocks(key_caches: Any, value_caches: Any, block_mapping: Any) -> None:
     if not bounds:
         return
     _, num_kv_heads, block_size, head_dim = (int(d) for d in first.shape)
-    kernel = copy_kernel(num_kv_heads, block_size, head_dim)
-    keys = tuple(to_kernel_array(c, cache_view=True) for c in key_caches)
-    values = tuple(to_kernel_array(c, cache_view=True) for c in value_caches)
-    pairs = to_kernel_index(ordered, first)
-    threads = DEFAULT_NUM_THREADS
+    kernel = copy_kernel(num_kv_heads, block_size, head_dim, kinds.pop())
+    keep: list[Any] = []
+    pairs = index_ptr(ordered, first, keep)
     stream = stream_for(first)
+    num_layers = len(key_caches)
+    table = _layer_table(key_caches, value_caches, first)
     for begin, end in bounds:
-        grid_x = min(end - begin, max(1, max_grid_blocks() // len(keys)))
-        kernel[(grid_x, len(keys)), threads, stream](keys, values, pairs, begin, end)
+        grid_x = min(end - begin, max(1, max_grid_blocks() // num_layers))
+        launcher(kernel, (grid_x, num_layers), THREADS, stream)(table, pairs, begin, end)

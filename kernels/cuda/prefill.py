@@ -1,11 +1,11 @@
 """Paged prefill attention: query tiles x paged KV, causal.
 
-One thread block per (sequence, KV head, query tile). A query tile is `query_tile`
-consecutive query tokens of one sequence times the `group_size` heads of one GQA group, so
-each K/V tile staged in shared memory serves `query_tile * group_size` rows. Query token j of
-a sequence (0-based within its q_len) sits at absolute position `seq_len - q_len + j` and sees
-positions 0 … that position: the cached prefix plus the causal part of its own chunk. The
-tile loop stops after the tile's last visible position, so later KV is never loaded.
+One thread block per (KV head, sequence, row tile). A sequence's query rows are its query
+tokens x the heads of one GQA group, row `qt * group + h`; a row tile is `spec.rows` (16 on the
+tensor-core path) consecutive rows, so each staged K/V tile serves that many rows. Query
+token j of a sequence sits at absolute position `seq_len - q_len + j` and sees positions
+0 … that position: the cached prefix plus the causal part of its own chunk. The block's warps
+split the positions up to the tile's last visible one, and each row masks what it may not see.
 """
 
 from __future__ import annotations
@@ -15,91 +15,85 @@ from functools import cache
 from typing import Any
 
 import numpy as np
-from numba import cuda, float32, int32, types
+from numba import cuda, int32, int64
 
 from kernels._validate import to_host_numpy
-from kernels.cuda._attention_tile import NEG_INF, make_tile_attend
-from kernels.cuda._dtypes import loader, storer
-from kernels.cuda._launch import (
-    INT32_1D, INT32_2D, array_type, as_scale, attention_spec, output_for,
+from kernels.cuda._attention_kernel import make_block_attention
+from kernels.cuda._host import (
+    ADDR,
+    F32,
+    I32,
+    attention_ptrs,
+    attention_spec,
+    index_ptr,
+    launch_bounds,
+    output_for,
+    scale_log2,
 )
-from kernels.cuda._runtime import (
-    jit_options, stream_for, to_kernel_array, to_kernel_index,
-)
-from kernels.cuda._spec import AttentionSpec, prefill_query_tile
+from kernels.cuda._ops import ld_s32
+from kernels.cuda._runtime import device_function, jit_options, kind_of, launcher, stream_for
+from kernels.cuda._spec import KIND_BYTES, AttentionSpec
 
 
 @cache
 def build_prefill_kernel(spec: AttentionSpec) -> Any:
-    head_dim, rows, num_threads = spec.head_dim, spec.num_rows, spec.num_threads
-    group, query_tile = spec.group_size, spec.query_tile
-    acc_per_thread = spec.acc_elems_per_thread
-    attend = make_tile_attend(spec)
-    load_q = loader(spec.q_kind)
-    store_out = storer(spec.out_kind)
+    head_dim, group, num_heads, rows = spec.head_dim, spec.group_size, spec.num_heads, spec.rows
+    q_row_bytes = head_dim * KIND_BYTES[spec.q_kind]
+    out_row_bytes = head_dim * KIND_BYTES[spec.out_kind]
 
-    def prefill_kernel(out: Any, query: Any, key_cache: Any, value_cache: Any,
-                       block_tables: Any, seq_lens: Any, query_start_loc: Any,
-                       scale: Any) -> None:
-        seq = cuda.blockIdx.x
-        kv_head = cuda.blockIdx.y
-        first_q = cuda.blockIdx.z * query_tile  # 0-based within the sequence's queries
-        tid = cuda.threadIdx.x
-        q_begin = query_start_loc[seq]
-        q_len = query_start_loc[seq + 1] - q_begin
-        if first_q >= q_len:
-            return  # uniform for the whole block, before any barrier
-        seq_len = seq_lens[seq]
-        ctx_begin = seq_len - q_len  # absolute position of query 0
-        q_sh = cuda.shared.array((rows, head_dim), float32)
-        limit_sh = cuda.shared.array(rows, int32)
-        m_sh = cuda.shared.array(rows, float32)
-        l_sh = cuda.shared.array(rows, float32)
-        acc = cuda.local.array(acc_per_thread, float32)
-        for j in range(acc_per_thread):
-            acc[j] = float32(0.0)
-        # Row r = (query qt = r // group, head g = r % group); rows past q_len duplicate the
-        # last query (valid loads, finite math) and are never written out.
-        for e in range(tid, rows * head_dim, num_threads):
-            r = e // head_dim
-            d = e - r * head_dim
-            qt = min(first_q + r // group, q_len - 1)
-            # [total_query_tokens, num_heads, head_dim]
-            q_sh[r, d] = load_q(query[q_begin + qt, kv_head * group + r % group, d]) * scale
-        for r in range(tid, rows, num_threads):
-            limit_sh[r] = ctx_begin + min(first_q + r // group, q_len - 1)
-            m_sh[r] = NEG_INF
-            l_sh[r] = float32(0.0)
-        # Why: the tile loop reads queries and row limits staged by other threads.
-        cuda.syncthreads()
-        tok_end = ctx_begin + min(first_q + query_tile, q_len)  # last visible position + 1
-        attend(key_cache, value_cache, block_tables, seq, kv_head, 0, tok_end,
-               q_sh, limit_sh, m_sh, l_sh, acc)
-        for j in range(acc_per_thread):
-            e = tid + j * num_threads
-            if e < rows * head_dim:
-                r = e // head_dim
-                d = e - r * head_dim
-                qt = first_q + r // group
-                if qt < q_len:
-                    total = l_sh[r]
-                    value = acc[j] / total if total > float32(0.0) else float32(0.0)
-                    out[q_begin + qt, kv_head * group + r % group, d] = store_out(value)
+    @device_function
+    def row_of(r: Any, row0: Any, q_len: Any) -> Any:
+        """(query token clamped to the chunk, head, real row?) of block row r."""
+        gr = int32(row0 + r)
+        qt = int32(gr // group)
+        real = r < rows and qt < q_len
+        return min(qt, int32(q_len - 1)), int32(gr - qt * group), real
+
+    @device_function
+    def row_source(r: Any, q_ptr: Any, q_begin: Any, q_len: Any, kv_head: Any, row0: Any,
+                   ctx_begin: Any) -> Any:
+        qt, h, real = row_of(r, row0, q_len)
+        # query: [total_query_tokens, num_heads, head_dim]
+        addr = q_ptr + (int64(q_begin + qt) * num_heads + kv_head * group + h) * q_row_bytes
+        return addr, real, int32(ctx_begin + qt)
+
+    @device_function
+    def row_target(r: Any, out_ptr: Any, q_begin: Any, q_len: Any, kv_head: Any, row0: Any,
+                   unused: Any) -> Any:
+        qt, h, real = row_of(r, row0, q_len)
+        addr = out_ptr + (int64(q_begin + qt) * num_heads + kv_head * group + h) * out_row_bytes
+        return addr, 1 if real else 0, addr
+
+    run = make_block_attention(spec, row_source, row_target)
+
+    def prefill_kernel(out_ptr: Any, q_ptr: Any, k_ptr: Any, v_ptr: Any, tbl_ptr: Any,
+                       lens_ptr: Any, starts_ptr: Any, tbl_stride: Any, scale_log2: Any) -> None:
+        kv_head = cuda.blockIdx.x
+        seq = cuda.blockIdx.y
+        row0 = int32(cuda.blockIdx.z * rows)
+        q_begin = ld_s32(starts_ptr + 4 * seq)
+        q_len = int32(ld_s32(starts_ptr + 4 * seq + 4) - q_begin)
+        if row0 >= q_len * group:
+            return  # a tile past this sequence's rows: uniform for the block, before any barrier
+        seq_len = ld_s32(lens_ptr + 4 * seq)
+        ctx_begin = int32(seq_len - q_len)  # absolute position of the chunk's first query
+        last_qt = min(int32((row0 + rows - 1) // group), int32(q_len - 1))
+        tok_end = int32(ctx_begin + last_qt + 1)  # the tile's last visible position + 1
+        tbl = tbl_ptr + int64(seq) * tbl_stride * 4  # block_tables: [num_seqs, tbl_stride] int32
+        run(k_ptr, v_ptr, tbl, kv_head, 0, tok_end, scale_log2,
+            q_ptr, q_begin, q_len, kv_head, row0, ctx_begin,
+            out_ptr, q_begin, q_len, kv_head, row0, 0)
 
     return prefill_kernel
 
 
-def prefill_signature(spec: AttentionSpec) -> tuple[Any, ...]:
-    return (
-        array_type(spec.out_kind, 3), array_type(spec.q_kind, 3),
-        array_type(spec.kv_kind, 4), array_type(spec.kv_kind, 4),
-        INT32_2D, INT32_1D, INT32_1D, types.float32,
-    )
+PREFILL_SIGNATURE = (ADDR, ADDR, ADDR, ADDR, ADDR, ADDR, ADDR, I32, F32)
 
 
 @cache
 def prefill_kernel(spec: AttentionSpec) -> Any:
-    return cuda.jit(**jit_options())(build_prefill_kernel(spec))
+    return cuda.jit(PREFILL_SIGNATURE, **jit_options(launch_bounds(spec)))(
+        build_prefill_kernel(spec))
 
 
 def paged_prefill_attention(
@@ -112,19 +106,16 @@ def paged_prefill_attention(
     total_tokens = int(query.shape[0])
     if num_seqs == 0 or total_tokens == 0:
         return out
-    num_kv_heads = int(key_cache.shape[1])
-    group = int(query.shape[1]) // num_kv_heads
-    spec = attention_spec(query, key_cache, out, query_tile=prefill_query_tile(group))
-    # Grid depth from the longest chunk when starts are on the host; otherwise the total
+    spec = attention_spec(query, key_cache, kind_of(out), "prefill")
+    # Grid depth from the longest chunk when starts are on the host; otherwise from the total
     # (extra tiles exit at once) to avoid a device-to-host read.
     starts = to_host_numpy(query_start_loc)
     max_q_len = int(np.diff(starts).max()) if starts is not None else total_tokens
-    num_tiles = max(1, math.ceil(max_q_len / spec.query_tile))
-    stream = stream_for(query, key_cache, out)
-    prefill_kernel(spec)[(num_seqs, num_kv_heads, num_tiles), spec.num_threads, stream](
-        to_kernel_array(out), to_kernel_array(query),
-        to_kernel_array(key_cache, cache_view=True), to_kernel_array(value_cache, cache_view=True),
-        to_kernel_index(block_tables, key_cache), to_kernel_index(seq_lens, key_cache),
-        to_kernel_index(query_start_loc, key_cache), as_scale(scale),
-    )
+    num_tiles = max(1, math.ceil(max_q_len * spec.group_size / spec.rows))
+    keep: list[Any] = []
+    q, k, v, o = attention_ptrs(query, key_cache, value_cache, out)
+    grid = (spec.num_kv_heads, num_seqs, num_tiles)
+    launcher(prefill_kernel(spec), grid, spec.num_threads, stream_for(query, key_cache, out))(
+        o, q, k, v, index_ptr(block_tables, key_cache, keep), index_ptr(seq_lens, key_cache, keep),
+        index_ptr(query_start_loc, key_cache, keep), int(block_tables.shape[1]), scale_log2(scale))
     return out

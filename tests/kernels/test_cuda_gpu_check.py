@@ -36,7 +36,8 @@ def test_out_is_required(capsys) -> None:
 def test_script_exits_clearly_without_gpu(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHON=sys.executable)
     proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), str(tmp_path / "r")],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
     assert proc.returncode == 2, proc.stderr
     assert "no CUDA GPU visible" in proc.stderr
     assert not (tmp_path / "r").exists()
@@ -50,7 +51,7 @@ def test_main_returns_no_gpu_status(tmp_path: Path, capsys) -> None:
 
 def test_wrapper_requires_results_dir() -> None:
     proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh")], capture_output=True,
-                          text=True, timeout=30)
+                          text=True, timeout=30, check=False)
     assert proc.returncode == 64 and "usage" in proc.stderr
 
 
@@ -58,15 +59,35 @@ def test_report_files(tmp_path: Path) -> None:
     gpu_check = _load_gpu_check()
     checks = [{"check": "decode fp16", "error": 1e-4, "tolerance": 1e-3, "ok": True},
               {"check": "prefill bf16", "error": float("inf"), "tolerance": 8e-3, "ok": False}]
-    rows = [{"block_size": 16, "batch": 1, "context": 512, "path": "one-pass", "reps": 50,
-             "kv_sets": 32, "kv_mb": 2.1, "paged_us": 10.0, "paged_gbs": 210.0,
-             "copy_gbs": 4000.0, "ratio_to_copy": 0.05, "sdpa_us": 20.0, "sdpa_gbs": 105.0,
-             "speed_vs_sdpa": 2.0}]
-    gpu_check.write_report(tmp_path, "Test GPU", checks, 4000.0, rows, 12.0)
+    base = {"block_size": 16, "batch": 1, "context": 512, "path": "one-pass", "reps": 50,
+            "kv_sets": 32, "kv_mb": 2.1, "paged_us": 10.0, "paged_gbs": 210.0,
+            "copy_gbs": 4000.0, "ratio_to_copy": 0.05, "sdpa_us": 20.0, "sdpa_gbs": 105.0,
+            "speed_vs_sdpa": 2.0, "graph_us": None, "graph_ratio_to_copy": None}
+    rows = [base, {**base, "batch": 64, "context": 4096, "graph_us": 55.0,
+                   "graph_ratio_to_copy": 0.85}]
+    host = {"public API (validation + dispatch)": 31.4, "DecodeGraphs.run (copy q + replay)": 9.0}
+    gpu_check.write_report(tmp_path, "Test GPU", checks, 4000.0, rows, 12.0, host)
     md = (tmp_path / "gpu_check.md").read_text()
     assert "| decode fp16 | 1.00e-04 | 1e-03 | yes |" in md
     assert "| prefill bf16 | inf | 8e-03 | **NO** |" in md
-    assert "| 16 | 1 | 512 | one-pass | 10.0 | 210 | 0.05 | 20.0 | 105 | 2.00 |" in md
+    assert "| 16 | 1 | 512 | one-pass | 10.0 | 210 | 0.05 | 20.0 | 105 | 2.00 | - | - |" in md
+    assert "| 16 | 64 | 4096 | one-pass | 10.0 | 210 | 0.05 | 20.0 | 105 | 2.00 | 55.0 | 0.85 |" in md
+    assert "| DecodeGraphs.run (copy q + replay) | 9.0 |" in md
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     assert data["device"] == "Test GPU" and data["decode"][0]["paged_gbs"] == 210.0
     assert data["checks"][1]["error"] is None  # strict JSON for a non-finite error
+    assert data["host_path_us"]["public API (validation + dispatch)"] == 31.4
+
+
+def test_a_crashing_check_group_is_a_failed_check() -> None:
+    """An exception inside a group of checks is recorded as a failure (exit status 1), so
+    one broken variant cannot hide the others' results."""
+    checks = _load_gpu_check().Checks()
+    checks.record("fine", 0.0, 1e-3)
+
+    def boom() -> None:
+        raise RuntimeError("no kernel image")
+
+    checks.guarded("decode", boom)
+    assert [c["ok"] for c in checks.results] == [True, False]
+    assert "decode: RuntimeError: no kernel image" in checks.results[1]["check"]

@@ -1,26 +1,38 @@
 """Host-side logic of the CUDA backend that needs no GPU and no simulator.
 
-Wave planning for copy_blocks, the split-K dispatch rule, variant specs and the
-no-GPU behaviour of argument conversion.
+Wave planning for copy_blocks, the split-K dispatch rule, variant specs and their launch
+bounds, reused scratch, memoised launch configurations, and the no-GPU behaviour of argument
+conversion.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
+import torch
 
+import kernels
 from kernels._validate import KernelInputError
-from kernels.cuda._runtime import SIMULATOR, to_kernel_array
-from kernels.cuda._spec import MAX_SHARED_BYTES, AttentionSpec, prefill_query_tile, threads_for
+from kernels.cuda import _runtime
+from kernels.cuda._host import Scratch, launch_bounds, spec_for
+from kernels.cuda._runtime import SIMULATOR, check_aligned, device_ptr, launcher
+from kernels.cuda._spec import AttentionSpec, simt_vec
 from kernels.cuda.block_copy import plan_waves
-from kernels.cuda.decode import choose_num_partitions, partition_size
+from kernels.cuda.decode_split import MAX_PARTS, choose_num_partitions, partitions_for
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _apply_waves(blocks: np.ndarray, ordered: np.ndarray, bounds: list[tuple[int, int]]) -> None:
     """What the kernel does: within a wave all pairs read, then all write (worst-case race)."""
     for begin, end in bounds:
         reads = [blocks[src].copy() for src, _ in ordered[begin:end]]
-        for (_, dst), data in zip(ordered[begin:end], reads):
+        for (_, dst), data in zip(ordered[begin:end], reads, strict=True):
             blocks[dst] = data
 
 
@@ -54,46 +66,104 @@ def test_plan_waves_equals_sequential_copies(seed: int) -> None:
 
 
 def test_split_dispatch_rule() -> None:
-    sms = 132
+    resident = 132 * 5  # an H200 at 5 blocks per SM
+    # B=64 x 8 KV heads = 512 blocks: most of the GPU already, one pass
+    assert choose_num_partitions(512, 4096, resident) == 1
+    # B=16: 128 blocks → 5 partitions fill it (not more than the length allows)
+    assert choose_num_partitions(128, 4096, resident) == 5
+    assert choose_num_partitions(128, 600, resident) == 3  # ceil(600 / 256)
+    # one sequence, long context: capped by MAX_PARTS
+    assert choose_num_partitions(8, 32768, resident) == MAX_PARTS
     # short contexts never split
-    assert choose_num_partitions(1, 8, 512, 16, sms) == 1
-    # few sequences, long context: one partition per 512 tokens
-    assert choose_num_partitions(1, 8, 32768, 16, sms) == 64
-    assert choose_num_partitions(16, 8, 4096, 16, sms) == 8
-    # a grid that already has >= 4 blocks per SM stays one-pass
-    assert choose_num_partitions(128, 8, 32768, 16, sms) == 1
-    assert partition_size(16) == 512 and partition_size(48) == 528 and partition_size(1024) == 1024
+    assert choose_num_partitions(8, 200, resident) == 1
 
 
-def test_spec_tiles_fit_shared_memory() -> None:
-    for head_dim in (64, 128, 256):
-        for block_size in (8, 16, 32, 64, 128):
-            for group in (1, 4, 8):
-                spec = AttentionSpec(head_dim, block_size, group, "f16", "f16", "f16", 128,
-                                     query_tile=prefill_query_tile(group))
-                spec.check()
-                assert block_size % spec.tile_tokens == 0
-                assert spec._shared_bytes(spec.tile_tokens) <= MAX_SHARED_BYTES
+def test_partitions_follow_host_lengths_else_capacity() -> None:
+    spec = spec_for(128, 16, 8, 4, "f16", "f16", "f16", "decode")
+    tables = np.zeros((1, 2048), np.int32)  # capacity 32768 tokens
+    short = np.array([300], np.int32)
+    assert partitions_for(spec, 1, tables, short, None, 660) == 2  # sized by seq_lens
+    assert partitions_for(spec, 1, tables, short, False, 660) == 1
+    assert partitions_for(spec, 1, tables, short, True, 660) == 5  # forced: 64-token parts
+
+    class DeviceLens:  # device-resident lengths are never read back
+        shape, dtype = (1,), np.dtype(np.int32)
+
+        @property
+        def __cuda_array_interface__(self) -> dict[str, tuple[int, ...]]:
+            return {"shape": (1,)}
+
+    assert partitions_for(spec, 1, tables, DeviceLens(), None, 660) == MAX_PARTS
+
+
+def test_spec_paths_rows_and_warps() -> None:
+    bench = spec_for(128, 16, 8, 4, "f16", "f16", "f16", "decode")
+    assert (bench.path, bench.rows, bench.row_tiles, bench.row_blocks) == ("tc", 4, 1, 1)
+    assert bench.num_threads == 128 and launch_bounds(bench) == (128, 5)
+    wide = spec_for(256, 16, 1, 32, "bf16", "bf16", "bf16", "decode")
+    assert (wide.num_warps, wide.rows, wide.row_blocks) == (2, 8, 4)
+    prefill = spec_for(128, 16, 8, 4, "f16", "f16", "f16", "prefill")
+    assert (prefill.rows, prefill.row_tiles) == (16, 2) and launch_bounds(prefill) == (128, 1)
+    assert spec_for(128, 16, 8, 4, "f32", "f32", "f32", "decode").path == "simt"
+    assert spec_for(128, 16, 8, 4, "f32", "f16", "f16", "decode").path == "simt"  # mixed
+    assert spec_for(80, 16, 8, 4, "f16", "f16", "f16", "decode").path == "tc"
+    odd = spec_for(12, 16, 8, 4, "f16", "f16", "f16", "decode")
+    assert odd.path == "simt" and simt_vec(12, "f16") == 2
+    f32 = spec_for(256, 16, 8, 4, "f32", "f32", "f32", "prefill")
+    assert f32.rows == 4 and f32.num_warps == 2  # 8 floats per lane; staging under 40 KB
 
 
 def test_spec_rejects_unrunnable_variants() -> None:
-    with pytest.raises(KernelInputError, match="shared-memory"):
-        AttentionSpec(1024, 16, 32, "f16", "f16", "f16", 1024).check()
-    with pytest.raises(KernelInputError, match="num_threads"):
-        AttentionSpec(64, 16, 1, "f16", "f16", "f16", 100).check()
-    with pytest.raises(KernelInputError, match="query rows"):
-        AttentionSpec(64, 16, 64, "f16", "f16", "f16", 32).check()
+    with pytest.raises(KernelInputError, match="head_dim"):
+        AttentionSpec(512, 16, 1, 4, "f16", "f16", "f16").check()
+    with pytest.raises(KernelInputError, match="head_dim"):
+        AttentionSpec(30, 16, 1, 4, "f16", "f16", "f16").check()
+    with pytest.raises(KernelInputError, match="mode"):
+        AttentionSpec(64, 16, 1, 4, "f16", "f16", "f16", "train").check()
+
+
+def test_scratch_grows_and_is_reused() -> None:
+    scratch = Scratch()
+    like = torch.zeros(4)
+    first = scratch.get(like, 100)
+    assert first.shape[0] >= 100 and scratch.get(like, 50) is first
+    bigger = scratch.get(like, 300)
+    assert bigger.shape[0] >= 300 and bigger is not first
+    assert scratch.get(like, 200) is bigger
+
+
+def test_launch_configurations_are_memoised(monkeypatch) -> None:
+    monkeypatch.setattr(_runtime, "_launch_cache", {})
+    built = []
+
+    class Kernel:
+        def __getitem__(self, config):
+            built.append(config)
+            return lambda *args: args
+
+    kernel = Kernel()
+    first = launcher(kernel, (8, 2), 128, 0)
+    assert launcher(kernel, (8, 2), 128, 0) is first
+    launcher(kernel, (8, 3), 128, 0)
+    assert built == [((8, 2), 128, 0), ((8, 3), 128, 0)]
 
 
 @pytest.mark.skipif(SIMULATOR, reason="host arrays are valid kernel arguments in the simulator")
 def test_host_arrays_rejected_without_a_gpu_path() -> None:
     with pytest.raises(KernelInputError, match="device data"):
-        to_kernel_array(np.zeros(4, dtype=np.float32))
+        device_ptr(np.zeros(4, dtype=np.float32))
+    with pytest.raises(KernelInputError, match="CUDA tensors"):
+        device_ptr(torch.zeros(4))
+    with pytest.raises(KernelInputError, match="aligned"):
+        check_aligned("out", 8)
+    check_aligned("out", 256)
 
 
-def test_threads_scale_with_accumulators() -> None:
-    assert threads_for(4, 128, 128) == 128  # GQA-4 decode
-    assert threads_for(8, 128, 128) == 128  # GQA-8 decode: 8 accumulators per thread
-    assert threads_for(16, 128, 128) == 256  # prefill tile of 16 rows
-    assert threads_for(32, 256, 128) == 1024  # MQA-32 with head dim 256: capped
-    assert threads_for(32, 256, 1024) == 1024
+def test_graph_entry_points_are_imported_lazily() -> None:
+    code = ("import sys, kernels; assert 'kernels.cuda' not in sys.modules; "
+            "from kernels.cuda.graph import DecodeGraphs; from kernels.cuda.plan import DecodePlan; "
+            "assert kernels.DecodeGraphs is DecodeGraphs and kernels.DecodePlan is DecodePlan")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=REPO,
+                   env=dict(os.environ, PYTHONPATH=str(REPO)))
+    with pytest.raises(AttributeError):
+        _ = kernels.NoSuchThing

@@ -14,7 +14,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SIM_TESTS = "tests/kernels/cuda_sim"
-TIMEOUT_S = 240  # the suite takes ~30-60 s on the 2-core CI machine
+TIMEOUT_S = 600  # the suite takes ~2 minutes on the 2-core CI machine
 
 
 def test_cuda_kernels_in_simulator() -> None:
@@ -22,7 +22,7 @@ def test_cuda_kernels_in_simulator() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", SIM_TESTS, "-q", "-p", "no:cacheprovider",
          "--timeout", str(TIMEOUT_S)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S + 30,
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S + 30, check=False,
     )
     summary = proc.stdout.strip().splitlines()[-1:] or ["<no output>"]
     assert proc.returncode == 0, (

@@ -11,7 +11,7 @@ import torch
 from paged_cases import make_case
 
 import kernels
-import kernels.cpu
+import kernels.cpu.api
 from kernels import KernelInputError
 
 
@@ -22,8 +22,8 @@ def case():
 
 
 def _decode(case, **overrides: Any) -> Any:
-    args = dict(query=case.query, key_cache=case.key_cache, value_cache=case.value_cache,
-                block_tables=case.block_tables, seq_lens=case.seq_lens, scale=case.scale)
+    args = {"query": case.query, "key_cache": case.key_cache, "value_cache": case.value_cache,
+            "block_tables": case.block_tables, "seq_lens": case.seq_lens, "scale": case.scale}
     args.update(overrides)
     return kernels.paged_attention_decode(**args)
 
@@ -76,8 +76,8 @@ def test_padding_past_used_blocks_is_not_checked(case) -> None:
 
 def test_prefill_rejects_bad_query_start_loc(case) -> None:
     case.query = np.zeros((10, 4, 16), np.float32)
-    base = dict(query=case.query, key_cache=case.key_cache, value_cache=case.value_cache,
-                block_tables=case.block_tables, seq_lens=case.seq_lens, scale=1.0)
+    base = {"query": case.query, "key_cache": case.key_cache, "value_cache": case.value_cache,
+            "block_tables": case.block_tables, "seq_lens": case.seq_lens, "scale": 1.0}
     bad = {
         "does not end at total": np.array([0, 2, 4, 9], np.int32),
         "does not start at 0": np.array([1, 2, 4, 10], np.int32),
@@ -149,13 +149,13 @@ def test_copy_blocks_rejects() -> None:
 
 def test_auto_backend_on_cpu_data_picks_cpu(case, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
-    real = kernels.cpu.paged_attention_decode
+    real = kernels.cpu.api.paged_attention_decode
 
     def spy(*args: Any) -> Any:
         calls.append("cpu")
         return real(*args)
 
-    monkeypatch.setattr(kernels.cpu, "paged_attention_decode", spy)
+    monkeypatch.setattr(kernels.cpu.api, "paged_attention_decode", spy)
     _decode(case, query=torch.from_numpy(case.query), backend="auto")
     _decode(case)
     assert calls == ["cpu", "cpu"]

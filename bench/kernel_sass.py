@@ -1,0 +1,396 @@
+"""Performance gate without a GPU: the machine code of every shipped CUDA kernel variant.
+
+Each variant is compiled the way the GPU would build it — `numba.cuda.compile_ptx(cc=(9, 0))`,
+then `ptxas -v -arch=sm_90` (the PTX `.version` is lowered to what the local ptxas accepts; the
+kernels use nothing newer), then disassembled with `nvdisasm` — and reported:
+
+- registers per thread, spill bytes, static shared memory, and the thread blocks per SM that
+  the registers, shared memory and thread count allow on an H100/H200 (sm_90);
+- the widths of the global loads (`LDG`, and `LDGSTS` = `cp.async` into shared memory) in the
+  whole kernel, and of the K/V stream (`cp.async`, or loads tagged `.L2::128B`);
+- the steady-state tile loop: the loop that issues the K/V loads, its SASS instruction count,
+  and instructions per 16 bytes of K/V each thread loads per trip (bytes from the variant's
+  geometry: tokens per warp step x head_dim x element size x 2 (K and V) / 32 lanes).
+
+    .venv/bin/python bench/kernel_sass.py [--json OUT.json] [--quick] [--only NAME]
+
+Needs `ptxas` (PATH, $PTXAS, or /usr/local/cuda/bin) and `nvdisasm` (PATH, $NVDISASM, or the
+`nvidia-cuda-nvdisasm` wheel). Exit status 1 when a variant fails its budget (`check`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import types as pytypes
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+CC = (9, 0)
+SM90_REGS = 65536
+SM90_SMEM = 233472  # bytes of shared memory per SM (228 KB)
+SM90_SMEM_RESERVED = 1024  # per block, reserved by the driver
+SM90_MAX_THREADS = 2048
+SM90_MAX_BLOCKS = 32
+LOAD_BYTES = {"128": 16, "64": 8, "": 4, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
+
+# Budgets of the decode benchmark variant (issue 13) and of every variant.
+DECODE_BENCH = "decode f16 d128 bs16 g4"
+BENCH_MAX_REGS = 96
+BENCH_MAX_INSTR_PER_16B = 16.0
+
+
+@dataclass
+class Report:
+    name: str
+    registers: int
+    spill_bytes: int
+    stack_bytes: int
+    shared_bytes: int
+    threads: int
+    blocks_per_sm: int
+    load_widths: dict[str, int]
+    kv_load_widths: dict[str, int]
+    loop_instructions: int | None
+    kv_bytes_per_trip: int | None
+    instr_per_16b: float | None
+    notes: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------
+# Tools
+# --------------------------------------------------------------------------------------------
+
+def find_tool(name: str) -> str | None:
+    env = os.environ.get(name.upper())
+    if env and Path(env).exists():
+        return env
+    found = shutil.which(name)
+    if found:
+        return found
+    for candidate in (Path("/usr/local/cuda/bin") / name,):
+        if candidate.exists():
+            return str(candidate)
+    if name == "nvdisasm":
+        try:
+            import nvidia
+
+            for base in nvidia.__path__:
+                for path in Path(base).glob("*/bin/nvdisasm"):
+                    return str(path)
+        except ImportError:
+            pass
+    return None
+
+
+def ptxas_version(ptxas: str) -> tuple[int, int]:
+    """The newest PTX ISA the local ptxas accepts (CUDA 12.x → 8.x, 13.0 → 9.0)."""
+    out = subprocess.run([ptxas, "--version"], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    major, minor = (int(m.group(1)), int(m.group(2))) if m else (12, 0)
+    return (9, 0) if major >= 13 else (8, min(minor, 8))
+
+
+def compile_ptx(pyfunc: Any, signature: tuple[Any, ...], launch_bounds: Any = None) -> str:
+    """PTX for sm_90 with no GPU present (Numba asks the 'current device' for its CC)."""
+    from numba import cuda
+    from numba.cuda import dispatcher
+
+    original = dispatcher.get_current_device
+    dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=CC)
+    try:
+        ptx, _ = cuda.compile_ptx(pyfunc, signature, cc=CC, launch_bounds=launch_bounds)
+    finally:
+        dispatcher.get_current_device = original
+    return ptx
+
+
+def assemble(ptx: str, ptxas: str, workdir: Path) -> tuple[Path, dict[str, int]]:
+    """ptxas -v: (cubin, {registers, spill_bytes, shared_bytes})."""
+    major, minor = ptxas_version(ptxas)
+    ptx = re.sub(r"^\.version \d+\.\d+", f".version {major}.{minor}", ptx, count=1, flags=re.MULTILINE)
+    src, cubin = workdir / "k.ptx", workdir / "k.cubin"
+    src.write_text(ptx)
+    proc = subprocess.run([ptxas, "-v", f"-arch=sm_{CC[0]}{CC[1]}", str(src), "-o", str(cubin)],
+                          capture_output=True, text=True, check=False)
+    if proc.returncode:
+        raise RuntimeError(f"ptxas failed:\n{proc.stderr[-2000:]}")
+    info = proc.stderr
+    regs = re.search(r"Used (\d+) registers", info)
+    spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", info)
+    stack = re.search(r"(\d+) bytes stack frame", info)
+    smem = re.search(r"(\d+) bytes smem", info)
+    return cubin, {"registers": int(regs.group(1)) if regs else 0,
+                   "spill_bytes": sum(int(s) for s in spills),
+                   "stack_bytes": int(stack.group(1)) if stack else 0,
+                   "shared_bytes": int(smem.group(1)) if smem else 0}
+
+
+def disassemble(cubin: Path, nvdisasm: str) -> list[str]:
+    """SASS instructions (labels kept as '.L...:' entries), in address order."""
+    out = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True,
+                         check=True).stdout
+    code: list[str] = []
+    for line in out.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?)\s*;", line)
+        if m:
+            code.append(re.sub(r"\s+", " ", m.group(1)))
+        elif re.match(r"\.L_x_\d+:", line.strip()):
+            code.append(line.strip())
+    return code
+
+
+# --------------------------------------------------------------------------------------------
+# Analysis
+# --------------------------------------------------------------------------------------------
+
+def blocks_per_sm(registers: int, shared_bytes: int, threads: int) -> int:
+    """Resident thread blocks per SM on sm_90 (register file, shared memory, threads)."""
+    warps = math.ceil(threads / 32)
+    regs_per_warp = math.ceil(max(registers, 1) * 32 / 256) * 256
+    by_regs = (SM90_REGS // regs_per_warp) // warps
+    by_smem = SM90_SMEM // (shared_bytes + SM90_SMEM_RESERVED)
+    return min(by_regs, by_smem, SM90_MAX_THREADS // threads, SM90_MAX_BLOCKS)
+
+
+def is_kv_load(instr: str) -> bool:
+    """The K/V stream: `cp.async` copies into shared memory (LDGSTS) or `.L2::128B` loads."""
+    return "LDGSTS" in instr or ("LDG" in instr and "LTC128B" in instr)
+
+
+def _load_width(instr: str) -> str | None:
+    m = re.search(r"\bLDG(?:STS)?\.E((?:\.[A-Z0-9]+)*)", instr)
+    if not m:
+        return None
+    mods = [x for x in m.group(1).split(".") if x]
+    for mod in mods:
+        if mod in LOAD_BYTES:
+            return f"{8 * LOAD_BYTES[mod]}-bit"
+    return "32-bit"
+
+
+def load_widths(code: list[str], kv_only: bool = False) -> dict[str, int]:
+    widths: dict[str, int] = {}
+    for instr in code:
+        width = _load_width(instr)
+        if width and (not kv_only or is_kv_load(instr)):
+            widths[width] = widths.get(width, 0) + 1
+    return widths
+
+
+def loops(code: list[str]) -> list[tuple[int, int]]:
+    """(first, last) instruction indices of every loop: a branch back to an earlier label.
+
+    ptxas places the slow paths of warp-synchronous instructions (taken when a warp is
+    diverged) after the kernel's last EXIT, and they branch back into the body; those are not
+    loops, so branches after the last EXIT are ignored.
+    """
+    labels = {line[:-1]: i for i, line in enumerate(code) if line.endswith(":")}
+    exits = [i for i, line in enumerate(code) if re.search(r"\bEXIT\b", line)]
+    end = exits[-1] if exits else len(code)
+    found = []
+    for i, instr in enumerate(code[:end]):
+        m = re.search(r"BRA.*`\((\.L_x_\d+)\)", instr)
+        if m and labels.get(m.group(1), i + 1) <= i:
+            found.append((labels[m.group(1)], i))
+    return found
+
+
+def steady_loop(code: list[str]) -> tuple[int, int] | None:
+    """The loop that issues the most K/V stream loads (the innermost of equals): the step
+    loop, whose every trip stages one step's K and V tiles."""
+    candidates = [(sum(1 for i in range(a, b + 1) if is_kv_load(code[i])), -(b - a), (a, b))
+                  for a, b in loops(code)]
+    candidates = [c for c in candidates if c[0]]
+    return max(candidates)[2] if candidates else None
+
+
+def nested_loops(code: list[str], first: int, last: int) -> int:
+    """Loops strictly inside [first, last]: their trips make a static count a lower bound."""
+    return sum(1 for a, b in loops(code) if first <= a and b <= last and (a, b) != (first, last))
+
+
+def instructions(code: list[str], first: int, last: int) -> int:
+    """SASS instructions in code[first:last+1]; labels and never-executed `@!PT` slots (ptxas
+    pads `LDGSTS` with them) are not instructions that issue."""
+    return sum(1 for line in code[first:last + 1]
+               if not line.endswith(":") and not line.startswith("@!PT "))
+
+
+# --------------------------------------------------------------------------------------------
+# Variants
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    kind: str  # decode | split | prefill | reduce | write | copy
+    head_dim: int = 128
+    block_size: int = 16
+    group: int = 4
+    dtype: str = "f16"
+    num_kv_heads: int = 8
+
+
+def catalog(quick: bool = False) -> list[Variant]:
+    """Every shipped variant family at the sizes models use (quick: one of each axis value)."""
+    out: list[Variant] = []
+    dims = (128,) if quick else (64, 128, 256)
+    groups = (4,) if quick else (1, 4, 8)
+    kinds = ("f16", "bf16", "f32")
+    for mode in ("decode", "split", "prefill"):
+        for dtype in kinds:
+            for head_dim in dims:
+                for group in groups:
+                    out.append(Variant(f"{mode} {dtype} d{head_dim} bs16 g{group}", mode,
+                                       head_dim, 16, group, dtype))
+    if quick:
+        out.append(Variant("prefill f16 d256 bs16 g4", "prefill", 256, 16, 4, "f16"))
+        out.append(Variant("decode f16 d64 bs16 g8", "decode", 64, 16, 8, "f16"))
+    for dtype in kinds:
+        out.append(Variant(f"reduce {dtype} d128", "reduce", 128, dtype=dtype))
+        out.append(Variant(f"write {dtype} d128", "write", 128, dtype=dtype))
+        out.append(Variant(f"copy {dtype} d128", "copy", 128, dtype=dtype))
+    return out
+
+
+def build(variant: Variant) -> tuple[Any, tuple[Any, ...], int, int | None, Any]:
+    """(python kernel, signature, threads per block, K/V bytes per loop trip per thread,
+    launch bounds) — exactly as the kernel files compile them for a GPU."""
+    from kernels.cuda import block_copy, decode, decode_reduce, decode_split, prefill, slot_write
+    from kernels.cuda._spec import KIND_BYTES, TC_STEP_TOKENS, AttentionSpec
+
+    v = variant
+    if v.kind in ("decode", "split", "prefill"):
+        spec = AttentionSpec(v.head_dim, v.block_size, v.num_kv_heads, v.group, v.dtype, v.dtype,
+                             v.dtype, v.kind)
+        spec.check()
+        builders = {"decode": (decode.build_decode_kernel, decode.DECODE_SIGNATURE),
+                    "split": (decode_split.build_split_kernel, decode_split.SPLIT_SIGNATURE),
+                    "prefill": (prefill.build_prefill_kernel, prefill.PREFILL_SIGNATURE)}
+        make, signature = builders[v.kind]
+        tokens = TC_STEP_TOKENS if spec.path == "tc" else spec_simt_tokens(spec)
+        kv_bytes = 2 * tokens * v.head_dim * KIND_BYTES[v.dtype] // 32
+        return make(spec), signature, spec.num_threads, kv_bytes, decode.launch_bounds(spec)
+    if v.kind == "reduce":
+        return (decode_reduce.build_reduce_kernel(v.head_dim, v.group * v.num_kv_heads, v.dtype),
+                decode_reduce.REDUCE_SIGNATURE, decode_reduce.THREADS, None,
+                (decode_reduce.THREADS, 1))
+    if v.kind == "write":
+        return (slot_write.build_write_kernel(v.num_kv_heads, v.block_size, v.head_dim, v.dtype),
+                slot_write.WRITE_SIGNATURE, slot_write.THREADS, None, (slot_write.THREADS, 1))
+    return (block_copy.build_copy_kernel(v.num_kv_heads, v.block_size, v.head_dim, v.dtype),
+            block_copy.COPY_SIGNATURE, block_copy.THREADS, None, (block_copy.THREADS, 1))
+
+
+def spec_simt_tokens(spec: Any) -> int:
+    from kernels.cuda._simt_attend import step_tokens
+
+    return step_tokens(spec)
+
+
+def analyze(variant: Variant, ptxas: str, nvdisasm: str | None) -> Report:
+    pyfunc, signature, threads, kv_bytes, bounds = build(variant)
+    ptx = compile_ptx(pyfunc, signature, launch_bounds=bounds)
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin, info = assemble(ptx, ptxas, Path(tmp))
+        code = disassemble(cubin, nvdisasm) if nvdisasm else []
+    notes = []
+    if re.search(r"\.f64\b", ptx):
+        notes.append("float64 instructions in PTX")
+    loop = steady_loop(code) if code else None
+    loop_instr = instructions(code, *loop) if loop else None
+    per_16b = (loop_instr / (kv_bytes / 16)) if loop_instr and kv_bytes else None
+    if kv_bytes and code and loop is None:
+        notes.append("no steady-state K/V loop found")
+    if loop and nested_loops(code, *loop):
+        notes.append("step loop not fully unrolled: instructions per 16 B is a lower bound")
+    return Report(
+        name=variant.name, registers=info["registers"], spill_bytes=info["spill_bytes"],
+        stack_bytes=info["stack_bytes"], shared_bytes=info["shared_bytes"], threads=threads,
+        blocks_per_sm=blocks_per_sm(info["registers"], info["shared_bytes"], threads),
+        load_widths=load_widths(code), kv_load_widths=load_widths(code, kv_only=True),
+        loop_instructions=loop_instr, kv_bytes_per_trip=kv_bytes,
+        instr_per_16b=round(per_16b, 2) if per_16b else None, notes=notes)
+
+
+def check(report: Report) -> list[str]:
+    """Budget violations: spills, launchability, narrow K/V loads; the decode benchmark's
+    register and instruction targets."""
+    problems = []
+    if report.spill_bytes:
+        problems.append(f"spills {report.spill_bytes} bytes")
+    if report.stack_bytes:
+        problems.append(f"{report.stack_bytes} bytes of local memory (arrays not in registers)")
+    if report.registers * report.threads > SM90_REGS or report.blocks_per_sm < 1:
+        problems.append(f"cannot launch: {report.registers} registers x {report.threads} threads")
+    narrow = {w: n for w, n in report.kv_load_widths.items() if w in ("8-bit", "16-bit", "32-bit")}
+    if report.kv_bytes_per_trip and (narrow or not report.kv_load_widths):
+        problems.append(f"K/V loads narrower than 8 bytes: {narrow or 'none tagged'}")
+    problems.extend(n for n in report.notes if "lower bound" not in n)
+    if report.name == DECODE_BENCH:
+        if report.registers > BENCH_MAX_REGS:
+            problems.append(f"{report.registers} registers > {BENCH_MAX_REGS}")
+        if report.instr_per_16b is None or report.instr_per_16b > BENCH_MAX_INSTR_PER_16B:
+            problems.append(f"{report.instr_per_16b} instructions per 16 B > "
+                            f"{BENCH_MAX_INSTR_PER_16B}")
+    return problems
+
+
+def table(reports: list[Report]) -> str:
+    header = ("| variant | regs | spill B | smem B | threads | blocks/SM | global loads | "
+              "K/V loads | loop instr | K/V B/trip/thread | instr / 16 B |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|---|"]
+    # ">=": the step loop keeps an inner loop, so its static count is a lower bound
+    for r in reports:
+        bound = ">=" if any("lower bound" in n for n in r.notes) else ""
+        widths = ", ".join(f"{n}x{w}" for w, n in sorted(r.load_widths.items()))
+        kv = ", ".join(f"{n}x{w}" for w, n in sorted(r.kv_load_widths.items())) or "-"
+        lines.append(f"| {r.name} | {r.registers} | {r.spill_bytes} | {r.shared_bytes} | "
+                     f"{r.threads} | {r.blocks_per_sm} | {widths} | {kv} | "
+                     f"{r.loop_instructions or '-'} | {r.kv_bytes_per_trip or '-'} | "
+                     f"{bound}{r.instr_per_16b or '-'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", type=Path, help="also write the reports as JSON here")
+    p.add_argument("--quick", action="store_true", help="one variant per axis value")
+    p.add_argument("--only", help="variants whose name contains this string")
+    args = p.parse_args(argv)
+    ptxas, nvdisasm = find_tool("ptxas"), find_tool("nvdisasm")
+    if not ptxas:
+        print("kernel_sass: ptxas not found (PATH, $PTXAS, /usr/local/cuda/bin)", file=sys.stderr)
+        return 2
+    if not nvdisasm:
+        print("kernel_sass: nvdisasm not found: SASS metrics omitted", file=sys.stderr)
+    variants = [v for v in catalog(args.quick) if not args.only or args.only in v.name]
+    reports, failures = [], []
+    for v in variants:
+        report = analyze(v, ptxas, nvdisasm)
+        reports.append(report)
+        problems = check(report)
+        if problems:
+            failures.append(f"{v.name}: {'; '.join(problems)}")
+        print(f"{v.name}: {report.registers} regs, {report.spill_bytes} B spill, "
+              f"{report.blocks_per_sm} blocks/SM, {report.instr_per_16b} instr/16 B", flush=True)
+    print()
+    print(table(reports))
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in reports], indent=2))
+    for failure in failures:
+        print(f"FAIL {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

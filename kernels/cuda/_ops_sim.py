@@ -1,0 +1,368 @@
+"""The building blocks of `_ops_gpu.py`, emulated for Numba's CUDA simulator.
+
+The simulator runs every GPU thread as a Python thread and knows nothing of inline PTX, so
+each GPU intrinsic has a Python twin here with the documented semantics:
+
+- addresses are `SimPtr` (a flat byte view of a host array plus an offset) instead of int64;
+  loads and stores check bounds and alignment, so an out-of-range or misaligned access that
+  would fault or mis-read on the GPU raises here;
+- warp-collective operations (shuffles, `mma.sync`) exchange values through a per-warp
+  all-gather: every lane posts its operand, a barrier of the warp's 32 threads, every lane
+  reads all 32, a second barrier. The kernels call them warp-uniformly, as on the GPU;
+- `mma.sync` rebuilds the A/B/C matrices from the 32 lanes' fragments with the PTX ISA's
+  fragment layouts (groupID = lane >> 2, threadID_in_group = lane % 4) and multiplies in
+  float64 before rounding the accumulators to float32;
+- fp16/bf16 packing rounds to nearest even, exactly as `cvt.rn`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+WARP = 32
+_BARRIER_TIMEOUT_S = 120.0  # a lane that died (exception) must not hang its warp forever
+_registry_lock = threading.Lock()
+
+
+class SimPtr:
+    """A byte address inside one host array: `SimPtr + int` moves it, loads/stores check it."""
+
+    __slots__ = ("buf", "offset")
+
+    def __init__(self, buf: np.ndarray, offset: int = 0) -> None:
+        self.buf = buf  # flat uint8 view
+        self.offset = int(offset)
+
+    def __add__(self, delta: Any) -> SimPtr:
+        return SimPtr(self.buf, self.offset + int(delta))
+
+    def view(self, nbytes: int, align: int) -> np.ndarray:
+        if self.offset % align:
+            raise RuntimeError(f"misaligned {nbytes}-byte access at byte offset {self.offset}")
+        if self.offset < 0 or self.offset + nbytes > self.buf.size:
+            raise IndexError(f"{nbytes}-byte access at byte offset {self.offset} outside "
+                             f"a {self.buf.size}-byte buffer")
+        return self.buf[self.offset:self.offset + nbytes]
+
+
+class SimPtrTable:
+    """A device table of addresses under the simulator: `ld_s64(table + 8 * i)` gives back the
+    i-th `SimPtr` (a host int64 array cannot hold them)."""
+
+    __slots__ = ("entries", "offset")
+
+    def __init__(self, entries: list[SimPtr], offset: int = 0) -> None:
+        self.entries = entries
+        self.offset = offset
+
+    def __add__(self, delta: Any) -> SimPtrTable:
+        return SimPtrTable(self.entries, self.offset + int(delta))
+
+
+def sim_ptr(array: np.ndarray) -> SimPtr:
+    """The address of a C-contiguous host array's first byte."""
+    return SimPtr(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+
+
+# --------------------------------------------------------------------------------------------
+# Loads and stores
+# --------------------------------------------------------------------------------------------
+
+def _words(ptr: SimPtr, n: int) -> Any:
+    words = ptr.view(4 * n, 4 * n).view(np.uint32)
+    return tuple(int(w) for w in words) if n > 1 else int(words[0])
+
+
+def ld_v4(ptr: SimPtr) -> Any:
+    return _words(ptr, 4)
+
+
+def ld_v2(ptr: SimPtr) -> Any:
+    return _words(ptr, 2)
+
+
+def ld_u32(ptr: SimPtr) -> Any:
+    return _words(ptr, 1)
+
+
+def ld_s32(ptr: SimPtr) -> Any:
+    return np.int32(ptr.view(4, 4).view(np.int32)[0])
+
+
+def ld_s64(ptr: Any) -> Any:
+    if isinstance(ptr, SimPtrTable):
+        return ptr.entries[ptr.offset // 8]
+    return np.int64(ptr.view(8, 8).view(np.int64)[0])
+
+
+def ld_f32(ptr: SimPtr) -> Any:
+    return np.float32(ptr.view(4, 4).view(np.float32)[0])
+
+
+def ld_f32x4(ptr: SimPtr) -> Any:
+    return tuple(np.float32(x) for x in ptr.view(16, 16).view(np.float32))
+
+
+def _put(ptr: SimPtr, values: Any, dtype: Any) -> None:
+    data = np.array(values, dtype=np.int64).astype(dtype) if dtype == np.uint32 else \
+        np.array(values, dtype=dtype)
+    ptr.view(data.nbytes, data.nbytes)[:] = data.view(np.uint8)
+
+
+def st_v4(ptr: SimPtr, a: Any, b: Any, c: Any, d: Any) -> None:
+    _put(ptr, [int(a), int(b), int(c), int(d)], np.uint32)
+
+
+def st_v2(ptr: SimPtr, a: Any, b: Any) -> None:
+    _put(ptr, [int(a), int(b)], np.uint32)
+
+
+def st_u32(ptr: SimPtr, a: Any) -> None:
+    _put(ptr, [int(a)], np.uint32)
+
+
+def st_f32(ptr: SimPtr, a: Any) -> None:
+    _put(ptr, [a], np.float32)
+
+
+def st_f32x4(ptr: SimPtr, a: Any, b: Any, c: Any, d: Any) -> None:
+    _put(ptr, [a, b, c, d], np.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Warp exchange
+# --------------------------------------------------------------------------------------------
+
+class _WarpState:
+    def __init__(self) -> None:
+        self.barrier = threading.Barrier(WARP, timeout=_BARRIER_TIMEOUT_S)
+        self.slots: list[Any] = [None] * WARP
+
+
+def _all_gather(value: Any) -> list[Any]:
+    """Every lane's `value`, in lane order (a collective: all 32 lanes must call it)."""
+    thread = threading.current_thread()
+    manager = thread._manager  # the simulator's per-thread-block manager
+    warp, lane = divmod(thread.thread_id, WARP)
+    with _registry_lock:
+        warps = manager.__dict__.setdefault("_pagedkv_warps", {})
+        state = warps.get(warp)
+        if state is None:
+            state = warps[warp] = _WarpState()
+    state.slots[lane] = value
+    state.barrier.wait()
+    values = list(state.slots)
+    state.barrier.wait()
+    return values
+
+
+def _lane() -> int:
+    return threading.current_thread().thread_id % WARP
+
+
+def shfl_xor(value: Any, lane_mask: Any) -> Any:
+    return _all_gather(value)[_lane() ^ int(lane_mask)]
+
+
+def shfl_idx(value: Any, src_lane: Any) -> Any:
+    return _all_gather(value)[int(src_lane) % WARP]
+
+
+# --------------------------------------------------------------------------------------------
+# Shared memory
+# --------------------------------------------------------------------------------------------
+
+def smem_addr(array: np.ndarray) -> SimPtr:
+    return sim_ptr(array)
+
+
+def _copy(dst: SimPtr, src: SimPtr, nbytes: int) -> None:
+    dst.view(nbytes, nbytes)[:] = src.view(nbytes, nbytes)
+
+
+def cp_async16(dst: SimPtr, src: SimPtr) -> None:
+    _copy(dst, src, 16)  # the simulator completes copies at once
+
+
+def cp_async8(dst: SimPtr, src: SimPtr) -> None:
+    _copy(dst, src, 8)
+
+
+def cp_async4(dst: SimPtr, src: SimPtr) -> None:
+    _copy(dst, src, 4)
+
+
+def _copy_fill(dst: SimPtr, src: SimPtr, nbytes: int, src_bytes: Any) -> None:
+    view = dst.view(nbytes, nbytes)
+    view[:] = 0
+    if int(src_bytes):
+        view[:] = src.view(nbytes, nbytes)
+
+
+def cp_async16_fill(dst: SimPtr, src: SimPtr, src_bytes: Any) -> None:
+    _copy_fill(dst, src, 16, src_bytes)
+
+
+def cp_async8_fill(dst: SimPtr, src: SimPtr, src_bytes: Any) -> None:
+    _copy_fill(dst, src, 8, src_bytes)
+
+
+def cp_async4_fill(dst: SimPtr, src: SimPtr, src_bytes: Any) -> None:
+    _copy_fill(dst, src, 4, src_bytes)
+
+
+def cp_async_commit() -> None:
+    pass
+
+
+def cp_async_wait1() -> None:
+    pass
+
+
+def cp_async_wait0() -> None:
+    pass
+
+
+def syncwarp() -> None:
+    _all_gather(None)
+
+
+def lds_v4(addr: SimPtr) -> Any:
+    return _words(addr, 4)
+
+
+def lds_v2(addr: SimPtr) -> Any:
+    return _words(addr, 2)
+
+
+def lds_u32(addr: SimPtr) -> Any:
+    return _words(addr, 1)
+
+
+def _ldmatrix(addr: SimPtr, trans: bool) -> tuple[int, ...]:
+    rows = [a.view(16, 16).view(np.uint16).copy() for a in _all_gather(addr)]
+    g, t = divmod(_lane(), 4)
+    out = []
+    for i in range(4):
+        if trans:  # rows 2t, 2t+1 of column g
+            lo, hi = rows[8 * i + 2 * t][g], rows[8 * i + 2 * t + 1][g]
+        else:  # row g, columns 2t, 2t+1
+            lo, hi = rows[8 * i + g][2 * t], rows[8 * i + g][2 * t + 1]
+        out.append(int(lo) | (int(hi) << 16))
+    return tuple(out)
+
+
+def ldmatrix_x4(addr: SimPtr) -> tuple[int, ...]:
+    return _ldmatrix(addr, False)
+
+
+def ldmatrix_x4_trans(addr: SimPtr) -> tuple[int, ...]:
+    return _ldmatrix(addr, True)
+
+
+# --------------------------------------------------------------------------------------------
+# Tensor cores
+# --------------------------------------------------------------------------------------------
+
+def _halves(word: int, kind: str) -> tuple[float, float]:
+    bits = np.array([word & 0xFFFF, (word >> 16) & 0xFFFF], dtype=np.uint16)
+    if kind == "f16":
+        lo, hi = bits.view(np.float16).astype(np.float64)
+    else:
+        lo, hi = (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return float(lo), float(hi)
+
+
+def _mma(kind: str, k: int, a: tuple[int, ...], b: tuple[int, ...], c: tuple[Any, ...]) -> Any:
+    lanes = _all_gather((a, b, c))
+    mat_a = np.zeros((16, k))
+    mat_b = np.zeros((k, 8))
+    mat_c = np.zeros((16, 8))
+    for lane, (la, lb, lc) in enumerate(lanes):
+        g, t = divmod(lane, 4)
+        # A (row-major 16 x k): registers {rows g, g+8} x {cols 2t, 2t+1 (, +8 for k=16)}.
+        for reg, word in enumerate(la):
+            row = g + 8 * (reg % 2)
+            col = 2 * t + 8 * (reg // 2)
+            mat_a[row, col], mat_a[row, col + 1] = _halves(word, kind)
+        # B (column-major k x 8): registers {rows 2t, 2t+1 (, +8)} x col g.
+        for reg, word in enumerate(lb):
+            row = 2 * t + 8 * reg
+            mat_b[row, g], mat_b[row + 1, g] = _halves(word, kind)
+        # C (16 x 8): c0, c1 row g, cols 2t, 2t+1; c2, c3 row g+8.
+        for i, value in enumerate(lc):
+            mat_c[g + 8 * (i // 2), 2 * t + i % 2] = float(value)
+    d = (mat_a @ mat_b + mat_c).astype(np.float32)
+    g, t = divmod(_lane(), 4)
+    return tuple(d[g + 8 * (i // 2), 2 * t + i % 2] for i in range(4))
+
+
+def mma16816_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    return _mma("f16", 16, (int(a0), int(a1), int(a2), int(a3)), (int(b0), int(b1)), (c0, c1, c2, c3))
+
+
+def mma16816_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    return _mma("bf16", 16, (int(a0), int(a1), int(a2), int(a3)), (int(b0), int(b1)), (c0, c1, c2, c3))
+
+
+# --------------------------------------------------------------------------------------------
+# Register-level conversions
+# --------------------------------------------------------------------------------------------
+
+def movmatrix(word: Any) -> int:
+    words = _all_gather(int(word))
+    g, t = divmod(_lane(), 4)
+
+    def element(row: int, col: int) -> int:
+        return (words[4 * row + col // 2] >> (16 * (col % 2))) & 0xFFFF
+
+    return element(2 * t, g) | (element(2 * t + 1, g) << 16)
+
+
+def pack_lo(a: Any, b: Any) -> int:
+    return (int(a) & 0xFFFF) | ((int(b) & 0xFFFF) << 16)
+
+
+def pack_hi(a: Any, b: Any) -> int:
+    return ((int(a) >> 16) & 0xFFFF) | (int(b) & 0xFFFF0000)
+
+
+def _f16_bits(x: Any) -> int:
+    return int(np.array([x], dtype=np.float32).astype(np.float16).view(np.uint16)[0])
+
+
+def _bf16_bits(x: Any) -> int:
+    bits = int(np.array([x], dtype=np.float32).view(np.uint32)[0])
+    if (bits & 0x7F800000) == 0x7F800000 and bits & 0x7FFFFF:
+        return ((bits >> 16) | 0x40) & 0xFFFF  # quiet NaN
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def f32x2_to_f16x2(lo: Any, hi: Any) -> int:
+    return _f16_bits(lo) | (_f16_bits(hi) << 16)
+
+
+def f32x2_to_bf16x2(lo: Any, hi: Any) -> int:
+    return _bf16_bits(lo) | (_bf16_bits(hi) << 16)
+
+
+def f16x2_to_f32(word: Any) -> tuple[Any, Any]:
+    lo, hi = _halves(int(word), "f16")
+    return np.float32(lo), np.float32(hi)
+
+
+def bf16x2_to_f32(word: Any) -> tuple[Any, Any]:
+    lo, hi = _halves(int(word), "bf16")
+    return np.float32(lo), np.float32(hi)
+
+
+def ex2(x: Any) -> Any:
+    with np.errstate(over="ignore"):
+        return np.float32(np.exp2(np.float32(x)))
+
+
+def bits_f32(word: Any) -> Any:
+    return np.array([int(word) & 0xFFFFFFFF], dtype=np.uint32).view(np.float32)[0]

@@ -1,0 +1,91 @@
+"""The performance gate without a GPU: sm_90 machine code of the shipped kernel variants.
+
+Fails when a kernel spills, needs more registers than its launch can hold (the head_dim 256
+prefill case of issue 13), or loads its K/V stream in pieces narrower than 8 bytes, and when
+the decode benchmark variant misses its budgets (<= 96 registers, <= 16 SASS instructions per
+16 bytes of K/V in the steady-state loop). Needs `ptxas` and `nvdisasm` (skipped otherwise, with
+the reason); `bench/kernel_sass.py` prints the full table.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _kernel_sass():
+    spec = importlib.util.spec_from_file_location("kernel_sass", REPO / "bench" / "kernel_sass.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernel_sass"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+KS = _kernel_sass()
+PTXAS = KS.find_tool("ptxas")
+NVDISASM = KS.find_tool("nvdisasm")
+needs_tools = pytest.mark.skipif(
+    PTXAS is None or NVDISASM is None,
+    reason=f"needs ptxas (found: {PTXAS}) and nvdisasm (found: {NVDISASM}); "
+           "install CUDA's ptxas and `pip install nvidia-cuda-nvdisasm`")
+
+GATED = [
+    KS.DECODE_BENCH,  # the benchmark variant: the tight budgets apply
+    "decode bf16 d128 bs16 g4",
+    "split f16 d128 bs16 g4",
+    "decode f32 d128 bs16 g4",  # SIMT path
+    "decode f32 d256 bs16 g1",  # SIMT: the widest rows that must still fit shared memory
+    "prefill f16 d128 bs16 g4",
+    "prefill f16 d256 bs16 g4",  # could not launch before (512 threads x 160 registers)
+    "reduce f16 d128",
+    "write f16 d128",
+    "copy bf16 d128",
+]
+
+
+@needs_tools
+@pytest.mark.parametrize("name", GATED)
+def test_variant_within_budget(name: str) -> None:
+    variant = next(v for v in KS.catalog(quick=False) if v.name == name)
+    report = KS.analyze(variant, PTXAS, NVDISASM)
+    assert KS.check(report) == [], KS.table([report])
+    assert report.blocks_per_sm >= 1
+    if report.kv_bytes_per_trip:
+        assert report.instr_per_16b is not None
+    if name == KS.DECODE_BENCH:
+        assert report.registers <= KS.BENCH_MAX_REGS and report.blocks_per_sm >= 4
+        assert set(report.kv_load_widths) == {"128-bit"}
+
+
+def test_analysis_reads_machine_code() -> None:
+    """The gate's own parsing, on hand-written SASS: loops, K/V loads, widths, occupancy."""
+    code = [
+        "MOV R1, c[0x0][0x28]",
+        ".L_x_0:",
+        "LDGSTS.E.BYPASS.128 [R2], desc[UR4][R4.64]",
+        "LDG.E.CONSTANT R6, desc[UR4][R8.64]",
+        "@!PT LDS RZ, [RZ]",
+        "HMMA.16816.F32 R8, R12, R16, R8",
+        "@P0 BRA `(.L_x_0)",
+        "LDG.E.U16 R3, desc[UR4][R4.64]",
+        "EXIT",
+        ".L_x_9:",  # a diverged-warp slow path after the last EXIT, branching back: no loop
+        "SHFL.BFLY P0, R5, R6, R7, R8",
+        "BRA `(.L_x_0)",
+    ]
+    assert KS.loops(code) == [(1, 6)]
+    assert KS.steady_loop(code) == (1, 6)
+    assert KS.instructions(code, 1, 6) == 4  # label and never-issued @!PT slot excluded
+    assert KS.load_widths(code) == {"128-bit": 1, "32-bit": 1, "16-bit": 1}
+    assert KS.load_widths(code, kv_only=True) == {"128-bit": 1}
+    # sm_90: 65536 registers, 2048 threads, 228 KB shared memory per SM
+    assert KS.blocks_per_sm(96, 35328, 128) == 5
+    assert KS.blocks_per_sm(240, 19360, 128) == 2
+    assert KS.blocks_per_sm(160, 35648, 512) == 0  # the seed's head_dim 256 prefill
+    narrow = KS.Report("x", 64, 0, 0, 0, 128, 8, {}, {"16-bit": 4}, 10, 64, 2.5)
+    assert any("narrower" in p for p in KS.check(narrow))
