@@ -8,7 +8,8 @@ end), staging the step's K and V tiles in its shared memory with `cp.async`, one
 Lane l owns `vec` consecutive dims [l*vec, (l+1)*vec) of every row (`spec.simt_vec`) and keeps
 the R query rows' slices (R*vec <= 32 registers) and accumulators there. A step is
 T = 32 / R_pad tokens (R_pad: R rounded up to a power of two, at least 4 — at most 8 tokens),
-so the step's (token, row) dot products are exactly 32: each lane computes its partial sums of all 32, and one transposing
+so the step's (token, row) dot products are exactly 32: each lane computes its partial sums of
+all 32, and one transposing
 reduction (31 shuffles: at each level a lane keeps half of its sums and sends the other half)
 leaves lane p with the full dot product of pair p = (token p // R_pad, row p % R_pad). Softmax
 then runs on lanes: a row's max is a reduction over the lanes of that row. For P·V, each lane
