@@ -1,7 +1,7 @@
 """`compute-node` command line.
 
     compute-node serve --config compute_node.yaml [--listen HOST:PORT] [--block-manager HOST:PORT]
-                       [--node-id ID] [--num-blocks N] [--metrics-port P] [--port-file FILE]
+                       [--node-id ID] [--num-blocks N] [--model DIR] [--metrics-port P] [--port-file FILE]
 
 Configuration errors are one line on stderr with exit code 2; start-up failures exit 1.
 """
@@ -25,6 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--block-manager", help="block manager address HOST:PORT (overrides config)")
     p.add_argument("--node-id", help="node id, also the pool id (overrides config)")
     p.add_argument("--num-blocks", type=int, help="blocks in the pool (overrides config)")
+    p.add_argument("--model", help="serve this Hugging Face model directory (Llama/Qwen2/Qwen3; overrides config)")
     p.add_argument("--metrics-port", type=int, help="Prometheus endpoint port (0: ephemeral)")
     p.add_argument("--port-file", type=Path, help="write the bound gRPC port here once listening")
     return parser
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             ("block_manager_address", args.block_manager),
             ("node_id", args.node_id),
             ("num_blocks", args.num_blocks),
+            ("model", args.model),
             ("metrics_port", args.metrics_port),
         )
     )

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 
+from compute_node.model import ModelLoadError
 from compute_node.service import access
 from compute_node.service.config import ComputeNodeConfig
 from compute_node.service.interceptors import ErrorMappingInterceptor
@@ -129,5 +130,5 @@ async def serve(config: ComputeNodeConfig, port_file: Path | None = None) -> int
     """Run one compute node until a signal (exit 0)."""
     return await run_until_signal(
         ComputeNodeServer(config), prog="compute-node", port_file=port_file, grace_s=config.shutdown_grace_s,
-        startup_errors=(OSError, ValueError),
+        startup_errors=(OSError, ValueError, ModelLoadError),   # a bad --model is one line, exit 1
     )

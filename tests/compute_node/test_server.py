@@ -110,3 +110,14 @@ def test_cli_rejects_bad_config() -> None:
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 2 and "num_blocks" in proc.stderr
+
+
+def test_cli_names_an_unsupported_model_architecture(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "vocab_size": 10}')
+    proc = subprocess.run(
+        [sys.executable, "-m", "compute_node.service.cli", "serve", "--model", str(tmp_path), "--listen",
+         "127.0.0.1:0", "--block-manager", "127.0.0.1:9"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "GPT2LMHeadModel is not supported" in proc.stderr and "LlamaForCausalLM" in proc.stderr
