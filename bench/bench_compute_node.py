@@ -2,12 +2,13 @@
 
 A block manager (`memory://`) and a compute node run as separate processes; this process is
 the scheduler. For 1 / 16 / 64 sequences it prefills each sequence's context through the
-node, then times decode steps (one AppendSlots to the block manager, then one Forward of all
-sequences, every layer in one request). Per step it records:
+node, then times decode steps the way a scheduler runs them (one Step to the block manager
+through the client library, which answers in-block appends itself, then one Forward of all
+sequences carrying the pool's PoolStep, every layer in one request). Per step it records:
 - the Forward latency the client sees (round trip, encoding included);
 - the node's own breakdown from `ForwardStats` (table fetch / copy ops / write / attention);
-- the node→block manager calls the Forward made (0 when the table cache is warm; a step where
-  sequences cross a block boundary needs one GetTables for their new table versions).
+- the node→block manager calls the Forward made (the step protocol's claim: none; tables come
+  with the steps), and the scheduler's Step RPCs per step (0 when every append stayed in-block).
 Service overhead ratio = client-observed Forward latency / time inside the attention kernels.
 Numbers only; nothing is asserted.
 
@@ -32,10 +33,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from block_manager.client import BlockManagerClient  # noqa: E402
 from compute_node.client import ComputeNodeClient, SeqInput  # noqa: E402
 from engine.localstack import ServiceProcess  # noqa: E402
-from pagedkv.v1 import block_manager_pb2 as bm_pb  # noqa: E402
-from pagedkv.v1 import block_manager_pb2_grpc as bm_grpc  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 2, 16, 4, 128, 16
 PREFILL_CHUNK = 8   # sequences per prefill Forward (keeps messages ~25 MB)
@@ -86,47 +86,57 @@ def rand(rng: np.random.Generator, *shape: int) -> np.ndarray:
     return rng.standard_normal(shape).astype(np.float16)
 
 
-def run(num_seqs: int, steps: int, context: int, bm: bm_grpc.BlockManagerStub, node: ComputeNodeClient) -> dict:
+def run(num_seqs: int, steps: int, context: int, bm: BlockManagerClient, node: ComputeNodeClient) -> dict:
+    """Prefill, then decode steps the way a scheduler runs them: one Step (the client answers
+    in-block appends itself), one Forward carrying the pool's PoolStep, the report next step."""
     rng = np.random.default_rng(num_seqs)
     ids = [f"n{num_seqs}-s{i}" for i in range(num_seqs)]
-    versions: dict[str, int] = {}
     lengths: dict[str, int] = {}
+    layers = list(range(LAYERS))
+
+    def forward(step_result: object, seqs: list[SeqInput]) -> object:
+        info = step_result.steps.get("bench-node")   # type: ignore[attr-defined]
+        out = node.forward(seqs, layers=layers, steps=[info.message] if info is not None else [])
+        if info is not None:
+            bm.report(info, True)
+        return out
+
     # Prefill: staggered lengths so ~1/BLOCK_SIZE of the sequences cross a block per step,
     # as in a running batch.
     for start in range(0, num_seqs, PREFILL_CHUNK):
         chunk = ids[start : start + PREFILL_CHUNK]
-        items = [
-            bm_pb.AllocateItem(seq_id=s, pool_id="bench-node", num_tokens=context + (start + j) % BLOCK_SIZE)
-            for j, s in enumerate(chunk)
-        ]
-        resp = bm.Allocate(bm_pb.AllocateRequest(request_id=f"alloc-{chunk[0]}", items=items))
+        st = bm.step()
+        for j, s in enumerate(chunk):
+            st.allocate(s, "bench-node", num_tokens=context + (start + j) % BLOCK_SIZE)
+        res = st.commit()
         seqs = []
-        for s, out in zip(chunk, resp.outcomes):
-            a = out.allocation
-            n = len(a.slot_mapping)
-            versions[s], lengths[s] = int(a.version), n
-            seqs.append(SeqInput(s, versions[s], n, list(a.slot_mapping), rand(rng, LAYERS, n, HEADS, HEAD_DIM),
-                                 rand(rng, LAYERS, n, KV_HEADS, HEAD_DIM), rand(rng, LAYERS, n, KV_HEADS, HEAD_DIM)))
-        node.forward(seqs, layers=list(range(LAYERS)))
+        for s in chunk:
+            n = res.allocations[s].num_tokens   # type: ignore[union-attr]
+            lengths[s] = n
+            seqs.append(SeqInput(s, n, rand(rng, LAYERS, n, HEADS, HEAD_DIM), rand(rng, LAYERS, n, KV_HEADS, HEAD_DIM),
+                                 rand(rng, LAYERS, n, KV_HEADS, HEAD_DIM)))
+        forward(res, seqs)
 
     rows = []
-    for step in range(steps):
-        resp = bm.AppendSlots(bm_pb.AppendSlotsRequest(
-            request_id=f"app-{num_seqs}-{step}", items=[bm_pb.AppendItem(seq_id=s, num_new_tokens=1) for s in ids]))
+    for _ in range(steps):
+        st = bm.step()
+        for s in ids:
+            st.append(s, num_new_tokens=1)
+        t_step = time.perf_counter()
+        res = st.commit()
+        step_s = time.perf_counter() - t_step
         seqs = []
-        for s, out in zip(ids, resp.outcomes):
-            versions[s] = int(out.appended.version)
+        for s in ids:
             lengths[s] += 1
-            seqs.append(SeqInput(s, versions[s], lengths[s], list(out.appended.slot_mapping),
-                                 rand(rng, LAYERS, 1, HEADS, HEAD_DIM), rand(rng, LAYERS, 1, KV_HEADS, HEAD_DIM),
-                                 rand(rng, LAYERS, 1, KV_HEADS, HEAD_DIM)))
+            seqs.append(SeqInput(s, lengths[s], rand(rng, LAYERS, 1, HEADS, HEAD_DIM),
+                                 rand(rng, LAYERS, 1, KV_HEADS, HEAD_DIM), rand(rng, LAYERS, 1, KV_HEADS, HEAD_DIM)))
         t0 = time.perf_counter()
-        out = node.forward(seqs, layers=list(range(LAYERS)))
+        out = forward(res, seqs)
         latency = time.perf_counter() - t0
-        st = out.stats
-        rows.append((latency, st.total_s, st.table_fetch_s, st.copy_ops_s, st.write_s, st.attention_s,
-                     st.num_block_manager_rpcs, st.kv_bytes_read))
-    bm.Free(bm_pb.FreeRequest(request_id=f"free-{num_seqs}", seq_ids=ids))
+        st_ = out.stats   # type: ignore[attr-defined]
+        rows.append((latency, st_.total_s, st_.table_fetch_s, st_.copy_ops_s, st_.write_s, st_.attention_s,
+                     st_.num_block_manager_rpcs, st_.kv_bytes_read, res.num_rpcs, step_s))
+    bm.free(ids)
     warm = rows[4:]   # the first steps still pay one-off costs (allocator, caches)
     med = [statistics.median(r[i] for r in warm) for i in range(6)]
     return {
@@ -142,6 +152,8 @@ def run(num_seqs: int, steps: int, context: int, bm: bm_grpc.BlockManagerStub, n
         "forwards_with_rpc": sum(1 for r in warm if r[6]) / len(warm),
         "kv_mb_per_step": statistics.mean(r[7] for r in warm) / 1e6,
         "kv_gbps": statistics.median(r[7] / r[5] for r in warm) / 1e9,
+        "step_rpcs_per_step": statistics.mean(r[8] for r in warm),
+        "step_ms": statistics.median(r[9] for r in warm) * 1e3,
     }
 
 
@@ -157,23 +169,24 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         bm_addr, cn_addr, procs = start_services(num_blocks, Path(tmp))
         try:
-            with grpc.insecure_channel(bm_addr) as ch, ComputeNodeClient(cn_addr, timeout_s=300) as node:
-                bm = bm_grpc.BlockManagerStub(ch)
+            with BlockManagerClient(bm_addr, timeout_s=60) as bm, ComputeNodeClient(cn_addr, timeout_s=300) as node:
+                bm.tracker.set_block_size("bench-node", BLOCK_SIZE)
                 print(f"geometry: {LAYERS} layers, {HEADS} q heads / {KV_HEADS} kv heads, head_dim {HEAD_DIM}, "
                       f"fp16, block {BLOCK_SIZE}, context ~{args.context}, {args.steps} steps (first 4 dropped), "
                       f"load {os.getloadavg()[0]:.1f}")
                 print(
                     "| seqs | Forward (client) ms | node total ms | table fetch ms | copy ops ms | write ms "
-                    "| attention ms | overhead ratio | BM RPCs per Forward | Forwards with a BM RPC "
-                    "| KV MB/step | KV GB/s |"
+                    "| attention ms | overhead ratio | node→BM RPCs per Forward | Forwards with a node→BM RPC "
+                    "| Step RPCs per step | Step ms | KV MB/step | KV GB/s |"
                 )
-                print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+                print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
                 for n in sizes:
                     r = run(n, args.steps, args.context, bm, node)
                     print(
                         f"| {r['seqs']} | {r['forward_ms']:.2f} | {r['node_total_ms']:.2f} | {r['table_fetch_ms']:.3f} "
                         f"| {r['copy_ops_ms']:.3f} | {r['write_ms']:.3f} | {r['attention_ms']:.2f} "
                         f"| {r['overhead_ratio']:.2f} | {r['rpcs_per_forward']:.3f} | {r['forwards_with_rpc']:.0%} "
+                        f"| {r['step_rpcs_per_step']:.2f} | {r['step_ms']:.2f} "
                         f"| {r['kv_mb_per_step']:.1f} | {r['kv_gbps']:.2f} |",
                         flush=True,
                     )
