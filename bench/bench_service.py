@@ -153,11 +153,12 @@ class SimScheduler:
         self.next_id = 0
         self.generated = 0
         self.system = [rng.randrange(32000) for _ in range(64)]
-        if not defer:
-            client.tracker.block_sizes.clear()   # the helper cannot answer appends locally
+        self.defer = defer
 
     async def register(self, num_blocks: int) -> None:
         await self.client.register_node(self.pool, num_blocks, block_size=BS)
+        if not self.defer:   # (registering taught the tracker the block size)
+            self.client.tracker.block_sizes.clear()   # the helper cannot answer appends locally
 
     async def step(self) -> None:
         rng = self.rng
