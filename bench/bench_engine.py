@@ -121,6 +121,7 @@ def main() -> None:
     ap.add_argument("--split-batch", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (both sides run there)")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -132,9 +133,9 @@ def main() -> None:
         workload = make_workload(args.requests, 8192, args.seed)
         max_len = max(len(p) + n for p, n in workload)
         num_blocks = args.requests * -(-max_len // args.block_size) + 64
-        llm = LLM(model_dir, block_size=args.block_size, num_kv_blocks=num_blocks, device="cpu",
+        llm = LLM(model_dir, block_size=args.block_size, num_kv_blocks=num_blocks, device=args.device,
                   max_num_batched_tokens=args.budget, max_num_seqs=max(args.requests, args.split_batch))
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(args.device)
         runner = llm.engine.nodes["local-0"].runner   # type: ignore[attr-defined]
         run_engine(llm, make_workload(2, 8192, 99))
         run_transformers(hf, make_workload(2, 8192, 99), 1)
@@ -153,7 +154,7 @@ def main() -> None:
         block_bytes = g.num_layers * g.block_size * g.bytes_per_token
         our_kv = int(o["peak_blocks"]) * block_bytes
         same = sum(a == b for a, b in zip(o["outputs"], t.outputs))   # type: ignore[arg-type]
-        print(f"# bench_engine  model llama {count_parameters(model_dir) / 1e6:.1f}M fp32 CPU, torch threads "
+        print(f"# bench_engine  model llama {count_parameters(model_dir) / 1e6:.1f}M fp32 {args.device}, torch threads "
               f"{torch.get_num_threads()}, {args.requests} requests, {requested} requested tokens, "
               f"best of {args.repeats}")
         tput_o, tput_t = requested / o["seconds"], requested / t.seconds   # type: ignore[operator]

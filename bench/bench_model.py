@@ -181,6 +181,8 @@ def run_transformers(hf: object, workload: list[tuple[list[int], int]], pad_id: 
     for row, (prompt, _) in enumerate(workload):
         ids[row, longest - len(prompt):] = torch.tensor(prompt)
         mask[row, longest - len(prompt):] = 1
+    device = getattr(hf, "device", "cpu")
+    ids, mask = ids.to(device), mask.to(device)
     started, cpu_started = time.perf_counter(), cpu_seconds()
     with torch.inference_mode():
         out = hf.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,  # type: ignore[attr-defined]
@@ -209,7 +211,7 @@ def decode_latency_ours(runner: ModelRunner, context: int, steps: int) -> float:
 
 
 def decode_latency_transformers(hf: object, context: int, steps: int, repeats: int = 3) -> float:
-    ids = torch.tensor([[5 + i % 1000 for i in range(context)]])
+    ids = torch.tensor([[5 + i % 1000 for i in range(context)]]).to(getattr(hf, "device", "cpu"))
     per_token = []
     with torch.inference_mode():
         for _ in range(repeats):

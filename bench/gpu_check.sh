@@ -12,4 +12,14 @@ out="$1"
 shift
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
-PYTHONPATH=. exec "${PYTHON:-python}" bench/gpu_check.py --out "$out" "$@"
+status=0
+PYTHONPATH=. "${PYTHON:-python}" bench/gpu_check.py --out "$out" "$@" || status=$?
+# The engine on the GPU vs transformers (issue 12), when the model stack travelled along
+# (safetensors, tokenizers, transformers: pass them in with the device tool's `carry`).
+if PYTHONPATH=. "${PYTHON:-python}" -c "import safetensors, tokenizers, transformers" 2>/dev/null; then
+    PYTHONPATH=. timeout 240 "${PYTHON:-python}" bench/bench_engine.py --device cuda --requests 16 --repeats 1 \
+        > "$out/bench_engine_cuda.txt" 2>&1 || echo "bench_engine on cuda failed: see $out/bench_engine_cuda.txt" >&2
+else
+    echo "bench_engine skipped: safetensors/tokenizers/transformers not importable" > "$out/bench_engine_cuda.txt"
+fi
+exit "$status"
