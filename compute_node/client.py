@@ -45,6 +45,7 @@ class SeqInput:
 
     @property
     def num_new_tokens(self) -> int:
+        """Tokens this Forward writes for the sequence (rows of its query)."""
         return int(self.query.shape[1])
 
 
@@ -78,6 +79,7 @@ class ComputeNodeClient:
         self._stub = pb_grpc.ComputeNodeStub(self._channel)
 
     def close(self) -> None:
+        """Close the channel."""
         self._channel.close()
 
     def __enter__(self) -> ComputeNodeClient:

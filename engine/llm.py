@@ -141,6 +141,7 @@ class LLM:
         raise InvalidParams("a prompt is a string or {'prompt_token_ids': [...]}")
 
     def close(self) -> None:
+        """Stop the engine (its pools handed back), close nodes and the block manager client."""
         self.engine.close()
         for node in self.engine.nodes.values():
             node.close()

@@ -83,6 +83,7 @@ class EngineStats:
     node_s: float = 0.0        # time in Generate calls (wall, nodes in parallel)
 
     def summary(self) -> dict[str, float]:
+        """Counters and latency percentiles (ms) as a flat mapping."""
         def p(xs: deque[float], q: float) -> float:
             return 1e3 * percentile(xs, q) if xs else 0.0
 
@@ -205,6 +206,7 @@ class LLMEngine:
         self._changed.discard(request_id)
 
     def has_unfinished_requests(self) -> bool:
+        """Whether any request is still waiting or running."""
         return bool(self.requests)
 
     def kv_usage(self) -> float:

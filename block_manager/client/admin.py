@@ -58,6 +58,7 @@ class AdminClient:
         self.stats = ClientStats()
 
     def close(self) -> None:
+        """Close the channel (if this client created it)."""
         if self._own_channel:
             self._channel.close()
 
@@ -80,29 +81,37 @@ class AdminClient:
         return message_dict(reply)
 
     def status(self) -> dict[str, Any]:
+        """The server's phase and every pool's counters (Status)."""
         return self._call("Status", pb.StatusRequest())
 
     def list_nodes(self) -> dict[str, Any]:
+        """Every registered node: epoch, lease, address, draining/fenced."""
         return self._call("ListNodes", pb.ListNodesRequest())
 
     def list_sequences(self, pool_id: str = "", limit: int = 0) -> dict[str, Any]:
+        """Sequences (of one pool, or all), at most `limit` (0: all)."""
         return self._call("ListSequences", pb.ListSequencesRequest(pool_id=pool_id, limit=limit))
 
     def describe_sequence(self, seq_id: str) -> dict[str, Any]:
+        """One sequence's table, length and version."""
         return self._call("DescribeSequence", pb.DescribeSequenceRequest(seq_id=seq_id))
 
     def drain_node(self, node_id: str, *, undrain: bool = False) -> dict[str, Any]:
+        """Stop admitting new sequences on a node (or resume with `undrain`)."""
         return self._call(
             "DrainNode", pb.DrainNodeRequest(request_id=new_request_id(), node_id=node_id, undrain=undrain)
         )
 
     def fsck(self) -> dict[str, Any]:
+        """The block manager's consistency check: `ok` and any problems found."""
         return self._call("Fsck", pb.FsckRequest())
 
     def reset_prefix_cache(self, pool_id: str = "") -> dict[str, Any]:
+        """Forget every cached prefix block (of one pool, or all)."""
         return self._call("ResetPrefixCache", pb.ResetPrefixCacheRequest(request_id=new_request_id(), pool_id=pool_id))
 
     def trigger_defrag(self, pool_id: str = "", kind: str = "") -> dict[str, Any]:
+        """Plan a defrag now ("compaction" default, or "contiguity"); its moves ride in the pool's next step."""
         return self._call(
             "TriggerDefrag", pb.TriggerDefragRequest(request_id=new_request_id(), pool_id=pool_id, kind=kind)
         )

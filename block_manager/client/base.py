@@ -79,6 +79,7 @@ class ClientBase:
 
     @property
     def pending_reports(self) -> dict[str, tuple[int, int, int]]:
+        """Forward reports not sent yet, by pool: (epoch, completed_up_to, failed_from)."""
         return dict(self._reports)
 
     def _begin(self, batch: StepBatch, request_id: str) -> pb.StepRequest | None:

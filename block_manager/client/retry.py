@@ -21,12 +21,14 @@ class ClientStats:
     per_method: Counter[str] = field(default_factory=Counter)
 
     def record_attempt(self, method: str, retry: bool) -> None:
+        """Count one attempt of `method` (a retry when `retry`)."""
         self.rpcs += 1
         self.per_method[method] += 1
         if retry:
             self.retries += 1
 
     def as_dict(self) -> dict[str, object]:
+        """The counters as plain values (for reports and JSON)."""
         return {
             "rpcs": self.rpcs,
             "retries": self.retries,

@@ -67,6 +67,7 @@ class TrackedSequence:
     deferred_token_ids: list[int] | None = field(default_factory=list)  # None: some came without ids
 
     def can_append_locally(self, num_new_tokens: int) -> bool:
+        """Whether `num_new_tokens` stay strictly inside the exclusive, partial last block."""
         offset = self.num_tokens % self.block_size
         return (
             self.tail_exclusive
@@ -76,6 +77,7 @@ class TrackedSequence:
         )
 
     def append_locally(self, num_new_tokens: int, token_ids: Sequence[int] | None) -> None:
+        """Answer an in-block append here (deferred: reported to the server later)."""
         self.num_tokens += num_new_tokens
         self.num_deferred += num_new_tokens
         if token_ids is None or self.deferred_token_ids is None:
@@ -91,6 +93,7 @@ class TrackedSequence:
         return self.num_deferred + num_new_tokens, ids
 
     def apply_delta(self, d: TableDelta) -> None:
+        """Follow the table change a step handed out."""
         if d.base_version == 0:
             self.block_table = list(d.appended)
         else:
@@ -121,20 +124,25 @@ class SequenceTracker:
         return len(self._seqs)
 
     def set_block_size(self, pool_id: str, block_size: int) -> None:
+        """Track sequences of `pool_id` (whose block size is now known)."""
         self.block_sizes[pool_id] = block_size
 
     def get(self, seq_id: str) -> TrackedSequence | None:
+        """The mirror of a sequence, or None when not tracked."""
         return self._seqs.get(SeqId(seq_id))
 
     def forget(self, seq_id: str) -> None:
+        """Stop tracking a sequence (freed, dropped, or its outcome unknown)."""
         self._seqs.pop(SeqId(seq_id), None)
 
     def track(self, seq_id: SeqId, pool_id: PoolId, num_tokens: int, tail_exclusive: bool) -> None:
+        """Start mirroring a sequence admitted (or forked) by a step."""
         bs = self.block_sizes.get(pool_id)
         if bs is not None:
             self._seqs[seq_id] = TrackedSequence(seq_id, pool_id, bs, num_tokens, tail_exclusive)
 
     def apply_step(self, step: PoolStepInfo) -> None:
+        """Apply a closed step's deltas, drops and reset to the mirrored tables."""
         if step.reset:
             for sid in [s for s, t in self._seqs.items() if t.pool_id == step.pool_id]:
                 del self._seqs[sid]
@@ -171,6 +179,7 @@ class StepResult:
 
     @property
     def failures(self) -> list[ItemFailure]:
+        """Every item of the step that failed (admissions, forks, appends)."""
         items = [*self.allocations.values(), *self.forks.values(), *self.appends.values()]
         return [x for x in items if isinstance(x, ItemFailure)]
 
