@@ -21,6 +21,8 @@ from pagedkv.logging import get_logger
 
 log = get_logger(__name__)
 
+IDLE_GAUGE_REFRESH_S = 2.5   # keep refreshing the gauges this long after the engine went idle
+
 
 @dataclass(slots=True)
 class _Submit:
@@ -103,15 +105,22 @@ class AsyncLLMEngine:
     # ---- engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        idle_since: float | None = None
         try:
             while not self._stopped.is_set():
                 block = not engine.has_unfinished_requests()
                 self._drain_inbox(block)
                 if engine.has_unfinished_requests():
+                    idle_since = None
                     self._deliver(engine.step())
                     self._refresh_gauges()
                 else:
                     engine.flush()
+                    # the gauges settle after the last frees (KV usage is read at most once a second)
+                    now = time.monotonic()
+                    idle_since = now if idle_since is None else idle_since
+                    if now - idle_since < IDLE_GAUGE_REFRESH_S:
+                        self._refresh_gauges()
         except BaseException as exc:  # noqa: BLE001 - surfaced to every waiting request
             self.error = exc
             log.exception("engine stopped")
