@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: FastAPI over the engine thread (`AsyncLLMEngine`).
 
     app = build_app(AsyncLLMEngine(llm.engine), llm.tokenizer, "my-model")
-    serve(app, host="127.0.0.1", port=8000)               # or: pagedkv-serve --model DIR
+    asyncio.run(serve_async(app, host="127.0.0.1", port=8000))    # or: pagedkv-serve --model DIR
+    with ServerThread(app) as srv: ...                               # a free port, in a thread: srv.url
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream` as
 server-sent events `data: {json}` ending with `data: [DONE]`), `GET /v1/models[/{id}]`,
@@ -30,7 +31,6 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.api_generation import Choice, Generation, Update
 from engine.api_metrics import ApiMetrics
 from engine.api_protocol import (
     APIError,
@@ -59,7 +60,7 @@ from engine.api_protocol import (
 )
 from engine.async_engine import AsyncLLMEngine
 from engine.llm_engine import EngineError
-from engine.params import CompletionOutput, InvalidParams, RequestOutput, SamplingParams
+from engine.params import InvalidParams
 from engine.tokenizer import Tokenizer, TokenizerError
 from pagedkv.lifecycle import write_port_file
 from pagedkv.logging import get_logger
@@ -72,183 +73,6 @@ HealthCheck = Callable[[], Awaitable[tuple[bool, str]]]
 
 class _ClientGone(Exception):
     """The client disconnected before its answer was ready."""
-
-
-# ---- one request's engine requests -------------------------------------------------------
-class _Fanout:
-    """One engine request per prompt, run concurrently; their outputs merged in arrival order.
-    `cancel(i)` / `close()` abort engine requests (leaving `AsyncLLMEngine.generate` early
-    aborts: the blocks go back with the engine's next step)."""
-
-    def __init__(self, aeng: AsyncLLMEngine, prompts: list[Prompt], params: SamplingParams, base_id: str) -> None:
-        self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-        self._tasks = [
-            asyncio.create_task(self._pump(aeng, i, p, params, f"{base_id}-{i}"), name=f"{base_id}-{i}")
-            for i, p in enumerate(prompts)
-        ]
-        self._live = set(range(len(prompts)))
-
-    async def _pump(self, aeng: AsyncLLMEngine, i: int, p: Prompt, params: SamplingParams, rid: str) -> None:
-        try:
-            async for out in aeng.generate(p.token_ids, params, rid, prompt=p.text):
-                self._queue.put_nowait((i, out))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            self._queue.put_nowait((i, exc))
-            return
-        self._queue.put_nowait((i, None))
-
-    async def next(self) -> tuple[int, RequestOutput] | None:
-        """The next output of a live prompt; None once every prompt finished or was cancelled.
-        Raises the first failure (the caller then `close()`s the rest)."""
-        while self._live:
-            i, item = await self._queue.get()
-            if i not in self._live:
-                continue
-            if item is None:
-                self._live.discard(i)
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            return i, item
-        return None
-
-    def cancel(self, i: int) -> None:
-        self._live.discard(i)
-        self._tasks[i].cancel()
-
-    def close(self) -> None:
-        for i in range(len(self._tasks)):
-            self.cancel(i)
-
-
-@dataclass(slots=True)
-class _Choice:
-    """One completion as the client sees it: text sent so far (never a split character, never a
-    stop string or what may be the start of one), tokens seen, its own finish."""
-
-    index: int
-    prompt_index: int
-    stops: tuple[str, ...]
-    text: str = ""
-    num_tokens: int = 0
-    text_offset: int = 0
-    finish_reason: str | None = None
-    last_token_at: float | None = None
-    output: CompletionOutput | None = None
-
-    def advance(self, o: CompletionOutput) -> tuple[str, int, int]:
-        """Take the engine's latest snapshot: (new text, first new token, end of new tokens)."""
-        start, end = self.num_tokens, len(o.token_ids)
-        self.num_tokens = end
-        self.output = o
-        engine_done = o.finish_reason is not None
-        visible = o.text if engine_done else o.text.rstrip("\ufffd")   # an incomplete character waits
-        finish = o.finish_reason
-        if self.stops:
-            cut = _find_stop(visible, self.stops, max(0, len(self.text) - max(map(len, self.stops)) + 1))
-            if cut is not None:
-                visible, finish = visible[: max(cut, len(self.text))], "stop"
-            elif not engine_done:
-                visible = visible[: len(visible) - _stop_prefix_len(visible, self.stops, len(self.text))]
-        delta = visible[len(self.text):]
-        self.text += delta
-        if finish is not None:
-            self.finish_reason = "stop" if finish == "abort" else finish
-        return delta, start, end
-
-
-def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
-    hits = [p for p in (text.find(s, start) for s in stops) if p >= 0]
-    return min(hits) if hits else None
-
-
-def _stop_prefix_len(text: str, stops: tuple[str, ...], floor: int) -> int:
-    """Length of the longest tail of `text` (after `floor`) that a stop string starts with."""
-    for k in range(min(max(map(len, stops)) - 1, len(text) - floor), 0, -1):
-        tail = text[-k:]
-        if any(s.startswith(tail) for s in stops):
-            return k
-    return 0
-
-
-@dataclass(slots=True)
-class _Update:
-    choice: _Choice
-    delta: str
-    start: int
-    end: int
-
-
-@dataclass
-class _Generation:
-    """The engine requests of one HTTP request, as a stream of per-choice updates, with the
-    request's metrics."""
-
-    server: _Server
-    prompts: list[Prompt]
-    params: SamplingParams
-    stops: tuple[str, ...]
-    request_id: str
-    arrival: float = field(default_factory=time.perf_counter)
-    choices: list[_Choice] = field(init=False)
-    cached_tokens: dict[int, int] = field(default_factory=dict)
-    finished: bool = False             # the whole answer went out
-    _first_token: set[int] = field(default_factory=set)
-    _fan: _Fanout | None = None
-
-    def __post_init__(self) -> None:
-        n = self.params.n
-        self.choices = [_Choice(p * n + j, p, self.stops) for p in range(len(self.prompts)) for j in range(n)]
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(p.token_ids) for p in self.prompts)
-
-    def usage(self) -> dict[str, Any]:
-        completion = sum(c.num_tokens for c in self.choices)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())}}
-
-    async def updates(self) -> AsyncIterator[list[_Update]]:
-        """Updates after each engine step that changed the request; ends when every choice has
-        finished. Closing it early aborts whatever still runs."""
-        metrics, n = self.server.metrics, self.params.n
-        self._fan = fan = _Fanout(self.server.aeng, self.prompts, self.params, self.request_id)
-        try:
-            while (item := await fan.next()) is not None:
-                i, out = item
-                now = time.perf_counter()
-                self.cached_tokens[i] = out.num_cached_tokens
-                batch = []
-                for o in out.outputs:
-                    choice = self.choices[i * n + o.index]
-                    if choice.finish_reason is not None:
-                        continue
-                    new = len(o.token_ids) - choice.num_tokens
-                    if new > 0:
-                        if i not in self._first_token:
-                            self._first_token.add(i)
-                            metrics.ttft.observe(now - self.arrival)
-                        elif choice.last_token_at is not None:
-                            for _ in range(new):
-                                metrics.itl.observe((now - choice.last_token_at) / new)
-                        choice.last_token_at = now
-                    batch.append(_Update(choice, *choice.advance(o)))
-                if not out.finished and all(c.finish_reason for c in self.choices[i * n : (i + 1) * n]):
-                    fan.cancel(i)        # every completion hit a stop string: end the engine request
-                if batch:
-                    yield batch
-        finally:
-            fan.close()
-        metrics.e2e.observe(time.perf_counter() - self.arrival)
-
-    def close(self) -> None:
-        """Abort whatever still runs (idempotent, synchronous: safe in any cleanup path)."""
-        if self._fan is not None:
-            self._fan.close()
 
 
 def _finite_logprob(x: float) -> float:
@@ -294,7 +118,7 @@ class _Server:
         return self.tokenizer.token_text(token_id)
 
     # -- formatting ----------------------------------------------------------------------------
-    def completion_logprobs(self, choice: _Choice, start: int, end: int) -> dict[str, Any] | None:
+    def completion_logprobs(self, choice: Choice, start: int, end: int) -> dict[str, Any] | None:
         o = choice.output
         if o is None or o.logprobs is None:
             return None
@@ -310,7 +134,7 @@ class _Server:
         return {"tokens": tokens, "token_logprobs": [_finite_logprob(x) for x in o.logprobs[start:end]],
                 "top_logprobs": tops, "text_offset": offsets}
 
-    def chat_logprobs(self, choice: _Choice, start: int, end: int) -> dict[str, Any] | None:
+    def chat_logprobs(self, choice: Choice, start: int, end: int) -> dict[str, Any] | None:
         o = choice.output
         if o is None or o.logprobs is None:
             return None
@@ -328,8 +152,8 @@ class _Server:
         return {"content": content}
 
     # -- generation -------------------------------------------------------------------------
-    async def run(self, request: Request, gen: _Generation, stream: bool,
-                  chunks: Callable[[list[_Update]], list[dict[str, Any]]],
+    async def run(self, request: Request, gen: Generation, stream: bool,
+                  chunks: Callable[[list[Update]], list[dict[str, Any]]],
                   head: list[dict[str, Any]], tail: Callable[[], list[dict[str, Any]]],
                   answer: Callable[[], dict[str, Any]]) -> Response:
         """Run `gen`; answer in one piece, or as events: `head`, `chunks(batch)` per update,
@@ -397,12 +221,12 @@ class _Server:
                                         prompt_param="prompt", max_model_len=self.max_model_len,
                                         kv_capacity=self.kv_capacity)
         params = sampling_params(req, max_tokens, logprobs=logprobs_count(req))
-        gen = _Generation(self, prompts, params, stops, f"cmpl-{uuid.uuid4().hex}")
+        gen = Generation(self.aeng, self.metrics, prompts, params, stops, f"cmpl-{uuid.uuid4().hex}")
         base = {"id": gen.request_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
         include_usage = req.include_usage
 
-        def chunks(batch: list[_Update]) -> list[dict[str, Any]]:
+        def chunks(batch: list[Update]) -> list[dict[str, Any]]:
             out = []
             for u in batch:
                 lp = self.completion_logprobs(u.choice, u.start, u.end)
@@ -443,7 +267,7 @@ class _Server:
         max_tokens = resolve_max_tokens([prompt], requested, param, None, prompt_param="messages",
                                         max_model_len=self.max_model_len, kv_capacity=self.kv_capacity)
         params = sampling_params(req, max_tokens, logprobs=logprobs_count(req))
-        gen = _Generation(self, [prompt], params, stops, f"chatcmpl-{uuid.uuid4().hex}")
+        gen = Generation(self.aeng, self.metrics, [prompt], params, stops, f"chatcmpl-{uuid.uuid4().hex}")
         base = {"id": gen.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.model_name}
         usage_field = {"usage": None} if req.include_usage else {}
@@ -451,7 +275,7 @@ class _Server:
                                       "logprobs": None, "finish_reason": None}], **usage_field}
                 for c in gen.choices]
 
-        def chunks(batch: list[_Update]) -> list[dict[str, Any]]:
+        def chunks(batch: list[Update]) -> list[dict[str, Any]]:
             out = []
             for u in batch:
                 lp = self.chat_logprobs(u.choice, u.start, u.end)
@@ -494,7 +318,7 @@ class _EventStream(StreamingResponse):
     disconnects cancels the response mid-`send` (the event generator may then never be closed
     promptly, so the engine requests are cancelled here, synchronously)."""
 
-    def __init__(self, content: AsyncIterator[str], gen: _Generation, metrics: ApiMetrics) -> None:
+    def __init__(self, content: AsyncIterator[str], gen: Generation, metrics: ApiMetrics) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._gen = gen
@@ -509,14 +333,14 @@ class _EventStream(StreamingResponse):
                 self._metrics.failure("client_disconnected")
 
 
-async def _first(updates: AsyncIterator[list[_Update]]) -> list[_Update] | None:
+async def _first(updates: AsyncIterator[list[Update]]) -> list[Update] | None:
     try:
         return await anext(updates)
     except StopAsyncIteration:
         return None
 
 
-async def _drain(updates: AsyncIterator[list[_Update]]) -> None:
+async def _drain(updates: AsyncIterator[list[Update]]) -> None:
     async for _ in updates:
         pass
 
