@@ -9,9 +9,10 @@ end-to-end latency, and requests finished or failed. Tokens/s is `rate()` of
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -24,6 +25,17 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
+
+
+def _copy(items: Iterable[Any]) -> list[Any]:
+    """A list or deque the engine thread mutates, copied (one C call under the GIL; retried
+    should an iterator ever see a change)."""
+    for _ in range(3):
+        try:
+            return list(items)
+        except RuntimeError:
+            continue
+    return []
 
 
 class _EngineCollector(Collector):
@@ -43,9 +55,8 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         engine = self.aeng.engine
-        # lists the engine thread mutates: copy them first (one atomic step under the GIL)
-        running = {s.request.request_id for s in list(engine.running)}
-        waiting = {s.request.request_id for s in list(engine.waiting)} - running
+        running = {s.request.request_id for s in _copy(engine.running)}
+        waiting = {s.request.request_id for s in _copy(engine.waiting)} - running
         s = engine.stats
         yield self._gauge("pagedkv_num_requests_running", "Requests with a sequence in the running batch.",
                           len(running))
@@ -54,8 +65,9 @@ class _EngineCollector(Collector):
         yield self._gauge("pagedkv_kv_cache_usage_ratio", "Fraction of the nodes' KV blocks in use (0-1).",
                           self.aeng.gauges.kv_usage)
         yield self._gauge("pagedkv_prefix_cache_hit_rate",
-                          "Prompt tokens served from the prefix cache / prompt tokens, since start.",
-                          s.cached_prompt_tokens / s.prompt_tokens if s.prompt_tokens else 0.0)
+                          "Prompt tokens served from the prefix cache / prompt tokens, since start (re-admissions "
+                          "after a preemption count their hits too; capped at 1).",
+                          min(1.0, s.cached_prompt_tokens / s.prompt_tokens) if s.prompt_tokens else 0.0)
         yield self._counter("pagedkv_prompt_tokens", "Prompt tokens of accepted requests.", s.prompt_tokens)
         yield self._counter("pagedkv_prompt_tokens_cached", "Prompt tokens found in the prefix cache at admission.",
                             s.cached_prompt_tokens)
@@ -96,6 +108,8 @@ class ApiMetrics:
 
     def failure(self, reason: str) -> None:
         self._failure.labels(self._model, reason).inc()
+
+    content_type = CONTENT_TYPE_LATEST
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

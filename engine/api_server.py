@@ -452,7 +452,7 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(server.metrics.render(), media_type=server.metrics.content_type)
 
     return app
 

@@ -75,9 +75,11 @@ class AsyncLLMEngine:
         outbox: asyncio.Queue = asyncio.Queue()
         accepted = loop.create_future()
         self._inbox.put(_Submit(request_id, list(prompt_token_ids), params, prompt, outbox, loop, accepted))
-        await accepted
         finished = False
         try:
+            # inside the try: a consumer cancelled while the engine thread is busy with a step
+            # must abort too (aborting a refused or unknown request changes nothing)
+            await accepted
             while True:
                 out = await outbox.get()
                 if isinstance(out, BaseException):

@@ -6,9 +6,11 @@ after each test against the block manager's own counters)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -302,6 +304,29 @@ def _disconnects(server: ServerThread) -> float:
                    reason="client_disconnected")
 
 
+def test_a_request_cancelled_before_the_engine_took_it_is_aborted(aeng: AsyncLLMEngine, llm: LLM) -> None:
+    """The window between submitting and the engine thread accepting (a busy engine: a long
+    step) must not leak a request that then runs to its end."""
+    from engine.params import SamplingParams
+
+    before = llm.engine.stats.generated_tokens
+
+    async def leave_at_once() -> None:
+        async def consume() -> None:
+            async for _ in aeng.generate(_long(10), SamplingParams(max_tokens=200, ignore_eos=True), "gone-early"):
+                pass
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0)          # submitted, not yet accepted
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(leave_at_once())
+    wait_all_freed(llm)
+    assert llm.engine.stats.generated_tokens - before < 50
+
+
 def test_concurrent_clients(server: ServerThread, client: openai.OpenAI, model_dir: Path) -> None:
     results: dict[int, str] = {}
 
@@ -406,6 +431,13 @@ def test_cli_refuses_a_missing_model_dir_and_an_unsupported_architecture(
     assert "MistralForCausalLM" in capsys.readouterr().err
     assert main([]) == 2
     assert parse_size("512MiB") == 512 << 20 and parse_size("2G") == 2 << 30 and parse_size("4096") == 4096
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["--model", str(model_dir), "--port", str(port), "--device", "cpu", "--num-kv-blocks", "8",
+                     "--log-level", "WARNING"]) == 1
+    assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
 
 
 def test_cli_serves_and_stops_on_sigterm(tmp_path: Path, model_dir: Path) -> None:
