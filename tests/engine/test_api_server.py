@@ -306,7 +306,8 @@ def _disconnects(server: ServerThread) -> float:
 
 def test_a_request_cancelled_before_the_engine_took_it_is_aborted(aeng: AsyncLLMEngine, llm: LLM) -> None:
     """The window between submitting and the engine thread accepting (a busy engine: a long
-    step) must not leak a request that then runs to its end."""
+    step) must not leak a request that then runs to its end, nor may the consumer's closed event
+    loop stop the engine thread."""
     from engine.params import SamplingParams
 
     before = llm.engine.stats.generated_tokens
@@ -322,9 +323,10 @@ def test_a_request_cancelled_before_the_engine_took_it_is_aborted(aeng: AsyncLLM
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    asyncio.run(leave_at_once())
+    asyncio.run(leave_at_once())       # and its event loop closes: the engine thread must not die of it
     wait_all_freed(llm)
     assert llm.engine.stats.generated_tokens - before < 50
+    assert aeng.alive
 
 
 def test_concurrent_clients(server: ServerThread, client: openai.OpenAI, model_dir: Path) -> None:
