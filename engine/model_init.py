@@ -20,10 +20,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-# The demo model: ~5M parameters, fast on a CPU; KV heads and head size as the compose file's
-# synthetic geometry (2 x 64).
-DEMO_SPEC: dict[str, Any] = dict(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
-                                 intermediate_size=768, vocab_size=4096, seed=0)
+# The demo model: ~4M parameters in float16, fast on a CPU; its KV pool has the compose file's
+# model-less geometry (2 layers x 2 KV heads x 64, float16), so the synthetic workloads that drive
+# the nodes' Forward (the services demo, the integration tests) cost what they did without it.
+DEMO_SPEC: dict[str, Any] = dict(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                                 intermediate_size=768, vocab_size=4096, dtype="float16", seed=0)
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
 
 

@@ -28,9 +28,10 @@ __all__ = ["dev_certs"]
 
 STACK_ENV = {"PAGEDKV_LEASE_TTL_S": str(LEASE_TTL_S), "PAGEDKV_CN_NUM_BLOCKS": "1024", "PAGEDKV_LOG_LEVEL": "WARNING"}
 CORE_SERVICES = ["block-manager", "compute-node-0", "compute-node-1"]
-# the stack's model: small enough to load in a blink, shaped like the real thing (GQA, 2 x 64 KV heads)
+# the stack's model: small enough to load in a blink, shaped like the real thing (GQA), and with the
+# KV geometry the synthetic workloads ran with before the nodes served a model (2 x 2 x 64, float16)
 TEST_MODEL = dict(arch="llama", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=64,
-                  intermediate_size=256, vocab_size=512, seed=3)
+                  intermediate_size=256, vocab_size=512, dtype="float16", seed=3)
 TEST_MODEL_NAME = "tiny-llama"
 
 
