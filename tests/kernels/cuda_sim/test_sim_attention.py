@@ -11,12 +11,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from sim_cases import assert_close, make_case, queries
 
 import kernels
 from kernels import reference
 from kernels.cuda import decode, decode_reduce, decode_split
 from kernels.cuda._spec import AttentionSpec
+from sim_cases import assert_close, make_case, queries
 
 TOL = {np.float32: 1e-5, np.float16: 1e-3}
 
