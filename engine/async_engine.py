@@ -14,12 +14,15 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.llm_engine import LLMEngine
 from engine.params import RequestOutput, SamplingParams
 from pagedkv.logging import get_logger
 
 log = get_logger(__name__)
+
+IDLE_GAUGE_REFRESH_S = 2.5   # keep refreshing the gauges this long after the engine went idle
 
 
 @dataclass(slots=True)
@@ -73,9 +76,11 @@ class AsyncLLMEngine:
         outbox: asyncio.Queue = asyncio.Queue()
         accepted = loop.create_future()
         self._inbox.put(_Submit(request_id, list(prompt_token_ids), params, prompt, outbox, loop, accepted))
-        await accepted
         finished = False
         try:
+            # inside the try: a consumer cancelled while the engine thread is busy with a step
+            # must abort too (aborting a refused or unknown request changes nothing)
+            await accepted
             while True:
                 out = await outbox.get()
                 if isinstance(out, BaseException):
@@ -103,20 +108,27 @@ class AsyncLLMEngine:
     # ---- engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        idle_since: float | None = None
         try:
             while not self._stopped.is_set():
                 block = not engine.has_unfinished_requests()
                 self._drain_inbox(block)
                 if engine.has_unfinished_requests():
+                    idle_since = None
                     self._deliver(engine.step())
                     self._refresh_gauges()
                 else:
                     engine.flush()
+                    # the gauges settle after the last frees (KV usage is read at most once a second)
+                    now = time.monotonic()
+                    idle_since = now if idle_since is None else idle_since
+                    if now - idle_since < IDLE_GAUGE_REFRESH_S:
+                        self._refresh_gauges()
         except BaseException as exc:  # noqa: BLE001 - surfaced to every waiting request
             self.error = exc
             log.exception("engine stopped")
             for loop, outbox in self._outboxes.values():
-                loop.call_soon_threadsafe(outbox.put_nowait, exc)
+                _post(loop, outbox.put_nowait, exc)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -143,10 +155,12 @@ class AsyncLLMEngine:
         try:
             engine.add_request(item.prompt_token_ids, item.params, prompt=item.prompt, request_id=item.request_id)
         except Exception as exc:  # noqa: BLE001 - the caller gets the refusal
-            item.loop.call_soon_threadsafe(_settle, item.accepted, exc)
+            _post(item.loop, _settle, item.accepted, exc)
+            return
+        if not _post(item.loop, _settle, item.accepted, None):
+            engine.abort_request(item.request_id)     # its consumer's event loop is gone
             return
         self._outboxes[item.request_id] = (item.loop, item.outbox)
-        item.loop.call_soon_threadsafe(_settle, item.accepted, None)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -154,7 +168,11 @@ class AsyncLLMEngine:
             if target is None:
                 continue
             loop, outbox = target
-            loop.call_soon_threadsafe(outbox.put_nowait, _snapshot(out))
+            if not _post(loop, outbox.put_nowait, _snapshot(out)):
+                del self._outboxes[out.request_id]   # its consumer's event loop is gone
+                if not out.finished:
+                    self.engine.abort_request(out.request_id)
+                continue
             if out.finished:
                 del self._outboxes[out.request_id]
 
@@ -170,6 +188,16 @@ class AsyncLLMEngine:
             "cached_prompt_tokens": s.cached_prompt_tokens, "preemptions": s.num_preemptions,
             "finished_requests": s.num_finished, "steps": s.num_steps, "time": time.time(),
         }
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> bool:
+    """Run `fn(*args)` on a consumer's event loop; False when that loop is closed (the consumer
+    went away with it: the engine thread must not die of it)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _settle(fut: asyncio.Future, exc: BaseException | None) -> None:

@@ -20,7 +20,11 @@ the code. So the integration tests and the demo start each service with the `com
   other lists (`command`, a health check's `test`) are replaced;
 - `${VAR:-default}` is interpolated from the given environment, as compose does;
 - the health check's `["CMD", "python", ...]` runs with this interpreter and the service's
-  environment (as inside its container: a probe may read the service's own TLS settings).
+  environment (as inside its container: a probe may read the service's own TLS settings), and
+  so does a command that starts with `python`;
+- a one-shot service (one that others depend on with `condition:
+  service_completed_successfully`, such as `model-init`) runs to completion before its
+  dependants start, and a non-zero exit stops the stack from coming up, as in compose.
 
 Processes get their own session (SIGKILL reaches the whole service) and their output goes to
 `<workdir>/<service>.log`.
@@ -62,6 +66,7 @@ class ServiceSpec:
     depends_on: list[str]
     profiles: list[str]
     binds: dict[str, str] = field(default_factory=dict)   # mount path in the container -> host path
+    oneshot: bool = False              # a job others wait for to complete (no ports, no health check)
 
 
 def _mount_target(entry: object) -> str:
@@ -99,6 +104,9 @@ def load_compose(
         doc = merge_compose(doc, yaml.safe_load(Path(extra).read_text()))
     base_dir = Path(path).resolve().parent
     specs: dict[str, ServiceSpec] = {}
+    oneshots = {dep for svc in doc["services"].values() if isinstance(svc.get("depends_on"), dict)
+                for dep, cond in svc["depends_on"].items()
+                if isinstance(cond, dict) and cond.get("condition") == "service_completed_successfully"}
     for name, svc in doc["services"].items():
         if "command" not in svc:
             continue                     # third-party image services (postgres) run their own entrypoint
@@ -125,6 +133,7 @@ def load_compose(
             depends_on=depends_on,
             profiles=list(svc.get("profiles") or []),
             binds=binds,
+            oneshot=name in oneshots,
         )
     return specs
 
@@ -229,6 +238,7 @@ class LocalStack:
     specs: dict[str, ServiceSpec] = field(init=False)
     ports: dict[tuple[str, int], int] = field(init=False, default_factory=dict)
     running: dict[str, _Running] = field(init=False, default_factory=dict)
+    completed: set[str] = field(init=False, default_factory=set)    # one-shot services that succeeded
 
     def __post_init__(self) -> None:
         self.workdir = Path(self.workdir)
@@ -293,11 +303,32 @@ class LocalStack:
         for k, v in spec.environment.items():
             env[k] = self.rewrite(service, v, k)
         env.update(self.overrides.get(service, {}))
-        argv = [self.rewrite(service, a) for a in spec.command] + ["--port-file", str(self.port_file(service))]
+        argv = [self.rewrite(service, a) for a in spec.command]
+        if argv and argv[0] == "python":
+            argv[0] = sys.executable
+        if not spec.oneshot:
+            argv += ["--port-file", str(self.port_file(service))]
         return argv, env
 
     # -- life cycle ---------------------------------------------------------------------------
+    def run_once(self, service: str, timeout_s: float = 300.0) -> None:
+        """Run a one-shot service to completion (`StackError` with its log on a failure)."""
+        argv, env = self.command(service)
+        log_path = self.workdir / f"{service}.log"
+        with open(log_path, "ab") as log:
+            try:
+                code = subprocess.run(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      cwd=self.workdir, timeout=timeout_s).returncode
+            except subprocess.TimeoutExpired:
+                raise StackError(f"{service} did not finish in {timeout_s:.0f} s:\n{self.log_tail(service)}") from None
+        if code != 0:
+            raise StackError(f"{service} exited with code {code}:\n{self.log_tail(service)}")
+        self.completed.add(service)
+
     def start(self, service: str, *, wait: bool = True, timeout_s: float = 120.0) -> None:
+        if self.specs[service].oneshot:
+            self.run_once(service)
+            return
         if service in self.running and self.running[service].proc.poll() is None:
             raise StackError(f"{service} is already running")
         argv, env = self.command(service)
@@ -326,16 +357,20 @@ class LocalStack:
                 return
             for dep in self.specs[name].depends_on:
                 visit(dep)
-            self.start(name, wait=False)
+            if self.specs[name].oneshot:
+                self.run_once(name)
+            else:
+                self.start(name, wait=False)
             started.add(name)
             # dependants need this one healthy first (condition: service_healthy)
-            if any(name in self.specs[o].depends_on for o in wanted):
+            if not self.specs[name].oneshot and any(name in s.depends_on for s in self.specs.values()):
                 self.wait_healthy(name, timeout_s)
 
         for name in wanted:
             visit(name)
         for name in wanted:
-            self.wait_healthy(name, timeout_s)
+            if not self.specs[name].oneshot:
+                self.wait_healthy(name, timeout_s)
 
     def is_healthy(self, service: str) -> bool:
         spec = self.specs[service]

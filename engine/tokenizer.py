@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HfTokenizer
+from tokenizers import decoders
 
 
 class TokenizerError(ValueError):
@@ -56,6 +57,19 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token as text, special tokens included (how logprobs name tokens)."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: exact for byte-level BPE vocabularies (GPT-2, Llama 3,
+        Qwen), also for a token holding part of a character; else its text's UTF-8."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is not None and isinstance(self._tok.decoder, decoders.ByteLevel) \
+                and all(c in _BYTE_DECODER for c in piece):
+            return bytes(_BYTE_DECODER[c] for c in piece)
+        return self.token_text(token_id).encode()
+
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
         """The chat rendered to one prompt string (encode it with `add_special_tokens=False`:
         templates write their own BOS)."""
@@ -83,6 +97,22 @@ class Tokenizer:
             )
         except TemplateError as exc:
             raise TokenizerError(f"the chat template refused the conversation: {exc}") from None
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, inverted: the character standing for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+_BYTE_DECODER = _byte_level_alphabet()
 
 
 class IncrementalDetokenizer:

@@ -2,11 +2,18 @@
 
 Two fixtures: `stack`, shared by the tests of a module that only drive it and leave it as they
 found it (every sequence freed), and `fresh_stack`, a stack of its own for a test that kills or
-restarts a service. So no test depends on another having run before it, or on its order.
+restarts a service. So no test depends on another having run before it, or on its order. Both
+run the block manager and the nodes (`CORE_SERVICES`, with the one-shot `model-init` they depend
+on); the API server's tests start the whole file (`test_api_stack.py`).
+
+The nodes serve a model, as in compose: a tiny one built once per session (`stack_env`: its
+directory as PAGEDKV_MODEL_DIR, so model-init finds it present). The synthetic workloads drive
+the nodes' `Forward` with the pools' geometry, whatever model shaped them.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,16 +22,43 @@ import pytest
 from engine.localstack import LocalStack
 from integration_tests.helpers import LEASE_TTL_S
 from tests.fixtures.certs import dev_certs
+from tests.fixtures.entry_points import missing_entry_points_dir
 
 __all__ = ["dev_certs"]
 
 STACK_ENV = {"PAGEDKV_LEASE_TTL_S": str(LEASE_TTL_S), "PAGEDKV_CN_NUM_BLOCKS": "1024", "PAGEDKV_LOG_LEVEL": "WARNING"}
+CORE_SERVICES = ["block-manager", "compute-node-0", "compute-node-1"]
+# the stack's model: small enough to load in a blink, shaped like the real thing (GQA), and with the
+# KV geometry the synthetic workloads ran with before the nodes served a model (2 x 2 x 64, float16)
+TEST_MODEL = dict(arch="llama", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=64,
+                  intermediate_size=256, vocab_size=512, dtype="float16", seed=3)
+TEST_MODEL_NAME = "tiny-llama"
 
 
-def _up(workdir: Path) -> LocalStack:
-    stack = LocalStack(workdir, interp_env=STACK_ENV)
+@pytest.fixture(scope="session", autouse=True)
+def entry_points(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The compose commands on PATH even where the venv predates one (tests/fixtures/entry_points.py)."""
+    shims = missing_entry_points_dir(tmp_path_factory.mktemp("entry-points"))
+    with pytest.MonkeyPatch.context() as mp:
+        if shims is not None:
+            mp.setenv("PATH", f"{shims}{os.pathsep}{os.environ.get('PATH', '')}")
+        yield
+
+
+@pytest.fixture(scope="session")
+def stack_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """`STACK_ENV` plus PAGEDKV_MODEL_DIR: a directory holding the built test model."""
+    from compute_node.model.tiny import build_tiny_model
+
+    models = tmp_path_factory.mktemp("models")
+    build_tiny_model(models / TEST_MODEL_NAME, **TEST_MODEL)  # type: ignore[arg-type]
+    return {**STACK_ENV, "PAGEDKV_MODEL_DIR": str(models), "PAGEDKV_MODEL": TEST_MODEL_NAME}
+
+
+def _up(workdir: Path, env: dict[str, str]) -> LocalStack:
+    stack = LocalStack(workdir, interp_env=env)
     try:
-        stack.up()
+        stack.up(CORE_SERVICES)
     except BaseException:
         stack.down()
         raise
@@ -32,8 +66,8 @@ def _up(workdir: Path) -> LocalStack:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    s = _up(tmp_path_factory.mktemp("stack"))
+def stack(tmp_path_factory: pytest.TempPathFactory, stack_env: dict[str, str]) -> Iterator[LocalStack]:
+    s = _up(tmp_path_factory.mktemp("stack"), stack_env)
     try:
         yield s
     finally:
@@ -41,8 +75,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
 
 
 @pytest.fixture
-def fresh_stack(tmp_path: Path) -> Iterator[LocalStack]:
-    s = _up(tmp_path / "stack")
+def fresh_stack(tmp_path: Path, stack_env: dict[str, str]) -> Iterator[LocalStack]:
+    s = _up(tmp_path / "stack", stack_env)
     try:
         yield s
     finally:

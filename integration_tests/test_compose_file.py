@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from engine.localstack import COMPOSE_FILE, LocalStack, StackError, interpolate, load_compose
+from tests.fixtures.entry_points import declared_entry_points
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,9 +35,21 @@ def test_interpolation_follows_compose_rules() -> None:
 def test_services_and_dependencies() -> None:
     doc = yaml.safe_load(COMPOSE_FILE.read_text())
     services = doc["services"]
-    assert {"block-manager", "compute-node-0", "compute-node-1", "postgres"} <= set(services)
+    assert {"block-manager", "compute-node-0", "compute-node-1", "postgres", "model-init",
+            "api-server"} <= set(services)
     for name in ("compute-node-0", "compute-node-1"):
         assert services[name]["depends_on"]["block-manager"]["condition"] == "service_healthy"
+        assert services[name]["depends_on"]["model-init"]["condition"] == "service_completed_successfully"
+        assert services[name]["environment"]["PAGEDKV_CN_MODEL"] == "/models/${PAGEDKV_MODEL:-tiny-llama}"
+        assert services[name]["volumes"] == ["${PAGEDKV_MODEL_DIR:-models}:/models:ro"]
+    api = services["api-server"]
+    for dep in ("block-manager", "compute-node-0", "compute-node-1"):
+        assert api["depends_on"][dep]["condition"] == "service_healthy"
+    assert api["depends_on"]["model-init"]["condition"] == "service_completed_successfully"
+    assert api["command"][:3] == ["pagedkv-serve", "--model", "/models/${PAGEDKV_MODEL:-tiny-llama}"]
+    assert api["healthcheck"]["test"] == ["CMD", "python", "-m", "engine.api_healthcheck", "127.0.0.1:8000"]
+    assert api["ports"] == ["8000:8000"]
+    assert services["model-init"]["restart"] == "no" and "models" in doc["volumes"]
     assert services["postgres"]["profiles"] == ["postgres"]
     assert services["block-manager"]["depends_on"]["postgres"]["required"] is False
     assert "bm-data" in doc["volumes"]
@@ -47,8 +60,10 @@ def test_services_and_dependencies() -> None:
 
 def test_commands_are_installed_entry_points() -> None:
     bindir = Path(sys.executable).parent
+    declared = set(declared_entry_points()) | {"python"}
     for spec in load_compose(env={}).values():
         exe = spec.command[0]
+        assert exe in declared, f"{spec.name}: {exe} is not a [project.scripts] entry point"
         assert (bindir / exe).exists() or shutil.which(exe), f"{spec.name}: {exe} is not installed"
 
 
@@ -79,6 +94,46 @@ def test_environment_is_accepted_by_each_service_config(tmp_path: Path) -> None:
         assert cfg.device == "cpu"
         # first start: the kernel picks the port (no probe-then-bind race); metrics ephemeral too
         assert cfg.listen_address == "127.0.0.1:0" and cfg.metrics_port == 0
+        assert cfg.model == str(tmp_path / "volumes" / "models" / "tiny-llama")    # the named volume
+        assert cfg.block_size == 16
+
+
+def test_api_server_command_is_accepted_by_its_cli(tmp_path: Path) -> None:
+    from engine.api_cli import _parser
+
+    stack = LocalStack(tmp_path, interp_env={"PAGEDKV_MODEL_DIR": str(tmp_path / "hf"), "PAGEDKV_MODEL": "Qwen3-0.6B"})
+    stack.ports[("block-manager", 50051)] = 50999
+    argv, env = stack.command("api-server")
+    assert argv[0] == "pagedkv-serve"
+    with mock.patch.dict(os.environ, {k: v for k, v in env.items() if k.startswith("PAGEDKV_")}, clear=False):
+        args = _parser().parse_args(argv[1:])
+    assert args.model == str(tmp_path / "hf" / "Qwen3-0.6B")            # PAGEDKV_MODEL_DIR: a bind mount
+    assert args.block_manager == "127.0.0.1:50999"
+    assert (args.host, args.port) == ("127.0.0.1", 0)                    # 0.0.0.0:8000 -> loopback, a free port
+    assert args.port_file == stack.port_file("api-server")
+    assert args.api_key in (None, "") and int(args.max_num_seqs) == 256
+    assert stack.specs["api-server"].healthcheck == ["python", "-m", "engine.api_healthcheck", "127.0.0.1:8000"]
+    init_argv, _ = stack.command("model-init")
+    assert stack.specs["model-init"].oneshot and not stack.specs["api-server"].oneshot
+    assert init_argv == [sys.executable, "-m", "engine.model_init", str(tmp_path / "hf" / "Qwen3-0.6B")]
+
+
+def test_one_shot_services_run_to_completion_first(tmp_path: Path) -> None:
+    compose = tmp_path / "compose.yml"
+    compose.write_text(yaml.safe_dump({"services": {
+        "job": {"command": ["python", "-c", "import pathlib; pathlib.Path('done').write_text('ok')"]},
+        "bad": {"command": ["python", "-c", "import sys; print('no model here'); sys.exit(2)"]},
+        "svc": {"command": ["python", "-c", "pass"], "ports": ["1234:1234"],
+                "depends_on": {"job": {"condition": "service_completed_successfully"},
+                               "bad": {"condition": "service_completed_successfully"}}},
+    }}))
+    stack = LocalStack(tmp_path / "run", compose_file=compose, interp_env={})
+    assert stack.specs["job"].oneshot and stack.specs["bad"].oneshot and not stack.specs["svc"].oneshot
+    stack.up(["job"])
+    assert (tmp_path / "run" / "done").read_text() == "ok" and stack.completed == {"job"}
+    with pytest.raises(StackError, match="bad exited with code 2(.|\n)*no model here"):
+        stack.up(["svc"])
+    assert "svc" not in stack.running          # a dependant never starts after a failed one-shot
 
 
 def test_dockerfile_installs_through_the_readme_path() -> None:

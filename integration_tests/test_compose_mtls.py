@@ -31,7 +31,9 @@ def test_mtls_override_configures_every_service(tmp_path: Path, dev_certs: DevCe
     from compute_node.service.config import load_config as load_cn
 
     services = yaml.safe_load(MTLS_COMPOSE_FILE.read_text())["services"]
-    assert set(services) == set(yaml.safe_load(COMPOSE_FILE.read_text())["services"]) - {"postgres"}
+    # every gRPC service; the API server is left out (its clients are plaintext), model-init needs nothing
+    assert set(services) == set(yaml.safe_load(COMPOSE_FILE.read_text())["services"]) - {"postgres", "model-init"}
+    assert services["api-server"] == {"profiles": ["api-without-mtls"]}
     stack = LocalStack(tmp_path, interp_env={"PAGEDKV_CERTS_DIR": str(dev_certs.dir)},
                        override_files=[MTLS_COMPOSE_FILE])
     stack.ports[("block-manager", 50051)] = 50999

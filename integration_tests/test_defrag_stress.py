@@ -20,7 +20,7 @@ import pytest
 from block_manager.client.admin import AdminClient
 from engine.localstack import LocalStack
 from engine.serving import ServingDriver
-from integration_tests.conftest import STACK_ENV
+from integration_tests.conftest import CORE_SERVICES
 from integration_tests.helpers import node_addresses, small_trace
 
 AGGRESSIVE = {
@@ -32,10 +32,10 @@ AGGRESSIVE = {
 
 
 @pytest.fixture
-def defrag_stack(tmp_path: Path) -> Iterator[LocalStack]:
-    stack = LocalStack(tmp_path / "stack", interp_env=STACK_ENV, overrides={"block-manager": AGGRESSIVE})
+def defrag_stack(tmp_path: Path, stack_env: dict[str, str]) -> Iterator[LocalStack]:
+    stack = LocalStack(tmp_path / "stack", interp_env=stack_env, overrides={"block-manager": AGGRESSIVE})
     try:
-        stack.up()
+        stack.up(CORE_SERVICES)
         yield stack
     finally:
         stack.down()

@@ -19,7 +19,6 @@ from block_manager.client.admin import AdminClient
 from compute_node.client import ComputeNodeClient
 from engine.localstack import MTLS_COMPOSE_FILE, LocalStack
 from engine.serving import ServingDriver
-from integration_tests.conftest import STACK_ENV
 from integration_tests.helpers import node_addresses, small_trace
 from pagedkv.tls import open_channel
 from tests.fixtures.certs import DevCerts, generate
@@ -31,8 +30,9 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> DevCerts:
 
 
 @pytest.fixture(scope="module")
-def mtls_stack(tmp_path_factory: pytest.TempPathFactory, certs: DevCerts) -> Iterator[LocalStack]:
-    env = {**STACK_ENV, "PAGEDKV_CERTS_DIR": str(certs.dir)}
+def mtls_stack(tmp_path_factory: pytest.TempPathFactory, certs: DevCerts,
+               stack_env: dict[str, str]) -> Iterator[LocalStack]:
+    env = {**stack_env, "PAGEDKV_CERTS_DIR": str(certs.dir)}
     stack = LocalStack(Path(tmp_path_factory.mktemp("mtls-stack")), interp_env=env,
                        override_files=[MTLS_COMPOSE_FILE])
     try:

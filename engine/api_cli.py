@@ -1,0 +1,206 @@
+"""`pagedkv-serve`: the OpenAI-compatible HTTP server (`engine.api_server`) from the command line.
+
+    pagedkv-serve --model /models/Qwen2.5-0.5B-Instruct                 # embedded: block manager + one node here
+    pagedkv-serve --model /models/Qwen2.5-0.5B-Instruct --block-manager 127.0.0.1:50051
+                                                                        # the nodes registered there (PAGEDKV_CN_MODEL)
+
+Every flag can also come from the environment as `PAGEDKV_API_<FLAG>` (`PAGEDKV_API_PORT=8000`,
+`PAGEDKV_API_KEY=...`); a flag wins over its variable. The KV pool options (`--block-size`,
+`--kv-cache-memory`, `--num-kv-blocks`, `--dtype`, `--device`, `--no-prefix-caching`,
+`--watermark`) shape the embedded node and block manager; with `--block-manager` the nodes and
+the block manager have their own settings. `--port 0` binds a free port; `--port-file` then
+tells which (written once the server accepts connections).
+
+Exit codes: 0 after SIGTERM / SIGINT, 2 for a usage or model problem (no such model directory,
+an unsupported architecture, no tokenizer), 1 when start-up failed (block manager unreachable,
+no model node registered, the port in use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+EXIT_START_FAILED = 1
+EXIT_USAGE = 2
+ENV_PREFIX = "PAGEDKV_API_"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from `536870912`, `512MiB`, `0.5GiB`, `2G`, `2GB` (binary multiples throughout)."""
+    m = _SIZE.match(text)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 536870912, 512MiB, 2GiB)")
+    scale = 1024 ** " kmgt".index((m.group(2) or " ").lower())
+    return int(float(m.group(1)) * scale)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagedkv-serve", description="pagedkv OpenAI-compatible HTTP server",
+                                epilog=f"Each flag may also be set as {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}PORT).")
+    p.add_argument("--model", help="Hugging Face model directory (Llama, Qwen2, Qwen3); required")
+    p.add_argument("--served-model-name", help="model id in the API (default: the directory's name)")
+    p.add_argument("--block-manager", help="HOST:PORT of a running block manager: serve its registered model nodes "
+                   "(default: everything in this process)")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="listen port (default 8000; 0: a free one)")
+    p.add_argument("--port-file", type=Path, help="write the bound port here once listening")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (env PAGEDKV_API_KEY)")
+    p.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once (default 256)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens per scheduler step; longer prompts are prefilled in chunks (default 2048)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (embedded; default 16)")
+    p.add_argument("--kv-cache-memory", type=parse_size,
+                   help="bytes for the KV pool, e.g. 2GiB (embedded; default 512MiB)")
+    p.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks instead (embedded)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                   help="weights and KV dtype (embedded; default the checkpoint's)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (embedded; default auto)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks (embedded)")
+    p.add_argument("--watermark", type=float, default=0.01,
+                   help="fraction of KV blocks kept free for running sequences (embedded; default 0.01)")
+    p.add_argument("--shutdown-grace-s", type=float, default=5.0,
+                   help="open requests get this long after SIGTERM (default 5)")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
+    for action in p._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        env = os.environ.get(ENV_PREFIX + action.dest.upper())
+        if env is None and action.dest == "api_key":
+            env = os.environ.get("PAGEDKV_API_KEY")
+        if env:
+            action.default = env.lower() in ("1", "true", "yes", "on") if action.const is True else env
+            action.required = False
+    return p
+
+
+def _fail(code: int, message: str) -> int:
+    print(f"pagedkv-serve: error: {message}", file=sys.stderr)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if not args.model:
+        return _fail(EXIT_USAGE, "--model is required (a Hugging Face model directory)")
+    from pagedkv.logging import configure_logging
+
+    try:
+        configure_logging(args.log_level)
+    except ValueError as exc:
+        return _fail(EXIT_USAGE, str(exc))
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        return _fail(EXIT_USAGE, f"model directory {str(model_dir)!r} does not exist")
+    from compute_node.model.config import ModelConfig
+    from compute_node.model.errors import ModelLoadError
+    from engine.tokenizer import TokenizerError
+
+    try:
+        ModelConfig.from_dir(model_dir)     # an unsupported architecture is named here, before any loading
+    except ModelLoadError as exc:
+        return _fail(EXIT_USAGE, str(exc))
+    try:
+        llm = _build_llm(args)
+    except (ModelLoadError, TokenizerError, ValueError) as exc:
+        return _fail(EXIT_USAGE, str(exc))
+    except Exception as exc:  # noqa: BLE001 - one line, not a traceback: the block manager, the nodes
+        return _fail(EXIT_START_FAILED, _one_line(exc))
+    try:
+        return asyncio.run(_serve(llm, args))
+    except OSError as exc:                     # the port is in use, the address is not ours
+        return _fail(EXIT_START_FAILED, f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
+    except KeyboardInterrupt:
+        return 130
+
+
+def _one_line(exc: BaseException) -> str:
+    details = exc.details() if hasattr(exc, "details") and callable(exc.details) else None
+    return f"{type(exc).__name__}: {details or exc}".splitlines()[0]
+
+
+def _build_llm(args: argparse.Namespace) -> Any:
+    from engine.llm import LLM
+
+    return LLM(
+        args.model, block_manager=args.block_manager, block_size=int(args.block_size),
+        kv_cache_memory=None if args.kv_cache_memory is None else int(args.kv_cache_memory),
+        num_kv_blocks=None if args.num_kv_blocks is None else int(args.num_kv_blocks),
+        dtype=args.dtype, device=args.device, enable_prefix_caching=not args.no_prefix_caching,
+        max_num_seqs=int(args.max_num_seqs), max_num_batched_tokens=int(args.max_num_batched_tokens),
+        max_model_len=None if args.max_model_len is None else int(args.max_model_len),
+        watermark=float(args.watermark),
+    )
+
+
+def node_health_check(block_manager: str | None, nodes: dict[str, Any]) -> Any:
+    """`/health` beyond the engine thread: with services, the block manager and every node
+    answer the gRPC health service as SERVING (a node is SERVING once registered)."""
+    from pagedkv.healthcheck import check
+
+    targets = {} if block_manager is None else {"block manager": block_manager}
+    targets.update({f"node {nid}": node.address for nid, node in nodes.items() if hasattr(node, "address")})
+
+    def probe() -> tuple[bool, str]:
+        bad = [f"{name} {status}" for name, target in targets.items()
+               if (status := check(target, timeout_s=1.0)) != "SERVING"]
+        return (not bad, "; ".join(bad) or "ok")
+
+    async def health_check() -> tuple[bool, str]:
+        if not targets:
+            return True, "ok"
+        return await asyncio.to_thread(probe)
+
+    return health_check
+
+
+async def _serve(llm: Any, args: argparse.Namespace) -> int:
+    from engine.api_server import build_app, serve_async
+    from engine.async_engine import AsyncLLMEngine
+    from pagedkv.logging import get_logger
+    from pagedkv.tls import is_loopback
+
+    log = get_logger("engine.api_cli")
+    aeng = AsyncLLMEngine(llm.engine)
+    name = args.served_model_name or Path(args.model).name
+    app = build_app(aeng, llm.tokenizer, name, api_key=args.api_key or None,
+                    health_check=node_health_check(args.block_manager, llm.engine.nodes))
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    if not args.api_key and not is_loopback(f"{host}:{args.port}"):
+        log.warning("listening beyond loopback without an API key: anyone who reaches the port may generate",
+                    host=args.host)
+    log.info("serving", model=name, model_dir=args.model, block_manager=args.block_manager or "embedded",
+             max_model_len=llm.engine.max_model_len, nodes=sorted(llm.engine.nodes))
+    try:
+        await serve_async(app, host=args.host, port=int(args.port), port_file=args.port_file,
+                          shutdown_grace_s=float(args.shutdown_grace_s), log_level=args.log_level)
+    finally:
+        await asyncio.to_thread(_close, llm, aeng, log)
+    return 0
+
+
+def _close(llm: Any, aeng: Any, log: Any) -> None:
+    """Stop the engine thread, free what is left, hand the pools back, close the clients."""
+    aeng.shutdown()
+    engine = llm.engine
+    try:
+        for rid in list(engine.requests):
+            engine.abort_request(rid)
+        engine.flush()
+        release = getattr(llm.client, "release", None)
+        if release is not None and getattr(llm.client, "held_pools", None):
+            release()
+    except Exception as exc:  # noqa: BLE001 - best effort on the way out: leases lapse anyway
+        log.warning("could not free every sequence on shutdown", error=_one_line(exc))
+    llm.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

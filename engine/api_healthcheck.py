@@ -1,0 +1,38 @@
+"""Health probe of the API server for container health checks (the image has no curl):
+
+    python -m engine.api_healthcheck 127.0.0.1:8000        # exit 0 when GET /health answers 200
+
+It prints the answer's status line, or why there was none; exit 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import urllib.error
+import urllib.request
+
+
+def check(target: str, timeout_s: float = 3.0) -> tuple[bool, str]:
+    url = target if target.startswith(("http://", "https://")) else f"http://{target}"
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout_s) as reply:  # noqa: S310
+            return reply.status == 200, f"{reply.status} {reply.read(200).decode(errors='replace')}"
+    except urllib.error.HTTPError as exc:
+        return False, f"{exc.code} {exc.read(200).decode(errors='replace')}"
+    except (urllib.error.URLError, OSError) as exc:
+        return False, f"UNREACHABLE ({getattr(exc, 'reason', exc)})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.api_healthcheck", description=__doc__.splitlines()[0])
+    parser.add_argument("target", help="HOST:PORT of the API server (or its base URL)")
+    parser.add_argument("--timeout", type=float, default=3.0, help="seconds (default 3)")
+    args = parser.parse_args(argv)
+    ok, detail = check(args.target, args.timeout)
+    print(detail)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

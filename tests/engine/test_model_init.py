@@ -1,0 +1,36 @@
+"""`python -m engine.model_init`: compose's one-shot that makes sure the served model exists."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.model_init import ModelInitError, ensure_model, main
+
+SMALL = dict(num_layers=1, hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32, intermediate_size=128,
+             vocab_size=300, seed=1)
+
+
+def test_builds_a_missing_tiny_model_once(tmp_path: Path) -> None:
+    target = tmp_path / "models" / "tiny-qwen2"
+    assert ensure_model(target, SMALL) == "built"
+    assert (target / "config.json").is_file() and (target / "tokenizer.json").is_file()
+    assert "Qwen2ForCausalLM" in (target / "config.json").read_text()
+    assert [p.name for p in target.parent.iterdir()] == ["tiny-qwen2"]      # no temp directory left behind
+    assert ensure_model(target, SMALL) == "present"
+
+
+def test_never_invents_a_real_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ModelInitError, match="PAGEDKV_MODEL_DIR"):
+        ensure_model(tmp_path / "Qwen2.5-0.5B-Instruct")
+    (tmp_path / "tiny-llama").mkdir()
+    (tmp_path / "tiny-llama" / "notes.txt").write_text("not a model")
+    with pytest.raises(ModelInitError, match="not a model directory"):
+        ensure_model(tmp_path / "tiny-llama")
+    assert main([str(tmp_path / "Llama-3-8B")]) == 2
+    assert "no model at" in capsys.readouterr().err
+    real = tmp_path / "mine"
+    real.mkdir()
+    (real / "config.json").write_text("{}")
+    assert main([str(real)]) == 0 and "present" in capsys.readouterr().out
