@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
             LocalStack(Path(tmp), interp_env=env) as stack:
         console.print(f"starting block manager + {len(NODES)} compute nodes from docker-compose.yml ...")
         t0 = time.perf_counter()
-        stack.up()
+        stack.up(["block-manager", *NODES])
         console.print(f"stack healthy in {time.perf_counter() - t0:.1f} s "
                       f"(block manager {stack.address('block-manager')}, "
                       + ", ".join(f"{n} {stack.address(n)}" for n in NODES) + ")")

@@ -99,18 +99,20 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     with tempfile.TemporaryDirectory(prefix="pagedkv-demo-") as tmp:
         model_dir, built = _model_dir(args, Path(tmp))
+        # the compose file's own model settings: the nodes mount PAGEDKV_MODEL_DIR and serve
+        # PAGEDKV_MODEL from it (model-init finds it there and builds nothing)
         env = {
             "PAGEDKV_CN_NUM_BLOCKS": str(args.node_blocks), "PAGEDKV_LOG_LEVEL": "WARNING",
-            "PAGEDKV_CN_MODEL": str(model_dir), "PAGEDKV_BLOCK_SIZE": str(args.block_size),
+            "PAGEDKV_MODEL_DIR": str(model_dir.parent), "PAGEDKV_MODEL": model_dir.name,
+            "PAGEDKV_BLOCK_SIZE": str(args.block_size),
         }
         # the two nodes share this machine's cores: one thread pool each, no oversubscription
         threads = str(max(1, (os.cpu_count() or 2) // len(NODES)))
-        overrides = {n: {"PAGEDKV_CN_MODEL": str(model_dir), "PAGEDKV_CN_BLOCK_SIZE": str(args.block_size),
-                         "OMP_NUM_THREADS": threads, "NUMBA_NUM_THREADS": threads} for n in NODES}
+        overrides = {n: {"OMP_NUM_THREADS": threads, "NUMBA_NUM_THREADS": threads} for n in NODES}
         with LocalStack(Path(tmp) / "stack", interp_env=env, overrides=overrides) as stack:
             console.print(f"starting block manager + {len(NODES)} compute nodes serving {model_dir.name} ...")
             t0 = time.perf_counter()
-            stack.up()
+            stack.up(["block-manager", *NODES])   # the engine here is the scheduler: no API server
             console.print(f"stack healthy in {time.perf_counter() - t0:.1f} s")
             if built:
                 console.print(f"[yellow]no --model given: built {model_dir.name}, a random-weight Llama-architecture "
