@@ -717,7 +717,7 @@ class BlockManager:
         return to_snapshot(
             CoreParts(
                 self.watermark, self.enable_prefix_caching, self.defrag_policy,
-                self._pools, self._seqs, self._next_plan_id,
+                self._pools, self._seqs, self._next_plan_id, self.max_unsettled_steps,
             )
         )
 
@@ -730,6 +730,7 @@ class BlockManager:
             watermark=parts.watermark,
             enable_prefix_caching=parts.enable_prefix_caching,
             defrag_policy=parts.defrag_policy,
+            max_unsettled_steps=parts.max_unsettled_steps,
         )
         manager._pools, manager._seqs, manager._next_plan_id = parts.pools, parts.seqs, parts.next_plan_id
         problems = manager.fsck()

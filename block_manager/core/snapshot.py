@@ -32,6 +32,7 @@ class CoreParts:
     pools: dict[PoolId, Pool]
     seqs: dict[SeqId, Sequence]
     next_plan_id: int
+    max_unsettled_steps: int
 
 FORMAT = 2
 _COUNTERS = (
@@ -163,6 +164,7 @@ def to_snapshot(parts: CoreParts) -> dict[str, Any]:
             "min_contiguity": policy.min_contiguity,
         },
         "next_plan_id": parts.next_plan_id,
+        "max_unsettled_steps": parts.max_unsettled_steps,
         "seq_order": list(parts.seqs),
         "pools": [_pool_to_dict(p) for p in parts.pools.values()],
     }
@@ -254,6 +256,7 @@ def from_snapshot(data: Mapping[str, Any]) -> CoreParts:
             pools=pools,
             seqs={SeqId(sid): seqs[sid] for sid in order},
             next_plan_id=int(data["next_plan_id"]),
+            max_unsettled_steps=int(data["max_unsettled_steps"]),
         )
     except CoreError as exc:
         raise InvalidRequest(f"malformed snapshot: {exc}") from None

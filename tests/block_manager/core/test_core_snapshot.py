@@ -161,3 +161,9 @@ def test_hash_encoding_is_pinned() -> None:
     assert hash_prefix(list(range(8)), 4, "t")[-1].hex() == (
         "441cf633db7c52cb72e35003d10c32dbdb6bde3e8f024d69959c5a89ef961c20"
     )
+
+
+def test_snapshot_keeps_the_pipelining_depth() -> None:
+    m = BlockManager(max_unsettled_steps=7)
+    m.add_pool("p", 8, 4)
+    assert BlockManager.from_snapshot(json.loads(json.dumps(m.to_snapshot()))).max_unsettled_steps == 7
