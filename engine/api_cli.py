@@ -9,7 +9,9 @@ Every flag can also come from the environment as `PAGEDKV_API_<FLAG>` (`PAGEDKV_
 `--kv-cache-memory`, `--num-kv-blocks`, `--dtype`, `--device`, `--no-prefix-caching`,
 `--watermark`) shape the embedded node and block manager; with `--block-manager` the nodes and
 the block manager have their own settings. `--port 0` binds a free port; `--port-file` then
-tells which (written once the server accepts connections).
+tells which (written once the server accepts connections). Across hosts, `--ca-file`, `--cert-file`,
+`--key-file` (mutual TLS: a scheduler certificate), `--server-name`, `--tls` and
+`--scheduler-token` are this server's credentials towards the block manager and the nodes.
 
 Exit codes: 0 after SIGTERM / SIGINT, 2 for a usage or model problem (no such model directory,
 an unsupported architecture, no tokenizer), 1 when start-up failed (block manager unreachable,
@@ -69,6 +71,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-grace-s", type=float, default=5.0,
                    help="open requests get this long after SIGTERM (default 5)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
+    p.add_argument("--scheduler-token", help="this server's scheduler bearer token at the block manager and the "
+                   "nodes (with --block-manager; their auth.tokens 'scheduler' entry)")
+    from pagedkv.tls import add_tls_arguments
+
+    tls_group = p.add_argument_group("TLS towards the block manager and the nodes (with --block-manager)")
+    add_tls_arguments(tls_group, ENV_PREFIX)
     for action in p._actions:
         if not action.option_strings or action.dest == "help":
             continue
@@ -128,6 +136,7 @@ def _one_line(exc: BaseException) -> str:
 
 def _build_llm(args: argparse.Namespace) -> Any:
     from engine.llm import LLM
+    from pagedkv.tls import tls_from_args
 
     return LLM(
         args.model, block_manager=args.block_manager, block_size=int(args.block_size),
@@ -136,27 +145,32 @@ def _build_llm(args: argparse.Namespace) -> Any:
         dtype=args.dtype, device=args.device, enable_prefix_caching=not args.no_prefix_caching,
         max_num_seqs=int(args.max_num_seqs), max_num_batched_tokens=int(args.max_num_batched_tokens),
         max_model_len=None if args.max_model_len is None else int(args.max_model_len),
-        watermark=float(args.watermark),
+        watermark=float(args.watermark), tls=tls_from_args(args), token=args.scheduler_token or None,
     )
 
 
-def node_health_check(block_manager: str | None, nodes: dict[str, Any]) -> Any:
+def node_health_check(block_manager: str | None, nodes: dict[str, Any], tls: Any = None) -> Any:
     """`/health` beyond the engine thread: with services, the block manager and every node
-    answer the gRPC health service as SERVING (a node is SERVING once registered)."""
+    answer the gRPC health service as SERVING (a node is SERVING once registered). `tls`: the
+    server's own TLS settings towards them (the health service needs no token). `nodes` is the
+    engine's live dict, so nodes adopted later are probed too."""
     from pagedkv.healthcheck import check
 
-    targets = {} if block_manager is None else {"block manager": block_manager}
-    targets.update({f"node {nid}": node.address for nid, node in nodes.items() if hasattr(node, "address")})
+    def targets() -> dict[str, str]:
+        found = {} if block_manager is None else {"block manager": block_manager}
+        found.update({f"node {nid}": node.address for nid, node in list(nodes.items()) if hasattr(node, "address")})
+        return found
 
-    def probe() -> tuple[bool, str]:
-        bad = [f"{name} {status}" for name, target in targets.items()
-               if (status := check(target, timeout_s=1.0)) != "SERVING"]
+    def probe(found: dict[str, str]) -> tuple[bool, str]:
+        bad = [f"{name} {status}" for name, target in found.items()
+               if (status := check(target, timeout_s=1.0, tls=tls)) != "SERVING"]
         return (not bad, "; ".join(bad) or "ok")
 
     async def health_check() -> tuple[bool, str]:
-        if not targets:
+        found = targets()
+        if not found:
             return True, "ok"
-        return await asyncio.to_thread(probe)
+        return await asyncio.to_thread(probe, found)
 
     return health_check
 
@@ -165,13 +179,13 @@ async def _serve(llm: Any, args: argparse.Namespace) -> int:
     from engine.api_server import build_app, serve_async
     from engine.async_engine import AsyncLLMEngine
     from pagedkv.logging import get_logger
-    from pagedkv.tls import is_loopback
+    from pagedkv.tls import is_loopback, tls_from_args
 
     log = get_logger("engine.api_cli")
     aeng = AsyncLLMEngine(llm.engine)
     name = args.served_model_name or Path(args.model).name
     app = build_app(aeng, llm.tokenizer, name, api_key=args.api_key or None,
-                    health_check=node_health_check(args.block_manager, llm.engine.nodes))
+                    health_check=node_health_check(args.block_manager, llm.engine.nodes, tls_from_args(args)))
     host = f"[{args.host}]" if ":" in args.host else args.host
     if not args.api_key and not is_loopback(f"{host}:{args.port}"):
         log.warning("listening beyond loopback without an API key: anyone who reaches the port may generate",

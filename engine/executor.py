@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import grpc
-
+from pagedkv.auth import token_metadata
+from pagedkv.tls import TlsSettings, open_channel
 from pagedkv.v1 import compute_node_pb2 as pb
 from pagedkv.v1 import compute_node_pb2_grpc as pb_grpc
 
@@ -20,7 +20,7 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_sen
 class NodeExecutor(Protocol):
     node_id: str
 
-    def info(self) -> pb.GetNodeInfoResponse: ...
+    def info(self, timeout_s: float | None = None) -> pb.GetNodeInfoResponse: ...
 
     def generate(self, request: pb.GenerateRequest) -> pb.GenerateResponse: ...
 
@@ -28,20 +28,32 @@ class NodeExecutor(Protocol):
 
 
 class RemoteNode:
-    """A compute node process (`compute-node serve --model DIR`)."""
+    """A compute node process (`compute-node serve --model DIR`).
 
-    def __init__(self, node_id: str, address: str, *, timeout_s: float = 120.0) -> None:
+    A node accepts `Generate` only from scheduler principals, so the engine presents the same
+    credentials it presents to the block manager: `tls` (the CA that verifies the node and, for
+    mutual TLS, the scheduler's client certificate) and/or `token` (the scheduler's bearer
+    token). Neither: plaintext without credentials (loopback development)."""
+
+    def __init__(
+        self, node_id: str, address: str, *, timeout_s: float = 120.0,
+        tls: TlsSettings | None = None, token: str | None = None,
+    ) -> None:
         self.node_id = node_id
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.tls = tls
+        self._metadata = token_metadata(token)
+        self._channel = open_channel(address, tls, CHANNEL_OPTIONS)
         self._stub = pb_grpc.ComputeNodeStub(self._channel)
 
-    def info(self) -> pb.GetNodeInfoResponse:
-        return self._stub.GetNodeInfo(pb.GetNodeInfoRequest(), timeout=self.timeout_s, wait_for_ready=True)
+    def info(self, timeout_s: float | None = None) -> pb.GetNodeInfoResponse:
+        """The node's model and pool (waits for the node to come up, `timeout_s` at most)."""
+        return self._stub.GetNodeInfo(pb.GetNodeInfoRequest(), timeout=timeout_s or self.timeout_s,
+                                      wait_for_ready=True, metadata=self._metadata)
 
     def generate(self, request: pb.GenerateRequest) -> pb.GenerateResponse:
-        return self._stub.Generate(request, timeout=self.timeout_s)
+        return self._stub.Generate(request, timeout=self.timeout_s, metadata=self._metadata)
 
     def close(self) -> None:
         self._channel.close()

@@ -9,12 +9,15 @@ By default everything runs in this process: the block manager's state machine
 (`LocalBlockManagerClient`, no server) and one model node on the best device (CUDA when
 present). `LLM(model=DIR, block_manager="host:port")` drives running services instead: the
 nodes registered with that block manager (started with `compute-node serve --model DIR`),
-found through the block manager and used data-parallel, routed by prefix.
+found through the block manager and used data-parallel, routed by prefix; nodes that register
+later are adopted as requests are routed to them. Across hosts, `tls=` (a `TlsSettings`: the CA
+that verifies the services, and the scheduler's client certificate for mutual TLS) and/or
+`token=` (the scheduler's bearer token) are presented to the block manager and to every node.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,7 @@ from engine.executor import NodeExecutor, RemoteNode
 from engine.llm_engine import EngineConfig, EngineError, LLMEngine
 from engine.params import InvalidParams, RequestOutput, SamplingParams
 from engine.tokenizer import Tokenizer
+from pagedkv.tls import TlsSettings
 
 Prompt = str | Mapping[str, Any]   # text, or {"prompt_token_ids": [...]}
 
@@ -33,7 +37,7 @@ class LLM:
     `num_kv_blocks`, `dtype` ("float32", "float16", "bfloat16"; default the checkpoint's),
     `device` ("auto", "cpu", "cuda", "cuda:N"), `enable_prefix_caching`, `max_num_seqs`,
     `max_num_batched_tokens` (per step; longer prompts are prefilled in chunks),
-    `max_model_len`.
+    `max_model_len`. With `block_manager`: `tls`, `token` (the scheduler's credentials).
     """
 
     def __init__(
@@ -51,12 +55,15 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
         watermark: float = 0.01,
+        tls: TlsSettings | None = None,
+        token: str | None = None,
     ) -> None:
         self.model_dir = Path(model)
         if not self.model_dir.is_dir():
             raise EngineError(f"model directory {self.model_dir} does not exist")
         self.tokenizer = Tokenizer(self.model_dir)
         nodes: dict[str, NodeExecutor]
+        connect: Callable[[str, str], NodeExecutor] | None = None
         if block_manager is None:
             from block_manager.service.config import BlockManagerConfig
             from engine.local_bm import LocalBlockManagerClient
@@ -75,17 +82,20 @@ class LLM:
         else:
             from block_manager.client import BlockManagerClient
 
-            client = BlockManagerClient(block_manager)
+            def connect(pool_id: str, address: str) -> NodeExecutor:
+                return RemoteNode(pool_id, address, tls=tls, token=token)
+
+            client = BlockManagerClient(block_manager, tls=tls, token=token)
             routes = client.route([0])
             if not routes:
                 raise EngineError(f"no compute node is registered with the block manager at {block_manager}")
-            nodes = {r.pool_id: RemoteNode(r.pool_id, r.address) for r in routes}
+            nodes = {r.pool_id: connect(r.pool_id, r.address) for r in routes}
         self.client = client
         self.engine = LLMEngine(
             client, nodes,
             EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                          max_model_len=max_model_len),
-            detokenize=self.tokenizer.decode,
+            detokenize=self.tokenizer.decode, connect=connect,
         )
         if block_manager is not None and self.engine.model_name != self.model_dir.name:
             raise EngineError(f"the nodes serve {self.engine.model_name!r}, not {self.model_dir.name!r}")

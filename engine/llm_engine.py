@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,6 +39,7 @@ import grpc
 
 from block_manager.client import BlockManagerClient, ItemFailure, OutOfBlocksError, PoolStepInfo, StepResult
 from compute_node.model.sampling import derive_seed
+from engine.discovery import NodeDiscovery, node_problem
 from engine.executor import NodeExecutor
 from engine.params import CompletionOutput, InvalidParams, RequestOutput, SamplingParams
 from engine.sequence import Request, SeqStatus, Sequence
@@ -47,10 +48,19 @@ from pagedkv.stats import percentile
 from pagedkv.v1 import compute_node_pb2 as pb
 
 STAT_WINDOW = 100_000
+NODE_THREADS = 64            # most nodes generating at once (threads start only as needed)
 
 
 class EngineError(Exception):
-    """A request the engine cannot serve (too long for the model or for the KV memory)."""
+    """A request the engine cannot serve (too long for the model or for the KV memory), or an
+    engine that cannot start (no model node)."""
+
+
+class EngineFailure(Exception):
+    """A step the engine cannot complete: the block manager refused an item it planned, or a
+    node refused a step for a reason other than being unreachable (a credential or protocol
+    mismatch). Not the request's fault: the engine stops and says why (an API server answers
+    503), rather than retrying a step that fails the same way."""
 
 
 @dataclass(slots=True)
@@ -116,7 +126,12 @@ class LLMEngine:
         config: EngineConfig | None = None,
         *,
         detokenize: Any = None,
+        connect: Callable[[str, str], NodeExecutor] | None = None,
     ) -> None:
+        """`nodes`: the model nodes by pool id. `connect(pool_id, address)`, when given, makes
+        an executor for a node the block manager routes to but `nodes` lacks (one registered
+        after the engine started) or whose address changed (a node restarted elsewhere): the
+        engine adopts it once it serves the same model (`engine.discovery`)."""
         if not nodes:
             raise EngineError("the engine needs at least one model node")
         self.client = client
@@ -124,17 +139,15 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.detokenize = detokenize          # token ids -> text, or None
         infos = {nid: node.info() for nid, node in nodes.items()}
-        for nid, info in infos.items():
-            if not info.model:
-                raise EngineError(f"node {nid!r} serves no model (start it with a model directory)")
-            if not info.registered:
-                raise EngineError(f"node {nid!r} is not registered with the block manager")
-            client.tracker.set_block_size(nid, info.block_size)
         first = next(iter(infos.values()))
-        if any((i.model, i.vocab_size) != (first.model, first.vocab_size) for i in infos.values()):
-            raise EngineError("every node must serve the same model")
         self.model_name = first.model
         self.vocab_size = first.vocab_size
+        self._discovery = None if connect is None else NodeDiscovery(connect, first.model, first.vocab_size)
+        for nid, info in infos.items():
+            problem = node_problem(info, self.model_name, self.vocab_size)
+            if problem is not None:
+                raise EngineError(f"node {nid!r} {problem}")
+            client.tracker.set_block_size(nid, info.block_size)
         self.eos_token_ids = frozenset(first.eos_token_ids)
         node_len = min(i.max_model_len for i in infos.values())
         self.max_model_len = min(self.config.max_model_len or node_len, node_len)
@@ -148,8 +161,7 @@ class LLMEngine:
         self._usage_at = -1e9
         self._usage = 0.0
         self._ids = itertools.count()
-        self._pool = ThreadPoolExecutor(max_workers=len(nodes), thread_name_prefix="generate") \
-            if len(nodes) > 1 else None
+        self._pool: ThreadPoolExecutor | None = None   # made when a step first spans two nodes
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(
@@ -277,6 +289,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         routes = self.client.route_many([(s.token_ids, None) for s in candidates])
         self.stats.bm_s += time.perf_counter() - t0
+        self._discover(r for ranked in routes for r in ranked)
         admitted: list[tuple[Sequence, str]] = []
         for seq, ranked in zip(candidates, routes):
             if budget <= 0:
@@ -316,13 +329,13 @@ class LLMEngine:
                 if isinstance(out, ItemFailure) and isinstance(out.error, OutOfBlocksError):
                     failed_appends.append(seq)
                 elif out is not None:
-                    raise EngineError(f"append for {seq.seq_id} failed: {out.error}")
+                    raise EngineFailure(f"append for {seq.seq_id} failed: {out.error}")
                 continue
             add(seq, seq.num_computed, seq.num_computed + n)
         for parent, kids in children_of.items():
             fork = result.forks.get(parent.seq_id)
             if isinstance(fork, ItemFailure):
-                raise EngineError(f"fork of {parent.seq_id} failed: {fork.error}")
+                raise EngineFailure(f"fork of {parent.seq_id} failed: {fork.error}")
             parent.fork_parent = False
             for kid in kids:
                 kid.status, kid.node_id, kid.num_computed = SeqStatus.RUNNING, parent.node_id, parent.num_computed
@@ -333,14 +346,14 @@ class LLMEngine:
                     if isinstance(out, ItemFailure) and isinstance(out.error, OutOfBlocksError):
                         failed_appends.append(s)
                         continue
-                    raise EngineError(f"append for {s.seq_id} failed: {out}")
+                    raise EngineFailure(f"append for {s.seq_id} failed: {out}")
                 add(s, s.num_computed, s.num_computed + 1)
         for seq, pool in admitted:
             adm = result.allocations.get(seq.seq_id)
             if isinstance(adm, ItemFailure) or adm is None:
                 seq.seq_id = ""   # it waits (the block manager keeps its watermark); a new id next time
                 if isinstance(adm, ItemFailure) and not isinstance(adm.error, OutOfBlocksError):
-                    raise EngineError(f"admission of {seq.request.request_id} failed: {adm.error}")
+                    raise EngineFailure(f"admission of {seq.request.request_id} failed: {adm.error}")
                 continue
             self.waiting.remove(seq)
             seq.status, seq.node_id = SeqStatus.RUNNING, pool
@@ -399,7 +412,9 @@ class LLMEngine:
                     _fill_sampling(s.sampling, w.seq)
             jobs.append((node_id, request, info, items))
         t0 = time.perf_counter()
-        if self._pool is not None and len(jobs) > 1:
+        if len(jobs) > 1:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=NODE_THREADS, thread_name_prefix="generate")
             futures = [self._pool.submit(self._generate, node_id, req) for node_id, req, _, _ in jobs]
             replies = [f.result() for f in futures]
         else:
@@ -422,6 +437,20 @@ class LLMEngine:
                 if w.sample:
                     self._accept(w.seq, next(tokens), now)
 
+    def _discover(self, routes: Iterable[Any]) -> None:
+        """Adopt the nodes `NodeDiscovery` finds among the routes (one registered after the
+        engine started, or a known pool at a new address)."""
+        if self._discovery is None:
+            return
+        for pool_id, node, info in self._discovery.find(routes, self.nodes):
+            self.client.tracker.set_block_size(pool_id, info.block_size)
+            self.pool_blocks[pool_id] = (info.num_blocks, info.block_size)
+            self.max_model_len = min(self.max_model_len, info.max_model_len)
+            previous = self.nodes.get(pool_id)
+            if previous is not None:
+                previous.close()
+            self.nodes[pool_id] = node
+
     def _generate(self, node_id: str, request: pb.GenerateRequest) -> pb.GenerateResponse | None:
         """The node's answer, or None when it is unreachable or timed out (the step is then
         reported failed and its sequences recompute elsewhere or later). Any other error is
@@ -431,7 +460,7 @@ class LLMEngine:
         except grpc.RpcError as exc:
             if exc.code() in RETRYABLE_CODES:
                 return None
-            raise EngineError(f"node {node_id!r} refused a step: {exc.code().name}: {exc.details()}") from exc
+            raise EngineFailure(f"node {node_id!r} refused a step: {exc.code().name}: {exc.details()}") from exc
 
     def _accept(self, seq: Sequence, tok: pb.SampledToken, now: float) -> None:
         req, out = seq.request, seq.output
@@ -533,4 +562,4 @@ def generate_all(engine: LLMEngine, requests: Iterable[str]) -> None:
         engine.step()
 
 
-__all__ = ["EngineConfig", "EngineError", "EngineStats", "LLMEngine"]
+__all__ = ["EngineConfig", "EngineError", "EngineFailure", "EngineStats", "LLMEngine"]

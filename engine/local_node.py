@@ -50,7 +50,7 @@ class LocalNode:
         })
         return cls(node_id, runner, reg.epoch, Path(model_dir).name)
 
-    def info(self) -> pb.GetNodeInfoResponse:
+    def info(self, timeout_s: float | None = None) -> pb.GetNodeInfoResponse:
         g = self.runner.geometry
         return pb.GetNodeInfoResponse(
             node_id=self.node_id, epoch=self.epoch, registered=True, num_layers=g.num_layers,

@@ -31,9 +31,8 @@ def test_mtls_override_configures_every_service(tmp_path: Path, dev_certs: DevCe
     from compute_node.service.config import load_config as load_cn
 
     services = yaml.safe_load(MTLS_COMPOSE_FILE.read_text())["services"]
-    # every gRPC service; the API server is left out (its clients are plaintext), model-init needs nothing
+    # every gRPC service and the API server (a scheduler); model-init needs nothing
     assert set(services) == set(yaml.safe_load(COMPOSE_FILE.read_text())["services"]) - {"postgres", "model-init"}
-    assert services["api-server"] == {"profiles": ["api-without-mtls"]}
     stack = LocalStack(tmp_path, interp_env={"PAGEDKV_CERTS_DIR": str(dev_certs.dir)},
                        override_files=[MTLS_COMPOSE_FILE])
     stack.ports[("block-manager", 50051)] = 50999
@@ -47,3 +46,13 @@ def test_mtls_override_configures_every_service(tmp_path: Path, dev_certs: DevCe
             assert path is not None and path.parent == dev_certs.dir and path.is_file(), (name, path)
         assert stack.specs[name].healthcheck[-2] == "--tls-env"   # type: ignore[index]
     assert stack.command("compute-node-1")[1]["PAGEDKV_CN_TLS__CERT_FILE"].endswith("compute-node-1.pem")
+    # the API server parses its certificate options into a scheduler's mutual-TLS client settings
+    from engine.api_cli import _parser
+    from pagedkv.tls import tls_from_args
+
+    argv, env = stack.command("api-server")
+    with mock.patch.dict(os.environ, {k: v for k, v in env.items() if k.startswith("PAGEDKV_")}, clear=False):
+        tls = tls_from_args(_parser().parse_args(argv[1:]))
+    assert tls is not None and tls.active and not stack.specs["api-server"].profiles
+    assert tls.cert_file == dev_certs.dir / "scheduler.pem" and tls.key_file == dev_certs.dir / "scheduler-key.pem"
+    assert tls.ca_file == dev_certs.dir / "ca.pem"

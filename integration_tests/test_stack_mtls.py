@@ -1,8 +1,10 @@
 """The whole stack with mutual TLS (docker-compose.yml + docker-compose.mtls.yml, certificates
 from scripts/gen-dev-certs.sh made in the test's temp dir): the mixed workload passes with every
-call authenticated by certificate, and the stack refuses what it must.
+call authenticated by certificate, the OpenAI server generates through the block manager and the
+nodes with its scheduler certificate, and the stack refuses what it must.
 
-One stack for the module: the workload leaves it as it found it (everything freed).
+One stack for the module: each test leaves it as it found it (everything freed, pool leases
+handed back), so they pass in any order.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from block_manager.client.admin import AdminClient
 from compute_node.client import ComputeNodeClient
 from engine.localstack import MTLS_COMPOSE_FILE, LocalStack
 from engine.serving import ServingDriver
+from integration_tests.conftest import TEST_MODEL_NAME
 from integration_tests.helpers import node_addresses, small_trace
 from pagedkv.tls import open_channel
 from tests.fixtures.certs import DevCerts, generate
@@ -85,3 +88,22 @@ def test_the_mtls_stack_refuses_plaintext_and_wrong_roles(mtls_stack: LocalStack
     with open_channel(bm, certs.client("scheduler")) as ch:        # health needs only the handshake
         reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_openai_server_generates_over_mutual_tls(mtls_stack: LocalStack, certs: DevCerts) -> None:
+    import httpx
+    import openai
+
+    assert "api-server" in mtls_stack.running and mtls_stack.completed == {"model-init"}
+    url = "http://" + mtls_stack.address("api-server")
+    # /health probes the block manager and both nodes with the server's scheduler certificate
+    assert httpx.get(url + "/health", timeout=30).status_code == 200
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    out = client.completions.create(model=TEST_MODEL_NAME, prompt=["a paged cache", "over mutual TLS"],
+                                    max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    assert [c.finish_reason for c in out.choices] == ["length", "length"]
+    assert out.usage is not None and out.usage.completion_tokens == 12
+    # a graceful stop frees what is left and hands the pools back for the other tests' scheduler
+    assert mtls_stack.stop("api-server") == 0
+    with AdminClient(mtls_stack.address("block-manager"), tls=certs.client("admin"), timeout_s=20) as admin:
+        assert not admin.list_sequences().get("sequences") and admin.fsck().get("ok") is True

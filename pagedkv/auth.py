@@ -5,8 +5,8 @@ A **principal** is a role and, for roles that have one, a name:
 | principal | may (block manager) | may (compute node) |
 |---|---|---|
 | `node:<node id>` | RegisterNode / Heartbeat / GetTables for that node id only | — |
-| `scheduler` | Step (any `scheduler_id`), Route | Forward, GetNodeInfo |
-| `scheduler:<id>` | Step with `scheduler_id == <id>` only, Route | Forward, GetNodeInfo |
+| `scheduler` | Step (any `scheduler_id`), Route | Forward, Generate, GetNodeInfo |
+| `scheduler:<id>` | Step with `scheduler_id == <id>` only, Route | Forward, Generate, GetNodeInfo |
 | `admin` / `admin:<who>` | the admin plane (`BlockManagerAdmin`) | GetNodeInfo |
 
 (the per-method rules live with each service: `block_manager/service/access.py`,

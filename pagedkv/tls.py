@@ -157,7 +157,9 @@ _CLI_OPTIONS = (
 )
 
 
-def add_tls_arguments(parser: argparse.ArgumentParser, env_prefix: str, *, defaults: bool = True) -> None:
+def add_tls_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, env_prefix: str, *, defaults: bool = True
+) -> None:
     """`--tls --ca-file --cert-file --key-file --server-name`, each defaulting to the environment
     variable `<env_prefix><NAME>` (e.g. PAGEDKV_ADMIN_CA_FILE). `defaults=False`: a value is set
     only when the option is given (a subcommand's copy of the main parser's options)."""

@@ -3,6 +3,7 @@
 | method | principal |
 |---|---|
 | `ComputeNode/Forward` | `scheduler` / `scheduler:<id>`: a Forward writes into the node's KV memory |
+| `ComputeNode/Generate` | `scheduler` / `scheduler:<id>`: the model-level step writes KV memory too |
 | `ComputeNode/GetNodeInfo` | `scheduler`, `admin` |
 | anything else of ours | nobody (a new RPC must be given its rule here) |
 
@@ -17,7 +18,11 @@ from typing import Any
 from pagedkv.auth import Principal
 
 PREFIX = "/pagedkv.v1.ComputeNode/"
-_ALLOWED = {"Forward": frozenset({"scheduler"}), "GetNodeInfo": frozenset({"scheduler", "admin"})}
+_ALLOWED = {
+    "Forward": frozenset({"scheduler"}),
+    "Generate": frozenset({"scheduler"}),
+    "GetNodeInfo": frozenset({"scheduler", "admin"}),
+}
 
 
 def authorize(method: str, principal: Principal, request: Any) -> str | None:

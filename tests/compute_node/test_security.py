@@ -109,3 +109,18 @@ async def test_forward_step_count_is_capped(cluster: Any) -> None:  # type: igno
         await cluster.sched.node.Forward(request)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 64 pool steps" in err.value.details()
     await cluster.sched.forward([step])
+
+
+@pytest.mark.parametrize(("method", "allowed"), [
+    ("Forward", {"scheduler", "scheduler:s1"}),
+    ("Generate", {"scheduler", "scheduler:s1"}),      # the model-level step writes KV memory too
+    ("GetNodeInfo", {"scheduler", "scheduler:s1", "admin"}),
+    ("Shutdown", set()),                              # an RPC without a rule: nobody
+])
+def test_compute_node_access_rules(method: str, allowed: set[str]) -> None:
+    from compute_node.service.access import PREFIX, authorize
+    from pagedkv.auth import parse_principal
+
+    for who in ("scheduler", "scheduler:s1", "admin", "node:node-a"):
+        refused = authorize(PREFIX + method, parse_principal(who), None)
+        assert (refused is None) == (who in allowed), (method, who, refused)

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -404,6 +405,43 @@ def test_a_dead_engine_answers_503(llm: LLM, model_dir: Path) -> None:
         reply = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert reply.status_code == 503 and "node exploded" in reply.json()["error"]["message"]
         assert "pagedkv_engine_alive" in httpx.get(srv.url + "/metrics").text
+
+
+class _Refused(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.PERMISSION_DENIED
+
+    def details(self) -> str:
+        return "scheduler may not call Generate"
+
+
+class _RefusingNode:
+    """A node that refuses every step, as one whose access rules omit the scheduler would."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.node_id = inner, inner.node_id
+
+    def info(self, timeout_s: float | None = None) -> Any:
+        return self.inner.info(timeout_s)
+
+    def generate(self, request: Any) -> Any:
+        raise _Refused()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_a_node_refusing_steps_is_a_server_error_not_the_clients(model_dir: Path) -> None:
+    with LLM(model_dir, block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS, device="cpu") as own:
+        own.engine.nodes["local-0"] = _RefusingNode(own.engine.nodes["local-0"])
+        aeng = AsyncLLMEngine(own.engine)
+        try:
+            with ServerThread(build_app(aeng, own.tokenizer, model_dir.name)) as srv:
+                reply = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
+                assert reply.status_code == 503, reply.text
+                assert "refused a step: PERMISSION_DENIED" in reply.json()["error"]["message"]
+        finally:
+            aeng.shutdown()
 
 
 def test_failing_health_check_answers_503(aeng: AsyncLLMEngine, llm: LLM) -> None:

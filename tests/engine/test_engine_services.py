@@ -4,7 +4,6 @@ transformers'; seeded sampling draws the same tokens as in the embedded mode."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,62 +11,14 @@ from typing import Any
 
 import pytest
 
-from block_manager.client import AdminClient, BlockManagerClient
-from block_manager.service.server import BlockManagerServer
-from compute_node.service.config import load_config
-from compute_node.service.server import ComputeNodeServer
-from engine.executor import RemoteNode
+from block_manager.client import AdminClient
 from engine.llm import LLM
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.llm_engine import LLMEngine
 from engine.params import RequestOutput, SamplingParams
 from tests.compute_node.model.model_helpers import compare_greedy, hf_greedy
-from tests.support.configs import bm_test_config
+from tests.engine.services import Services
 
 MODEL = "llama-gqa4-hd64"
-
-
-class Services:
-    """A block manager and two model nodes, each server on its own event loop thread."""
-
-    def __init__(self, model_dir: Path) -> None:
-        self.loop = asyncio.new_event_loop()
-        import threading
-
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.bm = self._run(self._start_bm())
-        self.nodes = [self._run(self._start_node(f"node-{i}", model_dir)) for i in range(2)]
-
-    def _run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(120)
-
-    async def _start_bm(self) -> BlockManagerServer:
-        # defrag policy checked after every step, planning whenever a pool is fragmented
-        server = BlockManagerServer(bm_test_config(
-            block_size=4, defrag={"enabled": True, "every_n_steps": 1, "check_every_steps": 1, "min_contiguity": 1.0},
-        ))
-        await server.start()
-        return server
-
-    async def _start_node(self, node_id: str, model_dir: Path) -> ComputeNodeServer:
-        cfg = load_config(node_id=node_id, listen_address="127.0.0.1:0", block_manager_address=self.bm.address,
-                          model=str(model_dir), num_blocks=96, block_size=4, device="cpu", shutdown_grace_s=0.2)
-        server = ComputeNodeServer(cfg)
-        await server.start()
-        await server.node.wait_registered(30)
-        return server
-
-    def engine(self, **config: Any) -> LLMEngine:
-        client = BlockManagerClient(self.bm.address)
-        nodes = {n.config.node_id: RemoteNode(n.config.node_id, n.address) for n in self.nodes}
-        return LLMEngine(client, nodes, EngineConfig(**config))
-
-    def close(self) -> None:
-        for n in self.nodes:
-            self._run(n.stop(0))
-        self._run(self.bm.stop(0))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")

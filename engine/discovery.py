@@ -1,0 +1,81 @@
+"""Finding model nodes the engine does not drive yet, through the routes it asks for anyway.
+
+A node that registers with the block manager after the engine started (scale-out), or a known
+pool that comes back at another address (a node restarted elsewhere), shows up in `Route`
+answers. `NodeDiscovery.find` probes such a node once (`GetNodeInfo`) and hands it to the engine
+when it serves the engine's model; a node that does not (another model, unreachable, not
+registered) is probed again only after a backoff, so a bad node costs a probe now and then, not
+one per step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import grpc
+
+from engine.executor import NodeExecutor
+from pagedkv.logging import get_logger
+from pagedkv.v1 import compute_node_pb2 as pb
+
+RETRY_S = 10.0          # a node found unusable is probed again after this long, doubling each time
+MAX_RETRY_S = 300.0
+INFO_TIMEOUT_S = 5.0    # GetNodeInfo of a newly routed node
+log = get_logger("engine.discovery")
+
+
+def node_problem(info: pb.GetNodeInfoResponse, model: str, vocab_size: int) -> str | None:
+    """Why a node cannot serve an engine of `model`; None when it can."""
+    if not info.model:
+        return "serves no model (start it with a model directory)"
+    if not info.registered:
+        return "is not registered with the block manager"
+    if (info.model, info.vocab_size) != (model, vocab_size):
+        return f"serves {info.model!r} (vocabulary {info.vocab_size}), not {model!r}: every node must serve " \
+               "the same model"
+    return None
+
+
+class NodeDiscovery:
+    """Turns routed pools the engine lacks into executors (`connect(pool_id, address)`)."""
+
+    def __init__(self, connect: Callable[[str, str], NodeExecutor], model: str, vocab_size: int) -> None:
+        self.connect = connect
+        self.model = model
+        self.vocab_size = vocab_size
+        self._skipped: dict[tuple[str, str], tuple[float, int]] = {}   # (pool, address) -> (retry at, failures)
+
+    def find(
+        self, routes: Iterable[Any], known: Mapping[str, NodeExecutor]
+    ) -> Iterator[tuple[str, NodeExecutor, pb.GetNodeInfoResponse]]:
+        """(pool id, executor, its info) for each routed pool that `known` lacks or knows at
+        another address, and that serves the model."""
+        now = time.monotonic()
+        for r in routes:
+            current = known.get(r.pool_id)
+            if current is not None and getattr(current, "address", r.address) == r.address:
+                continue
+            key = (r.pool_id, r.address)
+            retry_at, failures = self._skipped.get(key, (0.0, 0))
+            if now < retry_at:
+                continue
+            node = self.connect(r.pool_id, r.address)
+            try:
+                info = node.info(timeout_s=INFO_TIMEOUT_S)
+                problem = node_problem(info, self.model, self.vocab_size)
+            except grpc.RpcError as exc:
+                info, problem = None, f"did not answer GetNodeInfo: {exc.code().name}"
+            if problem is not None or info is None:
+                node.close()
+                backoff = min(RETRY_S * 2 ** failures, MAX_RETRY_S)
+                self._skipped[key] = (now + backoff, failures + 1)
+                log.warning("node_skipped", pool_id=r.pool_id, address=r.address, reason=problem, retry_in_s=backoff)
+                continue
+            self._skipped.pop(key, None)
+            log.info("node_adopted", pool_id=r.pool_id, address=r.address, num_blocks=info.num_blocks)
+            yield r.pool_id, node, info
+
+
+__all__ = ["NodeDiscovery", "node_problem"]

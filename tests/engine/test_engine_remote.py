@@ -1,0 +1,91 @@
+"""`LLM(block_manager=...)` as a scheduler among secured services, and as nodes come and go.
+
+- With role tokens on the block manager and the nodes, the engine's scheduler token reaches both
+  (Step/Route at the block manager, Generate at the node); without it the engine cannot start.
+- A node that registers after the engine started is adopted when the block manager routes
+  requests to it; a node serving another model is skipped (probed once, never given work).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from block_manager.client.errors import UnauthenticatedError
+from engine.executor import RemoteNode
+from engine.llm import LLM
+from engine.params import SamplingParams
+from pagedkv.v1 import compute_node_pb2 as pb
+from tests.compute_node.model.model_helpers import compare_greedy, hf_greedy
+from tests.engine.services import Services
+
+MODEL = "llama-gqa4-hd64"
+OTHER_MODEL = "qwen2-gqa1-hd64-tied"
+SCHED_TOKEN = "scheduler-token-0123456789abcdef"
+NODE_TOKEN = "node-0-token-0123456789abcdef"
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def _prompts(seed: int, n: int) -> list[dict[str, list[int]]]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(1, 512) for _ in range(rng.randrange(3, 12))]} for _ in range(n)]
+
+
+def _check_greedy(hf: Any, prompts: list[dict[str, list[int]]], outs: list[Any]) -> None:
+    for i, (p, out) in enumerate(zip(prompts, outs)):
+        compare_greedy(out.outputs[0].token_ids, hf_greedy(hf, p["prompt_token_ids"], GREEDY.max_tokens), f"prompt {i}")
+
+
+def _generates_ok(server: Any) -> float:
+    return server.node.metrics.registry.get_sample_value("pagedkv_cn_forwards_total", {"code": "OK"}) or 0.0
+
+
+def test_scheduler_token_reaches_the_block_manager_and_the_nodes(
+    model_dirs: dict[str, Path], hf_models: dict[str, Any]
+) -> None:
+    services = Services(
+        model_dirs[MODEL], num_nodes=1,
+        bm={"auth": {"tokens": {"scheduler": SCHED_TOKEN, "node:node-0": NODE_TOKEN}}},
+        node={"block_manager_token": NODE_TOKEN, "auth": {"tokens": {"scheduler": SCHED_TOKEN}}},
+    )
+    try:
+        with pytest.raises(UnauthenticatedError):
+            LLM(model_dirs[MODEL], block_manager=services.bm.address)
+        # the node itself refuses a Generate without the scheduler's token, and its own token
+        for token in (None, NODE_TOKEN):
+            anonymous = RemoteNode("node-0", services.nodes[0].address, timeout_s=20, token=token)
+            with pytest.raises(grpc.RpcError) as refused:
+                anonymous.generate(pb.GenerateRequest(request_id="anonymous"))
+            anonymous.close()
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        prompts = _prompts(1, 4)
+        with LLM(model_dirs[MODEL], block_manager=services.bm.address, token=SCHED_TOKEN) as llm:
+            outs = llm.generate(prompts, GREEDY)
+        _check_greedy(hf_models[MODEL], prompts, outs)
+        assert _generates_ok(services.nodes[0]) > 0
+    finally:
+        services.close()
+
+
+def test_nodes_registering_later_are_adopted_and_other_models_skipped(
+    model_dirs: dict[str, Path], hf_models: dict[str, Any]
+) -> None:
+    services = Services(model_dirs[MODEL], num_nodes=1, bm={})
+    try:
+        with LLM(model_dirs[MODEL], block_manager=services.bm.address, max_num_batched_tokens=16) as llm:
+            first = _prompts(2, 2)
+            _check_greedy(hf_models[MODEL], first, llm.generate(first, GREEDY))
+            assert set(llm.engine.nodes) == {"node-0"}
+            # more free blocks than node-0: the block manager routes new prompts there first
+            late = services.add_node("node-1", model_dirs[MODEL], num_blocks=192)
+            other = services.add_node("node-x", model_dirs[OTHER_MODEL], num_blocks=512)
+            second = _prompts(3, 6)
+            _check_greedy(hf_models[MODEL], second, llm.generate(second, GREEDY))
+            assert set(llm.engine.nodes) == {"node-0", "node-1"}
+            assert _generates_ok(late) > 0 and _generates_ok(other) == 0
+    finally:
+        services.close()
