@@ -327,6 +327,9 @@ class BlockManager:
         before = {i: (self._seqs[reqs[i].seq_id].num_tokens, len(self._seqs[reqs[i].seq_id].block_table))
                   for i in good}
         ops: dict[int, CopyOp] = {}
+        # Several runs are still one scheduler step: each pool counts it once (the defrag
+        # policy's `every_n_steps` cadence reads the count).
+        steps_before = {pid: pool.num_steps for pid, pool in self._pools.items()}
         for run in runs:
             rs = [reqs[i] for i in run]
             ids = None if rs and rs[0].token_ids is None else [t for r in rs for t in r.token_ids]  # type: ignore[union-attr]
@@ -336,6 +339,9 @@ class BlockManager:
                 bad[run[j]] = err
             for j, op in out.copy_ops.items():
                 ops[run[j]] = op
+        for pid, num_steps in steps_before.items():
+            pool = self._pools[pid]
+            pool.num_steps = min(pool.num_steps, num_steps + 1)
         results: list[AppendResult | AppendFailure] = []
         for i, r in enumerate(reqs):
             err = bad.get(i)

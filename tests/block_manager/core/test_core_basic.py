@@ -34,6 +34,24 @@ def forward(m: BlockManager) -> list:
     return outs
 
 
+def _num_steps(m: BlockManager) -> int:
+    (pool,) = m.to_snapshot()["pools"]
+    return int(pool["num_steps"])
+
+
+def test_append_slots_with_and_without_token_ids_counts_one_step() -> None:
+    m = make()
+    for sid in "abc":
+        m.allocate(sid, "p", [1, 2, 3])
+    before = _num_steps(m)
+    # mixed: some items carry token ids, one does not (applied one run at a time inside)
+    res = m.append_slots([AppendRequest("a", 1, (4,)), AppendRequest("b", 2), AppendRequest("c", 1, (9,))])
+    assert all(isinstance(r, AppendResult) for r in res)
+    assert _num_steps(m) == before + 1
+    m.append_slots([AppendRequest("a", 1, (5,)), AppendRequest("b", 1, (6,))])
+    assert _num_steps(m) == before + 2
+
+
 def test_allocate_fresh_prompt_gets_slots_for_every_token() -> None:
     m = make()
     r = m.allocate("a", "p", list(range(10)))
