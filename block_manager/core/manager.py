@@ -311,8 +311,48 @@ class BlockManager:
         tokens' slots, the blocks it gained and its copy-on-write op (what an embedding
         scheduler that drives its workers directly wants)."""
         reqs = list(requests)
-        # Per-item token tuples can disagree with their counts (a flat list cannot say
-        # which): validate item by item first; the rest goes through the columnar path.
+        seqs = self._seqs
+        before = {i: (seq.num_tokens, len(seq.block_table)) for i, r in enumerate(reqs)
+                  if (seq := seqs.get(r.seq_id)) is not None}
+        if all(r.token_ids is None for r in reqs) or all(
+            r.token_ids is not None and len(r.token_ids) == r.num_new_tokens for r in reqs
+        ):
+            # The common batch: one columnar append, whose screen finds every item error.
+            ids = None if not reqs or reqs[0].token_ids is None else [t for r in reqs for t in r.token_ids]  # type: ignore[union-attr]
+            out = append_columns(self._pools, seqs, [r.seq_id for r in reqs], [r.num_new_tokens for r in reqs],
+                                 ids, already_written=already_written)
+            bad: dict[int, CoreError] = dict(out.failures)
+            ops = out.copy_ops
+        else:
+            bad, ops = self._append_slots_itemwise(reqs, already_written)
+        results: list[AppendResult | AppendFailure] = []
+        pools = self._pools
+        for i, r in enumerate(reqs):
+            err = bad.get(i)
+            if err is not None:
+                results.append(AppendFailure(r.seq_id, err))
+                continue
+            seq = seqs[r.seq_id]
+            old, old_len = before[i]
+            op = ops.get(i)
+            table = seq.block_table
+            nt = seq.num_tokens
+            bs = pools[seq.pool_id].block_size
+            # decode (one token) is the common case: its slot without building ranges
+            slots = (table[old // bs] * bs + old % bs,) if nt - old == 1 else slot_range(table, bs, old, nt)
+            results.append(AppendResult(   # block ids are plain ints at run time (BlockId is a NewType)
+                r.seq_id, slots, tuple(table[old_len:]), (op,) if op is not None else (), seq.version, nt,
+            ))
+        return results
+
+    def _append_slots_itemwise(
+        self, reqs: list[AppendRequest], already_written: bool
+    ) -> tuple[dict[int, CoreError], dict[int, CopyOp]]:
+        """`append_slots` of a batch whose items' token tuples disagree with their counts (a
+        flat list cannot say which) or that mixes items with and without token ids: each
+        item validated alone, then columnar runs (mixed: one item at a time). Several runs
+        are still one scheduler step: each pool counts it once (the defrag policy's
+        `every_n_steps` cadence reads the count)."""
         bad: dict[int, CoreError] = {}
         seen: set[str] = set()
         for i, r in enumerate(reqs):
@@ -323,12 +363,8 @@ class BlockManager:
                 seen.add(r.seq_id)
         good = [i for i in range(len(reqs)) if i not in bad]
         with_ids = [i for i in good if reqs[i].token_ids is not None]
-        runs = [good] if len(with_ids) in (0, len(good)) else [[i] for i in good]  # mixed: one at a time
-        before = {i: (self._seqs[reqs[i].seq_id].num_tokens, len(self._seqs[reqs[i].seq_id].block_table))
-                  for i in good}
+        runs = [good] if len(with_ids) in (0, len(good)) else [[i] for i in good]
         ops: dict[int, CopyOp] = {}
-        # Several runs are still one scheduler step: each pool counts it once (the defrag
-        # policy's `every_n_steps` cadence reads the count).
         steps_before = {pid: pool.num_steps for pid, pool in self._pools.items()}
         for run in runs:
             rs = [reqs[i] for i in run]
@@ -342,21 +378,7 @@ class BlockManager:
         for pid, num_steps in steps_before.items():
             pool = self._pools[pid]
             pool.num_steps = min(pool.num_steps, num_steps + 1)
-        results: list[AppendResult | AppendFailure] = []
-        for i, r in enumerate(reqs):
-            err = bad.get(i)
-            if err is not None:
-                results.append(AppendFailure(r.seq_id, err))
-                continue
-            seq = self._seqs[r.seq_id]
-            old, old_len = before[i]
-            op = ops.get(i)
-            results.append(AppendResult(
-                r.seq_id, slot_range(seq.block_table, self._pools[seq.pool_id].block_size, old, seq.num_tokens),
-                tuple(BlockId(b) for b in seq.block_table[old_len:]), (op,) if op is not None else (),
-                seq.version, seq.num_tokens,
-            ))
-        return results
+        return bad, ops
 
     def fork(self, parent: SeqId, child_ids: Seq[SeqId]) -> list[SequenceView]:
         """Children share every block of the parent (ref counts up, nothing copied); the
