@@ -14,6 +14,8 @@ import kernels
 from compute_node.decode_path import GraphLimits, StaleDecodeStep, StepShape, graph_fallback
 from compute_node.model.attention import AttentionMetadata, UnboundDecode, paged_attention
 from compute_node.pool import KvPool, PoolGeometry
+from compute_node.service.config import load_config
+from compute_node.service.metrics import NodeMetrics
 
 LIMITS = GraphLimits(largest_bucket=256, max_blocks_per_seq=8)
 SHAPE = StepShape(num_heads=4, dtype=torch.float16, scale=0.125)
@@ -136,3 +138,15 @@ def test_attention_runs_the_bound_step_into_its_rows(graphed_pool: KvPool) -> No
         paged_attention(graphed_pool, 1, q, kv, kv, meta)
     meta.decode = graphed_pool.begin_decode(tables, lens, SHAPE)
     assert torch.equal(paged_attention(graphed_pool, 1, q, kv, kv, meta), 2 * q)
+
+
+def test_config_switch_and_metrics(monkeypatch) -> None:
+    assert load_config().cuda_graphs is True
+    monkeypatch.setenv("PAGEDKV_CN_CUDA_GRAPHS", "false")
+    assert load_config().cuda_graphs is False
+    metrics = NodeMetrics()
+    metrics.watch_decode_paths(lambda: ({"graph": 3, "fallback_batch": 1}, 4096))
+    text = metrics.render().decode()
+    assert 'pagedkv_cn_decode_steps_total{path="graph"} 3.0' in text
+    assert 'pagedkv_cn_decode_steps_total{path="fallback_batch"} 1.0' in text
+    assert "pagedkv_cn_decode_graph_bytes 4096.0" in text
