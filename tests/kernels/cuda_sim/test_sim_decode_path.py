@@ -58,12 +58,14 @@ def test_attention_decode_through_graphs_matches_direct_and_reference() -> None:
     k = [torch.from_numpy(queries(rng, (3, KV_HEADS, HEAD_DIM), np.float16) / 3) for _ in layers]
     v = [torch.from_numpy(queries(rng, (3, KV_HEADS, HEAD_DIM), np.float16) / 3) for _ in layers]
     shape = StepShape(HEADS, torch.float16, first.scale)
-    outs = {}
+    metas, outs = {}, {True: [], False: []}
     for graphs, pool in pools.items():
-        meta = AttentionMetadata(slots, 3, tables, seq_lens, None, None, None, first.scale)
-        meta.decode = pool.begin_decode(tables, seq_lens, shape)
-        assert meta.decode.graphed is graphs
-        outs[graphs] = [paged_attention(pool, layer, q[layer], k[layer], v[layer], meta) for layer in range(2)]
+        metas[graphs] = AttentionMetadata(slots, 3, tables, seq_lens, None, None, None, first.scale)
+        metas[graphs].decode = pool.begin_decode(tables, seq_lens, shape)
+        assert metas[graphs].decode.graphed is graphs
+    for layer in range(2):  # interleaved: launches of one kernel with two grids (3 rows, bucket 4)
+        for graphs in (False, True):
+            outs[graphs].append(paged_attention(pools[graphs], layer, q[layer], k[layer], v[layer], metas[graphs]))
     graphed = pools[True]
     assert graphed.decode_path.stats.counts() == {"graph": 1}
     assert graphed.decode_path.static_bytes() > 0
