@@ -32,9 +32,11 @@ Memory (bounded, allocated per bucket at its first use): for bucket b, a query a
 buffer of b·heads·head_dim elements, a b × max_blocks_per_seq int32 table and b int32 lengths;
 a bucket whose plan splits (small batches) adds float32 scratch of
 b·heads·parts·(head_dim + 2), where b·parts is capped by the GPU's resident blocks, not by the
-context. Buckets double, so all of them hold under twice the largest: about 10 MB for 32 heads
-of 128 in fp16 with 512-block tables. The graphs hold kernel launches only (a plan allocates
-nothing inside a capture). `DecodePath.static_bytes` gives the real figure.
+context. Buckets double, so their buffers total under twice the largest bucket's: for 32 query /
+8 KV heads of 128 in fp16 with 512-block tables, about 8.4 MB of query and output buffers,
+1 MB of tables and (on an H200) about 6.5 MB of split scratch over buckets 1–32 — some 16 MB
+per pool. The graphs hold kernel launches only (a plan allocates nothing inside a capture).
+`DecodePath.static_bytes` gives the real figure (metric `pagedkv_cn_decode_graph_bytes`).
 
 The graphs' static output is overwritten by the next replay (the next layer), so `run` always
 copies into `out`, a fresh tensor when none is given: nothing it returns aliases graph memory.
