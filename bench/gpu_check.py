@@ -5,7 +5,9 @@
    one-pass and split-K (fp16 / bf16 / fp32; GQA 4, MHA, MQA; head dim 64 / 128 / 256; block
    size 8 / 16 / 32), prefill (fp16 / bf16 / fp32, mixed types, head dim 256), write_slots,
    copy_blocks, and the graph path (`DecodePlan`, `DecodeGraphs` capture and replay, padded
-   rows). Any failure → exit status 1.
+   rows); then the compute node's decode with CUDA graphs on vs off (`gpu_check_graphs.py`:
+   the pool's decode loop always, a `ModelRunner` generation when safetensors and tokenizers
+   are importable), with a decode step's time both ways. Any failure → exit status 1.
 2. Decode bandwidth: B ∈ {1, 16, 64} × context ∈ {512, 4096, 32768}, 32 query / 8 KV heads,
    head dim 128, fp16, block size 16 (override with --block-sizes). CUDA events, warm-up,
    median of bounded repetitions, K/V rotated over disjoint copies totalling >= 4x L2 so reads
@@ -232,14 +234,18 @@ def check_graphs(torch: Any, gen: Any, checks: Checks) -> None:
                           rel_error(out, ref), TOL["float16"])
 
 
-def check_correctness(torch: Any) -> list[dict[str, Any]]:
+def check_correctness(torch: Any) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Every correctness check; returns the results and the node graphs' step times."""
+    from gpu_check_graphs import check_node_graphs
+
     gen = torch.Generator(device="cuda").manual_seed(0)
     checks = Checks()
     checks.guarded("decode", lambda: check_decode(torch, gen, checks))
     checks.guarded("prefill", lambda: check_prefill(torch, gen, checks))
     checks.guarded("cache ops", lambda: check_cache_ops(torch, gen, checks))
     checks.guarded("graphs", lambda: check_graphs(torch, gen, checks))
-    return checks.results
+    node_graphs = check_node_graphs(torch, checks, rel_error)
+    return checks.results, node_graphs
 
 
 # ------------------------------------------------------------------------------------------
@@ -402,13 +408,14 @@ def bench_host_path(torch: Any) -> dict[str, float]:
 
 def write_report(out_dir: Path, device: str, checks: list[dict[str, Any]],
                  copy_gbs: float | None, rows: list[dict[str, Any]], wall_s: float,
-                 host: dict[str, float] | None = None) -> None:
+                 host: dict[str, float] | None = None,
+                 node_graphs: dict[str, float] | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     # Strict JSON: a non-finite error (NaN output / mismatch) is written as null.
     json_checks = [{**c, "error": c["error"] if math.isfinite(c["error"]) else None}
                    for c in checks]
     payload = {"device": device, "wall_s": wall_s, "checks": json_checks, "copy_gbs": copy_gbs,
-               "decode": rows, "host_path_us": host or {}}
+               "decode": rows, "host_path_us": host or {}, "node_graphs": node_graphs or {}}
     (out_dir / "gpu_check.json").write_text(json.dumps(payload, indent=2))
     lines = [f"# GPU check — {device}", "", f"wall time {wall_s:.0f} s", ""]
     if checks:
@@ -434,6 +441,11 @@ def write_report(out_dir: Path, device: str, checks: list[dict[str, Any]],
         lines += ["## Host path (Python µs per call, B=64, context 512)", "",
                   "| path | µs |", "|---|---|"]
         lines += [f"| {name} | {us:.1f} |" for name, us in host.items()]
+        lines.append("")
+    if node_graphs:
+        lines += ["## Compute node decode step, CUDA graphs on vs off (ms; speedup = off ÷ on)", "",
+                  "| measure | value |", "|---|---|"]
+        lines += [f"| {name} | {value:.3f} |" for name, value in node_graphs.items()]
     (out_dir / "gpu_check.md").write_text("\n".join(lines) + "\n")
 
 
@@ -517,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     device = torch.cuda.get_device_name(0)
     log(f"device {device}, torch {torch.__version__}, results → {args.out}")
-    checks = [] if args.skip_correctness else check_correctness(torch)
+    checks, node_graphs = ([], {}) if args.skip_correctness else check_correctness(torch)
     copy_gbs, rows, host = None, [], None
     if not args.skip_bench:
         copy_gbs = copy_bandwidth(torch)
@@ -525,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         for bs in block_sizes:
             rows += bench_decode(torch, bs, args.max_reps, copy_gbs)
         host = bench_host_path(torch)
-    write_report(args.out, device, checks, copy_gbs, rows, time.time() - t0, host)
+    write_report(args.out, device, checks, copy_gbs, rows, time.time() - t0, host, node_graphs)
     failed = [c["check"] for c in checks if not c["ok"]]
     log(f"done in {time.time() - t0:.0f} s; {len(failed)} correctness failure(s)")
     return 1 if failed else 0

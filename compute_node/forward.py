@@ -10,7 +10,8 @@
 4. `plan_attention` splits the batch into a decode group (one new token) and a prefill group
    (several), with the index tensors the kernels take;
 5. the node runs the steps' copy ops and commits their tables, then `execute` writes K/V into
-   the slots and runs attention for every layer, scattering the groups' outputs into order.
+   the slots and runs attention for every layer, scattering the groups' outputs into order
+   (the decode group begun once for all layers: `KvPool.begin_decode`, CUDA graphs on a GPU).
 
 Only step 5 touches the pool, and it runs after steps 1–4 raised nothing, so a bad request
 never leaves a half-written pool behind.
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from compute_node.decode_path import DecodeStep, StepShape
 from compute_node.errors import InvalidForward, UnknownSequence
 from compute_node.pool import KvPool, PoolGeometry
 from compute_node.tables import NodeTable, SeqId
@@ -248,17 +250,24 @@ def execute(pool: KvPool, batch: ForwardBatch, plan: AttentionPlan) -> tuple[lis
         pool.write(step.layer, step.key.to(device), step.value.to(device), slots)
     _sync(device)
     t1 = time.perf_counter()
-    outputs = [_attend(pool, step, plan, batch.scale, device) for step in batch.layers]
+    decode = None
+    if plan.decode_tables is not None:   # every layer's query has one dtype and shape (parse_forward)
+        first = batch.layers[0].query
+        shape = StepShape(int(first.shape[1]), first.dtype, batch.scale)
+        decode = pool.begin_decode(_dev(plan.decode_tables, device), _dev(plan.decode_lens, device), shape)
+    outputs = [_attend(pool, step, plan, decode, batch.scale, device) for step in batch.layers]
     _sync(device)
     t2 = time.perf_counter()
     return outputs, ExecuteTimings(write_s=t1 - t0, attention_s=t2 - t1)
 
 
-def _attend(pool: KvPool, step: LayerStep, plan: AttentionPlan, scale: float, device: torch.device) -> torch.Tensor:
+def _attend(
+    pool: KvPool, step: LayerStep, plan: AttentionPlan, decode: DecodeStep | None, scale: float, device: torch.device
+) -> torch.Tensor:
     query = step.query.to(device)
     # A pure decode (or pure prefill) batch is already in request order: no gather/scatter.
     if plan.prefill_rows is None:
-        return pool.decode(step.layer, query, _dev(plan.decode_tables, device), _dev(plan.decode_lens, device), scale)
+        return _decode(decode).run(step.layer, query)
     if plan.decode_rows is None:
         return pool.prefill(
             step.layer, query, _dev(plan.prefill_tables, device), _dev(plan.prefill_lens, device),
@@ -266,9 +275,7 @@ def _attend(pool: KvPool, step: LayerStep, plan: AttentionPlan, scale: float, de
         )
     out = torch.empty_like(query)
     rows = plan.decode_rows.to(device)
-    out[rows] = pool.decode(
-        step.layer, query[rows].contiguous(), _dev(plan.decode_tables, device), _dev(plan.decode_lens, device), scale
-    )
+    out[rows] = _decode(decode).run(step.layer, query[rows].contiguous())
     rows = plan.prefill_rows.to(device)
     out[rows] = pool.prefill(
         step.layer, query[rows].contiguous(), _dev(plan.prefill_tables, device), _dev(plan.prefill_lens, device),
@@ -281,6 +288,12 @@ def _sync(device: torch.device) -> None:
     """Make the phase timings honest on a GPU (kernels launch asynchronously)."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+def _decode(step: DecodeStep | None) -> DecodeStep:
+    if step is None:  # plan_attention made a decode group, so execute began it: a bug (INTERNAL)
+        raise RuntimeError("missing decode step")
+    return step
 
 
 def _dev(x: torch.Tensor | None, device: torch.device) -> torch.Tensor:

@@ -5,7 +5,8 @@ GPU the tensors live in CUDA memory and the `kernels` dispatcher sends them to t
 kernels (zero copy through the CUDA array interface, on torch's current stream); on a host
 without one they are CPU tensors and the Numba CPU kernels read the same memory. The pool is
 the only object that holds those tensors, so every byte written to KV memory goes through the
-four methods below.
+four methods below. Decode goes through `begin_decode`, once per step: on a GPU it may replay
+CUDA graphs instead of launching per layer (`decode_path.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 import kernels
+from compute_node.decode_path import DEFAULT_GRAPH_CONTEXT, DecodePath, DecodeStep, StepShape
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -76,18 +78,28 @@ def resolve_device(device: str) -> torch.device:
 
 
 class KvPool:
-    """Per-layer K/V caches of one device plus the kernel calls over them."""
+    """Per-layer K/V caches of one device plus the kernel calls over them.
 
-    def __init__(self, geometry: PoolGeometry, device: torch.device) -> None:
+    `cuda_graphs`: decode steps may replay CUDA graphs (CUDA backend only; ignored on the CPU),
+    holding contexts of up to `max_context` tokens (longer ones launch directly). `backend`
+    defaults to the device's; Numba's CUDA simulator runs the CUDA kernels on CPU tensors, so
+    simulator tests pass "cuda" with a CPU device.
+    """
+
+    def __init__(
+        self, geometry: PoolGeometry, device: torch.device, *, cuda_graphs: bool = False,
+        max_context: int = DEFAULT_GRAPH_CONTEXT, backend: kernels.Backend | None = None,
+    ) -> None:
         self.geometry = geometry
         self.device = device
-        self.backend: kernels.Backend = "cuda" if device.type == "cuda" else "cpu"
+        self.backend: kernels.Backend = backend or ("cuda" if device.type == "cuda" else "cpu")
         shape = (geometry.num_blocks, geometry.num_kv_heads, geometry.block_size, geometry.head_dim)
         dtype = TORCH_DTYPES[geometry.dtype]
         # Zero-filled rather than empty: a block is never read before it is written, but a
         # deterministic pool makes a bug that breaks that rule visible instead of random.
         self.key_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(geometry.num_layers)]
         self.value_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(geometry.num_layers)]
+        self.decode_path = DecodePath(self, cuda_graphs=cuda_graphs, max_context=max_context)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Apply copy ops (src → dst) in order, in every layer."""
@@ -104,6 +116,11 @@ class KvPool:
             key, value, self.key_caches[layer], self.value_caches[layer], slot_mapping, backend=self.backend
         )
 
+    def begin_decode(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, shape: StepShape) -> DecodeStep:
+        """The decode group of one step (tables int32 `[num_seqs, width]`, lengths int32
+        `[num_seqs]`, on the pool's device); call once per step, then `run` it per layer."""
+        return self.decode_path.begin(block_tables, seq_lens, shape)
+
     def decode(
         self,
         layer: int,
@@ -113,7 +130,8 @@ class KvPool:
         scale: float,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One query token per sequence over its whole paged context (into `out` when given)."""
+        """One query token per sequence over its whole paged context (into `out` when given):
+        one direct launch (what a `DecodeStep` falls back to)."""
         return kernels.paged_attention_decode(
             query, self.key_caches[layer], self.value_caches[layer], block_tables, seq_lens, scale,
             out=out, backend=self.backend,

@@ -3,7 +3,9 @@
 The runner orders a step's tokens decode sequences first (one token each), then prefill
 sequences (several tokens each), so the two groups are two contiguous row ranges of every
 `[num_tokens, ...]` tensor: each kernel reads a view of the queries and writes a view of one
-output tensor, with no gather or scatter per layer.
+output tensor, with no gather or scatter per layer. The decode group is launched through the
+`DecodeStep` the runner began once for the step (`KvPool.begin_decode`): CUDA graph replays on
+a GPU when they fit, the direct kernel launch otherwise.
 """
 
 from __future__ import annotations
@@ -13,7 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
+from compute_node.decode_path import DecodeStep
 from compute_node.pool import KvPool
+
+
+class UnboundDecode(RuntimeError):
+    """A step with decode rows reached attention without its `DecodeStep` (the runner binds
+    it after `prepare_step`); a bug, never a bad request."""
 
 
 @dataclass(slots=True)
@@ -28,6 +36,8 @@ class AttentionMetadata:
     prefill_seq_lens: torch.Tensor | None      # int32 [num_prefill_seqs]
     prefill_query_start_loc: torch.Tensor | None  # int32 [num_prefill_seqs + 1], from the group's first row
     scale: float
+    decode: DecodeStep | None = None           # the decode group's launch, bound by the runner
+                                               # (KvPool.begin_decode) once per step
 
 
 @dataclass(slots=True)
@@ -65,8 +75,11 @@ def paged_attention(
     pool.write(layer, key, value, meta.slot_mapping)
     out = torch.empty_like(query)
     split = meta.num_decode_tokens
-    if meta.decode_block_tables is not None and meta.decode_seq_lens is not None:
-        pool.decode(layer, query[:split], meta.decode_block_tables, meta.decode_seq_lens, meta.scale, out=out[:split])
+    if split:
+        if meta.decode is None:
+            raise UnboundDecode(f"{split} decode rows but no DecodeStep in the step's metadata")
+        # Into the real output rows: a graph's static output is overwritten by the next layer.
+        meta.decode.run(layer, query[:split], out=out[:split])
     if (
         meta.prefill_block_tables is not None
         and meta.prefill_seq_lens is not None

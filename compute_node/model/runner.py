@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from compute_node.decode_path import StepShape
 from compute_node.model.attention import PhaseTimer
 from compute_node.model.batch import SeqOutput, SeqWork, StepInputs, prepare_step
 from compute_node.model.config import ModelConfig, resolve_dtype
@@ -60,6 +61,9 @@ class ModelRunner:
     Exactly one of `num_blocks` and `kv_memory_bytes` sizes the pool. `dtype` overrides the
     checkpoint's (`config.json` torch_dtype); the KV pool uses the same dtype. `max_model_len`
     caps positions below the model's `max_position_embeddings` (never above it).
+    `cuda_graphs`: on a GPU, decode attention replays CUDA graphs (one per layer and batch-size
+    bucket, sized for `max_model_len`) where a step fits them (`compute_node/decode_path.py`);
+    ignored on the CPU.
 
     One step at a time: the runner is not thread-safe (the scheduler is the one sequencer of a
     pool, so the servicer calls it from one thread or under a lock).
@@ -75,6 +79,7 @@ class ModelRunner:
         dtype: str | torch.dtype | None = None,
         device: str = "auto",
         max_model_len: int | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.model_config = ModelConfig.from_dir(model_dir)
@@ -101,7 +106,7 @@ class ModelRunner:
         with Checkpoint(model_dir) as checkpoint:
             self.model = DecoderModel.load(checkpoint, cfg, self.dtype, self.device)
         geometry = PoolGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, block_size, num_blocks)
-        self.pool = KvPool(geometry, self.device)
+        self.pool = KvPool(geometry, self.device, cuda_graphs=cuda_graphs, max_context=self.max_model_len)
         self.sampler = Sampler()
         self.profile = False
         self.last_timings: StepTimings | None = None
@@ -164,11 +169,18 @@ class ModelRunner:
         return DebugForward(self.model.final_hidden(hidden), self.model.logits(hidden))
 
     def _prepare(self, batch: Sequence[SeqWork]) -> StepInputs:
+        """The step's checked inputs, with its decode group bound to the pool once (graph
+        buffers loaded here, not per layer)."""
         cfg = self.model_config
-        return prepare_step(
+        inputs = prepare_step(
             batch, self.geometry, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len,
             head_dim=cfg.head_dim, device=self.device,
         )
+        meta = inputs.meta
+        if meta.decode_block_tables is not None and meta.decode_seq_lens is not None:
+            shape = StepShape(cfg.num_heads, self.model.dtype, meta.scale)
+            meta.decode = self.pool.begin_decode(meta.decode_block_tables, meta.decode_seq_lens, shape)
+        return inputs
 
     def _sync_time(self) -> float:
         if self.profile and self.device.type == "cuda":

@@ -59,6 +59,9 @@ class ComputeNodeConfig(YamlEnvSettings):
     # "auto": CUDA when torch sees a GPU, else the CPU; or an explicit "cpu" / "cuda:N".
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     max_batch: int = Field(default=4096, ge=1)
+    # On a GPU, decode attention replays CUDA graphs (one per layer and batch-size bucket,
+    # captured at first use) where a step fits them, instead of one launch per layer.
+    cuda_graphs: bool = True
     # Deadline of each node -> block manager call. Registration is retried while the block
     # manager is unreachable, first after `retry_interval_s`, then with a doubling, jittered
     # delay capped at `max_retry_interval_s`.

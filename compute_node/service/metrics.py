@@ -4,12 +4,17 @@ live in one test process).
 Forward latency is one histogram labelled by phase — `table_fetch`, `copy_ops`, `write`,
 `attention`, `total` — so a dashboard shows where a step's time goes and the service overhead
 (total minus attention) directly. Pool geometry is exported as labelled gauges so operators can
-see what memory a node holds without asking it.
+see what memory a node holds without asking it. Decode steps by attention path (`graph`, or
+`fallback_<reason>` when a step did not fit the CUDA graphs) and the graphs' static bytes are
+read from the pool at each scrape (`watch_decode_paths`), so the hot path updates no metric.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from compute_node.pool import PoolGeometry
 
@@ -54,6 +59,10 @@ class NodeMetrics:
         self.pool_blocks.set(geometry.num_blocks)
         self.pool_bytes.set(geometry.num_bytes)
 
+    def watch_decode_paths(self, read: Callable[[], tuple[dict[str, int], int]]) -> None:
+        """Export `read()` — (decode steps by path, graphs' static bytes) — at each scrape."""
+        self.registry.register(_DecodePaths(read))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -65,3 +74,23 @@ class NodeMetrics:
         except OSError as exc:
             raise OSError(exc.errno, f"cannot serve metrics on {address}:{port}: {exc.strerror or exc}") from None
         return server, int(server.server_port)
+
+
+class _DecodePaths:
+    """A custom collector: the pool's own counts, read when scraped."""
+
+    def __init__(self, read: Callable[[], tuple[dict[str, int], int]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        counts, static_bytes = self._read()
+        steps = CounterMetricFamily(
+            "pagedkv_cn_decode_steps", "Decode steps by attention path (graph, or fallback_<reason>)", labels=["path"]
+        )
+        for path, n in sorted(counts.items()):
+            steps.add_metric([path], n)
+        yield steps
+        yield GaugeMetricFamily(
+            "pagedkv_cn_decode_graph_bytes", "Device bytes of the decode CUDA graphs' static buffers",
+            value=static_bytes,
+        )

@@ -106,6 +106,7 @@ class ComputeNode:
         # Called with True when the node (re-)registers and False when it is fenced; the
         # server flips its health status from here.
         self.on_registration: Callable[[bool], None] | None = None
+        self.metrics.watch_decode_paths(self._decode_paths)
 
     # ---- lifecycle ------------------------------------------------------------------
     def load_model(self) -> None:
@@ -119,12 +120,20 @@ class ComputeNode:
         self.runner = runner = ModelRunner(
             cfg.model, block_size=cfg.block_size or DEFAULT_MODEL_BLOCK_SIZE, num_blocks=num_blocks,
             kv_memory_bytes=budget, dtype=cfg.model_dtype, device=str(self.device), max_model_len=cfg.max_model_len,
+            cuda_graphs=cfg.cuda_graphs,
         )
         self.pool = runner.pool
         self.generator = Generator(runner, self.tables, max_batch=cfg.max_batch)
         self.metrics.set_pool(runner.geometry, str(self.device))
         self.log.info("model_loaded", model=cfg.model, architecture=runner.model_config.architecture,
                       dtype=runner.geometry.dtype, num_blocks=runner.geometry.num_blocks)
+
+    def _decode_paths(self) -> tuple[dict[str, int], int]:
+        """Decode steps by path and the graphs' static bytes (read at each metrics scrape)."""
+        if self.pool is None:
+            return {}, 0
+        path = self.pool.decode_path
+        return path.stats.counts() if path.enabled else {}, path.static_bytes()
 
     @property
     def model_name(self) -> str:
@@ -221,7 +230,7 @@ class ComputeNode:
             return
         if pool_geometry is None:
             geometry = PoolGeometry(g.num_layers, g.num_kv_heads, g.head_dim, g.dtype, reg.block_size, reg.num_blocks)
-            self.pool = KvPool(geometry, self.device)
+            self.pool = KvPool(geometry, self.device, cuda_graphs=self.config.cuda_graphs)
             self.metrics.set_pool(geometry, str(self.device))
         elif (reg.block_size, reg.num_blocks) != (pool_geometry.block_size, pool_geometry.num_blocks):
             # Cannot happen with an honest block manager (we sent both explicitly).

@@ -192,6 +192,18 @@ class DecodeGraphs:
             return out
         return result
 
+    def static_bytes(self) -> int:
+        """Device bytes held by the buckets built so far: static query, output, table and
+        length buffers, plus split-K scratch where a bucket's plan splits (the graphs
+        themselves hold kernel launches only: a plan allocates nothing inside a capture)."""
+        total = 0
+        for state in self._state.values():
+            tensors = [state.query, state.out, state.tables, state.lens]
+            if state.plan.scratch is not None:
+                tensors.append(state.plan.scratch)
+            total += sum(int(t.numel()) * t.element_size() for t in tensors)
+        return total
+
     def _require_prepared(self) -> tuple[int, int]:
         if self._current is None:
             raise KernelInputError("call prepare(block_tables, seq_lens) first")
