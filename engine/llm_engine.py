@@ -48,6 +48,7 @@ from pagedkv.stats import percentile
 from pagedkv.v1 import compute_node_pb2 as pb
 
 STAT_WINDOW = 100_000
+NO_CAPACITY_WAIT_S = 0.05   # a step that could run nothing sleeps this long before the next
 NODE_THREADS = 64            # most nodes generating at once (threads start only as needed)
 
 
@@ -277,6 +278,10 @@ class LLMEngine:
             seq.seq_id = ""
         work = self._apply_step_result(result, planned, children_of, admitted)
         self._run_nodes(result, work)
+        if not work and not self.running and self.waiting:
+            # nothing could be admitted (no node admits sequences now: fenced, draining, full):
+            # wait a little rather than spin on Route calls
+            time.sleep(NO_CAPACITY_WAIT_S)
         self.stats.num_steps += 1
         self.stats.step_s.append(time.perf_counter() - started)
         return self._collect_outputs()
@@ -295,8 +300,10 @@ class LLMEngine:
             if budget <= 0:
                 break
             ranked = [r for r in ranked if r.pool_id in self.nodes]
-            pool = ranked[0].pool_id if ranked else next(iter(self.nodes))
-            cached = ranked[0].num_cached_tokens if ranked else 0
+            if not ranked:
+                continue   # no node of ours admits sequences now (fenced, draining): it waits
+            pool = ranked[0].pool_id
+            cached = ranked[0].num_cached_tokens
             seq.seq_id = seq.new_admission_id()
             tokens = seq.token_ids[: seq.prefill_target] if seq.fork_parent else seq.token_ids
             batch.allocate(seq.seq_id, pool, tokens, num_compute=budget)
@@ -328,12 +335,19 @@ class LLMEngine:
             if isinstance(out, ItemFailure) or out is None:
                 if isinstance(out, ItemFailure) and isinstance(out.error, OutOfBlocksError):
                     failed_appends.append(seq)
+                elif isinstance(out, ItemFailure) and _pool_gone(out):
+                    self._requeue(seq)   # dropped with its node: recompute elsewhere
                 elif out is not None:
                     raise EngineFailure(f"append for {seq.seq_id} failed: {out.error}")
                 continue
             add(seq, seq.num_computed, seq.num_computed + n)
         for parent, kids in children_of.items():
             fork = result.forks.get(parent.seq_id)
+            if isinstance(fork, ItemFailure) and _pool_gone(fork):
+                for kid in kids:
+                    kid.seq_id = ""   # still FORKING: forked again once the parent is back
+                self._requeue(parent)
+                continue
             if isinstance(fork, ItemFailure):
                 raise EngineFailure(f"fork of {parent.seq_id} failed: {fork.error}")
             parent.fork_parent = False
@@ -346,13 +360,18 @@ class LLMEngine:
                     if isinstance(out, ItemFailure) and isinstance(out.error, OutOfBlocksError):
                         failed_appends.append(s)
                         continue
+                    if isinstance(out, ItemFailure) and _pool_gone(out):
+                        self._requeue(s)
+                        continue
                     raise EngineFailure(f"append for {s.seq_id} failed: {out}")
                 add(s, s.num_computed, s.num_computed + 1)
         for seq, pool in admitted:
             adm = result.allocations.get(seq.seq_id)
             if isinstance(adm, ItemFailure) or adm is None:
-                seq.seq_id = ""   # it waits (the block manager keeps its watermark); a new id next time
-                if isinstance(adm, ItemFailure) and not isinstance(adm.error, OutOfBlocksError):
+                # it waits (the block manager keeps its watermark; a gone pool leaves the routes);
+                # a new id next time
+                seq.seq_id = ""
+                if isinstance(adm, ItemFailure) and not (isinstance(adm.error, OutOfBlocksError) or _pool_gone(adm)):
                     raise EngineFailure(f"admission of {seq.request.request_id} failed: {adm.error}")
                 continue
             self.waiting.remove(seq)
@@ -541,6 +560,15 @@ class LLMEngine:
             pass
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+# Per-item refusals that mean "this sequence's node is gone, or takes no new sequences": the
+# block manager dropped (or never made) the sequence, so the engine recomputes it elsewhere.
+POOL_GONE_REASONS = frozenset({"NodeFenced", "StaleEpoch", "UnknownPool", "PoolDraining"})
+
+
+def _pool_gone(failure: ItemFailure) -> bool:
+    return getattr(failure.error, "reason", "") in POOL_GONE_REASONS
 
 
 def _fill_sampling(s: pb.Sampling, seq: Sequence) -> None:

@@ -234,8 +234,11 @@ class ServiceState:
         to_drop: set[SeqId] = set()
         for r in reports:
             to_drop |= self._check_report(r)
+        # A free of a sequence dropped with its pool (fenced, handed over) is done already: the
+        # scheduler cannot know of a fencing before it frees, so it is accepted, not refused.
+        gone = {SeqId(s) for s in step.free_ids if SeqId(s) in self.fenced_ids and not core.has_sequence(SeqId(s))}
         for sid in step.free_ids:
-            if SeqId(sid) not in to_drop and not core.has_sequence(SeqId(sid)):
+            if SeqId(sid) not in to_drop and SeqId(sid) not in gone and not core.has_sequence(SeqId(sid)):
                 raise self._missing_seq_error(SeqId(sid))
         has_items = {a.pool_id for a in step.allocs}
         has_items |= core.pools_of(self._item_seq_ids(step))
@@ -246,18 +249,21 @@ class ServiceState:
                 raise StepsUnsettled(
                     f"pool {pid!r}: steps {pending} await their Forward report; report them in this step"
                 )
-        self._check_free_pending(step.free_ids, to_drop)
+        self._check_free_pending(step.free_ids, to_drop | gone)
         # ---- apply ----
         new_leases = any(self.leases.get(pid) is None for pid in pools)
         settled_before = {r.pool_id: core.settled_step_id(r.pool_id) for r in reports}
         lease_epochs = {pid: self.leases.acquire(pid, sched, now) for pid in pools}
         settled = [self._settle(r) for r in reports]
         dropped = {sid for s in settled for sid in s[4]}
-        frees = [SeqId(s) for s in step.free_ids if SeqId(s) not in dropped]
+        frees = [SeqId(s) for s in step.free_ids if SeqId(s) not in dropped and SeqId(s) not in gone]
         if frees:
             core.free(frees)
             for sid in frees:
                 self._remember(self.freed_ids, sid, None)
+        for sid in sorted(gone):   # freed now as far as the scheduler is concerned: a second free is a double free
+            self._forget(sid)
+            self._remember(self.freed_ids, sid, None)
         errors: list[list[Any]] = []
         alloc_cached, alloc_tokens = self._allocate(step, errors)
         self._append(step.written, "written", errors, already_written=True)
@@ -288,6 +294,7 @@ class ServiceState:
         mutated = bool(
             new_leases
             or frees
+            or gone
             or steps
             or p.get("release")
             or len(errors) < num_items

@@ -4,6 +4,7 @@
   (Step/Route at the block manager, Generate at the node); without it the engine cannot start.
 - A node that registers after the engine started is adopted when the block manager routes
   requests to it; a node serving another model is skipped (probed once, never given work).
+- A node that dies mid-generation costs its requests a recompute, not their completion.
 """
 
 from __future__ import annotations
@@ -88,4 +89,41 @@ def test_nodes_registering_later_are_adopted_and_other_models_skipped(
             assert set(llm.engine.nodes) == {"node-0", "node-1"}
             assert _generates_ok(late) > 0 and _generates_ok(other) == 0
     finally:
+        services.close()
+
+
+def test_a_node_dying_mid_generation_loses_no_request(
+    model_dirs: dict[str, Path], hf_models: dict[str, Any]
+) -> None:
+    """Node 1 stops while sequences run on it: its steps fail (UNAVAILABLE), the engine reports
+    them failed and recomputes those requests, on node 0 once the block manager fenced node 1
+    (its lease lapsed). Every request completes with the tokens it would have had anyway."""
+    services = Services(model_dirs[MODEL], num_nodes=2, bm={"lease_ttl_s": 1.5})
+    stopped = False
+    try:
+        with LLM(model_dirs[MODEL], block_manager=services.bm.address, max_num_batched_tokens=32) as llm:
+            engine = llm.engine
+            prompts = _prompts(4, 8)
+            params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+            ids = [engine.add_request(p["prompt_token_ids"], params) for p in prompts]
+            done: dict[str, Any] = {}
+            for _ in range(2000):
+                if not engine.has_unfinished_requests():
+                    break
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                on_node_1 = [s for s in engine.running if s.node_id == "node-1" and s.num_output_tokens > 0]
+                if not stopped and on_node_1:
+                    services._run(services.nodes[1].stop(0))
+                    stopped = True
+            assert stopped and not engine.has_unfinished_requests()
+            assert engine.stats.num_failed_steps > 0
+            outs = [done[i] for i in ids]
+        for i, (p, out) in enumerate(zip(prompts, outs)):
+            compare_greedy(out.outputs[0].token_ids, hf_greedy(hf_models[MODEL], p["prompt_token_ids"], 12),
+                           f"prompt {i}")
+    finally:
+        if stopped:
+            services.nodes.pop(1)   # already stopped
         services.close()

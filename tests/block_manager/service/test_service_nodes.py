@@ -27,6 +27,12 @@ async def test_reregistration_fences_old_epoch_and_reclaims(harness: Harness) ->
     assert out.code == FP.value[0] and out.reason == "NodeFenced"
     status = await harness.admin.Status(pb.StatusRequest())
     assert status.pools[0].num_used_blocks == 0
+    # freeing it is no error (a scheduler learns of a fencing only after it frees): the Step
+    # carrying that free goes through with the rest; a second free is a double free
+    await harness.allocate("b", num_tokens=4)
+    resp = await harness.step(frees=["a"], appends=[("b", 1)])
+    assert not resp.errors and list(resp.append_num_tokens) == [5]
+    await expect_code(harness.free("a"), FP)
     assert await harness.fsck() == []
 
 
