@@ -37,31 +37,29 @@ from typing import Any
 
 import grpc
 
-from block_manager.client import BlockManagerClient, ItemFailure, OutOfBlocksError, PoolStepInfo, StepResult
+from block_manager.client import (
+    BlockManagerClient,
+    ItemFailure,
+    OutOfBlocksError,
+    PoolStepInfo,
+    StepResult,
+)
 from compute_node.model.sampling import derive_seed
+from engine.bm_steps import UNREACHABLE, StepSender
 from engine.discovery import NodeDiscovery, node_problem
+from engine.errors import EngineError, EngineFailure
 from engine.executor import NodeExecutor
 from engine.params import CompletionOutput, InvalidParams, RequestOutput, SamplingParams
 from engine.sequence import Request, SeqStatus, Sequence
+from pagedkv.logging import get_logger
 from pagedkv.rpc import RETRYABLE_CODES
 from pagedkv.stats import percentile
 from pagedkv.v1 import compute_node_pb2 as pb
 
 STAT_WINDOW = 100_000
 NO_CAPACITY_WAIT_S = 0.05   # a step that could run nothing sleeps this long before the next
+log = get_logger("engine.llm_engine")
 NODE_THREADS = 64            # most nodes generating at once (threads start only as needed)
-
-
-class EngineError(Exception):
-    """A request the engine cannot serve (too long for the model or for the KV memory), or an
-    engine that cannot start (no model node)."""
-
-
-class EngineFailure(Exception):
-    """A step the engine cannot complete: the block manager refused an item it planned, or a
-    node refused a step for a reason other than being unreachable (a credential or protocol
-    mismatch). Not the request's fault: the engine stops and says why (an API server answers
-    503), rather than retrying a step that fails the same way."""
 
 
 @dataclass(slots=True)
@@ -69,10 +67,15 @@ class EngineConfig:
     max_num_seqs: int = 256               # running sequences at once
     max_num_batched_tokens: int = 2048    # new tokens per step (chunked prefill splits prompts)
     max_model_len: int | None = None      # None: the nodes' (the smallest)
+    # How long a step waits out an unreachable block manager (a restart, a network blip),
+    # resending it under its request id, before the engine gives up (EngineFailure).
+    bm_unavailable_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.bm_unavailable_timeout_s < 0:
+            raise ValueError("bm_unavailable_timeout_s must be >= 0")
 
 
 @dataclass(slots=True)
@@ -163,6 +166,7 @@ class LLMEngine:
         self._usage = 0.0
         self._ids = itertools.count()
         self._pool: ThreadPoolExecutor | None = None   # made when a step first spans two nodes
+        self.sender = StepSender(self.config.bm_unavailable_timeout_s)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(
@@ -238,6 +242,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; the outputs of the requests that changed."""
         started = time.perf_counter()
+        self.sender.drain(wait=True)
         batch = self.client.step()
         free_ids = [s.seq_id for s in self._to_free if s.seq_id]
         if free_ids:
@@ -272,7 +277,7 @@ class LLMEngine:
             budget -= 1 + len(kids)
         admitted = self._plan_admissions(batch, budget, len(self.running) + sum(map(len, children_of.values())))
         t0 = time.perf_counter()
-        result = batch.commit()
+        result = self.sender.commit(batch)
         self.stats.bm_s += time.perf_counter() - t0
         for seq in freeing:
             seq.seq_id = ""
@@ -292,8 +297,13 @@ class LLMEngine:
             return []
         candidates = list(itertools.islice(self.waiting, self.config.max_num_seqs - num_running))
         t0 = time.perf_counter()
-        routes = self.client.route_many([(s.token_ids, None) for s in candidates])
-        self.stats.bm_s += time.perf_counter() - t0
+        try:
+            routes = self.client.route_many([(s.token_ids, None) for s in candidates])
+        except UNREACHABLE as exc:   # admissions wait; the step itself then waits the outage out
+            log.warning("route_failed", error=str(exc))
+            return []
+        finally:
+            self.stats.bm_s += time.perf_counter() - t0
         self._discover(r for ranked in routes for r in ranked)
         admitted: list[tuple[Sequence, str]] = []
         for seq, ranked in zip(candidates, routes):
@@ -538,15 +548,21 @@ class LLMEngine:
         return outs
 
     def flush(self) -> None:
-        """Send the last frees and reports (an idle engine: blocks back, plans can commit)."""
-        batch = self.client.step()
-        ids = [s.seq_id for s in self._to_free if s.seq_id]
-        self._to_free = []
-        if ids:
-            batch.free(ids)
-            batch.commit()
-        elif self.client.pending_reports:
-            self.client.flush_reports()
+        """Send the last frees and reports (an idle engine: blocks back, plans can commit).
+        With the block manager unreachable they wait for the next step or flush (a Step whose
+        answer never came is resent first, under its request id)."""
+        try:
+            self.sender.drain(wait=False)
+            ids = [s.seq_id for s in self._to_free if s.seq_id]
+            if ids:
+                batch = self.client.step()
+                batch.free(ids)
+                self._to_free = []
+                self.sender.commit(batch, wait=False)
+            elif self.client.pending_reports:
+                self.client.flush_reports()
+        except UNREACHABLE as exc:
+            log.warning("flush_failed", error=str(exc))
 
     def close(self) -> None:
         """Free what is left, hand the pools back (another scheduler may drive them at once)."""

@@ -36,7 +36,8 @@ manager crashes before the report, its recovered state simply lacks the deferred
 next report re-appends them into the same partial block at the same slots.
 
 When a whole Step RPC fails after the client's retries (its outcome is unknown), the client
-stops answering locally for every sequence the step named (they go to the server from then on).
+stops answering locally for every sequence the request named (they go to the server from then
+on); `resend()` repeats the request under its request id, which the server applies at most once.
 """
 
 from __future__ import annotations
@@ -202,6 +203,7 @@ class StepBatch:
         self._forks: list[tuple[SeqId, tuple[SeqId, ...]]] = []
         self._appends: dict[SeqId, tuple[int, tuple[int, ...] | None]] = {}
         self._committed = False
+        self._unanswered: pb.StepRequest | None = None   # sent, no answer: `resend` may repeat it
         self.release = False   # set by `client.release()`
         self.flush = False     # set by `client.flush_reports()`: send the reports even alone
         self.result = StepResult()
@@ -400,10 +402,23 @@ class StepBatch:
             tracker.apply_step(info)
         return res
 
-    def distrust(self) -> None:
-        """The RPC's outcome is unknown: only the server may answer for these sequences now."""
-        for sid in [*self._appends, *(p for p, _ in self._forks), *(a[0] for a in self._allocs)]:
-            self._tracker.forget(sid)
+    def distrust(self, request: pb.StepRequest) -> None:
+        """The RPC's outcome is unknown: only the server may answer for the sequences `request`
+        names now. Appends this step answered locally are not in it: their sequences stay
+        tracked, deferred tokens included (forgetting them would lose tokens the server has
+        never heard of). `request` is kept for `resend`."""
+        self._unanswered = request
+        for ids in (request.append_seq_ids, request.written_seq_ids, request.fork_parent_ids,
+                    request.fork_child_ids, request.alloc_seq_ids):
+            for sid in ids:
+                self._tracker.forget(SeqId(sid))
+
+    def unanswered(self) -> pb.StepRequest:
+        """The request whose commit failed (what `resend` repeats, request id included)."""
+        if self._unanswered is None:
+            raise InvalidArgumentError("nothing to resend: the step was not committed or it was answered",
+                                       method="Step")
+        return self._unanswered
 
 
 __all__ = ["SequenceTracker", "StepBatch", "StepResult", "TrackedSequence"]

@@ -163,8 +163,20 @@ class SyncStep(StepBatch):
         try:
             reply = client._call("Step", request, timeout_s)
         except BlockManagerError:
-            self.distrust()
+            self.distrust(request)
             raise
+        client._sent(request, reply)
+        return self.apply(reply)
+
+    def resend(self, *, timeout_s: float | None = None) -> StepResult:
+        """Send a step whose `commit` failed again, same request id: the block manager applies a
+        request id at most once and answers a repeat from its journal, also across its restarts,
+        so a scheduler can ride out an unreachable block manager (UNAVAILABLE, DEADLINE_EXCEEDED)
+        without losing or doubling the step. Raises like `commit`."""
+        client = self._client
+        request = self.unanswered()
+        reply = client._call("Step", request, timeout_s)
+        self._unanswered = None
         client._sent(request, reply)
         return self.apply(reply)
 

@@ -22,6 +22,7 @@ from block_manager.client import (
     OutOfBlocksError,
     RetryPolicy,
     SeqSlots,
+    UnavailableError,
 )
 from block_manager.core.types import PoolId, SeqId
 
@@ -224,6 +225,36 @@ def test_retry_reuses_request_id_after_server_acted(bm):
         assert c.free(["s"]) == 1  # the replay, not FAILED_PRECONDITION (double free)
         assert c.stats.retries == 4
     assert proxy.calls.count("Step") == 7
+    assert bm.fsck() == []
+
+
+def test_resend_after_the_retries_gave_up_applies_the_step_once(bm):
+    """A Step whose every attempt lost its answer (the server acted on the first) raises
+    UNAVAILABLE; `resend` repeats it under the same request id and gets the recorded answer.
+    A sequence the step answered locally stays tracked with its deferred tokens."""
+    proxy = bm.start_proxy()
+    with BlockManagerClient(f"127.0.0.1:{proxy.port}", retry=FAST_RETRY, seed=2) as c:
+        c.register_node("n1", 16, block_size=4)
+        c.tracker.set_block_size("n1", 4)
+        step = c.step()
+        step.allocate("local", "n1", [1, 2, 3, 4, 5])      # 5 of 8 slots: the next token is in-block
+        forward_all(c, step.commit())
+        proxy.fail_after_forward("Step", times=FAST_RETRY.max_attempts)
+        step = c.step()
+        step.allocate("s", "n1", num_tokens=5)
+        step.append("local", [6])                            # answered here, not in the request
+        with pytest.raises(UnavailableError):
+            step.commit()
+        assert c.tracker.get("local").num_tokens == 6 and c.tracker.get("s") is None
+        again = step.resend()
+        assert isinstance(again.allocations["s"], Admission) and again.appends["local"].deferred
+        assert bm.state.core.metrics(PoolId("n1")).num_used_blocks == 4   # "s" allocated once
+        forward_all(c, again)
+        step = c.step()
+        step.append("local", [7, 8])                          # fills the block: the server hears 3 tokens
+        assert step.commit().appends["local"].context_len == 8
+        with pytest.raises(InvalidArgumentError):
+            step.resend()                                     # answered: nothing to resend
     assert bm.fsck() == []
 
 
