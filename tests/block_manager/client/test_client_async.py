@@ -13,6 +13,7 @@ from block_manager.client import (
     NotFoundError,
     OutOfBlocksError,
     RetryPolicy,
+    UnavailableError,
 )
 from tests.block_manager.client.step_workload import check_against_tables, expected_server_steps, forwarded, record
 
@@ -70,6 +71,16 @@ async def test_async_retry_replays_recorded_result(bm):
         proxy.fail_after_forward("Step")
         assert await c.free(["s", "t"]) == 2
         assert c.stats.retries == 2
+        proxy.fail_after_forward("Step", times=FAST_RETRY.max_attempts)   # every answer lost
+        step = c.step()
+        step.allocate("u", "n1", num_tokens=3)
+        with pytest.raises(UnavailableError):
+            await step.commit()
+        again = await step.resend()    # same request id: the recorded answer, applied once
+        assert isinstance(again.allocations["u"], Admission)
+        assert bm.state.core.metrics("n1").num_used_blocks == 1
+        forwarded(c, again)
+        assert await c.free(["u"]) == 1
         proxy.delay("Route", 1.0, times=3)
     async with AsyncBlockManagerClient(
         f"127.0.0.1:{proxy.port}", timeout_s=0.2, retry=RetryPolicy(max_attempts=2, initial_backoff_s=0.01)
