@@ -100,7 +100,8 @@ def test_a_node_dying_mid_generation_loses_no_request(
 ) -> None:
     """Node 1 stops while sequences run on it: its steps fail (UNAVAILABLE), the engine reports
     them failed and recomputes those requests, on node 0 once the block manager fenced node 1
-    (its lease lapsed). Every request completes with the tokens it would have had anyway."""
+    (its lease lapsed). Every request completes with the tokens it would have had anyway. When
+    node 1 comes back elsewhere, the engine serves there again."""
     services = Services(model_dirs[MODEL], num_nodes=2, bm={"lease_ttl_s": 1.5})
     stopped = False
     try:
@@ -123,12 +124,17 @@ def test_a_node_dying_mid_generation_loses_no_request(
             assert stopped and not engine.has_unfinished_requests()
             assert engine.stats.num_failed_steps > 0
             outs = [done[i] for i in ids]
+            # node 1 comes back (a new epoch, another port, more blocks): the engine follows it there
+            back = services.add_node("node-1", model_dirs[MODEL], num_blocks=192)
+            more = _prompts(6, 4)
+            _check_greedy(hf_models[MODEL], more, llm.generate(more, GREEDY))
+            assert getattr(engine.nodes["node-1"], "address", None) == back.address and _generates_ok(back) > 0
         for i, (p, out) in enumerate(zip(prompts, outs)):
             compare_greedy(out.outputs[0].token_ids, hf_greedy(hf_models[MODEL], p["prompt_token_ids"], 12),
                            f"prompt {i}")
     finally:
         if stopped:
-            services.nodes.pop(1)   # already stopped
+            services.nodes.pop(1)   # already stopped (a restarted node-1 is appended after it)
         services.close()
 
 
