@@ -244,10 +244,11 @@ class LLMEngine:
         started = time.perf_counter()
         self.sender.drain(wait=True)
         batch = self.client.step()
-        free_ids = [s.seq_id for s in self._to_free if s.seq_id]
-        if free_ids:
-            batch.free(free_ids)
-        freeing = self._to_free
+        # (sequence, the id being freed): a preempted sequence may be re-admitted in this very
+        # step under a new id, which must survive the free of its old one
+        freeing = [(s, s.seq_id) for s in self._to_free if s.seq_id]
+        if freeing:
+            batch.free([sid for _, sid in freeing])
         self._to_free = []
         budget = self.config.max_num_batched_tokens
         planned: list[tuple[Sequence, int]] = []     # (seq, tokens to compute) for appends
@@ -279,8 +280,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         result = self.sender.commit(batch)
         self.stats.bm_s += time.perf_counter() - t0
-        for seq in freeing:
-            seq.seq_id = ""
+        for seq, sid in freeing:
+            if seq.seq_id == sid:
+                seq.seq_id = ""
         work = self._apply_step_result(result, planned, children_of, admitted)
         self._run_nodes(result, work)
         if not work and not self.running and self.waiting:
@@ -553,11 +555,14 @@ class LLMEngine:
         answer never came is resent first, under its request id)."""
         try:
             self.sender.drain(wait=False)
-            ids = [s.seq_id for s in self._to_free if s.seq_id]
-            if ids:
+            freeing = [(s, s.seq_id) for s in self._to_free if s.seq_id]
+            if freeing:
                 batch = self.client.step()
-                batch.free(ids)
+                batch.free([sid for _, sid in freeing])
                 self._to_free = []
+                for seq, sid in freeing:   # the batch carries the ids now (resent if unanswered)
+                    if seq.seq_id == sid:
+                        seq.seq_id = ""
                 self.sender.commit(batch, wait=False)
             elif self.client.pending_reports:
                 self.client.flush_reports()

@@ -60,6 +60,10 @@ def test_preemption_and_resume_give_the_same_tokens(model_dirs: dict[str, Path],
     with LLM(model_dirs[name], block_size=4, num_kv_blocks=28, device="cpu", watermark=0.0) as llm:
         _check_greedy(llm, hf_models[name], prompts, "preempted", params)
         assert llm.engine.stats.num_preemptions > 0
+        # every admission was freed, re-admissions of preempted sequences included (no leak)
+        llm.engine.flush()
+        core = llm.client.state.core   # type: ignore[attr-defined]
+        assert core.sequences() == [] and core.metrics("local-0").num_used_blocks == 0
 
 
 def test_seeded_sampling_is_reproducible(model_dirs: dict[str, Path]) -> None:
