@@ -308,18 +308,24 @@ class LLMEngine:
             self.stats.bm_s += time.perf_counter() - t0
         self._discover(r for ranked in routes for r in ranked)
         admitted: list[tuple[Sequence, str]] = []
+        # One Route answers for every candidate from the same free counts: charge each pool the
+        # blocks this step already gives it, or every new prompt of a step lands on one node.
+        taken: dict[str, int] = {}
         for seq, ranked in zip(candidates, routes):
             if budget <= 0:
                 break
             ranked = [r for r in ranked if r.pool_id in self.nodes]
             if not ranked:
                 continue   # no node of ours admits sequences now (fenced, draining): it waits
-            pool = ranked[0].pool_id
-            cached = ranked[0].num_cached_tokens
+            best = min(ranked, key=lambda r: (-r.num_cached_tokens, taken.get(r.pool_id, 0) - r.num_free_blocks,
+                                              r.pool_id))
+            pool, cached = best.pool_id, best.num_cached_tokens
             seq.seq_id = seq.new_admission_id()
             tokens = seq.token_ids[: seq.prefill_target] if seq.fork_parent else seq.token_ids
             batch.allocate(seq.seq_id, pool, tokens, num_compute=budget)
             admitted.append((seq, pool))
+            block_size = self.pool_blocks[pool][1]
+            taken[pool] = taken.get(pool, 0) + -(-(len(tokens) - cached) // block_size)
             budget -= max(1, len(tokens) - cached)
         return admitted
 

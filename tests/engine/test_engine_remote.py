@@ -95,6 +95,24 @@ def test_nodes_registering_later_are_adopted_and_other_models_skipped(
         services.close()
 
 
+def test_one_steps_admissions_spread_over_the_nodes(model_dirs: dict[str, Path]) -> None:
+    """Eight new prompts admitted in one step go to both nodes (data parallel), not all to the
+    one that ranked first when the step's single Route was answered."""
+    services = Services(model_dirs[MODEL], num_nodes=2, bm={})
+    try:
+        with LLM(model_dirs[MODEL], block_manager=services.bm.address, max_num_batched_tokens=512) as llm:
+            engine = llm.engine
+            for p in _prompts(7, 8):
+                engine.add_request(p["prompt_token_ids"], GREEDY)
+            engine.step()
+            per_node = {nid: sum(s.node_id == nid for s in engine.running) for nid in ("node-0", "node-1")}
+            assert sum(per_node.values()) == 8 and min(per_node.values()) >= 3, per_node
+            while engine.has_unfinished_requests():
+                engine.step()
+    finally:
+        services.close()
+
+
 def test_a_node_dying_mid_generation_loses_no_request(
     model_dirs: dict[str, Path], hf_models: dict[str, Any]
 ) -> None:
