@@ -76,6 +76,8 @@ class _EngineCollector(Collector):
         yield self._counter("pagedkv_num_preemptions", "Sequences preempted (freed, recomputed later).",
                             s.num_preemptions)
         yield self._counter("pagedkv_engine_steps", "Scheduler steps.", s.num_steps)
+        yield self._counter("pagedkv_failed_node_steps", "Node steps that failed (node unreachable or timed out): "
+                            "reported failed, their sequences recomputed.", s.num_failed_steps)
         yield self._gauge("pagedkv_engine_alive", "1 while the engine thread runs.", 1.0 if self.aeng.alive else 0.0)
 
 

@@ -4,6 +4,7 @@ model, and the OpenAI-compatible server in front; the `openai` client talks to i
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -64,3 +65,53 @@ def test_health_check_probes_the_nodes_and_the_block_manager(api_stack: LocalSta
     assert asyncio.run(node_health_check(bm, live)()) == (True, "ok")
     ok, detail = asyncio.run(node_health_check(bm, {**live, "node-9": Node("127.0.0.1:1")})())
     assert not ok and "node node-9 UNREACHABLE" in detail
+
+
+def test_requests_survive_a_node_killed_mid_generation(tmp_path: Path, stack_env: dict[str, str]) -> None:
+    """SIGKILL a node while the API server's requests decode on both: the engine reports the
+    failed steps, the block manager fences the node when its lease lapses, and every request is
+    recomputed on the survivor and answered in full; the server stays healthy."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from integration_tests.helpers import LEASE_TTL_S
+
+    stack = LocalStack(tmp_path / "stack", interp_env=stack_env)
+    try:
+        stack.up()
+        url = "http://" + stack.address("api-server")
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def complete(i: int) -> openai.types.Completion:
+            return client.completions.create(model=TEST_MODEL_NAME, prompt=f"request {i}: " + "tok " * (i % 7),
+                                             max_tokens=160, temperature=0, extra_body={"ignore_eos": True})
+
+        def generated() -> float:
+            m = re.search(r"^pagedkv_generation_tokens_total\S* (\S+)$", httpx.get(url + "/metrics").text, re.M)
+            return float(m.group(1)) if m else 0.0
+
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(complete, i) for i in range(8)]
+            deadline = time.monotonic() + 60
+            while generated() < 16 and time.monotonic() < deadline:   # admitted on both nodes, decoding
+                time.sleep(0.02)
+            stack.kill("compute-node-1")
+            outs = [f.result() for f in futures]
+        metrics = httpx.get(url + "/metrics").text
+        failed = re.search(r"^pagedkv_failed_node_steps_total\S* (\S+)$", metrics, re.M)
+        assert failed is not None and float(failed.group(1)) > 0     # the kill hit steps in flight
+        assert all(o.choices[0].finish_reason == "length" for o in outs)
+        assert all(o.usage is not None and o.usage.completion_tokens == 160 for o in outs)
+        assert httpx.get(url + "/health", timeout=30).status_code in (200, 503)   # 503: node-1 is down
+        after = complete(99)                 # and it keeps serving on the survivor
+        assert after.usage is not None and after.usage.completion_tokens == 160
+        with AdminClient(stack.address("block-manager"), timeout_s=20.0) as admin:
+            deadline = time.monotonic() + LEASE_TTL_S * 4 + 10
+            while time.monotonic() < deadline and not {n["node_id"]: n for n in admin.list_nodes()["nodes"]}[
+                    "node-1"].get("fenced"):
+                time.sleep(0.25)
+            assert {n["node_id"]: n for n in admin.list_nodes()["nodes"]}["node-1"].get("fenced")
+            while admin.list_sequences().get("sequences") and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not admin.list_sequences().get("sequences") and admin.fsck().get("ok") is True
+    finally:
+        stack.down()
