@@ -24,6 +24,13 @@ def _prompts(seed: int, lengths: list[int], vocab: int = 512) -> list[list[int]]
     return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
 
 
+def _assert_all_freed(llm: LLM) -> None:
+    """Every admission (and fork child) was freed: no sequence, no block held in the block manager."""
+    llm.engine.flush()
+    core = llm.client.state.core   # type: ignore[attr-defined]
+    assert core.sequences() == [] and core.metrics("local-0").num_used_blocks == 0
+
+
 def _check_greedy(llm: LLM, hf: Any, prompts: list[list[int]], label: str, params: SamplingParams = GREEDY) -> None:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for i, (p, out) in enumerate(zip(prompts, outs)):
@@ -50,6 +57,7 @@ def test_prefix_hits_chunked_prefill_and_forks(model_dirs: dict[str, Path], hf_m
         before = llm.engine.stats.num_steps
         _check_greedy(llm, hf_models[name], prompts[1:2], "n=3", params)    # children identical to the reference
         assert llm.engine.stats.num_steps > before
+        _assert_all_freed(llm)
 
 
 def test_preemption_and_resume_give_the_same_tokens(model_dirs: dict[str, Path], hf_models: dict[str, Any]) -> None:
@@ -60,10 +68,7 @@ def test_preemption_and_resume_give_the_same_tokens(model_dirs: dict[str, Path],
     with LLM(model_dirs[name], block_size=4, num_kv_blocks=28, device="cpu", watermark=0.0) as llm:
         _check_greedy(llm, hf_models[name], prompts, "preempted", params)
         assert llm.engine.stats.num_preemptions > 0
-        # every admission was freed, re-admissions of preempted sequences included (no leak)
-        llm.engine.flush()
-        core = llm.client.state.core   # type: ignore[attr-defined]
-        assert core.sequences() == [] and core.metrics("local-0").num_used_blocks == 0
+        _assert_all_freed(llm)   # re-admissions of preempted sequences included
 
 
 def test_seeded_sampling_is_reproducible(model_dirs: dict[str, Path]) -> None:
@@ -74,6 +79,7 @@ def test_seeded_sampling_is_reproducible(model_dirs: dict[str, Path]) -> None:
         with LLM(model_dirs["llama-gqa4-hd64"], block_size=4, num_kv_blocks=num_blocks, device="cpu",
                  watermark=0.0) as llm:
             runs.append([[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)])
+            _assert_all_freed(llm)   # forks and preemptions included
     assert runs[0] == runs[1]
     assert runs[0][0][0] != runs[0][0][1]      # the two completions draw independent streams
 
@@ -107,3 +113,37 @@ def test_bad_input_is_refused_and_frees_everything(model_dirs: dict[str, Path], 
             llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": "x"}])
         assert not llm.engine.requests and not llm.engine.waiting    # nothing left behind
         assert llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2))[0].finished
+
+
+def test_stress_forks_preemption_prefix_hits_every_step_checked(
+    model_dirs: dict[str, Path], hf_models: dict[str, Any]
+) -> None:
+    """Many requests with n = 1..3, shared prefixes, a pool far too small for them and small
+    step budgets: the block manager's fsck is clean after every step, every greedy completion
+    equals transformers', and nothing is left held at the end."""
+    name = "llama-gqa4-hd64"
+    rng = random.Random(9)
+    shared = _prompts(10, [9])[0]
+    prompts = [(shared if rng.random() < 0.5 else []) + _prompts(11 + i, [rng.randrange(2, 14)])[0]
+               for i in range(18)]
+    with LLM(model_dirs[name], block_size=4, num_kv_blocks=40, device="cpu", watermark=0.0,
+             max_num_batched_tokens=16, max_num_seqs=12) as llm:
+        engine = llm.engine
+        core = llm.client.state.core   # type: ignore[attr-defined]
+        ids = []
+        for i, p in enumerate(prompts):
+            params = SamplingParams(n=1 + i % 3, temperature=0, max_tokens=6 + i % 9, ignore_eos=True)
+            ids.append((engine.add_request(p, params), params))
+        done: dict[str, Any] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+            assert core.fsck() == []
+        assert engine.stats.num_preemptions > 0 and engine.stats.cached_prompt_tokens > 0
+        assert core.metrics("local-0").cow_copies > 0          # n > 1 forked and copied on write
+        for (rid, params), p in zip(ids, prompts):
+            ref = hf_greedy(hf_models[name], p, params.max_tokens)
+            for c in done[rid].outputs:
+                compare_greedy(c.token_ids, ref, f"{rid} completion {c.index}")
+        _assert_all_freed(llm)
