@@ -147,3 +147,31 @@ def test_stress_forks_preemption_prefix_hits_every_step_checked(
             for c in done[rid].outputs:
                 compare_greedy(c.token_ids, ref, f"{rid} completion {c.index}")
         _assert_all_freed(llm)
+
+
+@pytest.mark.parametrize("seed", [13, 14, 15])
+def test_aborts_at_random_points_leave_nothing_held(model_dirs: dict[str, Path], seed: int) -> None:
+    """Requests aborted at random steps (waiting, prefilling, forking, decoding, preempted) free
+    everything they held; the others complete; fsck is clean after every step."""
+    rng = random.Random(seed)
+    with LLM(model_dirs["llama-gqa4-hd64"], block_size=4, num_kv_blocks=36, device="cpu", watermark=0.0,
+             max_num_batched_tokens=12, max_num_seqs=10) as llm:
+        engine = llm.engine
+        core = llm.client.state.core   # type: ignore[attr-defined]
+        ids = [engine.add_request(p, SamplingParams(n=1 + i % 3, temperature=0.7, seed=i, max_tokens=12,
+                                                    ignore_eos=True))
+               for i, p in enumerate(_prompts(seed, [rng.randrange(2, 20) for _ in range(16)]))]
+        finished: set[str] = set()
+        aborted: set[str] = set()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished.add(out.request_id)
+            live = [r for r in ids if r in engine.requests]
+            if live and rng.random() < 0.3:
+                victim = rng.choice(live)
+                engine.abort_request(victim)
+                aborted.add(victim)
+            assert core.fsck() == []
+        assert aborted and finished - aborted and engine.stats.num_preemptions > 0
+        _assert_all_freed(llm)
