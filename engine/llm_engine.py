@@ -232,7 +232,10 @@ class LLMEngine:
         now = time.monotonic()
         if now - self._usage_at >= 1.0:
             self._usage_at = now
-            routes = self.client.route([0])
+            try:
+                routes = self.client.route([0])
+            except UNREACHABLE:
+                return self._usage   # the last reading, until the block manager answers again
             total = sum(self.pool_blocks[r.pool_id][0] for r in routes if r.pool_id in self.pool_blocks)
             free = sum(r.num_free_blocks for r in routes if r.pool_id in self.pool_blocks)
             self._usage = 1.0 - free / total if total else 0.0

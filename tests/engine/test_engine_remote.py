@@ -156,6 +156,18 @@ def test_a_node_dying_mid_generation_loses_no_request(
         services.close()
 
 
+def _restart_block_manager(services: Services, db: str, down_s: float) -> None:
+    from block_manager.service.server import BlockManagerServer
+    from tests.support.configs import bm_test_config
+
+    address = services.bm.address
+    services._run(services.bm.stop(0))
+    time.sleep(down_s)
+    server = BlockManagerServer(bm_test_config(block_size=4, database_url=db, listen_address=address))
+    services._run(server.start())
+    services.bm = server
+
+
 def test_a_block_manager_restart_mid_generation_is_ridden_out(
     model_dirs: dict[str, Path], hf_models: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -163,9 +175,6 @@ def test_a_block_manager_restart_mid_generation_is_ridden_out(
     SQLite file and address: the engine resends its unanswered Step (same request id, applied
     once) until it is back, and every request completes with the tokens it would have had."""
     import threading
-
-    from block_manager.service.server import BlockManagerServer
-    from tests.support.configs import bm_test_config
 
     db = f"sqlite:///{tmp_path / 'bm.db'}"
     services = Services(model_dirs[MODEL], num_nodes=1, bm={"database_url": db})
@@ -177,14 +186,9 @@ def test_a_block_manager_restart_mid_generation_is_ridden_out(
             ids = [engine.add_request(p["prompt_token_ids"], params) for p in prompts]
             done: dict[str, Any] = {}
             restarter: threading.Thread | None = None
-            address = services.bm.address
 
             def restart() -> None:
-                services._run(services.bm.stop(0))
-                time.sleep(1.5)
-                server = BlockManagerServer(bm_test_config(block_size=4, database_url=db, listen_address=address))
-                services._run(server.start())
-                services.bm = server
+                _restart_block_manager(services, db, 1.5)
 
             while engine.has_unfinished_requests():
                 for out in engine.step():
@@ -202,5 +206,46 @@ def test_a_block_manager_restart_mid_generation_is_ridden_out(
                            f"prompt {i}")
         with AdminClient(services.bm.address) as admin:
             assert admin.fsck().get("ok") is True and not admin.list_sequences().get("sequences")
+    finally:
+        services.close()
+
+
+def test_the_api_server_rides_out_a_block_manager_restart(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """The same through the OpenAI server: requests in flight while the block manager is down
+    complete once it is back; down again while the engine idles, the engine thread keeps
+    running (its idle flush and its gauges wait the outage out) and serves when it is back."""
+    import threading
+
+    import httpx
+
+    from engine.api_server import ServerThread, build_app
+    from engine.async_engine import AsyncLLMEngine
+
+    db = f"sqlite:///{tmp_path / 'bm.db'}"
+    services = Services(model_dirs[MODEL], num_nodes=1, bm={"database_url": db})
+    try:
+        with LLM(model_dirs[MODEL], block_manager=services.bm.address) as llm:
+            aeng = AsyncLLMEngine(llm.engine)
+            try:
+                with ServerThread(build_app(aeng, llm.tokenizer, model_dirs[MODEL].name)) as srv:
+                    def ask(i: int) -> httpx.Response:
+                        body = {"prompt": f"request {i}", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+                        return httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
+
+                    replies: list[httpx.Response] = []
+                    askers = [threading.Thread(target=lambda i=i: replies.append(ask(i))) for i in range(4)]
+                    for t in askers:
+                        t.start()
+                    time.sleep(0.3)
+                    _restart_block_manager(services, db, 2.5)   # longer than the client's own retries
+                    for t in askers:
+                        t.join(120)
+                    assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
+                    assert all(r.json()["usage"]["completion_tokens"] == 64 for r in replies)
+                    # down again while the engine idles (its gauges read the pools once a second)
+                    _restart_block_manager(services, db, 2.5)
+                    assert aeng.alive and ask(9).status_code == 200
+            finally:
+                aeng.shutdown()
     finally:
         services.close()
