@@ -44,6 +44,27 @@ def _check_greedy(hf: Any, prompts: list[dict[str, list[int]]], outs: list[Any])
         compare_greedy(out.outputs[0].token_ids, hf_greedy(hf, p["prompt_token_ids"], GREEDY.max_tokens), f"prompt {i}")
 
 
+def _drive(engine: Any, prompts: list[dict[str, list[int]]], max_tokens: int, on_step: Any) -> list[Any]:
+    """Run greedy requests for `prompts` step by step, calling `on_step()` after each step;
+    their outputs in order, each checked against transformers by the caller."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [engine.add_request(p["prompt_token_ids"], params) for p in prompts]
+    done: dict[str, Any] = {}
+    for _ in range(5000):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        on_step()
+    return [done[i] for i in ids]
+
+
+def _check_drive(hf: Any, prompts: list[dict[str, list[int]]], outs: list[Any], max_tokens: int) -> None:
+    for i, (p, out) in enumerate(zip(prompts, outs)):
+        compare_greedy(out.outputs[0].token_ids, hf_greedy(hf, p["prompt_token_ids"], max_tokens), f"prompt {i}")
+
+
 def _generates_ok(server: Any) -> float:
     return server.node.metrics.registry.get_sample_value("pagedkv_cn_forwards_total", {"code": "OK"}) or 0.0
 
@@ -126,30 +147,22 @@ def test_a_node_dying_mid_generation_loses_no_request(
         with LLM(model_dirs[MODEL], block_manager=services.bm.address, max_num_batched_tokens=32) as llm:
             engine = llm.engine
             prompts = _prompts(4, 8)
-            params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-            ids = [engine.add_request(p["prompt_token_ids"], params) for p in prompts]
-            done: dict[str, Any] = {}
-            for _ in range(2000):
-                if not engine.has_unfinished_requests():
-                    break
-                for out in engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                on_node_1 = [s for s in engine.running if s.node_id == "node-1" and s.num_output_tokens > 0]
-                if not stopped and on_node_1:
+
+            def stop_node_1_once_it_decodes() -> None:
+                nonlocal stopped
+                if not stopped and any(s.node_id == "node-1" and s.num_output_tokens > 0 for s in engine.running):
                     services._run(services.nodes[1].stop(0))
                     stopped = True
+
+            outs = _drive(engine, prompts, 12, stop_node_1_once_it_decodes)
             assert stopped and not engine.has_unfinished_requests()
             assert engine.stats.num_failed_steps > 0
-            outs = [done[i] for i in ids]
             # node 1 comes back (a new epoch, another port, more blocks): the engine follows it there
             back = services.add_node("node-1", model_dirs[MODEL], num_blocks=192)
             more = _prompts(6, 4)
             _check_greedy(hf_models[MODEL], more, llm.generate(more, GREEDY))
             assert getattr(engine.nodes["node-1"], "address", None) == back.address and _generates_ok(back) > 0
-        for i, (p, out) in enumerate(zip(prompts, outs)):
-            compare_greedy(out.outputs[0].token_ids, hf_greedy(hf_models[MODEL], p["prompt_token_ids"], 12),
-                           f"prompt {i}")
+        _check_drive(hf_models[MODEL], prompts, outs, 12)
     finally:
         if stopped:
             services.nodes.pop(1)   # already stopped (a restarted node-1 is appended after it)
@@ -182,28 +195,19 @@ def test_a_block_manager_restart_mid_generation_is_ridden_out(
         with LLM(model_dirs[MODEL], block_manager=services.bm.address, max_num_batched_tokens=32) as llm:
             engine = llm.engine
             prompts = _prompts(5, 6)
-            params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-            ids = [engine.add_request(p["prompt_token_ids"], params) for p in prompts]
-            done: dict[str, Any] = {}
             restarter: threading.Thread | None = None
 
-            def restart() -> None:
-                _restart_block_manager(services, db, 1.5)
-
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
+            def restart_once_decoding() -> None:
+                nonlocal restarter
                 if restarter is None and any(s.num_output_tokens >= 3 for s in engine.running):
-                    restarter = threading.Thread(target=restart)
+                    restarter = threading.Thread(target=_restart_block_manager, args=(services, db, 1.5))
                     restarter.start()
                     time.sleep(0.2)   # the next step finds the block manager gone
+
+            outs = _drive(engine, prompts, 16, restart_once_decoding)
             assert restarter is not None
             restarter.join(30)
-            outs = [done[i] for i in ids]
-        for i, (p, out) in enumerate(zip(prompts, outs)):
-            compare_greedy(out.outputs[0].token_ids, hf_greedy(hf_models[MODEL], p["prompt_token_ids"], 16),
-                           f"prompt {i}")
+        _check_drive(hf_models[MODEL], prompts, outs, 16)
         with AdminClient(services.bm.address) as admin:
             assert admin.fsck().get("ok") is True and not admin.list_sequences().get("sequences")
     finally:
