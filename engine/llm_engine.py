@@ -357,20 +357,26 @@ class LLMEngine:
                 if isinstance(out, ItemFailure) and isinstance(out.error, OutOfBlocksError):
                     failed_appends.append(seq)
                 elif isinstance(out, ItemFailure) and _pool_gone(out):
-                    self._requeue(seq)   # dropped with its node: recompute elsewhere
+                    self._requeue(seq, free=_still_held(out))   # recompute elsewhere
                 elif out is not None:
                     raise EngineFailure(f"append for {seq.seq_id} failed: {out.error}")
                 continue
             add(seq, seq.num_computed, seq.num_computed + n)
         for parent, kids in children_of.items():
             fork = result.forks.get(parent.seq_id)
-            if isinstance(fork, ItemFailure) and _pool_gone(fork):
-                for kid in kids:
-                    kid.seq_id = ""   # still FORKING: forked again once the parent is back
-                self._requeue(parent)
-                continue
             if isinstance(fork, ItemFailure):
-                raise EngineFailure(f"fork of {parent.seq_id} failed: {fork.error}")
+                if not _pool_gone(fork):
+                    raise EngineFailure(f"fork of {parent.seq_id} failed: {fork.error}")
+                if not _still_held(fork):
+                    for kid in kids:
+                        kid.seq_id = ""   # still FORKING: forked again once the parent is back
+                    self._requeue(parent)
+                    continue
+                # A draining node takes no new sequences: the parent goes on there (its append
+                # of this step stands), the children are admitted elsewhere on their own.
+                for kid in kids:
+                    self._requeue(kid)
+                kids = []
             parent.fork_parent = False
             for kid in kids:
                 kid.status, kid.node_id, kid.num_computed = SeqStatus.RUNNING, parent.node_id, parent.num_computed
@@ -382,7 +388,7 @@ class LLMEngine:
                         failed_appends.append(s)
                         continue
                     if isinstance(out, ItemFailure) and _pool_gone(out):
-                        self._requeue(s)
+                        self._requeue(s, free=_still_held(out))
                         continue
                     raise EngineFailure(f"append for {s.seq_id} failed: {out}")
                 add(s, s.num_computed, s.num_computed + 1)
@@ -592,13 +598,20 @@ class LLMEngine:
             self._pool.shutdown(wait=True)
 
 
-# Per-item refusals that mean "this sequence's node is gone, or takes no new sequences": the
-# block manager dropped (or never made) the sequence, so the engine recomputes it elsewhere.
-POOL_GONE_REASONS = frozenset({"NodeFenced", "StaleEpoch", "UnknownPool", "PoolDraining"})
+# Per-item refusals that send a sequence elsewhere: its node is gone (the block manager dropped
+# the sequence with it: nothing to free), or takes no new sequences (a fork on a draining node:
+# the parent is still there and is freed).
+SEQ_GONE_REASONS = frozenset({"NodeFenced", "StaleEpoch", "UnknownPool"})
+POOL_GONE_REASONS = SEQ_GONE_REASONS | {"PoolDraining"}
 
 
 def _pool_gone(failure: ItemFailure) -> bool:
     return getattr(failure.error, "reason", "") in POOL_GONE_REASONS
+
+
+def _still_held(failure: ItemFailure) -> bool:
+    """Whether the sequence a pool-level refusal names still exists in the block manager."""
+    return getattr(failure.error, "reason", "") not in SEQ_GONE_REASONS
 
 
 def _fill_sampling(s: pb.Sampling, seq: Sequence) -> None:

@@ -134,6 +134,36 @@ def test_one_steps_admissions_spread_over_the_nodes(model_dirs: dict[str, Path])
         services.close()
 
 
+def test_a_fork_refused_by_a_draining_node_admits_the_children_elsewhere(
+    model_dirs: dict[str, Path], hf_models: dict[str, Any]
+) -> None:
+    """n = 3: the parent's prompt is computed on one node, then an operator drains that node
+    before the parent forks. The fork is refused (no new sequences there); the parent finishes
+    where it is, the children are admitted on the other node, every completion is correct and
+    nothing is left held."""
+    services = Services(model_dirs[MODEL], num_nodes=2, bm={})
+    try:
+        with LLM(model_dirs[MODEL], block_manager=services.bm.address) as llm, \
+                AdminClient(services.bm.address) as admin:
+            engine = llm.engine
+            (prompt,) = _prompts(8, 1)
+            params = SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True)
+            rid = engine.add_request(prompt["prompt_token_ids"], params)
+            engine.step()                                     # the parent's prompt, one short of the fork
+            (parent,) = engine.running
+            admin.drain_node(parent.node_id)
+            outs = []
+            while engine.has_unfinished_requests():
+                outs += [o for o in engine.step() if o.finished and o.request_id == rid]
+            engine.flush()
+            ref = hf_greedy(hf_models[MODEL], prompt["prompt_token_ids"], 8)
+            for c in outs[0].outputs:
+                compare_greedy(c.token_ids, ref, f"completion {c.index}")
+            assert not admin.list_sequences().get("sequences") and admin.fsck().get("ok") is True
+    finally:
+        services.close()
+
+
 def test_a_node_dying_mid_generation_loses_no_request(
     model_dirs: dict[str, Path], hf_models: dict[str, Any]
 ) -> None:
