@@ -9,10 +9,11 @@ class EngineError(Exception):
 
 
 class EngineFailure(Exception):
-    """A step the engine cannot complete: the block manager refused an item it planned, or a
-    node refused a step for a reason other than being unreachable (a credential or protocol
-    mismatch). Not the request's fault: the engine stops and says why (an API server answers
-    503), rather than retrying a step that fails the same way."""
+    """A step the engine cannot complete: the block manager refused an item it planned, a node
+    refused a step for a reason recovery cannot fix (credentials, a malformed request; or 20
+    refusals in a row), or the block manager stayed unreachable. Not the request's fault: the
+    engine stops and says why (an API server answers 503), rather than retrying a step that
+    fails the same way."""
 
 
 __all__ = ["EngineError", "EngineFailure"]

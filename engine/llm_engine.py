@@ -57,6 +57,9 @@ from pagedkv.stats import percentile
 from pagedkv.v1 import compute_node_pb2 as pb
 
 STAT_WINDOW = 100_000
+NODE_MOVED_ON_CODES = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
+                                 grpc.StatusCode.ABORTED})
+MAX_REFUSALS_IN_A_ROW = 20   # a node refusing more steps than this in a row is not recovering
 NO_CAPACITY_WAIT_S = 0.05   # a step that could run nothing sleeps this long before the next
 log = get_logger("engine.llm_engine")
 NODE_THREADS = 64            # most nodes generating at once (threads start only as needed)
@@ -167,6 +170,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._pool: ThreadPoolExecutor | None = None   # made when a step first spans two nodes
         self.sender = StepSender(self.config.bm_unavailable_timeout_s)
+        self._refusals: dict[str, int] = {}   # node -> steps it refused in a row (one thread per node)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(
@@ -498,15 +502,24 @@ class LLMEngine:
             self.nodes[pool_id] = node
 
     def _generate(self, node_id: str, request: pb.GenerateRequest) -> pb.GenerateResponse | None:
-        """The node's answer, or None when it is unreachable or timed out (the step is then
-        reported failed and its sequences recompute elsewhere or later). Any other error is
-        a bug on one side or the other and stops the engine."""
+        """The node's answer, or None when the step failed in a way the protocol recovers from:
+        the node is unreachable or timed out, or it moved on from the step's state (restarted
+        with a new epoch, so it knows neither the epoch nor the sequences: FAILED_PRECONDITION,
+        NOT_FOUND; its tables disagree with the step: ABORTED). The step is then reported
+        failed and its sequences recompute, there or elsewhere. Any other refusal (bad
+        credentials, a malformed request) is a bug or a misconfiguration and stops the engine."""
         try:
-            return self.nodes[node_id].generate(request)
+            reply = self.nodes[node_id].generate(request)
         except grpc.RpcError as exc:
             if exc.code() in RETRYABLE_CODES:
                 return None
+            refusals = self._refusals[node_id] = self._refusals.get(node_id, 0) + 1
+            if exc.code() in NODE_MOVED_ON_CODES and refusals <= MAX_REFUSALS_IN_A_ROW:
+                log.warning("node_refused_step", node_id=node_id, code=exc.code().name, details=exc.details())
+                return None
             raise EngineFailure(f"node {node_id!r} refused a step: {exc.code().name}: {exc.details()}") from exc
+        self._refusals[node_id] = 0
+        return reply
 
     def _accept(self, seq: Sequence, tok: pb.SampledToken, now: float) -> None:
         req, out = seq.request, seq.output

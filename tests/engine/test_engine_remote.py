@@ -199,6 +199,38 @@ def test_a_node_dying_mid_generation_loses_no_request(
         services.close()
 
 
+def test_a_node_restarted_in_place_costs_a_recompute(
+    model_dirs: dict[str, Path], hf_models: dict[str, Any]
+) -> None:
+    """Node 1 restarts on the same address within its lease (a container restart): it
+    registers a new epoch, which fences the old one at once. Steps the engine sends it with
+    the old epoch's tables are refused; the engine reports them failed and recomputes those
+    requests, on either node. Every request completes correctly, nothing is left held."""
+    services = Services(model_dirs[MODEL], num_nodes=2, bm={})
+    restarted = False
+    try:
+        with LLM(model_dirs[MODEL], block_manager=services.bm.address, max_num_batched_tokens=32) as llm:
+            engine = llm.engine
+            prompts = _prompts(12, 8)
+
+            def restart_node_1_once_it_decodes() -> None:
+                nonlocal restarted
+                if not restarted and any(s.node_id == "node-1" and s.num_output_tokens > 0 for s in engine.running):
+                    old = services.nodes.pop(1)
+                    services._run(old.stop(0))
+                    services.add_node("node-1", model_dirs[MODEL], listen_address=old.address)
+                    restarted = True
+
+            outs = _drive(engine, prompts, 12, restart_node_1_once_it_decodes)
+            assert restarted and engine.stats.num_failed_steps > 0
+            engine.flush()
+        _check_drive(hf_models[MODEL], prompts, outs, 12)
+        with AdminClient(services.bm.address) as admin:
+            assert admin.fsck().get("ok") is True and not admin.list_sequences().get("sequences")
+    finally:
+        services.close()
+
+
 def _restart_block_manager(services: Services, db: str, down_s: float) -> None:
     from block_manager.service.server import BlockManagerServer
     from tests.support.configs import bm_test_config
