@@ -60,6 +60,20 @@ def _drive(engine: Any, prompts: list[dict[str, list[int]]], max_tokens: int, on
     return [done[i] for i in ids]
 
 
+class _OnceNodeDecodes:
+    """An `on_step` hook for `_drive`: runs `action` once, after the first step in which
+    `node_id` holds a sequence that has generated a token (so the node has work in flight)."""
+
+    def __init__(self, engine: Any, node_id: str, action: Any) -> None:
+        self.engine, self.node_id, self.action = engine, node_id, action
+        self.fired = False
+
+    def __call__(self) -> None:
+        if not self.fired and any(s.node_id == self.node_id and s.num_output_tokens > 0 for s in self.engine.running):
+            self.action()
+            self.fired = True
+
+
 def _check_drive(hf: Any, prompts: list[dict[str, list[int]]], outs: list[Any], max_tokens: int) -> None:
     for i, (p, out) in enumerate(zip(prompts, outs)):
         compare_greedy(out.outputs[0].token_ids, hf_greedy(hf, p["prompt_token_ids"], max_tokens), f"prompt {i}")
@@ -172,20 +186,14 @@ def test_a_node_dying_mid_generation_loses_no_request(
     (its lease lapsed). Every request completes with the tokens it would have had anyway. When
     node 1 comes back elsewhere, the engine serves there again."""
     services = Services(model_dirs[MODEL], num_nodes=2, bm={"lease_ttl_s": 1.5})
-    stopped = False
+    stop: _OnceNodeDecodes | None = None
     try:
         with LLM(model_dirs[MODEL], block_manager=services.bm.address, max_num_batched_tokens=32) as llm:
             engine = llm.engine
             prompts = _prompts(4, 8)
-
-            def stop_node_1_once_it_decodes() -> None:
-                nonlocal stopped
-                if not stopped and any(s.node_id == "node-1" and s.num_output_tokens > 0 for s in engine.running):
-                    services._run(services.nodes[1].stop(0))
-                    stopped = True
-
-            outs = _drive(engine, prompts, 12, stop_node_1_once_it_decodes)
-            assert stopped and not engine.has_unfinished_requests()
+            stop = _OnceNodeDecodes(engine, "node-1", lambda: services._run(services.nodes[1].stop(0)))
+            outs = _drive(engine, prompts, 12, stop)
+            assert stop.fired and not engine.has_unfinished_requests()
             assert engine.stats.num_failed_steps > 0
             # node 1 comes back (a new epoch, another port, more blocks): the engine follows it there
             back = services.add_node("node-1", model_dirs[MODEL], num_blocks=192)
@@ -194,7 +202,7 @@ def test_a_node_dying_mid_generation_loses_no_request(
             assert getattr(engine.nodes["node-1"], "address", None) == back.address and _generates_ok(back) > 0
         _check_drive(hf_models[MODEL], prompts, outs, 12)
     finally:
-        if stopped:
+        if stop is not None and stop.fired:
             services.nodes.pop(1)   # already stopped (a restarted node-1 is appended after it)
         services.close()
 
@@ -207,22 +215,19 @@ def test_a_node_restarted_in_place_costs_a_recompute(
     the old epoch's tables are refused; the engine reports them failed and recomputes those
     requests, on either node. Every request completes correctly, nothing is left held."""
     services = Services(model_dirs[MODEL], num_nodes=2, bm={})
-    restarted = False
     try:
         with LLM(model_dirs[MODEL], block_manager=services.bm.address, max_num_batched_tokens=32) as llm:
             engine = llm.engine
             prompts = _prompts(12, 8)
 
-            def restart_node_1_once_it_decodes() -> None:
-                nonlocal restarted
-                if not restarted and any(s.node_id == "node-1" and s.num_output_tokens > 0 for s in engine.running):
-                    old = services.nodes.pop(1)
-                    services._run(old.stop(0))
-                    services.add_node("node-1", model_dirs[MODEL], listen_address=old.address)
-                    restarted = True
+            def restart_in_place() -> None:
+                old = services.nodes.pop(1)
+                services._run(old.stop(0))
+                services.add_node("node-1", model_dirs[MODEL], listen_address=old.address)
 
-            outs = _drive(engine, prompts, 12, restart_node_1_once_it_decodes)
-            assert restarted and engine.stats.num_failed_steps > 0
+            restart = _OnceNodeDecodes(engine, "node-1", restart_in_place)
+            outs = _drive(engine, prompts, 12, restart)
+            assert restart.fired and engine.stats.num_failed_steps > 0
             engine.flush()
         _check_drive(hf_models[MODEL], prompts, outs, 12)
         with AdminClient(services.bm.address) as admin:
