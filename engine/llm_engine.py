@@ -37,13 +37,7 @@ from typing import Any
 
 import grpc
 
-from block_manager.client import (
-    BlockManagerClient,
-    ItemFailure,
-    OutOfBlocksError,
-    PoolStepInfo,
-    StepResult,
-)
+from block_manager.client import BlockManagerClient, ItemFailure, OutOfBlocksError, PoolStepInfo, StepResult
 from compute_node.model.sampling import derive_seed
 from engine.bm_steps import UNREACHABLE, StepSender
 from engine.discovery import NodeDiscovery, node_problem
@@ -60,9 +54,9 @@ STAT_WINDOW = 100_000
 NODE_MOVED_ON_CODES = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
                                  grpc.StatusCode.ABORTED})
 MAX_REFUSALS_IN_A_ROW = 20   # a node refusing more steps than this in a row is not recovering
-NO_CAPACITY_WAIT_S = 0.05   # a step that could run nothing sleeps this long before the next
-log = get_logger("engine.llm_engine")
+NO_CAPACITY_WAIT_S = 0.05    # a step that could run nothing sleeps this long before the next
 NODE_THREADS = 64            # most nodes generating at once (threads start only as needed)
+log = get_logger("engine.llm_engine")
 
 
 @dataclass(slots=True)
@@ -251,12 +245,7 @@ class LLMEngine:
         started = time.perf_counter()
         self.sender.drain(wait=True)
         batch = self.client.step()
-        # (sequence, the id being freed): a preempted sequence may be re-admitted in this very
-        # step under a new id, which must survive the free of its old one
-        freeing = [(s, s.seq_id) for s in self._to_free if s.seq_id]
-        if freeing:
-            batch.free([sid for _, sid in freeing])
-        self._to_free = []
+        self._add_frees(batch)
         budget = self.config.max_num_batched_tokens
         planned: list[tuple[Sequence, int]] = []     # (seq, tokens to compute) for appends
         forks: list[Sequence] = []
@@ -287,9 +276,6 @@ class LLMEngine:
         t0 = time.perf_counter()
         result = self.sender.commit(batch)
         self.stats.bm_s += time.perf_counter() - t0
-        for seq, sid in freeing:
-            if seq.seq_id == sid:
-                seq.seq_id = ""
         work = self._apply_step_result(result, planned, children_of, admitted)
         self._run_nodes(result, work)
         if not work and not self.running and self.waiting:
@@ -358,12 +344,8 @@ class LLMEngine:
         for seq, n in planned:
             out = result.appends.get(seq.seq_id)
             if isinstance(out, ItemFailure) or out is None:
-                if isinstance(out, ItemFailure) and isinstance(out.error, OutOfBlocksError):
-                    failed_appends.append(seq)
-                elif isinstance(out, ItemFailure) and _pool_gone(out):
-                    self._requeue(seq, free=_still_held(out))   # recompute elsewhere
-                elif out is not None:
-                    raise EngineFailure(f"append for {seq.seq_id} failed: {out.error}")
+                if out is not None:
+                    self._append_failed(seq, out, failed_appends)
                 continue
             add(seq, seq.num_computed, seq.num_computed + n)
         for parent, kids in children_of.items():
@@ -387,14 +369,11 @@ class LLMEngine:
                 self.running.append(kid)
             for s in (parent, *kids):
                 out = result.appends.get(s.seq_id)
-                if isinstance(out, ItemFailure) or out is None:
-                    if isinstance(out, ItemFailure) and isinstance(out.error, OutOfBlocksError):
-                        failed_appends.append(s)
-                        continue
-                    if isinstance(out, ItemFailure) and _pool_gone(out):
-                        self._requeue(s, free=_still_held(out))
-                        continue
-                    raise EngineFailure(f"append for {s.seq_id} failed: {out}")
+                if out is None:
+                    raise EngineFailure(f"append for {s.seq_id} got no answer")
+                if isinstance(out, ItemFailure):
+                    self._append_failed(s, out, failed_appends)
+                    continue
                 add(s, s.num_computed, s.num_computed + 1)
         for seq, pool in admitted:
             adm = result.allocations.get(seq.seq_id)
@@ -417,6 +396,16 @@ class LLMEngine:
             busy = {w.seq for items in work.values() for w in items}
             self._preempt_for(failed_appends, busy)
         return work
+
+    def _append_failed(self, seq: Sequence, out: ItemFailure, failed_appends: list[Sequence]) -> None:
+        """An append the block manager refused: out of blocks (preempt someone, `failed_appends`),
+        the node gone or draining (recompute elsewhere), anything else stops the engine."""
+        if isinstance(out.error, OutOfBlocksError):
+            failed_appends.append(seq)
+        elif _pool_gone(out):
+            self._requeue(seq, free=_still_held(out))
+        else:
+            raise EngineFailure(f"append for {seq.seq_id} failed: {out.error}")
 
     def _preempt_for(self, starved: list[Sequence], busy: set[Sequence]) -> None:
         """Free the most recently admitted running sequences without work in this step, one
@@ -486,6 +475,18 @@ class LLMEngine:
                 w.seq.num_computed = w.context_len
                 if w.sample:
                     self._accept(w.seq, next(tokens), now)
+
+    def _add_frees(self, batch: Any) -> bool:
+        """Move the pending frees into `batch` (which carries them from here on, resent if its
+        answer never comes) and clear the freed ids at once: a preempted sequence re-admitted
+        in the same step gets its new id after this. Whether there were any."""
+        freeing = [s for s in self._to_free if s.seq_id]
+        self._to_free = []
+        if freeing:
+            batch.free([s.seq_id for s in freeing])
+        for seq in freeing:
+            seq.seq_id = ""
+        return bool(freeing)
 
     def _discover(self, routes: Iterable[Any]) -> None:
         """Adopt the nodes `NodeDiscovery` finds among the routes (one registered after the
@@ -583,14 +584,8 @@ class LLMEngine:
         answer never came is resent first, under its request id)."""
         try:
             self.sender.drain(wait=False)
-            freeing = [(s, s.seq_id) for s in self._to_free if s.seq_id]
-            if freeing:
-                batch = self.client.step()
-                batch.free([sid for _, sid in freeing])
-                self._to_free = []
-                for seq, sid in freeing:   # the batch carries the ids now (resent if unanswered)
-                    if seq.seq_id == sid:
-                        seq.seq_id = ""
+            batch = self.client.step()
+            if self._add_frees(batch):
                 self.sender.commit(batch, wait=False)
             elif self.client.pending_reports:
                 self.client.flush_reports()

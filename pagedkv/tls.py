@@ -62,6 +62,14 @@ class TlsSettings(BaseModel):
             raise ValueError("tls: require_client_cert needs TLS enabled")
         return self
 
+    def check_listener(self) -> None:
+        """A service's own settings: a TLS listener (or one demanding client certificates)
+        needs the server's certificate and key. Raises ValueError (a config error)."""
+        if self.require_client_cert and not (self.cert_file and self.key_file):
+            raise ValueError("tls.require_client_cert needs the server's tls.cert_file and tls.key_file")
+        if self.active and not (self.cert_file and self.key_file):
+            raise ValueError("a TLS listener needs tls.cert_file and tls.key_file")
+
     @property
     def active(self) -> bool:
         if self.enabled is not None:

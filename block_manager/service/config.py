@@ -100,10 +100,7 @@ class BlockManagerConfig(YamlEnvSettings):
 
     @model_validator(mode="after")
     def _tls_for_identity(self) -> BlockManagerConfig:
-        if self.tls.require_client_cert and not (self.tls.cert_file and self.tls.key_file):
-            raise ValueError("tls.require_client_cert needs the server's tls.cert_file and tls.key_file")
-        if self.tls.active and not (self.tls.cert_file and self.tls.key_file):
-            raise ValueError("a TLS listener needs tls.cert_file and tls.key_file")
+        self.tls.check_listener()
         if self.auth_enabled and not (self.auth.tokens or self.tls.require_client_cert or self.admin_token):
             raise ValueError("auth.enabled: nobody could call: configure auth.tokens or tls.require_client_cert")
         return self

@@ -92,8 +92,7 @@ class ComputeNodeConfig(YamlEnvSettings):
 
     @model_validator(mode="after")
     def _tls_listener(self) -> ComputeNodeConfig:
-        if self.tls.active and not (self.tls.cert_file and self.tls.key_file):
-            raise ValueError("a TLS listener needs tls.cert_file and tls.key_file")
+        self.tls.check_listener()
         if self.auth_enabled and not (self.auth.tokens or self.tls.require_client_cert):
             raise ValueError("auth.enabled: nobody could call: configure auth.tokens or tls.require_client_cert")
         return self
