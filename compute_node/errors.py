@@ -53,6 +53,17 @@ class NotRegistered(ComputeNodeError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class BlockManagerRefused(ComputeNodeError):
+    """The block manager refused a call the node made for a Forward (a cold table fetch) with
+    a status the other classes do not name (ABORTED, PERMISSION_DENIED, INTERNAL, ...): the
+    Forward is refused with that same status, so its meaning reaches the scheduler intact
+    (UNAVAILABLE would make it retry a refusal forever)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class BlockManagerUnavailable(ComputeNodeError):
     """A node → block manager call failed transiently; retrying the Forward is safe."""
 

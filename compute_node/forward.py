@@ -32,6 +32,7 @@ from compute_node.errors import InvalidForward, UnknownSequence
 from compute_node.pool import KvPool, PoolGeometry
 from compute_node.tables import NodeTable, SeqId
 from compute_node.wire import WireError, decode_tensor
+from pagedkv.limits import seq_id_problem
 from pagedkv.v1 import compute_node_pb2 as pb
 
 QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -108,8 +109,9 @@ def _parse_sequences(request: pb.ForwardRequest, geometry: PoolGeometry) -> list
     seen: set[str] = set()
     row = 0
     for i, s in enumerate(request.sequences):
-        if not s.seq_id:
-            raise InvalidForward(f"sequences[{i}].seq_id is empty")
+        problem = seq_id_problem(s.seq_id)
+        if problem is not None:
+            raise InvalidForward(f"sequences[{i}].seq_id {problem}")
         if s.seq_id in seen:
             raise InvalidForward(f"sequence {s.seq_id!r} appears twice in the batch")
         seen.add(s.seq_id)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from compute_node.errors import InvalidForward, UnknownSequence
 from compute_node.model import InvalidSamplingParams, ModelRunner, SamplingParams, SeqWork
 from compute_node.tables import NodeTable, SeqId, TableCache, stage
+from pagedkv.limits import seq_id_problem
 from pagedkv.v1 import compute_node_pb2 as pb
 
 
@@ -120,8 +121,9 @@ class Generator:
         out: list[_Seq] = []
         seen: set[str] = set()
         for i, s in enumerate(request.sequences):
-            if not s.seq_id:
-                raise InvalidForward(f"sequences[{i}].seq_id is empty")
+            problem = seq_id_problem(s.seq_id)
+            if problem is not None:
+                raise InvalidForward(f"sequences[{i}].seq_id {problem}")
             if s.seq_id in seen:
                 raise InvalidForward(f"sequence {s.seq_id!r} appears twice in the step")
             seen.add(s.seq_id)

@@ -12,8 +12,9 @@ from typing import Any, NamedTuple
 
 from block_manager.core.errors import InvalidRequest
 from block_manager.core.types import CopyOp, DefragPlan
+from pagedkv.limits import MAX_SEQ_ID_LEN
 
-MAX_ID_LEN = 256
+MAX_ID_LEN = MAX_SEQ_ID_LEN   # the compute nodes refuse longer sequence ids too
 
 
 def check_count(name: str, value: object, minimum: int, maximum: int) -> int:

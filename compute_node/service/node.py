@@ -35,10 +35,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import torch
 
 from compute_node.errors import (
+    BlockManagerRefused,
     BlockManagerUnavailable,
+    ComputeNodeError,
     InvalidForward,
     NodeFenced,
     NotRegistered,
@@ -49,7 +52,14 @@ from compute_node.forward import ForwardBatch, execute, plan_attention, resolve_
 from compute_node.generate import Generator
 from compute_node.model import ModelRunner
 from compute_node.pool import KvPool, PoolGeometry, blocks_for_budget, resolve_device
-from compute_node.service.bm_link import BlockManagerLink, LinkError, LinkFenced, LinkNotFound, Registration
+from compute_node.service.bm_link import (
+    BlockManagerLink,
+    LinkError,
+    LinkFenced,
+    LinkNotFound,
+    LinkUnavailable,
+    Registration,
+)
 from compute_node.service.config import DEFAULT_NUM_BLOCKS, ComputeNodeConfig
 from compute_node.service.metrics import NodeMetrics
 from compute_node.tables import NodeTable, SeqId, StagedSteps, TableCache, stage
@@ -78,6 +88,22 @@ class ForwardResult:
     outputs: list[tuple[int, torch.Tensor]]   # (layer, [num_tokens, num_heads, head_dim])
     stats: ForwardStats
 
+
+
+def cold_fetch_error(exc: LinkError) -> ComputeNodeError:
+    """The Forward's error for a refused cold table fetch: the block manager's own status
+    (NOT_FOUND, FAILED_PRECONDITION, INVALID_ARGUMENT, ...) with its message; UNAVAILABLE
+    only when the block manager could not be reached (or timed out), the one case a
+    scheduler should retry."""
+    if isinstance(exc, LinkUnavailable):
+        return BlockManagerUnavailable(f"block manager unavailable for a cold table fetch: {exc}")
+    if isinstance(exc, LinkNotFound):
+        return UnknownSequence(exc.details)
+    if isinstance(exc, LinkFenced):
+        return NodeFenced(exc.details)
+    if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidForward(f"block manager refused the cold table fetch: {exc.details}")
+    return BlockManagerRefused(exc.code, f"block manager refused the cold table fetch: {exc.details}")
 
 class ComputeNode:
     def __init__(self, config: ComputeNodeConfig, *, advertise_address: str = "") -> None:
@@ -353,11 +379,7 @@ class ComputeNode:
             self.metrics.bm_rpcs.labels("GetTables").inc()
         except LinkError as exc:
             self.metrics.bm_failures.labels("GetTables").inc()
-            if isinstance(exc, LinkNotFound):
-                raise UnknownSequence(exc.details) from None
-            if isinstance(exc, LinkFenced):
-                raise NodeFenced(exc.details) from None
-            raise BlockManagerUnavailable(f"block manager unavailable for a cold table fetch: {exc}") from None
+            raise cold_fetch_error(exc) from None
         applied = staged.last_step_id if staged.last_step_id is not None else self.tables.last_step_id
         if reply.last_step_id != applied:
             raise StaleTable(
