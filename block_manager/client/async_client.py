@@ -35,12 +35,14 @@ class AsyncBlockManagerClient(ClientBase):
         scheduler_id: str | None = None,
         tls: TlsSettings | None = None,
         token: str | None = None,
+        sessions: bool = True,
     ) -> None:
         """Connect to `target` (host:port); `scheduler_id` defaults to a fresh unique name; `tls`
-        and `token`: see `ClientBase` (plaintext without credentials when neither is given)."""
+        and `token`: see `ClientBase` (plaintext without credentials when neither is given);
+        `sessions`: see `ClientBase`."""
         super().__init__(
             target, channel, True, timeout_s=timeout_s, retry=retry, block_sizes=block_sizes,
-            seed=seed, scheduler_id=scheduler_id, tls=tls, token=token,
+            seed=seed, scheduler_id=scheduler_id, tls=tls, token=token, sessions=sessions,
         )
 
     async def close(self) -> None:
@@ -66,6 +68,22 @@ class AsyncBlockManagerClient(ClientBase):
             self.stats.errors += 1
             raise error_from_rpc(exc, method) from exc
 
+    async def _mutating_call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
+        """`_call` inside this client's session (opened on first use; see `ClientBase`)."""
+        if self.session.needs_open():
+            try:
+                self.session.adopt(await self._call("OpenSession", self._open_session_request(), timeout_s))
+            except BlockManagerError as exc:
+                self._session_failed(exc)
+        self.session.stamp(request)
+        try:
+            reply = await self._call(method, request, timeout_s)
+        except BlockManagerError as exc:
+            self._after_mutating(request, exc)
+            raise
+        self._after_mutating(request, None)
+        return reply
+
     # ---- nodes ----------------------------------------------------------------------
     async def register_node(
         self,
@@ -82,7 +100,7 @@ class AsyncBlockManagerClient(ClientBase):
         req = wire.register_node_request(
             request_id_or_new(request_id), node_id, num_blocks, block_size, geometry, address
         )
-        reg = wire.registration(await self._call("RegisterNode", req, timeout_s))
+        reg = wire.registration(await self._mutating_call("RegisterNode", req, timeout_s))
         self.tracker.set_block_size(reg.pool_id, reg.block_size)
         return reg
 
@@ -155,7 +173,7 @@ class AsyncStep(StepBatch):
         if request is None:
             return self.result
         try:
-            reply = await client._call("Step", request, timeout_s)
+            reply = await client._mutating_call("Step", request, timeout_s)
         except BlockManagerError:
             self.distrust(request)
             raise
@@ -169,7 +187,7 @@ class AsyncStep(StepBatch):
         without losing or doubling the step. Raises like `commit`."""
         client = self._client
         request = self.unanswered()
-        reply = await client._call("Step", request, timeout_s)
+        reply = await client._mutating_call("Step", request, timeout_s)
         self._unanswered = None
         client._sent(request, reply)
         return self.apply(reply)

@@ -8,7 +8,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from block_manager.client import wire
-from block_manager.client.retry import ClientStats, RetryPolicy
+from block_manager.client.errors import BlockManagerError
+from block_manager.client.retry import RETRYABLE_CODES, ClientStats, RetryPolicy
+from block_manager.client.session import ClientSessionState
 from block_manager.client.step import SequenceTracker, StepBatch
 from block_manager.client.types import PoolStepInfo
 from pagedkv.auth import token_metadata
@@ -31,6 +33,11 @@ class ClientBase:
     Security: `tls` (a `pagedkv.tls.TlsSettings`: the CA that verifies the server, and the
     client certificate for mutual TLS) and `token` (a bearer token sent with every call);
     neither given: plaintext, no credentials (loopback development).
+
+    Exactly-once: mutating calls (RegisterNode, Step) run in a block-manager session
+    (`client/session.py`): a resend is answered from the server's record or refused as expired,
+    never applied twice, however late it comes. `sessions=False` (or a server without
+    `OpenSession`) falls back to request ids alone.
     """
 
     def __init__(
@@ -46,6 +53,7 @@ class ClientBase:
         scheduler_id: str | None,
         tls: TlsSettings | None = None,
         token: str | None = None,
+        sessions: bool = True,
     ) -> None:
         self.target = target
         self.timeout_s = timeout_s
@@ -61,6 +69,26 @@ class ClientBase:
         # pool -> (node epoch, completed_up_to, failed_from): sent with the next step
         self._reports: dict[str, tuple[int, int, int]] = {}
         self.held_pools: set[str] = set()   # pools whose lease this scheduler took
+        self.session = ClientSessionState(enabled=sessions)
+
+    def _open_session_request(self) -> pb.OpenSessionRequest:
+        return pb.OpenSessionRequest(client_name=self.scheduler_id[:128])
+
+    def _session_failed(self, exc: BaseException) -> None:
+        """`_open_session` failed: UNIMPLEMENTED turns sessions off (an older server, the
+        in-process block manager); anything else propagates."""
+        if isinstance(exc, BlockManagerError) and exc.code.name == "UNIMPLEMENTED":
+            self.session.disable()
+            return
+        raise exc
+
+    def _after_mutating(self, request: Any, exc: BlockManagerError | None) -> None:
+        """The outcome of a stamped request: definite (answer or refusal) settles its number;
+        UNAVAILABLE / deadline leave it open for a resend."""
+        if exc is None or exc.code not in RETRYABLE_CODES:
+            self.session.settle(request)
+        if exc is not None:
+            self.session.lost(exc.message)
 
     def report(self, step: PoolStepInfo, ok: bool) -> None:
         """Record the outcome of the Forward that carried `step` (sent with the next step).

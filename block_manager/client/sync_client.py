@@ -42,12 +42,14 @@ class BlockManagerClient(ClientBase):
         scheduler_id: str | None = None,
         tls: TlsSettings | None = None,
         token: str | None = None,
+        sessions: bool = True,
     ) -> None:
         """Connect to `target` (host:port); `scheduler_id` defaults to a fresh unique name; `tls`
-        and `token`: see `ClientBase` (plaintext without credentials when neither is given)."""
+        and `token`: see `ClientBase` (plaintext without credentials when neither is given);
+        `sessions`: see `ClientBase`."""
         super().__init__(
             target, channel, False, timeout_s=timeout_s, retry=retry, block_sizes=block_sizes,
-            seed=seed, scheduler_id=scheduler_id, tls=tls, token=token,
+            seed=seed, scheduler_id=scheduler_id, tls=tls, token=token, sessions=sessions,
         )
 
     def close(self) -> None:
@@ -73,6 +75,22 @@ class BlockManagerClient(ClientBase):
             self.stats.errors += 1
             raise error_from_rpc(exc, method) from exc
 
+    def _mutating_call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
+        """`_call` inside this client's session (opened on first use; see `ClientBase`)."""
+        if self.session.needs_open():
+            try:
+                self.session.adopt(self._call("OpenSession", self._open_session_request(), timeout_s))
+            except BlockManagerError as exc:
+                self._session_failed(exc)
+        self.session.stamp(request)
+        try:
+            reply = self._call(method, request, timeout_s)
+        except BlockManagerError as exc:
+            self._after_mutating(request, exc)
+            raise
+        self._after_mutating(request, None)
+        return reply
+
     # ---- nodes ----------------------------------------------------------------------
     def register_node(
         self,
@@ -89,7 +107,7 @@ class BlockManagerClient(ClientBase):
         req = wire.register_node_request(
             request_id_or_new(request_id), node_id, num_blocks, block_size, geometry, address
         )
-        reg = wire.registration(self._call("RegisterNode", req, timeout_s))
+        reg = wire.registration(self._mutating_call("RegisterNode", req, timeout_s))
         self.tracker.set_block_size(reg.pool_id, reg.block_size)
         return reg
 
@@ -161,7 +179,7 @@ class SyncStep(StepBatch):
         if request is None:
             return self.result
         try:
-            reply = client._call("Step", request, timeout_s)
+            reply = client._mutating_call("Step", request, timeout_s)
         except BlockManagerError:
             self.distrust(request)
             raise
@@ -175,7 +193,7 @@ class SyncStep(StepBatch):
         without losing or doubling the step. Raises like `commit`."""
         client = self._client
         request = self.unanswered()
-        reply = client._call("Step", request, timeout_s)
+        reply = client._mutating_call("Step", request, timeout_s)
         self._unanswered = None
         client._sent(request, reply)
         return self.apply(reply)

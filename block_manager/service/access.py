@@ -6,6 +6,7 @@
 | `BlockManager/RegisterNode`, `Heartbeat`, `GetTables` | `node:<id>` with `<id> == request.node_id` |
 | `BlockManager/Step` | `scheduler`, or `scheduler:<id>` with `<id> == request.scheduler_id` |
 | `BlockManager/Route` | `scheduler` / `scheduler:<id>` |
+| `BlockManager/OpenSession` | `node`, `scheduler` or `admin` (a session id is a random secret) |
 | anything else of ours | nobody (a new RPC must be given its rule here) |
 
 A node's credentials therefore cannot register, heartbeat or read tables as another node, a
@@ -25,6 +26,7 @@ ADMIN_PREFIX = "/pagedkv.v1.BlockManagerAdmin/"
 DATA_PREFIX = "/pagedkv.v1.BlockManager/"
 NODE_METHODS = frozenset({"RegisterNode", "Heartbeat", "GetTables"})
 SCHEDULER_METHODS = frozenset({"Step", "Route"})
+SESSION_METHODS = frozenset({"OpenSession"})
 
 
 def is_admin_method(method: str) -> bool:
@@ -38,6 +40,10 @@ def authorize(method: str, principal: Principal, request: Any) -> str | None:
     name = method.rsplit("/", 1)[-1]
     if not method.startswith(DATA_PREFIX):
         return f"{principal} may not call {method}"
+    if name in SESSION_METHODS:
+        if principal.role in ("node", "scheduler", "admin"):
+            return None
+        return f"{principal} may not open a client session"
     if name in NODE_METHODS:
         if principal.role != "node":
             return f"{name} is for compute nodes; {principal} is not one"
@@ -54,4 +60,7 @@ def authorize(method: str, principal: Principal, request: Any) -> str | None:
     return f"{principal} may not call {name}"
 
 
-__all__ = ["ADMIN_PREFIX", "DATA_PREFIX", "NODE_METHODS", "SCHEDULER_METHODS", "authorize", "is_admin_method"]
+__all__ = [
+    "ADMIN_PREFIX", "DATA_PREFIX", "NODE_METHODS", "SCHEDULER_METHODS", "SESSION_METHODS", "authorize",
+    "is_admin_method",
+]

@@ -7,7 +7,14 @@ import grpc
 
 from block_manager.core.types import PoolId, SeqId
 from block_manager.service.defrag_runner import DefragRunner
-from block_manager.service.protocol import MutatingServicer, check_request_id, defrag_kind, plan_pb, request_digest
+from block_manager.service.protocol import (
+    MutatingServicer,
+    check_request_id,
+    defrag_kind,
+    plan_pb,
+    request_digest,
+    session_of,
+)
 from block_manager.service.runtime import ServiceRuntime
 from block_manager.service.state_codec import check_id, check_optional_str
 from pagedkv.v1 import block_manager_pb2 as pb
@@ -161,7 +168,8 @@ class BlockManagerAdminServicer(MutatingServicer, pb_grpc.BlockManagerAdminServi
     ) -> pb.TriggerDefragResponse:
         rid = check_request_id(request.request_id)
         kind = defrag_kind(request.kind)
-        plans = await self.defrag.trigger(request.pool_id or None, kind, rid, request_digest("TriggerDefrag", request))
+        digest = request_digest("TriggerDefrag", request)
+        plans = await self.defrag.trigger(request.pool_id or None, kind, rid, digest, session_of(request))
         return pb.TriggerDefragResponse(plans=[plan_pb(p) for p in plans])
 
 

@@ -72,6 +72,15 @@ class BlockManagerConfig(YamlEnvSettings):
     # sequences weighs 257); older retries read the result back from the store.
     max_retained_result_items: int = Field(default=262_144, ge=1)
     max_batch: int = Field(default=4096, ge=1)
+    # Client sessions (exactly-once past the request-id window, service/sessions.py): the
+    # answer of a sessioned request is held for `session_window_s` (must be >= the clients'
+    # resend window: the engine resends an unanswered step for bm_unavailable_timeout_s =
+    # 120 s), at most `max_session_answers` per session (answers the client acknowledged go
+    # at once); a session unused for `session_ttl_s` expires.
+    session_window_s: float = Field(default=300.0, gt=0)
+    session_ttl_s: float = Field(default=900.0, gt=0)
+    max_sessions: int = Field(default=4096, ge=1)
+    max_session_answers: int = Field(default=64, ge=1)
     # A restart right after a crash may find the old session's lock not yet released.
     store_lock_wait_s: float = Field(default=10.0, ge=0)
     # SQLite only: FULL fsyncs every group commit (survives power loss); NORMAL fsyncs at
@@ -92,6 +101,12 @@ class BlockManagerConfig(YamlEnvSettings):
     max_route_tokens: int = Field(default=1 << 17, ge=1)
     shutdown_grace_s: float = Field(default=5.0, ge=0)
     log_level: str = "INFO"
+
+    @model_validator(mode="after")
+    def _session_ttl_covers_window(self) -> BlockManagerConfig:
+        if self.session_ttl_s < self.session_window_s:
+            raise ValueError("session_ttl_s must be >= session_window_s (a session outlives its answers)")
+        return self
 
     @field_validator("admin_token")
     @classmethod

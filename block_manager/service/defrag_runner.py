@@ -50,6 +50,9 @@ class DefragRunner:
     def _after_apply(self, op: str, payload: dict[str, Any], result: dict[str, Any]) -> None:
         if op in _PLAN_OPS and result.get("plan"):
             self._arm(result["plan"]["plan_id"])
+        elif op == "trigger_defrag":
+            for plan in result["plans"]:
+                self._arm(plan["plan_id"])
         elif op in _END_OPS:
             self._disarm_finished()
         if op == "step" and self.settings.enabled:
@@ -127,22 +130,17 @@ class DefragRunner:
             log.info("defrag plan", pool=pool_id, kind=kind, plan_id=plan["plan_id"], moves=len(plan["moves"]))
         return plan
 
-    async def trigger(self, pool_id: str | None, kind: str, request_id: str, digest: str) -> list[dict[str, Any]]:
-        """Admin trigger: plan `kind` for one pool or every pool without a plan."""
-        self.runtime.check_writable()
-        state = self.runtime.state
-        if pool_id is not None:
-            state.registry.check_active(pool_id)
-            pool_ids = [pool_id]
-        else:
-            busy = {p.pool_id for p in state.outstanding_plans()}
-            pool_ids = [pid for pid in state.core.pool_ids if pid not in busy]
-        plans: list[dict[str, Any]] = []
-        for pid in pool_ids:
-            rid = internal_request_id("defrag-admin", request_id, pid)
-            plan = await self.plan(pid, kind, rid, f"{digest}#{pid}")
-            if plan:
-                plans.append(plan)
+    async def trigger(
+        self, pool_id: str | None, kind: str, request_id: str, digest: str, session: Any = None,
+    ) -> list[dict[str, Any]]:
+        """Admin trigger: plan `kind` for one pool or every pool without a plan, as one
+        journaled op (`trigger_defrag`) recorded under the admin's request id (or session
+        number), so a resend gets the identical answer."""
+        payload = {"pool_id": pool_id or "", "kind": kind, "max_moves": self.settings.max_moves}
+        result = await self.runtime.mutate("trigger_defrag", request_id, digest, payload, session=session)
+        plans: list[dict[str, Any]] = result["plans"]
+        for plan in plans:
+            log.info("defrag plan", pool=plan["pool_id"], kind=kind, plan_id=plan["plan_id"], moves=len(plan["moves"]))
         return plans
 
 

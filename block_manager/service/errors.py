@@ -29,6 +29,15 @@ class RequestExpired(ServiceError):
     cannot act twice."""
 
 
+class SessionExpired(ServiceError):
+    """A sessioned request named a session the server does not hold (expired, or never
+    opened): refused, never applied (`service/sessions.py`)."""
+
+
+class TooManySessions(ServiceError):
+    """`max_sessions` client sessions are open: no new one until some expire."""
+
+
 class RecordRejected(ServiceError):
     """The request cannot be journaled because of its own content (an id or digest too long
     for the store's columns, a payload that is not JSON). Raised before anything is applied:
@@ -55,6 +64,8 @@ __all__ = [
     "RequestExpired",
     "RequestIdConflict",
     "ServerUnavailable",
+    "SessionExpired",
     "ServiceError",
+    "TooManySessions",
     "Unauthenticated",
 ]

@@ -12,6 +12,7 @@ from typing import Any
 
 from block_manager.core.errors import InvalidRequest
 from block_manager.service.runtime import ServiceRuntime
+from block_manager.service.sessions import SessionRef, check_session_ref
 from block_manager.service.state import DEFRAG_KINDS
 from pagedkv.v1 import block_manager_pb2 as pb
 
@@ -19,14 +20,30 @@ MAX_REQUEST_ID_LEN = 128
 
 
 def request_digest(method: str, request: Any) -> str:
-    """sha256 of `method` + the request's deterministic encoding without its request_id."""
+    """sha256 of `method` + the request's deterministic encoding without its request_id and
+    session (a resend may carry a newer ack; the session number is the key, not the content)."""
     rid = request.request_id
+    session = None
+    if request.HasField("session"):
+        session = type(request.session)()
+        session.CopyFrom(request.session)
+        request.ClearField("session")
     request.request_id = ""
     try:
         data = request.SerializeToString(deterministic=True)
     finally:
         request.request_id = rid
+        if session is not None:
+            request.session.CopyFrom(session)
     return hashlib.sha256(method.encode() + b"\0" + data).hexdigest()
+
+
+def session_of(request: Any) -> SessionRef | None:
+    """The request's client session (None: deduplicated by request id only)."""
+    if not request.HasField("session"):
+        return None
+    s = request.session
+    return check_session_ref(s.session_id, s.seq, s.acked)
 
 
 def check_request_id(request_id: str) -> str:
@@ -68,7 +85,8 @@ class MutatingServicer:
     async def _mutate(self, method: str, request: Any, op: str, payload: dict[str, Any]) -> dict[str, Any]:
         """Check the request id, digest the request, apply + journal idempotently."""
         rid = check_request_id(request.request_id)
-        return await self.runtime.mutate(op, rid, request_digest(method, request), payload)
+        session = session_of(request)
+        return await self.runtime.mutate(op, rid, request_digest(method, request), payload, session=session)
 
 
 __all__ = [
@@ -79,4 +97,5 @@ __all__ = [
     "defrag_kind",
     "plan_pb",
     "request_digest",
+    "session_of",
 ]

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -64,7 +65,15 @@ from block_manager.service.request_index import (
     fit_digest,
     internal_request_id,
 )
-from block_manager.service.state import ServiceState
+from block_manager.service.sessions import (
+    SESSION_OPS,
+    Answer,
+    SessionRef,
+    SessionTable,
+    parse_session_request_id,
+    session_request_id,
+)
+from block_manager.service.state import Applied, ServiceState
 from block_manager.service.step_codec import StepInput
 from block_manager.store import InvalidRecord, NewRecord, Store, canonical_json
 from block_manager.store.records import JournalRecord, RetainedRequest, check_record_fields
@@ -83,6 +92,7 @@ class ServiceRuntime:
         store: Store,
         *,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
         journal: bool = True,
         tasks: TaskSet | None = None,
     ) -> None:
@@ -90,7 +100,12 @@ class ServiceRuntime:
         self.tasks = tasks or TaskSet("runtime")
         self.store = store
         self.clock = clock
+        # Answers of sessioned requests are timed by the wall clock (the journal's
+        # created_at uses it too), so the window means the same thing across a restart.
+        self.wall_clock = wall_clock
         self.state = ServiceState(config.state_config())
+        self.sessions = self._new_sessions()
+        self._session_timer: asyncio.TimerHandle | None = None
         self.phase: Phase = "recovering"
         self.started_at = time.monotonic()
         self.num_replayed = 0
@@ -107,7 +122,7 @@ class ServiceRuntime:
         self._phase_listeners: list[Callable[[Phase], None]] = []
         self.writer = JournalWriter(
             store,
-            snapshot_fn=lambda: self.state.to_snapshot(),
+            snapshot_fn=self._snapshot,
             snapshot_interval_s=config.snapshot_interval_s,
             snapshot_every_records=config.snapshot_every_records,
             on_failure=self._journal_failed,
@@ -115,6 +130,17 @@ class ServiceRuntime:
             journal=journal,
         )
         self.on_applied(self._after_apply)
+
+    def _new_sessions(self) -> SessionTable:
+        c = self.config
+        return SessionTable(
+            window_s=c.session_window_s, ttl_s=c.session_ttl_s, max_sessions=c.max_sessions,
+            max_answers=c.max_session_answers,
+        )
+
+    def _snapshot(self) -> dict[str, Any]:
+        """The state's snapshot plus the client sessions (an extra key the state ignores)."""
+        return {**self.state.to_snapshot(), "sessions": self.sessions.to_snapshot()}
 
     # ---- lifecycle ------------------------------------------------------------------
     def on_phase(self, listener: Callable[[Phase], None]) -> None:
@@ -136,12 +162,13 @@ class ServiceRuntime:
         """Recover from the store, then serve."""
         t0 = time.perf_counter()
         try:
-            state, records, snapshot_seq_no, problems = await asyncio.to_thread(self._recover)
+            state, sessions, records, snapshot_seq_no, problems = await asyncio.to_thread(self._recover)
             retained = await asyncio.to_thread(self.store.retained_requests) if self.writer.journal else []
         except Exception as exc:
             self._set_phase("failed")
             raise RecoveryError(f"recovery failed: {exc}") from exc
         self.state = state
+        self.sessions = sessions
         self.writer.snapshot_seq_no = snapshot_seq_no
         self.writer.last_seq_no = self.store.last_seq_no
         self._index_retained(retained, records)
@@ -153,33 +180,51 @@ class ServiceRuntime:
         log.info("recovered", records=len(records), snapshot_seq_no=snapshot_seq_no, seconds=round(self.recovery_s, 3))
         self._set_phase("serving")
         self.schedule_lease_check()
+        self._arm_session_sweep()
 
     def _index_retained(self, retained: list[RetainedRequest], records: list[JournalRecord]) -> None:
         """Every id the journal holds goes into the request index (with the replayed
         records' results): a retry of any of them must never be applied again."""
         results = {rec.request_id: rec.result for rec in records}
         for r in retained:
+            if parse_session_request_id(r.request_id) is not None:
+                continue   # answered from the session table
             entry = Recorded(r.payload_digest, results.get(r.request_id), None, r.seq_no)
             self._requests.put(r.request_id, entry)
 
-    def _recover(self) -> tuple[ServiceState, list[JournalRecord], int, list[str]]:
+    def _recover(self) -> tuple[ServiceState, SessionTable, list[JournalRecord], int, list[str]]:
         """Snapshot + replay + fsck, on a worker thread (nothing else touches the state
-        while the phase is "recovering")."""
+        while the phase is "recovering"). The client sessions come back too: the snapshot's
+        table, then every replayed sessioned record's answer (timed by its `created_at`)."""
         recovered = self.store.recover()
         now = self.clock()
         cfg = self.config.state_config()
+        sessions = self._new_sessions()
         if recovered.snapshot is not None:
             state = ServiceState.from_snapshot(recovered.snapshot, cfg, now)
+            sessions.load_snapshot(recovered.snapshot.get("sessions"), now)
         else:
             state = ServiceState(cfg)
         for rec in recovered.records:
             try:
-                state.apply(rec.op, rec.payload, now)
+                self._apply_to(state, sessions, rec.op, rec.payload, now)
             except Exception as exc:
                 raise RecoveryError(f"journal record {rec.seq_no} ({rec.op}) does not replay: {exc}") from exc
+            sessions.replay(rec.request_id, rec.payload_digest, rec.result, rec.created_at)
         state.registry.renew_all(now)
         state.leases.renew_all(now)
-        return state, recovered.records, recovered.snapshot_seq_no, state.fsck()
+        sessions.renew_all(now)
+        return state, sessions, recovered.records, recovered.snapshot_seq_no, state.fsck()
+
+    @staticmethod
+    def _apply_to(
+        state: ServiceState, sessions: SessionTable, op: str, payload: dict[str, Any], now: float
+    ) -> Applied:
+        """The one dispatch of a journaled op: session bookkeeping or the state machine."""
+        if op in SESSION_OPS:
+            result, mutated = sessions.apply(op, payload, now)
+            return Applied(result, mutated)
+        return state.apply(op, payload, now)
 
     def begin_drain(self) -> None:
         if self.phase == "serving":
@@ -188,6 +233,8 @@ class ServiceRuntime:
     async def close(self) -> None:
         if self._lease_timer is not None:
             self._lease_timer.cancel()
+        if self._session_timer is not None:
+            self._session_timer.cancel()
         final = self.phase in ("serving", "draining")
         self._set_phase("stopped")
         await self.writer.close(final_snapshot=final)
@@ -236,8 +283,24 @@ class ServiceRuntime:
             "send the request again with a new id if it is still wanted"
         )
 
+    async def _session_answer(self, session: SessionRef, digest: str) -> dict[str, Any] | None:
+        """The recorded answer of a sessioned request (None: a new number); raises when the
+        session or the number expired (see `service/sessions.py`)."""
+        answer = self.sessions.lookup(session, digest, self.wall_clock(), self.clock())
+        if answer is None:
+            return None
+        if answer.committed is not None:
+            await asyncio.shield(answer.committed)
+        return answer.result
+
+    async def _known(self, request_id: str, digest: str, session: SessionRef | None) -> dict[str, Any] | None:
+        if session is not None:
+            return await self._session_answer(session, digest)
+        return await self._recorded(request_id, digest)
+
     async def mutate(
-        self, op: str, request_id: str, digest: str, payload: dict[str, Any], *, internal: bool = False
+        self, op: str, request_id: str, digest: str, payload: dict[str, Any], *, internal: bool = False,
+        session: SessionRef | None = None,
     ) -> dict[str, Any]:
         """Apply + journal one op idempotently; see the module docstring.
 
@@ -245,38 +308,48 @@ class ServiceRuntime:
         `request_id` is moved into the internal namespace (`as_internal_request_id`; ids
         from `internal_request_id` are already there). Digests longer than the journal's
         column are replaced by their sha256 (they are only compared for equality).
+
+        `session`: the request is deduplicated by its session number instead of its request
+        id (which then only names it in logs): it is journaled under
+        `session_request_id(session, seq)` and its answer is held by the session table for
+        the session window, whatever the request-id window does meanwhile.
         """
         if internal:
             self.check_readable()
             request_id = as_internal_request_id(request_id)
         else:
             self.check_writable()
+        if session is not None:
+            request_id = session_request_id(session.session_id, session.seq)
         digest = fit_digest(digest)
         try:
             check_record_fields(request_id, op, digest)
         except InvalidRecord as exc:
             raise RecordRejected(f"cannot journal this request: {exc}") from None
-        recorded = await self._recorded(request_id, digest)
+        recorded = await self._known(request_id, digest, session)
         if recorded is not None:
             return recorded
         if not self.writer.journal:
-            return self._apply_volatile(op, request_id, digest, payload)
+            return self._apply_volatile(op, request_id, digest, payload, session)
         while not self.writer.gate_open:
             await self.writer.wait_gate()
-            recorded = await self._recorded(request_id, digest)
+            recorded = await self._known(request_id, digest, session)
             if recorded is not None:
                 return recorded
         try:
             payload_json = canonical_json(payload)  # what the store writes; no await until it has it
         except InvalidRecord as exc:
             raise RecordRejected(f"cannot journal this request: {exc}") from None
-        applied = self.state.apply(op, payload, self.clock())
+        applied = self._apply_to(self.state, self.sessions, op, payload, self.clock())
         if not applied.mutated:
             return applied.result
         record = NewRecord(request_id, op, payload, applied.result, digest, payload_json)
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         entry = Recorded(digest, applied.result, fut)
-        self._requests.put(request_id, entry)
+        if session is not None:
+            self.sessions.record(session, Answer(digest, applied.result, self.wall_clock(), fut))
+        else:
+            self._requests.put(request_id, entry)
         for listener in self._listeners:
             listener(op, payload, applied.result)
         try:
@@ -288,27 +361,71 @@ class ServiceRuntime:
             raise
         return applied.result
 
-    def _apply_volatile(self, op: str, request_id: str, digest: str, payload: dict[str, Any]) -> dict[str, Any]:
-        """In-memory mode: same state machine and request-id index, no journal."""
-        applied = self.state.apply(op, payload, self.clock())
+    def _apply_volatile(
+        self, op: str, request_id: str, digest: str, payload: dict[str, Any], session: SessionRef | None,
+    ) -> dict[str, Any]:
+        """In-memory mode: same state machine, request-id index and sessions, no journal."""
+        applied = self._apply_to(self.state, self.sessions, op, payload, self.clock())
         if applied.mutated:
-            self._requests.put(request_id, Recorded(digest, applied.result, None))
+            if session is not None:
+                self.sessions.record(session, Answer(digest, applied.result, self.wall_clock(), None))
+            else:
+                self._requests.put(request_id, Recorded(digest, applied.result, None))
             self.writer.last_seq_no += 1
             self.writer.num_records += 1
             for listener in self._listeners:
                 listener(op, payload, applied.result)
         return applied.result
 
-    async def mutate_step(self, request_id: str, digest: str, payload: dict[str, Any]) -> dict[str, Any]:
+    async def mutate_step(
+        self, request_id: str, digest: str, payload: dict[str, Any], session: SessionRef | None = None,
+    ) -> dict[str, Any]:
         """One scheduler step. A pool held by another scheduler whose lease has lapsed is
         handed over first (a journaled `release_pool`: the old holder's sequences are
         dropped), then the step runs; a live lease of another scheduler refuses it."""
         try:
-            return await self.mutate("step", request_id, digest, payload)
+            return await self.mutate("step", request_id, digest, payload, session=session)
         except PoolLeased:
             if not await self._release_lapsed(payload):
                 raise
-            return await self.mutate("step", request_id, digest, payload)
+            return await self.mutate("step", request_id, digest, payload, session=session)
+
+    # ---- client sessions ------------------------------------------------------------
+    async def open_session(self, client_name: str) -> dict[str, Any]:
+        """A new client session (journaled, so it survives a restart). The id is random and
+        never reused: a request naming an id the server does not hold is refused, never
+        applied."""
+        self.check_writable()
+        self.sessions.can_open()
+        sid = uuid.uuid4().hex
+        rid = internal_request_id("session-open", sid)
+        payload = {"session_id": sid, "client_name": client_name}
+        return await self.mutate("open_session", rid, rid, payload, internal=True)
+
+    def _arm_session_sweep(self) -> None:
+        if self.phase not in ("serving", "draining"):
+            return
+        c = self.config
+        delay = min(max(min(c.session_window_s, c.session_ttl_s) / 4, 0.05), 30.0)
+        self._session_timer = asyncio.get_running_loop().call_later(delay, self._on_session_timer)
+
+    def _on_session_timer(self) -> None:
+        self._session_timer = None
+        self.sessions.prune(self.wall_clock())
+        idle = self.sessions.idle(self.clock())
+        if idle:
+            self.tasks.spawn(self._expire_sessions(idle), name="session-expiry")
+        else:
+            self._arm_session_sweep()
+
+    async def _expire_sessions(self, session_ids: list[str]) -> None:
+        rid = internal_request_id("session-expire", uuid.uuid4().hex)
+        try:
+            result = await self.mutate("expire_sessions", rid, rid, {"session_ids": session_ids}, internal=True)
+            log.info("client sessions expired", num=result["num_expired"])
+        except Exception as exc:  # noqa: BLE001 - logged; the next sweep tries again
+            log.error("session expiry failed", error=clip(repr(exc)))
+        self._arm_session_sweep()
 
     async def _release_lapsed(self, payload: dict[str, Any]) -> bool:
         state = self.state

@@ -19,8 +19,9 @@ import grpc
 from block_manager.core.errors import InvalidRequest
 from block_manager.core.types import SeqId
 from block_manager.service.defrag_runner import DefragRunner
-from block_manager.service.protocol import MutatingServicer, check_request_id, request_digest
+from block_manager.service.protocol import MutatingServicer, check_request_id, request_digest, session_of
 from block_manager.service.runtime import ServiceRuntime
+from block_manager.service.sessions import MAX_CLIENT_NAME_LEN
 from block_manager.service.state import ServiceState
 from block_manager.service.state_codec import check_count, check_ids
 from block_manager.service.status import code_for_reason
@@ -221,8 +222,19 @@ class BlockManagerServicer(MutatingServicer, pb_grpc.BlockManagerServicer):
     # ---- the scheduler step ---------------------------------------------------------
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
         rid = check_request_id(request.request_id)
-        r = await self.runtime.mutate_step(rid, request_digest("Step", request), step_payload(request))
+        session = session_of(request)
+        r = await self.runtime.mutate_step(rid, request_digest("Step", request), step_payload(request), session)
         return step_response(r)
+
+    # ---- client sessions ------------------------------------------------------------
+    async def OpenSession(
+        self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.OpenSessionResponse:
+        name = request.client_name
+        if len(name) > MAX_CLIENT_NAME_LEN or not name.isprintable():
+            raise InvalidRequest(f"client_name must be at most {MAX_CLIENT_NAME_LEN} printable characters")
+        r = await self.runtime.open_session(name)
+        return pb.OpenSessionResponse(session_id=r["session_id"], ttl_s=r["ttl_s"], window_s=r["window_s"])
 
     # ---- cold tables ----------------------------------------------------------------
     async def GetTables(

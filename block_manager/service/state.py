@@ -102,6 +102,7 @@ class ServiceState:
             "step": self._step,
             "release_pool": self._release_pool,
             "plan_defrag": self._plan_defrag,
+            "trigger_defrag": self._trigger_defrag,
             "abort_defrag": self._abort_defrag,
             "drain_node": self._drain_node,
             "reset_prefix_cache": self._reset_prefix_cache,
@@ -422,6 +423,33 @@ class ServiceState:
             check_count("max_moves", max_moves, 1, 1 << 30)
         plan = self.core.plan_defrag(PoolId(pool_id), kind, max_moves)
         return Applied({"plan": plan_dict(plan) if plan else None}, plan is not None)
+
+    def _trigger_defrag(self, p: dict[str, Any], now: float) -> Applied:
+        """The admin trigger as ONE op: plan `kind` for one pool, or for every pool without an
+        outstanding plan. One op means one journal record and one recorded answer under the
+        admin's request id, so a resend gets exactly the plans the first call made (planning
+        per pool under derived ids lost the answer: the pools that got a plan are busy by the
+        time the resend picks its pools)."""
+        pool_id = check_optional_str("pool_id", p.get("pool_id"), 128)
+        kind = p.get("kind") or "compaction"
+        if kind not in DEFRAG_KINDS:
+            raise InvalidRequest(f"unknown defrag kind {kind!r}")
+        max_moves = p.get("max_moves")
+        if max_moves is not None:
+            check_count("max_moves", max_moves, 1, 1 << 30)
+        if pool_id:
+            self.registry.check_active(pool_id)
+            plan = self.core.plan_defrag(PoolId(pool_id), kind, max_moves)
+            plans = [plan] if plan is not None else []
+        else:
+            plans = []
+            for pid in self.core.pool_ids:
+                if self.core.get_defrag_plan(pid) is not None:
+                    continue
+                plan = self.core.plan_defrag(pid, kind, max_moves)   # validated above; cannot refuse
+                if plan is not None:
+                    plans.append(plan)
+        return Applied({"plans": [plan_dict(plan) for plan in plans]}, bool(plans))
 
     def _abort_defrag(self, p: dict[str, Any], now: float) -> Applied:
         self.core.abort_defrag(p["plan_id"])

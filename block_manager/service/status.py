@@ -31,6 +31,8 @@ from block_manager.service.errors import (
     RequestExpired,
     RequestIdConflict,
     ServerUnavailable,
+    SessionExpired,
+    TooManySessions,
     Unauthenticated,
 )
 from pagedkv.rpc import MAX_DETAIL_CHARS, clip
@@ -50,6 +52,8 @@ _CODES: dict[type[Exception], grpc.StatusCode] = {
     RequestIdConflict: grpc.StatusCode.INVALID_ARGUMENT,
     RecordRejected: grpc.StatusCode.INVALID_ARGUMENT,
     RequestExpired: grpc.StatusCode.FAILED_PRECONDITION,
+    SessionExpired: grpc.StatusCode.FAILED_PRECONDITION,
+    TooManySessions: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     JournalFailure: grpc.StatusCode.UNAVAILABLE,
     RecoveryError: grpc.StatusCode.INTERNAL,

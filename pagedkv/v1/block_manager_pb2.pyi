@@ -138,6 +138,42 @@ class SequenceTable(_message.Message):
 Global___SequenceTable: _TypeAlias = SequenceTable  # noqa: Y015
 
 @_typing.final
+class ClientSession(_message.Message):
+    """Exactly-once past the request-id window (docs/block_manager_service.md "Client sessions"):
+    a client opens a session (OpenSession) and numbers its mutating requests 1, 2, 3, ... in it.
+    The server answers a number it applied with the recorded answer while it holds it (the
+    session window, by time), and refuses an older applied number as expired
+    (FAILED_PRECONDITION), never applying it twice. The request id then only names the request
+    in logs. A request without a session is deduplicated by its request id alone.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    ACKED_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """from OpenSessionResponse"""
+    seq: _builtins.int
+    """>= 1, strictly increasing per session; a resend repeats it"""
+    acked: _builtins.int
+    """the client holds the answers of every number below this one (0: none said)"""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        seq: _builtins.int = ...,
+        acked: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked", b"acked", "seq", b"seq", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClientSession: _TypeAlias = ClientSession  # noqa: Y015
+
+@_typing.final
 class DefragPlan(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -173,6 +209,53 @@ class DefragPlan(_message.Message):
 Global___DefragPlan: _TypeAlias = DefragPlan  # noqa: Y015
 
 @_typing.final
+class OpenSessionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLIENT_NAME_FIELD_NUMBER: _builtins.int
+    client_name: _builtins.str
+    """for logs and operators (a scheduler id, a node id); <= 128 chars"""
+    def __init__(
+        self,
+        *,
+        client_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_name", b"client_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenSessionRequest: _TypeAlias = OpenSessionRequest  # noqa: Y015
+
+@_typing.final
+class OpenSessionResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    WINDOW_S_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    ttl_s: _builtins.float
+    """the session expires after this long without a request"""
+    window_s: _builtins.float
+    """answers are held this long: resend within it"""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        ttl_s: _builtins.float = ...,
+        window_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id", "ttl_s", b"ttl_s", "window_s", b"window_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenSessionResponse: _TypeAlias = OpenSessionResponse  # noqa: Y015
+
+@_typing.final
 class RegisterNodeRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -182,6 +265,7 @@ class RegisterNodeRequest(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     GEOMETRY_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     node_id: _builtins.str
     """also the pool id; [A-Za-z0-9._:-], 1..128 chars"""
@@ -193,6 +277,8 @@ class RegisterNodeRequest(_message.Message):
     """the node's own gRPC address (host:port), for routers"""
     @_builtins.property
     def geometry(self) -> Global___KvGeometry: ...
+    @_builtins.property
+    def session(self) -> Global___ClientSession: ...
     def __init__(
         self,
         *,
@@ -202,10 +288,11 @@ class RegisterNodeRequest(_message.Message):
         block_size: _builtins.int = ...,
         geometry: Global___KvGeometry | None = ...,
         address: _builtins.str = ...,
+        session: Global___ClientSession | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["geometry", b"geometry"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["geometry", b"geometry", "session", b"session"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_size", b"block_size", "geometry", b"geometry", "node_id", b"node_id", "num_blocks", b"num_blocks", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_size", b"block_size", "geometry", b"geometry", "node_id", b"node_id", "num_blocks", b"num_blocks", "request_id", b"request_id", "session", b"session"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -380,6 +467,7 @@ class StepRequest(_message.Message):
     APPEND_NUM_TOKENS_FIELD_NUMBER: _builtins.int
     APPEND_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     RELEASE_LEASES_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     scheduler_id: _builtins.str
     """the pools' lease holder (one scheduler drives a pool)"""
@@ -455,6 +543,8 @@ class StepRequest(_message.Message):
     def append_num_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def append_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def session(self) -> Global___ClientSession: ...
     def __init__(
         self,
         *,
@@ -482,10 +572,11 @@ class StepRequest(_message.Message):
         append_num_tokens: _abc.Iterable[_builtins.int] | None = ...,
         append_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         release_leases: _builtins.bool = ...,
+        session: Global___ClientSession | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["session", b"session"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_num_compute", b"alloc_num_compute", "alloc_num_token_ids", b"alloc_num_token_ids", "alloc_num_tokens", b"alloc_num_tokens", "alloc_pool_index", b"alloc_pool_index", "alloc_salt_index", b"alloc_salt_index", "alloc_seq_ids", b"alloc_seq_ids", "alloc_token_ids", b"alloc_token_ids", "append_num_tokens", b"append_num_tokens", "append_seq_ids", b"append_seq_ids", "append_token_ids", b"append_token_ids", "fork_child_ids", b"fork_child_ids", "fork_num_children", b"fork_num_children", "fork_parent_ids", b"fork_parent_ids", "free_seq_ids", b"free_seq_ids", "pool_epochs", b"pool_epochs", "pool_ids", b"pool_ids", "release_leases", b"release_leases", "reports", b"reports", "request_id", b"request_id", "salts", b"salts", "scheduler_id", b"scheduler_id", "written_num_tokens", b"written_num_tokens", "written_seq_ids", b"written_seq_ids", "written_token_ids", b"written_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_num_compute", b"alloc_num_compute", "alloc_num_token_ids", b"alloc_num_token_ids", "alloc_num_tokens", b"alloc_num_tokens", "alloc_pool_index", b"alloc_pool_index", "alloc_salt_index", b"alloc_salt_index", "alloc_seq_ids", b"alloc_seq_ids", "alloc_token_ids", b"alloc_token_ids", "append_num_tokens", b"append_num_tokens", "append_seq_ids", b"append_seq_ids", "append_token_ids", b"append_token_ids", "fork_child_ids", b"fork_child_ids", "fork_num_children", b"fork_num_children", "fork_parent_ids", b"fork_parent_ids", "free_seq_ids", b"free_seq_ids", "pool_epochs", b"pool_epochs", "pool_ids", b"pool_ids", "release_leases", b"release_leases", "reports", b"reports", "request_id", b"request_id", "salts", b"salts", "scheduler_id", b"scheduler_id", "session", b"session", "written_num_tokens", b"written_num_tokens", "written_seq_ids", b"written_seq_ids", "written_token_ids", b"written_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1177,20 +1268,24 @@ class DrainNodeRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     NODE_ID_FIELD_NUMBER: _builtins.int
     UNDRAIN_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     node_id: _builtins.str
     undrain: _builtins.bool
     """true: admit new sequences again"""
+    @_builtins.property
+    def session(self) -> Global___ClientSession: ...
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         node_id: _builtins.str = ...,
         undrain: _builtins.bool = ...,
+        session: Global___ClientSession | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["session", b"session"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "request_id", b"request_id", "undrain", b"undrain"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "request_id", b"request_id", "session", b"session", "undrain", b"undrain"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1260,18 +1355,22 @@ class ResetPrefixCacheRequest(_message.Message):
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     POOL_ID_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     pool_id: _builtins.str
     """empty = every pool"""
+    @_builtins.property
+    def session(self) -> Global___ClientSession: ...
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         pool_id: _builtins.str = ...,
+        session: Global___ClientSession | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["session", b"session"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool_id", b"pool_id", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool_id", b"pool_id", "request_id", b"request_id", "session", b"session"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1303,21 +1402,25 @@ class TriggerDefragRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     POOL_ID_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     pool_id: _builtins.str
     """empty = every pool"""
     kind: _builtins.str
     """"compaction" (default) or "contiguity" """
+    @_builtins.property
+    def session(self) -> Global___ClientSession: ...
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         pool_id: _builtins.str = ...,
         kind: _builtins.str = ...,
+        session: Global___ClientSession | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["session", b"session"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "pool_id", b"pool_id", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "pool_id", b"pool_id", "request_id", b"request_id", "session", b"session"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

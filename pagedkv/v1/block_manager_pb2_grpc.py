@@ -61,6 +61,11 @@ class BlockManagerStub:
                 request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.RouteRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.RouteResponse.FromString,
                 _registered_method=True)
+        self.OpenSession = channel.unary_unary(
+                '/pagedkv.v1.BlockManager/OpenSession',
+                request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.OpenSessionRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.OpenSessionResponse.FromString,
+                _registered_method=True)
 
 
 class BlockManagerServicer:
@@ -105,6 +110,13 @@ class BlockManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenSession(self, request, context):
+        """A new client session (journaled; expires after the server's session TTL without use).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BlockManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -132,6 +144,11 @@ def add_BlockManagerServicer_to_server(servicer, server):
                     servicer.Route,
                     request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.RouteRequest.FromString,
                     response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.RouteResponse.SerializeToString,
+            ),
+            'OpenSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenSession,
+                    request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.OpenSessionRequest.FromString,
+                    response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.OpenSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -271,6 +288,33 @@ class BlockManager:
             '/pagedkv.v1.BlockManager/Route',
             pagedkv_dot_v1_dot_block__manager__pb2.RouteRequest.SerializeToString,
             pagedkv_dot_v1_dot_block__manager__pb2.RouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.v1.BlockManager/OpenSession',
+            pagedkv_dot_v1_dot_block__manager__pb2.OpenSessionRequest.SerializeToString,
+            pagedkv_dot_v1_dot_block__manager__pb2.OpenSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -60,6 +60,8 @@ class BlockManagerStub:
     """A node's cold cache (start, restart, recovery): tables newer than the versions it holds."""
     Route: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.RouteRequest, _block_manager_pb2.RouteResponse]
     """Pools ranked by cached prefix length, then free space, for one or more prompts. Read-only."""
+    OpenSession: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.OpenSessionRequest, _block_manager_pb2.OpenSessionResponse]
+    """A new client session (journaled; expires after the server's session TTL without use)."""
 
 @_typing.type_check_only
 class BlockManagerAsyncStub(BlockManagerStub):
@@ -80,6 +82,8 @@ class BlockManagerAsyncStub(BlockManagerStub):
     """A node's cold cache (start, restart, recovery): tables newer than the versions it holds."""
     Route: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.RouteRequest, _block_manager_pb2.RouteResponse]  # type: ignore[assignment]
     """Pools ranked by cached prefix length, then free space, for one or more prompts. Read-only."""
+    OpenSession: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.OpenSessionRequest, _block_manager_pb2.OpenSessionResponse]  # type: ignore[assignment]
+    """A new client session (journaled; expires after the server's session TTL without use)."""
 
 class BlockManagerServicer(metaclass=_abc_1.ABCMeta):
     """---------------------------------------------------------------- data plane"""
@@ -127,6 +131,14 @@ class BlockManagerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_block_manager_pb2.RouteResponse, _abc.Awaitable[_block_manager_pb2.RouteResponse]]:
         """Pools ranked by cached prefix length, then free space, for one or more prompts. Read-only."""
+
+    @_abc_1.abstractmethod
+    def OpenSession(
+        self,
+        request: _block_manager_pb2.OpenSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_block_manager_pb2.OpenSessionResponse, _abc.Awaitable[_block_manager_pb2.OpenSessionResponse]]:
+        """A new client session (journaled; expires after the server's session TTL without use)."""
 
 def add_BlockManagerServicer_to_server(servicer: BlockManagerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

@@ -133,7 +133,8 @@ def test_deferred_tokens_are_re_reported_after_restart(tmp_path):
                 step = c.step()
                 step.append("s", [t])
                 record(c, slots, forwarded(c, step.commit()).appends)
-            assert c.stats.rpcs == 2  # fill (6 -> 7) and new block (8)
+            assert c.stats.per_method["Step"] == 2  # fill (6 -> 7) and new block (8)
+            assert c.stats.rpcs == 3                 # and the client session, opened once
             view = second.state.core.get_sequence(SeqId("s"))
             assert view.num_tokens == 9
             check_against_tables(slots, {"s": view.block_table}, BS)

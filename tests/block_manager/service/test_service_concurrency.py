@@ -66,7 +66,7 @@ async def test_concurrent_clients_durable(start_server: Any, tmp_path: Path) -> 
     store = open_store(url)
     try:
         replayed = ServiceRuntime(service_config(database_url=url), store)
-        state, _, _, problems = replayed._recover()
+        state, _, _, _, problems = replayed._recover()
         assert state.to_snapshot() == live
         assert problems == []
     finally:

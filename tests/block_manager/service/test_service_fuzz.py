@@ -150,6 +150,18 @@ def _cases(rng: random.Random, epoch: int) -> list[tuple[str, str, Callable[[], 
             {C.ABORTED},
         ),
         ("d", "GetTables", lambda: pb.GetTablesRequest(node_id="n2", epoch=1, seq_ids=["live"]), INVALID),
+        ("d", "OpenSession", lambda: pb.OpenSessionRequest(client_name=rng.choice(["x" * 129, "bad\nname"])), INVALID),
+        (
+            "d",
+            "Step",
+            lambda: pb.StepRequest(
+                request_id=rid(), scheduler_id="s",
+                session=pb.ClientSession(session_id=rng.choice(["", "x" * 65, "not-alnum"]), seq=1),
+            ),
+            INVALID,
+        ),
+        ("d", "Step", lambda: pb.StepRequest(request_id=rid(), scheduler_id="s",
+                                             session=pb.ClientSession(session_id="ab", seq=0)), INVALID),
         ("d", "Route", lambda: pb.RouteRequest(), INVALID),
         ("d", "Route", lambda: pb.RouteRequest(token_ids=[1, 2, 3], num_token_ids=[1, 1]), INVALID),
         (

@@ -1,0 +1,266 @@
+"""Client sessions: exactly-once for mutating requests, also past the request-id window.
+
+A request id alone cannot give exactly-once: the server forgets old ids (it must, memory and
+journal are bounded), and a resend that arrives after its id was forgotten looks new and is
+applied a second time. Sessions close that hole the way Raft's client table and etcd do:
+
+- a client opens a session (`OpenSession`, journaled) and numbers its mutating requests
+  1, 2, 3, ... within it; every request carries `(session_id, seq, acked)`, where `acked`
+  says "I hold the answers of every number below this one";
+- per session the server keeps `floor` (every number <= floor is either applied or will never
+  be) and the answers of the numbers above it that it applied, each with its wall-clock time;
+- a number it holds an answer for gets that answer back (byte-identical: the recorded result);
+  a number <= floor, or one whose answer is older than `window_s`, is refused as expired
+  (FAILED_PRECONDITION) and never applied again; a new number is applied and recorded;
+- memory is bounded three ways: answers below the client's `acked` go at once (a correct
+  client never resends those), answers older than `window_s` go at the next sweep, and at most
+  `max_answers` per session are held (the oldest go first, raising the floor); the number
+  of sessions is capped (`max_sessions`; opening one more is RESOURCE_EXHAUSTED);
+- a session unused for `ttl_s` expires (journaled `expire_sessions`); a request naming an
+  unknown or expired session is refused (FAILED_PRECONDITION, message "session expired: ..."),
+  never applied: session ids are random and never reused, so an unknown id can only be one the
+  server forgot.
+
+Durability: `open_session` and `expire_sessions` are journal records; a sessioned request is
+journaled under the id `session_request_id(session, seq)`, so replaying the journal rebuilds
+each session's answers from the records (with their `created_at` as the applied time), and
+the snapshot carries the table (floor + held answers). Deadlines (TTL) restart at recovery,
+like node leases. `window_s` must be at least the clients' resend window (the engine resends an
+unanswered step for `bm_unavailable_timeout_s`, 120 s by default): the default is 300 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from block_manager.core.errors import InvalidRequest
+from block_manager.service.errors import RequestExpired, RequestIdConflict, SessionExpired, TooManySessions
+from block_manager.service.request_index import INTERNAL_MARK, internal_request_id
+
+SESSION_OPS = ("open_session", "expire_sessions")
+MAX_SESSION_ID_LEN = 64
+MAX_CLIENT_NAME_LEN = 128
+_SESSION_KIND = "session"
+
+
+@dataclass(slots=True, frozen=True)
+class SessionRef:
+    """What a sessioned request carries: its session, its number, and the client's ack
+    (every number below `acked` was answered; 0: nothing said)."""
+
+    session_id: str
+    seq: int
+    acked: int = 0
+
+
+@dataclass(slots=True)
+class Answer:
+    digest: str
+    result: dict[str, Any]
+    applied_at: float                       # wall clock (seconds since the epoch)
+    committed: asyncio.Future[int] | None   # None: known committed
+
+
+@dataclass(slots=True)
+class ClientSession:
+    session_id: str
+    client_name: str
+    last_used: float                        # monotonic; for the TTL
+    floor: int = 0
+    answers: OrderedDict[int, Answer] = field(default_factory=OrderedDict)
+
+    @property
+    def highest_seq(self) -> int:
+        return max(self.floor, next(reversed(self.answers), 0))
+
+
+def session_request_id(session_id: str, seq: int) -> str:
+    """The journal's request id of a sessioned request (internal namespace, unique)."""
+    return internal_request_id(_SESSION_KIND, session_id, seq)
+
+
+def parse_session_request_id(request_id: str) -> tuple[str, int] | None:
+    parts = request_id.split(INTERNAL_MARK)
+    if len(parts) != 4 or parts[0] or parts[1] != _SESSION_KIND:
+        return None
+    try:
+        return parts[2], int(parts[3])
+    except ValueError:
+        return None
+
+
+def check_session_ref(session_id: str, seq: int, acked: int) -> SessionRef:
+    if not 0 < len(session_id) <= MAX_SESSION_ID_LEN or not session_id.isascii() or not session_id.isalnum():
+        raise InvalidRequest(f"session_id must be 1..{MAX_SESSION_ID_LEN} ASCII letters and digits")
+    if seq < 1:
+        raise InvalidRequest("a sessioned request needs seq >= 1")
+    if acked > seq:
+        raise InvalidRequest(f"acked ({acked}) cannot exceed the request's own seq ({seq})")
+    return SessionRef(session_id, seq, acked)
+
+
+class SessionTable:
+    def __init__(self, *, window_s: float, ttl_s: float, max_sessions: int, max_answers: int) -> None:
+        self.window_s = window_s
+        self.ttl_s = ttl_s
+        self.max_sessions = max_sessions
+        self.max_answers = max_answers
+        self._sessions: dict[str, ClientSession] = {}
+        self.num_expired_refusals = 0
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def get(self, session_id: str) -> ClientSession | None:
+        return self._sessions.get(session_id)
+
+    @property
+    def num_answers(self) -> int:
+        return sum(len(s.answers) for s in self._sessions.values())
+
+    # ---- journaled ops (live and replay) --------------------------------------------
+    def can_open(self) -> None:
+        if len(self._sessions) >= self.max_sessions:
+            raise TooManySessions(f"{self.max_sessions} client sessions are open; retry when some expire")
+
+    def apply(self, op: str, payload: Mapping[str, Any], mono_now: float) -> tuple[dict[str, Any], bool]:
+        if op == "open_session":
+            sid = str(payload["session_id"])
+            if sid not in self._sessions:
+                self._sessions[sid] = ClientSession(sid, str(payload.get("client_name", "")), mono_now)
+            return {"session_id": sid, "ttl_s": self.ttl_s, "window_s": self.window_s}, True
+        if op == "expire_sessions":
+            gone = [sid for sid in payload["session_ids"] if self._sessions.pop(sid, None) is not None]
+            return {"num_expired": len(gone)}, bool(gone)
+        raise InvalidRequest(f"unknown session operation {op!r}")
+
+    # ---- the request path -----------------------------------------------------------
+    def lookup(self, ref: SessionRef, digest: str, wall_now: float, mono_now: float) -> Answer | None:
+        """The recorded answer of `ref` (None: a new number, to be applied). Renews the
+        session and drops the answers the client acknowledged. Raises `SessionExpired`,
+        `RequestExpired` (an applied number whose answer is gone) or `RequestIdConflict`."""
+        sess = self._sessions.get(ref.session_id)
+        if sess is None:
+            self.num_expired_refusals += 1
+            raise SessionExpired(
+                f"session expired: session {ref.session_id!r} is unknown or expired; "
+                "open a new session (a request resent in the old one is never applied)"
+            )
+        sess.last_used = mono_now
+        self._ack(sess, ref.acked)
+        answer = sess.answers.get(ref.seq)
+        if answer is not None:
+            if answer.digest != digest:
+                raise RequestIdConflict(f"session {ref.session_id!r} number {ref.seq} was used for a different request")
+            in_flight = answer.committed is not None and not answer.committed.done()
+            if in_flight or answer.applied_at >= wall_now - self.window_s:
+                return answer
+            self._drop_through(sess, ref.seq)
+        if ref.seq <= sess.floor:
+            self.num_expired_refusals += 1
+            raise RequestExpired(
+                f"session {ref.session_id!r} number {ref.seq} expired: it was applied (or superseded) and its "
+                f"answer is no longer held (answers are kept {self.window_s:g} s); it is not applied again"
+            )
+        return None
+
+    def record(self, ref: SessionRef, answer: Answer) -> None:
+        sess = self._sessions.get(ref.session_id)
+        if sess is None:   # expired while the op was applied: nothing to record into
+            return
+        self._put(sess, ref.seq, answer)
+
+    def replay(self, request_id: str, digest: str, result: dict[str, Any], applied_at: float) -> bool:
+        """A journal record of a sessioned request, at recovery (False: not one)."""
+        parsed = parse_session_request_id(request_id)
+        if parsed is None:
+            return False
+        sess = self._sessions.get(parsed[0])
+        if sess is not None and parsed[1] > sess.floor:
+            self._put(sess, parsed[1], Answer(digest, result, applied_at, None))
+        return True
+
+    def _put(self, sess: ClientSession, seq: int, answer: Answer) -> None:
+        sess.answers[seq] = answer
+        if len(sess.answers) > 1 and seq < next(reversed(sess.answers)):
+            sess.answers = OrderedDict(sorted(sess.answers.items()))
+        while len(sess.answers) > self.max_answers:
+            old_seq, old = next(iter(sess.answers.items()))
+            if old.committed is not None and not old.committed.done():
+                break   # in flight: its concurrent resends need it
+            del sess.answers[old_seq]
+            sess.floor = max(sess.floor, old_seq)
+
+    @staticmethod
+    def _ack(sess: ClientSession, acked: int) -> None:
+        if acked <= 1:
+            return
+        SessionTable._drop_through(sess, acked - 1)
+
+    @staticmethod
+    def _drop_through(sess: ClientSession, seq: int) -> None:
+        """Forget every answer <= seq (settled ones only) and raise the floor to it."""
+        answers = sess.answers
+        while answers:
+            first, ans = next(iter(answers.items()))
+            if first > seq or (ans.committed is not None and not ans.committed.done()):
+                return
+            del answers[first]
+        sess.floor = max(sess.floor, seq)
+
+    # ---- housekeeping ---------------------------------------------------------------
+    def prune(self, wall_now: float) -> int:
+        """Drop answers older than the window (memory only: the check in `lookup` is what
+        refuses them, so this need not be journaled). Returns how many went."""
+        cutoff = wall_now - self.window_s
+        dropped = 0
+        for sess in self._sessions.values():
+            last_old = None
+            for seq, ans in sess.answers.items():
+                if ans.applied_at >= cutoff:
+                    break
+                last_old = seq
+            if last_old is not None:
+                before = len(sess.answers)
+                self._drop_through(sess, last_old)
+                dropped += before - len(sess.answers)
+        return dropped
+
+    def idle(self, mono_now: float) -> list[str]:
+        """Sessions unused for `ttl_s` (to expire through a journaled op)."""
+        return sorted(sid for sid, s in self._sessions.items() if s.last_used + self.ttl_s < mono_now)
+
+    def renew_all(self, mono_now: float) -> None:
+        for sess in self._sessions.values():
+            sess.last_used = mono_now
+
+    # ---- snapshots ------------------------------------------------------------------
+    def to_snapshot(self) -> list[list[Any]]:
+        out = []
+        for s in self._sessions.values():
+            answers = [[q, a.digest, a.result, a.applied_at] for q, a in s.answers.items()]
+            out.append([s.session_id, s.client_name, s.floor, answers])
+        return out
+
+    def load_snapshot(self, data: list[list[Any]] | None, mono_now: float) -> None:
+        for sid, name, floor, answers in data or []:
+            sess = ClientSession(sid, name, mono_now, floor)
+            for seq, digest, result, applied_at in answers:
+                sess.answers[seq] = Answer(digest, result, applied_at, None)
+            self._sessions[sid] = sess
+
+
+__all__ = [
+    "MAX_CLIENT_NAME_LEN",
+    "SESSION_OPS",
+    "Answer",
+    "SessionRef",
+    "SessionTable",
+    "check_session_ref",
+    "parse_session_request_id",
+    "session_request_id",
+]
