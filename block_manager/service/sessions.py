@@ -203,12 +203,16 @@ class SessionTable:
 
     @staticmethod
     def _drop_through(sess: ClientSession, seq: int) -> None:
-        """Forget every answer <= seq (settled ones only) and raise the floor to it."""
+        """Forget every answer <= seq and raise the floor to it — or, when an answer still in
+        flight is in the way (its concurrent resends need it), to just below that one."""
         answers = sess.answers
         while answers:
             first, ans = next(iter(answers.items()))
-            if first > seq or (ans.committed is not None and not ans.committed.done()):
-                return
+            if first > seq:
+                break
+            if ans.committed is not None and not ans.committed.done():
+                seq = first - 1
+                break
             del answers[first]
         sess.floor = max(sess.floor, seq)
 

@@ -446,7 +446,10 @@ class ServiceState:
             for pid in self.core.pool_ids:
                 if self.core.get_defrag_plan(pid) is not None:
                     continue
-                plan = self.core.plan_defrag(pid, kind, max_moves)   # validated above; cannot refuse
+                try:
+                    plan = self.core.plan_defrag(pid, kind, max_moves)
+                except CoreError:
+                    continue   # this pool cannot take a plan now (it changed nothing); the others can
                 if plan is not None:
                     plans.append(plan)
         return Applied({"plans": [plan_dict(plan) for plan in plans]}, bool(plans))
