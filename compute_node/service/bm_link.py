@@ -3,6 +3,12 @@
 A thin async wrapper over the generated stub that turns gRPC statuses into the few outcomes
 the node acts on (`LinkFenced`, `LinkUnavailable`, `LinkNotFound`, `LinkRejected`) and counts
 every call, so a Forward can report how many block manager round trips it cost.
+
+Registration runs in a block-manager client session (opened at the node's first contact): a
+RegisterNode whose answer was lost (UNAVAILABLE, deadline) is resent as is on the next try, so
+the block manager answers it from its record instead of starting (and fencing) another epoch,
+and a resend that comes too late is refused rather than applied again. A block manager without
+sessions (UNIMPLEMENTED) gets plain requests.
 """
 
 from __future__ import annotations
@@ -69,6 +75,13 @@ def _translate(exc: grpc.aio.AioRpcError) -> LinkError:
     return LinkRejected(code, details)
 
 
+def _same_registration(a: bm_pb.RegisterNodeRequest, b: bm_pb.RegisterNodeRequest) -> bool:
+    """The same pool described the same way (ids and sessions aside)."""
+    return (a.node_id, a.num_blocks, a.block_size, a.geometry, a.address) == (
+        b.node_id, b.num_blocks, b.block_size, b.geometry, b.address
+    )
+
+
 class BlockManagerLink:
     """One channel to the block manager, shared by the heartbeat task and forwards."""
 
@@ -97,6 +110,22 @@ class BlockManagerLink:
             aio=True,
         )
         self._stub = bm_grpc.BlockManagerStub(self._channel)
+        self._session_id: str | None = None
+        self._sessions = True
+        self._next_seq = 1
+        self._unanswered: bm_pb.RegisterNodeRequest | None = None   # resent by the next register()
+
+    async def _ensure_session(self) -> None:
+        if self._session_id is not None or not self._sessions:
+            return
+        try:
+            reply = await self._call(self._stub.OpenSession, bm_pb.OpenSessionRequest(client_name=self.node_id[:128]))
+        except LinkRejected as exc:
+            if exc.code != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            self._sessions = False
+            return
+        self._session_id, self._next_seq = reply.session_id, 1
 
     async def close(self) -> None:
         await self._channel.close()
@@ -105,7 +134,8 @@ class BlockManagerLink:
         self, *, num_layers: int, num_kv_heads: int, head_dim: int,
         dtype: str, device: str, block_size: int | None, num_blocks: int, address: str,
     ) -> Registration:
-        """Register the pool; every call starts a new epoch (fencing any previous one)."""
+        """Register the pool; every call starts a new epoch (fencing any previous one) — except
+        that a registration whose answer was lost is resent first (see the module docstring)."""
         request = bm_pb.RegisterNodeRequest(
             request_id=f"register-{self.node_id}-{uuid.uuid4().hex}",
             node_id=self.node_id,
@@ -116,7 +146,25 @@ class BlockManagerLink:
             ),
             address=address,
         )
-        reply = await self._call(self._stub.RegisterNode, request)
+        pending = self._unanswered
+        if pending is not None and _same_registration(pending, request):
+            request = pending
+        else:
+            await self._ensure_session()
+            if self._session_id is not None:
+                request.session.session_id, request.session.seq = self._session_id, self._next_seq
+                request.session.acked = self._next_seq
+                self._next_seq += 1
+        self._unanswered = None
+        try:
+            reply = await self._call(self._stub.RegisterNode, request)
+        except LinkUnavailable:
+            self._unanswered = request   # its outcome is unknown: the next try resends it
+            raise
+        except LinkFenced as exc:
+            if exc.details.startswith("session expired:"):
+                self._session_id = None   # the next try opens a new session
+            raise
         return Registration(
             epoch=int(reply.epoch),
             lease_ttl_s=float(reply.lease_ttl_s),
