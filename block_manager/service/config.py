@@ -79,8 +79,8 @@ class BlockManagerConfig(YamlEnvSettings):
     # at once); a session unused for `session_ttl_s` expires.
     session_window_s: float = Field(default=300.0, gt=0)
     session_ttl_s: float = Field(default=900.0, gt=0)
-    max_sessions: int = Field(default=4096, ge=1)
-    max_session_answers: int = Field(default=64, ge=1)
+    max_sessions: int = Field(default=1024, ge=1)
+    max_session_answers: int = Field(default=16, ge=1)
     # A restart right after a crash may find the old session's lock not yet released.
     store_lock_wait_s: float = Field(default=10.0, ge=0)
     # SQLite only: FULL fsyncs every group commit (survives power loss); NORMAL fsyncs at

@@ -45,6 +45,9 @@ class _StateCollector(Collector):
             "journal_transactions": rt.writer.num_transactions,
             "last_seq_no": rt.writer.last_seq_no,
             "serving": 1.0 if rt.phase == "serving" else 0.0,
+            "sessions": len(rt.sessions),
+            "session_answers": rt.sessions.num_answers,
+            "session_refusals": rt.sessions.num_expired_refusals,
         }
 
     async def _read_async(self) -> dict[str, Any]:
@@ -122,6 +125,15 @@ class _StateCollector(Collector):
             "pagedkv_journal_last_seq_no", "Last committed journal seq_no.", value=snap["last_seq_no"]
         )
         yield GaugeMetricFamily("pagedkv_serving", "1 while the server accepts mutations.", value=snap["serving"])
+        yield GaugeMetricFamily("pagedkv_client_sessions", "Open client sessions.", value=snap["sessions"])
+        yield GaugeMetricFamily(
+            "pagedkv_client_session_answers", "Answers held for resends, all sessions.", value=snap["session_answers"]
+        )
+        yield CounterMetricFamily(
+            "pagedkv_client_session_refusals",
+            "Resends refused as expired (a number whose answer is gone, or an unknown session).",
+            value=snap["session_refusals"],
+        )
 
 
 class ServiceMetrics:

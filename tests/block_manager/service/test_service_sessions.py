@@ -186,6 +186,9 @@ async def test_acknowledged_answers_are_dropped_and_the_table_is_bounded(servers
     await expect_code(h.stub.Step(done[0][0]), grpc.StatusCode.FAILED_PRECONDITION)
     assert await h.stub.Step(done[-1][0]) == done[-1][1]
     assert await num_tokens(h, "a") == 5 + 1 + 5
+    text = (await asyncio.to_thread(h.server.metrics.render)).decode()
+    assert "pagedkv_client_sessions 1.0" in text
+    assert "pagedkv_client_session_refusals_total 2.0" in text
 
 
 async def test_unknown_and_idle_sessions_are_refused_also_after_a_restart(servers: Any) -> None:
