@@ -73,6 +73,9 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
             ctx = {f: _log_value(getattr(request, f)) for f in _CONTEXT_FIELDS if getattr(request, f, None)}
+            session = getattr(request, "session", None)
+            if session is not None and session.session_id:   # sessioned: the number is the key
+                ctx["session"] = f"{_log_value(session.session_id)}#{session.seq}"
             t0 = time.perf_counter()
             code = grpc.StatusCode.OK
             with structlog.contextvars.bound_contextvars(rpc=method, **ctx):

@@ -247,7 +247,12 @@ async def test_overflowing_tensor_shapes_are_invalid_argument(cluster) -> None: 
 async def test_details_echoing_huge_ids_are_clipped(cluster) -> None:  # type: ignore[no-untyped-def]
     request = await _valid_request(cluster)
     for seq in request.sequences:
-        seq.seq_id = "x" * 20_000   # twice the same id: the node's own message echoes it
+        seq.seq_id = "x" * 20_000   # over the id limit: refused by the node with a short message
+    code, details = await _raw_call(cluster.sched.node_channel, FORWARD, request.SerializeToString())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details[:200])
+    assert "has 20000 characters (at most 256)" in details and len(details) <= 1024
+    for seq in request.sequences:
+        seq.seq_id = "x" * 256      # the longest id, twice: the node's own message echoes it
     code, details = await _raw_call(cluster.sched.node_channel, FORWARD, request.SerializeToString())
     assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details[:200])
     assert "appears twice" in details and len(details) <= 1024
