@@ -85,6 +85,25 @@ log = get_logger(__name__)
 
 Phase = Literal["recovering", "serving", "draining", "failed", "stopped"]
 
+def apply_op(state: ServiceState, sessions: SessionTable, op: str, payload: dict[str, Any], now: float) -> Applied:
+    """The one dispatch of a journaled op: session bookkeeping or the state machine."""
+    if op in SESSION_OPS:
+        result, mutated = sessions.apply(op, payload, now)
+        return Applied(result, mutated)
+    return state.apply(op, payload, now)
+
+
+def replay_record(state: ServiceState, sessions: SessionTable, rec: JournalRecord, now: float) -> None:
+    """Replay one journal record (recovery; anything that follows the journal, e.g. a standby):
+    the op through `apply_op`, and a sessioned request's answer into the session table, timed by
+    the record's `created_at`."""
+    try:
+        apply_op(state, sessions, rec.op, rec.payload, now)
+    except Exception as exc:
+        raise RecoveryError(f"journal record {rec.seq_no} ({rec.op}) does not replay: {exc}") from exc
+    sessions.replay(rec.request_id, rec.payload_digest, rec.result, rec.created_at)
+
+
 class ServiceRuntime:
     def __init__(
         self,
@@ -206,25 +225,12 @@ class ServiceRuntime:
         else:
             state = ServiceState(cfg)
         for rec in recovered.records:
-            try:
-                self._apply_to(state, sessions, rec.op, rec.payload, now)
-            except Exception as exc:
-                raise RecoveryError(f"journal record {rec.seq_no} ({rec.op}) does not replay: {exc}") from exc
-            sessions.replay(rec.request_id, rec.payload_digest, rec.result, rec.created_at)
+            replay_record(state, sessions, rec, now)
         state.registry.renew_all(now)
         state.leases.renew_all(now)
         sessions.renew_all(now)
         return state, sessions, recovered.records, recovered.snapshot_seq_no, state.fsck()
 
-    @staticmethod
-    def _apply_to(
-        state: ServiceState, sessions: SessionTable, op: str, payload: dict[str, Any], now: float
-    ) -> Applied:
-        """The one dispatch of a journaled op: session bookkeeping or the state machine."""
-        if op in SESSION_OPS:
-            result, mutated = sessions.apply(op, payload, now)
-            return Applied(result, mutated)
-        return state.apply(op, payload, now)
 
     def begin_drain(self) -> None:
         if self.phase == "serving":
@@ -340,7 +346,7 @@ class ServiceRuntime:
             payload_json = canonical_json(payload)  # what the store writes; no await until it has it
         except InvalidRecord as exc:
             raise RecordRejected(f"cannot journal this request: {exc}") from None
-        applied = self._apply_to(self.state, self.sessions, op, payload, self.clock())
+        applied = apply_op(self.state, self.sessions, op, payload, self.clock())
         if not applied.mutated:
             return applied.result
         record = NewRecord(request_id, op, payload, applied.result, digest, payload_json)
@@ -365,7 +371,7 @@ class ServiceRuntime:
         self, op: str, request_id: str, digest: str, payload: dict[str, Any], session: SessionRef | None,
     ) -> dict[str, Any]:
         """In-memory mode: same state machine, request-id index and sessions, no journal."""
-        applied = self._apply_to(self.state, self.sessions, op, payload, self.clock())
+        applied = apply_op(self.state, self.sessions, op, payload, self.clock())
         if applied.mutated:
             if session is not None:
                 self.sessions.record(session, Answer(digest, applied.result, self.wall_clock(), None))
@@ -509,4 +515,4 @@ class ServiceRuntime:
             return "unknown"
 
 
-__all__ = ["Phase", "ServiceRuntime", "internal_request_id"]
+__all__ = ["Phase", "ServiceRuntime", "apply_op", "internal_request_id", "replay_record"]
