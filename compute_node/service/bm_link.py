@@ -13,6 +13,7 @@ sessions (UNIMPLEMENTED) gets plain requests.
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -111,12 +112,18 @@ class BlockManagerLink:
         )
         self._stub = bm_grpc.BlockManagerStub(self._channel)
         self._session_id: str | None = None
+        self._session_ttl_s = 0.0
+        self._session_used = 0.0   # monotonic
         self._sessions = True
         self._next_seq = 1
         self._unanswered: bm_pb.RegisterNodeRequest | None = None   # resent by the next register()
 
     async def _ensure_session(self) -> None:
-        if self._session_id is not None or not self._sessions:
+        """A live session: opened at first contact, and again when this one has been idle for
+        half its TTL (a node registers rarely; its session may expire between registrations)."""
+        if not self._sessions:
+            return
+        if self._session_id is not None and time.monotonic() - self._session_used < self._session_ttl_s / 2:
             return
         try:
             reply = await self._call(self._stub.OpenSession, bm_pb.OpenSessionRequest(client_name=self.node_id[:128]))
@@ -126,6 +133,7 @@ class BlockManagerLink:
             self._sessions = False
             return
         self._session_id, self._next_seq = reply.session_id, 1
+        self._session_ttl_s, self._session_used = reply.ttl_s, time.monotonic()
 
     async def close(self) -> None:
         await self._channel.close()
@@ -155,6 +163,7 @@ class BlockManagerLink:
                 request.session.session_id, request.session.seq = self._session_id, self._next_seq
                 request.session.acked = self._next_seq
                 self._next_seq += 1
+                self._session_used = time.monotonic()
         self._unanswered = None
         try:
             reply = await self._call(self._stub.RegisterNode, request)
