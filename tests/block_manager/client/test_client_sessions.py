@@ -5,6 +5,8 @@ still served by request ids."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from block_manager.client import AsyncBlockManagerClient, BlockManagerClient, RetryPolicy, UnavailableError
@@ -90,3 +92,19 @@ def test_sessions_off_when_the_server_has_none() -> None:
     step.allocate("s", "n1", num_tokens=3)
     assert step.commit().allocations["s"].num_cached_tokens == 0
     assert c.stats.per_method["OpenSession"] == 1   # asked once, then never again
+
+
+def test_an_idle_session_is_replaced_before_it_expires() -> None:
+    bm = ServerThread(session_window_s=0.2, session_ttl_s=0.4)
+    try:
+        with BlockManagerClient(bm.address, retry=FAST_RETRY) as c:
+            c.register_node("n1", 16, block_size=4)
+            first = c.session.session_id
+            time.sleep(0.5)
+            step = c.step()
+            step.allocate("s", "n1", num_tokens=3)
+            step.commit()
+            assert c.session.session_id != first and c.stats.per_method["OpenSession"] == 2
+            assert c.stats.errors == 0
+    finally:
+        bm.stop()
