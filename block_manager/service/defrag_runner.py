@@ -24,6 +24,7 @@ from typing import Any
 from block_manager.core.errors import CoreError
 from block_manager.service.config import DefragSettings
 from block_manager.service.runtime import ServiceRuntime, internal_request_id
+from block_manager.service.sessions import SessionRef
 from pagedkv.lifecycle import TaskSet
 from pagedkv.logging import get_logger
 
@@ -131,7 +132,7 @@ class DefragRunner:
         return plan
 
     async def trigger(
-        self, pool_id: str | None, kind: str, request_id: str, digest: str, session: Any = None,
+        self, pool_id: str | None, kind: str, request_id: str, digest: str, session: SessionRef | None = None,
     ) -> list[dict[str, Any]]:
         """Admin trigger: plan `kind` for one pool or every pool without a plan, as one
         journaled op (`trigger_defrag`) recorded under the admin's request id (or session

@@ -5,7 +5,10 @@ decisions: lease expiry, defrag plans and their timeouts):
 
 1. a request id seen before returns its recorded result (waiting for its commit if it
    is still in flight) — or `RequestIdConflict` when the payload digest differs, or
-   `RequestExpired` when the server still knows the id but no longer its result;
+   `RequestExpired` when the server still knows the id but no longer its result; a request
+   in a client session is looked up by its session number instead (`sessions.py`: the
+   recorded answer within the session window, else `RequestExpired` — also long after the
+   request-id window forgot it, so a late resend is never applied twice);
 2. otherwise the op is applied to the in-memory state on the event loop (which
    serialises mutations), journaled through the group-commit writer, and the result is
    returned only after the transaction committed.
