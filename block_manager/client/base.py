@@ -79,6 +79,7 @@ class ClientBase:
         in-process block manager); anything else propagates."""
         if isinstance(exc, BlockManagerError) and exc.code.name == "UNIMPLEMENTED":
             self.session.disable()
+            self.stats.errors -= 1   # a capability probe answered, not a failed call
             return
         raise exc
 

@@ -92,6 +92,7 @@ def test_sessions_off_when_the_server_has_none() -> None:
     step.allocate("s", "n1", num_tokens=3)
     assert step.commit().allocations["s"].num_cached_tokens == 0
     assert c.stats.per_method["OpenSession"] == 1   # asked once, then never again
+    assert c.stats.errors == 0
 
 
 def test_an_idle_session_is_replaced_before_it_expires() -> None:
