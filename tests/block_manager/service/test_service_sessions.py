@@ -1,4 +1,5 @@
-"""Exactly-once by client sessions, over real gRPC and a real SQLite file.
+"""Exactly-once by client sessions, over real gRPC and a real SQLite file (and a real PostgreSQL
+server for the restart tests, started by the test setup).
 
 A sessioned request resent within the session window gets the identical recorded answer; one
 resent after it (long after the request-id window forgot its id) is refused as expired
@@ -12,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sqlite3
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 import pytest
+import sqlalchemy
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from block_manager.service.server import BlockManagerServer
@@ -40,15 +41,16 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 class Servers:
-    """In-process block managers on one SQLite file, restarted at will."""
+    """In-process block managers on one database (a SQLite file, or a PostgreSQL database),
+    restarted at will."""
 
-    def __init__(self, db: Path, **overrides: Any) -> None:
-        self.db = db
+    def __init__(self, url: str, **overrides: Any) -> None:
+        self.url = url
         self.overrides = overrides
         self.h: Harness | None = None
 
     async def start(self) -> Harness:
-        server = BlockManagerServer(service_config(database_url=f"sqlite:///{self.db}", **self.overrides))
+        server = BlockManagerServer(service_config(database_url=self.url, **self.overrides))
         await server.start()
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
         self.h = Harness(server, channel, pb_grpc.BlockManagerStub(channel), pb_grpc.BlockManagerAdminStub(channel))
@@ -66,11 +68,16 @@ class Servers:
 
 
 @pytest.fixture
-async def servers(tmp_path: Path) -> AsyncIterator[Any]:
+async def servers(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Any]:
+    """`servers(backend="sqlite" | "postgres", **config)`: a restartable block manager."""
     made: list[Servers] = []
 
-    def make(**overrides: Any) -> Servers:
-        s = Servers(tmp_path / "bm.db", **overrides)
+    def make(backend: str = "sqlite", **overrides: Any) -> Servers:
+        if backend == "postgres":
+            url = request.getfixturevalue("fresh_postgres_url")
+        else:
+            url = f"sqlite:///{tmp_path / 'bm.db'}"
+        s = Servers(url, **overrides)
         made.append(s)
         return s
 
@@ -79,12 +86,16 @@ async def servers(tmp_path: Path) -> AsyncIterator[Any]:
         await s.stop()
 
 
-def journal(db: Path) -> tuple[int, int]:
-    """(highest seq_no, number of step records) of the journal file, read beside the server."""
-    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
-        last = conn.execute("SELECT COALESCE(MAX(seq_no), 0) FROM journal").fetchone()[0]
-        steps = conn.execute("SELECT COUNT(*) FROM journal WHERE op = 'step'").fetchone()[0]
-    return last, steps
+def journal(url: str) -> tuple[int, int]:
+    """(highest seq_no, number of step records) of the journal, read beside the server."""
+    engine = sqlalchemy.create_engine(url)
+    try:
+        with engine.connect() as conn:
+            last = conn.execute(sqlalchemy.text("SELECT COALESCE(MAX(seq_no), 0) FROM journal")).scalar_one()
+            steps = conn.execute(sqlalchemy.text("SELECT COUNT(*) FROM journal WHERE op = 'step'")).scalar_one()
+    finally:
+        engine.dispose()
+    return int(last), int(steps)
 
 
 def stamped(req: Any, session_id: str, seq: int, acked: int = 0) -> Any:
@@ -123,8 +134,11 @@ async def _setup(h: Harness, sid: str) -> tuple[pb.StepRequest, pb.StepResponse]
     return await sstep(h, sid, 2, appends=[("a", 1)])
 
 
-async def test_resend_within_the_window_gets_the_identical_answer_also_after_a_restart(servers: Any) -> None:
-    s = servers(session_window_s=60.0)
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+async def test_resend_within_the_window_gets_the_identical_answer_also_after_a_restart(
+    servers: Any, backend: str
+) -> None:
+    s = servers(backend, session_window_s=60.0)
     h = await s.start()
     sid = await open_session(h)
     append, first = await _setup(h, sid)
@@ -134,12 +148,12 @@ async def test_resend_within_the_window_gets_the_identical_answer_also_after_a_r
     resend.request_id = "another-id-for-the-logs"   # the session number is the key
     assert (await h.stub.Step(resend)).SerializeToString() == first.SerializeToString()
     assert await num_tokens(h, "a") == 5
-    before = journal(s.db)
+    before = journal(s.url)
     h = await s.restart()
-    assert journal(s.db) == before
+    assert journal(s.url) == before
     assert (await h.stub.Step(append)).SerializeToString() == first.SerializeToString()
     assert await num_tokens(h, "a") == 5
-    assert journal(s.db)[0] == before[0]   # nothing journaled by the resend
+    assert journal(s.url)[0] == before[0]   # nothing journaled by the resend
     # the same number with another request is refused, not applied
     other = stamped(step_request(appends=[("a", 2)]), sid, 2)
     await expect_code(h.stub.Step(other), grpc.StatusCode.INVALID_ARGUMENT)
@@ -148,26 +162,29 @@ async def test_resend_within_the_window_gets_the_identical_answer_also_after_a_r
     assert await num_tokens(h, "a") == 6
 
 
-async def test_late_resend_is_refused_as_expired_and_changes_nothing(servers: Any) -> None:
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+async def test_late_resend_is_refused_as_expired_and_changes_nothing(servers: Any, backend: str) -> None:
     """The issue's reproduction: the request id is long forgotten (a tiny request-id window,
     snapshots pruning the journal), the resend comes after the session window: refused,
     nothing applied, nothing journaled — and still so after a restart."""
-    s = servers(session_window_s=1.0, max_retained_requests=2, request_retention_s=0.1, snapshot_every_records=2)
+    s = servers(
+        backend, session_window_s=1.0, max_retained_requests=2, request_retention_s=0.1, snapshot_every_records=2
+    )
     h = await s.start()
     sid = await open_session(h)
     append, _ = await _setup(h, sid)
     for i in range(6):   # other requests push the ids out of the request-id window
         await h.step(allocs=[(f"o{i}", "n1", None, 1, None, 0)])
     await asyncio.sleep(1.2)
-    before = journal(s.db)
+    before = journal(s.url)
     err = await expect_code(h.stub.Step(append), grpc.StatusCode.FAILED_PRECONDITION)
     assert "expired" in err.details() and "not applied again" in err.details()
     assert await num_tokens(h, "a") == 5
-    assert journal(s.db) == before
+    assert journal(s.url) == before
     h = await s.restart()
     await expect_code(h.stub.Step(append), grpc.StatusCode.FAILED_PRECONDITION)
     assert await num_tokens(h, "a") == 5
-    assert journal(s.db)[0] == before[0]
+    assert journal(s.url)[0] == before[0]
     assert await h.fsck() == []
 
 
@@ -290,7 +307,7 @@ async def test_answers_and_expiry_survive_sigkill(tmp_path: Path) -> None:
             answered_at = time.time()
     finally:
         first.stop(signal.SIGKILL)   # no final snapshot: recovery replays the records
-    before = journal(db)
+    before = journal(f"sqlite:///{db}")
     second = await asyncio.to_thread(_start_process, db, tmp_path, "second")
     try:
         async with grpc.aio.insecure_channel(second.address) as ch:
@@ -306,6 +323,6 @@ async def test_answers_and_expiry_survive_sigkill(tmp_path: Path) -> None:
             assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             table = (await admin.DescribeSequence(pb.DescribeSequenceRequest(seq_id="a"))).table
             assert table.num_tokens == 5
-            assert journal(db)[0] == before[0]
+            assert journal(f"sqlite:///{db}")[0] == before[0]
     finally:
         second.stop(signal.SIGKILL)
