@@ -55,9 +55,10 @@ class NotRegistered(ComputeNodeError):
 
 class BlockManagerRefused(ComputeNodeError):
     """The block manager refused a call the node made for a Forward (a cold table fetch) with
-    a status the other classes do not name (ABORTED, PERMISSION_DENIED, INTERNAL, ...): the
-    Forward is refused with that same status, so its meaning reaches the scheduler intact
-    (UNAVAILABLE would make it retry a refusal forever)."""
+    a status the other classes do not name (RESOURCE_EXHAUSTED, INTERNAL, ...): the Forward is
+    refused with that same status, so its meaning reaches the scheduler intact (UNAVAILABLE
+    would make it retry a refusal forever). A refusal of the node's own credentials is
+    INTERNAL (the scheduler's credentials are not the problem)."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)

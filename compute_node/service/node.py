@@ -103,6 +103,15 @@ def cold_fetch_error(exc: LinkError) -> ComputeNodeError:
         return NodeFenced(exc.details)
     if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidForward(f"block manager refused the cold table fetch: {exc.details}")
+    if exc.code == grpc.StatusCode.ABORTED:
+        return StaleTable(f"block manager refused the cold table fetch: {exc.details}")
+    if exc.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        # the node's credentials, not the caller's: answering PERMISSION_DENIED would blame the scheduler
+        return BlockManagerRefused(
+            grpc.StatusCode.INTERNAL,
+            f"block manager refused the node's cold table fetch ({exc.code.name}: check the node's credentials): "
+            f"{exc.details}",
+        )
     return BlockManagerRefused(exc.code, f"block manager refused the cold table fetch: {exc.details}")
 
 class ComputeNode:

@@ -15,6 +15,7 @@ from compute_node.errors import (
     BlockManagerUnavailable,
     InvalidForward,
     NodeFenced,
+    StaleTable,
     UnknownSequence,
 )
 from compute_node.service.bm_link import LinkFenced, LinkNotFound, LinkRejected, LinkUnavailable
@@ -78,8 +79,10 @@ async def test_overlong_seq_id_is_refused_by_the_node_itself(cluster) -> None:  
         (LinkFenced(grpc.StatusCode.FAILED_PRECONDITION, "stale epoch"), NodeFenced,
          grpc.StatusCode.FAILED_PRECONDITION),
         (LinkRejected(grpc.StatusCode.INVALID_ARGUMENT, "bad id"), InvalidForward, grpc.StatusCode.INVALID_ARGUMENT),
-        (LinkRejected(grpc.StatusCode.PERMISSION_DENIED, "not you"), BlockManagerRefused,
-         grpc.StatusCode.PERMISSION_DENIED),
+        (LinkRejected(grpc.StatusCode.ABORTED, "newer version"), StaleTable, grpc.StatusCode.ABORTED),
+        (LinkRejected(grpc.StatusCode.PERMISSION_DENIED, "not you"), BlockManagerRefused, grpc.StatusCode.INTERNAL),
+        (LinkRejected(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many calls"), BlockManagerRefused,
+         grpc.StatusCode.RESOURCE_EXHAUSTED),
         (LinkRejected(grpc.StatusCode.INTERNAL, "bug"), BlockManagerRefused, grpc.StatusCode.INTERNAL),
     ],
 )
