@@ -88,6 +88,7 @@ log = get_logger(__name__)
 
 Phase = Literal["recovering", "serving", "draining", "failed", "stopped"]
 
+
 def apply_op(state: ServiceState, sessions: SessionTable, op: str, payload: dict[str, Any], now: float) -> Applied:
     """The one dispatch of a journaled op: session bookkeeping or the state machine."""
     if op in SESSION_OPS:
