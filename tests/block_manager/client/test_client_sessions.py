@@ -9,7 +9,13 @@ import time
 
 import pytest
 
-from block_manager.client import AsyncBlockManagerClient, BlockManagerClient, RetryPolicy, UnavailableError
+from block_manager.client import (
+    AsyncBlockManagerClient,
+    BlockManagerClient,
+    FailedPreconditionError,
+    RetryPolicy,
+    UnavailableError,
+)
 from block_manager.core.types import PoolId, SeqId
 from block_manager.service.server import BlockManagerServer
 from engine.local_bm import LocalBlockManagerClient
@@ -107,5 +113,40 @@ def test_an_idle_session_is_replaced_before_it_expires() -> None:
             step.commit()
             assert c.session.session_id != first and c.stats.per_method["OpenSession"] == 2
             assert c.stats.errors == 0
+    finally:
+        bm.stop()
+
+
+def test_a_resend_after_the_window_is_refused_and_changes_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The issue's hole, through the client: a step applied once (its answers lost), resent
+    after the session window (and after the request-id window forgot it): refused as expired,
+    not applied a second time."""
+    bm = ServerThread(
+        database_url=f"sqlite:///{tmp_path / 'bm.db'}", session_window_s=0.5, max_retained_requests=1,
+        request_retention_s=0.1, snapshot_every_records=1,
+    )
+    try:
+        proxy = bm.start_proxy()
+        with BlockManagerClient(f"127.0.0.1:{proxy.port}", retry=FAST_RETRY, seed=3) as c:
+            c.register_node("n1", 16, block_size=4)
+            step = c.step()
+            step.allocate("s", "n1", num_tokens=4)
+            forward_all(c, step.commit())
+            proxy.fail_after_forward("Step", times=FAST_RETRY.max_attempts)
+            step = c.step()
+            step.append("s", [9])                            # a new block: the server must hear it
+            with pytest.raises(UnavailableError):
+                step.commit()
+            assert bm.state.core.get_sequence(SeqId("s")).num_tokens == 5   # applied once
+            for i in range(3):                               # the request-id window moves on
+                other = c.step()
+                other.allocate(f"o{i}", "n1", num_tokens=1)
+                forward_all(c, other.commit())
+            time.sleep(0.7)
+            with pytest.raises(FailedPreconditionError, match="expired"):
+                step.resend()
+            assert bm.state.core.get_sequence(SeqId("s")).num_tokens == 5   # not 6
+            assert not c.session.unsettled
+        assert bm.fsck() == []
     finally:
         bm.stop()
