@@ -24,7 +24,7 @@ import httpx
 import openai
 import pytest
 
-from engine.api_server import ServerThread, build_app
+from engine.api.server import ServerThread, build_app
 from engine.async_engine import AsyncLLMEngine, EngineGauges
 from engine.llm import LLM
 from tests.compute_node.model.model_helpers import tiny_model_dir
@@ -456,7 +456,7 @@ def test_failing_health_check_answers_503(aeng: AsyncLLMEngine, llm: LLM) -> Non
 # ---- the command line ----------------------------------------------------------------------------
 def test_cli_refuses_a_missing_model_dir_and_an_unsupported_architecture(
         tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from engine.api_cli import main, parse_size
+    from engine.api.cli import main, parse_size
 
     assert main(["--model", str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err
@@ -484,7 +484,7 @@ def test_cli_serves_and_stops_on_sigterm(tmp_path: Path, model_dir: Path) -> Non
     port_file = tmp_path / "port"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PAGEDKV_API_KEY": "k" * 16, "PAGEDKV_LOG_LEVEL": "WARNING"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.api_cli", "--model", str(model_dir), "--port", "0", "--port-file",
+        [sys.executable, "-m", "engine.api.cli", "--model", str(model_dir), "--port", "0", "--port-file",
          str(port_file), "--device", "cpu", "--num-kv-blocks", "64", "--block-size", "8",
          "--served-model-name", "tiny"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:

@@ -289,7 +289,7 @@ def test_the_api_server_rides_out_a_block_manager_restart(model_dirs: dict[str, 
 
     import httpx
 
-    from engine.api_server import ServerThread, build_app
+    from engine.api.server import ServerThread, build_app
     from engine.async_engine import AsyncLLMEngine
 
     db = f"sqlite:///{tmp_path / 'bm.db'}"
