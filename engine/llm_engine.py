@@ -37,12 +37,20 @@ from typing import Any
 
 import grpc
 
-from block_manager.client import BlockManagerClient, ItemFailure, OutOfBlocksError, PoolStepInfo, StepResult
+from block_manager.client import (
+    BlockManagerClient,
+    InvalidArgumentError,
+    ItemFailure,
+    OutOfBlocksError,
+    PoolStepInfo,
+    StepResult,
+)
 from compute_node.model.sampling import derive_seed
 from engine.bm_steps import UNREACHABLE, StepSender
 from engine.discovery import NodeDiscovery, node_problem
 from engine.errors import EngineError, EngineFailure
 from engine.executor import NodeExecutor
+from engine.health import NodeHealth
 from engine.params import CompletionOutput, InvalidParams, RequestOutput, SamplingParams
 from engine.sequence import Request, SeqStatus, Sequence
 from pagedkv.logging import get_logger
@@ -55,6 +63,14 @@ NODE_MOVED_ON_CODES = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.Statu
                                  grpc.StatusCode.ABORTED})
 MAX_REFUSALS_IN_A_ROW = 20   # a node refusing more steps than this in a row is not recovering
 NO_CAPACITY_WAIT_S = 0.05    # a step that could run nothing sleeps this long before the next
+# Admission sizes that keep every Route and Step inside what the block manager accepts (its
+# Route limit defaults to 1 << 17 token ids, its Step to 4096 items and 64 MiB).
+ROUTE_TOKENS = 1 << 16            # token ids per Route call (halved if the block manager refuses)
+MIN_ROUTE_TOKENS = 256
+MAX_ADMISSIONS_PER_STEP = 256
+MAX_NUM_SEQS = 4096               # a Step's appends (one per running sequence) stay within its item limit
+MAX_STEP_TOKEN_IDS = 1 << 20      # admitted prompt token ids one Step carries (one admission at least)
+PROBE_TIMEOUT_S = 2.0        # GetNodeInfo of a node out of placement (on the probing thread)
 NODE_THREADS = 64            # most nodes generating at once (threads start only as needed)
 log = get_logger("engine.llm_engine")
 
@@ -71,6 +87,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs > MAX_NUM_SEQS:
+            raise ValueError(f"max_num_seqs must be <= {MAX_NUM_SEQS} (the block manager's items per Step)")
         if self.bm_unavailable_timeout_s < 0:
             raise ValueError("bm_unavailable_timeout_s must be >= 0")
 
@@ -165,6 +183,9 @@ class LLMEngine:
         self._pool: ThreadPoolExecutor | None = None   # made when a step first spans two nodes
         self.sender = StepSender(self.config.bm_unavailable_timeout_s)
         self._refusals: dict[str, int] = {}   # node -> steps it refused in a row (one thread per node)
+        self._route_cap = ROUTE_TOKENS
+        self.health = NodeHealth(self._probe)
+        self._down: frozenset[str] = frozenset()   # nodes out of placement, read once per step
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(
@@ -243,6 +264,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; the outputs of the requests that changed."""
         started = time.perf_counter()
+        self._down = self.health.down_nodes()
         self.sender.drain(wait=True)
         batch = self.client.step()
         self._add_frees(batch)
@@ -287,40 +309,80 @@ class LLMEngine:
         return self._collect_outputs()
 
     def _plan_admissions(self, batch: Any, budget: int, num_running: int) -> list[tuple[Sequence, str]]:
-        """New (and preempted) sequences, in order, while budget and sequence slots last."""
-        if budget <= 0 or not self.waiting or num_running >= self.config.max_num_seqs:
+        """New (and preempted) sequences, in order, while budget and sequence slots last.
+
+        Candidates are routed in chunks that stay inside the block manager's Route limit (at
+        most `_route_cap` token ids per call; a long prompt is routed by its first `_route_cap`
+        tokens, enough to rank pools by prefix), and only as many as the token budget may admit:
+        a further chunk is routed only when prefix hits left budget over. A Step carries at most
+        `MAX_STEP_TOKEN_IDS` admitted token ids (at least one admission). So no queue, however
+        long, and no prompt the context admits makes a request the block manager refuses."""
+        slots = min(self.config.max_num_seqs - num_running, MAX_ADMISSIONS_PER_STEP)
+        if budget <= 0 or not self.waiting or slots <= 0:
             return []
-        candidates = list(itertools.islice(self.waiting, self.config.max_num_seqs - num_running))
-        t0 = time.perf_counter()
-        try:
-            routes = self.client.route_many([(s.token_ids, None) for s in candidates])
-        except UNREACHABLE as exc:   # admissions wait; the step itself then waits the outage out
-            log.warning("route_failed", error=str(exc))
-            return []
-        finally:
-            self.stats.bm_s += time.perf_counter() - t0
-        self._discover(r for ranked in routes for r in ranked)
         admitted: list[tuple[Sequence, str]] = []
         # One Route answers for every candidate from the same free counts: charge each pool the
         # blocks this step already gives it, or every new prompt of a step lands on one node.
         taken: dict[str, int] = {}
-        for seq, ranked in zip(candidates, routes):
-            if budget <= 0:
+        carried = pos = 0
+        queue = list(self.waiting)
+        while budget > 0 and len(admitted) < slots and carried < MAX_STEP_TOKEN_IDS and pos < len(queue):
+            chunk = self._route_chunk(queue, pos, slots - len(admitted), budget)
+            pos += len(chunk)
+            routes = self._route(chunk)
+            if routes is None:
                 break
-            ranked = [r for r in ranked if r.pool_id in self.nodes]
-            if not ranked:
-                continue   # no node of ours admits sequences now (fenced, draining): it waits
-            best = min(ranked, key=lambda r: (-r.num_cached_tokens, taken.get(r.pool_id, 0) - r.num_free_blocks,
-                                              r.pool_id))
-            pool, cached = best.pool_id, best.num_cached_tokens
-            seq.seq_id = seq.new_admission_id()
-            tokens = seq.token_ids[: seq.prefill_target] if seq.fork_parent else seq.token_ids
-            batch.allocate(seq.seq_id, pool, tokens, num_compute=budget)
-            admitted.append((seq, pool))
-            block_size = self.pool_blocks[pool][1]
-            taken[pool] = taken.get(pool, 0) + -(-(len(tokens) - cached) // block_size)
-            budget -= max(1, len(tokens) - cached)
+            for seq, ranked in zip(chunk, routes):
+                if budget <= 0 or carried >= MAX_STEP_TOKEN_IDS:
+                    break
+                ranked = [r for r in ranked if r.pool_id in self.nodes and r.pool_id not in self._down]
+                if not ranked:
+                    continue   # no node of ours admits sequences now (fenced, draining, down): it waits
+                best = min(ranked, key=lambda r: (-r.num_cached_tokens, taken.get(r.pool_id, 0) - r.num_free_blocks,
+                                                  r.pool_id))
+                pool, cached = best.pool_id, best.num_cached_tokens
+                seq.seq_id = seq.new_admission_id()
+                tokens = seq.token_ids[: seq.prefill_target] if seq.fork_parent else seq.token_ids
+                batch.allocate(seq.seq_id, pool, tokens, num_compute=budget)
+                admitted.append((seq, pool))
+                carried += len(tokens)
+                block_size = self.pool_blocks[pool][1]
+                taken[pool] = taken.get(pool, 0) + -(-(len(tokens) - cached) // block_size)
+                budget -= max(1, len(tokens) - cached)
         return admitted
+
+    def _route_chunk(self, queue: list[Sequence], pos: int, slots: int, budget: int) -> list[Sequence]:
+        """The next waiting sequences to route from `queue[pos:]`: at least one, at most
+        `slots`, their routed prefixes within `_route_cap` token ids, and no more than `budget`
+        could admit without prefix hits."""
+        chunk: list[Sequence] = []
+        num_ids = cost = 0
+        for seq in queue[pos : pos + slots]:
+            n = min(len(seq.token_ids), self._route_cap)
+            if chunk and (num_ids + n > self._route_cap or cost >= budget):
+                break
+            chunk.append(seq)
+            num_ids += n
+            cost += len(seq.token_ids)
+        return chunk
+
+    def _route(self, chunk: list[Sequence]) -> list[list[Any]] | None:
+        """Pools ranked for each sequence of `chunk` (by its prefix), or None when the block
+        manager did not answer (admissions wait a step) or refused the size (the cap halves)."""
+        t0 = time.perf_counter()
+        try:
+            routes = self.client.route_many([(s.token_ids[: self._route_cap], None) for s in chunk])
+        except UNREACHABLE as exc:   # admissions wait; the step itself then waits the outage out
+            log.warning("route_failed", error=str(exc))
+            return None
+        except InvalidArgumentError as exc:   # a block manager configured with a lower Route limit
+            self._route_cap = max(MIN_ROUTE_TOKENS, self._route_cap // 2)
+            log.warning("route_refused", error=str(exc), route_cap=self._route_cap)
+            return None
+        finally:
+            self.stats.bm_s += time.perf_counter() - t0
+        self._discover(r for ranked in routes for r in ranked)
+        return routes
 
     def _apply_step_result(
         self,
@@ -451,30 +513,51 @@ class LLMEngine:
                     _fill_sampling(s.sampling, w.seq)
             jobs.append((node_id, request, info, items))
         t0 = time.perf_counter()
-        if len(jobs) > 1:
+        live = [job for job in jobs if job[0] not in self._down]   # a node out of placement is not called
+        if len(live) > 1:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=NODE_THREADS, thread_name_prefix="generate")
-            futures = [self._pool.submit(self._generate, node_id, req) for node_id, req, _, _ in jobs]
-            replies = [f.result() for f in futures]
+            futures = {node_id: self._pool.submit(self._generate, node_id, req) for node_id, req, _, _ in live}
+            answers = {node_id: f.result() for node_id, f in futures.items()}
         else:
-            replies = [self._generate(node_id, req) for node_id, req, _, _ in jobs]
+            answers = {node_id: self._generate(node_id, req) for node_id, req, _, _ in live}
         self.stats.node_s += time.perf_counter() - t0
         now = time.perf_counter()
-        for (_node_id, _req, info, items), reply in zip(jobs, replies):
+        for node_id, _req, info, items in jobs:
+            reply, unreachable = answers.get(node_id, (None, False))
             if info is not None:
                 self.client.report(info, reply is not None)
             if reply is None:
-                self.stats.num_failed_steps += 1
+                if node_id in answers:
+                    self.stats.num_failed_steps += 1
                 for w in items:
                     # The failed report drops the step's writers; the others (their tokens were
                     # answered locally) are freed: the Step skips frees of what it just dropped.
                     self._requeue(w.seq, free=True)
+                if unreachable:
+                    self._take_out(node_id)
                 continue
             tokens = iter(reply.tokens)
             for w in items:
                 w.seq.num_computed = w.context_len
                 if w.sample:
                     self._accept(w.seq, next(tokens), now)
+
+    def _take_out(self, node_id: str) -> None:
+        """A node that did not answer leaves placement now (probed back in by `health`): its
+        running sequences are freed and recomputed on the other nodes from the next step."""
+        if not self.health.mark_down(node_id, "unreachable"):
+            return
+        self._down = self._down | {node_id}
+        for seq in [s for s in self.running if s.node_id == node_id]:
+            self._requeue(seq, free=True)
+
+    def _probe(self, node_id: str) -> str | None:
+        """Whether a node out of placement serves again (None) or why not; on `health`'s thread."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            return "no longer known"
+        return node_problem(node.info(timeout_s=PROBE_TIMEOUT_S), self.model_name, self.vocab_size)
 
     def _add_frees(self, batch: Any) -> bool:
         """Move the pending frees into `batch` (which carries them from here on, resent if its
@@ -502,25 +585,26 @@ class LLMEngine:
                 previous.close()
             self.nodes[pool_id] = node
 
-    def _generate(self, node_id: str, request: pb.GenerateRequest) -> pb.GenerateResponse | None:
-        """The node's answer, or None when the step failed in a way the protocol recovers from:
-        the node is unreachable or timed out, or it moved on from the step's state (restarted
-        with a new epoch, so it knows neither the epoch nor the sequences: FAILED_PRECONDITION,
-        NOT_FOUND; its tables disagree with the step: ABORTED). The step is then reported
-        failed and its sequences recompute, there or elsewhere. Any other refusal (bad
-        credentials, a malformed request) is a bug or a misconfiguration and stops the engine."""
+    def _generate(self, node_id: str, request: pb.GenerateRequest) -> tuple[pb.GenerateResponse | None, bool]:
+        """The node's answer, or None when the step failed in a way the protocol recovers from,
+        and whether the node was unreachable. Unreachable or timed out: the node leaves
+        placement until a probe finds it back. Moved on from the step's state (restarted with
+        a new epoch, so it knows neither the epoch nor the sequences: FAILED_PRECONDITION,
+        NOT_FOUND; its tables disagree with the step: ABORTED): the step is reported failed
+        and its sequences recompute, there or elsewhere. Any other refusal (bad credentials, a
+        malformed request) is a bug or a misconfiguration and stops the engine."""
         try:
             reply = self.nodes[node_id].generate(request)
         except grpc.RpcError as exc:
             if exc.code() in RETRYABLE_CODES:
-                return None
+                return None, True
             refusals = self._refusals[node_id] = self._refusals.get(node_id, 0) + 1
             if exc.code() in NODE_MOVED_ON_CODES and refusals <= MAX_REFUSALS_IN_A_ROW:
                 log.warning("node_refused_step", node_id=node_id, code=exc.code().name, details=exc.details())
-                return None
+                return None, False
             raise EngineFailure(f"node {node_id!r} refused a step: {exc.code().name}: {exc.details()}") from exc
         self._refusals[node_id] = 0
-        return reply
+        return reply, False
 
     def _accept(self, seq: Sequence, tok: pb.SampledToken, now: float) -> None:
         req, out = seq.request, seq.output
@@ -602,6 +686,7 @@ class LLMEngine:
                 self.client.release()
         except Exception:  # noqa: BLE001 - best effort: leases lapse on their own otherwise
             pass
+        self.health.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 
