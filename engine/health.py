@@ -71,6 +71,14 @@ class NodeHealth:
         self._wake.set()
         return True
 
+    def readmit(self, node_id: str) -> None:
+        """`node_id` answered and serves the model (found again by discovery, say): back now."""
+        with self._lock:
+            if self._down.pop(node_id, None) is None:
+                return
+            self.num_readmitted += 1
+        log.info("node_readmitted", node_id=node_id)
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

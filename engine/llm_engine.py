@@ -584,6 +584,8 @@ class LLMEngine:
             if previous is not None:
                 previous.close()
             self.nodes[pool_id] = node
+            self.health.readmit(pool_id)   # it just answered GetNodeInfo with the engine's model
+            self._down = self._down - {pool_id}
 
     def _generate(self, node_id: str, request: pb.GenerateRequest) -> tuple[pb.GenerateResponse | None, bool]:
         """The node's answer, or None when the step failed in a way the protocol recovers from,
