@@ -14,11 +14,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-import grpc
-
-from engine.executor import NodeExecutor
+from engine.errors import NodeError
+from engine.node_api import NodeExecutor, NodeInfo
 from pagedkv.logging import get_logger
-from pagedkv.v1 import compute_node_pb2 as pb
 
 RETRY_S = 10.0          # a node found unusable is probed again after this long, doubling each time
 MAX_RETRY_S = 300.0
@@ -26,7 +24,7 @@ INFO_TIMEOUT_S = 5.0    # GetNodeInfo of a newly routed node
 log = get_logger("engine.discovery")
 
 
-def node_problem(info: pb.GetNodeInfoResponse, model: str, vocab_size: int) -> str | None:
+def node_problem(info: NodeInfo, model: str, vocab_size: int) -> str | None:
     """Why a node cannot serve an engine of `model`; None when it can."""
     if not info.model:
         return "serves no model (start it with a model directory)"
@@ -49,7 +47,7 @@ class NodeDiscovery:
 
     def find(
         self, routes: Iterable[Any], known: Mapping[str, NodeExecutor]
-    ) -> Iterator[tuple[str, NodeExecutor, pb.GetNodeInfoResponse]]:
+    ) -> Iterator[tuple[str, NodeExecutor, NodeInfo]]:
         """(pool id, executor, its info) for each routed pool that `known` lacks or knows at
         another address, and that serves the model."""
         now = time.monotonic()
@@ -65,8 +63,8 @@ class NodeDiscovery:
             try:
                 info = node.info(timeout_s=INFO_TIMEOUT_S)
                 problem = node_problem(info, self.model, self.vocab_size)
-            except grpc.RpcError as exc:
-                info, problem = None, f"did not answer GetNodeInfo: {exc.code().name}"
+            except NodeError as exc:
+                info, problem = None, f"did not answer GetNodeInfo: {exc.code or exc.message}"
             if problem is not None or info is None:
                 node.close()
                 backoff = min(RETRY_S * 2 ** failures, MAX_RETRY_S)

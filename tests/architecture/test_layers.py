@@ -138,6 +138,26 @@ def _engine(rel: str, module: str, top: bool) -> str | None:
     return None
 
 
+# The scheduler speaks plain data and typed errors to the nodes (`engine.node_api`): only the
+# executors (`engine.executor`, `engine.local_node`) and the in-process block manager know the
+# transport, and nothing of the scheduler pulls in torch.
+SCHEDULER = tuple(
+    f"engine/{name}.py"
+    for name in ("llm_engine", "sequence", "failure_policy", "node_api", "errors", "health", "bm_steps",
+                 "discovery", "params", "async_engine")
+)
+
+
+def _scheduler(rel: str, module: str, top: bool) -> str | None:
+    if rel not in SCHEDULER:
+        return None
+    if _root(module) in ("grpc", "torch", "compute_node") or _within(module, "pagedkv.v1"):
+        return "the scheduler imports neither the transport nor the model stack"
+    if _within(module, "engine.executor") or _within(module, "engine.local_node"):
+        return "the scheduler reaches nodes through engine.node_api"
+    return None
+
+
 def _demo(rel: str, module: str, top: bool) -> str | None:
     return "tools are dev-only" if _root(module) == "tools" else None
 
@@ -152,6 +172,7 @@ def _demo(rel: str, module: str, top: bool) -> str | None:
         ("block_manager", _transport_free),
         ("compute_node", _compute_node),
         ("engine", _engine),
+        ("engine", _scheduler),
         ("demo", _demo),
     ],
     ids=[
@@ -162,6 +183,7 @@ def _demo(rel: str, module: str, top: bool) -> str | None:
         "transport-free-state",
         "compute-node",
         "engine",
+        "scheduler-transport-free",
         "demo",
     ],
 )

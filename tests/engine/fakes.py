@@ -4,9 +4,10 @@
 like a node would, except that the sampled token is a pure function of what the engine sent
 (the sequence's last token and its context length): a greedy request's tokens are then the
 same however its steps were cut, preempted, recomputed or moved to another node, which is
-exactly what a fault-free run and a faulty one must agree on. Faults are switches: `dead`
-(UNAVAILABLE, as a SIGKILLed process), `moved_on` (FAILED_PRECONDITION, a restart with a new
-epoch), `refuse` (PERMISSION_DENIED), `delay_s` (a slow node).
+exactly what a fault-free run and a faulty one must agree on. Faults are switches raising the
+typed errors a real executor raises: `dead` (NodeUnreachable, as a SIGKILLed process),
+`moved_on` (NodeMovedOn, a restart with a new epoch), `refuse` (NodeRefused), `delay_s` (a
+slow node).
 """
 
 from __future__ import annotations
@@ -15,10 +16,8 @@ import threading
 import time
 from typing import Any
 
-import grpc
-
-from engine.local_bm import LocalRpcError
-from pagedkv.v1 import compute_node_pb2 as pb
+from engine.errors import NodeMovedOn, NodeRefused, NodeUnreachable
+from engine.node_api import NodeInfo, NodeStep, SampledToken
 
 VOCAB = 512
 EOS = 0
@@ -39,7 +38,8 @@ class FakeNode:
         self.max_model_len = max_model_len
         self.model = model
         self.dead = False
-        self.moved_on = False
+        self.moved_on = False          # refuse every step as moved on
+        self.restart_next = False      # the next step: restart in place (a new epoch), refusing it
         self.refuse = False
         self.delay_s = 0.0
         self.num_calls = 0
@@ -54,34 +54,35 @@ class FakeNode:
         self.epoch = reg.epoch
         return reg.epoch
 
-    def info(self, timeout_s: float | None = None) -> pb.GetNodeInfoResponse:
+    def info(self, timeout_s: float | None = None) -> NodeInfo:
         if self.dead:
-            raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "connection refused")
-        return pb.GetNodeInfoResponse(
-            node_id=self.node_id, epoch=self.epoch, registered=True, num_layers=1, num_kv_heads=1, head_dim=8,
-            dtype="float32", device="cpu", block_size=self.block_size, num_blocks=self.num_blocks,
-            model=self.model, vocab_size=VOCAB, max_model_len=self.max_model_len, eos_token_ids=[EOS],
-        )
+            raise NodeUnreachable(self.node_id, "connection refused", code="UNAVAILABLE")
+        return NodeInfo(self.node_id, self.epoch, True, self.block_size, self.num_blocks, self.model, VOCAB,
+                        self.max_model_len, (EOS,))
 
-    def generate(self, request: pb.GenerateRequest) -> pb.GenerateResponse:
+    def generate(self, step: NodeStep) -> list[SampledToken]:
         with self._lock:
             self.num_calls += 1
         if self.delay_s:
             time.sleep(self.delay_s)
-        for fault, code in ((self.dead, grpc.StatusCode.UNAVAILABLE),
-                            (self.moved_on, grpc.StatusCode.FAILED_PRECONDITION),
-                            (self.refuse, grpc.StatusCode.PERMISSION_DENIED)):
+        if self.restart_next and not self.dead:
+            self.restart_next = False
+            self.register()
+            with self._lock:
+                self.num_failed += 1
+            raise NodeMovedOn(self.node_id, "restarted: unknown epoch", code="FAILED_PRECONDITION")
+        for fault, error, code in ((self.dead, NodeUnreachable, "UNAVAILABLE"),
+                                   (self.moved_on, NodeMovedOn, "FAILED_PRECONDITION"),
+                                   (self.refuse, NodeRefused, "PERMISSION_DENIED")):
             if fault:
                 with self._lock:
                     self.num_failed += 1
-                raise LocalRpcError(code, f"fake node {self.node_id}: {code.name}")
-        reply = pb.GenerateResponse()
-        for s in request.sequences:
-            if s.HasField("sampling"):
-                reply.tokens.add(seq_id=s.seq_id, token_id=fake_token(s.token_ids[-1], s.context_len))
+                raise error(self.node_id, "fake fault", code=code)
+        tokens = [SampledToken(s.seq_id, fake_token(s.token_ids[-1], s.context_len))
+                  for s in step.sequences if s.sampling is not None]
         with self._lock:
-            self.num_tokens += sum(len(s.token_ids) for s in request.sequences)
-        return reply
+            self.num_tokens += sum(len(s.token_ids) for s in step.sequences)
+        return tokens
 
     def close(self) -> None:
         pass

@@ -19,13 +19,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import httpx
 import openai
 import pytest
 
 from engine.api.server import ServerThread, build_app
 from engine.async_engine import AsyncLLMEngine, EngineGauges
+from engine.errors import NodeRefused
 from engine.llm import LLM
 from tests.compute_node.model.model_helpers import tiny_model_dir
 from tests.engine.conftest import SPECS
@@ -407,14 +407,6 @@ def test_a_dead_engine_answers_503(llm: LLM, model_dir: Path) -> None:
         assert "pagedkv_engine_alive" in httpx.get(srv.url + "/metrics").text
 
 
-class _Refused(grpc.RpcError):
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.PERMISSION_DENIED
-
-    def details(self) -> str:
-        return "scheduler may not call Generate"
-
-
 class _RefusingNode:
     """A node that refuses every step, as one whose access rules omit the scheduler would."""
 
@@ -424,8 +416,8 @@ class _RefusingNode:
     def info(self, timeout_s: float | None = None) -> Any:
         return self.inner.info(timeout_s)
 
-    def generate(self, request: Any) -> Any:
-        raise _Refused()
+    def generate(self, step: Any) -> Any:
+        raise NodeRefused(self.node_id, "scheduler may not call Generate", code="PERMISSION_DENIED")
 
     def close(self) -> None:
         self.inner.close()

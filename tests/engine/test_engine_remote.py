@@ -15,15 +15,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 
 from block_manager.client import AdminClient
 from block_manager.client.errors import UnauthenticatedError
+from engine.errors import NodeRefused
 from engine.executor import RemoteNode
 from engine.llm import LLM
+from engine.node_api import NodeStep
 from engine.params import SamplingParams
-from pagedkv.v1 import compute_node_pb2 as pb
 from tests.compute_node.model.model_helpers import compare_greedy, hf_greedy
 from tests.engine.services import Services
 
@@ -97,10 +97,10 @@ def test_scheduler_token_reaches_the_block_manager_and_the_nodes(
         # the node itself refuses a Generate without the scheduler's token, and its own token
         for token in (None, NODE_TOKEN):
             anonymous = RemoteNode("node-0", services.nodes[0].address, timeout_s=20, token=token)
-            with pytest.raises(grpc.RpcError) as refused:
-                anonymous.generate(pb.GenerateRequest(request_id="anonymous"))
+            with pytest.raises(NodeRefused) as refused:
+                anonymous.generate(NodeStep("anonymous"))
             anonymous.close()
-            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert refused.value.code == "UNAUTHENTICATED"
         prompts = _prompts(1, 4)
         with LLM(model_dirs[MODEL], block_manager=services.bm.address, token=SCHED_TOKEN) as llm:
             outs = llm.generate(prompts, GREEDY)
