@@ -48,7 +48,7 @@ from block_manager.client import (
     StepResult,
 )
 from engine.bm_steps import UNREACHABLE, StepSender
-from engine.discovery import NodeDiscovery, node_problem
+from engine.discovery import BackgroundDiscovery, NodeDiscovery, node_problem
 from engine.errors import EngineError, EngineFailure, NodeError, NodeMovedOn
 from engine.failure_policy import MAX_REFUSALS_IN_A_ROW, Action, Item, action_for
 from engine.health import NodeHealth
@@ -107,6 +107,7 @@ class EngineStats:
     itl_s: deque[float] = field(default_factory=lambda: deque(maxlen=STAT_WINDOW))    # between tokens
     step_s: deque[float] = field(default_factory=lambda: deque(maxlen=STAT_WINDOW))
     bm_s: float = 0.0          # time in block manager calls (Step, Route)
+    num_bm_rpcs: int = 0       # block manager calls made by steps (Step round trips and Route calls)
     node_s: float = 0.0        # time in Generate calls (wall, nodes in parallel)
 
     def summary(self) -> dict[str, float]:
@@ -159,7 +160,10 @@ class LLMEngine:
         first = next(iter(infos.values()))
         self.model_name = first.model
         self.vocab_size = first.vocab_size
-        self._discovery = None if connect is None else NodeDiscovery(connect, first.model, first.vocab_size)
+        self._discovery: BackgroundDiscovery | None = None
+        if connect is not None:
+            self._discovery = BackgroundDiscovery(NodeDiscovery(connect, first.model, first.vocab_size),
+                                                  lambda: client.route([0]), lambda: self.nodes)
         for nid, info in infos.items():
             problem = node_problem(info, self.model_name, self.vocab_size)
             if problem is not None:
@@ -175,14 +179,15 @@ class LLMEngine:
         self.stats = EngineStats()
         self._to_free: list[str] = []      # ids of finished and preempted admissions, freed with the next Step
         self._changed: set[str] = set()   # requests with news since the last outputs
-        self._usage_at = -1e9
-        self._usage = 0.0
+        self._pool_free: dict[str, tuple[int, int]] = {}   # pool -> (free, usable) blocks, from the last Step
         self._ids = itertools.count()
         self._pool: ThreadPoolExecutor | None = None   # made when a step first spans two nodes
         self.sender = StepSender(self.config.bm_unavailable_timeout_s)
         self._refusals: dict[str, int] = {}   # node -> steps it refused in a row (one thread per node)
         self._route_cap = ROUTE_TOKENS
         self.health = NodeHealth(self._probe)
+        if self._discovery is not None:
+            self._discovery.start()
         self._down: frozenset[str] = frozenset()   # nodes out of placement, read once per step
 
     # ---- requests -----------------------------------------------------------------------
@@ -244,24 +249,21 @@ class LLMEngine:
         return bool(self.requests)
 
     def kv_usage(self) -> float:
-        """Fraction of the nodes' KV blocks in use (read from the block manager at most once a
-        second: Route reports every pool's free blocks)."""
-        now = time.monotonic()
-        if now - self._usage_at >= 1.0:
-            self._usage_at = now
-            try:
-                routes = self.client.route([0])
-            except UNREACHABLE:
-                return self._usage   # the last reading, until the block manager answers again
-            total = sum(self.pool_blocks[r.pool_id][0] for r in routes if r.pool_id in self.pool_blocks)
-            free = sum(r.num_free_blocks for r in routes if r.pool_id in self.pool_blocks)
-            self._usage = 1.0 - free / total if total else 0.0
-        return self._usage
+        """Fraction of the nodes' KV blocks in use (neither free nor evictable), as of the last
+        Step answer: every Step answers each pool's free counts, so nothing is polled."""
+        total = usable = 0
+        for pool_id, (_num_free, num_usable) in self._pool_free.items():
+            if pool_id in self.pool_blocks:
+                total += self.pool_blocks[pool_id][0]
+                usable += num_usable
+        return 1.0 - usable / total if total else 0.0
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; the outputs of the requests that changed."""
         started = time.perf_counter()
+        if self._discovery is not None:
+            self._adopt(self._discovery.take())
         self._down = self.health.down_nodes()
         self.sender.drain(wait=True)
         batch = self.client.step()
@@ -296,6 +298,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         result = self.sender.commit(batch)
         self.stats.bm_s += time.perf_counter() - t0
+        self.stats.num_bm_rpcs += result.num_rpcs
+        if result.pool_free:
+            self._pool_free = result.pool_free
         work = self._apply_step_result(result, planned, children_of, admitted)
         self._run_nodes(result, work)
         if not work and not self.running and self.waiting:
@@ -368,6 +373,7 @@ class LLMEngine:
         """Pools ranked for each sequence of `chunk` (by its prefix), or None when the block
         manager did not answer (admissions wait a step) or refused the size (the cap halves)."""
         t0 = time.perf_counter()
+        self.stats.num_bm_rpcs += 1
         try:
             routes = self.client.route_many([(s.token_ids[: self._route_cap], None) for s in chunk])
         except UNREACHABLE as exc:   # admissions wait; the step itself then waits the outage out
@@ -379,7 +385,6 @@ class LLMEngine:
             return None
         finally:
             self.stats.bm_s += time.perf_counter() - t0
-        self._discover(r for ranked in routes for r in ranked)
         return routes
 
     def _apply_step_result(
@@ -588,12 +593,10 @@ class LLMEngine:
             batch.free(freeing)
         return bool(freeing)
 
-    def _discover(self, routes: Iterable[Any]) -> None:
-        """Adopt the nodes `NodeDiscovery` finds among the routes (one registered after the
-        engine started, or a known pool at a new address)."""
-        if self._discovery is None:
-            return
-        for pool_id, node, info in self._discovery.find(routes, self.nodes):
+    def _adopt(self, found: Iterable[tuple[str, NodeExecutor, Any]]) -> None:
+        """Adopt the nodes the background discovery found (one registered after the engine
+        started, or a known pool at a new address): between steps, never in the middle."""
+        for pool_id, node, info in found:
             self.client.tracker.set_block_size(pool_id, info.block_size)
             self.pool_blocks[pool_id] = (info.num_blocks, info.block_size)
             self.max_model_len = min(self.max_model_len, info.max_model_len)
@@ -677,7 +680,9 @@ class LLMEngine:
             self.sender.drain(wait=False)
             batch = self.client.step()
             if self._add_frees(batch):
-                self.sender.commit(batch, wait=False)
+                result = self.sender.commit(batch, wait=False)
+                if result.pool_free:
+                    self._pool_free = result.pool_free
             elif self.client.pending_reports:
                 self.client.flush_reports()
         except UNREACHABLE as exc:
@@ -694,6 +699,8 @@ class LLMEngine:
         except Exception:  # noqa: BLE001 - best effort: leases lapse on their own otherwise
             pass
         self.health.close()
+        if self._discovery is not None:
+            self._discovery.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 

@@ -175,6 +175,9 @@ class StepResult:
     appends: dict[SeqId, SeqSlots | ItemFailure] = field(default_factory=dict)
     dropped: set[SeqId] = field(default_factory=set)
     lease_epochs: dict[PoolId, int] = field(default_factory=dict)
+    # every pool's (free, usable: free or evictable) blocks after the step; empty when the
+    # step was answered without a round trip
+    pool_free: dict[PoolId, tuple[int, int]] = field(default_factory=dict)
     num_freed: int = 0
     num_rpcs: int = 0
 
@@ -349,6 +352,7 @@ class StepBatch:
         res.num_rpcs += 1
         res.num_freed = len(self._free_ids)
         res.lease_epochs = {PoolId(p): int(e) for p, e in m.lease_epochs.items()}
+        res.pool_free = {PoolId(f.pool_id): (int(f.num_free_blocks), int(f.num_usable_blocks)) for f in m.pool_free}
         errors: dict[tuple[str, int], Any] = {(e.section, e.index): e for e in m.errors}
         for s in m.settled:
             settled = wire.step_settled(s)

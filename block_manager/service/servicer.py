@@ -116,6 +116,8 @@ def step_response(r: dict[str, Any]) -> pb.StepResponse:
     resp.alloc_num_tokens.extend(r["alloc_num_tokens"])
     resp.append_num_tokens.extend(r["append_num_tokens"])
     resp.lease_epochs.update(r["lease_epochs"])
+    for pool_id, num_free, num_usable in r.get("pool_free", ()):   # absent in answers journaled before it
+        resp.pool_free.add(pool_id=pool_id, num_free_blocks=num_free, num_usable_blocks=num_usable)
     return resp
 
 

@@ -308,6 +308,7 @@ class ServiceState:
             "alloc_num_tokens": alloc_tokens,
             "append_num_tokens": append_tokens,
             "lease_epochs": lease_epochs,
+            "pool_free": [[pid, *core.free_blocks(pid)] for pid in sorted(core.pool_ids)],
         }
         return Applied(result, mutated)
 

@@ -598,6 +598,7 @@ class StepResponse(_message.Message):
     ALLOC_NUM_TOKENS_FIELD_NUMBER: _builtins.int
     APPEND_NUM_TOKENS_FIELD_NUMBER: _builtins.int
     LEASE_EPOCHS_FIELD_NUMBER: _builtins.int
+    POOL_FREE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def steps(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.PoolStep]:
         """one per pool with work: pass it to the pool's node"""
@@ -626,6 +627,10 @@ class StepResponse(_message.Message):
     def lease_epochs(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """pool -> this scheduler's lease epoch on it"""
 
+    @_builtins.property
+    def pool_free(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolFree]:
+        """every pool's free blocks after this step (gauges, placement)"""
+
     def __init__(
         self,
         *,
@@ -636,14 +641,44 @@ class StepResponse(_message.Message):
         alloc_num_tokens: _abc.Iterable[_builtins.int] | None = ...,
         append_num_tokens: _abc.Iterable[_builtins.int] | None = ...,
         lease_epochs: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        pool_free: _abc.Iterable[Global___PoolFree] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_num_cached_tokens", b"alloc_num_cached_tokens", "alloc_num_tokens", b"alloc_num_tokens", "append_num_tokens", b"append_num_tokens", "errors", b"errors", "lease_epochs", b"lease_epochs", "settled", b"settled", "steps", b"steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_num_cached_tokens", b"alloc_num_cached_tokens", "alloc_num_tokens", b"alloc_num_tokens", "append_num_tokens", b"append_num_tokens", "errors", b"errors", "lease_epochs", b"lease_epochs", "pool_free", b"pool_free", "settled", b"settled", "steps", b"steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StepResponse: _TypeAlias = StepResponse  # noqa: Y015
+
+@_typing.final
+class PoolFree(_message.Message):
+    """A pool's capacity after a step: what a scheduler reads instead of polling Route."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_ID_FIELD_NUMBER: _builtins.int
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_USABLE_BLOCKS_FIELD_NUMBER: _builtins.int
+    pool_id: _builtins.str
+    num_free_blocks: _builtins.int
+    """on the free list"""
+    num_usable_blocks: _builtins.int
+    """free or evictable (prefix-cached, unreferenced)"""
+    def __init__(
+        self,
+        *,
+        pool_id: _builtins.str = ...,
+        num_free_blocks: _builtins.int = ...,
+        num_usable_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_free_blocks", b"num_free_blocks", "num_usable_blocks", b"num_usable_blocks", "pool_id", b"pool_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PoolFree: _TypeAlias = PoolFree  # noqa: Y015
 
 @_typing.final
 class GetTablesRequest(_message.Message):

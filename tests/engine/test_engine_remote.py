@@ -79,6 +79,16 @@ def _check_drive(hf: Any, prompts: list[dict[str, list[int]]], outs: list[Any], 
         compare_greedy(out.outputs[0].token_ids, hf_greedy(hf, p["prompt_token_ids"], max_tokens), f"prompt {i}")
 
 
+def _until_adopted(engine: Any, node_id: str, address: str) -> None:
+    """Step the (idle) engine until its background discovery found `node_id` at `address` and
+    the engine adopted it between steps."""
+    deadline = time.monotonic() + 30
+    while getattr(engine.nodes.get(node_id), "address", None) != address and time.monotonic() < deadline:
+        engine.step()
+        time.sleep(0.05)
+    assert getattr(engine.nodes.get(node_id), "address", None) == address
+
+
 def _generates_ok(server: Any) -> float:
     return server.node.metrics.registry.get_sample_value("pagedkv_cn_forwards_total", {"code": "OK"}) or 0.0
 
@@ -122,6 +132,7 @@ def test_nodes_registering_later_are_adopted_and_other_models_skipped(
             # more free blocks than node-0: the block manager routes new prompts there first
             late = services.add_node("node-1", model_dirs[MODEL], num_blocks=192)
             other = services.add_node("node-x", model_dirs[OTHER_MODEL], num_blocks=512)
+            _until_adopted(llm.engine, "node-1", late.address)   # found off the step path
             second = _prompts(3, 6)
             _check_greedy(hf_models[MODEL], second, llm.generate(second, GREEDY))
             assert set(llm.engine.nodes) == {"node-0", "node-1"}
@@ -197,6 +208,7 @@ def test_a_node_dying_mid_generation_loses_no_request(
             assert engine.stats.num_failed_steps > 0
             # node 1 comes back (a new epoch, another port, more blocks): the engine follows it there
             back = services.add_node("node-1", model_dirs[MODEL], num_blocks=192)
+            _until_adopted(engine, "node-1", back.address)
             more = _prompts(6, 4)
             _check_greedy(hf_models[MODEL], more, llm.generate(more, GREEDY))
             assert getattr(engine.nodes["node-1"], "address", None) == back.address and _generates_ok(back) > 0
