@@ -5,7 +5,8 @@ Each `step()`:
 1. plans the step under a token budget (`max_num_batched_tokens`) and a sequence cap
    (`max_num_seqs`): running sequences first (a decode token each, or the next chunk of a
    long prompt: chunked prefill), forks of `n > 1` requests whose shared prompt is computed,
-   then new requests in arrival order (cache-aware placement: one batched Route);
+   then new requests in arrival order, as placed allocations: the block manager picks each
+   one's node (cached prefix, then free blocks) inside the same Step, within the budget;
 2. sends ONE `Step` to the block manager (frees of finished and preempted sequences, the
    reports of the previous step's Forwards, admissions, forks, appends with their token ids
    so generated text is prefix-cached too; in-block decode appends are answered by the
@@ -40,13 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from block_manager.client import (
-    BlockManagerClient,
-    InvalidArgumentError,
-    ItemFailure,
-    PoolStepInfo,
-    StepResult,
-)
+from block_manager.client import BlockManagerClient, ItemFailure, PoolStepInfo, StepResult
 from engine.bm_steps import UNREACHABLE, StepSender
 from engine.discovery import BackgroundDiscovery, NodeDiscovery, node_problem
 from engine.errors import EngineError, EngineFailure, NodeError, NodeMovedOn
@@ -61,11 +56,10 @@ from pagedkv.stats import percentile
 
 STAT_WINDOW = 100_000
 NO_CAPACITY_WAIT_S = 0.05    # a step that could run nothing sleeps this long before the next
-# Admission sizes that keep every Route and Step inside what the block manager accepts (its
-# Route limit defaults to 1 << 17 token ids, its Step to 4096 items and 64 MiB).
-ROUTE_TOKENS = 1 << 16            # token ids per Route call (halved if the block manager refuses)
-MIN_ROUTE_TOKENS = 256
+# Admission sizes that keep every Step inside what the block manager accepts (4096 items and
+# 64 MiB by default) without resending the whole queue every step.
 MAX_ADMISSIONS_PER_STEP = 256
+ADMIT_IDS_PER_BUDGET_TOKEN = 8    # prompt token ids sent for admission per token of budget
 MAX_NUM_SEQS = 4096               # a Step's appends (one per running sequence) stay within its item limit
 MAX_STEP_TOKEN_IDS = 1 << 20      # admitted prompt token ids one Step carries (one admission at least)
 PROBE_TIMEOUT_S = 2.0        # GetNodeInfo of a node out of placement (on the probing thread)
@@ -106,8 +100,8 @@ class EngineStats:
     ttft_s: deque[float] = field(default_factory=lambda: deque(maxlen=STAT_WINDOW))   # arrival → first token
     itl_s: deque[float] = field(default_factory=lambda: deque(maxlen=STAT_WINDOW))    # between tokens
     step_s: deque[float] = field(default_factory=lambda: deque(maxlen=STAT_WINDOW))
-    bm_s: float = 0.0          # time in block manager calls (Step, Route)
-    num_bm_rpcs: int = 0       # block manager calls made by steps (Step round trips and Route calls)
+    bm_s: float = 0.0          # time in block manager calls (the Step)
+    num_bm_rpcs: int = 0       # block manager round trips made by steps
     node_s: float = 0.0        # time in Generate calls (wall, nodes in parallel)
 
     def summary(self) -> dict[str, float]:
@@ -184,7 +178,6 @@ class LLMEngine:
         self._pool: ThreadPoolExecutor | None = None   # made when a step first spans two nodes
         self.sender = StepSender(self.config.bm_unavailable_timeout_s)
         self._refusals: dict[str, int] = {}   # node -> steps it refused in a row (one thread per node)
-        self._route_cap = ROUTE_TOKENS
         self.health = NodeHealth(self._probe)
         if self._discovery is not None:
             self._discovery.start()
@@ -305,94 +298,47 @@ class LLMEngine:
         self._run_nodes(result, work)
         if not work and not self.running and self.waiting:
             # nothing could be admitted (no node admits sequences now: fenced, draining, full):
-            # wait a little rather than spin on Route calls
+            # wait a little rather than spin on empty Steps
             time.sleep(NO_CAPACITY_WAIT_S)
         self.stats.num_steps += 1
         self.stats.step_s.append(time.perf_counter() - started)
         return self._collect_outputs()
 
-    def _plan_admissions(self, batch: Any, budget: int, num_running: int) -> list[tuple[Sequence, str, str]]:
-        """New (and preempted) sequences, in order, while budget and sequence slots last.
-
-        Candidates are routed in chunks that stay inside the block manager's Route limit (at
-        most `_route_cap` token ids per call; a long prompt is routed by its first `_route_cap`
-        tokens, enough to rank pools by prefix), and only as many as the token budget may admit:
-        a further chunk is routed only when prefix hits left budget over. A Step carries at most
-        `MAX_STEP_TOKEN_IDS` admitted token ids (at least one admission). So no queue, however
-        long, and no prompt the context admits makes a request the block manager refuses."""
+    def _plan_admissions(self, batch: Any, budget: int, num_running: int) -> list[tuple[Sequence, str]]:
+        """New (and preempted) sequences, in queue order, as placed allocations of this Step:
+        the block manager picks each one's node (cached prefix, then free blocks; among the
+        nodes in placement) and admits them in order while the step's token budget lasts
+        (`admit_budget`), so one Step round trip places and admits (no Route). The rest are
+        refused and wait. Sent: at most the free sequence slots, and prompts of at most
+        `ADMIT_IDS_PER_BUDGET_TOKEN` x budget token ids in all (one at least, never more than
+        `MAX_STEP_TOKEN_IDS`): enough for prefix hits to admit many, without resending the
+        whole queue every step. So no queue, however long, and no prompt the context admits
+        makes a request the block manager refuses."""
         slots = min(self.config.max_num_seqs - num_running, MAX_ADMISSIONS_PER_STEP)
-        if budget <= 0 or not self.waiting or slots <= 0:
+        pools = sorted(nid for nid in self.nodes if nid not in self._down)
+        if budget <= 0 or not self.waiting or slots <= 0 or not pools:
             return []
-        admitted: list[tuple[Sequence, str, str]] = []   # (sequence, its new id, pool)
-        # One Route answers for every candidate from the same free counts: charge each pool the
-        # blocks this step already gives it, or every new prompt of a step lands on one node.
-        taken: dict[str, int] = {}
-        carried = pos = 0
-        queue = list(self.waiting)
-        while budget > 0 and len(admitted) < slots and carried < MAX_STEP_TOKEN_IDS and pos < len(queue):
-            chunk = self._route_chunk(queue, pos, slots - len(admitted), budget)
-            pos += len(chunk)
-            routes = self._route(chunk)
-            if routes is None:
+        batch.place_pools = pools
+        batch.admit_budget = budget
+        cap = min(MAX_STEP_TOKEN_IDS, ADMIT_IDS_PER_BUDGET_TOKEN * budget)
+        admitted: list[tuple[Sequence, str]] = []   # (sequence, its new id)
+        carried = 0
+        for seq in itertools.islice(self.waiting, slots):
+            tokens = seq.token_ids[: seq.prefill_target] if seq.fork_parent else seq.token_ids
+            if admitted and carried + len(tokens) > cap:
                 break
-            for seq, ranked in zip(chunk, routes):
-                if budget <= 0 or carried >= MAX_STEP_TOKEN_IDS:
-                    break
-                ranked = [r for r in ranked if r.pool_id in self.nodes and r.pool_id not in self._down]
-                if not ranked:
-                    continue   # no node of ours admits sequences now (fenced, draining, down): it waits
-                best = min(ranked, key=lambda r: (-r.num_cached_tokens, taken.get(r.pool_id, 0) - r.num_free_blocks,
-                                                  r.pool_id))
-                pool, cached = best.pool_id, best.num_cached_tokens
-                seq_id = seq.new_admission_id()
-                tokens = seq.token_ids[: seq.prefill_target] if seq.fork_parent else seq.token_ids
-                batch.allocate(seq_id, pool, tokens, num_compute=budget)
-                admitted.append((seq, seq_id, pool))
-                carried += len(tokens)
-                block_size = self.pool_blocks[pool][1]
-                taken[pool] = taken.get(pool, 0) + -(-(len(tokens) - cached) // block_size)
-                budget -= max(1, len(tokens) - cached)
+            seq_id = seq.new_admission_id()
+            batch.allocate(seq_id, None, tokens)
+            admitted.append((seq, seq_id))
+            carried += len(tokens)
         return admitted
-
-    def _route_chunk(self, queue: list[Sequence], pos: int, slots: int, budget: int) -> list[Sequence]:
-        """The next waiting sequences to route from `queue[pos:]`: at least one, at most
-        `slots`, their routed prefixes within `_route_cap` token ids, and no more than `budget`
-        could admit without prefix hits."""
-        chunk: list[Sequence] = []
-        num_ids = cost = 0
-        for seq in queue[pos : pos + slots]:
-            n = min(len(seq.token_ids), self._route_cap)
-            if chunk and (num_ids + n > self._route_cap or cost >= budget):
-                break
-            chunk.append(seq)
-            num_ids += n
-            cost += len(seq.token_ids)
-        return chunk
-
-    def _route(self, chunk: list[Sequence]) -> list[list[Any]] | None:
-        """Pools ranked for each sequence of `chunk` (by its prefix), or None when the block
-        manager did not answer (admissions wait a step) or refused the size (the cap halves)."""
-        t0 = time.perf_counter()
-        self.stats.num_bm_rpcs += 1
-        try:
-            routes = self.client.route_many([(s.token_ids[: self._route_cap], None) for s in chunk])
-        except UNREACHABLE as exc:   # admissions wait; the step itself then waits the outage out
-            log.warning("route_failed", error=str(exc))
-            return None
-        except InvalidArgumentError as exc:   # a block manager configured with a lower Route limit
-            self._route_cap = max(MIN_ROUTE_TOKENS, self._route_cap // 2)
-            log.warning("route_refused", error=str(exc), route_cap=self._route_cap)
-            return None
-        finally:
-            self.stats.bm_s += time.perf_counter() - t0
-        return routes
 
     def _apply_step_result(
         self,
         result: StepResult,
         planned: list[tuple[Sequence, int]],
         children_of: dict[Sequence, list[tuple[Sequence, str]]],
-        admitted: list[tuple[Sequence, str, str]],
+        admitted: list[tuple[Sequence, str]],
     ) -> dict[str, list[_Work]]:
         """What the block manager's answer means for each item: the step's work per node, and
         for each refused item the failure table's action (`engine.failure_policy`)."""
@@ -444,7 +390,7 @@ class LLMEngine:
                     self._append_failed(s, out, starved)
                     continue
                 add(s, s.num_computed, s.num_computed + 1)
-        for seq, seq_id, pool in admitted:
+        for seq, seq_id in admitted:
             adm = result.allocations.get(seq_id)
             if adm is None:
                 continue   # no answer for it: it waits (a new id next time)
@@ -452,7 +398,7 @@ class LLMEngine:
                 self._act(Item.ADMISSION, adm.error, seq.request)   # WAIT, or the request fails
                 continue
             self.waiting.remove(seq)
-            seq.admit(seq_id, pool, adm.num_cached_tokens)
+            seq.admit(seq_id, adm.pool_id, adm.num_cached_tokens)
             if seq.request.num_cached_tokens == 0 and seq.index == 0:
                 seq.request.num_cached_tokens = adm.num_cached_tokens
             self.stats.cached_prompt_tokens += adm.num_cached_tokens
