@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.api_metrics import ApiMetrics
-from engine.api_protocol import Prompt
+from engine.api.metrics import ApiMetrics
+from engine.api.protocol import Prompt
 from engine.async_engine import AsyncLLMEngine
 from engine.params import CompletionOutput, RequestOutput, SamplingParams
 
