@@ -216,7 +216,7 @@ class BlockManager:
             pool.share_block(b)
         table = hits + [pool.take_block() for _ in range(num_new)]
         # the pool's own id object: the batched append tells pools apart by identity
-        seq = Sequence(seq_id, pool.pool_id, table, total, pool.new_version(), salt, hashing)
+        seq = Sequence(seq_id, pool.pool_id, table, total, pool.new_version(), salt, hashing, cols=pool.cols)
         num_cached = len(hits) * bs
         step = pool.step
         step.has_writes = True
@@ -407,7 +407,7 @@ class BlockManager:
                 src.hashing, list(src.tail_token_ids), list(src.block_hashes),
                 # A child's table is announced in this step: if the step fails the node never
                 # learns it (and the parent's unsettled writes are the child's too).
-                last_step=step.step_id,
+                last_step=step.step_id, cols=pool.cols,
             )
             self._seqs[cid] = child
             pool.seqs[cid] = child
@@ -444,6 +444,7 @@ class BlockManager:
         del pool.seqs[seq_id]
         for b in reversed(seq.block_table):
             pool.release_block(b)
+        seq.release()
         note_dropped(pool.step, seq_id)
 
     # ---- views ----------------------------------------------------------------------
@@ -511,6 +512,7 @@ class BlockManager:
             del pool.seqs[sid]
             for b in reversed(seq.block_table):
                 pool.release_block(b)
+            seq.release()
         for record in [*pool.unsettled, StepRecord(pool.step.step_id, pool.step.registrations, None)]:
             for b, block_hash in record.registrations:
                 pool.unregister(b, block_hash)
