@@ -20,15 +20,15 @@ no block may be added or filled by them.
 from __future__ import annotations
 
 import operator
+import sys
 from array import array
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from operator import attrgetter
 
 import numpy as np
 
 from block_manager.core.errors import CoreError, InvalidRequest, OutOfBlocks, PendingWrite, UnknownSequence
-from block_manager.core.hashing import hash_block_bytes, salt_bytes
+from block_manager.core.hashing import hash_block_bytes, hash_tokens_bytes, salt_bytes
 from block_manager.core.pool import Pool
 from block_manager.core.sequence import Sequence
 from block_manager.core.steps import touch
@@ -301,11 +301,10 @@ def append_columns(
     return out
 
 
-# Below this many items a batch runs item by item: numpy's fixed cost per call (a few µs
-# for each of the ~20 array operations) is more than the per-item Python it replaces.
+# Below this many items a batch runs item by item: numpy's fixed cost per call (about a µs
+# for each of the ~25 array operations) is more than the per-item Python it replaces.
 VECTOR_MIN_ITEMS = 24
-_ROW = attrgetter("row")
-_POOL_ID = attrgetter("pool_id")
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 def _append_valid(
@@ -318,17 +317,18 @@ def _append_valid(
 ) -> AppendOutcome:
     """The screened items (every sequence exists once, counts are positive ints, `toks` has
     exactly their ids), in request order as far as anyone can observe: per pool, the in-block
-    appends of the batch run as array operations over the pool's sequence columns and the
-    rest (new blocks, copy-on-write, blocks that fill and get hashed) item by item in request
-    order. Items of different pools share no state, so pools run one after another."""
+    appends and the plain block crossings of the batch run as array operations over the pool's
+    sequence columns, the rest (copy-on-write, several blocks at once, blocks that fill and
+    get hashed) item by item in request order. Items of different pools share no state, so
+    pools run one after another."""
     n = len(seq_ids)
-    items: list[Sequence] = list(map(seqs.__getitem__, seq_ids))
     out = AppendOutcome([0] * n)
     mark = not already_written
     ok_pools: set[PoolId] = set()
     if n < VECTOR_MIN_ITEMS:
         pos = 0
-        for i, (seq, k) in enumerate(zip(items, counts)):
+        for i, (sid, k) in enumerate(zip(seq_ids, counts)):
+            seq = seqs[sid]  # type: ignore[index]
             pool = pools[seq.pool_id]
             try:
                 nt, op = _append_one(pool, seq, k, None if toks is None else toks[pos : pos + k], mark)
@@ -341,19 +341,29 @@ def _append_valid(
                 ok_pools.add(seq.pool_id)
             pos += k
     else:
-        cnt = np.fromiter(counts, np.int64, n)
-        starts = np.cumsum(cnt) - cnt
+        if counts.count(1) == n if isinstance(counts, (list, tuple)) else False:
+            cnt = np.ones(n, np.int64)
+            starts = np.arange(n, dtype=np.int64)
+        else:
+            cnt = np.fromiter(counts, np.int64, n)
+            starts = np.cumsum(cnt) - cnt
         tk = None if toks is None else np.frombuffer(toks, dtype=np.int64) if len(toks) else np.zeros(0, np.int64)
         nt_out = np.zeros(n, np.int64)
-        pids = set(map(_POOL_ID, items))
-        if len(pids) == 1:
-            groups: list[tuple[PoolId, np.ndarray | None]] = [(items[0].pool_id, None)]
+        pool = pools[seqs[seq_ids[0]].pool_id]  # type: ignore[index]
+        try:
+            rows = np.fromiter(map(pool.cols.row_of.__getitem__, seq_ids), np.intp, n)
+        except KeyError:   # several pools in one batch
+            col = [seqs[sid].pool_id for sid in seq_ids]  # type: ignore[index]
+            groups = [(pid, np.array([i for i, p in enumerate(col) if p == pid], np.intp))
+                      for pid in dict.fromkeys(col)]
         else:
-            col = list(map(_POOL_ID, items))
-            order = list(dict.fromkeys(col))
-            groups = [(pid, np.array([i for i, p in enumerate(col) if p == pid], np.intp)) for pid in order]
+            groups = [(pool.pool_id, None)]
         for pid, sel in groups:
-            if _append_pool(pools[pid], items, sel, cnt, starts, toks, tk, mark, nt_out, out):
+            pool = pools[pid]
+            if sel is not None:
+                rows = np.fromiter(map(pool.cols.row_of.__getitem__, [seq_ids[i] for i in sel.tolist()]),
+                                   np.intp, len(sel))
+            if _append_pool(pool, seqs, seq_ids, sel, rows, cnt, starts, toks, tk, mark, nt_out, out):
                 ok_pools.add(pid)
         out.num_tokens = nt_out.tolist()
         if len(groups) > 1:
@@ -369,8 +379,10 @@ def _append_valid(
 
 def _append_pool(
     pool: Pool,
-    items: list[Sequence],
+    seqs: dict[SeqId, Sequence],
+    seq_ids: Seq[str],
     sel: np.ndarray | None,
+    rows: np.ndarray,
     cnt: np.ndarray,
     starts: np.ndarray,
     toks: array | None,
@@ -379,32 +391,47 @@ def _append_pool(
     nt_out: np.ndarray,
     out: AppendOutcome,
 ) -> bool:
-    """The items `sel` (all when None) of one pool; whether any of them succeeded."""
+    """The items `sel` (all when None; their rows `rows`) of one pool; whether any of them
+    succeeded.
+
+    Two kinds of item run as array operations: in-block appends (inside or exactly filling
+    an exclusive partial last block) and plain crossings (the table is full and the tokens
+    fit one new block: no copy). Crossings take their blocks in request order, so they run
+    as arrays only when no other item of the batch takes blocks and the pool has a block
+    for each; otherwise they go item by item with the rest."""
     cols = pool.cols
     bs = pool.block_size
-    if sel is None:
-        rows = np.fromiter(map(_ROW, items), np.intp, len(items))
-        c, st = cnt, starts
-    else:
-        rows = np.fromiter((items[i].row for i in sel.tolist()), np.intp, len(sel))
-        c, st = cnt[sel], starts[sel]
+    c, st = (cnt, starts) if sel is None else (cnt[sel], starts[sel])
     nt0 = cols.num_tokens[rows]
     off = nt0 % bs
     end = off + c
     last = cols.last_block[rows]
-    # In-block: inside (or exactly filling) an exclusive partial last block.
     fast = (off != 0) & (end <= bs) & (pool.ref_np[last] == 1)
     nt1 = nt0 + c
-    everything = bool(fast.all())
-    rf = rows if everything else rows[fast]
-    cols.num_tokens[rf] = nt1 if everything else nt1[fast]
+    step_id = pool.step.step_id
+    if sel is None:
+        nt_out[:] = nt1
+    else:
+        nt_out[sel] = nt1
+    num_fast = int(np.count_nonzero(fast))
+    simple = fast
+    cross: list[int] = []
+    if num_fast < len(rows):
+        crossing = (off == 0) & (c <= bs)
+        num_cross = int(np.count_nonzero(crossing))
+        if num_cross and num_fast + num_cross == len(rows) and num_cross <= pool.num_available:
+            simple = fast | crossing
+            cross = np.flatnonzero(crossing).tolist()
+    rs, ls = (rows, last) if num_fast == len(rows) else (rows[fast], last[fast])
+    cols.num_tokens[rs] = nt1 if num_fast == len(rows) else nt1[fast]
     if mark:
-        step_id = pool.step.step_id
-        pool.write_step_np[last if everything else last[fast]] = step_id
-        cols.last_write_step[rf] = step_id
+        pool.write_step_np[ls] = step_id
+        cols.last_write_step[rs] = step_id
+    if cross:
+        _cross(pool, seqs, seq_ids, sel, rows, cross, nt1, step_id)
     hashing = cols.hashing[rows]
-    per_item = ~fast
-    hf = fast & hashing
+    per_item = ~simple
+    hf = simple & hashing
     if tk is None:
         per_item |= hf
     elif hf.any():
@@ -417,25 +444,19 @@ def _append_pool(
             cols.tail[rh[item], oh[item] + within] = tk[sh[item] + within]
         cols.tail_len[rh] += ch
         per_item |= hf & (end == bs)
-    if sel is None:
-        nt_out[:] = nt1
-    else:
-        nt_out[sel] = nt1
-    any_ok = bool(fast.any())
+    any_ok = bool(simple.any())
     todo = np.flatnonzero(per_item).tolist()
     if todo:
-        cl, sl = c.tolist(), st.tolist()
-        fl = fast.tolist()
+        cl, sl, fl = c.tolist(), st.tolist(), simple.tolist()
         req = sel.tolist() if sel is not None else None
         for j in todo:
             i = j if req is None else req[j]
-            seq = items[i]
+            seq = seqs[seq_ids[i]]  # type: ignore[index]
             if fl[j]:
                 if tk is None:
                     _stop_hashing(seq)
                 else:   # its block filled: hash it
-                    _hash_tail(pool, seq, cols.tail[seq.row].tolist())
-                    cols.tail_len[seq.row] = 0
+                    _hash_full_row(pool, seq)
                 continue
             k, p = cl[j], sl[j]
             try:
@@ -448,6 +469,65 @@ def _append_pool(
             if op is not None:
                 out.copy_ops[i] = op
     return any_ok
+
+
+def _cross(
+    pool: Pool,
+    seqs: dict[SeqId, Sequence],
+    seq_ids: Seq[str],
+    sel: np.ndarray | None,
+    rows: np.ndarray,
+    cross: list[int],
+    nt1: np.ndarray,
+    step_id: int,
+) -> None:
+    """Plain crossings (positions `cross` of the pool's items, in request order): one new
+    block each, at the end of the table; the caller checked that the pool has enough."""
+    step = pool.step
+    dirty = step.dirty
+    take = pool.take_block
+    version = pool.last_version
+    req = sel.tolist() if sel is not None else None
+    new_blocks = []
+    for j in cross:
+        seq = seqs[seq_ids[j if req is None else req[j]]]  # type: ignore[index]
+        table = seq.block_table
+        if seq.seq_id not in dirty:
+            touch(step, seq)
+        b = take()
+        table.append(b)
+        new_blocks.append(b)
+        version += 1
+        seq.version = version
+        seq.last_step = step_id
+    pool.last_version = version
+    step.has_writes = True
+    cr = rows[cross]
+    blocks = np.array(new_blocks, np.int64)
+    cols = pool.cols
+    cols.last_block[cr] = blocks
+    cols.num_tokens[cr] = nt1[cross]
+    cols.last_write_step[cr] = step_id
+    pool.write_step_np[blocks] = step_id
+
+
+def _hash_full_row(pool: Pool, seq: Sequence) -> None:
+    """The sequence's tail just filled its last block: hash and register that block."""
+    cols = pool.cols
+    row = seq.row
+    if not _LITTLE_ENDIAN:
+        _hash_tail(pool, seq, cols.tail[row].tolist())
+        cols.tail_len[row] = 0
+        return
+    block = cols.tail[row]
+    hashes = seq.block_hashes
+    parent = hashes[-1] if hashes else None
+    h = hash_tokens_bytes(parent, block.tobytes(), pool.block_size, salt_bytes(seq.salt))
+    b = seq.block_table[len(hashes)]
+    if pool.register(b, h, parent, seq.salt, tuple(block.tolist())):
+        pool.step.registrations.append((b, h))
+    hashes.append(h)
+    cols.tail_len[row] = 0
 
 
 __all__ = ["AppendOutcome", "append_columns", "item_error"]

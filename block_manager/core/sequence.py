@@ -29,10 +29,11 @@ class SeqColumns:
     sequence hashes (`tail_len == num_tokens % block_size` then; fsck checks it)."""
 
     __slots__ = ("block_size", "capacity", "num_tokens", "last_block", "last_write_step", "hashing",
-                 "tail_len", "tail", "_free_rows", "_next_row")
+                 "tail_len", "tail", "row_of", "_free_rows", "_next_row")
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
+        self.row_of: dict[SeqId, int] = {}   # the pool's sequences' rows (a batch maps ids in C)
         self.capacity = 0
         self._free_rows: list[int] = []
         self._next_row = 0
@@ -65,7 +66,8 @@ class SeqColumns:
         self._next_row += 1
         return row
 
-    def free_row(self, row: int) -> None:
+    def free_row(self, seq_id: SeqId, row: int) -> None:
+        del self.row_of[seq_id]
         self.num_tokens[row] = 0
         self.hashing[row] = False
         self.tail_len[row] = 0
@@ -116,6 +118,7 @@ class Sequence:
         self.last_step = last_step
         self.cols = cols
         row = self.row = cols.new_row()
+        cols.row_of[seq_id] = row
         cols.num_tokens[row] = num_tokens
         cols.last_block[row] = block_table[-1] if block_table else 0
         cols.last_write_step[row] = last_write_step
@@ -124,7 +127,7 @@ class Sequence:
 
     def release(self) -> None:
         """The sequence is gone: its row may be reused."""
-        self.cols.free_row(self.row)
+        self.cols.free_row(self.seq_id, self.row)
 
     def sync_last_block(self) -> None:
         """Call after the table's last entry changed (a new block, copy-on-write, a move)."""
