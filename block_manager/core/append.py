@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from block_manager.core.errors import CoreError, InvalidRequest, OutOfBlocks, PendingWrite, UnknownSequence
-from block_manager.core.hashing import hash_block_bytes, hash_tokens_bytes, salt_bytes
+from block_manager.core.hashing import hash_block_bytes, hash_encoded, hash_tokens_bytes, salt_bytes
 from block_manager.core.pool import Pool
 from block_manager.core.sequence import Sequence
 from block_manager.core.steps import touch
@@ -446,7 +446,10 @@ def _append_pool(
         per_item |= hf & (end == bs)
     any_ok = bool(simple.any())
     todo = np.flatnonzero(per_item).tolist()
-    if todo:
+    if todo and tk is not None and _LITTLE_ENDIAN and bool(simple[todo].all()):
+        # Only blocks that filled inside their tail: hash them straight from the columns.
+        _hash_filled(pool, seqs, seq_ids, todo if sel is None else sel[todo].tolist(), rows[todo])
+    elif todo:
         cl, sl, fl = c.tolist(), st.tolist(), simple.tolist()
         req = sel.tolist() if sel is not None else None
         for j in todo:
@@ -509,6 +512,31 @@ def _cross(
     cols.num_tokens[cr] = nt1[cross]
     cols.last_write_step[cr] = step_id
     pool.write_step_np[blocks] = step_id
+
+
+def _hash_filled(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[str], items: list[int],
+                 rows: np.ndarray) -> None:
+    """Hash and register the blocks the items' tails just filled, in request order (no other
+    item of the batch touches the prefix index)."""
+    cols = pool.cols
+    blocks = cols.tail[rows]
+    data = blocks.tobytes()
+    token_lists = blocks.tolist()
+    cols.tail_len[rows] = 0
+    bs = pool.block_size
+    width = 8 * bs
+    size = bs.to_bytes(4, "little")
+    register = pool.register
+    regs = pool.step.registrations
+    for j, i in enumerate(items):
+        seq = seqs[seq_ids[i]]  # type: ignore[index]
+        hashes = seq.block_hashes
+        parent = hashes[-1] if hashes else None
+        h = hash_encoded(parent, salt_bytes(seq.salt), size, data[j * width : (j + 1) * width])
+        b = seq.block_table[len(hashes)]
+        if register(b, h, parent, seq.salt, tuple(token_lists[j])):
+            regs.append((b, h))
+        hashes.append(h)
 
 
 def _hash_full_row(pool: Pool, seq: Sequence) -> None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
+from itertools import chain
+from operator import attrgetter
 
 from block_manager.core import defrag as _defrag
 from block_manager.core.append import AppendOutcome, append_columns, item_error
@@ -66,6 +68,9 @@ from block_manager.core.types import (
 )
 
 DEFAULT_MAX_UNSETTLED_STEPS = 4
+_SEQ_ID = attrgetter("seq_id")
+_NUM_NEW = attrgetter("num_new_tokens")
+_TOKEN_IDS = attrgetter("token_ids")
 
 
 def _check_count(name: str, value: object, minimum: int) -> int:
@@ -312,37 +317,49 @@ class BlockManager:
         scheduler that drives its workers directly wants)."""
         reqs = list(requests)
         seqs = self._seqs
-        before = {i: (seq.num_tokens, len(seq.block_table)) for i, r in enumerate(reqs)
-                  if (seq := seqs.get(r.seq_id)) is not None}
-        if all(r.token_ids is None for r in reqs) or all(
-            r.token_ids is not None and len(r.token_ids) == r.num_new_tokens for r in reqs
+        seq_ids = list(map(_SEQ_ID, reqs))
+        counts = list(map(_NUM_NEW, reqs))
+        token_ids = list(map(_TOKEN_IDS, reqs))
+        if token_ids.count(None) == len(reqs) or (
+            None not in token_ids and list(map(len, token_ids)) == counts  # type: ignore[arg-type]
         ):
             # The common batch: one columnar append, whose screen finds every item error.
-            ids = None if not reqs or reqs[0].token_ids is None else [t for r in reqs for t in r.token_ids]  # type: ignore[union-attr]
-            out = append_columns(self._pools, seqs, [r.seq_id for r in reqs], [r.num_new_tokens for r in reqs],
-                                 ids, already_written=already_written)
+            ids = None if not reqs or token_ids[0] is None else list(chain.from_iterable(token_ids))  # type: ignore[arg-type]
+            out = append_columns(self._pools, seqs, seq_ids, counts, ids, already_written=already_written)
             bad: dict[int, CoreError] = dict(out.failures)
             ops = out.copy_ops
+            after = out.num_tokens
         else:
             bad, ops = self._append_slots_itemwise(reqs, already_written)
+            after = [0 if i in bad else seqs[sid].num_tokens for i, sid in enumerate(seq_ids)]
         results: list[AppendResult | AppendFailure] = []
+        push = results.append
         pools = self._pools
-        for i, r in enumerate(reqs):
-            err = bad.get(i)
-            if err is not None:
-                results.append(AppendFailure(r.seq_id, err))
+        last_pid = None
+        bs = 1
+        # Tables cover exactly their tokens (len == ceil(num_tokens / block_size)), so what a
+        # sequence had before follows from its count after: no copy of the state up front.
+        for i, (sid, n, nt) in enumerate(zip(seq_ids, counts, after)):
+            if bad and i in bad:
+                push(AppendFailure(sid, bad[i]))
                 continue
-            seq = seqs[r.seq_id]
-            old, old_len = before[i]
-            op = ops.get(i)
+            seq = seqs[sid]
+            if seq.pool_id is not last_pid:
+                last_pid = seq.pool_id
+                bs = pools[last_pid].block_size
             table = seq.block_table
-            nt = seq.num_tokens
-            bs = pools[seq.pool_id].block_size
-            # decode (one token) is the common case: its slot without building ranges
-            slots = (table[old // bs] * bs + old % bs,) if nt - old == 1 else slot_range(table, bs, old, nt)
-            results.append(AppendResult(   # block ids are plain ints at run time (BlockId is a NewType)
-                r.seq_id, slots, tuple(table[old_len:]), (op,) if op is not None else (), seq.version, nt,
-            ))
+            op = ops.get(i) if ops else None
+            old = nt - n
+            if n == 1:   # decode: its slot is in the last block, which is new when `old` was aligned
+                off = old % bs
+                last = table[-1]
+                push(AppendResult(sid, (last * bs + off,), () if off else (last,), () if op is None else (op,),
+                                  seq.version, nt))
+            else:
+                push(AppendResult(   # block ids are plain ints at run time (BlockId is a NewType)
+                    sid, slot_range(table, bs, old, nt), tuple(table[-(-old // bs):]),
+                    () if op is None else (op,), seq.version, nt,
+                ))
         return results
 
     def _append_slots_itemwise(

@@ -122,6 +122,9 @@ class Trace:
         already = r.random() < 0.05
         if r.random() < 0.3:
             items = [(s, c, None if toks is None else tuple(toks[:c])) for s, c in zip(ids, counts)]
+            if items and r.random() < 0.15:   # an item whose ids disagree with its count, or has none
+                s0, c0, t0 = items[0]
+                items[0] = (s0, c0, r.choice([None, (*(t0 or ()), 3)]))
             reqs_old = [old_core.AppendRequest(*item) for item in items]
             reqs_new = [new_core.AppendRequest(*item) for item in items]
             a = call(self.old, "append_slots", reqs_old, already_written=already)
