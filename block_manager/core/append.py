@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from block_manager.core.errors import CoreError, InvalidRequest, OutOfBlocks, PendingWrite, UnknownSequence
-from block_manager.core.hashing import hash_block_bytes, hash_encoded, hash_tokens_bytes, salt_bytes
+from block_manager.core.hashing import hash_block_bytes, hash_encoded, salt_bytes
 from block_manager.core.pool import Pool
 from block_manager.core.sequence import Sequence
 from block_manager.core.steps import touch
@@ -182,7 +182,7 @@ def _hash_tail(pool: Pool, seq: Sequence, tail: list[int]) -> list[int]:
 def _stop_hashing(seq: Sequence) -> None:
     """Content unknown from here on: the chain cannot continue."""
     cols = seq.cols
-    cols.hashing[seq.row] = False
+    cols.hashing[seq.row] = 0
     cols.tail_len[seq.row] = 0
     seq.block_hashes = []
 
@@ -233,14 +233,15 @@ def _grow(pool: Pool, seq: Sequence, n: int) -> CopyOp | None:
 
 def _append_one(pool: Pool, seq: Sequence, n: int, toks: Seq[int] | None, mark: bool) -> tuple[int, CopyOp | None]:
     """One item of a batch, alone: the sequence's token count after it and its copy-on-write
-    op. Raises a `CoreError` with nothing changed."""
+    op. Raises a `CoreError` with nothing changed. Reads and writes the columns' stdlib
+    arrays (per-item indexing of those is as cheap as a list's)."""
     cols = pool.cols
     row = seq.row
     bs = pool.block_size
-    nt = cols.num_tokens.item(row)
+    nt = cols.num_tokens[row]
     off = nt % bs
     op = None
-    if off and off + n <= bs and pool.ref_cnt[last := cols.last_block.item(row)] == 1:
+    if off and off + n <= bs and pool.ref_cnt[last := cols.last_block[row]] == 1:
         # Inside (or exactly filling) an exclusive partial block: same table, no copy.
         nt += n
         cols.num_tokens[row] = nt
@@ -255,12 +256,16 @@ def _append_one(pool: Pool, seq: Sequence, n: int, toks: Seq[int] | None, mark: 
         if toks is None:
             _stop_hashing(seq)
         else:
-            k = cols.tail_len.item(row)
+            k = cols.tail_len[row]
+            base = row * bs
             if k + n < bs:
-                cols.tail[row, k : k + n] = toks
+                if n == 1:
+                    cols.tail[base + k] = toks[0]
+                else:
+                    cols.tail[base + k : base + k + n] = array("q", toks)
                 cols.tail_len[row] = k + n
             else:
-                rest = _hash_tail(pool, seq, [*cols.tail[row, :k].tolist(), *toks])
+                rest = _hash_tail(pool, seq, [*cols.tail[base : base + k], *toks])
                 seq.tail_token_ids = rest
     return nt, op
 
@@ -302,8 +307,9 @@ def append_columns(
 
 
 # Below this many items a batch runs item by item: numpy's fixed cost per call (about a µs
-# for each of the ~25 array operations) is more than the per-item Python it replaces.
-VECTOR_MIN_ITEMS = 24
+# for each of the ~40 array operations of a batch) is more than the per-item Python it
+# replaces (measured: bench/bench_core.py --sizes).
+VECTOR_MIN_ITEMS = 64
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
@@ -322,55 +328,117 @@ def _append_valid(
     get hashed) item by item in request order. Items of different pools share no state, so
     pools run one after another."""
     n = len(seq_ids)
-    out = AppendOutcome([0] * n)
     mark = not already_written
-    ok_pools: set[PoolId] = set()
     if n < VECTOR_MIN_ITEMS:
-        pos = 0
-        for i, (sid, k) in enumerate(zip(seq_ids, counts)):
-            seq = seqs[sid]  # type: ignore[index]
-            pool = pools[seq.pool_id]
-            try:
-                nt, op = _append_one(pool, seq, k, None if toks is None else toks[pos : pos + k], mark)
-            except CoreError as exc:
-                out.failures.append((i, exc))
-            else:
-                out.num_tokens[i] = nt
-                if op is not None:
-                    out.copy_ops[i] = op
-                ok_pools.add(seq.pool_id)
-            pos += k
+        return _append_items(pools, seqs, seq_ids, counts, toks, mark)
+    out = AppendOutcome([0] * n)
+    ok_pools: set[PoolId] = set()
+    ones = counts.count(1) == n if isinstance(counts, (list, tuple)) else False
+    if ones:
+        cnt = np.ones(n, np.int64)
+        starts = np.arange(n, dtype=np.int64)
     else:
-        if counts.count(1) == n if isinstance(counts, (list, tuple)) else False:
-            cnt = np.ones(n, np.int64)
-            starts = np.arange(n, dtype=np.int64)
-        else:
-            cnt = np.fromiter(counts, np.int64, n)
-            starts = np.cumsum(cnt) - cnt
-        tk = None if toks is None else np.frombuffer(toks, dtype=np.int64) if len(toks) else np.zeros(0, np.int64)
-        nt_out = np.zeros(n, np.int64)
-        pool = pools[seqs[seq_ids[0]].pool_id]  # type: ignore[index]
-        try:
-            rows = np.fromiter(map(pool.cols.row_of.__getitem__, seq_ids), np.intp, n)
-        except KeyError:   # several pools in one batch
-            col = [seqs[sid].pool_id for sid in seq_ids]  # type: ignore[index]
-            groups = [(pid, np.array([i for i, p in enumerate(col) if p == pid], np.intp))
-                      for pid in dict.fromkeys(col)]
-        else:
-            groups = [(pool.pool_id, None)]
-        for pid, sel in groups:
-            pool = pools[pid]
-            if sel is not None:
-                rows = np.fromiter(map(pool.cols.row_of.__getitem__, [seq_ids[i] for i in sel.tolist()]),
-                                   np.intp, len(sel))
-            if _append_pool(pool, seqs, seq_ids, sel, rows, cnt, starts, toks, tk, mark, nt_out, out):
-                ok_pools.add(pid)
-        out.num_tokens = nt_out.tolist()
-        if len(groups) > 1:
-            out.failures.sort(key=lambda f: f[0])
+        cnt = np.fromiter(counts, np.int64, n)
+        starts = np.cumsum(cnt) - cnt
+    tk = None if toks is None else np.frombuffer(toks, dtype=np.int64) if len(toks) else np.zeros(0, np.int64)
+    pool = pools[seqs[seq_ids[0]].pool_id]  # type: ignore[index]
+    try:
+        rows = np.fromiter(map(pool.cols.row_of.__getitem__, seq_ids), np.intp, n)
+    except KeyError:   # several pools in one batch
+        col = [seqs[sid].pool_id for sid in seq_ids]  # type: ignore[index]
+        groups = [(pid, np.array([i for i, p in enumerate(col) if p == pid], np.intp))
+                  for pid in dict.fromkeys(col)]
+    else:
+        groups = [(pool.pool_id, None)]
+    for pid, sel in groups:
+        pool = pools[pid]
+        if sel is not None:
+            rows = np.fromiter(map(pool.cols.row_of.__getitem__, [seq_ids[i] for i in sel.tolist()]),
+                               np.intp, len(sel))
+        if _append_pool(pool, seqs, seq_ids, sel, rows, cnt, starts, toks, tk, mark, ones, out):
+            ok_pools.add(pid)
+    if len(groups) > 1:
+        out.failures.sort(key=lambda f: f[0])
     # One step per pool that got tokens (a pool whose every item failed is unchanged).
     for pid in ok_pools:
         p = pools[pid]
+        p.num_steps += 1
+        if mark:
+            p.step.has_writes = True
+    return out
+
+
+def _append_items(
+    pools: dict[PoolId, Pool],
+    seqs: dict[SeqId, Sequence],
+    seq_ids: Seq[str],
+    counts: Seq[int],
+    toks: array | None,
+    mark: bool,
+) -> AppendOutcome:
+    """A small batch, item by item (the loop is kept flat: it is the per-token cost of a
+    Step that carries only the sequences crossing a block)."""
+    out = AppendOutcome([])
+    push = out.num_tokens.append
+    get = seqs.__getitem__
+    touched: list[Pool] = []
+    last_pid = None
+    pos = 0
+    i = -1
+    for sid, n in zip(seq_ids, counts):
+        i += 1
+        seq: Sequence = get(sid)
+        pid = seq.pool_id
+        if pid is not last_pid:
+            last_pid = pid
+            pool = pools[pid]
+            touched.append(pool)
+            bs = pool.block_size
+            ref = pool.ref_cnt
+            write_step = pool.write_step
+            step_id = pool.step.step_id
+            cols = pool.cols
+            ntc, lbc, lwc, hc, tail = cols.num_tokens, cols.last_block, cols.last_write_step, cols.hashing, cols.tail
+        row = seq.row
+        nt = ntc[row]
+        off = nt % bs
+        if off and off + n <= bs and ref[last := lbc[row]] == 1:
+            # Inside (or exactly filling) an exclusive partial block: same table, no copy.
+            nt += n
+            ntc[row] = nt
+            if mark:
+                write_step[last] = step_id
+                lwc[row] = step_id
+            if hc[row]:
+                if toks is None:
+                    _stop_hashing(seq)
+                else:   # the tail holds `off` tokens (the partial block's)
+                    at = row * bs + off
+                    if n == 1:
+                        tail[at] = toks[pos]
+                    else:
+                        tail[at : at + n] = toks[pos : pos + n]
+                    if off + n == bs:
+                        _hash_full_row(pool, seq)
+                    else:
+                        cols.tail_len[row] = off + n
+        else:
+            try:
+                nt, op = _append_one(pool, seq, n, None if toks is None else toks[pos : pos + n], mark)
+            except CoreError as exc:
+                out.failures.append((i, exc))
+                push(0)
+                pos += n
+                continue
+            if op is not None:
+                out.copy_ops[i] = op
+        pos += n
+        push(nt)
+    # One step per pool that got tokens (a pool whose every item failed is unchanged).
+    if out.failures:
+        ok = {seqs[SeqId(sid)].pool_id for sid, nt in zip(seq_ids, out.num_tokens) if nt}
+        touched = [p for p in touched if p.pool_id in ok]
+    for p in set(touched):
         p.num_steps += 1
         if mark:
             p.step.has_writes = True
@@ -388,11 +456,11 @@ def _append_pool(
     toks: array | None,
     tk: np.ndarray | None,
     mark: bool,
-    nt_out: np.ndarray,
+    ones: bool,
     out: AppendOutcome,
 ) -> bool:
-    """The items `sel` (all when None; their rows `rows`) of one pool; whether any of them
-    succeeded.
+    """The items `sel` (all when None; their rows `rows`) of one pool, answered into `out`;
+    whether any of them succeeded.
 
     Two kinds of item run as array operations: in-block appends (inside or exactly filling
     an exclusive partial last block) and plain crossings (the table is full and the tokens
@@ -401,57 +469,71 @@ def _append_pool(
     for each; otherwise they go item by item with the rest."""
     cols = pool.cols
     bs = pool.block_size
+    num = len(rows)
     c, st = (cnt, starts) if sel is None else (cnt[sel], starts[sel])
-    nt0 = cols.num_tokens[rows]
+    nt0 = cols.num_tokens_np[rows]
     off = nt0 % bs
-    end = off + c
-    last = cols.last_block[rows]
-    fast = (off != 0) & (end <= bs) & (pool.ref_np[last] == 1)
+    last = cols.last_block_np[rows]
+    if ones:
+        end = off + 1
+        fast = (off != 0) & (pool.ref_np[last] == 1)
+    else:
+        end = off + c
+        fast = (off != 0) & (end <= bs) & (pool.ref_np[last] == 1)
     nt1 = nt0 + c
     step_id = pool.step.step_id
-    if sel is None:
-        nt_out[:] = nt1
-    else:
-        nt_out[sel] = nt1
     num_fast = int(np.count_nonzero(fast))
     simple = fast
     cross: list[int] = []
-    if num_fast < len(rows):
-        crossing = (off == 0) & (c <= bs)
+    if num_fast < num:
+        crossing = (off == 0) if ones else (off == 0) & (c <= bs)
         num_cross = int(np.count_nonzero(crossing))
-        if num_cross and num_fast + num_cross == len(rows) and num_cross <= pool.num_available:
+        if num_cross and num_fast + num_cross == num and num_cross <= pool.num_available:
             simple = fast | crossing
-            cross = np.flatnonzero(crossing).tolist()
-    rs, ls = (rows, last) if num_fast == len(rows) else (rows[fast], last[fast])
-    cols.num_tokens[rs] = nt1 if num_fast == len(rows) else nt1[fast]
-    if mark:
-        pool.write_step_np[ls] = step_id
-        cols.last_write_step[rs] = step_id
+            cross = crossing.nonzero()[0].tolist()
+    if num_fast == num:
+        cols.num_tokens_np[rows] = nt1
+        if mark:
+            pool.write_step_np[last] = step_id
+            cols.last_write_step_np[rows] = step_id
+    elif num_fast:
+        rs = rows[fast]
+        cols.num_tokens_np[rs] = nt1[fast]
+        if mark:
+            pool.write_step_np[last[fast]] = step_id
+            cols.last_write_step_np[rs] = step_id
     if cross:
         _cross(pool, seqs, seq_ids, sel, rows, cross, nt1, step_id)
-    hashing = cols.hashing[rows]
+    hf = simple & (cols.hashing_np[rows] != 0)
     per_item = ~simple
-    hf = simple & hashing
+    filled: np.ndarray | None = None
     if tk is None:
         per_item |= hf
     elif hf.any():
-        rh, oh, ch, sh = rows[hf], off[hf], c[hf], st[hf]
-        if int(ch.max()) == 1:
-            cols.tail[rh, oh] = tk[sh]
+        rh, oh, sh = rows[hf], off[hf], st[hf]
+        if ones:
+            cols.tail_np.reshape(-1)[rh * bs + oh] = tk[sh]
+            cols.tail_len_np[rh] = oh + 1
         else:
+            ch = c[hf]
             item = np.repeat(np.arange(len(ch)), ch)
             within = np.arange(int(ch.sum())) - np.repeat(np.cumsum(ch) - ch, ch)
-            cols.tail[rh[item], oh[item] + within] = tk[sh[item] + within]
-        cols.tail_len[rh] += ch
-        per_item |= hf & (end == bs)
-    any_ok = bool(simple.any())
-    todo = np.flatnonzero(per_item).tolist()
-    if todo and tk is not None and _LITTLE_ENDIAN and bool(simple[todo].all()):
-        # Only blocks that filled inside their tail: hash them straight from the columns.
-        _hash_filled(pool, seqs, seq_ids, todo if sel is None else sel[todo].tolist(), rows[todo])
-    elif todo:
+            cols.tail_np[rh[item], oh[item] + within] = tk[sh[item] + within]
+            cols.tail_len_np[rh] = oh + ch
+        filled = hf & (end == bs)
+    num_tokens = nt1.tolist()
+    any_ok = num_fast > 0 or bool(cross)
+    todo = per_item.nonzero()[0].tolist()
+    req = sel.tolist() if sel is not None else None
+    if filled is not None and not todo:
+        # Only blocks that filled inside their tails: hash them straight from the columns.
+        f = filled.nonzero()[0]
+        if len(f):
+            _hash_filled(pool, seqs, seq_ids, f.tolist() if req is None else [req[j] for j in f.tolist()], rows[f])
+    elif todo or filled is not None:
+        if filled is not None:
+            todo = (per_item | filled).nonzero()[0].tolist()
         cl, sl, fl = c.tolist(), st.tolist(), simple.tolist()
-        req = sel.tolist() if sel is not None else None
         for j in todo:
             i = j if req is None else req[j]
             seq = seqs[seq_ids[i]]  # type: ignore[index]
@@ -466,11 +548,16 @@ def _append_pool(
                 _, op = _append_one(pool, seq, k, None if toks is None else toks[p : p + k], mark)
             except CoreError as exc:
                 out.failures.append((i, exc))
-                nt_out[i] = 0
+                num_tokens[j] = 0
                 continue
             any_ok = True
             if op is not None:
                 out.copy_ops[i] = op
+    if req is None:
+        out.num_tokens = num_tokens
+    else:
+        for j, i in enumerate(req):
+            out.num_tokens[i] = num_tokens[j]
     return any_ok
 
 
@@ -494,11 +581,10 @@ def _cross(
     new_blocks = []
     for j in cross:
         seq = seqs[seq_ids[j if req is None else req[j]]]  # type: ignore[index]
-        table = seq.block_table
         if seq.seq_id not in dirty:
             touch(step, seq)
         b = take()
-        table.append(b)
+        seq.block_table.append(b)
         new_blocks.append(b)
         version += 1
         seq.version = version
@@ -508,9 +594,9 @@ def _cross(
     cr = rows[cross]
     blocks = np.array(new_blocks, np.int64)
     cols = pool.cols
-    cols.last_block[cr] = blocks
-    cols.num_tokens[cr] = nt1[cross]
-    cols.last_write_step[cr] = step_id
+    cols.last_block_np[cr] = blocks
+    cols.num_tokens_np[cr] = nt1[cross]
+    cols.last_write_step_np[cr] = step_id
     pool.write_step_np[blocks] = step_id
 
 
@@ -518,11 +604,15 @@ def _hash_filled(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[str], ite
                  rows: np.ndarray) -> None:
     """Hash and register the blocks the items' tails just filled, in request order (no other
     item of the batch touches the prefix index)."""
+    if not _LITTLE_ENDIAN:
+        for i in items:
+            _hash_full_row(pool, seqs[seq_ids[i]])  # type: ignore[index]
+        return
     cols = pool.cols
-    blocks = cols.tail[rows]
+    blocks = cols.tail_np[rows]
     data = blocks.tobytes()
     token_lists = blocks.tolist()
-    cols.tail_len[rows] = 0
+    cols.tail_len_np[rows] = 0
     bs = pool.block_size
     width = 8 * bs
     size = bs.to_bytes(4, "little")
@@ -542,20 +632,9 @@ def _hash_filled(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[str], ite
 def _hash_full_row(pool: Pool, seq: Sequence) -> None:
     """The sequence's tail just filled its last block: hash and register that block."""
     cols = pool.cols
-    row = seq.row
-    if not _LITTLE_ENDIAN:
-        _hash_tail(pool, seq, cols.tail[row].tolist())
-        cols.tail_len[row] = 0
-        return
-    block = cols.tail[row]
-    hashes = seq.block_hashes
-    parent = hashes[-1] if hashes else None
-    h = hash_tokens_bytes(parent, block.tobytes(), pool.block_size, salt_bytes(seq.salt))
-    b = seq.block_table[len(hashes)]
-    if pool.register(b, h, parent, seq.salt, tuple(block.tolist())):
-        pool.step.registrations.append((b, h))
-    hashes.append(h)
-    cols.tail_len[row] = 0
+    base = seq.row * pool.block_size
+    _hash_tail(pool, seq, cols.tail[base : base + pool.block_size].tolist())
+    cols.tail_len[seq.row] = 0
 
 
 __all__ = ["AppendOutcome", "append_columns", "item_error"]

@@ -65,14 +65,6 @@ def hash_encoded(parent: BlockHash | None, salt_enc: bytes, size: bytes, data: b
     return hashlib.blake2b(b"".join((head, salt_enc, size, data)), digest_size=HASH_BYTES, person=_PERSON).digest()
 
 
-def hash_tokens_bytes(parent: BlockHash | None, data: bytes, num_tokens: int, salt_enc: bytes) -> BlockHash:
-    """`hash_block_bytes` of tokens already encoded as little-endian int64 bytes."""
-    head = _NO_PARENT if parent is None else _HAS_PARENT + parent
-    return hashlib.blake2b(
-        b"".join((head, salt_enc, num_tokens.to_bytes(4, "little"), data)), digest_size=HASH_BYTES, person=_PERSON
-    ).digest()
-
-
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: str | None) -> BlockHash:
     """Public form of the block hash: `H(parent_hash, token_ids, salt)`."""
     return hash_block_bytes(parent, token_array(token_ids), salt_bytes(salt))

@@ -11,6 +11,7 @@ had, so the rare paths (fork, defrag, snapshots, fsck) read it as before.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence as Seq
 
 import numpy as np
@@ -19,17 +20,20 @@ from block_manager.core.hashing import BlockHash
 from block_manager.core.types import PoolId, SeqId, SequenceView
 
 _INITIAL_ROWS = 64
+_COLUMNS = ("num_tokens", "last_block", "last_write_step", "hashing", "tail_len", "tail")
 
 
 class SeqColumns:
     """One pool's per-sequence hot state, row-indexed; rows of dropped sequences are reused
     (last freed first, so the layout is a pure function of the call sequence).
 
-    `tail[row, :tail_len[row]]` holds the tokens of the partial last block while the
-    sequence hashes (`tail_len == num_tokens % block_size` then; fsck checks it)."""
+    Each column is a flat stdlib int64 `array` (what per-item code indexes: as cheap as a
+    list) with a numpy view over the same memory (`*_np`, what the batched append uses).
+    `tail[row * block_size :][: tail_len[row]]` holds the tokens of the partial last block
+    while the sequence hashes (`tail_len == num_tokens % block_size` then; fsck checks it)."""
 
-    __slots__ = ("block_size", "capacity", "num_tokens", "last_block", "last_write_step", "hashing",
-                 "tail_len", "tail", "row_of", "_free_rows", "_next_row")
+    __slots__ = ("block_size", "capacity", "row_of", "_free_rows", "_next_row",
+                 *_COLUMNS, *(f"{name}_np" for name in _COLUMNS))
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -40,21 +44,17 @@ class SeqColumns:
         self._resize(_INITIAL_ROWS)
 
     def _resize(self, capacity: int) -> None:
-        old = self.capacity
+        """New, larger arrays (an array with a live numpy view cannot grow in place)."""
         bs = self.block_size
-
-        def grown(name: str, shape: tuple[int, ...], dtype: type) -> np.ndarray:
-            arr = np.zeros(shape, dtype=dtype)
-            if old:
-                arr[:old] = getattr(self, name)
-            return arr
-
-        self.num_tokens = grown("num_tokens", (capacity,), np.int64)
-        self.last_block = grown("last_block", (capacity,), np.int64)
-        self.last_write_step = grown("last_write_step", (capacity,), np.int64)
-        self.hashing = grown("hashing", (capacity,), np.bool_)
-        self.tail_len = grown("tail_len", (capacity,), np.int64)
-        self.tail = grown("tail", (capacity, bs), np.int64)
+        for name in _COLUMNS:
+            width = bs if name == "tail" else 1
+            arr = array("q", bytes(8 * width * capacity))
+            if self.capacity:
+                old = getattr(self, name)
+                arr[: len(old)] = old
+            setattr(self, name, arr)
+            view = np.frombuffer(arr, dtype=np.int64)
+            setattr(self, f"{name}_np", view.reshape(capacity, bs) if name == "tail" else view)
         self.capacity = capacity
 
     def new_row(self) -> int:
@@ -69,7 +69,7 @@ class SeqColumns:
     def free_row(self, seq_id: SeqId, row: int) -> None:
         del self.row_of[seq_id]
         self.num_tokens[row] = 0
-        self.hashing[row] = False
+        self.hashing[row] = 0
         self.tail_len[row] = 0
         self._free_rows.append(row)
 
@@ -122,7 +122,7 @@ class Sequence:
         cols.num_tokens[row] = num_tokens
         cols.last_block[row] = block_table[-1] if block_table else 0
         cols.last_write_step[row] = last_write_step
-        cols.hashing[row] = hashing
+        cols.hashing[row] = 1 if hashing else 0
         self.tail_token_ids = tail_token_ids
 
     def release(self) -> None:
@@ -135,7 +135,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return self.cols.num_tokens.item(self.row)
+        return self.cols.num_tokens[self.row]
 
     @num_tokens.setter
     def num_tokens(self, value: int) -> None:
@@ -143,7 +143,7 @@ class Sequence:
 
     @property
     def last_write_step(self) -> int:
-        return self.cols.last_write_step.item(self.row)
+        return self.cols.last_write_step[self.row]
 
     @last_write_step.setter
     def last_write_step(self, value: int) -> None:
@@ -151,16 +151,18 @@ class Sequence:
 
     @property
     def hashing(self) -> bool:
-        return bool(self.cols.hashing.item(self.row))
+        return bool(self.cols.hashing[self.row])
 
     @hashing.setter
     def hashing(self, value: bool) -> None:
-        self.cols.hashing[self.row] = value
+        self.cols.hashing[self.row] = 1 if value else 0
 
     @property
     def tail_token_ids(self) -> list[int]:
         """A copy (mutating it changes nothing; assign to change the tail)."""
-        return self.cols.tail[self.row, : self.cols.tail_len.item(self.row)].tolist()
+        cols = self.cols
+        start = self.row * cols.block_size
+        return cols.tail[start : start + cols.tail_len[self.row]].tolist()
 
     @tail_token_ids.setter
     def tail_token_ids(self, tokens: Seq[int]) -> None:
@@ -169,7 +171,8 @@ class Sequence:
         if k > cols.block_size:
             raise ValueError(f"sequence {self.seq_id!r}: {k} tail tokens exceed a block of {cols.block_size}")
         if k:
-            cols.tail[self.row, :k] = tokens
+            start = self.row * cols.block_size
+            cols.tail[start : start + k] = array("q", tokens)
         cols.tail_len[self.row] = k
 
     @property
