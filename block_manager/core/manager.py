@@ -23,6 +23,9 @@ from collections.abc import Sequence as Seq
 from itertools import chain
 from operator import attrgetter
 
+import numpy as np
+
+from block_manager.core import append as _append
 from block_manager.core import defrag as _defrag
 from block_manager.core.append import AppendOutcome, append_columns, item_error
 from block_manager.core.errors import (
@@ -71,6 +74,7 @@ DEFAULT_MAX_UNSETTLED_STEPS = 4
 _SEQ_ID = attrgetter("seq_id")
 _NUM_NEW = attrgetter("num_new_tokens")
 _TOKEN_IDS = attrgetter("token_ids")
+_VERSION = attrgetter("version")
 
 
 def _check_count(name: str, value: object, minimum: int) -> int:
@@ -332,6 +336,10 @@ class BlockManager:
         else:
             bad, ops = self._append_slots_itemwise(reqs, already_written)
             after = [0 if i in bad else seqs[sid].num_tokens for i, sid in enumerate(seq_ids)]
+        if not bad and len(reqs) >= _append.VECTOR_MIN_ITEMS and counts.count(1) == len(reqs):
+            decoded = self._decode_results(seq_ids, after, ops)
+            if decoded is not None:
+                return decoded
         results: list[AppendResult | AppendFailure] = []
         push = results.append
         pools = self._pools
@@ -361,6 +369,31 @@ class BlockManager:
                     () if op is None else (op,), seq.version, nt,
                 ))
         return results
+
+    def _decode_results(
+        self, seq_ids: list[SeqId], after: list[int], ops: dict[int, CopyOp]
+    ) -> list[AppendResult | AppendFailure] | None:
+        """`append_slots` results of a decode batch of one pool (one token each, none failed),
+        from the columns: the token went to the (new) last block, which is a new block when
+        the sequence was block-aligned before. None: several pools (the general loop runs)."""
+        pool = self._pools[self._seqs[seq_ids[0]].pool_id]
+        cols = pool.cols
+        try:
+            rows = np.fromiter(map(cols.row_of.__getitem__, seq_ids), np.intp, len(seq_ids))
+        except KeyError:
+            return None
+        bs = pool.block_size
+        last = cols.last_block_np[rows]
+        off = (np.array(after, np.int64) - 1) % bs
+        slots = list(zip((last * bs + off).tolist()))
+        new = list(zip(last.tolist()))
+        for i in (off != 0).nonzero()[0].tolist():
+            new[i] = ()
+        copies: list[tuple[CopyOp, ...]] = [()] * len(seq_ids)
+        for i, op in ops.items():
+            copies[i] = (op,)
+        versions = list(map(_VERSION, map(self._seqs.__getitem__, seq_ids)))
+        return list(map(AppendResult, seq_ids, slots, new, copies, versions, after))
 
     def _append_slots_itemwise(
         self, reqs: list[AppendRequest], already_written: bool
