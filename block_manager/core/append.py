@@ -313,6 +313,21 @@ VECTOR_MIN_ITEMS = 64
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
+_ONES: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _ones(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Counts and token offsets of a decode batch of `n` (read-only, cached per size)."""
+    got = _ONES.get(n)
+    if got is None:
+        if len(_ONES) >= 64:
+            _ONES.clear()
+        ones, starts = np.ones(n, np.int64), np.arange(n, dtype=np.int64)
+        ones.flags.writeable = starts.flags.writeable = False
+        got = _ONES[n] = (ones, starts)
+    return got
+
+
 def _append_valid(
     pools: dict[PoolId, Pool],
     seqs: dict[SeqId, Sequence],
@@ -335,8 +350,7 @@ def _append_valid(
     ok_pools: set[PoolId] = set()
     ones = counts.count(1) == n if isinstance(counts, (list, tuple)) else False
     if ones:
-        cnt = np.ones(n, np.int64)
-        starts = np.arange(n, dtype=np.int64)
+        cnt, starts = _ones(n)
     else:
         cnt = np.fromiter(counts, np.int64, n)
         starts = np.cumsum(cnt) - cnt

@@ -75,6 +75,7 @@ _SEQ_ID = attrgetter("seq_id")
 _NUM_NEW = attrgetter("num_new_tokens")
 _TOKEN_IDS = attrgetter("token_ids")
 _VERSION = attrgetter("version")
+_POOL_ID = attrgetter("pool_id")
 
 
 def _check_count(name: str, value: object, minimum: int) -> int:
@@ -507,8 +508,7 @@ class BlockManager:
     def pools_of(self, seq_ids: Seq[SeqId]) -> set[PoolId]:
         """The pools of the known sequences among `seq_ids` (unknown ones are skipped);
         cheap: no view is built (a Step asks this for every sequence it names)."""
-        get = self._seqs.get
-        return {s.pool_id for s in map(get, seq_ids) if s is not None}
+        return set(map(_POOL_ID, filter(None, map(self._seqs.get, seq_ids))))
 
     def get_tables(
         self, seq_ids: Seq[SeqId], known_versions: Mapping[SeqId, int] | None = None
