@@ -29,7 +29,7 @@ import numpy as np
 
 from block_manager.core.errors import CoreError, InvalidRequest, OutOfBlocks, PendingWrite, UnknownSequence
 from block_manager.core.hashing import hash_block_bytes, hash_encoded, salt_bytes
-from block_manager.core.pool import Pool
+from block_manager.core.pool import BlockMeta, Pool
 from block_manager.core.sequence import Sequence
 from block_manager.core.steps import touch
 from block_manager.core.types import CopyOp, PoolId, SeqId
@@ -192,7 +192,9 @@ def _grow(pool: Pool, seq: Sequence, n: int) -> CopyOp | None:
     last block (only once the step that wrote it is settled). Raises with nothing changed."""
     bs = pool.block_size
     table = seq.block_table
-    old = seq.num_tokens
+    cols = pool.cols
+    row = seq.row
+    old = cols.num_tokens[row]
     new = old + n
     off = old % bs
     num_new_blocks = (new + bs - 1) // bs - len(table)
@@ -221,10 +223,10 @@ def _grow(pool: Pool, seq: Sequence, n: int) -> CopyOp | None:
     take = pool.take_block
     for _ in range(num_new_blocks):
         table.append(take())
-    seq.sync_last_block()
+    cols.last_block[row] = table[-1]
     seq.version = pool.new_version()
-    seq.num_tokens = new
-    seq.last_step = seq.last_write_step = step_id
+    cols.num_tokens[row] = new
+    cols.last_write_step[row] = seq.last_step = step_id
     step.has_writes = True   # (the batch sets it too; _grow also serves single appends)
     for i in range(old // bs, len(table)):
         write_step[table[i]] = step_id
@@ -311,6 +313,7 @@ def append_columns(
 # replaces (measured: bench/bench_core.py --sizes).
 VECTOR_MIN_ITEMS = 64
 _LITTLE_ENDIAN = sys.byteorder == "little"
+_NO_SALT = salt_bytes(None)
 
 
 _ONES: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -505,19 +508,21 @@ def _append_pool(
         if num_cross and num_fast + num_cross == num and num_cross <= pool.num_available:
             simple = fast | crossing
             cross = crossing.nonzero()[0].tolist()
-    if num_fast == num:
+    if num_fast == num or cross:
+        # Every item is in-block or a plain crossing: one scatter each for all of them (a
+        # crossing's new count and writing step are the same; only its block differs).
         cols.num_tokens_np[rows] = nt1
         if mark:
-            pool.write_step_np[last] = step_id
+            pool.write_step_np[last if num_fast == num else last[fast]] = step_id
             cols.last_write_step_np[rows] = step_id
+        if cross:
+            _cross(pool, seqs, seq_ids, sel, rows, cross, step_id)
     elif num_fast:
         rs = rows[fast]
         cols.num_tokens_np[rs] = nt1[fast]
         if mark:
             pool.write_step_np[last[fast]] = step_id
             cols.last_write_step_np[rs] = step_id
-    if cross:
-        _cross(pool, seqs, seq_ids, sel, rows, cross, nt1, step_id)
     hf = simple & (cols.hashing_np[rows] != 0)
     per_item = ~simple
     filled: np.ndarray | None = None
@@ -582,11 +587,11 @@ def _cross(
     sel: np.ndarray | None,
     rows: np.ndarray,
     cross: list[int],
-    nt1: np.ndarray,
     step_id: int,
 ) -> None:
     """Plain crossings (positions `cross` of the pool's items, in request order): one new
-    block each, at the end of the table; the caller checked that the pool has enough."""
+    block each, at the end of the table; the caller checked that the pool has enough and
+    wrote their counts and writing step."""
     step = pool.step
     dirty = step.dirty
     take = pool.take_block
@@ -605,12 +610,8 @@ def _cross(
         seq.last_step = step_id
     pool.last_version = version
     step.has_writes = True
-    cr = rows[cross]
     blocks = np.array(new_blocks, np.int64)
-    cols = pool.cols
-    cols.last_block_np[cr] = blocks
-    cols.num_tokens_np[cr] = nt1[cross]
-    cols.last_write_step_np[cr] = step_id
+    pool.cols.last_block_np[rows[cross]] = blocks
     pool.write_step_np[blocks] = step_id
 
 
@@ -630,15 +631,20 @@ def _hash_filled(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[str], ite
     bs = pool.block_size
     width = 8 * bs
     size = bs.to_bytes(4, "little")
-    register = pool.register
     regs = pool.step.registrations
+    index = pool.prefix_index
+    meta = pool.meta
     for j, i in enumerate(items):
         seq = seqs[seq_ids[i]]  # type: ignore[index]
         hashes = seq.block_hashes
         parent = hashes[-1] if hashes else None
-        h = hash_encoded(parent, salt_bytes(seq.salt), size, data[j * width : (j + 1) * width])
+        salt = seq.salt
+        h = hash_encoded(parent, _NO_SALT if salt is None else salt_bytes(salt), size,
+                         data[j * width : (j + 1) * width])
         b = seq.block_table[len(hashes)]
-        if register(b, h, parent, seq.salt, tuple(token_lists[j])):
+        if h not in index and meta[b] is None:   # `Pool.register`, inlined: the first block keeps a hash
+            index[h] = b
+            meta[b] = BlockMeta(h, parent, salt, tuple(token_lists[j]))
             regs.append((b, h))
         hashes.append(h)
 
