@@ -27,6 +27,7 @@ import numpy as np
 
 from block_manager.core import append as _append
 from block_manager.core import defrag as _defrag
+from block_manager.core import tiers as _tiers
 from block_manager.core.append import AppendOutcome, append_columns, item_error
 from block_manager.core.errors import (
     CoreError,
@@ -59,6 +60,7 @@ from block_manager.core.types import (
     DefragKind,
     DefragPlan,
     DefragPolicy,
+    HostTierMetrics,
     PlanId,
     PoolId,
     PoolMetrics,
@@ -117,8 +119,17 @@ class BlockManager:
     def _seq(self, seq_id: SeqId) -> Sequence:
         seq = self._seqs.get(seq_id)
         if seq is None:
+            if self._swapped_pool(seq_id) is not None:
+                raise FailedPrecondition(f"sequence {seq_id!r} is swapped out to host; swap it in first")
             raise UnknownSequence(f"unknown sequence {seq_id!r}")
         return seq
+
+    def _swapped_pool(self, seq_id: SeqId) -> Pool | None:
+        """The pool whose host tier holds `seq_id` swapped out, if any."""
+        for pool in self._pools.values():
+            if pool.host is not None and seq_id in pool.host.swapped:
+                return pool
+        return None
 
     def _watermark_blocks(self, pool: Pool) -> int:
         return int(self.watermark * pool.num_blocks)
@@ -128,7 +139,7 @@ class BlockManager:
         return list(self._pools)
 
     # ---- pools ----------------------------------------------------------------------
-    def add_pool(self, pool_id: PoolId, num_blocks: int, block_size: int) -> None:
+    def add_pool(self, pool_id: PoolId, num_blocks: int, block_size: int, host_num_blocks: int = 0) -> None:
         if not isinstance(pool_id, str) or not pool_id:
             raise InvalidRequest(f"pool id must be a non-empty string, got {pool_id!r}")
         if pool_id in self._pools:
@@ -137,7 +148,13 @@ class BlockManager:
         _check_count("block_size", block_size, 1)
         if num_blocks > MAX_POOL_BLOCKS:
             raise InvalidRequest(f"num_blocks {num_blocks} exceeds {MAX_POOL_BLOCKS}")
-        self._pools[pool_id] = Pool(pool_id, num_blocks, block_size)
+        _check_count("host_num_blocks", host_num_blocks, 0)
+        if host_num_blocks > MAX_POOL_BLOCKS:
+            raise InvalidRequest(f"host_num_blocks {host_num_blocks} exceeds {MAX_POOL_BLOCKS}")
+        pool = Pool(pool_id, num_blocks, block_size)
+        if host_num_blocks:
+            pool.host = _tiers.HostTier(host_num_blocks)
+        self._pools[pool_id] = pool
 
     def remove_pool(self, pool_id: PoolId) -> list[SeqId]:
         """Drop a pool with its sequences, pending ops and plan; returns the dropped ids."""
@@ -145,6 +162,8 @@ class BlockManager:
         dropped = list(pool.seqs)
         for sid in dropped:
             del self._seqs[sid]
+        if pool.host is not None:
+            dropped.extend(pool.host.swapped)
         del self._pools[pool_id]
         return dropped
 
@@ -188,7 +207,7 @@ class BlockManager:
         """
         if not isinstance(seq_id, str) or not seq_id:
             raise InvalidRequest(f"sequence id must be a non-empty string, got {seq_id!r}")
-        if seq_id in self._seqs:
+        if seq_id in self._seqs or self._swapped_pool(seq_id) is not None:
             raise SequenceExists(f"sequence {seq_id!r} already exists")
         pool = self._pool(pool_id)
         if pool.draining:
@@ -207,9 +226,12 @@ class BlockManager:
         hashing = tokens is not None and self.enable_prefix_caching
         hashes = hash_prefix(tokens, bs, salt) if hashing else []
         hits = self._prefix_hits(pool, tokens, hashes, salt) if hashing else []
+        # host hits continue the device prefix: onboarded (host->device copy) instead of recomputed
+        onboard = (_tiers.host_hits(pool, tokens, hashes, salt, len(hits), hashes[len(hits) - 1] if hits else None)
+                   if hashing and pool.host is not None else [])
         total = prompt_len
         if num_compute is not None:
-            total = min(prompt_len, len(hits) * bs + num_compute)
+            total = min(prompt_len, (len(hits) + len(onboard)) * bs + num_compute)
             if tokens is not None:
                 tokens = tokens[:total]
             hashes = hashes[: total // bs]
@@ -224,10 +246,14 @@ class BlockManager:
 
         for b in hits:
             pool.share_block(b)
+        if onboard:
+            _tiers.pin(pool, onboard)
         table = hits + [pool.take_block() for _ in range(num_new)]
+        if onboard:
+            _tiers.onboard(pool, onboard, table[len(hits):len(hits) + len(onboard)], bs)
         # the pool's own id object: the batched append tells pools apart by identity
         seq = Sequence(seq_id, pool.pool_id, table, total, pool.new_version(), salt, hashing, cols=pool.cols)
-        num_cached = len(hits) * bs
+        num_cached = (len(hits) + len(onboard)) * bs
         step = pool.step
         step.has_writes = True
         seq.last_step = seq.last_write_step = step.step_id
@@ -243,7 +269,7 @@ class BlockManager:
             seq.block_hashes = hashes
             seq.tail_token_ids = tokens[len(hashes) * bs :].tolist()
             pool.prefix_query_tokens += prompt_len
-            pool.prefix_hit_tokens += num_cached
+            pool.prefix_hit_tokens += len(hits) * bs
         self._seqs[seq_id] = seq
         pool.seqs[seq_id] = seq
         note_created(step, seq, num_cached)
@@ -443,7 +469,7 @@ class BlockManager:
         for cid in children:
             if not isinstance(cid, str) or not cid:
                 raise InvalidRequest(f"sequence id must be a non-empty string, got {cid!r}")
-            if cid in self._seqs:
+            if cid in self._seqs or self._swapped_pool(cid) is not None:
                 raise SequenceExists(f"sequence {cid!r} already exists")
         pool = self._pools[src.pool_id]
         if pool.draining:
@@ -476,11 +502,17 @@ class BlockManager:
         for sid in ids:
             self.check_can_free(sid)
         for sid in ids:
-            self._drop(sid)
+            host_pool = self._swapped_pool(sid) if sid not in self._seqs else None
+            if host_pool is not None:
+                _tiers.drop_swapped(host_pool, sid)   # a swapped-out sequence frees its host blocks
+            else:
+                self._drop(sid)
 
     def check_can_free(self, seq_id: SeqId) -> None:
         """`UnknownSequence`, or `PendingWrite` when the sequence has tokens to write in its
         pool's open step (its writes, which forks and prefix hits may share, would never run)."""
+        if seq_id not in self._seqs and self._swapped_pool(seq_id) is not None:
+            return   # swapped out: nothing to write, its host blocks go at once
         seq = self._seq(seq_id)
         open_id = self._pools[seq.pool_id].step.step_id
         if seq.last_write_step == open_id:
@@ -503,12 +535,17 @@ class BlockManager:
         return self._seq(seq_id).view()
 
     def has_sequence(self, seq_id: SeqId) -> bool:
-        return seq_id in self._seqs
+        """Whether the sequence exists (on device, or swapped out to host)."""
+        return seq_id in self._seqs or self._swapped_pool(seq_id) is not None
 
     def pools_of(self, seq_ids: Seq[SeqId]) -> set[PoolId]:
         """The pools of the known sequences among `seq_ids` (unknown ones are skipped);
         cheap: no view is built (a Step asks this for every sequence it names)."""
-        return set(map(_POOL_ID, filter(None, map(self._seqs.get, seq_ids))))
+        pools = set(map(_POOL_ID, filter(None, map(self._seqs.get, seq_ids))))
+        for pool in self._pools.values():
+            if pool.host is not None and pool.host.swapped and not pool.host.swapped.keys().isdisjoint(seq_ids):
+                pools.add(pool.pool_id)
+        return pools
 
     def get_tables(
         self, seq_ids: Seq[SeqId], known_versions: Mapping[SeqId, int] | None = None
@@ -563,6 +600,13 @@ class BlockManager:
             for b in reversed(seq.block_table):
                 pool.release_block(b)
             seq.release()
+        if pool.host is not None:
+            # The old scheduler's unsettled and open steps never run: their host writes are void.
+            dropped.extend(_tiers.fail_from(pool, pool.settled_step + 1, pool.step.step_id))
+            for sid in list(pool.host.swapped):
+                _tiers.drop_swapped(pool, sid)
+                dropped.append(sid)
+            pool.host.release_holds(pool.step.step_id)
         for record in [*pool.unsettled, StepRecord(pool.step.step_id, pool.step.registrations, None)]:
             for b, block_hash in record.registrations:
                 pool.unregister(b, block_hash)
@@ -643,6 +687,8 @@ class BlockManager:
         dropped: list[SeqId] = []
         pool.settled_step = done
         pool.unsettled = [r for r in pool.unsettled if r.step_id > done]
+        if pool.host is not None:
+            pool.host.release_holds(done)
         if pool.plan is not None and pool.plan.step_id <= done:
             committed.append(pool.plan.plan_id)
             _defrag.commit(pool)
@@ -661,7 +707,100 @@ class BlockManager:
             for record in failed:
                 for b, block_hash in record.registrations:
                     pool.unregister(b, block_hash)
+            if pool.host is not None:
+                dropped.extend(_tiers.fail_from(pool, failed_from, last_closed))
+                pool.host.release_holds(last_closed)
         return SettleResult(pool_id, StepId(pool.settled_step), tuple(committed), tuple(aborted), tuple(dropped))
+
+    # ---- host tier: swap preemption ---------------------------------------------------
+    def is_swapped(self, seq_id: SeqId) -> bool:
+        return seq_id not in self._seqs and self._swapped_pool(seq_id) is not None
+
+    def swapped_ids(self, pool_id: PoolId | None = None) -> list[SeqId]:
+        pools = [self._pool(pool_id)] if pool_id is not None else list(self._pools.values())
+        return [sid for p in pools if p.host is not None for sid in p.host.swapped]
+
+    def _by_pool(self, items: list, pool_of) -> list[tuple[Pool, list]]:
+        groups: dict[PoolId, list] = {}
+        for it in items:
+            groups.setdefault(pool_of(it), []).append(it)
+        return [(self._pools[pid], group) for pid, group in groups.items()]
+
+    def can_swap_out(self, seq_ids: Seq[SeqId]) -> bool:
+        """Whether `swap_out` would succeed now (host room, no writes pending in the open step)."""
+        try:
+            self._check_swap_out(list(seq_ids))
+        except CoreError:
+            return False
+        return True
+
+    def _check_swap_out(self, ids: list[SeqId]) -> list[tuple[Pool, list]]:
+        if not ids:
+            raise InvalidRequest("swap_out needs at least one sequence id")
+        if len(set(ids)) != len(ids):
+            raise InvalidRequest("duplicate sequence ids in swap_out")
+        seqs = [self._seq(sid) for sid in ids]
+        groups = self._by_pool(seqs, _POOL_ID)
+        for pool, group in groups:
+            _tiers.check_swap_out(pool, group)
+        return groups
+
+    def swap_out(self, seq_ids: Seq[SeqId]) -> None:
+        """Preempt sequences to their pool's host tier: their blocks are copied device->host in
+        the open step (a block shared inside the group once), their device blocks released (the
+        copy reads them before anything of the step writes them), their tables dropped from the
+        node. All or nothing: `OutOfBlocks` when the host tier lacks room (the scheduler falls
+        back to recompute), `PendingWrite` when a sequence has writes in the open step."""
+        for pool, group in self._check_swap_out(list(seq_ids)):
+            _tiers.swap_out(pool, group)
+            for seq in group:
+                self._drop(seq.seq_id)
+
+    def can_swap_in(self, seq_ids: Seq[SeqId]) -> bool:
+        try:
+            self._check_swap_in(list(seq_ids))
+        except CoreError:
+            return False
+        return True
+
+    def _check_swap_in(self, ids: list[SeqId]) -> list[tuple[Pool, list]]:
+        if not ids:
+            raise InvalidRequest("swap_in needs at least one sequence id")
+        if len(set(ids)) != len(ids):
+            raise InvalidRequest("duplicate sequence ids in swap_in")
+        recs = []
+        for sid in ids:
+            pool = self._swapped_pool(sid)
+            if pool is None:
+                if sid in self._seqs:
+                    raise FailedPrecondition(f"sequence {sid!r} is not swapped out")
+                raise UnknownSequence(f"unknown sequence {sid!r}")
+            recs.append((pool.pool_id, pool.host.swapped[sid]))  # type: ignore[union-attr]
+        groups = [(pool, [r for _, r in group]) for pool, group in self._by_pool(recs, lambda x: x[0])]
+        for pool, group in groups:
+            if pool.draining:
+                raise PoolDraining(f"pool {pool.pool_id!r} is draining")
+            _tiers.check_swap_in(pool, group, self._watermark_blocks(pool))
+        return groups
+
+    def swap_in(self, seq_ids: Seq[SeqId]) -> list[SequenceView]:
+        """Resume swapped-out sequences on device: fresh device blocks (any ids), host->device
+        copies in the open step, their tables announced anew in it (the node's next write for
+        each starts at its token count). All or nothing: `PendingWrite` while the swap-out's
+        step is unreported, `OutOfBlocks` above the watermark."""
+        views: list[SequenceView] = []
+        for pool, recs in self._check_swap_in(list(seq_ids)):
+            tables = _tiers.swap_in(pool, recs)
+            step = pool.step
+            for rec in recs:
+                seq = Sequence(rec.seq_id, pool.pool_id, tables[rec.seq_id], rec.num_tokens, pool.new_version(),
+                               rec.salt, rec.hashing, rec.tail_token_ids, rec.block_hashes,
+                               last_step=step.step_id, cols=pool.cols)
+                self._seqs[rec.seq_id] = seq
+                pool.seqs[rec.seq_id] = seq
+                note_created(step, seq, rec.num_tokens)
+                views.append(seq.view())
+        return views
 
     # ---- prefix cache ---------------------------------------------------------------
     def route(self, token_ids: Seq[int], salt: str | None = None) -> list[RouteEntry]:
@@ -793,9 +932,22 @@ class BlockManager:
             contiguity=_defrag.contiguity_score(pool),
         )
 
+    def host_metrics(self, pool_id: PoolId) -> HostTierMetrics | None:
+        """The pool's host tier counters and gauges (None: the pool has no host tier)."""
+        host = self._pool(pool_id).host
+        if host is None:
+            return None
+        return HostTierMetrics(
+            pool_id, host.num_blocks, host.free_list.length, host.cached_list.length,
+            host.num_blocks - host.num_available, len(host.swapped), **host.counters(),
+        )
+
     def fsck(self) -> list[str]:
         """Check every invariant; human-readable violations, empty when healthy."""
-        return fsck(self._pools, self._seqs, self._next_plan_id)
+        problems = fsck(self._pools, self._seqs, self._next_plan_id)
+        for pool in self._pools.values():
+            problems.extend(_tiers.fsck_host(pool, self._seqs))
+        return problems
 
     def to_snapshot(self) -> dict:
         """The complete state as a JSON-serialisable dict (see core/snapshot.py)."""

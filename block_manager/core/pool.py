@@ -21,6 +21,7 @@ from block_manager.core.errors import InvalidRequest
 from block_manager.core.hashing import BlockHash
 from block_manager.core.sequence import SeqColumns, Sequence
 from block_manager.core.steps import StepRecord, StepWork
+from block_manager.core.tiers import HostTier, offload
 from block_manager.core.types import BlockId, CopyKind, CopyOp, DefragKind, PlanId, PoolId, SeqId, StepId
 
 MAX_POOL_BLOCKS = 1 << 24  # bounds memory for a pool created from bad input
@@ -58,7 +59,7 @@ class Pool:
         "num_reserved", "seqs", "next_op_id", "plan", "write_step", "step", "unsettled",
         "settled_step", "num_steps", "last_defrag_step", "prefix_query_tokens", "prefix_hit_tokens",
         "cow_copies", "evictions", "defrag_moves", "compaction_plans", "contiguity_plans", "aborted_plans",
-        "last_version", "cols", "ref_np", "write_step_np",
+        "last_version", "cols", "ref_np", "write_step_np", "host",
     )
 
     def __init__(self, pool_id: PoolId, num_blocks: int, block_size: int) -> None:
@@ -105,6 +106,7 @@ class Pool:
         self.compaction_plans = 0   # committed plans by kind, and plans aborted
         self.contiguity_plans = 0
         self.aborted_plans = 0
+        self.host: HostTier | None = None   # the host tier under the pool (tiers.py), if any
 
     def refresh_views(self) -> None:
         """(Re)bind the numpy views after `ref_cnt` or `write_step` was replaced."""
@@ -138,6 +140,8 @@ class Pool:
             b = self.cached_list.pop_front()
             if b is None:
                 raise InvalidRequest("internal: take_block on an exhausted pool")
+            if self.host is not None:
+                offload(self, b)   # keeps the content on host when there is room
             self.drop_hash(b)
             self.evictions += 1
         self.ref_cnt[b] = 1
@@ -203,12 +207,15 @@ class Pool:
             self.meta[b] = None
 
     def evict(self, num_blocks: int) -> int:
-        """Evict up to `num_blocks` cached blocks, least recently freed first."""
+        """Evict up to `num_blocks` cached blocks, least recently freed first (to the host tier
+        when there is one and it has room)."""
         n = 0
         while n < num_blocks:
             b = self.cached_list.pop_front()
             if b is None:
                 break
+            if self.host is not None:
+                offload(self, b)
             self.drop_hash(b)
             self.free_list.push_back(b)
             self.evictions += 1

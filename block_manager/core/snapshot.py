@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from block_manager.core import tiers as _tiers
 from block_manager.core.errors import CoreError, InvalidRequest
 from block_manager.core.pool import MAX_POOL_BLOCKS, BlockMeta, PlanState, Pool
 from block_manager.core.sequence import Sequence
@@ -107,6 +108,8 @@ def _pool_to_dict(pool: Pool) -> dict[str, Any]:
     }
     for name in _COUNTERS:
         d[name] = getattr(pool, name)
+    if pool.host is not None:
+        d["host"] = _tiers.to_dict(pool.host)
     return d
 
 
@@ -131,6 +134,8 @@ def _step_to_dict(step: StepWork) -> dict[str, Any]:
         "has_writes": step.has_writes,
         "reset": step.reset,
         "base_step_id": step.base_step_id,
+        # only with a host tier's moves pending (a snapshot without tiers keeps its old shape)
+        **({"tier_ops": [[op.op_id, op.kind, op.src, op.dst] for op in step.tier_ops]} if step.tier_ops else {}),
     }
 
 
@@ -148,7 +153,15 @@ def _step_from_dict(d: dict[str, Any]) -> StepWork:
         bool(d["has_writes"]),
         bool(d["reset"]),
         None if d["base_step_id"] is None else int(d["base_step_id"]),
+        [_untier(op) for op in d.get("tier_ops", ())],
     )
+
+
+def _untier(d: list) -> _tiers.TierOp:
+    op_id, kind, src, dst = d
+    if kind not in _tiers.TIER_KINDS:
+        raise ValueError(f"tier op kind {kind!r}")
+    return _tiers.TierOp(int(op_id), kind, BlockId(int(src)), BlockId(int(dst)))
 
 
 def to_snapshot(parts: CoreParts) -> dict[str, Any]:
@@ -217,6 +230,8 @@ def _pool_from_dict(d: dict[str, Any]) -> Pool:
                               [_unop(op) for op in plan["moves"]], StepId(int(plan["step_id"])))
     for name in _COUNTERS:
         setattr(pool, name, int(d[name]))
+    if d.get("host") is not None:
+        pool.host = _tiers.from_dict(d["host"], MAX_POOL_BLOCKS, BlockMeta)
     for s in d["sequences"]:
         seq = Sequence(
             SeqId(s["seq_id"]), pool.pool_id, [int(b) for b in s["block_table"]],

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from block_manager.core.sequence import Sequence
+from block_manager.core.tiers import TierOp
 from block_manager.core.types import BlockId, CopyOp, PlanId, SeqId, StepId, StepOutput, TableDelta
 
 
@@ -46,13 +47,14 @@ class StepWork:
     has_writes: bool = False
     reset: bool = False   # the pool changed hands: the node forgets every table it holds first
     base_step_id: int | None = None  # set after a failure report: the last step to build on
+    tier_ops: list[TierOp] = field(default_factory=list)  # device<->host moves (tiers.py), run first
 
     @property
     def has_work(self) -> bool:
         """Whether the node must run something for this step (writes, copies, a reset). New,
         changed or dropped tables alone wait in the open step: nothing reads them before the
         next step that writes, whose Forward applies them first."""
-        return bool(self.has_writes or self.copy_ops or self.plan_id is not None or self.reset)
+        return bool(self.has_writes or self.copy_ops or self.plan_id is not None or self.reset or self.tier_ops)
 
 
 @dataclass(slots=True)
@@ -111,6 +113,7 @@ def build_output(pool_id: str, step: StepWork, seqs: dict[SeqId, Sequence]) -> S
         step.plan_id,
         step.reset,
         StepId(step.step_id - 1 if step.base_step_id is None else step.base_step_id),
+        tuple(step.tier_ops),
     )
 
 

@@ -75,6 +75,9 @@ class StepOutput:
     plan_id: PlanId | None = None
     reset: bool = False    # the node forgets every cached table of the pool before this step
     base_step_id: StepId = StepId(0)  # the step it builds on (step_id - 1 unless steps failed)
+    # Device<->host moves (block_manager.core.tiers.TierOp), run before everything else of the
+    # step: all device->host moves, then all host->device moves, then the copy ops.
+    tier_ops: tuple = ()
 
 
 @dataclass(slots=True, frozen=True)
@@ -246,3 +249,27 @@ class PoolMetrics:
     aborted_plans: int
     num_sequences: int
     contiguity: float
+
+
+
+@dataclass(slots=True, frozen=True)
+class HostTierMetrics:
+    """Point-in-time counters and gauges of one pool's host tier (block_manager.core.tiers).
+
+    `host_hit_tokens` are prompt tokens served by onboarding host blocks (the device hits stay
+    in `PoolMetrics.prefix_hit_tokens`); `host_evictions` are host blocks dropped for good."""
+
+    pool_id: PoolId
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_used_blocks: int
+    num_swapped_sequences: int
+    swapped_out_blocks: int
+    swapped_in_blocks: int
+    offloaded_blocks: int
+    onboarded_blocks: int
+    host_hit_tokens: int
+    host_evictions: int
+    swap_outs: int
+    swap_ins: int

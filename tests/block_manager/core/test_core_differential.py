@@ -35,7 +35,9 @@ POOLS = {"p": (48, 4), "q": (40, 3), "r": (64, 8)}
 def plain(value: Any) -> Any:
     """Results of either core as comparable plain data (their classes differ)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return (type(value).__name__, *(plain(getattr(value, f.name)) for f in dataclasses.fields(value)))
+        # `tier_ops` (host tier moves) is new in the array core; empty here: no pool has a host tier
+        return (type(value).__name__, *(plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+                                        if not (f.name == "tier_ops" and not getattr(value, f.name))))
     if isinstance(value, BaseException):
         return ("error", type(value).__name__, str(value))
     if isinstance(value, (list, tuple)):
