@@ -178,6 +178,10 @@ class StepResult:
     # every pool's (free, usable: free or evictable) blocks after the step; empty when the
     # step was answered without a round trip
     pool_free: dict[PoolId, tuple[int, int]] = field(default_factory=dict)
+    # host tier (docs/tiers.md): swap-outs done, and swap-ins done with the tokens each holds
+    swapped_out: dict[SeqId, None | ItemFailure] = field(default_factory=dict)
+    swapped_in: dict[SeqId, int | ItemFailure] = field(default_factory=dict)
+    host_usable: dict[PoolId, int] = field(default_factory=dict)   # host blocks free or evictable
     num_freed: int = 0
     num_rpcs: int = 0
 
@@ -205,6 +209,8 @@ class StepBatch:
         self._allocs: list[tuple[SeqId, PoolId, tuple[int, ...] | None, int | None, str | None, int | None]] = []
         self._forks: list[tuple[SeqId, tuple[SeqId, ...]]] = []
         self._appends: dict[SeqId, tuple[int, tuple[int, ...] | None]] = {}
+        self._swap_out: list[SeqId] = []
+        self._swap_in: list[SeqId] = []
         self._committed = False
         self._unanswered: pb.StepRequest | None = None   # sent, no answer: `resend` may repeat it
         # Placed allocations (`allocate(..., pool_id=None)`): the pools they may go to (None:
@@ -244,6 +250,16 @@ class StepBatch:
         """Children share every block of the parent (copy-on-write on their first write;
         the parent's last write must be reported done before a child appends)."""
         self._forks.append((SeqId(parent), tuple(SeqId(c) for c in child_ids)))
+
+    def swap_out(self, seq_ids: Iterable[str]) -> None:
+        """Preempt sequences to their pool's host tier (docs/tiers.md): their tables leave the
+        node, their K/V moves to host in the pool's next step. Forks swapped out together share
+        host blocks. A failed item (host full) changed nothing: recompute it instead."""
+        self._swap_out.extend(SeqId(s) for s in seq_ids)
+
+    def swap_in(self, seq_ids: Iterable[str]) -> None:
+        """Resume swapped-out sequences on device (their swap-out's step must be reported)."""
+        self._swap_in.extend(SeqId(s) for s in seq_ids)
 
     def append(self, seq_id: str, token_ids: Sequence[int] | None = None, *, num_new_tokens: int | None = None) -> None:
         """Add new tokens to a sequence: `token_ids` (preferred: enables prefix caching of
@@ -294,6 +310,19 @@ class StepBatch:
             m.fork_parent_ids.append(parent)
             m.fork_num_children.append(len(children))
             m.fork_child_ids.extend(children)
+        # A swapped-out sequence's deferred tokens are reported first (its true length goes to host).
+        for sid in self._swap_out:
+            t = tracker.get(sid)
+            if t is not None and t.num_deferred and sid not in flushed:
+                flushed.add(sid)
+                n, ids = t.server_request(0, ())
+                m.written_seq_ids.append(sid)
+                m.written_num_tokens.append(n)
+                if ids is not None:
+                    m.written_token_ids.extend(ids)
+            tracker.forget(sid)
+        m.swap_out_seq_ids.extend(self._swap_out)
+        m.swap_in_seq_ids.extend(self._swap_in)
         if len(m.written_token_ids) not in (0, sum(m.written_num_tokens)):
             del m.written_token_ids[:]  # ids for all or none
         self._pending: list[tuple[SeqId, int]] = []
@@ -324,7 +353,8 @@ class StepBatch:
                 m.append_token_ids.extend(all_ids)
         self._client.stats.deferred_tokens += deferred
         # Reports alone do not justify a round trip: they ride with the next step that needs one.
-        needed = m.free_seq_ids or m.alloc_seq_ids or m.fork_parent_ids or m.append_seq_ids
+        needed = (m.free_seq_ids or m.alloc_seq_ids or m.fork_parent_ids or m.append_seq_ids
+                  or m.swap_out_seq_ids or m.swap_in_seq_ids)
         if self.flush and m.reports:
             needed = True
         if self.release:
@@ -414,10 +444,27 @@ class StepBatch:
                 t.num_deferred, t.deferred_token_ids = 0, []
                 t.tail_exclusive = True
             res.appends[sid] = SeqSlots(sid, n, num_tokens)
+        res.host_usable = {PoolId(f.pool_id): int(f.host_usable_blocks) for f in m.pool_free if f.host_usable_blocks}
+        for i, sid in enumerate(self._swap_out):
+            err = errors.get(("swap_out", i))
+            res.swapped_out[sid] = None if err is None else wire.item_failure(sid, err, "Step")
+        swapped_in = dict(zip(m.swapped_in_seq_ids, m.swapped_in_num_tokens))
+        for i, sid in enumerate(self._swap_in):
+            err = errors.get(("swap_in", i))
+            if err is not None or sid not in swapped_in:
+                res.swapped_in[sid] = wire.item_failure(sid, err, "Step") if err is not None else ItemFailure(
+                    sid, StepStateError(f"sequence {sid!r}: swap-in not answered", method="Step"))
+                continue
+            res.swapped_in[sid] = int(swapped_in[sid])
         for ps in m.steps:
             info = wire.pool_step(ps)
             res.steps[info.pool_id] = info
             tracker.apply_step(info)
+        for sid, num_tokens in res.swapped_in.items():
+            if not isinstance(num_tokens, ItemFailure):
+                pool = next((ps.pool_id for ps in m.steps if sid in ps.delta_seq_ids), None)
+                if pool is not None:   # forks swapped in together share their tail: no local appends
+                    tracker.track(sid, PoolId(pool), num_tokens, tail_exclusive=False)
         return res
 
     def distrust(self, request: pb.StepRequest) -> None:

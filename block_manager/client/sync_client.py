@@ -100,12 +100,13 @@ class BlockManagerClient(ClientBase):
         block_size: int = 0,
         geometry: Mapping[str, Any] | None = None,
         address: str = "",
+        host_num_blocks: int = 0,
         request_id: str | None = None,
         timeout_s: float | None = None,
     ) -> NodeRegistration:
         """Register a pool (a new epoch; any previous epoch of the node is fenced)."""
         req = wire.register_node_request(
-            request_id_or_new(request_id), node_id, num_blocks, block_size, geometry, address
+            request_id_or_new(request_id), node_id, num_blocks, block_size, geometry, address, host_num_blocks
         )
         reg = wire.registration(self._mutating_call("RegisterNode", req, timeout_s))
         self.tracker.set_block_size(reg.pool_id, reg.block_size)

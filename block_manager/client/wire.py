@@ -75,7 +75,8 @@ def step_settled(m: pb.StepSettled) -> StepSettled:
 
 # ---- data plane requests ---------------------------------------------------------------
 def register_node_request(
-    request_id: str, node_id: str, num_blocks: int, block_size: int, geometry: Mapping[str, Any] | None, address: str
+    request_id: str, node_id: str, num_blocks: int, block_size: int, geometry: Mapping[str, Any] | None, address: str,
+    host_num_blocks: int = 0,
 ) -> pb.RegisterNodeRequest:
     return pb.RegisterNodeRequest(
         request_id=request_id,
@@ -84,6 +85,7 @@ def register_node_request(
         block_size=block_size,
         geometry=pb.KvGeometry(**dict(geometry or {})),
         address=address,
+        host_num_blocks=host_num_blocks,
     )
 
 

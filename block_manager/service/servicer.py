@@ -71,6 +71,10 @@ def step_payload(request: pb.StepRequest) -> dict[str, Any]:
         }
     if request.release_leases:
         payload["release"] = True
+    if request.swap_out_seq_ids:
+        payload["swap_out"] = list(request.swap_out_seq_ids)
+    if request.swap_in_seq_ids:
+        payload["swap_in"] = list(request.swap_in_seq_ids)
     if request.append_seq_ids:
         payload["append"] = {
             "seq_ids": list(request.append_seq_ids),
@@ -101,6 +105,10 @@ def fill_pool_step(msg: common_pb2.PoolStep, d: dict[str, Any]) -> None:
     msg.plan_id = d["plan_id"]
     msg.reset = d["reset"]
     msg.base_step_id = d["base_step_id"]
+    if "tier_kind" in d:   # host tier moves (absent in steps without any)
+        msg.tier_kind.extend(d["tier_kind"])
+        msg.tier_src.extend(d["tier_src"])
+        msg.tier_dst.extend(d["tier_dst"])
 
 
 def step_response(r: dict[str, Any]) -> pb.StepResponse:
@@ -122,8 +130,13 @@ def step_response(r: dict[str, Any]) -> pb.StepResponse:
     resp.append_num_tokens.extend(r["append_num_tokens"])
     resp.lease_epochs.update(r["lease_epochs"])
     resp.alloc_pool_ids.extend(r.get("alloc_pool_ids", ()))
-    for pool_id, num_free, num_usable in r.get("pool_free", ()):   # absent in answers journaled before it
-        resp.pool_free.add(pool_id=pool_id, num_free_blocks=num_free, num_usable_blocks=num_usable)
+    for pool_id, num_free, num_usable, *host in r.get("pool_free", ()):   # absent in answers journaled before it
+        resp.pool_free.add(pool_id=pool_id, num_free_blocks=num_free, num_usable_blocks=num_usable,
+                           host_usable_blocks=host[0] if host else 0)
+    resp.swapped_out_seq_ids.extend(r.get("swapped_out", ()))
+    for sid, num_tokens in r.get("swapped_in", ()):
+        resp.swapped_in_seq_ids.append(sid)
+        resp.swapped_in_num_tokens.append(num_tokens)
     return resp
 
 
@@ -141,6 +154,7 @@ def register_payload(request: pb.RegisterNodeRequest) -> dict[str, Any]:
             "device": g.device,
         },
         "address": request.address,
+        **({"host_num_blocks": request.host_num_blocks} if request.host_num_blocks else {}),
     }
 
 
@@ -152,6 +166,7 @@ def register_response(r: dict[str, Any]) -> pb.RegisterNodeResponse:
         block_size=r["block_size"],
         num_blocks=r["num_blocks"],
         prefetch_window=r["prefetch_window"],
+        host_num_blocks=r.get("host_num_blocks", 0),
     )
 
 

@@ -37,7 +37,7 @@ from block_manager.core.nodes import NodeRegistry, check_node_id
 from block_manager.core.types import DefragPlan, DefragPolicy, PoolId, SeqId
 from block_manager.service.errors import NotPlaced
 from block_manager.service.state_codec import check_count, check_optional_str, plan_dict
-from block_manager.service.step_codec import AppendColumns, StepInput, pool_step_dict
+from block_manager.service.step_codec import AppendColumns, StepInput, decode_swap_ids, pool_step_dict
 
 SNAPSHOT_FORMAT = 2
 DEFRAG_KINDS = ("compaction", "contiguity")
@@ -181,7 +181,9 @@ class ServiceState:
             raise InvalidRequest("geometry must be a mapping")
         dropped = self._drop_pool(node_id)
         lease = self.registry.register(node_id, num_blocks, block_size, geometry, address, now)
-        self.core.add_pool(node_id, num_blocks, block_size)
+        host_num_blocks = check_count("host_num_blocks", p.get("host_num_blocks", 0), 0,
+                                      MAX_POOL_BLOCKS)
+        self.core.add_pool(node_id, num_blocks, block_size, host_num_blocks)
         result = {
             "pool_id": node_id,
             "epoch": lease.epoch,
@@ -190,6 +192,7 @@ class ServiceState:
             "num_blocks": num_blocks,
             "prefetch_window": self.config.prefetch_window,
             "dropped_seq_ids": dropped,
+            "host_num_blocks": host_num_blocks,
         }
         return Applied(result, True)
 
@@ -215,8 +218,28 @@ class ServiceState:
         live = set(self.core.pool_ids)
         pools: set[str] = {r.pool_id for r in step.reports if r.pool_id in live}
         pools.update(a.pool_id for a in step.allocs if a.pool_id in live)
-        pools |= self.core.pools_of([*step.free_ids, *self._item_seq_ids(step)])
+        pools |= self.core.pools_of([*step.free_ids, *self._item_seq_ids(step), *step.swap_ids])
         return sorted(PoolId(p) for p in pools)
+
+    def _swap(self, key: str, ids: list[SeqId], errors: list[list[Any]]) -> list[SeqId]:
+        """Swap-outs or swap-ins of a Step: together (forks share host blocks), else one by
+        one; a failed item changes nothing and is reported (section `key`)."""
+        if not ids:
+            return []
+        call = self.core.swap_out if key == "swap_out" else self.core.swap_in
+        try:
+            call(ids)
+            return ids
+        except CoreError:
+            pass
+        done: list[SeqId] = []
+        for i, sid in enumerate(ids):
+            try:
+                call([sid])
+                done.append(sid)
+            except CoreError as exc:
+                errors.append(item_error(key, i, exc))
+        return done
 
     @staticmethod
     def _item_seq_ids(step: StepInput) -> list[SeqId]:
@@ -226,6 +249,9 @@ class ServiceState:
     def _step(self, p: dict[str, Any], now: float) -> Applied:
         sched = check_scheduler_id(p.get("scheduler_id"))
         step = StepInput.decode(p, self.config.max_batch)
+        swap_out = decode_swap_ids(p, "swap_out", self.config.max_batch)
+        swap_in = decode_swap_ids(p, "swap_in", self.config.max_batch)
+        step.swap_ids = [*swap_out, *swap_in]
         core = self.core
         # ---- validate everything that fails the request as a whole (nothing changed) ----
         self._check_pool_epochs(step.pool_epochs)
@@ -244,7 +270,7 @@ class ServiceState:
             if SeqId(sid) not in to_drop and SeqId(sid) not in gone and not core.has_sequence(SeqId(sid)):
                 raise self._missing_seq_error(SeqId(sid))
         has_items = {a.pool_id for a in step.allocs}
-        has_items |= core.pools_of(self._item_seq_ids(step))
+        has_items |= core.pools_of([*self._item_seq_ids(step), *step.swap_ids])
         settled_after = {r.pool_id: r.failed_from or r.completed_up_to for r in reports}
         for pid in sorted(has_items & set(pools)):
             pending = [s for s in core.unsettled_step_ids(pid) if s > settled_after.get(pid, 0)]
@@ -270,6 +296,9 @@ class ServiceState:
         errors: list[list[Any]] = []
         alloc_cached, alloc_tokens = self._allocate(step, errors, not_placed)
         self._append(step.written, "written", errors, already_written=True)
+        # after the written reports: a swapped-out sequence's true length is known by then
+        swapped_out = self._swap("swap_out", [s for s in swap_out if s not in dropped], errors)
+        swapped_in = self._swap("swap_in", [s for s in swap_in if s not in dropped], errors)
         self._fork(step, errors)
         append_tokens = self._append(step.appends, "append", errors, already_written=False)
         # ---- close the open step of every pool this step has tokens (or forks) for ----
@@ -297,6 +326,8 @@ class ServiceState:
         mutated = bool(
             new_leases
             or frees
+            or swapped_out
+            or swapped_in
             or gone
             or steps
             or p.get("release")
@@ -311,10 +342,17 @@ class ServiceState:
             "alloc_num_tokens": alloc_tokens,
             "append_num_tokens": append_tokens,
             "lease_epochs": lease_epochs,
-            "pool_free": [[pid, *core.free_blocks(pid)] for pid in sorted(core.pool_ids)],
+            "pool_free": [[pid, *core.free_blocks(pid), *self._host_usable(pid)] for pid in sorted(core.pool_ids)],
+            **({"swapped_out": swapped_out} if swapped_out else {}),
+            **({"swapped_in": [[s, core.get_sequence(s).num_tokens] for s in swapped_in]} if swapped_in else {}),
             "alloc_pool_ids": [a.pool_id if tokens else "" for a, tokens in zip(step.allocs, alloc_tokens)],
         }
         return Applied(result, mutated)
+
+    def _host_usable(self, pool_id: PoolId) -> list[int]:
+        """[host blocks free or evictable] for a pool with a host tier, else nothing."""
+        m = self.core.host_metrics(pool_id)
+        return [] if m is None else [m.num_free_blocks + m.num_cached_blocks]
 
     def _report_applies(self, r: Any) -> bool:
         """A report on a pool that is gone or re-registered since is moot (that incarnation's

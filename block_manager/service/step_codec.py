@@ -10,11 +10,11 @@ too, and `pool_step_dict` encodes one closed core step the way `PoolStep` carrie
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from block_manager.core.errors import InvalidRequest
-from block_manager.core.types import StepOutput
+from block_manager.core.types import SeqId, StepOutput
 from block_manager.service.state_codec import MAX_ID_LEN
 
 SECTIONS = ("alloc", "written", "fork", "append")
@@ -112,6 +112,7 @@ class StepInput:
     forks: list[tuple[str, list[str]]]
     appends: AppendColumns
     placement: Placement
+    swap_ids: list[SeqId] = field(default_factory=list)   # swap-outs and swap-ins (state._step fills it)
 
     @classmethod
     def decode(cls, p: Mapping[str, Any], max_batch: int) -> StepInput:
@@ -249,7 +250,23 @@ def pool_step_dict(out: StepOutput, epoch: int) -> dict[str, Any]:
         "plan_id": out.plan_id or 0,
         "reset": out.reset,
         "base_step_id": out.base_step_id,
+        **({"tier_kind": [TIER_KIND_CODES[op.kind] for op in out.tier_ops],
+            "tier_src": [op.src for op in out.tier_ops],
+            "tier_dst": [op.dst for op in out.tier_ops]} if out.tier_ops else {}),
     }
+
+
+def decode_swap_ids(p: Mapping[str, Any], key: str, max_batch: int) -> list[SeqId]:
+    """A Step's `swap_out` / `swap_in` ids: distinct, at most `max_batch`."""
+    ids = _ids(key, p.get(key, []))
+    _distinct(key, ids)
+    if len(ids) > max_batch:
+        raise InvalidRequest(f"a step may carry at most {max_batch} {key} items, got {len(ids)}")
+    return [SeqId(s) for s in ids]
+
+
+# PoolStep.tier_kind numbering (proto/pagedkv/v1/common.proto)
+TIER_KIND_CODES = {"swap_out": 1, "swap_in": 2, "offload": 3, "onboard": 4}
 
 
 __all__ = ["SECTIONS", "Alloc", "AppendColumns", "Report", "StepInput", "pool_step_dict"]

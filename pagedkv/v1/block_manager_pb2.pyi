@@ -266,6 +266,7 @@ class RegisterNodeRequest(_message.Message):
     GEOMETRY_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
     SESSION_FIELD_NUMBER: _builtins.int
+    HOST_NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     node_id: _builtins.str
     """also the pool id; [A-Za-z0-9._:-], 1..128 chars"""
@@ -275,6 +276,8 @@ class RegisterNodeRequest(_message.Message):
     """0 = the server's default block_size"""
     address: _builtins.str
     """the node's own gRPC address (host:port), for routers"""
+    host_num_blocks: _builtins.int
+    """blocks of the node's host tier (same layout); 0: none"""
     @_builtins.property
     def geometry(self) -> Global___KvGeometry: ...
     @_builtins.property
@@ -289,10 +292,11 @@ class RegisterNodeRequest(_message.Message):
         geometry: Global___KvGeometry | None = ...,
         address: _builtins.str = ...,
         session: Global___ClientSession | None = ...,
+        host_num_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["geometry", b"geometry", "session", b"session"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_size", b"block_size", "geometry", b"geometry", "node_id", b"node_id", "num_blocks", b"num_blocks", "request_id", b"request_id", "session", b"session"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_size", b"block_size", "geometry", b"geometry", "host_num_blocks", b"host_num_blocks", "node_id", b"node_id", "num_blocks", b"num_blocks", "request_id", b"request_id", "session", b"session"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -308,6 +312,7 @@ class RegisterNodeResponse(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     PREFETCH_WINDOW_FIELD_NUMBER: _builtins.int
+    HOST_NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     epoch: _builtins.int
     """>= 1; send it on every node-scoped request"""
@@ -318,6 +323,8 @@ class RegisterNodeResponse(_message.Message):
     num_blocks: _builtins.int
     prefetch_window: _builtins.int
     """hint: block-table entries the attention kernels stage ahead"""
+    host_num_blocks: _builtins.int
+    """the pool's host tier"""
     def __init__(
         self,
         *,
@@ -327,10 +334,11 @@ class RegisterNodeResponse(_message.Message):
         block_size: _builtins.int = ...,
         num_blocks: _builtins.int = ...,
         prefetch_window: _builtins.int = ...,
+        host_num_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "epoch", b"epoch", "lease_ttl_s", b"lease_ttl_s", "num_blocks", b"num_blocks", "pool_id", b"pool_id", "prefetch_window", b"prefetch_window"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "epoch", b"epoch", "host_num_blocks", b"host_num_blocks", "lease_ttl_s", b"lease_ttl_s", "num_blocks", b"num_blocks", "pool_id", b"pool_id", "prefetch_window", b"prefetch_window"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -471,6 +479,8 @@ class StepRequest(_message.Message):
     ALLOC_PLACE_FIELD_NUMBER: _builtins.int
     PLACE_POOL_IDS_FIELD_NUMBER: _builtins.int
     ADMIT_BUDGET_FIELD_NUMBER: _builtins.int
+    SWAP_OUT_SEQ_IDS_FIELD_NUMBER: _builtins.int
+    SWAP_IN_SEQ_IDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     scheduler_id: _builtins.str
     """the pools' lease holder (one scheduler drives a pool)"""
@@ -563,6 +573,17 @@ class StepRequest(_message.Message):
 
     @_builtins.property
     def place_pool_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def swap_out_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Swap preemption (docs/tiers.md), after frees and before admissions: each listed sequence's
+        blocks move to its pool's host tier (swap_out) or back to fresh device blocks (swap_in),
+        as tier moves of the pool's next PoolStep. The ids are tried together (forks share host
+        blocks), then one by one; a failed item (host full: RESOURCE_EXHAUSTED, its swap-out not
+        reported yet: FAILED_PRECONDITION) changed nothing (section "swap_out" / "swap_in").
+        """
+
+    @_builtins.property
+    def swap_in_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -594,10 +615,12 @@ class StepRequest(_message.Message):
         alloc_place: _abc.Iterable[_builtins.bool] | None = ...,
         place_pool_ids: _abc.Iterable[_builtins.str] | None = ...,
         admit_budget: _builtins.int = ...,
+        swap_out_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
+        swap_in_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["session", b"session"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admit_budget", b"admit_budget", "alloc_num_compute", b"alloc_num_compute", "alloc_num_token_ids", b"alloc_num_token_ids", "alloc_num_tokens", b"alloc_num_tokens", "alloc_place", b"alloc_place", "alloc_pool_index", b"alloc_pool_index", "alloc_salt_index", b"alloc_salt_index", "alloc_seq_ids", b"alloc_seq_ids", "alloc_token_ids", b"alloc_token_ids", "append_num_tokens", b"append_num_tokens", "append_seq_ids", b"append_seq_ids", "append_token_ids", b"append_token_ids", "fork_child_ids", b"fork_child_ids", "fork_num_children", b"fork_num_children", "fork_parent_ids", b"fork_parent_ids", "free_seq_ids", b"free_seq_ids", "place_pool_ids", b"place_pool_ids", "pool_epochs", b"pool_epochs", "pool_ids", b"pool_ids", "release_leases", b"release_leases", "reports", b"reports", "request_id", b"request_id", "salts", b"salts", "scheduler_id", b"scheduler_id", "session", b"session", "written_num_tokens", b"written_num_tokens", "written_seq_ids", b"written_seq_ids", "written_token_ids", b"written_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admit_budget", b"admit_budget", "alloc_num_compute", b"alloc_num_compute", "alloc_num_token_ids", b"alloc_num_token_ids", "alloc_num_tokens", b"alloc_num_tokens", "alloc_place", b"alloc_place", "alloc_pool_index", b"alloc_pool_index", "alloc_salt_index", b"alloc_salt_index", "alloc_seq_ids", b"alloc_seq_ids", "alloc_token_ids", b"alloc_token_ids", "append_num_tokens", b"append_num_tokens", "append_seq_ids", b"append_seq_ids", "append_token_ids", b"append_token_ids", "fork_child_ids", b"fork_child_ids", "fork_num_children", b"fork_num_children", "fork_parent_ids", b"fork_parent_ids", "free_seq_ids", b"free_seq_ids", "place_pool_ids", b"place_pool_ids", "pool_epochs", b"pool_epochs", "pool_ids", b"pool_ids", "release_leases", b"release_leases", "reports", b"reports", "request_id", b"request_id", "salts", b"salts", "scheduler_id", b"scheduler_id", "session", b"session", "swap_in_seq_ids", b"swap_in_seq_ids", "swap_out_seq_ids", b"swap_out_seq_ids", "written_num_tokens", b"written_num_tokens", "written_seq_ids", b"written_seq_ids", "written_token_ids", b"written_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -712,6 +735,9 @@ class StepResponse(_message.Message):
     LEASE_EPOCHS_FIELD_NUMBER: _builtins.int
     POOL_FREE_FIELD_NUMBER: _builtins.int
     ALLOC_POOL_IDS_FIELD_NUMBER: _builtins.int
+    SWAPPED_OUT_SEQ_IDS_FIELD_NUMBER: _builtins.int
+    SWAPPED_IN_SEQ_IDS_FIELD_NUMBER: _builtins.int
+    SWAPPED_IN_NUM_TOKENS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def steps(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.PoolStep]:
         """one per pool with work: pass it to the pool's node"""
@@ -748,6 +774,18 @@ class StepResponse(_message.Message):
     def alloc_pool_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """per allocation: the pool it went to ("" when refused)"""
 
+    @_builtins.property
+    def swapped_out_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the swap-outs that were done"""
+
+    @_builtins.property
+    def swapped_in_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the swap-ins that were done ..."""
+
+    @_builtins.property
+    def swapped_in_num_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """... and the tokens each holds"""
+
     def __init__(
         self,
         *,
@@ -760,10 +798,13 @@ class StepResponse(_message.Message):
         lease_epochs: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         pool_free: _abc.Iterable[Global___PoolFree] | None = ...,
         alloc_pool_ids: _abc.Iterable[_builtins.str] | None = ...,
+        swapped_out_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
+        swapped_in_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
+        swapped_in_num_tokens: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_num_cached_tokens", b"alloc_num_cached_tokens", "alloc_num_tokens", b"alloc_num_tokens", "alloc_pool_ids", b"alloc_pool_ids", "append_num_tokens", b"append_num_tokens", "errors", b"errors", "lease_epochs", b"lease_epochs", "pool_free", b"pool_free", "settled", b"settled", "steps", b"steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_num_cached_tokens", b"alloc_num_cached_tokens", "alloc_num_tokens", b"alloc_num_tokens", "alloc_pool_ids", b"alloc_pool_ids", "append_num_tokens", b"append_num_tokens", "errors", b"errors", "lease_epochs", b"lease_epochs", "pool_free", b"pool_free", "settled", b"settled", "steps", b"steps", "swapped_in_num_tokens", b"swapped_in_num_tokens", "swapped_in_seq_ids", b"swapped_in_seq_ids", "swapped_out_seq_ids", b"swapped_out_seq_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -778,21 +819,25 @@ class PoolFree(_message.Message):
     POOL_ID_FIELD_NUMBER: _builtins.int
     NUM_FREE_BLOCKS_FIELD_NUMBER: _builtins.int
     NUM_USABLE_BLOCKS_FIELD_NUMBER: _builtins.int
+    HOST_USABLE_BLOCKS_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     num_free_blocks: _builtins.int
     """on the free list"""
     num_usable_blocks: _builtins.int
     """free or evictable (prefix-cached, unreferenced)"""
+    host_usable_blocks: _builtins.int
+    """host tier: free or evictable (0: none)"""
     def __init__(
         self,
         *,
         pool_id: _builtins.str = ...,
         num_free_blocks: _builtins.int = ...,
         num_usable_blocks: _builtins.int = ...,
+        host_usable_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_free_blocks", b"num_free_blocks", "num_usable_blocks", b"num_usable_blocks", "pool_id", b"pool_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["host_usable_blocks", b"host_usable_blocks", "num_free_blocks", b"num_free_blocks", "num_usable_blocks", b"num_usable_blocks", "pool_id", b"pool_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

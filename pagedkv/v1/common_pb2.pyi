@@ -54,6 +54,9 @@ class PoolStep(_message.Message):
     PLAN_ID_FIELD_NUMBER: _builtins.int
     RESET_FIELD_NUMBER: _builtins.int
     BASE_STEP_ID_FIELD_NUMBER: _builtins.int
+    TIER_KIND_FIELD_NUMBER: _builtins.int
+    TIER_SRC_FIELD_NUMBER: _builtins.int
+    TIER_DST_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     epoch: _builtins.int
     """the node registration the step belongs to"""
@@ -112,6 +115,18 @@ class PoolStep(_message.Message):
     def dropped_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """tables the node forgets (freed, dropped sequences)"""
 
+    @_builtins.property
+    def tier_kind(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Host tier moves (docs/tiers.md), run before everything else of the step: every
+        device->host move (kind 1 swap-out, 3 offload: src a device block, dst a host block) reads
+        its source before any host->device move (kind 2 swap-in, 4 onboard: src host, dst device)
+        writes, and both before the copy ops and the step's writes.
+        """
+
+    @_builtins.property
+    def tier_src(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def tier_dst(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -134,10 +149,13 @@ class PoolStep(_message.Message):
         plan_id: _builtins.int = ...,
         reset: _builtins.bool = ...,
         base_step_id: _builtins.int = ...,
+        tier_kind: _abc.Iterable[_builtins.int] | None = ...,
+        tier_src: _abc.Iterable[_builtins.int] | None = ...,
+        tier_dst: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["appended_blocks", b"appended_blocks", "base_step_id", b"base_step_id", "copy_dst", b"copy_dst", "copy_is_defrag", b"copy_is_defrag", "copy_src", b"copy_src", "delta_base_versions", b"delta_base_versions", "delta_num_appended", b"delta_num_appended", "delta_num_replaced", b"delta_num_replaced", "delta_num_tokens", b"delta_num_tokens", "delta_seq_ids", b"delta_seq_ids", "delta_versions", b"delta_versions", "dropped_seq_ids", b"dropped_seq_ids", "epoch", b"epoch", "plan_id", b"plan_id", "pool_id", b"pool_id", "replaced_blocks", b"replaced_blocks", "replaced_positions", b"replaced_positions", "reset", b"reset", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["appended_blocks", b"appended_blocks", "base_step_id", b"base_step_id", "copy_dst", b"copy_dst", "copy_is_defrag", b"copy_is_defrag", "copy_src", b"copy_src", "delta_base_versions", b"delta_base_versions", "delta_num_appended", b"delta_num_appended", "delta_num_replaced", b"delta_num_replaced", "delta_num_tokens", b"delta_num_tokens", "delta_seq_ids", b"delta_seq_ids", "delta_versions", b"delta_versions", "dropped_seq_ids", b"dropped_seq_ids", "epoch", b"epoch", "plan_id", b"plan_id", "pool_id", b"pool_id", "replaced_blocks", b"replaced_blocks", "replaced_positions", b"replaced_positions", "reset", b"reset", "step_id", b"step_id", "tier_dst", b"tier_dst", "tier_kind", b"tier_kind", "tier_src", b"tier_src"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
