@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 from compute_node.errors import InvalidForward, UnknownSequence
+from compute_node.host_pool import apply_moves
 from compute_node.model import InvalidSamplingParams, ModelRunner, SamplingParams, SeqWork
 from compute_node.tables import NodeTable, SeqId, TableCache, stage
 from pagedkv.limits import seq_id_problem
@@ -50,7 +51,9 @@ class Generator:
             return self._last[1]
         seqs = self._parse(request)
         runner = self.runner
-        staged = stage(self.tables, request.steps, node_id, epoch, runner.geometry.num_blocks)
+        host = runner.host_pool
+        staged = stage(self.tables, request.steps, node_id, epoch, runner.geometry.num_blocks,
+                       0 if host is None else host.num_blocks)
         bs = runner.geometry.block_size
         work: list[SeqWork] = []
         tables: dict[SeqId, NodeTable] = {}
@@ -76,7 +79,9 @@ class Generator:
                                 s.num_output_tokens))
         # ---- everything is checked: apply ----
         t0 = time.perf_counter()
-        if staged.copy_pairs:
+        if staged.tier_moves:
+            apply_moves(runner.pool, host, staged)   # host tier moves and copies, in step order
+        elif staged.copy_pairs:
             runner.copy_blocks(staged.copy_pairs)
         copy_s = time.perf_counter() - t0
         self.tables.commit(staged)

@@ -39,6 +39,9 @@ class StagedSteps:
     changed: dict[SeqId, NodeTable | None] = field(default_factory=dict)   # None: dropped
     reset: bool = False
     last_step_id: int | None = None
+    # host tier moves per step, in step order: (copy pairs staged before them, device->host
+    # pairs, host->device pairs); applied by compute_node.host_pool.apply_moves
+    tier_moves: list[tuple[int, list[tuple[int, int]], list[tuple[int, int]]]] = field(default_factory=list)
 
     def table(self, cache: TableCache, seq_id: SeqId) -> NodeTable | None:
         if seq_id in self.changed:
@@ -83,7 +86,8 @@ class TableCache:
             self.last_step_id = staged.last_step_id
 
 
-def stage(cache: TableCache, steps: Sequence[Any], node_id: str, epoch: int, num_blocks: int) -> StagedSteps:
+def stage(cache: TableCache, steps: Sequence[Any], node_id: str, epoch: int, num_blocks: int,
+          host_num_blocks: int = 0) -> StagedSteps:
     """Check the steps (`PoolStep` messages) a Forward carries and compute their effect.
 
     `StaleStep` (FAILED_PRECONDITION) when they do not continue from the node's last applied
@@ -114,6 +118,8 @@ def stage(cache: TableCache, steps: Sequence[Any], node_id: str, epoch: int, num
             staged.reset = True
             staged.changed.clear()
         _check_blocks(m, i, num_blocks)
+        if m.tier_kind:
+            _stage_tier_moves(staged, m, i, num_blocks, host_num_blocks)
         _stage_copies(staged, m, i)
         for sid in m.dropped_seq_ids:
             staged.changed[SeqId(sid)] = None
@@ -127,6 +133,29 @@ def _check_blocks(m: Any, i: int, num_blocks: int) -> None:
         col = getattr(m, name)
         if col and max(col) >= num_blocks:
             raise InvalidForward(f"steps[{i}].{name} names block {max(col)}; the pool has {num_blocks} blocks")
+
+
+def _stage_tier_moves(staged: StagedSteps, m: Any, i: int, num_blocks: int, host_num_blocks: int) -> None:
+    """A step's host tier moves (kinds 1 swap-out / 3 offload: device->host; 2 swap-in /
+    4 onboard: host->device), every id checked against the tier it names."""
+    if not len(m.tier_kind) == len(m.tier_src) == len(m.tier_dst):
+        raise InvalidForward(f"steps[{i}]: tier move columns have different lengths")
+    to_host: list[tuple[int, int]] = []
+    to_device: list[tuple[int, int]] = []
+    for kind, src, dst in zip(m.tier_kind, m.tier_src, m.tier_dst):
+        if kind in (1, 3):
+            dev, host, out = src, dst, to_host
+        elif kind in (2, 4):
+            host, dev, out = src, dst, to_device
+        else:
+            raise InvalidForward(f"steps[{i}]: unknown tier move kind {kind}")
+        if dev >= num_blocks or host >= host_num_blocks:
+            raise InvalidForward(
+                f"steps[{i}]: tier move {src}->{dst} names a block outside the pool ({num_blocks} device blocks, "
+                f"{host_num_blocks} host blocks)"
+            )
+        out.append((src, dst))
+    staged.tier_moves.append((len(staged.copy_pairs), to_host, to_device))
 
 
 def _stage_copies(staged: StagedSteps, m: Any, i: int) -> None:

@@ -38,6 +38,8 @@ class LLM:
     `device` ("auto", "cpu", "cuda", "cuda:N"), `enable_prefix_caching`, `max_num_seqs`,
     `max_num_batched_tokens` (per step; longer prompts are prefilled in chunks),
     `max_model_len`. With `block_manager`: `tls`, `token` (the scheduler's credentials).
+    Host tier (docs/tiers.md): `host_kv_memory` (bytes) or `host_kv_blocks`, and `preemption_mode`
+    ("auto": swap where the node has a host tier, "swap", "recompute").
     """
 
     def __init__(
@@ -57,6 +59,9 @@ class LLM:
         watermark: float = 0.01,
         tls: TlsSettings | None = None,
         token: str | None = None,
+        preemption_mode: str = "auto",
+        host_kv_memory: int | None = None,
+        host_kv_blocks: int | None = None,
     ) -> None:
         self.model_dir = Path(model)
         if not self.model_dir.is_dir():
@@ -77,7 +82,8 @@ class LLM:
                 kv_cache_memory = 512 << 20
             node = LocalNode.start(client, "local-0", self.model_dir, block_size=block_size,
                                    num_blocks=num_kv_blocks, kv_memory_bytes=None if num_kv_blocks else kv_cache_memory,
-                                   dtype=dtype, device=device, max_model_len=max_model_len)
+                                   dtype=dtype, device=device, max_model_len=max_model_len,
+                                   host_num_blocks=host_kv_blocks, host_memory_bytes=host_kv_memory)
             nodes = {node.node_id: node}
         else:
             from block_manager.client import BlockManagerClient
@@ -94,13 +100,18 @@ class LLM:
         self.engine = LLMEngine(
             client, nodes,
             EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                         max_model_len=max_model_len),
+                         max_model_len=max_model_len, preemption_mode=preemption_mode),
             detokenize=self.tokenizer.decode, connect=connect,
         )
         if block_manager is not None and self.engine.model_name != self.model_dir.name:
             raise EngineError(f"the nodes serve {self.engine.model_name!r}, not {self.model_dir.name!r}")
         if self.tokenizer.eos_token_id is not None:
             self.engine.eos_token_ids = self.engine.eos_token_ids | {self.tokenizer.eos_token_id}
+
+    def stats(self) -> dict[str, float]:
+        """The engine's counters: preemptions, recomputed tokens, prefix and host-tier hits,
+        swapped / offloaded / onboarded blocks (docs/tiers.md), latency percentiles."""
+        return self.engine.stats.summary()
 
     def generate(
         self,

@@ -67,6 +67,9 @@ NODE_THREADS = 64            # most nodes generating at once (threads start only
 log = get_logger("engine.llm_engine")
 
 
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     max_num_seqs: int = 256               # running sequences at once
@@ -75,8 +78,15 @@ class EngineConfig:
     # How long a step waits out an unreachable block manager (a restart, a network blip),
     # resending it under its request id, before the engine gives up (EngineFailure).
     bm_unavailable_timeout_s: float = 120.0
+    # How a running sequence gives up its blocks when another's append does not fit (docs/tiers.md):
+    # "swap" moves its blocks to its node's host tier and back later (nothing recomputed; falls
+    # back to recompute when the host tier is full or absent), "recompute" frees them and
+    # recomputes prompt + outputs on re-admission, "auto": swap where the node has a host tier.
+    preemption_mode: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.max_num_seqs > MAX_NUM_SEQS:
@@ -103,6 +113,17 @@ class EngineStats:
     bm_s: float = 0.0          # time in block manager calls (the Step)
     num_bm_rpcs: int = 0       # block manager round trips made by steps
     node_s: float = 0.0        # time in Generate calls (wall, nodes in parallel)
+    # host tier (docs/tiers.md): sequences swapped out / in, swap-outs that fell back to
+    # recompute, tokens recomputed by recompute preemption, and the tier moves the nodes ran
+    num_swap_outs: int = 0
+    num_swap_ins: int = 0
+    recompute_fallbacks: int = 0
+    recomputed_tokens: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    offloaded_blocks: int = 0
+    onboarded_blocks: int = 0
+    host_hit_tokens: int = 0
 
     def summary(self) -> dict[str, float]:
         """Counters and latency percentiles (ms) as a flat mapping."""
@@ -113,6 +134,12 @@ class EngineStats:
             "steps": self.num_steps, "preemptions": self.num_preemptions,
             "generated_tokens": self.generated_tokens, "prompt_tokens": self.prompt_tokens,
             "cached_prompt_tokens": self.cached_prompt_tokens,
+            "prefix_hit_tokens": self.cached_prompt_tokens - self.host_hit_tokens,
+            "host_hit_tokens": self.host_hit_tokens,
+            "swapped_out_blocks": self.swapped_out_blocks, "swapped_in_blocks": self.swapped_in_blocks,
+            "offloaded_blocks": self.offloaded_blocks, "onboarded_blocks": self.onboarded_blocks,
+            "recomputed_tokens": self.recomputed_tokens, "recompute_fallbacks": self.recompute_fallbacks,
+            "swap_outs": self.num_swap_outs, "swap_ins": self.num_swap_ins,
             "ttft_p50_ms": p(self.ttft_s, 50), "ttft_p99_ms": p(self.ttft_s, 99),
             "itl_p50_ms": p(self.itl_s, 50), "itl_p99_ms": p(self.itl_s, 99),
         }
@@ -172,6 +199,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._to_free: list[str] = []      # ids of finished and preempted admissions, freed with the next Step
+        self.swapped: deque[Sequence] = deque()    # SWAPPED, oldest first: swapped back in before new admissions
+        self._to_swap_out: list[Sequence] = []     # victims whose swap-out goes with the next Step
+        self._swap_step: dict[Sequence, int] = {}  # the step whose Step sent a sequence's swap-out
+        self._host_pools: set[str] = set()         # pools with a host tier (their Step answers say so)
         self._changed: set[str] = set()   # requests with news since the last outputs
         self._pool_free: dict[str, tuple[int, int]] = {}   # pool -> (free, usable) blocks, from the last Step
         self._ids = itertools.count()
@@ -261,6 +292,7 @@ class LLMEngine:
         self.sender.drain(wait=True)
         batch = self.client.step()
         self._add_frees(batch)
+        swapping_out, swapping_in = self._plan_swaps(batch)
         budget = self.config.max_num_batched_tokens
         planned: list[tuple[Sequence, int]] = []     # (seq, tokens to compute) for appends
         forks: list[Sequence] = []
@@ -287,13 +319,17 @@ class LLMEngine:
             for _, kid_id in kids:
                 batch.append(kid_id, [parent.token_ids[-1]])
             budget -= 1 + len(kids)
-        admitted = self._plan_admissions(batch, budget, len(self.running) + sum(map(len, children_of.values())))
+        # sequences waiting on host come back before new admissions
+        admitted = [] if self.swapped else self._plan_admissions(
+            batch, budget, len(self.running) + sum(map(len, children_of.values())))
         t0 = time.perf_counter()
         result = self.sender.commit(batch)
         self.stats.bm_s += time.perf_counter() - t0
         self.stats.num_bm_rpcs += result.num_rpcs
         if result.pool_free:
             self._pool_free = result.pool_free
+            self._host_pools = set(result.host_usable)
+        self._apply_swaps(result, swapping_out, swapping_in)
         work = self._apply_step_result(result, planned, children_of, admitted)
         self._run_nodes(result, work)
         if not work and not self.running and self.waiting:
@@ -438,7 +474,94 @@ class LLMEngine:
             if not victims:
                 return
             self.stats.num_preemptions += 1
-            self._preempt(victims[-1], free=True)
+            self._preempt_victim(victims[-1])
+
+    # ---- swap preemption (host tier, docs/tiers.md) ----------------------------------------
+    def _swaps_to(self, node_id: str | None) -> bool:
+        mode = self.config.preemption_mode
+        return mode == "swap" or (mode == "auto" and node_id in self._host_pools)
+
+    def _preempt_victim(self, seq: Sequence) -> None:
+        """Preempt `seq` for a starved append: to its node's host tier (its swap-out goes with
+        the next Step), or by recompute."""
+        if not self._swaps_to(seq.node_id):
+            self._preempt(seq, free=True)
+            return
+        self.running.remove(seq)
+        seq.swap_out()
+        self.swapped.append(seq)
+        self._to_swap_out.append(seq)
+
+    def _plan_swaps(self, batch: Any) -> tuple[list[Sequence], list[Sequence]]:
+        """This Step's swap-outs (last step's victims) and swap-ins: the oldest swapped-out
+        sequences whose swap-out step ran, while their node has the blocks to spare."""
+        out, self._to_swap_out = self._to_swap_out, []
+        if out:
+            batch.swap_out([s.seq_id for s in out])
+            for s in out:
+                self._swap_step[s] = self.stats.num_steps
+        usable = {pid: u for pid, (_f, u) in self._pool_free.items()}
+        back: list[Sequence] = []
+        for seq in self.swapped:
+            if self._swap_step.get(seq, self.stats.num_steps) >= self.stats.num_steps:
+                break   # swapped out by this very Step (or not sent yet): its host copy is not written
+            bs = self.pool_blocks.get(seq.node_id or "", (0, 1))[1]
+            need = -(-seq.num_computed // bs) + 1   # its blocks, and one to grow into
+            if usable.get(seq.node_id or "", 0) < need + len(back):
+                break   # oldest first: a later one does not overtake it
+            usable[seq.node_id or ""] = usable.get(seq.node_id or "", 0) - need
+            back.append(seq)
+        if back:
+            batch.swap_in([s.seq_id for s in back])
+        return out, back
+
+    def _apply_swaps(self, result: StepResult, out: list[Sequence], back: list[Sequence]) -> None:
+        """The Step's answer for swaps: a swap-out refused (host tier full or absent) falls back
+        to recompute (its blocks are still on device: freed with the next Step); a swap-in done
+        resumes the sequence (its next token next step); one refused for lack of room or an
+        unreported swap-out waits; a swapped sequence the block manager dropped (the step that
+        carried its swap-out failed) recomputes."""
+        for seq in out:
+            if seq.status is not SeqStatus.SWAPPED:
+                continue
+            failure = result.swapped_out.get(seq.seq_id or "")
+            if isinstance(failure, ItemFailure):
+                log.info("swap_out_refused", seq_id=seq.seq_id, error=str(failure.error))
+                self._recompute_swapped(seq, free=True)
+            else:
+                self.stats.num_swap_outs += 1
+        for seq in back:
+            answer = result.swapped_in.get(seq.seq_id or "")
+            if isinstance(answer, int):
+                self.swapped.remove(seq)
+                self._swap_step.pop(seq, None)
+                seq.swap_in()
+                self.running.append(seq)
+                self.stats.num_swap_ins += 1
+            elif isinstance(answer, ItemFailure) and answer.error.reason not in ("OutOfBlocks", "PendingWrite"):
+                self._recompute_swapped(seq, free=False)
+        for seq in [s for s in self.swapped if s.seq_id in result.dropped]:
+            self._recompute_swapped(seq, free=False)
+        for info in result.steps.values():
+            kinds = list(info.message.tier_kind)
+            if kinds:
+                bs = self.pool_blocks.get(info.pool_id, (0, 1))[1]
+                self.stats.swapped_out_blocks += kinds.count(1)
+                self.stats.swapped_in_blocks += kinds.count(2)
+                self.stats.offloaded_blocks += kinds.count(3)
+                self.stats.onboarded_blocks += kinds.count(4)
+                self.stats.host_hit_tokens += kinds.count(4) * bs
+
+    def _recompute_swapped(self, seq: Sequence, *, free: bool) -> None:
+        """A swapped sequence that cannot come back from host: recompute it (fallback)."""
+        self.swapped.remove(seq)
+        self._swap_step.pop(seq, None)
+        self.stats.recompute_fallbacks += 1
+        self.stats.recomputed_tokens += seq.num_computed
+        held = seq.preempt()
+        if free and held is not None:
+            self._to_free.append(held)
+        self.waiting.appendleft(seq)
 
     def _preempt(self, seq: Sequence, *, free: bool) -> None:
         """RUNNING -> PREEMPTED, back to the front of the queue with everything it has as its
@@ -447,6 +570,7 @@ class LLMEngine:
         if seq.status is not SeqStatus.RUNNING:
             return
         self.running.remove(seq)
+        self.stats.recomputed_tokens += seq.num_computed
         held = seq.preempt()
         if free and held is not None:
             self._to_free.append(held)
@@ -595,6 +719,11 @@ class LLMEngine:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)
+            self._swap_step.pop(seq, None)
+            if seq in self._to_swap_out:
+                self._to_swap_out.remove(seq)
         held = seq.finish()
         if held is not None:
             self._to_free.append(held)

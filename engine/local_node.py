@@ -41,16 +41,20 @@ class LocalNode:
         dtype: str | None = None,
         device: str = "auto",
         max_model_len: int | None = None,
+        host_num_blocks: int | None = None,
+        host_memory_bytes: int | None = None,
     ) -> LocalNode:
         """Load the model, size the KV pool, register it with `client`'s block manager."""
         runner = ModelRunner(model_dir, block_size=block_size, num_blocks=num_blocks,
                              kv_memory_bytes=kv_memory_bytes, dtype=dtype, device=device,
                              max_model_len=max_model_len)
         g = runner.geometry
+        num_host = runner.attach_host_tier(host_num_blocks, host_memory_bytes) if (
+            host_num_blocks or host_memory_bytes) else 0
         reg = client.register_node(node_id, g.num_blocks, block_size=g.block_size, geometry={
             "num_layers": g.num_layers, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
             "dtype": g.dtype, "device": str(runner.device),
-        })
+        }, host_num_blocks=num_host)
         return cls(node_id, runner, reg.epoch, Path(model_dir).name)
 
     def info(self, timeout_s: float | None = None) -> NodeInfo:

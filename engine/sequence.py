@@ -13,6 +13,8 @@ The lifecycle, in one place (`TRANSITIONS`; any other move raises `LifecycleErro
     FORKING ──admit (its parent's fork)──> RUNNING
     FORKING ──detach (fork refused)──> WAITING
     RUNNING ──preempt──> PREEMPTED ──admit (recompute prompt + outputs)──> RUNNING
+    RUNNING ──swap_out──> SWAPPED ──swap_in──> RUNNING     (host tier: docs/tiers.md)
+    SWAPPED ──preempt (host full, swap lost)──> PREEMPTED
 
 - WAITING: queued, never admitted; holds nothing (`seq_id` None).
 - FORKING: a child of an `n > 1` request waiting for its parent's fork (which admits it onto
@@ -21,6 +23,9 @@ The lifecycle, in one place (`TRANSITIONS`; any other move raises `LifecycleErro
 - PREEMPTED: was running; its blocks are freed (or went with its node) and it is queued to
   recompute its prompt and outputs as a new prompt. `seq_id` is None: the id it had is the
   engine's to free (`preempt` hands it over), a re-admission gets a new one.
+- SWAPPED: was running; its blocks are on its node's host tier (or on their way there, with
+  the next Step), under the same `seq_id` on the same `node_id`; `swap_in` resumes it with
+  everything computed (no recompute).
 - FINISHED: stopped, aborted or done; nothing held once its free is sent.
 """
 
@@ -39,13 +44,15 @@ class SeqStatus(Enum):
     FORKING = "forking"       # a child waiting for its parent's fork
     RUNNING = "running"       # admitted: holds blocks on `node_id`
     PREEMPTED = "preempted"   # freed (or its node gone), queued to recompute everything it has
+    SWAPPED = "swapped"       # its blocks on its node's host tier, queued to swap back in
     FINISHED = "finished"
 
 
 TRANSITIONS: dict[SeqStatus, frozenset[SeqStatus]] = {
     SeqStatus.WAITING: frozenset({SeqStatus.RUNNING, SeqStatus.FINISHED}),
     SeqStatus.FORKING: frozenset({SeqStatus.RUNNING, SeqStatus.WAITING, SeqStatus.FINISHED}),
-    SeqStatus.RUNNING: frozenset({SeqStatus.PREEMPTED, SeqStatus.FINISHED}),
+    SeqStatus.RUNNING: frozenset({SeqStatus.PREEMPTED, SeqStatus.SWAPPED, SeqStatus.FINISHED}),
+    SeqStatus.SWAPPED: frozenset({SeqStatus.RUNNING, SeqStatus.PREEMPTED, SeqStatus.FINISHED}),
     SeqStatus.PREEMPTED: frozenset({SeqStatus.RUNNING, SeqStatus.FINISHED}),
     SeqStatus.FINISHED: frozenset(),
 }
@@ -116,6 +123,14 @@ class Sequence:
         self.num_computed = 0
         self.num_prompt = len(self.token_ids)   # a fork parent keeps its flag until its fork ran
         return held
+
+    def swap_out(self) -> None:
+        """Preempted to the host tier: it keeps its id, node and computed tokens."""
+        self._move(SeqStatus.SWAPPED)
+
+    def swap_in(self) -> None:
+        """Back on device (other blocks, same tokens): decoding continues where it stopped."""
+        self._move(SeqStatus.RUNNING)
 
     def detach(self) -> None:
         """A fork child whose fork was refused: admitted on its own like a new sequence."""

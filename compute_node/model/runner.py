@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from compute_node.decode_path import StepShape
+from compute_node.host_pool import HostKvPool, host_blocks_for_budget
 from compute_node.model.attention import PhaseTimer
 from compute_node.model.batch import SeqOutput, SeqWork, StepInputs, prepare_step
 from compute_node.model.config import ModelConfig, resolve_dtype
@@ -107,6 +108,7 @@ class ModelRunner:
             self.model = DecoderModel.load(checkpoint, cfg, self.dtype, self.device)
         geometry = PoolGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, block_size, num_blocks)
         self.pool = KvPool(geometry, self.device, cuda_graphs=cuda_graphs, max_context=self.max_model_len)
+        self.host_pool: HostKvPool | None = None   # the host tier, when attached (attach_host_tier)
         self.sampler = Sampler()
         self.profile = False
         self.last_timings: StepTimings | None = None
@@ -114,6 +116,16 @@ class ModelRunner:
     @property
     def geometry(self) -> PoolGeometry:
         return self.pool.geometry
+
+    def attach_host_tier(self, num_blocks: int | None = None, memory_bytes: int | None = None) -> int:
+        """Give the node a host tier of `num_blocks` (or as many as fit in `memory_bytes`);
+        returns its number of blocks (0: none, the budget holds no block)."""
+        if num_blocks is None:
+            num_blocks = host_blocks_for_budget(int(memory_bytes or 0), self.geometry)
+        if num_blocks < 0:
+            raise ModelLoadError(f"host tier blocks must be >= 0, got {num_blocks}")
+        self.host_pool = HostKvPool(self.geometry, num_blocks, self.device) if num_blocks else None
+        return num_blocks
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy whole blocks src → dst in every layer, in order (CoW copies, defrag moves)."""

@@ -78,8 +78,8 @@ def _translate(exc: grpc.aio.AioRpcError) -> LinkError:
 
 def _same_registration(a: bm_pb.RegisterNodeRequest, b: bm_pb.RegisterNodeRequest) -> bool:
     """The same pool described the same way (ids and sessions aside)."""
-    return (a.node_id, a.num_blocks, a.block_size, a.geometry, a.address) == (
-        b.node_id, b.num_blocks, b.block_size, b.geometry, b.address
+    return (a.node_id, a.num_blocks, a.block_size, a.geometry, a.address, a.host_num_blocks) == (
+        b.node_id, b.num_blocks, b.block_size, b.geometry, b.address, b.host_num_blocks
     )
 
 
@@ -141,6 +141,7 @@ class BlockManagerLink:
     async def register(
         self, *, num_layers: int, num_kv_heads: int, head_dim: int,
         dtype: str, device: str, block_size: int | None, num_blocks: int, address: str,
+        host_num_blocks: int = 0,
     ) -> Registration:
         """Register the pool; every call starts a new epoch (fencing any previous one) — except
         that a registration whose answer was lost is resent first (see the module docstring)."""
@@ -153,6 +154,7 @@ class BlockManagerLink:
                 num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device
             ),
             address=address,
+            host_num_blocks=host_num_blocks,
         )
         pending = self._unanswered
         if pending is not None and _same_registration(pending, request):

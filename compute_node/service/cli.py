@@ -25,6 +25,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--block-manager", help="block manager address HOST:PORT (overrides config)")
     p.add_argument("--node-id", help="node id, also the pool id (overrides config)")
     p.add_argument("--num-blocks", type=int, help="blocks in the pool (overrides config)")
+    p.add_argument("--host-kv-memory", type=int, metavar="BYTES",
+                   help="host tier under the KV pool, in bytes (swap preemption, prefix offload; docs/tiers.md)")
+    p.add_argument("--host-kv-blocks", type=int, metavar="N", help="host tier size in blocks instead of bytes")
     p.add_argument("--model", help="serve this Hugging Face model directory (Llama/Qwen2/Qwen3; overrides config)")
     p.add_argument("--metrics-port", type=int, help="Prometheus endpoint port (0: ephemeral)")
     p.add_argument("--port-file", type=Path, help="write the bound gRPC port here once listening")
@@ -45,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
             ("num_blocks", args.num_blocks),
             ("model", args.model),
             ("metrics_port", args.metrics_port),
+            ("host_kv_memory", args.host_kv_memory),
+            ("host_kv_blocks", args.host_kv_blocks),
         )
     )
     if args.num_blocks is not None:

@@ -56,6 +56,10 @@ class ComputeNodeConfig(YamlEnvSettings):
     block_size: int | None = Field(default=None, ge=1, le=4096)
     num_blocks: int | None = Field(default=None, ge=1, le=1 << 24)
     memory_budget_bytes: int | None = Field(default=None, ge=1)
+    # The host tier under the pool (docs/tiers.md; model nodes): `host_kv_blocks`, or as many
+    # blocks as fit in `host_kv_memory` bytes; pinned memory on CUDA. Unset: no host tier.
+    host_kv_blocks: int | None = Field(default=None, ge=0, le=1 << 24)
+    host_kv_memory: int | None = Field(default=None, ge=0)
     # "auto": CUDA when torch sees a GPU, else the CPU; or an explicit "cpu" / "cuda:N".
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     max_batch: int = Field(default=4096, ge=1)
@@ -120,6 +124,8 @@ class ComputeNodeConfig(YamlEnvSettings):
     def _one_pool_size(self) -> ComputeNodeConfig:
         if self.num_blocks is not None and self.memory_budget_bytes is not None:
             raise ValueError("set at most one of num_blocks or memory_budget_bytes")
+        if self.host_kv_blocks is not None and self.host_kv_memory is not None:
+            raise ValueError("set at most one of host_kv_blocks or host_kv_memory")
         if self.memory_budget_bytes is not None:
             # The pool size is derived before registering, so the block size must be known.
             if self.block_size is None:

@@ -163,6 +163,9 @@ class ComputeNode:
             cuda_graphs=cfg.cuda_graphs,
         )
         self.pool = runner.pool
+        if cfg.host_kv_blocks or cfg.host_kv_memory:
+            num_host = runner.attach_host_tier(cfg.host_kv_blocks, cfg.host_kv_memory)
+            self.log.info("host_tier", num_blocks=num_host, pinned=bool(runner.host_pool and runner.host_pool.pinned))
         self.generator = Generator(runner, self.tables, max_batch=cfg.max_batch)
         self.metrics.set_pool(runner.geometry, str(self.device))
         self.log.info("model_loaded", model=cfg.model, architecture=runner.model_config.architecture,
@@ -262,6 +265,7 @@ class ComputeNode:
             reg = await self.link.register(
                 num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, dtype=g.dtype,
                 device=str(self.device), block_size=block_size, num_blocks=num_blocks, address=self.advertise_address,
+                host_num_blocks=self.runner.host_pool.num_blocks if self.runner and self.runner.host_pool else 0,
             )
             self.metrics.bm_rpcs.labels("RegisterNode").inc()
         except LinkError as exc:

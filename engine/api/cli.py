@@ -62,6 +62,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", type=parse_size,
                    help="bytes for the KV pool, e.g. 2GiB (embedded; default 512MiB)")
     p.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks instead (embedded)")
+    p.add_argument("--host-kv-memory", type=parse_size,
+                   help="host tier under the KV pool, e.g. 2GiB (embedded; swap preemption, prefix offload)")
+    p.add_argument("--host-kv-blocks", type=int, help="host tier size in blocks instead (embedded)")
+    p.add_argument("--preemption-mode", choices=["auto", "swap", "recompute"], default="auto",
+                   help="swap preempted sequences to the host tier or recompute them (default auto: swap where "
+                        "the node has a host tier)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                    help="weights and KV dtype (embedded; default the checkpoint's)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (embedded; default auto)")
@@ -146,6 +152,9 @@ def _build_llm(args: argparse.Namespace) -> Any:
         max_num_seqs=int(args.max_num_seqs), max_num_batched_tokens=int(args.max_num_batched_tokens),
         max_model_len=None if args.max_model_len is None else int(args.max_model_len),
         watermark=float(args.watermark), tls=tls_from_args(args), token=args.scheduler_token or None,
+        preemption_mode=args.preemption_mode,
+        host_kv_memory=None if args.host_kv_memory is None else int(args.host_kv_memory),
+        host_kv_blocks=None if args.host_kv_blocks is None else int(args.host_kv_blocks),
     )
 
 
