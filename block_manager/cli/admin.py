@@ -205,6 +205,17 @@ def _show_status(con: Console, r: Result) -> None:
         "contig",
     )
     _print_table(con, "pools", cols, rows)
+    hosts = [p for p in sorted(r["pools"], key=lambda p: p["pool_id"]) if p.get("host_num_blocks")]
+    if hosts:   # the host tier under each pool that has one (docs/tiers.md)
+        host_rows = [
+            (p["pool_id"], p["host_num_blocks"], p.get("host_free_blocks", 0), p.get("host_used_blocks", 0),
+             p.get("host_cached_blocks", 0), p.get("num_swapped_sequences", 0), p.get("swapped_out_blocks", 0),
+             p.get("swapped_in_blocks", 0), p.get("offloaded_blocks", 0), p.get("onboarded_blocks", 0),
+             p.get("host_hit_tokens", 0))
+            for p in hosts
+        ]
+        _print_table(con, "host tier", ("pool", "blocks", "free", "used", "cached", "swapped seqs", "swap out",
+                                        "swap in", "offload", "onboard", "host hit tok"), host_rows)
 
 
 def _show_nodes(con: Console, r: Result) -> None:

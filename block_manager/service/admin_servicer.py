@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import grpc
 
-from block_manager.core.types import PoolId, SeqId
+from block_manager.core.types import HostTierMetrics, PoolId, SeqId
 from block_manager.service.defrag_runner import DefragRunner
 from block_manager.service.protocol import (
     MutatingServicer,
@@ -21,6 +21,19 @@ from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
 MAX_LIST = 10_000
+
+
+def host_status(h: HostTierMetrics | None) -> dict[str, int]:
+    """The host tier fields of a PoolStatus (none for a pool without a host tier)."""
+    if h is None:
+        return {}
+    return {
+        "host_num_blocks": h.num_blocks, "host_free_blocks": h.num_free_blocks,
+        "host_cached_blocks": h.num_cached_blocks, "host_used_blocks": h.num_used_blocks,
+        "num_swapped_sequences": h.num_swapped_sequences, "swapped_out_blocks": h.swapped_out_blocks,
+        "swapped_in_blocks": h.swapped_in_blocks, "offloaded_blocks": h.offloaded_blocks,
+        "onboarded_blocks": h.onboarded_blocks, "host_hit_tokens": h.host_hit_tokens,
+    }
 
 
 class BlockManagerAdminServicer(MutatingServicer, pb_grpc.BlockManagerAdminServicer):
@@ -62,6 +75,7 @@ class BlockManagerAdminServicer(MutatingServicer, pb_grpc.BlockManagerAdminServi
                     open_step=core.open_step_id(pid),
                     settled_step=core.settled_step_id(pid),
                     scheduler_id=(lease.scheduler_id if (lease := rt.state.leases.get(pid)) else ""),
+                    **host_status(core.host_metrics(pid)),
                 )
             )
         return pb.StatusResponse(

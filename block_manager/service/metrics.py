@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from block_manager.core.types import HostTierMetrics
     from block_manager.service.runtime import ServiceRuntime
 
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -35,9 +36,11 @@ class _StateCollector(Collector):
     def _read(self) -> dict[str, Any]:
         rt = self._runtime
         pools = [rt.state.core.metrics(pid) for pid in rt.state.core.pool_ids]
+        hosts = [h for pid in rt.state.core.pool_ids if (h := rt.state.core.host_metrics(pid)) is not None]
         nodes = rt.state.registry.nodes()
         return {
             "pools": pools,
+            "hosts": hosts,
             "nodes_active": sum(1 for n in nodes if n.active and not n.draining),
             "nodes_draining": sum(1 for n in nodes if n.active and n.draining),
             "nodes_fenced": sum(1 for n in nodes if n.fenced),
@@ -111,6 +114,7 @@ class _StateCollector(Collector):
             plans.add_metric([m.pool_id, "committed", "contiguity"], m.contiguity_plans)
             plans.add_metric([m.pool_id, "aborted", ""], m.aborted_plans)
         yield from (usage, blocks, hwm, waste, seqs, contiguity, queries, hits, cow, evictions, moves, plans)
+        yield from _host_families(snap.get("hosts", ()))
         nodes = GaugeMetricFamily("pagedkv_nodes", "Registered nodes by state.", labels=["state"])
         for state in ("active", "draining", "fenced"):
             nodes.add_metric([state], snap[f"nodes_{state}"])
@@ -134,6 +138,27 @@ class _StateCollector(Collector):
             "Resends refused as expired (a number whose answer is gone, or an unknown session).",
             value=snap["session_refusals"],
         )
+
+
+def _host_families(hosts: Iterable[HostTierMetrics]) -> Iterator[Metric]:
+    """The host tier's metrics (docs/tiers.md): blocks by state, moves by kind, host hit tokens."""
+    blocks = GaugeMetricFamily("pagedkv_host_blocks", "Host tier blocks of the pool by state.",
+                               labels=["pool", "state"])
+    swapped = GaugeMetricFamily("pagedkv_swapped_sequences", "Sequences swapped out to host.", labels=["pool"])
+    moves = CounterMetricFamily("pagedkv_tier_moves", "Blocks moved between tiers, by kind.", labels=["pool", "kind"])
+    host_hits = CounterMetricFamily("pagedkv_host_hit_tokens", "Prompt tokens onboarded from the host tier.",
+                                    labels=["pool"])
+    host_evictions = CounterMetricFamily("pagedkv_host_evictions", "Host blocks evicted for good.", labels=["pool"])
+    for h in hosts:
+        for state, value in (("free", h.num_free_blocks), ("used", h.num_used_blocks), ("cached", h.num_cached_blocks)):
+            blocks.add_metric([h.pool_id, state], value)
+        swapped.add_metric([h.pool_id], h.num_swapped_sequences)
+        for kind, value in (("swap_out", h.swapped_out_blocks), ("swap_in", h.swapped_in_blocks),
+                            ("offload", h.offloaded_blocks), ("onboard", h.onboarded_blocks)):
+            moves.add_metric([h.pool_id, kind], value)
+        host_hits.add_metric([h.pool_id], h.host_hit_tokens)
+        host_evictions.add_metric([h.pool_id], h.host_evictions)
+    yield from (blocks, swapped, moves, host_hits, host_evictions)
 
 
 class ServiceMetrics:

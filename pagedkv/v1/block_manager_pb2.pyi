@@ -1070,6 +1070,16 @@ class PoolStatus(_message.Message):
     COMPACTION_PLANS_FIELD_NUMBER: _builtins.int
     CONTIGUITY_PLANS_FIELD_NUMBER: _builtins.int
     ABORTED_PLANS_FIELD_NUMBER: _builtins.int
+    HOST_NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    HOST_FREE_BLOCKS_FIELD_NUMBER: _builtins.int
+    HOST_CACHED_BLOCKS_FIELD_NUMBER: _builtins.int
+    HOST_USED_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_SWAPPED_SEQUENCES_FIELD_NUMBER: _builtins.int
+    SWAPPED_OUT_BLOCKS_FIELD_NUMBER: _builtins.int
+    SWAPPED_IN_BLOCKS_FIELD_NUMBER: _builtins.int
+    OFFLOADED_BLOCKS_FIELD_NUMBER: _builtins.int
+    ONBOARDED_BLOCKS_FIELD_NUMBER: _builtins.int
+    HOST_HIT_TOKENS_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     num_blocks: _builtins.int
     block_size: _builtins.int
@@ -1099,6 +1109,20 @@ class PoolStatus(_message.Message):
     contiguity_plans: _builtins.int
     aborted_plans: _builtins.int
     """defrag plans aborted (their step failed, or they timed out)"""
+    host_num_blocks: _builtins.int
+    """host tier (docs/tiers.md); all 0 for a pool without one"""
+    host_free_blocks: _builtins.int
+    host_cached_blocks: _builtins.int
+    """hashed, unreferenced: prefix blocks offloaded from the device"""
+    host_used_blocks: _builtins.int
+    """held by swapped-out sequences or by steps reading them"""
+    num_swapped_sequences: _builtins.int
+    swapped_out_blocks: _builtins.int
+    swapped_in_blocks: _builtins.int
+    offloaded_blocks: _builtins.int
+    onboarded_blocks: _builtins.int
+    host_hit_tokens: _builtins.int
+    """prompt tokens onboarded from host instead of recomputed"""
     def __init__(
         self,
         *,
@@ -1126,10 +1150,20 @@ class PoolStatus(_message.Message):
         compaction_plans: _builtins.int = ...,
         contiguity_plans: _builtins.int = ...,
         aborted_plans: _builtins.int = ...,
+        host_num_blocks: _builtins.int = ...,
+        host_free_blocks: _builtins.int = ...,
+        host_cached_blocks: _builtins.int = ...,
+        host_used_blocks: _builtins.int = ...,
+        num_swapped_sequences: _builtins.int = ...,
+        swapped_out_blocks: _builtins.int = ...,
+        swapped_in_blocks: _builtins.int = ...,
+        offloaded_blocks: _builtins.int = ...,
+        onboarded_blocks: _builtins.int = ...,
+        host_hit_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted_plans", b"aborted_plans", "block_size", b"block_size", "compaction_plans", b"compaction_plans", "contiguity", b"contiguity", "contiguity_plans", b"contiguity_plans", "cow_copies", b"cow_copies", "defrag_moves", b"defrag_moves", "evictions", b"evictions", "high_water_mark", b"high_water_mark", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_free_blocks", b"num_free_blocks", "num_reserved_blocks", b"num_reserved_blocks", "num_sequences", b"num_sequences", "num_tokens", b"num_tokens", "num_used_blocks", b"num_used_blocks", "open_step", b"open_step", "pool_id", b"pool_id", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_query_tokens", b"prefix_query_tokens", "scheduler_id", b"scheduler_id", "settled_step", b"settled_step", "usage", b"usage", "waste_slots", b"waste_slots"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted_plans", b"aborted_plans", "block_size", b"block_size", "compaction_plans", b"compaction_plans", "contiguity", b"contiguity", "contiguity_plans", b"contiguity_plans", "cow_copies", b"cow_copies", "defrag_moves", b"defrag_moves", "evictions", b"evictions", "high_water_mark", b"high_water_mark", "host_cached_blocks", b"host_cached_blocks", "host_free_blocks", b"host_free_blocks", "host_hit_tokens", b"host_hit_tokens", "host_num_blocks", b"host_num_blocks", "host_used_blocks", b"host_used_blocks", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_free_blocks", b"num_free_blocks", "num_reserved_blocks", b"num_reserved_blocks", "num_sequences", b"num_sequences", "num_swapped_sequences", b"num_swapped_sequences", "num_tokens", b"num_tokens", "num_used_blocks", b"num_used_blocks", "offloaded_blocks", b"offloaded_blocks", "onboarded_blocks", b"onboarded_blocks", "open_step", b"open_step", "pool_id", b"pool_id", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_query_tokens", b"prefix_query_tokens", "scheduler_id", b"scheduler_id", "settled_step", b"settled_step", "swapped_in_blocks", b"swapped_in_blocks", "swapped_out_blocks", b"swapped_out_blocks", "usage", b"usage", "waste_slots", b"waste_slots"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

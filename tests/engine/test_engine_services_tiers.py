@@ -46,6 +46,15 @@ def test_swap_preemption_over_services_matches_transformers(services: Services, 
         assert stats["recomputed_tokens"] == 0 and stats["swapped_in_blocks"] >= stats["swapped_out_blocks"] > 0
         pools = admin.status()["pools"]
         assert len(pools) == 2 and all(int(p.get("num_sequences", 0)) == 0 for p in pools)
+        # both tiers in the admin status and in Prometheus, the block manager's counts = the engine's
+        assert all(int(p["host_num_blocks"]) == 64 and int(p["num_swapped_sequences"]) == 0 for p in pools)
+        assert sum(int(p["swapped_out_blocks"]) for p in pools) == stats["swapped_out_blocks"]
+        assert sum(int(p["swapped_in_blocks"]) for p in pools) == stats["swapped_in_blocks"]
+        text = services.bm.metrics.render().decode()
+        assert 'pagedkv_host_blocks{pool="node-0",state="free"}' in text
+        moved = [line for line in text.splitlines() if line.startswith("pagedkv_tier_moves_total{")
+                 and 'kind="swap_out"' in line]
+        assert sum(float(line.rsplit(" ", 1)[1]) for line in moved) == stats["swapped_out_blocks"]
         assert admin.fsck().get("ok") is True
     finally:
         admin.close()
