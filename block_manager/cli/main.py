@@ -65,6 +65,8 @@ def _add_replay(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="contiguous baseline reserves prompt + this many slots per sequence",
     )
+    p.add_argument("--host-blocks", type=int, default=0,
+                   help="a host tier of this many blocks under the pool (swap preemption, prefix offload)")
     p.add_argument("--fsck", action="store_true", help="run the core's consistency check at the end")
     p.add_argument("--indent", type=int, default=None, help="pretty-print the JSON")
     p.set_defaults(func=_run_replay)
@@ -125,6 +127,7 @@ def _run_replay(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             max_output_len=args.max_output_len,
             fsck=args.fsck,
+            host_blocks=args.host_blocks,
         )
     except TraceError as e:
         return _fail(f"{args.trace}: {e}", EXIT_USAGE)

@@ -90,6 +90,18 @@ class ReplayReport:
     contiguous_waste_ratio: float  # mean over append steps of (reserved - tokens) / reserved
     concurrency_gain_exact: float  # the same gain against the exact-length (oracle) baseline
     fsck_problems: list[str] = field(default_factory=list)
+    # host tier (`host_blocks`; docs/tiers.md): a preempted sequence is swapped out and back in
+    # before its next append that finds room (its appends meanwhile are skipped; recompute only
+    # when the host tier is full); offload / onboard as the core does them. `preemptions`
+    # counts both kinds, `recomputed_tokens` only recomputes.
+    host_blocks: int = 0
+    preemptions: int = 0
+    recomputed_tokens: int = 0
+    host_hit_tokens: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    offloaded_blocks: int = 0
+    onboarded_blocks: int = 0
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -153,9 +165,13 @@ class TraceReplayer:
         watermark: float = 0.01,
         max_model_len: int | None = None,
         max_output_len: int | None = None,
+        host_blocks: int = 0,
     ) -> None:
         self.manager = BlockManager(watermark=watermark, enable_prefix_caching=enable_prefix_caching)
-        self.manager.add_pool(REPLAY_POOL, num_blocks, block_size)
+        self.manager.add_pool(REPLAY_POOL, num_blocks, block_size, host_num_blocks=host_blocks)
+        self.host_blocks = host_blocks
+        self.swapped: dict[SeqId, _Live] = {}   # swapped out to the host tier, swapped in on their next append
+        self.recomputed_tokens = 0
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -226,9 +242,12 @@ class TraceReplayer:
             del self.ref_cnt[b]
 
     def _check_live(self, line_no: int, seq_id: SeqId) -> bool:
-        """True if live, False if dead (caller skips); unknown ids are trace errors."""
+        """True if live, False if dead (caller skips); unknown ids are trace errors. A swapped-out
+        sequence is swapped back in first (or, when it cannot come back now, dead: recomputed)."""
         if seq_id in self.live:
             return True
+        if seq_id in self.swapped:
+            return self._swap_in(seq_id)
         if seq_id in self.dead:
             self.skipped += 1
             return False
@@ -338,10 +357,35 @@ class TraceReplayer:
         if not isinstance(error, OutOfBlocks):
             raise TraceError(line_no, f"append {seq_id!r}: {type(error).__name__}: {error}")
         self._forward()  # the sequence's earlier writes ran before the scheduler preempts it
+        if self.host_blocks and self.manager.can_swap_out([seq_id]):
+            self._timed(self.manager.swap_out, [seq_id])
+            self.swapped[seq_id] = self.live[seq_id]
+            self._drop_live(seq_id)
+            self.preempted += 1
+            return
+        self.recomputed_tokens += self.live[seq_id].num_tokens
         self._timed(self.manager.free, [seq_id])
         self._drop_live(seq_id)
         self.dead.add(seq_id)
         self.preempted += 1
+
+    def _swap_in(self, seq_id: SeqId) -> bool:
+        """Bring a swapped-out sequence back before its next append (its swap-out's step is
+        reported first). When the device has no room yet it stays on host and this append is
+        skipped (a scheduler would keep it waiting; the trace goes on without its tokens)."""
+        self._forward()
+        # like the engine: back only with a block to grow into, or it would thrash (in, out, in)
+        if self.manager.free_blocks(REPLAY_POOL)[1] < len(self.swapped[seq_id].block_table) + 1:
+            self.skipped += 1
+            return False
+        try:
+            view = self._timed(self.manager.swap_in, [seq_id])[0]
+        except OutOfBlocks:
+            self.skipped += 1
+            return False
+        seq = self.swapped.pop(seq_id)
+        self._add_live(seq_id, view.num_tokens, list(view.block_table), (seq.reserved_slots, seq.exact_slots))
+        return True
 
     def _sample_step(self) -> None:
         used = self._sample_usage()
@@ -376,7 +420,10 @@ class TraceReplayer:
         self._sample_usage()
 
     def _free(self, op: FreeOp) -> None:
-        seq_ids = [seq_id for seq_id in op.seq_ids if self._check_live(op.line_no, seq_id)]
+        gone = [seq_id for seq_id in op.seq_ids if self.swapped.pop(seq_id, None) is not None]
+        if gone:   # freed while swapped out: its host blocks go
+            self._timed(self.manager.free, gone)
+        seq_ids = [seq_id for seq_id in op.seq_ids if seq_id not in gone and self._check_live(op.line_no, seq_id)]
         for seq_id in op.seq_ids:
             self.dead.discard(seq_id)
         if seq_ids:
@@ -434,7 +481,18 @@ class TraceReplayer:
             contiguous_waste_ratio=_mean(self.contiguous_waste_ratios),
             concurrency_gain_exact=sum(self.exact_samples) / paged_slots if paged_slots else 0.0,
             fsck_problems=self._fsck() if fsck else [],
+            **self._host_counters(),
         )
+
+    def _host_counters(self) -> dict[str, int]:
+        host = self.manager.host_metrics(REPLAY_POOL)
+        out = {"host_blocks": self.host_blocks, "preemptions": self.preempted,
+               "recomputed_tokens": self.recomputed_tokens}
+        if host is not None:
+            out.update(host_hit_tokens=host.host_hit_tokens, swapped_out_blocks=host.swapped_out_blocks,
+                       swapped_in_blocks=host.swapped_in_blocks, offloaded_blocks=host.offloaded_blocks,
+                       onboarded_blocks=host.onboarded_blocks)
+        return out
 
     def _fsck(self) -> list[str]:
         """The core's own check plus agreement between its state and the replay's view."""
@@ -469,6 +527,7 @@ def replay(
     max_model_len: int | None = None,
     max_output_len: int | None = None,
     fsck: bool = False,
+    host_blocks: int = 0,
 ) -> ReplayReport:
     """Replay a trace (a path, or an iterable of JSON lines) through a fresh core.
 
@@ -483,5 +542,6 @@ def replay(
         watermark=watermark,
         max_model_len=max_model_len,
         max_output_len=max_output_len,
+        host_blocks=host_blocks,
     )
     return replayer.run(ops, fsck=fsck)

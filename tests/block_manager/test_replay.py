@@ -234,3 +234,21 @@ def test_baseline_knobs_only_ever_reserve_more() -> None:
     by_model = replay(lines, num_blocks=2000, block_size=16, max_model_len=160)
     assert exact.concurrency_gain <= by_output.concurrency_gain <= by_model.concurrency_gain
     assert exact.contiguous_waste_ratio < by_model.contiguous_waste_ratio
+
+
+def test_a_host_tier_swaps_instead_of_recomputing_and_onboards_evicted_prefixes() -> None:
+    """`--host-blocks`: the same small-pool trace, preempted sequences swapped out and back in
+    (far fewer recomputed tokens), evicted system-prompt blocks offloaded and onboarded; the
+    core stays consistent in both tiers."""
+    config = TraceConfig(num_requests=40, prompt_len_max=200, output_len_max=100, system_prompt_len=96,
+                         num_system_prompts=4, shared_prompt_fraction=0.8, seed=9)
+    lines = list(generate_trace(config))
+    without = replay(lines, num_blocks=60, block_size=16, fsck=True)
+    with_host = replay(lines, num_blocks=60, block_size=16, fsck=True, host_blocks=400)
+    assert without.fsck_problems == [] and with_host.fsck_problems == []
+    assert without.host_blocks == 0 and without.swapped_out_blocks == 0 and without.host_hit_tokens == 0
+    assert without.preemptions > 0 and without.recomputed_tokens > 0
+    assert with_host.host_blocks == 400 and with_host.swapped_out_blocks > 0 and with_host.swapped_in_blocks > 0
+    assert with_host.recomputed_tokens < without.recomputed_tokens
+    assert with_host.offloaded_blocks > 0
+    assert with_host.prefix_hit_tokens + with_host.host_hit_tokens >= without.prefix_hit_tokens
