@@ -45,19 +45,19 @@ def _prompts(rng: random.Random, n: int, length: int) -> list[list[int]]:
     return [[rng.randrange(1, 2000) for _ in range(length)] for _ in range(n)]
 
 
-def preemption_heavy(model: Path, n: int, prompt_len: int, out_len: int) -> None:
+def preemption_heavy(model: Path, n: int, prompt_len: int, out_len: int, prefix_caching: bool = True) -> None:
     rng = random.Random(1)
     prompts = [{"prompt_token_ids": p} for p in _prompts(rng, n, prompt_len)]
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     working = n * -(-(prompt_len + out_len) // BS)
     device = working // 2
     print(f"## preemption-heavy: {n} requests x ({prompt_len} prompt + {out_len} output) tokens, working set "
-          f"{working} blocks of {BS}, device pool {device} blocks")
+          f"{working} blocks of {BS}, device pool {device} blocks, prefix caching {'on' if prefix_caching else 'off'}")
     results = {}
     for mode in ("recompute", "swap", "recompute", "swap"):
         host = 2 * working if mode == "swap" else None
         with LLM(model, block_size=BS, num_kv_blocks=device, device="cpu", watermark=0.0, host_kv_blocks=host,
-                 preemption_mode=mode, max_num_batched_tokens=512) as llm:
+                 preemption_mode=mode, max_num_batched_tokens=512, enable_prefix_caching=prefix_caching) as llm:
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params)
             dt = time.perf_counter() - t0
@@ -151,7 +151,8 @@ def move_cost(n_blocks: int) -> None:
 def core_step(num_seqs: int, steps: int, swap_every: int) -> None:
     def run(with_tiers: bool) -> float:
         m = BlockManager(watermark=0.0)
-        m.add_pool("p", 8 * num_seqs, BS, host_num_blocks=8 * num_seqs)
+        blocks = num_seqs * -(-(40 + steps) // BS) + 8
+        m.add_pool("p", blocks, BS, host_num_blocks=blocks)
         ids = [f"s{i}" for i in range(num_seqs)]
         for sid in ids:
             m.allocate(sid, "p", list(range(1, 40)))
@@ -191,6 +192,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(Path(tmp) / "llama", "llama", seed=1, **MODEL)
         preemption_heavy(model, 8 if q else 16, 64, 32 if q else 64)
+        preemption_heavy(model, 8 if q else 16, 64, 32 if q else 64, prefix_caching=False)
         prefix_heavy(model, 8 if q else 16, 128 if q else 256, 2 if q else 3)
         ttft_host_hit(model, 512 if q else 2048)
     move_cost(64)
