@@ -69,6 +69,9 @@ class LLM:
         self.tokenizer = Tokenizer(self.model_dir)
         nodes: dict[str, NodeExecutor]
         connect: Callable[[str, str], NodeExecutor] | None = None
+        if block_manager is not None and (host_kv_memory or host_kv_blocks):
+            raise EngineError("host_kv_memory / host_kv_blocks size the embedded node's host tier; with "
+                              "block_manager= each node's own config sets it (compute-node serve --host-kv-memory)")
         if block_manager is None:
             from block_manager.service.config import BlockManagerConfig
             from engine.local_bm import LocalBlockManagerClient

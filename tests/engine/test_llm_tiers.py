@@ -88,3 +88,10 @@ def test_onboarded_prefixes_give_the_same_tokens(model_dirs: dict[str, Path], hf
 def test_preemption_mode_is_checked() -> None:
     with pytest.raises(ValueError, match="preemption_mode"):
         EngineConfig(preemption_mode="sometimes")
+
+
+def test_host_tier_options_need_the_embedded_node(model_dirs: dict[str, Path]) -> None:
+    from engine.llm_engine import EngineError
+
+    with pytest.raises(EngineError, match="embedded node's host tier"):
+        LLM(model_dirs["llama-gqa4-hd64"], block_manager="127.0.0.1:1", host_kv_blocks=8)
