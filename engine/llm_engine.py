@@ -501,6 +501,10 @@ class LLMEngine:
             for s in out:
                 self._swap_step[s] = self.stats.num_steps
         usable = {pid: u for pid, (_f, u) in self._pool_free.items()}
+        for seq in [s for s in self.swapped if s.seq_id not in {o.seq_id for o in out}
+                    and (s.node_id in self._down or (usable and s.node_id not in usable))]:
+            # its node left placement or its pool is gone: it cannot come back from that host tier
+            self._recompute_swapped(seq, free=seq.node_id in usable)
         back: list[Sequence] = []
         for seq in self.swapped:
             if self._swap_step.get(seq, self.stats.num_steps) >= self.stats.num_steps:
