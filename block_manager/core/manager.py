@@ -387,9 +387,10 @@ class BlockManager:
         last = cols.last_block_np[rows]
         off = (np.array(after, np.int64) - 1) % bs
         slots = list(zip((last * bs + off).tolist()))
-        new = list(zip(last.tolist()))
-        for i in (off != 0).nonzero()[0].tolist():
-            new[i] = ()
+        new: list[tuple[int, ...]] = [()] * len(seq_ids)
+        crossed = (off == 0).nonzero()[0]
+        for i, b in zip(crossed.tolist(), last[crossed].tolist()):
+            new[i] = (b,)
         copies: list[tuple[CopyOp, ...]] = [()] * len(seq_ids)
         for i, op in ops.items():
             copies[i] = (op,)
