@@ -58,8 +58,9 @@ def append_pool(
     Two kinds of item run as array operations: in-block appends (inside or exactly filling
     an exclusive partial last block) and plain crossings (the table is full and the tokens
     fit one new block: no copy). Crossings take their blocks in request order, so they run
-    as arrays only when no other item of the batch takes blocks and the pool has a block
-    for each; otherwise they go item by item with the rest."""
+    as arrays only when no other item of the batch takes blocks and the pool has a plain free
+    block for each (no eviction, which would drop a hash out of order with the batch's
+    registrations); otherwise they go item by item with the rest."""
     cols = pool.cols
     bs = pool.block_size
     num = len(rows)
@@ -81,7 +82,9 @@ def append_pool(
     if num_fast < num:
         crossing = (off == 0) if ones else (off == 0) & (c <= bs)
         num_cross = int(np.count_nonzero(crossing))
-        if num_cross and num_fast + num_cross == num and num_cross <= pool.num_available:
+        # Only from plain free blocks: an eviction drops a hash, which must happen in request
+        # order relative to the registrations of blocks that fill in this batch.
+        if num_cross and num_fast + num_cross == num and num_cross <= pool.free_list.length:
             simple = fast | crossing
             cross = crossing.nonzero()[0].tolist()
     if num_fast == num or cross:
