@@ -8,7 +8,9 @@ Append APIs compared in one run (each in a fresh interpreter, interleaved rounds
   * `columns`   — `append_tokens`, the columnar path the Step RPC uses;
   * `slots`     — `append_slots`, one request object in and one result object out per sequence;
   * `baseline`  — `append_slots` of an older revision (`--baseline REV`, default the commit
-                  before the step protocol), extracted with `git archive` into a temp dir.
+                  before the step protocol), extracted with `git archive` into a temp dir;
+  * `before-columns` / `before-slots` — the same two APIs of the core before the array
+                  columns (`--before REV`, default bf0caa1, issue 20's "today").
 The new core also closes and settles the step each iteration (what a Forward cycle costs the
 block manager); that is timed separately.
 
@@ -18,7 +20,7 @@ same step, the worst case. Wall time includes being descheduled on a shared mach
 time (process CPU clock) does not, so both are printed.
 
     .venv/bin/python bench/bench_core.py [--seqs 256] [--steps 2000] [--block-size 16] [--aligned]
-                                         [--baseline 4395670] [--rounds 3]
+                                         [--baseline 4395670] [--before bf0caa1] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_BASELINE = "4395670"   # main before the step protocol (issue 9's "today")
+DEFAULT_BEFORE = "bf0caa1"     # main before the array columns (issue 20's "today")
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -125,45 +128,50 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=100)
     ap.add_argument("--aligned", action="store_true", help="all sequences cross blocks together")
     ap.add_argument("--baseline", default=DEFAULT_BASELINE, help="git revision to compare with ('' to skip)")
+    ap.add_argument("--before", default=DEFAULT_BEFORE, help="second revision to compare with ('' to skip)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per API (median reported)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args.child, args.seqs, args.steps, args.block_size, args.prompt_len, args.aligned)
         return
-    trees = {"columns": REPO, "slots": REPO}
-    tmp = None
-    if args.baseline:
-        tmp = tempfile.TemporaryDirectory(prefix="bench-core-base-")
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", args.baseline, "block_manager", "pagedkv"],
+    trees: dict[str, tuple[str, Path]] = {"columns": ("columns", REPO), "slots": ("slots", REPO)}
+    tmps = []
+    for label, rev, apis in (("before", args.before, ("columns", "slots")), ("baseline", args.baseline, ("slots",))):
+        if not rev:
+            continue
+        tmp = tempfile.TemporaryDirectory(prefix=f"bench-core-{label}-")
+        tmps.append(tmp)
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "block_manager", "pagedkv"],
                                  capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp.name], input=archive, check=True)
-        trees["baseline"] = Path(tmp.name)
+        for api in apis:
+            trees[label if label == "baseline" else f"{label}-{api}"] = (api, Path(tmp.name))
     layout = "aligned" if args.aligned else "staggered"
     print(f"append for {args.seqs} sequences x 1 token, block_size {args.block_size}, {layout}, "
           f"{args.steps} steps x {args.rounds} rounds (median of the rounds' p50/p99; CPU time)")
-    p50: dict[str, list[float]] = {api: [] for api in trees}
-    p99: dict[str, list[float]] = {api: [] for api in trees}
+    p50: dict[str, list[float]] = {name: [] for name in trees}
+    p99: dict[str, list[float]] = {name: [] for name in trees}
     cycle: list[float] = []
     for _ in range(args.rounds):
-        for api, tree in trees.items():
+        for name, (api, tree) in trees.items():
             res = _run_child(api, tree, args)
             us = [t * 1e6 for t in res["cpu"][len(res["cpu"]) // 10 :]]   # drop warm-up
-            p50[api].append(_pct(us, 50))
-            p99[api].append(_pct(us, 99))
-            if res["cycle"] and api == "columns":
+            p50[name].append(_pct(us, 50))
+            p99[name].append(_pct(us, 99))
+            if res["cycle"] and name == "columns":
                 cycle.append(_pct([t * 1e6 for t in res["cycle"][len(res["cycle"]) // 10 :]], 50))
     base = statistics.median(p50["baseline"]) if "baseline" in p50 else None
-    for api in trees:
-        m50, m99 = statistics.median(p50[api]), statistics.median(p99[api])
-        ratio = f"  {base / m50:.2f}x faster than baseline {args.baseline}" if base and api != "baseline" else ""
-        print(f"  {api:9s} p50 {m50:7.1f} µs  p99 {m99:7.1f} µs{ratio}")
+    for name in trees:
+        m50, m99 = statistics.median(p50[name]), statistics.median(p99[name])
+        ratio = f"  {base / m50:.2f}x faster than baseline {args.baseline}" if base and name != "baseline" else ""
+        print(f"  {name:14s} p50 {m50:7.1f} µs  p99 {m99:7.1f} µs{ratio}")
     if cycle:
         print(f"  close_step + settle_steps per step (new core): p50 {statistics.median(cycle):.1f} µs")
     sys.path.insert(0, str(REPO))
     a_rate, f_rate = bench_alloc_free(200, args.block_size, 512)
     print(f"allocate (512-token prompt, no hashing): {a_rate:,.0f} seq/s; free: {f_rate:,.0f} seq/s")
-    if tmp is not None:
+    for tmp in tmps:
         tmp.cleanup()
 
 

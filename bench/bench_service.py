@@ -95,13 +95,16 @@ def wait_serving(target: str, timeout_s: float = 120.0, tls: TlsSettings | None 
 
 @contextmanager
 def bm_server(
-    database_url: str, log_file: Path | None = None, tls: TlsSettings | None = None, **env: str
+    database_url: str, log_file: Path | None = None, tls: TlsSettings | None = None, tree: Path = REPO, **env: str
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A block manager process; `tree` is the source tree it runs (another revision's, for A/B)."""
     workdir = Path(tempfile.mkdtemp(prefix="bench-bm-")) if log_file is None else log_file.parent
     argv = [sys.executable, "-m", "block_manager.service.server", "--listen", "127.0.0.1:0", "--database-url"]
     name = log_file.stem if log_file else "bm"
     env = server_env(**env)
-    with ServiceProcess.start([*argv, database_url], workdir=workdir, name=name, env=env, cwd=REPO) as server:
+    if tree != REPO:
+        env["PYTHONPATH"] = str(tree)
+    with ServiceProcess.start([*argv, database_url], workdir=workdir, name=name, env=env, cwd=tree) as server:
         wait_serving(server.address, tls=tls)
         yield server.address, server.proc
 

@@ -4,10 +4,12 @@ This is the hot path, so it is columnar: parallel lists of sequence ids and toke
 one flat list of token ids (what the Step RPC carries), answered with one list of token
 counts. The batch is screened as a whole with C-level operations (types, ranges, duplicates);
 only a batch that fails the screen pays for per-item validation. In steady decode most
-appends land inside the sequence's exclusive partial last block: that is a few integer
-operations per sequence (no block, no copy, same table), and hashing happens only when a
-block fills up. Growing a table (a new block, copy-on-write of a shared partial block) takes
-the general path, `_grow`.
+appends land inside the sequence's exclusive partial last block (no block, no copy, same
+table), and hashing happens only when a block fills up. A batch of `VECTOR_MIN_ITEMS` or more
+runs those appends, and plain block crossings, as array operations over the pool's sequence
+columns (append_batch.py); smaller batches, and the items the arrays do not cover (growing a
+table by copy-on-write or several blocks, hashing a filled block), run item by item
+(append_item.py).
 
 Every append is recorded in its pool's open step (steps.py): the blocks that receive slots
 get `write_step` = the open step, tables that gain or replace a block are noted for the step's
@@ -22,28 +24,18 @@ from __future__ import annotations
 import operator
 from array import array
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 
-from block_manager.core.errors import CoreError, InvalidRequest, OutOfBlocks, PendingWrite, UnknownSequence
-from block_manager.core.hashing import hash_block_bytes, salt_bytes
+import numpy as np
+
+from block_manager.core.append_batch import append_pool, decode_arrays
+from block_manager.core.append_item import AppendOutcome, append_items
+from block_manager.core.errors import CoreError, InvalidRequest, UnknownSequence
 from block_manager.core.pool import Pool
 from block_manager.core.sequence import Sequence
-from block_manager.core.steps import touch
-from block_manager.core.types import CopyOp, PoolId, SeqId
+from block_manager.core.types import PoolId, SeqId
 
 _INT64_MIN = -(1 << 63)
 _INT64_MAX = (1 << 63) - 1
-
-
-@dataclass(slots=True)
-class AppendOutcome:
-    """What a batched append did: per item, the sequence's token count after it (0 for a
-    failed item), the failed items (index, error; that sequence is unchanged), and the
-    copy-on-write op of each item that needed one."""
-
-    num_tokens: list[int]
-    failures: list[tuple[int, CoreError]] = field(default_factory=list)
-    copy_ops: dict[int, CopyOp] = field(default_factory=dict)
 
 
 def _screen(
@@ -149,73 +141,6 @@ def item_error(
     return None
 
 
-def _pending(seq: Sequence, block: int, pool: Pool) -> PendingWrite:
-    return PendingWrite(
-        f"sequence {seq.seq_id!r}: copy-on-write of block {block}, written in step {pool.write_step[block]} "
-        f"whose Forward is not reported yet (settled up to step {pool.settled_step})"
-    )
-
-
-def _hash_full_blocks(pool: Pool, seq: Sequence) -> None:
-    """Hash and register every block the tail has filled (chained on the previous one)."""
-    bs = pool.block_size
-    tail = seq.tail_token_ids
-    salt_enc = salt_bytes(seq.salt)
-    hashes = seq.block_hashes
-    while len(tail) >= bs:
-        block_tokens = tuple(tail[:bs])
-        del tail[:bs]
-        parent = hashes[-1] if hashes else None
-        h = hash_block_bytes(parent, array("q", block_tokens), salt_enc)
-        b = seq.block_table[len(hashes)]
-        if pool.register(b, h, parent, seq.salt, block_tokens):
-            pool.step.registrations.append((b, h))
-        hashes.append(h)
-
-
-def _grow(pool: Pool, seq: Sequence, n: int) -> CopyOp | None:
-    """The general append: new blocks at block boundaries, copy-on-write of a shared partial
-    last block (only once the step that wrote it is settled). Raises with nothing changed."""
-    bs = pool.block_size
-    table = seq.block_table
-    old = seq.num_tokens
-    new = old + n
-    off = old % bs
-    num_new_blocks = (new + bs - 1) // bs - len(table)
-    cow = off != 0 and pool.ref_cnt[table[-1]] > 1
-    if num_new_blocks + cow > pool.num_available:
-        raise OutOfBlocks(
-            f"pool {seq.pool_id!r}: sequence {seq.seq_id!r} needs {num_new_blocks + cow} blocks, "
-            f"{pool.num_available} available"
-        )
-    write_step = pool.write_step
-    if cow and write_step[table[-1]] > pool.settled_step:
-        raise _pending(seq, table[-1], pool)
-    step = pool.step
-    step_id = step.step_id
-    dirty = touch(step, seq)
-    op = None
-    if cow:
-        src = table[-1]
-        dst = pool.take_block()
-        table[-1] = dst
-        pool.release_block(src)
-        op = pool.add_copy_op(src, dst, "cow")
-        pool.cow_copies += 1
-        if len(table) - 1 < dirty.base_len and not dirty.created:
-            dirty.replaced.add(len(table) - 1)
-    take = pool.take_block
-    for _ in range(num_new_blocks):
-        table.append(take())
-    seq.version = pool.new_version()
-    seq.num_tokens = new
-    seq.last_step = seq.last_write_step = step_id
-    step.has_writes = True   # (the batch sets it too; _grow also serves single appends)
-    for i in range(old // bs, len(table)):
-        write_step[table[i]] = step_id
-    return op
-
-
 def append_columns(
     pools: dict[PoolId, Pool],
     seqs: dict[SeqId, Sequence],
@@ -252,6 +177,10 @@ def append_columns(
     return out
 
 
+# Below this many items a batch runs item by item: numpy's fixed cost per call (about a µs
+# for each of the ~40 array operations of a batch) is more than the per-item Python it
+# replaces (measured: bench/bench_core.py --sizes).
+VECTOR_MIN_ITEMS = 64
 def _append_valid(
     pools: dict[PoolId, Pool],
     seqs: dict[SeqId, Sequence],
@@ -260,73 +189,46 @@ def _append_valid(
     toks: array | None,
     already_written: bool,
 ) -> AppendOutcome:
-    """The loop over screened items (every sequence exists, counts are positive ints, `toks`
-    has exactly their ids). Kept flat, locals only where it can: this loop is the per-token
-    cost of the whole service."""
-    out = AppendOutcome([])
-    push = out.num_tokens.append
-    get = seqs.get
-    touched: list[Pool] = []
-    last_pid = None
+    """The screened items (every sequence exists once, counts are positive ints, `toks` has
+    exactly their ids), in request order as far as anyone can observe: per pool, the in-block
+    appends and the plain block crossings of the batch run as array operations over the pool's
+    sequence columns, the rest (copy-on-write, several blocks at once, blocks that fill and
+    get hashed) item by item in request order. Items of different pools share no state, so
+    pools run one after another."""
+    n = len(seq_ids)
     mark = not already_written
-    pos = 0
-    i = -1
-    for sid, n in zip(seq_ids, counts):
-        i += 1
-        seq: Sequence = get(sid)  # type: ignore[assignment]
-        pid = seq.pool_id
-        if pid is not last_pid:
-            last_pid = pid
-            pool = pools[pid]
-            touched.append(pool)
-            bs = pool.block_size
-            ref = pool.ref_cnt
-            write_step = pool.write_step
-            step_id = pool.step.step_id
-        nt = seq.num_tokens
-        off = nt % bs
-        last = seq.block_table[-1] if off else -1
-        if off and off + n <= bs and ref[last] == 1:
-            # Inside (or exactly filling) an exclusive partial block: same table, no copy.
-            nt += n
-            seq.num_tokens = nt
-            if mark:
-                write_step[last] = step_id
-                seq.last_write_step = step_id
-            filled = off + n == bs
-        else:
-            try:
-                op = _grow(pool, seq, n)
-            except CoreError as exc:
-                out.failures.append((i, exc))
-                push(0)
-                pos += n
-                continue
-            if op is not None:
-                out.copy_ops[i] = op
-            nt += n
-            filled = True   # maybe: the hashing below checks
-        if seq.hashing:
-            if toks is None:
-                # Content unknown from here on: the chain cannot continue.
-                seq.hashing = False
-                seq.tail_token_ids = []
-                seq.block_hashes = []
-            else:
-                tail = seq.tail_token_ids
-                if n == 1:
-                    tail.append(toks[pos])
-                else:
-                    tail.extend(toks[pos : pos + n])
-                if filled and len(tail) >= bs:
-                    _hash_full_blocks(pool, seq)
-        pos += n
-        push(nt)
+    if n < VECTOR_MIN_ITEMS:
+        return append_items(pools, seqs, seq_ids, counts, toks, mark)
+    out = AppendOutcome([0] * n)
+    ok_pools: set[PoolId] = set()
+    ones = counts.count(1) == n if isinstance(counts, (list, tuple)) else False
+    if ones:
+        cnt, starts = decode_arrays(n)
+    else:
+        cnt = np.fromiter(counts, np.int64, n)
+        starts = np.cumsum(cnt) - cnt
+    tk = None if toks is None else np.frombuffer(toks, dtype=np.int64) if len(toks) else np.zeros(0, np.int64)
+    pool = pools[seqs[seq_ids[0]].pool_id]  # type: ignore[index]
+    try:
+        rows = np.fromiter(map(pool.cols.row_of.__getitem__, seq_ids), np.intp, n)
+    except KeyError:   # several pools in one batch
+        col = [seqs[sid].pool_id for sid in seq_ids]  # type: ignore[index]
+        groups = [(pid, np.array([i for i, p in enumerate(col) if p == pid], np.intp))
+                  for pid in dict.fromkeys(col)]
+    else:
+        groups = [(pool.pool_id, None)]
+    for pid, sel in groups:
+        pool = pools[pid]
+        if sel is not None:
+            rows = np.fromiter(map(pool.cols.row_of.__getitem__, [seq_ids[i] for i in sel.tolist()]),
+                               np.intp, len(sel))
+        if append_pool(pool, seqs, seq_ids, sel, rows, cnt, starts, toks, tk, mark, ones, out):
+            ok_pools.add(pid)
+    if len(groups) > 1:
+        out.failures.sort(key=lambda f: f[0])
     # One step per pool that got tokens (a pool whose every item failed is unchanged).
-    if out.failures:
-        ok = {seqs[SeqId(sid)].pool_id for sid, nt in zip(seq_ids, out.num_tokens) if nt}
-        touched = [p for p in touched if p.pool_id in ok]
-    for p in set(touched):
+    for pid in ok_pools:
+        p = pools[pid]
         p.num_steps += 1
         if mark:
             p.step.has_writes = True

@@ -200,6 +200,7 @@ def commit(pool: Pool) -> list[SeqId]:
                 table[i] = dst
                 hit = True
         if hit:
+            seq.sync_last_block()
             seq.version = pool.new_version()
             # The rewrite reaches the node with the open step: if that step fails, the node
             # may keep the old table (whose blocks are free now), so the sequence is dropped.

@@ -58,6 +58,13 @@ def hash_block_bytes(parent: BlockHash | None, tokens: array, salt_enc: bytes) -
     return hashlib.blake2b(data, digest_size=HASH_BYTES, person=_PERSON).digest()
 
 
+def hash_encoded(parent: BlockHash | None, salt_enc: bytes, size: bytes, data: bytes) -> BlockHash:
+    """The block hash from its encoded parts (`size`: the token count as 4 little-endian
+    bytes; `data`: the tokens as little-endian int64 bytes)."""
+    head = _NO_PARENT if parent is None else _HAS_PARENT + parent
+    return hashlib.blake2b(b"".join((head, salt_enc, size, data)), digest_size=HASH_BYTES, person=_PERSON).digest()
+
+
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: str | None) -> BlockHash:
     """Public form of the block hash: `H(parent_hash, token_ids, salt)`."""
     return hash_block_bytes(parent, token_array(token_ids), salt_bytes(salt))

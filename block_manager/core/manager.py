@@ -20,7 +20,12 @@ from __future__ import annotations
 from array import array
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
+from itertools import chain
+from operator import attrgetter
 
+import numpy as np
+
+from block_manager.core import append as _append
 from block_manager.core import defrag as _defrag
 from block_manager.core.append import AppendOutcome, append_columns, item_error
 from block_manager.core.errors import (
@@ -66,6 +71,11 @@ from block_manager.core.types import (
 )
 
 DEFAULT_MAX_UNSETTLED_STEPS = 4
+_SEQ_ID = attrgetter("seq_id")
+_NUM_NEW = attrgetter("num_new_tokens")
+_TOKEN_IDS = attrgetter("token_ids")
+_VERSION = attrgetter("version")
+_POOL_ID = attrgetter("pool_id")
 
 
 def _check_count(name: str, value: object, minimum: int) -> int:
@@ -216,7 +226,7 @@ class BlockManager:
             pool.share_block(b)
         table = hits + [pool.take_block() for _ in range(num_new)]
         # the pool's own id object: the batched append tells pools apart by identity
-        seq = Sequence(seq_id, pool.pool_id, table, total, pool.new_version(), salt, hashing)
+        seq = Sequence(seq_id, pool.pool_id, table, total, pool.new_version(), salt, hashing, cols=pool.cols)
         num_cached = len(hits) * bs
         step = pool.step
         step.has_writes = True
@@ -312,38 +322,80 @@ class BlockManager:
         scheduler that drives its workers directly wants)."""
         reqs = list(requests)
         seqs = self._seqs
-        before = {i: (seq.num_tokens, len(seq.block_table)) for i, r in enumerate(reqs)
-                  if (seq := seqs.get(r.seq_id)) is not None}
-        if all(r.token_ids is None for r in reqs) or all(
-            r.token_ids is not None and len(r.token_ids) == r.num_new_tokens for r in reqs
+        seq_ids = list(map(_SEQ_ID, reqs))
+        counts = list(map(_NUM_NEW, reqs))
+        token_ids = list(map(_TOKEN_IDS, reqs))
+        if token_ids.count(None) == len(reqs) or (
+            None not in token_ids and list(map(len, token_ids)) == counts  # type: ignore[arg-type]
         ):
             # The common batch: one columnar append, whose screen finds every item error.
-            ids = None if not reqs or reqs[0].token_ids is None else [t for r in reqs for t in r.token_ids]  # type: ignore[union-attr]
-            out = append_columns(self._pools, seqs, [r.seq_id for r in reqs], [r.num_new_tokens for r in reqs],
-                                 ids, already_written=already_written)
+            ids = None if not reqs or token_ids[0] is None else list(chain.from_iterable(token_ids))  # type: ignore[arg-type]
+            out = append_columns(self._pools, seqs, seq_ids, counts, ids, already_written=already_written)
             bad: dict[int, CoreError] = dict(out.failures)
             ops = out.copy_ops
+            after = out.num_tokens
         else:
             bad, ops = self._append_slots_itemwise(reqs, already_written)
+            after = [0 if i in bad else seqs[sid].num_tokens for i, sid in enumerate(seq_ids)]
+        if not bad and len(reqs) >= _append.VECTOR_MIN_ITEMS and counts.count(1) == len(reqs):
+            decoded = self._decode_results(seq_ids, after, ops)
+            if decoded is not None:
+                return decoded
         results: list[AppendResult | AppendFailure] = []
+        push = results.append
         pools = self._pools
-        for i, r in enumerate(reqs):
-            err = bad.get(i)
-            if err is not None:
-                results.append(AppendFailure(r.seq_id, err))
+        last_pid = None
+        bs = 1
+        # Tables cover exactly their tokens (len == ceil(num_tokens / block_size)), so what a
+        # sequence had before follows from its count after: no copy of the state up front.
+        for i, (sid, n, nt) in enumerate(zip(seq_ids, counts, after)):
+            if bad and i in bad:
+                push(AppendFailure(sid, bad[i]))
                 continue
-            seq = seqs[r.seq_id]
-            old, old_len = before[i]
-            op = ops.get(i)
+            seq = seqs[sid]
+            if seq.pool_id is not last_pid:
+                last_pid = seq.pool_id
+                bs = pools[last_pid].block_size
             table = seq.block_table
-            nt = seq.num_tokens
-            bs = pools[seq.pool_id].block_size
-            # decode (one token) is the common case: its slot without building ranges
-            slots = (table[old // bs] * bs + old % bs,) if nt - old == 1 else slot_range(table, bs, old, nt)
-            results.append(AppendResult(   # block ids are plain ints at run time (BlockId is a NewType)
-                r.seq_id, slots, tuple(table[old_len:]), (op,) if op is not None else (), seq.version, nt,
-            ))
+            op = ops.get(i) if ops else None
+            old = nt - n
+            if n == 1:   # decode: its slot is in the last block, which is new when `old` was aligned
+                off = old % bs
+                last = table[-1]
+                push(AppendResult(sid, (last * bs + off,), () if off else (last,), () if op is None else (op,),
+                                  seq.version, nt))
+            else:
+                push(AppendResult(   # block ids are plain ints at run time (BlockId is a NewType)
+                    sid, slot_range(table, bs, old, nt), tuple(table[-(-old // bs):]),
+                    () if op is None else (op,), seq.version, nt,
+                ))
         return results
+
+    def _decode_results(
+        self, seq_ids: list[SeqId], after: list[int], ops: dict[int, CopyOp]
+    ) -> list[AppendResult | AppendFailure] | None:
+        """`append_slots` results of a decode batch of one pool (one token each, none failed),
+        from the columns: the token went to the (new) last block, which is a new block when
+        the sequence was block-aligned before. None: several pools (the general loop runs)."""
+        pool = self._pools[self._seqs[seq_ids[0]].pool_id]
+        cols = pool.cols
+        try:
+            rows = np.fromiter(map(cols.row_of.__getitem__, seq_ids), np.intp, len(seq_ids))
+        except KeyError:
+            return None
+        bs = pool.block_size
+        last = cols.last_block_np[rows]
+        off = (np.array(after, np.int64) - 1) % bs
+        slots = list(zip((last * bs + off).tolist()))
+        new: list[tuple[int, ...]] = [()] * len(seq_ids)
+        crossed = (off == 0).nonzero()[0]
+        for i, b in zip(crossed.tolist(), last[crossed].tolist()):
+            new[i] = (b,)
+        copies: list[tuple[CopyOp, ...]] = [()] * len(seq_ids)
+        for i, op in ops.items():
+            copies[i] = (op,)
+        versions = list(map(_VERSION, map(self._seqs.__getitem__, seq_ids)))
+        return list(map(AppendResult, seq_ids, slots, new, copies, versions, after))
 
     def _append_slots_itemwise(
         self, reqs: list[AppendRequest], already_written: bool
@@ -407,7 +459,7 @@ class BlockManager:
                 src.hashing, list(src.tail_token_ids), list(src.block_hashes),
                 # A child's table is announced in this step: if the step fails the node never
                 # learns it (and the parent's unsettled writes are the child's too).
-                last_step=step.step_id,
+                last_step=step.step_id, cols=pool.cols,
             )
             self._seqs[cid] = child
             pool.seqs[cid] = child
@@ -444,6 +496,7 @@ class BlockManager:
         del pool.seqs[seq_id]
         for b in reversed(seq.block_table):
             pool.release_block(b)
+        seq.release()
         note_dropped(pool.step, seq_id)
 
     # ---- views ----------------------------------------------------------------------
@@ -456,8 +509,7 @@ class BlockManager:
     def pools_of(self, seq_ids: Seq[SeqId]) -> set[PoolId]:
         """The pools of the known sequences among `seq_ids` (unknown ones are skipped);
         cheap: no view is built (a Step asks this for every sequence it names)."""
-        get = self._seqs.get
-        return {s.pool_id for s in map(get, seq_ids) if s is not None}
+        return set(map(_POOL_ID, filter(None, map(self._seqs.get, seq_ids))))
 
     def get_tables(
         self, seq_ids: Seq[SeqId], known_versions: Mapping[SeqId, int] | None = None
@@ -511,6 +563,7 @@ class BlockManager:
             del pool.seqs[sid]
             for b in reversed(seq.block_table):
                 pool.release_block(b)
+            seq.release()
         for record in [*pool.unsettled, StepRecord(pool.step.step_id, pool.step.registrations, None)]:
             for b, block_hash in record.registrations:
                 pool.unregister(b, block_hash)

@@ -14,10 +14,12 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass
 
+import numpy as np
+
 from block_manager.core.block_list import BlockList
 from block_manager.core.errors import InvalidRequest
 from block_manager.core.hashing import BlockHash
-from block_manager.core.sequence import Sequence
+from block_manager.core.sequence import SeqColumns, Sequence
 from block_manager.core.steps import StepRecord, StepWork
 from block_manager.core.types import BlockId, CopyKind, CopyOp, DefragKind, PlanId, PoolId, SeqId, StepId
 
@@ -56,7 +58,7 @@ class Pool:
         "num_reserved", "seqs", "next_op_id", "plan", "write_step", "step", "unsettled",
         "settled_step", "num_steps", "last_defrag_step", "prefix_query_tokens", "prefix_hit_tokens",
         "cow_copies", "evictions", "defrag_moves", "compaction_plans", "contiguity_plans", "aborted_plans",
-        "last_version",
+        "last_version", "cols", "ref_np", "write_step_np",
     )
 
     def __init__(self, pool_id: PoolId, num_blocks: int, block_size: int) -> None:
@@ -64,7 +66,9 @@ class Pool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.draining = False
-        self.ref_cnt = [0] * num_blocks
+        # Flat int64 arrays: per-item code indexes them like lists, the batched append reads
+        # and writes the same memory through the numpy views (`ref_np`, `write_step_np`).
+        self.ref_cnt = array("q", bytes(8 * num_blocks))
         self.free_list = BlockList(num_blocks)
         self.cached_list = BlockList(num_blocks)
         for b in range(num_blocks):
@@ -78,6 +82,7 @@ class Pool:
         self.num_used = 0
         self.num_reserved = 0
         self.seqs: dict[SeqId, Sequence] = {}
+        self.cols = SeqColumns(block_size)
         self.next_op_id = 1
         # Table versions come from one counter per pool, so a sequence id that is freed and
         # allocated again never reuses a version a compute node may still have cached.
@@ -86,6 +91,7 @@ class Pool:
         # The step that last assigned a slot in each block (0: none since the pool began);
         # a block holds its K/V once that step is settled (see steps.py).
         self.write_step = array("q", bytes(8 * num_blocks))
+        self.refresh_views()
         self.step = StepWork(StepId(1))
         self.unsettled: list[StepRecord] = []
         self.settled_step = 0
@@ -99,6 +105,11 @@ class Pool:
         self.compaction_plans = 0   # committed plans by kind, and plans aborted
         self.contiguity_plans = 0
         self.aborted_plans = 0
+
+    def refresh_views(self) -> None:
+        """(Re)bind the numpy views after `ref_cnt` or `write_step` was replaced."""
+        self.ref_np = np.frombuffer(self.ref_cnt, dtype=np.int64)
+        self.write_step_np = np.frombuffer(self.write_step, dtype=np.int64)
 
     def new_version(self) -> int:
         self.last_version += 1
@@ -248,8 +259,5 @@ class Pool:
     # ---- gauges ---------------------------------------------------------------------
     def high_water_mark(self) -> int:
         """1 + the highest id of a block with ref_cnt > 0 (0 when none is used)."""
-        ref = self.ref_cnt
-        for b in range(self.num_blocks - 1, -1, -1):
-            if ref[b]:
-                return b + 1
-        return 0
+        used = np.flatnonzero(self.ref_np)
+        return int(used[-1]) + 1 if len(used) else 0

@@ -184,7 +184,7 @@ def _pool_from_dict(d: dict[str, Any]) -> Pool:
     ref = [int(x) for x in d["ref_cnt"]]
     if len(ref) != n:
         raise ValueError("ref_cnt length differs from num_blocks")
-    pool.ref_cnt = ref
+    pool.ref_cnt = array("q", ref)
     while pool.free_list.pop_front() is not None:
         pass
     for name, lst in (("free_list", pool.free_list), ("cached_list", pool.cached_list)):
@@ -205,6 +205,7 @@ def _pool_from_dict(d: dict[str, Any]) -> Pool:
     pool.write_step = array("q", bytes(8 * n))
     for b, ws in d["write_step"]:
         pool.write_step[b] = int(ws)
+    pool.refresh_views()
     pool.step = _step_from_dict(d["step"])
     pool.unsettled = [StepRecord(StepId(int(sid)), _unregs(regs), None if pid is None else PlanId(int(pid)))
                       for sid, regs, pid in d["unsettled"]]
@@ -223,6 +224,7 @@ def _pool_from_dict(d: dict[str, Any]) -> Pool:
             [int(t) for t in s["tail_token_ids"]], [bytes.fromhex(h) for h in s["block_hashes"]],
             int(s["last_step"]),
             int(s["last_write_step"]),
+            cols=pool.cols,
         )
         pool.seqs[seq.seq_id] = seq
     return pool

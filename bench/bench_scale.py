@@ -1,0 +1,227 @@
+"""One block manager process under N schedulers that run in separate client processes, so the
+server is what is measured (the old `bench_service.py --only scale` ran every scheduler in
+one client process, which became the bottleneck first).
+
+1. `step`: the Step RPC of one decode step for 256 sequences (every append sent, token ids,
+   the previous step reported, lengths staggered so 1/16 cross a block per step) against this
+   tree's block manager and against the `--before` revision's (extracted with `git archive`),
+   with a same-size gRPC echo, all three servers up at once and called in turn (one call
+   each per iteration): p50/p99 and the ratios to the echo.
+2. `scale`: N = 1, 4, 16, 64 schedulers (each its own pool, 256 running sequences,
+   continuous batching through the async client's step helper: frees, admissions with a
+   shared system prompt, one token per running sequence, every PoolStep reported as if its
+   Forward ran at once), spread over `--procs` client processes (asyncio inside each); all
+   processes start measuring at the same wall-clock instant. Reported: steps/s, Step RPCs/s,
+   step latency p50/p99 (seen by the schedulers), and the server's CPU per Step RPC (from
+   /proc, over the measured window) and its CPU use. The line says at which N the step p99
+   first exceeds 10 ms.
+
+    .venv/bin/python bench/bench_scale.py [--only step,scale] [--counts 1,4,16,64] [--seconds 10]
+                                          [--procs 4] [--before bf0caa1] [--trees new,before]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+import bench_service as bs  # noqa: E402
+import grpc  # noqa: E402
+
+from block_manager.client import AsyncBlockManagerClient, BlockManagerClient  # noqa: E402
+from pagedkv.stats import percentile  # noqa: E402
+from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc  # noqa: E402
+
+DEFAULT_BEFORE = "bf0caa1"   # main before the array core (issue 20's "today")
+P99_LIMIT_MS = 10.0
+
+
+def extract(rev: str, into: Path) -> Path:
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+# ---- 1. Step vs echo, this tree vs before ------------------------------------------------------
+def _setup_pool(c: BlockManagerClient, pool: str, n: int, iters: int) -> tuple[int, list[str]]:
+    reg = c.register_node(pool, n * ((bs.BS + iters + 40) // bs.BS + 3) + 16, block_size=bs.BS)
+    seq_ids = [f"{pool}-{i}" for i in range(n)]
+    st = c.step()
+    for i, sid in enumerate(seq_ids):   # staggered: 1/BS of them cross a block per step
+        st.allocate(sid, pool, [i % 97] * (bs.BS + i % bs.BS))
+    for info in st.commit().steps.values():
+        c.report(info, True)
+    c.flush_reports()
+    return reg.epoch, seq_ids
+
+
+def bench_step_ab(trees: dict[str, Path], n: int, iters: int) -> None:
+    with ExitStack() as stack:
+        targets = {name: stack.enter_context(bs.bm_server("memory://", tree=tree))[0] for name, tree in trees.items()}
+        echo_target = stack.enter_context(bs.echo_server())
+        echo = stack.enter_context(grpc.insecure_channel(echo_target)).unary_unary(bs.ECHO_METHOD)
+        runs = {}
+        for name, target in targets.items():
+            c = stack.enter_context(BlockManagerClient(target, scheduler_id="bench"))
+            stub = pb_grpc.BlockManagerStub(stack.enter_context(grpc.insecure_channel(target)))
+            epoch, seq_ids = _setup_pool(c, "p", n, iters)
+            runs[name] = {"stub": stub, "epoch": epoch, "seq_ids": seq_ids, "last": 0, "lat": [], "size": (0, 0)}
+        echo_lat: list[float] = []
+        for k in range(iters + 10):
+            for r in runs.values():
+                req = bs._decode_step("p", r["epoch"], r["seq_ids"], k, r["last"])
+                t0 = time.perf_counter()
+                resp = r["stub"].Step(req, timeout=30)
+                dt = time.perf_counter() - t0
+                if resp.errors:
+                    raise RuntimeError(f"step failed: {resp.errors[0]}")
+                if resp.steps:
+                    r["last"] = resp.steps[0].step_id
+                r["size"] = (req.ByteSize(), resp.ByteSize())
+                if k >= 10:
+                    r["lat"].append(dt)
+            req_size, resp_size = next(iter(runs.values()))["size"]
+            t0 = time.perf_counter()
+            echo(struct.pack("<I", resp_size) + b"\x00" * max(0, req_size - 4), timeout=30)
+            if k >= 10:
+                echo_lat.append(time.perf_counter() - t0)
+        e50, e99 = 1e3 * percentile(echo_lat, 50), 1e3 * percentile(echo_lat, 99)
+        print(f"step: {n} seqs x 1 token (every append sent), {iters} calls each, interleaved; "
+              f"echo p50 {e50:.3f} p99 {e99:.3f} ms", flush=True)
+        for name, r in runs.items():
+            p50, p99 = 1e3 * percentile(r["lat"], 50), 1e3 * percentile(r["lat"], 99)
+            print(f"  {name:8s} Step p50 {p50:.3f} p99 {p99:.3f} ms  ratio to echo {p50 / e50:.2f}  "
+                  f"p99/p50 {p99 / p50:.1f}", flush=True)
+
+
+# ---- 2. scale ----------------------------------------------------------------------------------
+async def _client_main(target: str, names: list[str], batch: int, start_at: float, seconds: float) -> dict:
+    clients = [AsyncBlockManagerClient(target, timeout_s=120, scheduler_id=name) for name in names]
+    sims = [bs.SimScheduler(c, name, batch, random.Random(name)) for c, name in zip(clients, names)]
+    for sim in sims:
+        await sim.register(bs.pool_blocks(batch))
+    await asyncio.gather(*(sim.step() for sim in sims))   # admissions
+    lat: list[float] = []
+    rpcs0 = sum(c.stats.per_method.get("Step", 0) for c in clients)
+    while time.time() < start_at:   # every process starts measuring at the same instant
+        await asyncio.gather(*(sim.step() for sim in sims))
+    end = start_at + seconds
+
+    async def loop(sim: bs.SimScheduler) -> int:
+        steps = 0
+        while time.time() < end:
+            t0 = time.perf_counter()
+            await sim.step()
+            lat.append(time.perf_counter() - t0)
+            steps += 1
+        return steps
+
+    rpcs_start = sum(c.stats.per_method.get("Step", 0) for c in clients) - rpcs0
+    steps = sum(await asyncio.gather(*(loop(s) for s in sims)))
+    rpcs = sum(c.stats.per_method.get("Step", 0) for c in clients) - rpcs0 - rpcs_start
+    for sim in sims:
+        await sim.drain()
+        await sim.client.release()
+    for c in clients:
+        await c.close()
+    return {"steps": steps, "rpcs": rpcs, "lat": lat}
+
+
+def run_client(args: argparse.Namespace) -> None:
+    names = args.names.split(",")
+    out = asyncio.run(_client_main(args.target, names, args.batch, args.start_at, args.seconds))
+    print(json.dumps(out))
+
+
+def bench_scale(tree: Path, label: str, counts: list[int], batch: int, seconds: float, procs: int) -> None:
+    crossed = None
+    print(f"scale ({label}): {batch} running sequences per scheduler, {seconds:.0f} s per N, "
+          f"schedulers spread over up to {procs} client processes", flush=True)
+    for n in counts:
+        with bs.bm_server("memory://", tree=tree) as (target, proc):
+            num_procs = min(n, procs)
+            groups = [[f"s{n}-{i}" for i in range(n) if i % num_procs == p] for p in range(num_procs)]
+            setup_s = 20 + 0.5 * n   # registration and admission before the common start
+            start_at = time.time() + setup_s
+            children = [
+                subprocess.Popen(
+                    [sys.executable, __file__, "--client", target, "--names", ",".join(g), "--batch", str(batch),
+                     "--start-at", repr(start_at), "--seconds", str(seconds)],
+                    stdout=subprocess.PIPE, text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                )
+                for g in groups
+            ]
+            time.sleep(max(0.0, start_at - time.time()))
+            cpu0, t0 = bs._proc_cpu_s(proc.pid), time.perf_counter()
+            time.sleep(seconds)
+            cpu, wall = bs._proc_cpu_s(proc.pid) - cpu0, time.perf_counter() - t0
+            results = []
+            for ch in children:
+                stdout, _ = ch.communicate(timeout=600)
+                if ch.returncode != 0:
+                    raise RuntimeError(f"client process failed ({ch.returncode})")
+                results.append(json.loads(stdout.strip().splitlines()[-1]))
+        late = [r for r in results if not r["steps"]]
+        if late:
+            print(f"  N={n}: {len(late)} client processes were still admitting at the start; raise setup time")
+        steps = sum(r["steps"] for r in results)
+        rpcs = sum(r["rpcs"] for r in results)
+        lat = [x for r in results for x in r["lat"]]
+        p50, p99 = 1e3 * percentile(lat, 50), 1e3 * percentile(lat, 99)
+        if crossed is None and p99 > P99_LIMIT_MS:
+            crossed = n
+        print(f"  N={n:3d} ({num_procs} procs): {steps / seconds:7.1f} steps/s ({rpcs / seconds:6.1f} Step RPCs/s) | "
+              f"step p50 {p50:6.2f} p99 {p99:6.2f} ms | server CPU {1e3 * cpu / max(rpcs, 1):.2f} ms per Step RPC, "
+              f"{100 * cpu / wall:.0f}% of a core", flush=True)
+    print(f"  step p99 first above {P99_LIMIT_MS:.0f} ms at N = {crossed if crossed else 'none of ' + str(counts)}",
+          flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="step,scale")
+    ap.add_argument("--counts", default="1,4,16,64")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--procs", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=300, help="Step calls per server in `step`")
+    ap.add_argument("--before", default=DEFAULT_BEFORE, help="revision to compare with ('' to skip)")
+    ap.add_argument("--trees", default="new", help="which trees `scale` runs: new, before or both")
+    ap.add_argument("--client", help=argparse.SUPPRESS)
+    ap.add_argument("--names", help=argparse.SUPPRESS)
+    ap.add_argument("--start-at", type=float, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.client:
+        args.target = args.client
+        run_client(args)
+        return
+    only = set(args.only.split(","))
+    print(f"# bench_scale  python {sys.version.split()[0]}  grpc {grpc.__version__}  cpus {os.cpu_count()}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-scale-before-") as tmp:
+        trees = {"new": REPO}
+        if args.before:
+            trees["before"] = extract(args.before, Path(tmp))
+        if "step" in only:
+            bench_step_ab(trees, args.batch, args.iters)
+        if "scale" in only:
+            for name in args.trees.split(","):
+                bench_scale(trees[name], name, [int(x) for x in args.counts.split(",")], args.batch, args.seconds,
+                            args.procs)
+
+
+if __name__ == "__main__":
+    main()

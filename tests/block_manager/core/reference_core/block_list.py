@@ -1,0 +1,119 @@
+"""An intrusive doubly-linked list of block ids over preallocated arrays.
+
+Blocks are small integers, so the links live in two flat lists indexed by block id
+(plus one sentinel slot) instead of in node objects: push, pop and removal of an
+arbitrary member are O(1) with no allocation, which is what keeps allocation and release
+constant-time however large the pool is (a `deque.remove` would scan).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+_NIL = -1
+
+
+class BlockList:
+    """Ordered set of block ids in `0 … num_blocks-1` with O(1) ends and removal.
+
+    `length` is a plain attribute (read-only outside this class) so hot paths can read
+    it without a `__len__` call.
+    """
+
+    __slots__ = ("_prev", "_next", "_head", "length")
+
+    def __init__(self, num_blocks: int) -> None:
+        # Slot `num_blocks` is the sentinel: _next[head] is the first member,
+        # _prev[head] the last. Non-members have _prev == _NIL.
+        self._head = num_blocks
+        self._prev = [_NIL] * (num_blocks + 1)
+        self._next = [_NIL] * (num_blocks + 1)
+        self._prev[num_blocks] = num_blocks
+        self._next[num_blocks] = num_blocks
+        self.length = 0
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __contains__(self, block_id: int) -> bool:
+        return self._prev[block_id] != _NIL
+
+    def __iter__(self) -> Iterator[int]:
+        nxt = self._next
+        head = self._head
+        b = nxt[head]
+        while b != head:
+            yield b
+            b = nxt[b]
+
+    def first(self) -> int | None:
+        b = self._next[self._head]
+        return None if b == self._head else b
+
+    def push_front(self, block_id: int) -> None:
+        head = self._head
+        first = self._next[head]
+        self._prev[block_id] = head
+        self._next[block_id] = first
+        self._prev[first] = block_id
+        self._next[head] = block_id
+        self.length += 1
+
+    def push_back(self, block_id: int) -> None:
+        head = self._head
+        last = self._prev[head]
+        self._prev[block_id] = last
+        self._next[block_id] = head
+        self._next[last] = block_id
+        self._prev[head] = block_id
+        self.length += 1
+
+    def pop_front(self) -> int | None:
+        head = self._head
+        b = self._next[head]
+        if b == head:
+            return None
+        nxt = self._next[b]
+        self._next[head] = nxt
+        self._prev[nxt] = head
+        self._prev[b] = _NIL
+        self._next[b] = _NIL
+        self.length -= 1
+        return b
+
+    def remove(self, block_id: int) -> None:
+        prv = self._prev[block_id]
+        nxt = self._next[block_id]
+        self._next[prv] = nxt
+        self._prev[nxt] = prv
+        self._prev[block_id] = _NIL
+        self._next[block_id] = _NIL
+        self.length -= 1
+
+    def check(self) -> list[str]:
+        """Linkage consistency (for fsck): forward and backward walks agree with the count."""
+        problems: list[str] = []
+        head = self._head
+        seen = 0
+        b = self._next[head]
+        prev = head
+        while b != head:
+            if b < 0 or b >= head:
+                problems.append(f"link to out-of-range block {b}")
+                return problems
+            if self._prev[b] != prev:
+                problems.append(f"block {b}: prev link {self._prev[b]} != {prev}")
+            prev = b
+            b = self._next[b]
+            seen += 1
+            if seen > self.length + 1:
+                problems.append("cycle in list")
+                return problems
+        if self._prev[head] != prev:
+            problems.append("tail link inconsistent")
+        if seen != self.length:
+            problems.append(f"length {self.length} but {seen} members linked")
+        members = sum(1 for i in range(head) if self._prev[i] != _NIL)
+        if members != self.length:
+            problems.append(f"{members} blocks marked as members, length {self.length}")
+        return problems

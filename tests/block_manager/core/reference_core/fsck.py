@@ -1,0 +1,158 @@
+"""Invariant checker: every rule the bookkeeping must obey, reported as readable lines.
+
+It walks the whole state (O(blocks + table entries)), so it is for tests, recovery
+(`from_snapshot` refuses a state that fails it) and admin calls, not the hot path.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+
+from .pool import Pool
+from .sequence import Sequence
+from .types import PoolId, SeqId
+
+
+def fsck(pools: Mapping[PoolId, Pool], seqs: Mapping[SeqId, Sequence], next_plan_id: int) -> list[str]:
+    """Every violated invariant of the manager's parts (its pools, its sequence index and its
+    next plan id), as readable lines; empty when healthy."""
+    problems: list[str] = []
+    seen_seqs: set[str] = set()
+    for pool in pools.values():
+        problems.extend(_check_pool(pool))
+        for sid, seq in pool.seqs.items():
+            seen_seqs.add(sid)
+            if seqs.get(sid) is not seq:
+                problems.append(f"sequence {sid!r} of pool {pool.pool_id!r} not in the manager")
+    for sid, seq in seqs.items():
+        if sid not in seen_seqs:
+            problems.append(f"sequence {sid!r} belongs to no pool (pool {seq.pool_id!r})")
+    plan_ids = [p.plan.plan_id for p in pools.values() if p.plan is not None]
+    if len(set(plan_ids)) != len(plan_ids):
+        problems.append(f"duplicate plan ids {plan_ids}")
+    if any(pid >= next_plan_id for pid in plan_ids):
+        problems.append("a plan id is not below next_plan_id")
+    return problems
+
+
+def _check_steps(pool: Pool) -> list[str]:
+    """Step bookkeeping: ids in order, nothing written in the future, dirty tables live."""
+    p = f"pool {pool.pool_id!r}: "
+    out: list[str] = []
+    open_id = pool.step.step_id
+    ids = [r.step_id for r in pool.unsettled]
+    if ids != sorted(set(ids)) or any(not pool.settled_step < i < open_id for i in ids):
+        out.append(p + f"unsettled steps {ids} not strictly between settled {pool.settled_step} and open {open_id}")
+    if ids and ids[-1] != open_id - 1:
+        out.append(p + f"last unsettled step {ids[-1]} is not the last closed step {open_id - 1}")
+    if not ids and pool.settled_step != open_id - 1:
+        out.append(p + f"no unsettled step but settled {pool.settled_step} != last closed {open_id - 1}")
+    if max(pool.write_step, default=0) > open_id:
+        out.append(p + "a block was written in a step that is not open yet")
+    last = 0
+    for op in pool.step.copy_ops:
+        if op.op_id <= last or op.op_id >= pool.next_op_id:
+            out.append(p + f"copy op id {op.op_id} out of order or not below next_op_id {pool.next_op_id}")
+        last = op.op_id
+    for sid, d in pool.step.dirty.items():
+        if sid not in pool.seqs:
+            out.append(p + f"open step notes a table change of absent sequence {sid!r}")
+        elif not d.created and any(i >= d.base_len for i in d.replaced):
+            out.append(p + f"sequence {sid!r}: replaced positions beyond the step's base length")
+    for sid, seq in pool.seqs.items():
+        if seq.last_touched_step > open_id:
+            out.append(p + f"sequence {sid!r} last written in future step {seq.last_touched_step}")
+    plan = pool.plan
+    if plan is not None and plan.step_id > open_id:
+        out.append(p + f"plan {plan.plan_id} rides in future step {plan.step_id}")
+    return out
+
+
+def _check_pool(pool: Pool) -> list[str]:
+    p = f"pool {pool.pool_id!r}: "
+    out: list[str] = []
+    n = pool.num_blocks
+    bs = pool.block_size
+    free = set(pool.free_list)
+    cached = set(pool.cached_list)
+    for name, lst in (("free", pool.free_list), ("cached", pool.cached_list)):
+        out.extend(p + f"{name} list: {msg}" for msg in lst.check())
+    if pool.num_free + pool.num_cached + pool.num_used + pool.num_reserved != n:
+        out.append(
+            p + f"free {pool.num_free} + cached {pool.num_cached} + used {pool.num_used} + "
+            f"reserved {pool.num_reserved} != {n}"
+        )
+
+    holders: Counter[int] = Counter()
+    for sid, seq in pool.seqs.items():
+        s = f"{p}sequence {sid!r}: "
+        if seq.pool_id != pool.pool_id:
+            out.append(s + f"pinned to {seq.pool_id!r}")
+        if seq.num_tokens < 1:
+            out.append(s + f"num_tokens {seq.num_tokens}")
+        if len(seq.block_table) != -(-seq.num_tokens // bs):
+            out.append(s + f"{len(seq.block_table)} blocks for {seq.num_tokens} tokens")
+        if not 1 <= seq.version <= pool.last_version:
+            out.append(s + f"version {seq.version} outside 1..{pool.last_version} (the pool's counter)")
+        for b in seq.block_table:
+            if not 0 <= b < n:
+                out.append(s + f"block id {b} out of range")
+            else:
+                holders[b] += 1
+        if seq.hashing:
+            if len(seq.block_hashes) != seq.num_tokens // bs:
+                out.append(s + f"{len(seq.block_hashes)} block hashes for {seq.num_tokens} tokens")
+            if len(seq.tail_token_ids) != seq.num_tokens % bs:
+                out.append(s + f"{len(seq.tail_token_ids)} tail tokens for {seq.num_tokens} tokens")
+        elif seq.block_hashes or seq.tail_token_ids:
+            out.append(s + "hashing is off but hashes/tail tokens are kept")
+
+    plan = pool.plan
+    dsts = {op.dst for op in plan.moves} if plan else set()
+    srcs = {op.src for op in plan.moves} if plan else set()
+    num_used = 0
+    for b in range(n):
+        ref = pool.ref_cnt[b]
+        if ref != holders.get(b, 0):
+            out.append(p + f"block {b}: ref_cnt {ref} but held by {holders.get(b, 0)} tables")
+        if ref:
+            num_used += 1
+        in_free, in_cached = b in free, b in cached
+        if in_free and in_cached:
+            out.append(p + f"block {b} in both the free and the cached list")
+        if (in_free or in_cached) and ref:
+            out.append(p + f"block {b} is queued as free but referenced")
+        if (in_free or in_cached) and pool.reserved[b]:
+            out.append(p + f"block {b} is queued as free but reserved")
+        if not (in_free or in_cached or ref or pool.reserved[b]):
+            out.append(p + f"block {b} is leaked (not free, cached, used or reserved)")
+        if pool.reserved[b] and b not in dsts and not (b in srcs and ref == 0):
+            out.append(p + f"block {b} reserved without a plan holding it")
+        if b in dsts and (not pool.reserved[b] or ref):
+            out.append(p + f"plan destination {b} not reserved or referenced")
+        if pool.pinned[b] != (b in srcs):
+            out.append(p + f"block {b}: pinned flag {pool.pinned[b]} disagrees with the plan")
+        m = pool.meta[b]
+        if in_cached and m is None:
+            out.append(p + f"cached block {b} has no hash")
+        if in_free and m is not None:
+            out.append(p + f"free block {b} still has a hash")
+        if m is not None:
+            if pool.prefix_index.get(m.block_hash) != b:
+                out.append(p + f"block {b}: its hash is not indexed to it")
+            if len(m.token_ids) != bs:
+                out.append(p + f"hashed block {b} holds {len(m.token_ids)} tokens")
+    if num_used != pool.num_used:
+        out.append(p + f"num_used {pool.num_used} but {num_used} blocks referenced")
+    if sum(pool.reserved) != pool.num_reserved:
+        out.append(p + f"num_reserved {pool.num_reserved} but {sum(pool.reserved)} flagged")
+    for h, b in pool.prefix_index.items():
+        m = pool.meta[b] if 0 <= b < n else None
+        if m is None or m.block_hash != h:
+            out.append(p + f"index entry {h.hex()[:12]}… → block {b} without that hash")
+
+    out.extend(_check_steps(pool))
+    if pool.last_defrag_step > pool.num_steps:
+        out.append(p + "last_defrag_step is ahead of num_steps")
+    return out

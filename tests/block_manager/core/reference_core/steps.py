@@ -1,0 +1,126 @@
+"""Steps: the unit in which a pool's memory changes, with the scheduler as its one sequencer.
+
+Every change a call makes to a pool — slots assigned (tokens to write), copy-on-write copies,
+defrag moves, new / changed / dropped tables — is recorded in the pool's *open* step. Closing
+the step (`close`) hands the scheduler a `StepOutput`: the copy ops to run and the table deltas
+to apply, in order, inside its Forward for the step. The scheduler reports the Forward back
+(`settle`): only then are the blocks the step wrote known to hold their K/V, which is the
+condition for using a block as a defrag source or a copy-on-write source. A defrag plan whose
+moves rode in a step commits when that step is settled; a step reported failed aborts its plan,
+drops the sequences it wrote (their K/V is missing) and unregisters the prefix-cache hashes of
+the blocks it filled, so no later prefix hit can read unwritten memory.
+
+Per block, `pool.write_step[b]` is the step that last assigned a slot in it; the block is
+written once that step is settled (`write_step[b] <= pool.settled_step`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sequence import Sequence
+from .types import BlockId, CopyOp, PlanId, SeqId, StepId, StepOutput, TableDelta
+
+
+@dataclass(slots=True)
+class DirtyTable:
+    """A table touched in the open step: how it looked when the step first touched it."""
+
+    created: bool          # new in this step: its delta is the whole table
+    base_version: int
+    base_len: int
+    covered: int           # created tables: positions already covered (cached prefix / parent's tokens)
+    replaced: set[int] = field(default_factory=set)   # positions < base_len rewritten
+
+
+@dataclass(slots=True)
+class StepWork:
+    """The open step of a pool: what it has recorded so far."""
+
+    step_id: StepId
+    copy_ops: list[CopyOp] = field(default_factory=list)
+    dirty: dict[SeqId, DirtyTable] = field(default_factory=dict)
+    dropped: list[SeqId] = field(default_factory=list)
+    registrations: list[tuple[int, bytes]] = field(default_factory=list)  # (block, hash) filled here
+    plan_id: PlanId | None = None
+    has_writes: bool = False
+    reset: bool = False   # the pool changed hands: the node forgets every table it holds first
+    base_step_id: int | None = None  # set after a failure report: the last step to build on
+
+    @property
+    def has_work(self) -> bool:
+        """Whether the node must run something for this step (writes, copies, a reset). New,
+        changed or dropped tables alone wait in the open step: nothing reads them before the
+        next step that writes, whose Forward applies them first."""
+        return bool(self.has_writes or self.copy_ops or self.plan_id is not None or self.reset)
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """A closed step awaiting its Forward report: what a failure would have to undo."""
+
+    step_id: StepId
+    registrations: list[tuple[int, bytes]]
+    plan_id: PlanId | None
+
+
+def touch(step: StepWork, seq: Sequence) -> DirtyTable:
+    """Record the table of an existing sequence before the step changes it."""
+    d = step.dirty.get(seq.seq_id)
+    if d is None:
+        d = step.dirty[seq.seq_id] = DirtyTable(False, seq.version, len(seq.block_table), 0)
+    return d
+
+
+def note_created(step: StepWork, seq: Sequence, covered: int) -> None:
+    step.dirty[seq.seq_id] = DirtyTable(True, 0, 0, covered)
+
+
+def note_replaced(step: StepWork, seq: Sequence, position: int) -> None:
+    """Table entry `position` of an existing sequence gets another block in this step."""
+    d = touch(step, seq)
+    if not d.created and position < d.base_len:
+        d.replaced.add(position)
+
+
+def note_dropped(step: StepWork, seq_id: SeqId) -> None:
+    """The sequence is gone; a node that knows it drops its table (one created in this very
+    step was never announced, so it simply disappears from the step)."""
+    d = step.dirty.pop(seq_id, None)
+    if d is None or not d.created:
+        step.dropped.append(seq_id)
+
+
+def build_output(pool_id: str, step: StepWork, seqs: dict[SeqId, Sequence]) -> StepOutput:
+    """The deltas and copy ops of a step, as its compute node must apply them."""
+    deltas: list[TableDelta] = []
+    for sid, d in step.dirty.items():
+        seq = seqs[sid]
+        table = seq.block_table
+        if d.created:
+            deltas.append(TableDelta(sid, 0, seq.version, d.covered, (), tuple(BlockId(b) for b in table)))
+        elif seq.version != d.base_version:
+            replaced = tuple((i, BlockId(table[i])) for i in sorted(d.replaced))
+            deltas.append(TableDelta(sid, d.base_version, seq.version, 0, replaced, tuple(table[d.base_len:])))
+    return StepOutput(
+        pool_id,  # type: ignore[arg-type]
+        step.step_id,
+        tuple(step.copy_ops),
+        tuple(deltas),
+        tuple(step.dropped),
+        step.plan_id,
+        step.reset,
+        StepId(step.step_id - 1 if step.base_step_id is None else step.base_step_id),
+    )
+
+
+__all__ = [
+    "DirtyTable",
+    "StepRecord",
+    "StepWork",
+    "build_output",
+    "note_created",
+    "note_dropped",
+    "note_replaced",
+    "touch",
+]
