@@ -75,6 +75,8 @@ class EngineConfig:
     # How long a step waits out an unreachable block manager (a restart, a network blip),
     # resending it under its request id, before the engine gives up (EngineFailure).
     bm_unavailable_timeout_s: float = 120.0
+    # Ask the nodes for each step's phase timings (GenerateStats; device syncs on a GPU).
+    profile_nodes: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -466,7 +468,8 @@ class LLMEngine:
             info = result.steps.get(node_id)
             step = NodeStep(f"{node_id}-{self.stats.num_steps}-{id(self)}", [info] if info is not None else [],
                             [SeqStep(w.seq.seq_id or "", w.token_ids, w.context_len, w.seq.num_output_tokens,
-                                     _sampling(w.seq) if w.sample else None) for w in items])
+                                     _sampling(w.seq) if w.sample else None) for w in items],
+                            profile=self.config.profile_nodes)
             jobs.append((node_id, step, info, items))
         t0 = time.perf_counter()
         live = [job for job in jobs if job[0] not in self._down]   # a node out of placement is not called
