@@ -1,5 +1,6 @@
-"""The README's configuration tables name every setting of both services, with its environment
-variable (issue 10: `PAGEDKV_DEFRAG__ENABLED` and other defrag settings were missing)."""
+"""The configuration tables name every setting of both services, with its environment variable
+(issue 10: `PAGEDKV_DEFRAG__ENABLED` and other defrag settings were missing): the README's, or
+the docs/ page of a feature (issue 21's thread budget: docs/compute_node.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pydantic import BaseModel
 from block_manager.service.config import BlockManagerConfig
 from compute_node.service.config import ComputeNodeConfig
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+ROOT = Path(__file__).resolve().parents[1]
+README = "\n".join([(ROOT / "README.md").read_text(), *(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))])
 
 
 def _env_names(model: type[BaseModel], prefix: str) -> list[str]:
