@@ -16,6 +16,7 @@ COPY pyproject.toml README.md ./
 COPY scripts ./scripts
 COPY block_manager ./block_manager
 COPY compute_node ./compute_node
+COPY demo ./demo
 COPY engine ./engine
 COPY kernels ./kernels
 COPY pagedkv ./pagedkv

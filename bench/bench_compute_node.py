@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from block_manager.client import BlockManagerClient  # noqa: E402
 from compute_node.client import ComputeNodeClient, SeqInput  # noqa: E402
-from engine.localstack import ServiceProcess  # noqa: E402
+from demo.localstack import ServiceProcess  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 2, 16, 4, 128, 16
 PREFILL_CHUNK = 8   # sequences per prefill Forward (keeps messages ~25 MB)

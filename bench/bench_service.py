@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from block_manager.client import AdminClient, AsyncBlockManagerClient, BlockManagerClient, RetryPolicy  # noqa: E402
-from engine.localstack import ServiceProcess  # noqa: E402
+from demo.localstack import ServiceProcess  # noqa: E402
 from pagedkv.lifecycle import write_port_file  # noqa: E402
 from pagedkv.stats import percentile  # noqa: E402
 from pagedkv.tls import TlsSettings, open_channel  # noqa: E402

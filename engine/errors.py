@@ -1,4 +1,6 @@
-"""The engine's two failure kinds: a request it cannot serve, and a step it cannot complete."""
+"""The engine's failure kinds: a request it cannot serve, a step it cannot complete, and the
+typed failures of a model node's step (the executors raise them; the scheduler never sees a
+gRPC status)."""
 
 from __future__ import annotations
 
@@ -16,4 +18,30 @@ class EngineFailure(Exception):
     fails the same way."""
 
 
-__all__ = ["EngineError", "EngineFailure"]
+class NodeError(Exception):
+    """A model node's step failed; the node wrote nothing of it that counts (the step is
+    reported failed and the block manager drops what it wrote)."""
+
+    def __init__(self, node_id: str, message: str, *, code: str = "") -> None:
+        super().__init__(f"node {node_id!r}: {code + ': ' if code else ''}{message}")
+        self.node_id = node_id
+        self.message = message
+        self.code = code           # the transport's status name, for logs
+
+
+class NodeUnreachable(NodeError):
+    """No answer (the process died, the host is gone, the step timed out): the node leaves
+    placement until a probe finds it back."""
+
+
+class NodeMovedOn(NodeError):
+    """The node no longer holds the step's state (restarted with a new epoch, fenced, or its
+    tables disagree with the step): the step's sequences recompute, there or elsewhere."""
+
+
+class NodeRefused(NodeError):
+    """The node refused the step for a reason recovery cannot fix (credentials, a malformed
+    request): a bug or a misconfiguration."""
+
+
+__all__ = ["EngineError", "EngineFailure", "NodeError", "NodeMovedOn", "NodeRefused", "NodeUnreachable"]

@@ -1,30 +1,75 @@
 """How the engine reaches a compute node that serves a model: one `Generate` per step.
 
 `RemoteNode` calls a node process over gRPC; `LocalNode` (in `engine.local_node`) runs the
-node's own step logic in this process. Both take and return the protocol messages, so the
-engine has one code path and the in-process node checks exactly what a remote one checks.
+node's own step logic in this process. Both turn the engine's plain `NodeStep` into the
+protocol's `GenerateRequest` with the same conversion (below), so the in-process node checks
+exactly what a remote one checks, and both raise the engine's typed node errors
+(`engine.errors`) for a step that failed: the scheduler never sees a status code.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import grpc
 
+from engine.errors import NodeError, NodeMovedOn, NodeRefused, NodeUnreachable
+from engine.node_api import NodeExecutor, NodeInfo, NodeStep, SampledToken, SamplingSpec
 from pagedkv.auth import token_metadata
 from pagedkv.tls import TlsSettings, open_channel
 from pagedkv.v1 import compute_node_pb2 as pb
 from pagedkv.v1 import compute_node_pb2_grpc as pb_grpc
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+UNREACHABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# the node restarted (new epoch: it knows neither the epoch nor the sequences), or its tables
+# disagree with the step
+MOVED_ON_CODES = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
+                            grpc.StatusCode.ABORTED})
 
 
-class NodeExecutor(Protocol):
-    node_id: str
+def node_error(node_id: str, code: grpc.StatusCode | None, details: str) -> NodeError:
+    """The typed error for a node's status code."""
+    name = code.name if code is not None else "UNKNOWN"
+    if code in UNREACHABLE_CODES:
+        return NodeUnreachable(node_id, details, code=name)
+    if code in MOVED_ON_CODES:
+        return NodeMovedOn(node_id, details, code=name)
+    return NodeRefused(node_id, details, code=name)
 
-    def info(self, timeout_s: float | None = None) -> pb.GetNodeInfoResponse: ...
 
-    def generate(self, request: pb.GenerateRequest) -> pb.GenerateResponse: ...
+def generate_request(step: NodeStep) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(request_id=step.request_id, profile=step.profile)
+    for info in step.pool_steps:
+        request.steps.append(info.message)
+    for w in step.sequences:
+        s = request.sequences.add(seq_id=w.seq_id, context_len=w.context_len, num_output_tokens=w.num_output_tokens)
+        s.token_ids.extend(w.token_ids)
+        if w.sampling is not None:
+            _fill_sampling(s.sampling, w.sampling)
+    return request
 
-    def close(self) -> None: ...
+
+def _fill_sampling(s: pb.Sampling, spec: SamplingSpec) -> None:
+    s.temperature = spec.temperature
+    s.top_p = spec.top_p
+    s.top_k = spec.top_k
+    s.min_p = spec.min_p
+    if spec.seed is not None:
+        s.seed = spec.seed
+    if spec.logprobs is not None:
+        s.logprobs = spec.logprobs
+
+
+def sampled_tokens(reply: pb.GenerateResponse) -> list[SampledToken]:
+    return [
+        SampledToken(t.seq_id, int(t.token_id), float(t.logprob) if t.HasField("logprob") else None,
+                     tuple(zip(t.top_token_ids, t.top_logprobs)))
+        for t in reply.tokens
+    ]
+
+
+def node_info(m: pb.GetNodeInfoResponse, address: str | None = None) -> NodeInfo:
+    return NodeInfo(m.node_id, int(m.epoch), bool(m.registered), int(m.block_size), int(m.num_blocks), m.model,
+                    int(m.vocab_size), int(m.max_model_len), tuple(m.eos_token_ids), address)
 
 
 class RemoteNode:
@@ -47,16 +92,25 @@ class RemoteNode:
         self._channel = open_channel(address, tls, CHANNEL_OPTIONS)
         self._stub = pb_grpc.ComputeNodeStub(self._channel)
 
-    def info(self, timeout_s: float | None = None) -> pb.GetNodeInfoResponse:
+    def info(self, timeout_s: float | None = None) -> NodeInfo:
         """The node's model and pool (waits for the node to come up, `timeout_s` at most)."""
-        return self._stub.GetNodeInfo(pb.GetNodeInfoRequest(), timeout=timeout_s or self.timeout_s,
-                                      wait_for_ready=True, metadata=self._metadata)
+        try:
+            m = self._stub.GetNodeInfo(pb.GetNodeInfoRequest(), timeout=timeout_s or self.timeout_s,
+                                       wait_for_ready=True, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise node_error(self.node_id, exc.code(), exc.details() or "") from exc
+        return node_info(m, self.address)
 
-    def generate(self, request: pb.GenerateRequest) -> pb.GenerateResponse:
-        return self._stub.Generate(request, timeout=self.timeout_s, metadata=self._metadata)
+    def generate(self, step: NodeStep) -> list[SampledToken]:
+        try:
+            reply = self._stub.Generate(generate_request(step), timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise node_error(self.node_id, exc.code(), exc.details() or "") from exc
+        return sampled_tokens(reply)
 
     def close(self) -> None:
         self._channel.close()
 
 
-__all__ = ["CHANNEL_OPTIONS", "NodeExecutor", "RemoteNode"]
+__all__ = ["CHANNEL_OPTIONS", "NodeExecutor", "RemoteNode", "generate_request", "node_error", "node_info",
+           "sampled_tokens"]

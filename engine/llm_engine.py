@@ -5,7 +5,8 @@ Each `step()`:
 1. plans the step under a token budget (`max_num_batched_tokens`) and a sequence cap
    (`max_num_seqs`): running sequences first (a decode token each, or the next chunk of a
    long prompt: chunked prefill), forks of `n > 1` requests whose shared prompt is computed,
-   then new requests in arrival order (cache-aware placement: one batched Route);
+   then new requests in arrival order, as placed allocations: the block manager picks each
+   one's node (cached prefix, then free blocks) inside the same Step, within the budget;
 2. sends ONE `Step` to the block manager (frees of finished and preempted sequences, the
    reports of the previous step's Forwards, admissions, forks, appends with their token ids
    so generated text is prefix-cached too; in-block decode appends are answered by the
@@ -16,12 +17,17 @@ Each `step()`:
 4. reports every Forward with the next step, appends the sampled tokens, applies stop rules
    and returns what changed.
 
-An admission that does not fit (the block manager keeps a watermark of free blocks for the
-running sequences) waits. A running sequence whose append does not fit preempts the most
-recently admitted running sequence (possibly itself): it is freed and re-queued at the front,
-and later recomputes everything it had (recompute preemption). A node that fails a step has
-its step reported failed (the block manager drops what that step wrote) and its sequences are
-re-queued the same way, so a request survives a failed Forward.
+What happens when part of a step fails is one table, `engine.failure_policy` (item kind x
+typed error -> action), and a sequence's states and transitions are in one place,
+`engine.sequence` (WAITING, FORKING, RUNNING, PREEMPTED, FINISHED). In short: an admission
+that does not fit waits; a running sequence whose append does not fit preempts the most
+recently admitted running sequence (possibly itself: freed, re-queued at the front, later
+recomputing everything it had); a node that fails a step has its step reported failed (the
+block manager drops what that step wrote) and its sequences recomputed, and a node that does
+not answer leaves placement until a probe finds it back (`engine.health`).
+
+The scheduler speaks plain data to the nodes (`engine.node_api`) and typed errors from both
+services; it imports neither grpc nor the node's protobuf.
 """
 
 from __future__ import annotations
@@ -35,26 +41,28 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-
-from block_manager.client import BlockManagerClient, ItemFailure, OutOfBlocksError, PoolStepInfo, StepResult
-from compute_node.model.sampling import derive_seed
+from block_manager.client import BlockManagerClient, ItemFailure, PoolStepInfo, StepResult
 from engine.bm_steps import UNREACHABLE, StepSender
-from engine.discovery import NodeDiscovery, node_problem
-from engine.errors import EngineError, EngineFailure
-from engine.executor import NodeExecutor
+from engine.discovery import BackgroundDiscovery, NodeDiscovery, node_problem
+from engine.errors import EngineError, EngineFailure, NodeError, NodeMovedOn
+from engine.failure_policy import MAX_REFUSALS_IN_A_ROW, Action, Item, action_for
+from engine.health import NodeHealth
+from engine.node_api import NodeExecutor, NodeStep, SampledToken, SamplingSpec, SeqStep
 from engine.params import CompletionOutput, InvalidParams, RequestOutput, SamplingParams
 from engine.sequence import Request, SeqStatus, Sequence
 from pagedkv.logging import get_logger
-from pagedkv.rpc import RETRYABLE_CODES
+from pagedkv.seeds import derive_seed
 from pagedkv.stats import percentile
-from pagedkv.v1 import compute_node_pb2 as pb
 
 STAT_WINDOW = 100_000
-NODE_MOVED_ON_CODES = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
-                                 grpc.StatusCode.ABORTED})
-MAX_REFUSALS_IN_A_ROW = 20   # a node refusing more steps than this in a row is not recovering
 NO_CAPACITY_WAIT_S = 0.05    # a step that could run nothing sleeps this long before the next
+# Admission sizes that keep every Step inside what the block manager accepts (4096 items and
+# 64 MiB by default) without resending the whole queue every step.
+MAX_ADMISSIONS_PER_STEP = 256
+ADMIT_IDS_PER_BUDGET_TOKEN = 8    # prompt token ids sent for admission per token of budget
+MAX_NUM_SEQS = 4096               # a Step's appends (one per running sequence) stay within its item limit
+MAX_STEP_TOKEN_IDS = 1 << 20      # admitted prompt token ids one Step carries (one admission at least)
+PROBE_TIMEOUT_S = 2.0        # GetNodeInfo of a node out of placement (on the probing thread)
 NODE_THREADS = 64            # most nodes generating at once (threads start only as needed)
 log = get_logger("engine.llm_engine")
 
@@ -67,10 +75,14 @@ class EngineConfig:
     # How long a step waits out an unreachable block manager (a restart, a network blip),
     # resending it under its request id, before the engine gives up (EngineFailure).
     bm_unavailable_timeout_s: float = 120.0
+    # Ask the nodes for each step's phase timings (GenerateStats; device syncs on a GPU).
+    profile_nodes: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs > MAX_NUM_SEQS:
+            raise ValueError(f"max_num_seqs must be <= {MAX_NUM_SEQS} (the block manager's items per Step)")
         if self.bm_unavailable_timeout_s < 0:
             raise ValueError("bm_unavailable_timeout_s must be >= 0")
 
@@ -90,7 +102,8 @@ class EngineStats:
     ttft_s: deque[float] = field(default_factory=lambda: deque(maxlen=STAT_WINDOW))   # arrival → first token
     itl_s: deque[float] = field(default_factory=lambda: deque(maxlen=STAT_WINDOW))    # between tokens
     step_s: deque[float] = field(default_factory=lambda: deque(maxlen=STAT_WINDOW))
-    bm_s: float = 0.0          # time in block manager calls (Step, Route)
+    bm_s: float = 0.0          # time in block manager calls (the Step)
+    num_bm_rpcs: int = 0       # block manager round trips made by steps
     node_s: float = 0.0        # time in Generate calls (wall, nodes in parallel)
 
     def summary(self) -> dict[str, float]:
@@ -143,7 +156,10 @@ class LLMEngine:
         first = next(iter(infos.values()))
         self.model_name = first.model
         self.vocab_size = first.vocab_size
-        self._discovery = None if connect is None else NodeDiscovery(connect, first.model, first.vocab_size)
+        self._discovery: BackgroundDiscovery | None = None
+        if connect is not None:
+            self._discovery = BackgroundDiscovery(NodeDiscovery(connect, first.model, first.vocab_size),
+                                                  lambda: client.route([0]), lambda: self.nodes)
         for nid, info in infos.items():
             problem = node_problem(info, self.model_name, self.vocab_size)
             if problem is not None:
@@ -157,14 +173,17 @@ class LLMEngine:
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
-        self._to_free: list[Sequence] = []
+        self._to_free: list[str] = []      # ids of finished and preempted admissions, freed with the next Step
         self._changed: set[str] = set()   # requests with news since the last outputs
-        self._usage_at = -1e9
-        self._usage = 0.0
+        self._pool_free: dict[str, tuple[int, int]] = {}   # pool -> (free, usable) blocks, from the last Step
         self._ids = itertools.count()
         self._pool: ThreadPoolExecutor | None = None   # made when a step first spans two nodes
         self.sender = StepSender(self.config.bm_unavailable_timeout_s)
         self._refusals: dict[str, int] = {}   # node -> steps it refused in a row (one thread per node)
+        self.health = NodeHealth(self._probe)
+        if self._discovery is not None:
+            self._discovery.start()
+        self._down: frozenset[str] = frozenset()   # nodes out of placement, read once per step
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(
@@ -199,12 +218,12 @@ class LLMEngine:
         fork = params.n > 1 and len(ids) >= 2
         for i in range(params.n):
             seed = None if params.seed is None else derive_seed(params.seed, i)
-            seq = Sequence(req, i, list(ids), len(ids), seed, fork_parent=fork and i == 0)
+            child = fork and i > 0      # admitted by the parent's fork
+            seq = Sequence(req, i, list(ids), len(ids), seed, fork_parent=fork and i == 0,
+                           status=SeqStatus.FORKING if child else SeqStatus.WAITING)
             req.seqs.append(seq)
-            if not fork or i == 0:
+            if not child:
                 self.waiting.append(seq)
-            else:
-                seq.status = SeqStatus.FORKING   # created by the parent's fork
         self.requests[rid] = req
         self.stats.prompt_tokens += len(ids)
         return rid
@@ -225,24 +244,22 @@ class LLMEngine:
         return bool(self.requests)
 
     def kv_usage(self) -> float:
-        """Fraction of the nodes' KV blocks in use (read from the block manager at most once a
-        second: Route reports every pool's free blocks)."""
-        now = time.monotonic()
-        if now - self._usage_at >= 1.0:
-            self._usage_at = now
-            try:
-                routes = self.client.route([0])
-            except UNREACHABLE:
-                return self._usage   # the last reading, until the block manager answers again
-            total = sum(self.pool_blocks[r.pool_id][0] for r in routes if r.pool_id in self.pool_blocks)
-            free = sum(r.num_free_blocks for r in routes if r.pool_id in self.pool_blocks)
-            self._usage = 1.0 - free / total if total else 0.0
-        return self._usage
+        """Fraction of the nodes' KV blocks in use (neither free nor evictable), as of the last
+        Step answer: every Step answers each pool's free counts, so nothing is polled."""
+        total = usable = 0
+        for pool_id, (_num_free, num_usable) in self._pool_free.items():
+            if pool_id in self.pool_blocks:
+                total += self.pool_blocks[pool_id][0]
+                usable += num_usable
+        return 1.0 - usable / total if total else 0.0
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; the outputs of the requests that changed."""
         started = time.perf_counter()
+        if self._discovery is not None:
+            self._adopt(self._discovery.take())
+        self._down = self.health.down_nodes()
         self.sender.drain(wait=True)
         batch = self.client.step()
         self._add_frees(batch)
@@ -262,73 +279,71 @@ class LLMEngine:
             batch.append(seq.seq_id, seq.token_ids[seq.num_computed : seq.num_computed + n])
             planned.append((seq, n))
             budget -= n
-        children_of: dict[Sequence, list[Sequence]] = {}
+        children_of: dict[Sequence, list[tuple[Sequence, str]]] = {}
         for parent in forks:
-            kids = [s for s in parent.request.seqs if s.status is SeqStatus.FORKING]
-            for kid in kids:
-                kid.seq_id = kid.new_admission_id()
-            batch.fork(parent.seq_id, [k.seq_id for k in kids])
+            kids = [(s, s.new_admission_id()) for s in parent.request.seqs if s.status is SeqStatus.FORKING]
+            batch.fork(parent.seq_id, [kid_id for _, kid_id in kids])
             children_of[parent] = kids
-            for s in (parent, *kids):   # each computes the last prompt token and samples
-                batch.append(s.seq_id, [s.token_ids[-1]] if s is parent else [parent.token_ids[-1]])
+            # each computes the last prompt token and samples
+            batch.append(parent.seq_id, [parent.token_ids[-1]])
+            for _, kid_id in kids:
+                batch.append(kid_id, [parent.token_ids[-1]])
             budget -= 1 + len(kids)
         admitted = self._plan_admissions(batch, budget, len(self.running) + sum(map(len, children_of.values())))
         t0 = time.perf_counter()
         result = self.sender.commit(batch)
         self.stats.bm_s += time.perf_counter() - t0
+        self.stats.num_bm_rpcs += result.num_rpcs
+        if result.pool_free:
+            self._pool_free = result.pool_free
         work = self._apply_step_result(result, planned, children_of, admitted)
         self._run_nodes(result, work)
         if not work and not self.running and self.waiting:
             # nothing could be admitted (no node admits sequences now: fenced, draining, full):
-            # wait a little rather than spin on Route calls
+            # wait a little rather than spin on empty Steps
             time.sleep(NO_CAPACITY_WAIT_S)
         self.stats.num_steps += 1
         self.stats.step_s.append(time.perf_counter() - started)
         return self._collect_outputs()
 
     def _plan_admissions(self, batch: Any, budget: int, num_running: int) -> list[tuple[Sequence, str]]:
-        """New (and preempted) sequences, in order, while budget and sequence slots last."""
-        if budget <= 0 or not self.waiting or num_running >= self.config.max_num_seqs:
+        """New (and preempted) sequences, in queue order, as placed allocations of this Step:
+        the block manager picks each one's node (cached prefix, then free blocks; among the
+        nodes in placement) and admits them in order while the step's token budget lasts
+        (`admit_budget`), so one Step round trip places and admits (no Route). The rest are
+        refused and wait. Sent: at most the free sequence slots, and prompts of at most
+        `ADMIT_IDS_PER_BUDGET_TOKEN` x budget token ids in all (one at least, never more than
+        `MAX_STEP_TOKEN_IDS`): enough for prefix hits to admit many, without resending the
+        whole queue every step. So no queue, however long, and no prompt the context admits
+        makes a request the block manager refuses."""
+        slots = min(self.config.max_num_seqs - num_running, MAX_ADMISSIONS_PER_STEP)
+        pools = sorted(nid for nid in self.nodes if nid not in self._down)
+        if budget <= 0 or not self.waiting or slots <= 0 or not pools:
             return []
-        candidates = list(itertools.islice(self.waiting, self.config.max_num_seqs - num_running))
-        t0 = time.perf_counter()
-        try:
-            routes = self.client.route_many([(s.token_ids, None) for s in candidates])
-        except UNREACHABLE as exc:   # admissions wait; the step itself then waits the outage out
-            log.warning("route_failed", error=str(exc))
-            return []
-        finally:
-            self.stats.bm_s += time.perf_counter() - t0
-        self._discover(r for ranked in routes for r in ranked)
-        admitted: list[tuple[Sequence, str]] = []
-        # One Route answers for every candidate from the same free counts: charge each pool the
-        # blocks this step already gives it, or every new prompt of a step lands on one node.
-        taken: dict[str, int] = {}
-        for seq, ranked in zip(candidates, routes):
-            if budget <= 0:
-                break
-            ranked = [r for r in ranked if r.pool_id in self.nodes]
-            if not ranked:
-                continue   # no node of ours admits sequences now (fenced, draining): it waits
-            best = min(ranked, key=lambda r: (-r.num_cached_tokens, taken.get(r.pool_id, 0) - r.num_free_blocks,
-                                              r.pool_id))
-            pool, cached = best.pool_id, best.num_cached_tokens
-            seq.seq_id = seq.new_admission_id()
+        batch.place_pools = pools
+        batch.admit_budget = budget
+        cap = min(MAX_STEP_TOKEN_IDS, ADMIT_IDS_PER_BUDGET_TOKEN * budget)
+        admitted: list[tuple[Sequence, str]] = []   # (sequence, its new id)
+        carried = 0
+        for seq in itertools.islice(self.waiting, slots):
             tokens = seq.token_ids[: seq.prefill_target] if seq.fork_parent else seq.token_ids
-            batch.allocate(seq.seq_id, pool, tokens, num_compute=budget)
-            admitted.append((seq, pool))
-            block_size = self.pool_blocks[pool][1]
-            taken[pool] = taken.get(pool, 0) + -(-(len(tokens) - cached) // block_size)
-            budget -= max(1, len(tokens) - cached)
+            if admitted and carried + len(tokens) > cap:
+                break
+            seq_id = seq.new_admission_id()
+            batch.allocate(seq_id, None, tokens)
+            admitted.append((seq, seq_id))
+            carried += len(tokens)
         return admitted
 
     def _apply_step_result(
         self,
         result: StepResult,
         planned: list[tuple[Sequence, int]],
-        children_of: dict[Sequence, list[Sequence]],
+        children_of: dict[Sequence, list[tuple[Sequence, str]]],
         admitted: list[tuple[Sequence, str]],
     ) -> dict[str, list[_Work]]:
+        """What the block manager's answer means for each item: the step's work per node, and
+        for each refused item the failure table's action (`engine.failure_policy`)."""
         work: dict[str, list[_Work]] = {}
 
         def add(seq: Sequence, start: int, end: int) -> None:
@@ -339,73 +354,81 @@ class LLMEngine:
         dropped = set(result.dropped)
         for seq in list(self.running):
             if seq.seq_id in dropped:
-                self._requeue(seq)
-        failed_appends: list[Sequence] = []
+                self._preempt(seq, free=False)   # its node's epoch ended: nothing left to free
+        starved: list[Sequence] = []   # appends out of blocks: each preempts someone
         for seq, n in planned:
-            out = result.appends.get(seq.seq_id)
-            if isinstance(out, ItemFailure) or out is None:
-                if out is not None:
-                    self._append_failed(seq, out, failed_appends)
-                continue
-            add(seq, seq.num_computed, seq.num_computed + n)
+            out = result.appends.get(seq.seq_id or "")
+            if isinstance(out, ItemFailure):
+                self._append_failed(seq, out, starved)
+            elif out is not None:
+                add(seq, seq.num_computed, seq.num_computed + n)
         for parent, kids in children_of.items():
-            fork = result.forks.get(parent.seq_id)
+            if parent.status is not SeqStatus.RUNNING:
+                continue   # dropped with its node above; its children wait for its next fork
+            fork = result.forks.get(parent.seq_id or "")
             if isinstance(fork, ItemFailure):
-                if not _pool_gone(fork):
-                    raise EngineFailure(f"fork of {parent.seq_id} failed: {fork.error}")
-                if not _still_held(fork):
-                    for kid in kids:
-                        kid.seq_id = ""   # still FORKING: forked again once the parent is back
-                    self._requeue(parent)
+                action = self._act(Item.FORK, fork.error, parent.request)
+                if action is Action.RECOMPUTE:
+                    self._preempt(parent, free=False)   # the children stay FORKING for its next fork
                     continue
-                # A draining node takes no new sequences: the parent goes on there (its append
-                # of this step stands), the children are admitted elsewhere on their own.
-                for kid in kids:
-                    self._requeue(kid)
-                kids = []
+                if action is Action.ADMIT_ALONE:
+                    # the parent goes on there (its append of this step stands); the children
+                    # are admitted elsewhere on their own
+                    for kid, _ in kids:
+                        kid.detach()
+                        self.waiting.appendleft(kid)
+                    kids = []
+                else:
+                    continue   # the request failed
             parent.fork_parent = False
-            for kid in kids:
-                kid.status, kid.node_id, kid.num_computed = SeqStatus.RUNNING, parent.node_id, parent.num_computed
+            for kid, kid_id in kids:
+                kid.admit(kid_id, parent.node_id or "", parent.num_computed)
                 self.running.append(kid)
-            for s in (parent, *kids):
-                out = result.appends.get(s.seq_id)
+            for s in (parent, *(kid for kid, _ in kids)):
+                out = result.appends.get(s.seq_id or "")
                 if out is None:
                     raise EngineFailure(f"append for {s.seq_id} got no answer")
                 if isinstance(out, ItemFailure):
-                    self._append_failed(s, out, failed_appends)
+                    self._append_failed(s, out, starved)
                     continue
                 add(s, s.num_computed, s.num_computed + 1)
-        for seq, pool in admitted:
-            adm = result.allocations.get(seq.seq_id)
-            if isinstance(adm, ItemFailure) or adm is None:
-                # it waits (the block manager keeps its watermark; a gone pool leaves the routes);
-                # a new id next time
-                seq.seq_id = ""
-                if isinstance(adm, ItemFailure) and not (isinstance(adm.error, OutOfBlocksError) or _pool_gone(adm)):
-                    raise EngineFailure(f"admission of {seq.request.request_id} failed: {adm.error}")
+        for seq, seq_id in admitted:
+            adm = result.allocations.get(seq_id)
+            if adm is None:
+                continue   # no answer for it: it waits (a new id next time)
+            if isinstance(adm, ItemFailure):
+                self._act(Item.ADMISSION, adm.error, seq.request)   # WAIT, or the request fails
                 continue
             self.waiting.remove(seq)
-            seq.status, seq.node_id = SeqStatus.RUNNING, pool
-            seq.num_computed = adm.num_cached_tokens
+            seq.admit(seq_id, adm.pool_id, adm.num_cached_tokens)
             if seq.request.num_cached_tokens == 0 and seq.index == 0:
                 seq.request.num_cached_tokens = adm.num_cached_tokens
             self.stats.cached_prompt_tokens += adm.num_cached_tokens
             self.running.append(seq)
             add(seq, adm.num_cached_tokens, adm.num_tokens)
-        if failed_appends:
+        if starved:
             busy = {w.seq for items in work.values() for w in items}
-            self._preempt_for(failed_appends, busy)
+            self._preempt_for(starved, busy)
         return work
 
-    def _append_failed(self, seq: Sequence, out: ItemFailure, failed_appends: list[Sequence]) -> None:
-        """An append the block manager refused: out of blocks (preempt someone, `failed_appends`),
-        the node gone or draining (recompute elsewhere), anything else stops the engine."""
-        if isinstance(out.error, OutOfBlocksError):
-            failed_appends.append(seq)
-        elif _pool_gone(out):
-            self._requeue(seq, free=_still_held(out))
-        else:
-            raise EngineFailure(f"append for {seq.seq_id} failed: {out.error}")
+    def _act(self, item: Item, error: BaseException, request: Request) -> Action:
+        """The failure table's action for a refused item; the request-level ones done here
+        (FAIL_REQUEST ends the request with the error; STOP_ENGINE raises EngineFailure)."""
+        action = action_for(item, error)
+        if action is Action.FAIL_REQUEST:
+            log.warning("request_failed", request_id=request.request_id, item=item.value, error=str(error))
+            self._fail_request(request, f"{item.value} refused: {error}")
+        elif action is Action.STOP_ENGINE:
+            raise EngineFailure(f"{item.value} of {request.request_id} failed: {error}")
+        return action
+
+    def _append_failed(self, seq: Sequence, out: ItemFailure, starved: list[Sequence]) -> None:
+        """An append the block manager refused, by the failure table."""
+        action = self._act(Item.APPEND, out.error, seq.request)
+        if action is Action.PREEMPT_OTHER:
+            starved.append(seq)
+        elif action in (Action.RECOMPUTE, Action.RECOMPUTE_FREE):
+            self._preempt(seq, free=action is Action.RECOMPUTE_FREE)
 
     def _preempt_for(self, starved: list[Sequence], busy: set[Sequence]) -> None:
         """Free the most recently admitted running sequences without work in this step, one
@@ -417,83 +440,112 @@ class LLMEngine:
             if not victims:
                 return
             self.stats.num_preemptions += 1
-            self._requeue(victims[-1], free=True)
+            self._preempt(victims[-1], free=True)
 
-    def _requeue(self, seq: Sequence, *, free: bool = False) -> None:
-        """Back to the front of the queue with everything it has as its prompt."""
-        if seq in self.running:
-            self.running.remove(seq)
-        if free and seq.seq_id:
-            self._to_free.append(seq)
-            # the id is forgotten once the free is sent; a new admission gets a new one
-        else:
-            seq.seq_id = ""
-        seq.status = SeqStatus.WAITING
-        seq.node_id = None
-        seq.num_computed = 0
-        seq.num_prompt = len(seq.token_ids)   # a fork parent keeps its flag until its fork ran
+    def _preempt(self, seq: Sequence, *, free: bool) -> None:
+        """RUNNING -> PREEMPTED, back to the front of the queue with everything it has as its
+        prompt. `free`: its blocks still exist (the id goes out with the next Step); otherwise
+        they went with its node."""
+        if seq.status is not SeqStatus.RUNNING:
+            return
+        self.running.remove(seq)
+        held = seq.preempt()
+        if free and held is not None:
+            self._to_free.append(held)
         self.waiting.appendleft(seq)
+
+    def _fail_request(self, request: Request, message: str) -> None:
+        """The request cannot be served: every completion ends with finish reason "error"."""
+        request.error = message
+        for seq in request.seqs:
+            self._finish(seq, "error")
 
     # ---- the nodes ----------------------------------------------------------------------
     def _run_nodes(self, result: StepResult, work: dict[str, list[_Work]]) -> None:
-        jobs: list[tuple[str, pb.GenerateRequest, PoolStepInfo | None, list[_Work]]] = []
+        jobs: list[tuple[str, NodeStep, PoolStepInfo | None, list[_Work]]] = []
         for node_id in sorted(set(work) | set(result.steps)):
             items = [w for w in work.get(node_id, []) if w.seq.status is SeqStatus.RUNNING]
             info = result.steps.get(node_id)
-            request = pb.GenerateRequest(request_id=f"{node_id}-{self.stats.num_steps}-{id(self)}")
-            if info is not None:
-                request.steps.append(info.message)
-            for w in items:
-                s = request.sequences.add(seq_id=w.seq.seq_id, context_len=w.context_len,
-                                          num_output_tokens=w.seq.num_output_tokens)
-                s.token_ids.extend(w.token_ids)
-                if w.sample:
-                    _fill_sampling(s.sampling, w.seq)
-            jobs.append((node_id, request, info, items))
+            step = NodeStep(f"{node_id}-{self.stats.num_steps}-{id(self)}", [info] if info is not None else [],
+                            [SeqStep(w.seq.seq_id or "", w.token_ids, w.context_len, w.seq.num_output_tokens,
+                                     _sampling(w.seq) if w.sample else None) for w in items],
+                            profile=self.config.profile_nodes)
+            jobs.append((node_id, step, info, items))
         t0 = time.perf_counter()
-        if len(jobs) > 1:
+        live = [job for job in jobs if job[0] not in self._down]   # a node out of placement is not called
+        if len(live) > 1:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=NODE_THREADS, thread_name_prefix="generate")
-            futures = [self._pool.submit(self._generate, node_id, req) for node_id, req, _, _ in jobs]
-            replies = [f.result() for f in futures]
+            futures = {node_id: self._pool.submit(self._generate, node_id, step) for node_id, step, _, _ in live}
+            answers = {node_id: f.result() for node_id, f in futures.items()}
         else:
-            replies = [self._generate(node_id, req) for node_id, req, _, _ in jobs]
+            answers = {node_id: self._generate(node_id, step) for node_id, step, _, _ in live}
         self.stats.node_s += time.perf_counter() - t0
         now = time.perf_counter()
-        for (_node_id, _req, info, items), reply in zip(jobs, replies):
+        for node_id, _step, info, items in jobs:
+            answer = answers.get(node_id)
+            failed = answer is None or isinstance(answer, NodeError)
+            action = self._node_action(node_id, answer) if isinstance(answer, NodeError) else None
             if info is not None:
-                self.client.report(info, reply is not None)
-            if reply is None:
-                self.stats.num_failed_steps += 1
+                self.client.report(info, not failed)
+            if failed:
+                if answer is not None:
+                    self.stats.num_failed_steps += 1
                 for w in items:
                     # The failed report drops the step's writers; the others (their tokens were
                     # answered locally) are freed: the Step skips frees of what it just dropped.
-                    self._requeue(w.seq, free=True)
+                    self._preempt(w.seq, free=True)
+                if action is Action.TAKE_NODE_OUT:
+                    self._take_out(node_id, str(answer))
                 continue
-            tokens = iter(reply.tokens)
+            tokens = iter(answer)   # type: ignore[arg-type]
             for w in items:
                 w.seq.num_computed = w.context_len
                 if w.sample:
                     self._accept(w.seq, next(tokens), now)
 
+    def _node_action(self, node_id: str, error: NodeError) -> Action:
+        """The failure table's action for a node's failed step; STOP_ENGINE raises here (also
+        for a node that moved on `MAX_REFUSALS_IN_A_ROW` steps in a row: not recovering)."""
+        action = action_for(Item.NODE_STEP, error)
+        if isinstance(error, NodeMovedOn):
+            refusals = self._refusals[node_id] = self._refusals.get(node_id, 0) + 1
+            if refusals > MAX_REFUSALS_IN_A_ROW:
+                action = Action.STOP_ENGINE
+            else:
+                log.warning("node_refused_step", node_id=node_id, code=error.code, details=error.message)
+        if action is Action.STOP_ENGINE:
+            raise EngineFailure(f"node {node_id!r} refused a step: {error.code}: {error.message}") from error
+        return action
+
+    def _take_out(self, node_id: str, reason: str) -> None:
+        """A node that did not answer leaves placement now (probed back in by `health`): its
+        running sequences are freed and recomputed on the other nodes from the next step."""
+        if not self.health.mark_down(node_id, reason):
+            return
+        self._down = self._down | {node_id}
+        for seq in [s for s in self.running if s.node_id == node_id]:
+            self._preempt(seq, free=True)
+
+    def _probe(self, node_id: str) -> str | None:
+        """Whether a node out of placement serves again (None) or why not; on `health`'s thread."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            return "no longer known"
+        return node_problem(node.info(timeout_s=PROBE_TIMEOUT_S), self.model_name, self.vocab_size)
+
     def _add_frees(self, batch: Any) -> bool:
         """Move the pending frees into `batch` (which carries them from here on, resent if its
-        answer never comes) and clear the freed ids at once: a preempted sequence re-admitted
-        in the same step gets its new id after this. Whether there were any."""
-        freeing = [s for s in self._to_free if s.seq_id]
-        self._to_free = []
+        answer never comes). Whether there were any."""
+        freeing, self._to_free = self._to_free, []
         if freeing:
-            batch.free([s.seq_id for s in freeing])
-        for seq in freeing:
-            seq.seq_id = ""
+            batch.free(freeing)
         return bool(freeing)
 
-    def _discover(self, routes: Iterable[Any]) -> None:
-        """Adopt the nodes `NodeDiscovery` finds among the routes (one registered after the
-        engine started, or a known pool at a new address)."""
-        if self._discovery is None:
-            return
-        for pool_id, node, info in self._discovery.find(routes, self.nodes):
+    def _adopt(self, found: Iterable[tuple[str, NodeExecutor, Any]]) -> None:
+        """Adopt the nodes the background discovery found (one registered after the engine
+        started, or a known pool at a new address): between steps, never in the middle."""
+        for pool_id, node, info in found:
             self.client.tracker.set_block_size(pool_id, info.block_size)
             self.pool_blocks[pool_id] = (info.num_blocks, info.block_size)
             self.max_model_len = min(self.max_model_len, info.max_model_len)
@@ -501,36 +553,27 @@ class LLMEngine:
             if previous is not None:
                 previous.close()
             self.nodes[pool_id] = node
+            self.health.readmit(pool_id)   # it just answered GetNodeInfo with the engine's model
+            self._down = self._down - {pool_id}
 
-    def _generate(self, node_id: str, request: pb.GenerateRequest) -> pb.GenerateResponse | None:
-        """The node's answer, or None when the step failed in a way the protocol recovers from:
-        the node is unreachable or timed out, or it moved on from the step's state (restarted
-        with a new epoch, so it knows neither the epoch nor the sequences: FAILED_PRECONDITION,
-        NOT_FOUND; its tables disagree with the step: ABORTED). The step is then reported
-        failed and its sequences recompute, there or elsewhere. Any other refusal (bad
-        credentials, a malformed request) is a bug or a misconfiguration and stops the engine."""
+    def _generate(self, node_id: str, step: NodeStep) -> list[SampledToken] | NodeError:
+        """The node's tokens, or its typed failure (acted on by the engine thread)."""
         try:
-            reply = self.nodes[node_id].generate(request)
-        except grpc.RpcError as exc:
-            if exc.code() in RETRYABLE_CODES:
-                return None
-            refusals = self._refusals[node_id] = self._refusals.get(node_id, 0) + 1
-            if exc.code() in NODE_MOVED_ON_CODES and refusals <= MAX_REFUSALS_IN_A_ROW:
-                log.warning("node_refused_step", node_id=node_id, code=exc.code().name, details=exc.details())
-                return None
-            raise EngineFailure(f"node {node_id!r} refused a step: {exc.code().name}: {exc.details()}") from exc
+            tokens = self.nodes[node_id].generate(step)
+        except NodeError as exc:
+            return exc
         self._refusals[node_id] = 0
-        return reply
+        return tokens
 
-    def _accept(self, seq: Sequence, tok: pb.SampledToken, now: float) -> None:
+    def _accept(self, seq: Sequence, tok: SampledToken, now: float) -> None:
         req, out = seq.request, seq.output
-        token = int(tok.token_id)
+        token = tok.token_id
         seq.token_ids.append(token)
         out.token_ids.append(token)
         if out.logprobs is not None:
-            out.logprobs.append(float(tok.logprob))
+            out.logprobs.append(tok.logprob if tok.logprob is not None else 0.0)
         if out.top_logprobs is not None:
-            out.top_logprobs.append(list(zip(tok.top_token_ids, tok.top_logprobs)))
+            out.top_logprobs.append(list(tok.top_logprobs))
         self.stats.generated_tokens += 1
         if req.first_token_s is None:
             req.first_token_s = now
@@ -553,11 +596,11 @@ class LLMEngine:
             seq.output.finish_reason = reason
         if seq in self.running:
             self.running.remove(seq)
-            if seq.seq_id:
-                self._to_free.append(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        seq.status = SeqStatus.FINISHED
+        held = seq.finish()
+        if held is not None:
+            self._to_free.append(held)
 
     # ---- outputs ------------------------------------------------------------------------
     def _collect_outputs(self) -> list[RequestOutput]:
@@ -572,7 +615,7 @@ class LLMEngine:
                     o.text = self.detokenize(o.token_ids)
             done = req.finished
             outs.append(RequestOutput(rid, req.prompt, req.prompt_token_ids, req.outputs,
-                                      req.num_cached_tokens, done))
+                                      req.num_cached_tokens, done, req.error))
             if done:
                 del self.requests[rid]
                 self.stats.num_finished += 1
@@ -586,7 +629,9 @@ class LLMEngine:
             self.sender.drain(wait=False)
             batch = self.client.step()
             if self._add_frees(batch):
-                self.sender.commit(batch, wait=False)
+                result = self.sender.commit(batch, wait=False)
+                if result.pool_free:
+                    self._pool_free = result.pool_free
             elif self.client.pending_reports:
                 self.client.flush_reports()
         except UNREACHABLE as exc:
@@ -602,36 +647,16 @@ class LLMEngine:
                 self.client.release()
         except Exception:  # noqa: BLE001 - best effort: leases lapse on their own otherwise
             pass
+        self.health.close()
+        if self._discovery is not None:
+            self._discovery.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 
 
-# Per-item refusals that send a sequence elsewhere: its node is gone (the block manager dropped
-# the sequence with it: nothing to free), or takes no new sequences (a fork on a draining node:
-# the parent is still there and is freed).
-SEQ_GONE_REASONS = frozenset({"NodeFenced", "StaleEpoch", "UnknownPool"})
-POOL_GONE_REASONS = SEQ_GONE_REASONS | {"PoolDraining"}
-
-
-def _pool_gone(failure: ItemFailure) -> bool:
-    return getattr(failure.error, "reason", "") in POOL_GONE_REASONS
-
-
-def _still_held(failure: ItemFailure) -> bool:
-    """Whether the sequence a pool-level refusal names still exists in the block manager."""
-    return getattr(failure.error, "reason", "") not in SEQ_GONE_REASONS
-
-
-def _fill_sampling(s: pb.Sampling, seq: Sequence) -> None:
+def _sampling(seq: Sequence) -> SamplingSpec:
     p = seq.request.params
-    s.temperature = p.temperature
-    s.top_p = p.top_p
-    s.top_k = p.top_k or 0
-    s.min_p = p.min_p
-    if seq.seed is not None:
-        s.seed = seq.seed
-    if p.logprobs is not None:
-        s.logprobs = p.logprobs
+    return SamplingSpec(p.temperature, p.top_p, p.top_k or 0, p.min_p, seq.seed, p.logprobs)
 
 
 def generate_all(engine: LLMEngine, requests: Iterable[str]) -> None:

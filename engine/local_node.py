@@ -10,9 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from block_manager.client import BlockManagerClient
+from compute_node.errors import ComputeNodeError
 from compute_node.generate import Generator, node_info_fields
 from compute_node.model import ModelRunner
 from compute_node.tables import TableCache
+from engine.executor import generate_request, node_error, node_info, sampled_tokens
+from engine.node_api import NodeInfo, NodeStep, SampledToken
 from pagedkv.v1 import compute_node_pb2 as pb
 
 
@@ -50,17 +53,23 @@ class LocalNode:
         })
         return cls(node_id, runner, reg.epoch, Path(model_dir).name)
 
-    def info(self, timeout_s: float | None = None) -> pb.GetNodeInfoResponse:
+    def info(self, timeout_s: float | None = None) -> NodeInfo:
         g = self.runner.geometry
-        return pb.GetNodeInfoResponse(
+        return node_info(pb.GetNodeInfoResponse(
             node_id=self.node_id, epoch=self.epoch, registered=True, num_layers=g.num_layers,
             num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, dtype=g.dtype, device=str(self.runner.device),
             block_size=g.block_size, num_blocks=g.num_blocks, last_step_id=self.tables.last_step_id,
             num_cached_tables=len(self.tables), **node_info_fields(self.runner, self.model_name),  # type: ignore[arg-type]
-        )
+        ))
 
-    def generate(self, request: pb.GenerateRequest) -> pb.GenerateResponse:
-        return self.generator.generate(request, self.node_id, self.epoch)
+    def generate(self, step: NodeStep) -> list[SampledToken]:
+        """The node's step logic on the protocol message; its typed errors become the engine's
+        by their status code, exactly as over gRPC."""
+        try:
+            reply = self.generator.generate(generate_request(step), self.node_id, self.epoch)
+        except ComputeNodeError as exc:
+            raise node_error(self.node_id, exc.code, str(exc)) from exc
+        return sampled_tokens(reply)
 
     def close(self) -> None:
         pass

@@ -84,7 +84,8 @@ class CompletionOutput:
     text: str = ""
     logprobs: list[float] | None = None                        # per token, when asked
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, when logprobs > 0
-    finish_reason: str | None = None    # "stop" (EOS / stop token), "length" (max_tokens / context), "abort"
+    # "stop" (EOS / stop token), "length" (max_tokens / context), "abort", "error" (see RequestOutput.error)
+    finish_reason: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -101,6 +102,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
     finished: bool = False
+    error: str | None = None            # why the engine could not serve it (finish reason "error")
 
 
 __all__ = ["CompletionOutput", "InvalidParams", "MAX_N", "RequestOutput", "SamplingParams"]

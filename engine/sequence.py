@@ -6,6 +6,22 @@ more, one sequence prefills the prompt but its last token, then forks into the o
 and samples its first token from its own seed. A preempted sequence is freed and later
 re-admitted with everything it has (prompt and outputs) as its prompt: recomputed, it draws
 the same tokens, since a seeded draw depends only on (seed, token index).
+
+The lifecycle, in one place (`TRANSITIONS`; any other move raises `LifecycleError`):
+
+    WAITING ──admit──> RUNNING ──finish──> FINISHED     (any state but FINISHED may finish)
+    FORKING ──admit (its parent's fork)──> RUNNING
+    FORKING ──detach (fork refused)──> WAITING
+    RUNNING ──preempt──> PREEMPTED ──admit (recompute prompt + outputs)──> RUNNING
+
+- WAITING: queued, never admitted; holds nothing (`seq_id` None).
+- FORKING: a child of an `n > 1` request waiting for its parent's fork (which admits it onto
+  the parent's blocks); `detach`: the fork was refused, it is admitted on its own.
+- RUNNING: admitted; `seq_id` names its blocks on `node_id`.
+- PREEMPTED: was running; its blocks are freed (or went with its node) and it is queued to
+  recompute its prompt and outputs as a new prompt. `seq_id` is None: the id it had is the
+  engine's to free (`preempt` hands it over), a re-admission gets a new one.
+- FINISHED: stopped, aborted or done; nothing held once its free is sent.
 """
 
 from __future__ import annotations
@@ -19,10 +35,25 @@ from engine.params import CompletionOutput, SamplingParams
 
 
 class SeqStatus(Enum):
-    WAITING = "waiting"     # not admitted (or preempted): holds no block
-    RUNNING = "running"     # admitted: holds blocks on `node_id`
-    FORKING = "forking"     # a child created by a fork this step (holds the parent's blocks)
+    WAITING = "waiting"       # never admitted: holds no block
+    FORKING = "forking"       # a child waiting for its parent's fork
+    RUNNING = "running"       # admitted: holds blocks on `node_id`
+    PREEMPTED = "preempted"   # freed (or its node gone), queued to recompute everything it has
     FINISHED = "finished"
+
+
+TRANSITIONS: dict[SeqStatus, frozenset[SeqStatus]] = {
+    SeqStatus.WAITING: frozenset({SeqStatus.RUNNING, SeqStatus.FINISHED}),
+    SeqStatus.FORKING: frozenset({SeqStatus.RUNNING, SeqStatus.WAITING, SeqStatus.FINISHED}),
+    SeqStatus.RUNNING: frozenset({SeqStatus.PREEMPTED, SeqStatus.FINISHED}),
+    SeqStatus.PREEMPTED: frozenset({SeqStatus.RUNNING, SeqStatus.FINISHED}),
+    SeqStatus.FINISHED: frozenset(),
+}
+QUEUED = frozenset({SeqStatus.WAITING, SeqStatus.PREEMPTED})   # in the engine's waiting queue
+
+
+class LifecycleError(RuntimeError):
+    """A sequence was moved along a transition its lifecycle does not have: an engine bug."""
 
 
 @dataclass(slots=True, eq=False)   # identity: sequences and requests go in sets and lists
@@ -37,6 +68,7 @@ class Request:
     num_cached_tokens: int = 0
     first_token_s: float | None = None
     aborted: bool = False
+    error: str | None = None       # why the engine could not serve it (its completions end with "error")
     detok_offsets: list[int] = field(default_factory=list)   # per completion: chars already emitted
 
     @property
@@ -53,7 +85,7 @@ class Sequence:
     token_ids: list[int]           # prompt (plus outputs) so far
     num_prompt: int                # tokens computed before the first sample of this admission
     seed: int | None
-    seq_id: str = ""               # the block manager's id for the current admission
+    seq_id: str | None = None      # the block manager's id for the current admission
     node_id: str | None = None
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0          # tokens whose K/V the node holds (after the last Forward)
@@ -63,6 +95,39 @@ class Sequence:
 
     def new_admission_id(self) -> str:
         return f"{self.request.request_id}/{self.index}/{next(self._admissions)}"
+
+    # ---- the lifecycle's transitions (the only places that change `status`) ----------------
+    def _move(self, to: SeqStatus) -> None:
+        if to not in TRANSITIONS[self.status]:
+            raise LifecycleError(f"sequence {self.request.request_id}/{self.index}: {self.status.value} -> {to.value}")
+        self.status = to
+
+    def admit(self, seq_id: str, node_id: str, num_computed: int) -> None:
+        """Admitted (or forked onto its parent's blocks) as `seq_id` on `node_id`."""
+        self._move(SeqStatus.RUNNING)
+        self.seq_id, self.node_id, self.num_computed = seq_id, node_id, num_computed
+
+    def preempt(self) -> str | None:
+        """Out of its node: everything it has becomes its prompt, to recompute on re-admission.
+        Returns the id it held (for the caller to free, or to forget when its node dropped it)."""
+        self._move(SeqStatus.PREEMPTED)
+        held, self.seq_id = self.seq_id, None
+        self.node_id = None
+        self.num_computed = 0
+        self.num_prompt = len(self.token_ids)   # a fork parent keeps its flag until its fork ran
+        return held
+
+    def detach(self) -> None:
+        """A fork child whose fork was refused: admitted on its own like a new sequence."""
+        self._move(SeqStatus.WAITING)
+        self.seq_id = None
+
+    def finish(self) -> str | None:
+        """Done (stopped, length, aborted); returns the id it held, for the caller to free."""
+        self._move(SeqStatus.FINISHED)
+        held, self.seq_id = self.seq_id, None
+        self.node_id = None
+        return held
 
     @property
     def output(self) -> CompletionOutput:
@@ -78,4 +143,4 @@ class Sequence:
         return self.num_prompt - 1 if self.fork_parent else self.num_prompt
 
 
-__all__ = ["Request", "SeqStatus", "Sequence"]
+__all__ = ["QUEUED", "TRANSITIONS", "LifecycleError", "Request", "SeqStatus", "Sequence"]

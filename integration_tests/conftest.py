@@ -1,4 +1,4 @@
-"""The pair as real processes, started from docker-compose.yml (see engine.localstack).
+"""The pair as real processes, started from docker-compose.yml (see demo.localstack).
 
 Two fixtures: `stack`, shared by the tests of a module that only drive it and leave it as they
 found it (every sequence freed), and `fresh_stack`, a stack of its own for a test that kills or
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.localstack import LocalStack
+from demo.localstack import LocalStack
 from integration_tests.helpers import LEASE_TTL_S
 from tests.fixtures.certs import dev_certs
 from tests.fixtures.entry_points import missing_entry_points_dir

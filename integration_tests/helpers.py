@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from block_manager.trace.format import TraceOp, parse_trace
 from block_manager.trace.generate import TraceConfig, generate_trace
-from engine.localstack import LocalStack
+from demo.localstack import LocalStack
 
 # Short leases so a killed node is fenced quickly; set through the compose file's own
 # `${PAGEDKV_LEASE_TTL_S:-10}` interpolation, as an operator would.

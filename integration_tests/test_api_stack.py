@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from block_manager.client.admin import AdminClient
-from engine.localstack import LocalStack
+from demo.localstack import LocalStack
 from integration_tests.conftest import TEST_MODEL_NAME
 
 
@@ -54,7 +54,7 @@ def test_chat_completion_through_the_stack(api_stack: LocalStack) -> None:
 
 
 def test_health_check_probes_the_nodes_and_the_block_manager(api_stack: LocalStack) -> None:
-    from engine.api_cli import node_health_check
+    from engine.api.cli import node_health_check
 
     class Node:
         def __init__(self, address: str) -> None:

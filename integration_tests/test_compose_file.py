@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 import yaml
 
-from engine.localstack import COMPOSE_FILE, LocalStack, StackError, interpolate, load_compose
+from demo.localstack import COMPOSE_FILE, LocalStack, StackError, interpolate, load_compose
 from tests.fixtures.entry_points import declared_entry_points
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def test_services_and_dependencies() -> None:
         assert api["depends_on"][dep]["condition"] == "service_healthy"
     assert api["depends_on"]["model-init"]["condition"] == "service_completed_successfully"
     assert api["command"][:3] == ["pagedkv-serve", "--model", "/models/${PAGEDKV_MODEL:-tiny-llama}"]
-    assert api["healthcheck"]["test"] == ["CMD", "python", "-m", "engine.api_healthcheck", "127.0.0.1:8000"]
+    assert api["healthcheck"]["test"] == ["CMD", "python", "-m", "engine.api.healthcheck", "127.0.0.1:8000"]
     assert api["ports"] == ["8000:8000"]
     assert services["model-init"]["restart"] == "no" and "models" in doc["volumes"]
     assert services["postgres"]["profiles"] == ["postgres"]
@@ -99,7 +99,7 @@ def test_environment_is_accepted_by_each_service_config(tmp_path: Path) -> None:
 
 
 def test_api_server_command_is_accepted_by_its_cli(tmp_path: Path) -> None:
-    from engine.api_cli import _parser
+    from engine.api.cli import _parser
 
     stack = LocalStack(tmp_path, interp_env={"PAGEDKV_MODEL_DIR": str(tmp_path / "hf"), "PAGEDKV_MODEL": "Qwen3-0.6B"})
     stack.ports[("block-manager", 50051)] = 50999
@@ -112,7 +112,7 @@ def test_api_server_command_is_accepted_by_its_cli(tmp_path: Path) -> None:
     assert (args.host, args.port) == ("127.0.0.1", 0)                    # 0.0.0.0:8000 -> loopback, a free port
     assert args.port_file == stack.port_file("api-server")
     assert args.api_key in (None, "") and int(args.max_num_seqs) == 256
-    assert stack.specs["api-server"].healthcheck == ["python", "-m", "engine.api_healthcheck", "127.0.0.1:8000"]
+    assert stack.specs["api-server"].healthcheck == ["python", "-m", "engine.api.healthcheck", "127.0.0.1:8000"]
     init_argv, _ = stack.command("model-init")
     assert stack.specs["model-init"].oneshot and not stack.specs["api-server"].oneshot
     assert init_argv == [sys.executable, "-m", "engine.model_init", str(tmp_path / "hf" / "Qwen3-0.6B")]

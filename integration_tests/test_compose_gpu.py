@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from engine.localstack import interpolate
+from demo.localstack import interpolate
 
 GPU_FILE = Path(__file__).resolve().parents[1] / "docker-compose.gpu.yml"
 

@@ -9,7 +9,7 @@ from unittest import mock
 
 import yaml
 
-from engine.localstack import COMPOSE_FILE, MTLS_COMPOSE_FILE, LocalStack, merge_compose
+from demo.localstack import COMPOSE_FILE, MTLS_COMPOSE_FILE, LocalStack, merge_compose
 from tests.fixtures.certs import DevCerts
 
 
@@ -47,7 +47,7 @@ def test_mtls_override_configures_every_service(tmp_path: Path, dev_certs: DevCe
         assert stack.specs[name].healthcheck[-2] == "--tls-env"   # type: ignore[index]
     assert stack.command("compute-node-1")[1]["PAGEDKV_CN_TLS__CERT_FILE"].endswith("compute-node-1.pem")
     # the API server parses its certificate options into a scheduler's mutual-TLS client settings
-    from engine.api_cli import _parser
+    from engine.api.cli import _parser
     from pagedkv.tls import tls_from_args
 
     argv, env = stack.command("api-server")

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from block_manager.client.admin import AdminClient
-from engine.localstack import LocalStack
-from engine.serving import ServingDriver
+from demo.localstack import LocalStack
+from demo.serving import ServingDriver
 from integration_tests.conftest import CORE_SERVICES
 from integration_tests.helpers import node_addresses, small_trace
 

@@ -16,8 +16,8 @@ from block_manager.client import BlockManagerClient
 from block_manager.client.admin import AdminClient
 from block_manager.client.errors import FailedPreconditionError, NotFoundError
 from compute_node.client import ComputeNodeClient
-from engine.localstack import LocalStack
-from engine.serving import ServingDriver
+from demo.localstack import LocalStack
+from demo.serving import ServingDriver
 from integration_tests.helpers import LEASE_TTL_S, node_addresses, small_trace
 from tests.support.polling import eventually_sync
 
@@ -161,7 +161,7 @@ def test_compute_node_sigkill_fences_and_restart_registers_new_epoch(fresh_stack
 _LOAD_CHILD = """
 import json, sys
 from integration_tests.helpers import small_trace
-from engine.serving import ServingDriver
+from demo.serving import ServingDriver
 bm, node_id, address, prefix, seed = sys.argv[1:6]
 d = ServingDriver(bm, {node_id: address}, num_heads=4, max_model_len=256, seed=int(seed))
 try:

@@ -19,8 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from block_manager.client import BlockManagerClient, PermissionDeniedError, UnavailableError
 from block_manager.client.admin import AdminClient
 from compute_node.client import ComputeNodeClient
-from engine.localstack import MTLS_COMPOSE_FILE, LocalStack
-from engine.serving import ServingDriver
+from demo.localstack import MTLS_COMPOSE_FILE, LocalStack
+from demo.serving import ServingDriver
 from integration_tests.conftest import TEST_MODEL_NAME
 from integration_tests.helpers import node_addresses, small_trace
 from pagedkv.tls import open_channel

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-import engine.demo_services
-from engine import demo
+from demo import cli as demo
+from demo import services as demo_services
 from tests.support.polling import eventually_sync
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +23,7 @@ def no_run(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(args: object) -> int:
         raise AssertionError("the services run started although --plot is unusable")
 
-    monkeypatch.setattr(engine.demo_services, "run", refuse)
+    monkeypatch.setattr(demo_services, "run", refuse)
 
 
 @pytest.mark.parametrize(
@@ -46,7 +46,7 @@ def test_bad_plot_path_is_refused_before_the_run(
 
 def test_default_plot_goes_to_the_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[Path] = []
-    monkeypatch.setattr(engine.demo_services, "run", lambda args: seen.append(args.plot) or 0)
+    monkeypatch.setattr(demo_services, "run", lambda args: seen.append(args.plot) or 0)
     monkeypatch.chdir(tmp_path)
     assert demo.main(["--requests", "2"]) == 0
     assert seen == [tmp_path / "pagedkv-demo.png"]
@@ -97,7 +97,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
 def test_ctrl_c_is_one_line_and_stops_the_stack(tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.demo", "--requests", "200", "--plot", str(tmp_path / "p.png")],
+        [sys.executable, "-m", "demo.cli", "--requests", "200", "--plot", str(tmp_path / "p.png")],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:

@@ -27,7 +27,7 @@ def test_client_example_without_nodes_says_so(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from engine.localstack import ServiceProcess
+    from demo.localstack import ServiceProcess
 
     argv = [sys.executable, "-m", "block_manager.cli.main", "serve", "--listen", "127.0.0.1:0",
             "--database-url", "memory://"]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.localstack import ServiceProcess
+from demo.localstack import ServiceProcess
 
 BLOCK_MANAGER = [sys.executable, "-m", "block_manager.cli.main", "serve", "--listen", "127.0.0.1:0"]
 COMPUTE_NODE = [

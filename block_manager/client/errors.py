@@ -50,6 +50,17 @@ class FailedPreconditionError(BlockManagerError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class PoolGoneError(FailedPreconditionError):
+    """A per-item refusal because the sequence's pool is gone: its node was fenced, registered
+    a new epoch, or is unknown. The block manager dropped the node's sequences with it, so
+    there is nothing to free; a scheduler recomputes them elsewhere."""
+
+
+class PoolDrainingError(FailedPreconditionError):
+    """A per-item refusal because the pool is draining: it admits no new sequence (nor a fork
+    child); its running sequences go on."""
+
+
 class AbortedError(BlockManagerError):
     """Version conflict."""
 
@@ -108,6 +119,13 @@ _BY_CODE: dict[grpc.StatusCode, type[BlockManagerError]] = {
         InternalError,
     )
 }
+# Per-item refusals typed by their reason (the core's class name), whatever their status code.
+_BY_REASON: dict[str, type[BlockManagerError]] = {
+    "NodeFenced": PoolGoneError,
+    "StaleEpoch": PoolGoneError,
+    "UnknownPool": PoolGoneError,
+    "PoolDraining": PoolDrainingError,
+}
 _BY_VALUE: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -117,6 +135,11 @@ def status_code_from_int(value: int) -> grpc.StatusCode:
 
 
 def error_for(code: grpc.StatusCode, message: str, *, reason: str = "", method: str = "") -> BlockManagerError:
+    typed = _BY_REASON.get(reason)
+    if typed is not None:
+        err = typed(message, reason=reason, method=method)
+        err.code = code
+        return err
     cls = _BY_CODE.get(code)
     if cls is None:
         err = BlockManagerError(message, reason=reason, method=method)
@@ -145,6 +168,8 @@ __all__ = [
     "NotFoundError",
     "OutOfBlocksError",
     "PermissionDeniedError",
+    "PoolDrainingError",
+    "PoolGoneError",
     "StepStateError",
     "UnauthenticatedError",
     "UnavailableError",

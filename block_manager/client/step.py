@@ -175,6 +175,9 @@ class StepResult:
     appends: dict[SeqId, SeqSlots | ItemFailure] = field(default_factory=dict)
     dropped: set[SeqId] = field(default_factory=set)
     lease_epochs: dict[PoolId, int] = field(default_factory=dict)
+    # every pool's (free, usable: free or evictable) blocks after the step; empty when the
+    # step was answered without a round trip
+    pool_free: dict[PoolId, tuple[int, int]] = field(default_factory=dict)
     num_freed: int = 0
     num_rpcs: int = 0
 
@@ -204,6 +207,10 @@ class StepBatch:
         self._appends: dict[SeqId, tuple[int, tuple[int, ...] | None]] = {}
         self._committed = False
         self._unanswered: pb.StepRequest | None = None   # sent, no answer: `resend` may repeat it
+        # Placed allocations (`allocate(..., pool_id=None)`): the pools they may go to (None:
+        # every live pool) and the new tokens this step may admit (0: no budget).
+        self.place_pools: list[str] | None = None
+        self.admit_budget = 0
         self.release = False   # set by `client.release()`
         self.flush = False     # set by `client.flush_reports()`: send the reports even alone
         self.result = StepResult()
@@ -216,7 +223,7 @@ class StepBatch:
     def allocate(
         self,
         seq_id: str,
-        pool_id: str,
+        pool_id: str | None,
         token_ids: Sequence[int] | None = None,
         *,
         num_tokens: int | None = None,
@@ -225,11 +232,13 @@ class StepBatch:
     ) -> None:
         """Admit a prompt (`token_ids` enable prefix caching; or a bare `num_tokens`).
         `num_compute` caps the uncached tokens this step computes (chunked prefill; append
-        the rest of the prompt with its token ids in later steps)."""
+        the rest of the prompt with its token ids in later steps). `pool_id` None: the block
+        manager places it (among `place_pools`, within `admit_budget`) and the answer's
+        `Admission.pool_id` says where; refused (`OutOfBlocksError`), it simply waits."""
         if (token_ids is None) == (num_tokens is None):
             raise InvalidArgumentError(f"allocation {seq_id!r}: give token_ids or num_tokens", method="Step")
         ids = tuple(token_ids) if token_ids is not None else None
-        self._allocs.append((SeqId(seq_id), PoolId(pool_id), ids, num_tokens, salt, num_compute))
+        self._allocs.append((SeqId(seq_id), PoolId(pool_id or ""), ids, num_tokens, salt, num_compute))
 
     def fork(self, parent: str, child_ids: Sequence[str]) -> None:
         """Children share every block of the parent (copy-on-write on their first write;
@@ -326,9 +335,12 @@ class StepBatch:
     def _build_allocs(self, m: pb.StepRequest) -> None:
         pools: dict[str, int] = {}
         salts: dict[str, int] = {}
+        placing = any(not pool_id for _, pool_id, *_ in self._allocs)
         for sid, pool_id, ids, num_tokens, salt, num_compute in self._allocs:
             m.alloc_seq_ids.append(sid)
-            m.alloc_pool_index.append(pools.setdefault(pool_id, len(pools)))
+            m.alloc_pool_index.append(pools.setdefault(pool_id, len(pools)) if pool_id else 0)
+            if placing:
+                m.alloc_place.append(not pool_id)
             m.alloc_salt_index.append(-1 if salt is None else salts.setdefault(salt, len(salts)))
             if ids is not None:
                 m.alloc_num_token_ids.append(len(ids))
@@ -340,6 +352,9 @@ class StepBatch:
             m.alloc_num_compute.append(num_compute or 0)
         m.pool_ids.extend(pools)
         m.salts.extend(salts)
+        if placing:
+            m.place_pool_ids.extend(self.place_pools or [])
+            m.admit_budget = self.admit_budget
 
     # ---- response -------------------------------------------------------------------
     def apply(self, m: pb.StepResponse) -> StepResult:
@@ -349,6 +364,7 @@ class StepBatch:
         res.num_rpcs += 1
         res.num_freed = len(self._free_ids)
         res.lease_epochs = {PoolId(p): int(e) for p, e in m.lease_epochs.items()}
+        res.pool_free = {PoolId(f.pool_id): (int(f.num_free_blocks), int(f.num_usable_blocks)) for f in m.pool_free}
         errors: dict[tuple[str, int], Any] = {(e.section, e.index): e for e in m.errors}
         for s in m.settled:
             settled = wire.step_settled(s)
@@ -361,6 +377,8 @@ class StepBatch:
             if err is not None:
                 res.allocations[sid] = wire.item_failure(sid, err, "Step")
                 continue
+            if not pool_id:
+                pool_id = PoolId(m.alloc_pool_ids[i])   # placed by the block manager
             res.allocations[sid] = Admission(sid, pool_id, m.alloc_num_cached_tokens[i], m.alloc_num_tokens[i])
             tracker.track(sid, pool_id, m.alloc_num_tokens[i], tail_exclusive=True)
         for i, (parent, children) in enumerate(self._forks):

@@ -755,6 +755,11 @@ class BlockManager:
         return _defrag.due(self._pool(pool_id), self.defrag_policy)
 
     # ---- metrics, fsck, snapshots ---------------------------------------------------
+    def free_blocks(self, pool_id: PoolId) -> tuple[int, int]:
+        """(free, usable: free or evictable) blocks of a pool, in O(1): a scheduler's gauges."""
+        pool = self._pool(pool_id)
+        return pool.num_free, pool.num_available
+
     def metrics(self, pool_id: PoolId) -> PoolMetrics:
         pool = self._pool(pool_id)
         bs = pool.block_size

@@ -10,6 +10,8 @@ item errors by class name (`reason`), so the durable journal never depends on gR
 
 from __future__ import annotations
 
+from block_manager.core.errors import OutOfBlocks
+
 
 class ServiceError(Exception):
     """Base of errors raised by the service layer (not the core)."""
@@ -57,8 +59,15 @@ class RecoveryError(ServiceError):
     """The journal/snapshot could not be replayed into a consistent state."""
 
 
+class NotPlaced(OutOfBlocks):
+    """A placed allocation (issue 21) that no candidate pool takes in this step: none admits
+    sequences this scheduler may drive, none has the blocks, or the step's admission budget
+    is spent. It changes nothing and simply waits (RESOURCE_EXHAUSTED, like OutOfBlocks)."""
+
+
 __all__ = [
     "JournalFailure",
+    "NotPlaced",
     "RecordRejected",
     "RecoveryError",
     "RequestExpired",

@@ -53,6 +53,10 @@ def step_payload(request: pb.StepRequest) -> dict[str, Any]:
             "num_tokens": list(request.alloc_num_tokens),
             "num_compute": list(request.alloc_num_compute),
         }
+        if request.alloc_place:
+            payload["alloc"]["place"] = [bool(x) for x in request.alloc_place]
+            payload["alloc"]["place_pools"] = list(request.place_pool_ids)
+            payload["alloc"]["admit_budget"] = int(request.admit_budget)
     if request.written_seq_ids:
         payload["written"] = {
             "seq_ids": list(request.written_seq_ids),
@@ -117,6 +121,9 @@ def step_response(r: dict[str, Any]) -> pb.StepResponse:
     resp.alloc_num_tokens.extend(r["alloc_num_tokens"])
     resp.append_num_tokens.extend(r["append_num_tokens"])
     resp.lease_epochs.update(r["lease_epochs"])
+    resp.alloc_pool_ids.extend(r.get("alloc_pool_ids", ()))
+    for pool_id, num_free, num_usable in r.get("pool_free", ()):   # absent in answers journaled before it
+        resp.pool_free.add(pool_id=pool_id, num_free_blocks=num_free, num_usable_blocks=num_usable)
     return resp
 
 

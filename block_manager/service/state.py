@@ -35,6 +35,7 @@ from block_manager.core.leases import PoolLeases, check_scheduler_id
 from block_manager.core.manager import DEFAULT_MAX_UNSETTLED_STEPS, MAX_POOL_BLOCKS, BlockManager
 from block_manager.core.nodes import NodeRegistry, check_node_id
 from block_manager.core.types import DefragPlan, DefragPolicy, PoolId, SeqId
+from block_manager.service.errors import NotPlaced
 from block_manager.service.state_codec import check_count, check_optional_str, plan_dict
 from block_manager.service.step_codec import AppendColumns, StepInput, pool_step_dict
 
@@ -228,6 +229,7 @@ class ServiceState:
         core = self.core
         # ---- validate everything that fails the request as a whole (nothing changed) ----
         self._check_pool_epochs(step.pool_epochs)
+        not_placed = self._place(step, sched, now)
         pools = self.pools_of(step)
         for pid in pools:
             self.leases.check(pid, sched, now)
@@ -266,7 +268,7 @@ class ServiceState:
             self._forget(sid)
             self._remember(self.freed_ids, sid, None)
         errors: list[list[Any]] = []
-        alloc_cached, alloc_tokens = self._allocate(step, errors)
+        alloc_cached, alloc_tokens = self._allocate(step, errors, not_placed)
         self._append(step.written, "written", errors, already_written=True)
         self._fork(step, errors)
         append_tokens = self._append(step.appends, "append", errors, already_written=False)
@@ -309,6 +311,8 @@ class ServiceState:
             "alloc_num_tokens": alloc_tokens,
             "append_num_tokens": append_tokens,
             "lease_epochs": lease_epochs,
+            "pool_free": [[pid, *core.free_blocks(pid)] for pid in sorted(core.pool_ids)],
+            "alloc_pool_ids": [a.pool_id if tokens else "" for a, tokens in zip(step.allocs, alloc_tokens)],
         }
         return Applied(result, mutated)
 
@@ -349,11 +353,57 @@ class ServiceState:
         return [r.pool_id, res.settled_step, list(res.committed_plan_ids), list(res.aborted_plan_ids),
                 list(res.dropped_seq_ids)]
 
-    def _allocate(self, step: StepInput, errors: list[list[Any]]) -> tuple[list[int], list[int]]:
+    def _place(self, step: StepInput, sched: str, now: float) -> set[int]:
+        """Pick a pool for every placed allocation (deterministic: a replay picks the same):
+        among the step's candidates that admit sequences and that `sched` may drive, the
+        longest cached prefix, then the most free-or-evictable blocks after what this step
+        already gave each pool, then the pool id. With an admission budget, allocations are
+        placed in order while it lasts, each computing at most what is left (its `num_compute`
+        is set). Returns the indexes of those no pool takes (`NotPlaced`; `pool_id` stays "")."""
+        placed = [(i, a) for i, a in enumerate(step.allocs) if a.place]
+        if not placed:
+            return set()
+        core = self.core
+        live = set(core.pool_ids)
+        candidates = set(step.placement.pool_ids) & live if step.placement.pool_ids else live
+        usable: set[str] = set()
+        for pid in candidates:
+            node = self.registry.get(pid)
+            if not node.fenced and not node.draining and self.leases.blocked(pid, sched, now) is None:
+                usable.add(pid)
+        budget = step.placement.admit_budget
+        taken: dict[str, int] = {}
+        refused: set[int] = set()
+        for i, a in placed:
+            if not usable or (step.placement.admit_budget and budget <= 0):
+                refused.add(i)
+                continue
+            if a.token_ids:
+                ranked = [(e.pool_id, e.num_cached_tokens, e.num_free_blocks)
+                          for e in core.route(a.token_ids, a.salt) if e.pool_id in usable]
+            else:
+                ranked = [(pid, 0, core.free_blocks(pid)[1]) for pid in usable]
+            if not ranked:
+                refused.add(i)
+                continue
+            pool, cached, _ = min(ranked, key=lambda r: (-r[1], taken.get(r[0], 0) - r[2], r[0]))
+            length = len(a.token_ids) if a.token_ids else (a.num_tokens or 0)
+            if step.placement.admit_budget:
+                a.num_compute = min(budget, a.num_compute or budget)
+                budget -= max(1, min(a.num_compute, length - cached))
+            a.pool_id = pool
+            taken[pool] = taken.get(pool, 0) + -(-(length - cached) // self.registry.get(pool).block_size)
+        return refused
+
+    def _allocate(
+        self, step: StepInput, errors: list[list[Any]], not_placed: set[int]
+    ) -> tuple[list[int], list[int]]:
         cached: list[int] = []
         tokens: list[int] = []
         for i, a in enumerate(step.allocs):
             try:
+                if i in not_placed:
+                    raise NotPlaced(f"allocation {a.seq_id!r}: no candidate pool takes it in this step")
                 self.registry.check_active(a.pool_id)
                 res = self.core.allocate(
                     SeqId(a.seq_id), PoolId(a.pool_id), a.token_ids, num_tokens=a.num_tokens, salt=a.salt,

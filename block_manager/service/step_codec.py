@@ -70,11 +70,20 @@ class Report:
 @dataclass(slots=True)
 class Alloc:
     seq_id: str
-    pool_id: str
+    pool_id: str                  # "" for a placed allocation until the block manager placed it
     token_ids: list[int] | None
     num_tokens: int | None
     salt: str | None
     num_compute: int | None
+    place: bool = False           # the block manager picks the pool (among `StepInput.place_pools`)
+
+
+@dataclass(slots=True)
+class Placement:
+    """The placed allocations' candidate pools (empty: every live pool) and token budget."""
+
+    pool_ids: list[str]
+    admit_budget: int             # 0: no budget (each computes what it asks, `num_compute`)
 
 
 @dataclass(slots=True)
@@ -102,6 +111,7 @@ class StepInput:
     written: AppendColumns
     forks: list[tuple[str, list[str]]]
     appends: AppendColumns
+    placement: Placement
 
     @classmethod
     def decode(cls, p: Mapping[str, Any], max_batch: int) -> StepInput:
@@ -115,7 +125,7 @@ class StepInput:
         _distinct("report pools", [r.pool_id for r in reports])
         free_ids = _ids("free_seq_ids", p.get("free", []))
         _distinct("free_seq_ids", free_ids)
-        allocs = _decode_allocs(p.get("alloc") or {})
+        allocs, placement = _decode_allocs(p.get("alloc") or {})
         _distinct("allocation seq_ids", [a.seq_id for a in allocs])
         written = _decode_appends("written", p.get("written") or {})
         appends = _decode_appends("append", p.get("append") or {})
@@ -129,10 +139,11 @@ class StepInput:
         epochs = p.get("pool_epochs") or {}
         if not isinstance(epochs, dict):
             raise InvalidRequest("pool_epochs must be a mapping")
-        return cls(str(p["scheduler_id"]), dict(epochs), reports, free_ids, allocs, written, forks, appends)
+        return cls(str(p["scheduler_id"]), dict(epochs), reports, free_ids, allocs, written, forks, appends,
+                   placement)
 
 
-def _decode_allocs(a: Mapping[str, Any]) -> list[Alloc]:
+def _decode_allocs(a: Mapping[str, Any]) -> tuple[list[Alloc], Placement]:
     seq_ids = _ids("alloc_seq_ids", a.get("seq_ids", []))
     n = len(seq_ids)
     pools = _ids("pool_ids", a.get("pools", []))
@@ -149,13 +160,21 @@ def _decode_allocs(a: Mapping[str, Any]) -> list[Alloc]:
                       ("alloc_num_compute", num_compute)):
         if len(col) != n:
             raise InvalidRequest(f"{name} has {len(col)} entries for {n} allocations")
+    place = a.get("place", [])
+    if not isinstance(place, list) or (place and (len(place) != n or not set(map(type, place)) <= {bool})):
+        raise InvalidRequest(f"alloc_place must be empty or hold one bool per allocation ({n})")
+    place_pools = _ids("place_pool_ids", a.get("place_pools", []))
+    admit_budget = a.get("admit_budget", 0)
+    if type(admit_budget) is not int or admit_budget < 0:
+        raise InvalidRequest("admit_budget must be an integer >= 0")
     token_ids = _ints("alloc_token_ids", a.get("token_ids", []))
     if len(token_ids) != sum(num_token_ids):
         raise InvalidRequest(f"alloc_token_ids has {len(token_ids)} ids, the counts say {sum(num_token_ids)}")
     out: list[Alloc] = []
     pos = 0
     for i in range(n):
-        if pool_index[i] >= len(pools):
+        placed = bool(place) and place[i]
+        if not placed and pool_index[i] >= len(pools):
             raise InvalidRequest(f"allocation {i}: pool index {pool_index[i]} out of range")
         si = salt_index[i]
         if type(si) is not int or not -1 <= si < len(salts):
@@ -165,9 +184,9 @@ def _decode_allocs(a: Mapping[str, Any]) -> list[Alloc]:
         pos += k
         if (toks is None) == (num_tokens[i] == 0):
             raise InvalidRequest(f"allocation {i}: give token ids or a token count, exactly one")
-        out.append(Alloc(seq_ids[i], pools[pool_index[i]], toks, num_tokens[i] or None,
-                         salts[si] if si >= 0 else None, num_compute[i] or None))
-    return out
+        out.append(Alloc(seq_ids[i], "" if placed else pools[pool_index[i]], toks, num_tokens[i] or None,
+                         salts[si] if si >= 0 else None, num_compute[i] or None, placed))
+    return out, Placement(place_pools, admit_budget)
 
 
 def _decode_appends(section: str, a: Mapping[str, Any]) -> AppendColumns:

@@ -25,11 +25,12 @@ from dataclasses import dataclass
 import torch
 
 from compute_node.model.errors import InvalidSamplingParams
+from pagedkv import seeds
+from pagedkv.seeds import MASK64, mix64
 
 MAX_LOGPROBS = 20
 # Temperatures below this are greedy: dividing logits by them would overflow float32.
 GREEDY_BELOW_TEMPERATURE = 1e-5
-_MASK64 = (1 << 64) - 1
 
 
 @dataclass(slots=True, frozen=True)
@@ -77,21 +78,16 @@ class SampledToken:
 
 
 def derive_seed(seed: int, child_index: int) -> int:
-    """The seed of parallel sample `child_index` (n > 1) of a request seeded with `seed`.
-
-    Child 0 keeps `seed` itself, so `n=1` and the first of `n=k` draw the same tokens; child i > 0
-    gets a 64-bit mix of (seed, i), so siblings are independent streams.
-    """
+    """The seed of parallel sample `child_index` (n > 1) of a request seeded with `seed`
+    (`pagedkv.seeds.derive_seed`, where the engine takes it from without torch)."""
     if child_index < 0:
         raise InvalidSamplingParams(f"child_index must be >= 0, got {child_index}")
-    if child_index == 0:
-        return seed
-    return _mix64(_splitmix64(seed & _MASK64) ^ 0x6A09E667F3BCC909, child_index)
+    return seeds.derive_seed(seed, child_index)
 
 
 def seeded_uniform(seed: int, index: int) -> float:
     """The uniform number in [0, 1) that drives token `index` of a sequence seeded `seed`."""
-    return (_mix64(seed & _MASK64, index) >> 11) * 2.0**-53
+    return (mix64(seed & MASK64, index) >> 11) * 2.0**-53
 
 
 class Sampler:
@@ -193,15 +189,3 @@ class Sampler:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def _mix64(a: int, b: int) -> int:
-    """A 64-bit hash of the pair (a, b), both taken modulo 2**64."""
-    return _splitmix64(_splitmix64(a & _MASK64) ^ (b & _MASK64))

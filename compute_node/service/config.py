@@ -59,6 +59,10 @@ class ComputeNodeConfig(YamlEnvSettings):
     # "auto": CUDA when torch sees a GPU, else the CPU; or an explicit "cpu" / "cuda:N".
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     max_batch: int = Field(default=4096, ge=1)
+    # The node's torch and Numba threads (`compute_node/threads.py`): `threads`, or unset, the
+    # host's cores divided by `nodes_per_host` (how many nodes share this host's cores).
+    threads: int | None = Field(default=None, ge=1, le=1024)
+    nodes_per_host: int = Field(default=1, ge=1, le=1024)
     # On a GPU, decode attention replays CUDA graphs (one per layer and batch-size bucket,
     # captured at first use) where a step fits them, instead of one launch per layer.
     cuda_graphs: bool = True

@@ -63,6 +63,7 @@ from compute_node.service.bm_link import (
 from compute_node.service.config import DEFAULT_NUM_BLOCKS, ComputeNodeConfig
 from compute_node.service.metrics import NodeMetrics
 from compute_node.tables import NodeTable, SeqId, StagedSteps, TableCache, stage
+from compute_node.threads import apply_thread_budget, thread_budget
 from pagedkv.logging import get_logger
 from pagedkv.rpc import Backoff
 from pagedkv.v1 import compute_node_pb2 as pb
@@ -121,6 +122,7 @@ class ComputeNode:
         self.device = resolve_device(config.device)
         self.metrics = NodeMetrics()
         self.log = get_logger("compute_node", node_id=config.node_id)
+        self.num_threads = thread_budget(config.threads, config.nodes_per_host)
         self.link = BlockManagerLink(
             config.block_manager_address, config.node_id, config.rpc_timeout_s, tls=config.tls,
             token=config.block_manager_token,
@@ -148,6 +150,9 @@ class ComputeNode:
         """Load the configured model and size its KV pool (before registering; blocking: run
         it in a thread). Block size: the configured one, else 16."""
         cfg = self.config
+        applied = apply_thread_budget(self.num_threads)
+        self.log.info("thread_budget", torch_threads=self.num_threads, numba_threads=applied,
+                      nodes_per_host=cfg.nodes_per_host)
         if cfg.model is None:
             return
         budget = cfg.memory_budget_bytes if cfg.num_blocks is None else None

@@ -468,6 +468,9 @@ class StepRequest(_message.Message):
     APPEND_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     RELEASE_LEASES_FIELD_NUMBER: _builtins.int
     SESSION_FIELD_NUMBER: _builtins.int
+    ALLOC_PLACE_FIELD_NUMBER: _builtins.int
+    PLACE_POOL_IDS_FIELD_NUMBER: _builtins.int
+    ADMIT_BUDGET_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     scheduler_id: _builtins.str
     """the pools' lease holder (one scheduler drives a pool)"""
@@ -475,6 +478,7 @@ class StepRequest(_message.Message):
     """After this step, give up the leases of every pool this scheduler drives (a scheduler
     shutting down): pools where it still has sequences are handed back empty (dropped).
     """
+    admit_budget: _builtins.int
     @_builtins.property
     def pool_epochs(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """optional fencing: pool -> node epoch the caller knows"""
@@ -545,6 +549,20 @@ class StepRequest(_message.Message):
     def append_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def session(self) -> Global___ClientSession: ...
+    @_builtins.property
+    def alloc_place(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """Admission placement inside the Step: an allocation with `alloc_place` set names no pool
+        (its alloc_pool_index is ignored); the block manager places it on one of `place_pool_ids`
+        (every live pool when empty) that admits sequences and this scheduler may drive: longest
+        cached prefix, then most free-or-evictable blocks after what the step already gave each
+        pool. It answers where (`alloc_pool_ids`). With `admit_budget` > 0, placed allocations are
+        admitted in order while that many new (uncached) tokens last: each computes at most what
+        is left (chunked prefill) and at least one token; the rest are refused (`NotPlaced`, a
+        RESOURCE_EXHAUSTED item error) and simply wait. Route stays for routers and the admin CLI.
+        """
+
+    @_builtins.property
+    def place_pool_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -573,10 +591,13 @@ class StepRequest(_message.Message):
         append_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         release_leases: _builtins.bool = ...,
         session: Global___ClientSession | None = ...,
+        alloc_place: _abc.Iterable[_builtins.bool] | None = ...,
+        place_pool_ids: _abc.Iterable[_builtins.str] | None = ...,
+        admit_budget: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["session", b"session"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_num_compute", b"alloc_num_compute", "alloc_num_token_ids", b"alloc_num_token_ids", "alloc_num_tokens", b"alloc_num_tokens", "alloc_pool_index", b"alloc_pool_index", "alloc_salt_index", b"alloc_salt_index", "alloc_seq_ids", b"alloc_seq_ids", "alloc_token_ids", b"alloc_token_ids", "append_num_tokens", b"append_num_tokens", "append_seq_ids", b"append_seq_ids", "append_token_ids", b"append_token_ids", "fork_child_ids", b"fork_child_ids", "fork_num_children", b"fork_num_children", "fork_parent_ids", b"fork_parent_ids", "free_seq_ids", b"free_seq_ids", "pool_epochs", b"pool_epochs", "pool_ids", b"pool_ids", "release_leases", b"release_leases", "reports", b"reports", "request_id", b"request_id", "salts", b"salts", "scheduler_id", b"scheduler_id", "session", b"session", "written_num_tokens", b"written_num_tokens", "written_seq_ids", b"written_seq_ids", "written_token_ids", b"written_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admit_budget", b"admit_budget", "alloc_num_compute", b"alloc_num_compute", "alloc_num_token_ids", b"alloc_num_token_ids", "alloc_num_tokens", b"alloc_num_tokens", "alloc_place", b"alloc_place", "alloc_pool_index", b"alloc_pool_index", "alloc_salt_index", b"alloc_salt_index", "alloc_seq_ids", b"alloc_seq_ids", "alloc_token_ids", b"alloc_token_ids", "append_num_tokens", b"append_num_tokens", "append_seq_ids", b"append_seq_ids", "append_token_ids", b"append_token_ids", "fork_child_ids", b"fork_child_ids", "fork_num_children", b"fork_num_children", "fork_parent_ids", b"fork_parent_ids", "free_seq_ids", b"free_seq_ids", "place_pool_ids", b"place_pool_ids", "pool_epochs", b"pool_epochs", "pool_ids", b"pool_ids", "release_leases", b"release_leases", "reports", b"reports", "request_id", b"request_id", "salts", b"salts", "scheduler_id", b"scheduler_id", "session", b"session", "written_num_tokens", b"written_num_tokens", "written_seq_ids", b"written_seq_ids", "written_token_ids", b"written_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -689,6 +710,8 @@ class StepResponse(_message.Message):
     ALLOC_NUM_TOKENS_FIELD_NUMBER: _builtins.int
     APPEND_NUM_TOKENS_FIELD_NUMBER: _builtins.int
     LEASE_EPOCHS_FIELD_NUMBER: _builtins.int
+    POOL_FREE_FIELD_NUMBER: _builtins.int
+    ALLOC_POOL_IDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def steps(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.PoolStep]:
         """one per pool with work: pass it to the pool's node"""
@@ -717,6 +740,14 @@ class StepResponse(_message.Message):
     def lease_epochs(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """pool -> this scheduler's lease epoch on it"""
 
+    @_builtins.property
+    def pool_free(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolFree]:
+        """every pool's free blocks after this step (gauges, placement)"""
+
+    @_builtins.property
+    def alloc_pool_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """per allocation: the pool it went to ("" when refused)"""
+
     def __init__(
         self,
         *,
@@ -727,14 +758,45 @@ class StepResponse(_message.Message):
         alloc_num_tokens: _abc.Iterable[_builtins.int] | None = ...,
         append_num_tokens: _abc.Iterable[_builtins.int] | None = ...,
         lease_epochs: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        pool_free: _abc.Iterable[Global___PoolFree] | None = ...,
+        alloc_pool_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_num_cached_tokens", b"alloc_num_cached_tokens", "alloc_num_tokens", b"alloc_num_tokens", "append_num_tokens", b"append_num_tokens", "errors", b"errors", "lease_epochs", b"lease_epochs", "settled", b"settled", "steps", b"steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_num_cached_tokens", b"alloc_num_cached_tokens", "alloc_num_tokens", b"alloc_num_tokens", "alloc_pool_ids", b"alloc_pool_ids", "append_num_tokens", b"append_num_tokens", "errors", b"errors", "lease_epochs", b"lease_epochs", "pool_free", b"pool_free", "settled", b"settled", "steps", b"steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StepResponse: _TypeAlias = StepResponse  # noqa: Y015
+
+@_typing.final
+class PoolFree(_message.Message):
+    """A pool's capacity after a step: what a scheduler reads instead of polling Route."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_ID_FIELD_NUMBER: _builtins.int
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_USABLE_BLOCKS_FIELD_NUMBER: _builtins.int
+    pool_id: _builtins.str
+    num_free_blocks: _builtins.int
+    """on the free list"""
+    num_usable_blocks: _builtins.int
+    """free or evictable (prefix-cached, unreferenced)"""
+    def __init__(
+        self,
+        *,
+        pool_id: _builtins.str = ...,
+        num_free_blocks: _builtins.int = ...,
+        num_usable_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_free_blocks", b"num_free_blocks", "num_usable_blocks", b"num_usable_blocks", "pool_id", b"pool_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PoolFree: _TypeAlias = PoolFree  # noqa: Y015
 
 @_typing.final
 class GetTablesRequest(_message.Message):

@@ -8,7 +8,10 @@ Imports only run downward:
    per-sequence and per-block state are arrays, issue 20);
 3. `block_manager/{store,service,client,cli,trace}` and `compute_node/` — `compute_node`
    never imports `block_manager`, the client never imports the server side;
-4. `engine/` (the scheduler side): nothing imports it.
+4. `engine/` (the scheduler side): nothing below imports it; within it, the OpenAI server
+   (`engine/api/`) sits on top of the engine, which never imports it;
+5. `demo/` (the demo, the synthetic serving driver, the local process stack): above the engine,
+   and nothing of the product imports it.
 
 Every import counts, including ones inside functions (a lazy import is still a dependency).
 """
@@ -22,7 +25,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-OURS = ("pagedkv", "kernels", "block_manager", "compute_node", "engine", "tools")
+OURS = ("pagedkv", "kernels", "block_manager", "compute_node", "engine", "demo", "tools")
 THIRD_PARTY_KERNELS = {"numba", "numpy", "torch", "llvmlite"}  # llvmlite is numba's own backend
 
 
@@ -94,7 +97,7 @@ def _core(rel: str, module: str, top: bool) -> str | None:
 
 def _block_manager(rel: str, module: str, top: bool) -> str | None:
     root = _root(module)
-    if root in ("compute_node", "engine", "tools"):
+    if root in ("compute_node", "engine", "demo", "tools"):
         return f"block_manager never imports {root}"
     if rel.startswith(("block_manager/client/", "block_manager/store/", "block_manager/trace/")) and (
         _within(module, "block_manager.service") or _within(module, "block_manager.cli")
@@ -119,7 +122,7 @@ def _transport_free(rel: str, module: str, top: bool) -> str | None:
 
 def _compute_node(rel: str, module: str, top: bool) -> str | None:
     root = _root(module)
-    if root in ("block_manager", "engine", "tools"):
+    if root in ("block_manager", "engine", "demo", "tools"):
         return f"compute_node never imports {root}"
     if not rel.startswith("compute_node/service/") and _within(module, "compute_node.service"):
         return "the node's domain sits below its service"
@@ -127,6 +130,36 @@ def _compute_node(rel: str, module: str, top: bool) -> str | None:
 
 
 def _engine(rel: str, module: str, top: bool) -> str | None:
+    if _root(module) == "tools":
+        return "tools are dev-only"
+    if _root(module) == "demo":
+        return "the engine never imports the demo"
+    if not rel.startswith("engine/api/") and _within(module, "engine.api"):
+        return "the engine never imports its API server"
+    return None
+
+
+# The scheduler speaks plain data and typed errors to the nodes (`engine.node_api`): only the
+# executors (`engine.executor`, `engine.local_node`) and the in-process block manager know the
+# transport, and nothing of the scheduler pulls in torch.
+SCHEDULER = tuple(
+    f"engine/{name}.py"
+    for name in ("llm_engine", "sequence", "failure_policy", "node_api", "errors", "health", "bm_steps",
+                 "discovery", "params", "async_engine")
+)
+
+
+def _scheduler(rel: str, module: str, top: bool) -> str | None:
+    if rel not in SCHEDULER:
+        return None
+    if _root(module) in ("grpc", "torch", "compute_node") or _within(module, "pagedkv.v1"):
+        return "the scheduler imports neither the transport nor the model stack"
+    if _within(module, "engine.executor") or _within(module, "engine.local_node"):
+        return "the scheduler reaches nodes through engine.node_api"
+    return None
+
+
+def _demo(rel: str, module: str, top: bool) -> str | None:
     return "tools are dev-only" if _root(module) == "tools" else None
 
 
@@ -140,6 +173,8 @@ def _engine(rel: str, module: str, top: bool) -> str | None:
         ("block_manager", _transport_free),
         ("compute_node", _compute_node),
         ("engine", _engine),
+        ("engine", _scheduler),
+        ("demo", _demo),
     ],
     ids=[
         "ground-floor",
@@ -149,6 +184,8 @@ def _engine(rel: str, module: str, top: bool) -> str | None:
         "transport-free-state",
         "compute-node",
         "engine",
+        "scheduler-transport-free",
+        "demo",
     ],
 )
 def test_imports_run_downward(package: str, rule) -> None:  # type: ignore[no-untyped-def]
@@ -161,7 +198,7 @@ def test_nothing_imports_the_engine() -> None:
         for path in _modules(package):
             rel = path.relative_to(REPO)
             for line, module, top in _imports(path):
-                if _root(module) == "engine" and not (str(rel) == "pagedkv/__init__.py" and not top):
+                if _root(module) in ("engine", "demo") and not (str(rel) == "pagedkv/__init__.py" and not top):
                     bad.append(f"{rel}:{line}: imports {module}")
     assert bad == []
 

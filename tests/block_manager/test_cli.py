@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from block_manager.cli import main as cli
-from engine import demo
+from demo import cli as demo
 
 BIN = Path(sys.executable).parent
 SMALL_KNOBS = ["--num-requests", "12", "--prompt-len-max", "120", "--output-len-max", "80", "--seed", "4"]

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from compute_node.client import ComputeNodeClient, SeqInput
-from engine.localstack import ServiceProcess
+from demo.localstack import ServiceProcess
 from tests.compute_node.harness import Scheduler, start_bm, start_node
 from tests.support.polling import eventually
 

@@ -19,13 +19,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import httpx
 import openai
 import pytest
 
-from engine.api_server import ServerThread, build_app
+from engine.api.server import ServerThread, build_app
 from engine.async_engine import AsyncLLMEngine, EngineGauges
+from engine.errors import NodeRefused
 from engine.llm import LLM
 from tests.compute_node.model.model_helpers import tiny_model_dir
 from tests.engine.conftest import SPECS
@@ -407,14 +407,6 @@ def test_a_dead_engine_answers_503(llm: LLM, model_dir: Path) -> None:
         assert "pagedkv_engine_alive" in httpx.get(srv.url + "/metrics").text
 
 
-class _Refused(grpc.RpcError):
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.PERMISSION_DENIED
-
-    def details(self) -> str:
-        return "scheduler may not call Generate"
-
-
 class _RefusingNode:
     """A node that refuses every step, as one whose access rules omit the scheduler would."""
 
@@ -424,8 +416,8 @@ class _RefusingNode:
     def info(self, timeout_s: float | None = None) -> Any:
         return self.inner.info(timeout_s)
 
-    def generate(self, request: Any) -> Any:
-        raise _Refused()
+    def generate(self, step: Any) -> Any:
+        raise NodeRefused(self.node_id, "scheduler may not call Generate", code="PERMISSION_DENIED")
 
     def close(self) -> None:
         self.inner.close()
@@ -456,7 +448,7 @@ def test_failing_health_check_answers_503(aeng: AsyncLLMEngine, llm: LLM) -> Non
 # ---- the command line ----------------------------------------------------------------------------
 def test_cli_refuses_a_missing_model_dir_and_an_unsupported_architecture(
         tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from engine.api_cli import main, parse_size
+    from engine.api.cli import main, parse_size
 
     assert main(["--model", str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err
@@ -484,7 +476,7 @@ def test_cli_serves_and_stops_on_sigterm(tmp_path: Path, model_dir: Path) -> Non
     port_file = tmp_path / "port"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PAGEDKV_API_KEY": "k" * 16, "PAGEDKV_LOG_LEVEL": "WARNING"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.api_cli", "--model", str(model_dir), "--port", "0", "--port-file",
+        [sys.executable, "-m", "engine.api.cli", "--model", str(model_dir), "--port", "0", "--port-file",
          str(port_file), "--device", "cpu", "--num-kv-blocks", "64", "--block-size", "8",
          "--served-model-name", "tiny"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -504,3 +496,25 @@ def test_cli_serves_and_stops_on_sigterm(tmp_path: Path, model_dir: Path) -> Non
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_request_the_engine_refused_is_a_400_with_its_reason(
+    server: ServerThread, llm: LLM, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request the engine ends with an error (the failure table's FAIL_REQUEST) is answered
+    as the client's error with the reason, and the server goes on serving."""
+    engine = llm.engine
+    original = engine.add_request
+
+    def refusing(*args: Any, **kwargs: Any) -> str:
+        rid = original(*args, **kwargs)
+        engine._fail_request(engine.requests[rid], "admission refused: too big for this test")
+        return rid
+
+    monkeypatch.setattr(engine, "add_request", refusing)
+    body = {"model": model_dir.name, "prompt": [5, 6, 7], "max_tokens": 5}
+    reply = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 400 and "too big for this test" in reply.json()["error"]["message"], reply.text
+    monkeypatch.undo()
+    assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    wait_all_freed(llm)

@@ -15,15 +15,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 
 from block_manager.client import AdminClient
 from block_manager.client.errors import UnauthenticatedError
+from engine.errors import NodeRefused
 from engine.executor import RemoteNode
 from engine.llm import LLM
+from engine.node_api import NodeStep
 from engine.params import SamplingParams
-from pagedkv.v1 import compute_node_pb2 as pb
 from tests.compute_node.model.model_helpers import compare_greedy, hf_greedy
 from tests.engine.services import Services
 
@@ -79,6 +79,16 @@ def _check_drive(hf: Any, prompts: list[dict[str, list[int]]], outs: list[Any], 
         compare_greedy(out.outputs[0].token_ids, hf_greedy(hf, p["prompt_token_ids"], max_tokens), f"prompt {i}")
 
 
+def _until_adopted(engine: Any, node_id: str, address: str) -> None:
+    """Step the (idle) engine until its background discovery found `node_id` at `address` and
+    the engine adopted it between steps."""
+    deadline = time.monotonic() + 30
+    while getattr(engine.nodes.get(node_id), "address", None) != address and time.monotonic() < deadline:
+        engine.step()
+        time.sleep(0.05)
+    assert getattr(engine.nodes.get(node_id), "address", None) == address
+
+
 def _generates_ok(server: Any) -> float:
     return server.node.metrics.registry.get_sample_value("pagedkv_cn_forwards_total", {"code": "OK"}) or 0.0
 
@@ -97,10 +107,10 @@ def test_scheduler_token_reaches_the_block_manager_and_the_nodes(
         # the node itself refuses a Generate without the scheduler's token, and its own token
         for token in (None, NODE_TOKEN):
             anonymous = RemoteNode("node-0", services.nodes[0].address, timeout_s=20, token=token)
-            with pytest.raises(grpc.RpcError) as refused:
-                anonymous.generate(pb.GenerateRequest(request_id="anonymous"))
+            with pytest.raises(NodeRefused) as refused:
+                anonymous.generate(NodeStep("anonymous"))
             anonymous.close()
-            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert refused.value.code == "UNAUTHENTICATED"
         prompts = _prompts(1, 4)
         with LLM(model_dirs[MODEL], block_manager=services.bm.address, token=SCHED_TOKEN) as llm:
             outs = llm.generate(prompts, GREEDY)
@@ -122,6 +132,7 @@ def test_nodes_registering_later_are_adopted_and_other_models_skipped(
             # more free blocks than node-0: the block manager routes new prompts there first
             late = services.add_node("node-1", model_dirs[MODEL], num_blocks=192)
             other = services.add_node("node-x", model_dirs[OTHER_MODEL], num_blocks=512)
+            _until_adopted(llm.engine, "node-1", late.address)   # found off the step path
             second = _prompts(3, 6)
             _check_greedy(hf_models[MODEL], second, llm.generate(second, GREEDY))
             assert set(llm.engine.nodes) == {"node-0", "node-1"}
@@ -197,6 +208,7 @@ def test_a_node_dying_mid_generation_loses_no_request(
             assert engine.stats.num_failed_steps > 0
             # node 1 comes back (a new epoch, another port, more blocks): the engine follows it there
             back = services.add_node("node-1", model_dirs[MODEL], num_blocks=192)
+            _until_adopted(engine, "node-1", back.address)
             more = _prompts(6, 4)
             _check_greedy(hf_models[MODEL], more, llm.generate(more, GREEDY))
             assert getattr(engine.nodes["node-1"], "address", None) == back.address and _generates_ok(back) > 0
@@ -289,7 +301,7 @@ def test_the_api_server_rides_out_a_block_manager_restart(model_dirs: dict[str, 
 
     import httpx
 
-    from engine.api_server import ServerThread, build_app
+    from engine.api.server import ServerThread, build_app
     from engine.async_engine import AsyncLLMEngine
 
     db = f"sqlite:///{tmp_path / 'bm.db'}"

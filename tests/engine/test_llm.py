@@ -175,3 +175,25 @@ def test_aborts_at_random_points_leave_nothing_held(model_dirs: dict[str, Path],
             assert core.fsck() == []
         assert aborted and finished - aborted and engine.stats.num_preemptions > 0
         _assert_all_freed(llm)
+
+
+def test_nodes_profile_a_step_only_when_asked(model_dirs: dict[str, Path]) -> None:
+    """Phase timings (device syncs on a GPU) are filled only for steps that ask for them."""
+    with LLM(model_dirs["llama-gqa4-hd64"], block_size=4, num_kv_blocks=64, device="cpu") as llm:
+        node = llm.engine.nodes["local-0"]
+        generate, seen = node.generator.generate, []
+
+        def recording(request: Any, *args: Any) -> Any:
+            reply = generate(request, *args)
+            seen.append((request.profile, reply.stats.dense_s, reply.stats.total_s))
+            return reply
+
+        node.generator.generate = recording
+        llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3))
+        llm.engine.config.profile_nodes = True
+        llm.generate({"prompt_token_ids": [4, 5, 6]}, SamplingParams(max_tokens=3))
+        plain = [s for s in seen if not s[0]]
+        profiled = [s for s in seen if s[0]]
+        assert plain and profiled
+        assert all(dense == 0.0 and total > 0 for _, dense, total in plain)
+        assert all(dense > 0 for _, dense, _ in profiled)

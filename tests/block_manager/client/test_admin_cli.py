@@ -12,7 +12,7 @@ import pytest
 
 from block_manager.cli.admin import EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE, main
 from block_manager.client import BlockManagerClient, ItemFailure
-from engine.localstack import ServiceProcess
+from demo.localstack import ServiceProcess
 from tests.block_manager.client.step_workload import forwarded
 
 SCHEDULER = "admin-cli-test"

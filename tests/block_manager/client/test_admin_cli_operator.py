@@ -14,7 +14,7 @@ import pytest
 
 from block_manager.cli.admin import EXIT_UNREACHABLE, main
 from block_manager.client import BlockManagerClient
-from engine.localstack import ServiceProcess
+from demo.localstack import ServiceProcess
 from tests.block_manager.client.server_thread import ServerThread
 from tests.support.polling import eventually_sync
 

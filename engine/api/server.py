@@ -7,7 +7,7 @@
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream` as
 server-sent events `data: {json}` ending with `data: [DONE]`), `GET /v1/models[/{id}]`,
 `GET /health` (200 while the engine thread runs and `health_check` says the nodes answer, else
-503), `GET /metrics` (Prometheus text, `engine.api_metrics`).
+503), `GET /metrics` (Prometheus text, `engine.api.metrics`).
 
 Each prompt of a request is one engine request (`n` completions each, by fork). Everything a
 request took is given back whatever way it ends: a refused prompt aborts its siblings, a
@@ -41,9 +41,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.api_generation import Choice, Generation, Update
-from engine.api_metrics import ApiMetrics
-from engine.api_protocol import (
+from engine.api.generation import Choice, Generation, Update
+from engine.api.metrics import ApiMetrics
+from engine.api.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,

@@ -1,6 +1,6 @@
 """Health probe of the API server for container health checks (the image has no curl):
 
-    python -m engine.api_healthcheck 127.0.0.1:8000        # exit 0 when GET /health answers 200
+    python -m engine.api.healthcheck 127.0.0.1:8000        # exit 0 when GET /health answers 200
 
 It prints the answer's status line, or why there was none; exit 1 otherwise.
 """
@@ -25,7 +25,7 @@ def check(target: str, timeout_s: float = 3.0) -> tuple[bool, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.api_healthcheck", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m engine.api.healthcheck", description=__doc__.splitlines()[0])
     parser.add_argument("target", help="HOST:PORT of the API server (or its base URL)")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds (default 3)")
     args = parser.parse_args(argv)

@@ -29,7 +29,7 @@ from block_manager.client.admin import AdminClient
 from block_manager.client.types import Admission, ItemFailure
 from block_manager.trace.format import AllocateOp, AppendOp, ForkOp, FreeOp, TraceOp
 from compute_node.client import ComputeNodeClient, SeqInput
-from engine.synthetic import SyntheticModel, extend_hashes, reference_attention
+from demo.synthetic import SyntheticModel, extend_hashes, reference_attention
 from pagedkv.stats import percentile
 from pagedkv.tls import TlsSettings
 

@@ -1,7 +1,7 @@
 """`pagedkv-demo` (services mode): a real model served through the block manager and two nodes.
 
 Starts the block manager and both compute nodes from docker-compose.yml as local processes
-(`engine.localstack`), every node loading the model (`--model DIR`, any supported Hugging Face
+(`demo.localstack`), every node loading the model (`--model DIR`, any supported Hugging Face
 directory; without it, a small Llama-architecture model with random weights and a small
 tokenizer is built locally first: no download). The engine (`engine.llm_engine`) then serves a
 mixed workload through them — shared system prompts (prefix hits), `n > 1` parallel samples
@@ -30,9 +30,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from block_manager.client import AdminClient, BlockManagerClient
+from demo.localstack import LocalStack
 from engine.executor import RemoteNode
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.localstack import LocalStack
 from engine.params import RequestOutput, SamplingParams
 from engine.tokenizer import Tokenizer
 

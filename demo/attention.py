@@ -1,8 +1,8 @@
 """`pagedkv-demo --mode services`: the pair as real processes, a serving workload through them.
 
 Starts the block manager and both compute nodes from docker-compose.yml as local processes
-(`engine.localstack`: embedded SQLite in a temp volume), drives the demo trace through them
-with `engine.serving.ServingDriver` (batched Route → one Step RPC per scheduler step through the
+(`demo.localstack`: embedded SQLite in a temp volume), drives the demo trace through them
+with `demo.serving.ServingDriver` (batched Route → one Step RPC per scheduler step through the
 client's step helper → Forward on the owning node carrying that node's PoolStep; every
 sequence's outputs checked against float64 every step), triggers one admin defrag midway
 (its moves ride in the next steps), prints the report and writes the PNG plot (`args.plot`,
@@ -23,9 +23,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from block_manager.trace.format import AppendOp, parse_trace
 from block_manager.trace.generate import TraceConfig, generate_trace
-from engine.localstack import LocalStack
-from engine.serving import ServingDriver
-from engine.serving_report import plot, render
+from demo.localstack import LocalStack
+from demo.serving import ServingDriver
+from demo.serving_report import plot, render
 
 NODES = ("compute-node-0", "compute-node-1")
 

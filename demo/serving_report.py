@@ -7,7 +7,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from engine.serving import ServingReport
+from demo.serving import ServingReport
 
 
 def _pct(x: float) -> str:

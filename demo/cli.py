@@ -211,9 +211,9 @@ def _main(argv: Sequence[str] | None) -> int:
             print(f"pagedkv-demo: error: {exc}", file=sys.stderr)
             return 2
         if args.mode == "attention":
-            from engine.demo_attention import run
+            from demo.attention import run
         else:
-            from engine.demo_services import run
+            from demo.services import run
         return run(args)
     with tempfile.TemporaryDirectory(prefix="pagedkv-demo-") as tmp:
         result = MODES[args.mode](args, Path(tmp))

@@ -1,4 +1,4 @@
-"""`pagedkv-serve`: the OpenAI-compatible HTTP server (`engine.api_server`) from the command line.
+"""`pagedkv-serve`: the OpenAI-compatible HTTP server (`engine.api.server`) from the command line.
 
     pagedkv-serve --model /models/Qwen2.5-0.5B-Instruct                 # embedded: block manager + one node here
     pagedkv-serve --model /models/Qwen2.5-0.5B-Instruct --block-manager 127.0.0.1:50051
@@ -176,12 +176,12 @@ def node_health_check(block_manager: str | None, nodes: dict[str, Any], tls: Any
 
 
 async def _serve(llm: Any, args: argparse.Namespace) -> int:
-    from engine.api_server import build_app, serve_async
+    from engine.api.server import build_app, serve_async
     from engine.async_engine import AsyncLLMEngine
     from pagedkv.logging import get_logger
     from pagedkv.tls import is_loopback, tls_from_args
 
-    log = get_logger("engine.api_cli")
+    log = get_logger("engine.api.cli")
     aeng = AsyncLLMEngine(llm.engine)
     name = args.served_model_name or Path(args.model).name
     app = build_app(aeng, llm.tokenizer, name, api_key=args.api_key or None,

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server over the engine: wire format, generation, metrics, CLI."""

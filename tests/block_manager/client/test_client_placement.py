@@ -1,0 +1,78 @@
+"""Admission placement inside the Step (issue 21): an allocation may name no pool; the block
+manager places it (cached prefix, then free blocks charged per step, among the candidate pools
+this scheduler may drive), admits placed allocations in order within the step's budget, and
+answers where each went. Over real gRPC."""
+
+from __future__ import annotations
+
+import pytest
+
+from block_manager.client import BlockManagerClient, ItemFailure, OutOfBlocksError
+from block_manager.core.types import SeqId
+from tests.block_manager.client.step_workload import forwarded
+
+BS = 8
+
+
+@pytest.fixture
+def client(bm):  # type: ignore[no-untyped-def]
+    with BlockManagerClient(bm.address) as c:
+        yield c
+
+
+def _prompt(base: int, n: int = 16) -> list[int]:
+    return [base + t for t in range(n)]
+
+
+def test_placed_allocations_spread_follow_prefixes_and_respect_candidates(client, bm) -> None:  # type: ignore[no-untyped-def]
+    client.register_node("n1", 64, block_size=BS)
+    client.register_node("n2", 60, block_size=BS)
+    step = client.step()
+    for i in range(6):
+        step.allocate(f"s{i}", None, _prompt(1000 * (i + 1)))
+    res = forwarded(client, step.commit())
+    pools = {sid: adm.pool_id for sid, adm in res.allocations.items()}
+    assert set(pools.values()) == {"n1", "n2"}                    # charged per step: spread, not piled
+    for sid, pool in pools.items():
+        assert bm.state.core.get_sequence(SeqId(sid)).pool_id == pool
+    # a prompt sharing s4's first two blocks goes where they are cached
+    step = client.step()
+    step.free(list(pools))
+    forwarded(client, step.commit())
+    step = client.step()
+    step.allocate("again", None, _prompt(5000)[:16] + [7, 7, 7])
+    adm = forwarded(client, step.commit()).allocations[SeqId("again")]
+    assert adm.pool_id == pools[SeqId("s4")] and adm.num_cached_tokens == 16
+    # only the candidates are used
+    step = client.step()
+    step.place_pools = ["n2"]
+    for i in range(3):
+        step.allocate(f"c{i}", None, _prompt(90_000 + 100 * i))
+    res = forwarded(client, step.commit())
+    assert {a.pool_id for a in res.allocations.values()} == {"n2"}
+    assert bm.fsck() == []
+
+
+def test_the_admission_budget_admits_in_order_and_refuses_the_rest(client, bm) -> None:  # type: ignore[no-untyped-def]
+    client.register_node("n1", 64, block_size=BS)
+    step = client.step()
+    step.admit_budget = 20
+    for i in range(3):
+        step.allocate(f"b{i}", None, _prompt(100 * (i + 1)))
+    res = forwarded(client, step.commit())
+    first, second, third = (res.allocations[SeqId(f"b{i}")] for i in range(3))
+    assert (first.num_tokens, second.num_tokens) == (16, 4)        # the second is a 4-token chunk
+    assert isinstance(third, ItemFailure) and isinstance(third.error, OutOfBlocksError)
+    assert third.error.reason == "NotPlaced"
+    assert not bm.state.core.has_sequence(SeqId("b2")) and bm.fsck() == []
+
+
+def test_no_pool_to_place_on_is_a_refusal_not_a_failed_step(client, bm) -> None:  # type: ignore[no-untyped-def]
+    client.register_node("n1", 64, block_size=BS)
+    step = client.step()
+    step.place_pools = ["nope"]
+    step.allocate("x", None, _prompt(1))
+    step.allocate("y", "n1", _prompt(2))                          # a named pool still works beside it
+    res = forwarded(client, step.commit())
+    assert isinstance(res.allocations[SeqId("x")], ItemFailure)
+    assert res.allocations[SeqId("y")].pool_id == "n1"

@@ -1,0 +1,145 @@
+"""The engine under random arrivals, aborts, forks, preemptions and node faults (issue 21).
+
+A Hypothesis state machine drives an engine over the in-process block manager and two fake
+nodes (`tests.engine.fakes`: a greedy token is a pure function of what the engine sent, so a
+run with faults must give every request exactly the tokens of a fault-free run). Faults: a node
+dies (unreachable) and comes back, restarts in place (a new epoch: its step is refused and its
+sequences are gone), or turns slow. After every rule:
+
+- the block manager's fsck is clean;
+- every sequence is where its state says (RUNNING: in `running`, with an id and a node;
+  WAITING / PREEMPTED: queued, no id; FORKING / FINISHED: neither, no id), once;
+- every sequence the block manager holds is one the engine runs or is about to free (no leak).
+
+At the end (faults healed) every request that was not aborted completes with the fault-free
+tokens, and nothing is left held.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from engine.params import SamplingParams
+from engine.sequence import SeqStatus
+from tests.engine.fakes import VOCAB, fake_completion, fake_engine
+
+NODES = ("fake-0", "fake-1")
+SHARED = [random.Random(5).randrange(1, VOCAB) for _ in range(12)]   # a common prefix: prefix hits
+
+
+class EngineMachine(RuleBasedStateMachine):
+    @initialize()
+    def start(self) -> None:
+        self.engine, self.nodes = fake_engine(2, num_blocks=20, block_size=4, max_num_batched_tokens=20,
+                                              max_num_seqs=8)
+        self.engine.health.first_s, self.engine.health.max_s = 0.005, 0.02
+        self.core = self.engine.client.state.core
+        self.expected: dict[str, tuple[list[int], int]] = {}
+        self.finished: dict[str, object] = {}
+        self.aborted: set[str] = set()
+
+    # ---- arrivals, aborts, steps ---------------------------------------------------------
+    @rule(data=st.data(), length=st.integers(2, 18), n=st.integers(1, 3), max_tokens=st.integers(1, 10),
+          shared=st.booleans())
+    def arrive(self, data: st.DataObject, length: int, n: int, max_tokens: int, shared: bool) -> None:
+        tail = data.draw(st.lists(st.integers(1, VOCAB - 1), min_size=length, max_size=length))
+        prompt = (SHARED if shared else []) + tail
+        rid = self.engine.add_request(prompt, SamplingParams(n=n, temperature=0, max_tokens=max_tokens,
+                                                             ignore_eos=True))
+        self.expected[rid] = (prompt, max_tokens)
+
+    @precondition(lambda self: bool(self.engine.requests))
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.engine.requests)))
+        self.engine.abort_request(rid)
+        self.aborted.add(rid)
+
+    @rule(num_steps=st.integers(1, 4))
+    def step(self, num_steps: int) -> None:
+        for _ in range(num_steps):
+            for out in self.engine.step():
+                if out.finished:
+                    self.finished[out.request_id] = out
+
+    # ---- faults ----------------------------------------------------------------------------
+    @rule(node=st.sampled_from(NODES))
+    def kill(self, node: str) -> None:
+        self.nodes[node].dead = True
+
+    @rule(node=st.sampled_from(NODES))
+    def revive(self, node: str) -> None:
+        self.nodes[node].dead = False
+
+    @rule(node=st.sampled_from(NODES))
+    def restart_in_place(self, node: str) -> None:
+        self.nodes[node].restart_next = True
+
+    @rule(node=st.sampled_from(NODES), slow=st.booleans())
+    def slow(self, node: str, slow: bool) -> None:
+        self.nodes[node].delay_s = 0.003 if slow else 0.0
+
+    # ---- invariants ------------------------------------------------------------------------
+    @invariant()
+    def block_manager_is_consistent(self) -> None:
+        if hasattr(self, "core"):
+            assert self.core.fsck() == []
+
+    @invariant()
+    def every_sequence_is_where_its_state_says(self) -> None:
+        if not hasattr(self, "engine"):
+            return
+        engine = self.engine
+        running, waiting = engine.running, list(engine.waiting)
+        assert len(set(map(id, running))) == len(running) and len(set(map(id, waiting))) == len(waiting)
+        for req in engine.requests.values():
+            for seq in req.seqs:
+                in_running, in_waiting = seq in running, seq in waiting
+                if seq.status is SeqStatus.RUNNING:
+                    assert in_running and not in_waiting and seq.seq_id and seq.node_id, seq
+                elif seq.status in (SeqStatus.WAITING, SeqStatus.PREEMPTED):
+                    assert in_waiting and not in_running and seq.seq_id is None, seq
+                else:
+                    assert not in_running and not in_waiting and seq.seq_id is None, seq
+
+    @invariant()
+    def nothing_is_held_that_the_engine_forgot(self) -> None:
+        if not hasattr(self, "engine"):
+            return
+        known = {s.seq_id for s in self.engine.running} | set(self.engine._to_free)
+        held = {s.seq_id for s in self.core.sequences()}
+        assert held <= known, held - known
+
+    def teardown(self) -> None:
+        if not hasattr(self, "engine"):
+            return
+        engine = self.engine
+        try:
+            for node in self.nodes.values():
+                node.dead, node.restart_next, node.delay_s = False, False, 0.0
+            deadline = time.monotonic() + 60
+            while engine.has_unfinished_requests() and time.monotonic() < deadline:
+                for out in engine.step():
+                    if out.finished:
+                        self.finished[out.request_id] = out
+            assert not engine.has_unfinished_requests()
+            for rid, (prompt, max_tokens) in self.expected.items():
+                if rid in self.aborted:
+                    continue
+                out = self.finished[rid]
+                want = fake_completion(prompt, max_tokens)
+                assert all(c.token_ids == want for c in out.outputs), rid   # type: ignore[attr-defined]
+            engine.flush()
+            assert self.core.fsck() == [] and self.core.sequences() == []
+        finally:
+            engine.close()
+
+
+EngineMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=40, deadline=None,
+                                           suppress_health_check=[HealthCheck.too_slow])
+test_engine_state_machine = EngineMachine.TestCase
