@@ -1,12 +1,12 @@
 """`pagedkv-demo`: the project's main job.
 
 Modes:
-- `services` (default, `engine/demo_services.py`): a real model (`--model DIR`, or a small
+- `services` (default, `demo/services.py`): a real model (`--model DIR`, or a small
   random-weight Llama built locally) served by the block manager and two compute nodes as
   processes, through the continuous-batching engine; reports tokens/s, time to first token,
   inter-token latency, KV blocks against contiguous preallocation, prefix hits, CoW copies,
   preemptions, and how many greedy completions equal the reference; writes a plot.
-- `attention` (`engine/demo_attention.py`): the same stack fed synthetic Q/K/V, every
+- `attention` (`demo/attention.py`): the same stack fed synthetic Q/K/V, every
   sequence's attention output checked against float64 every step (the attention-level path).
 - `core`: the workload replayed through the in-process block manager core: what paging buys
   (waste, concurrency at equal memory, prefix hits, CoW, evictions, append latency).
