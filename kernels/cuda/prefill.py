@@ -96,6 +96,12 @@ def build_prefill_kernel(spec: AttentionSpec) -> Any:
 
 PREFILL_SIGNATURE = (ADDR, ADDR, ADDR, ADDR, ADDR, ADDR, ADDR, I32, F32, I32)
 
+def query_rows_per_cta(spec: AttentionSpec) -> int:
+    """Query rows (query tokens x GQA heads) one thread block holds, each staged K/V tile
+    serving all of them."""
+    return spec.rows
+
+
 MAX_GRID_X = 2**31 - 1  # CUDA's grid limits (every compute capability the kernels build for)
 MAX_GRID_YZ = 65_535
 
