@@ -10,7 +10,9 @@ kernels use nothing newer), then disassembled with `nvdisasm` — and reported:
   whole kernel, and of the K/V stream (`cp.async`, or loads tagged `.L2::128B`);
 - the steady-state tile loop: the loop that issues the K/V loads, its SASS instruction count,
   and instructions per 16 bytes of K/V each thread loads per trip (bytes from the variant's
-  geometry: tokens per warp step x head_dim x element size x 2 (K and V) / 32 lanes).
+  geometry: tokens per warp step x head_dim x element size x 2 (K and V) / 32 lanes; for the
+  FA2-class prefill, the block's tile x head_dim x element size x 2 / threads — there every
+  staged byte then serves 64 query rows, so its count is not comparable with decode's).
 
     .venv/bin/python bench/kernel_sass.py [--json OUT.json] [--quick] [--only NAME]
 
@@ -348,7 +350,12 @@ def build(variant: Variant) -> tuple[Any, tuple[Any, ...], int, int | None, Any]
                     "prefill": (prefill.build_prefill_kernel, prefill.PREFILL_SIGNATURE)}
         make, signature = builders[v.kind]
         tokens = TC_STEP_TOKENS if spec.path == "tc" else spec_simt_tokens(spec)
-        kv_bytes = 2 * tokens * v.head_dim * KIND_BYTES[v.dtype] // 32
+        kv_bytes = 2 * tokens * v.head_dim * KIND_BYTES[v.dtype] // 32  # one warp's step
+        if v.kind == "prefill" and spec.path == "tc":  # FA2: the block stages a shared tile
+            from kernels.cuda._fa2_prefill import fa2_geometry
+
+            tile_tokens = TC_STEP_TOKENS * fa2_geometry(spec)[2]
+            kv_bytes = 2 * tile_tokens * v.head_dim * KIND_BYTES[v.dtype] // spec.num_threads
         return make(spec), signature, spec.num_threads, kv_bytes, decode.launch_bounds(spec)
     if v.kind == "reduce":
         return (decode_reduce.build_reduce_kernel(v.head_dim, v.group * v.num_kv_heads, v.dtype),

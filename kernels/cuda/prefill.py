@@ -5,12 +5,17 @@ num_kv_heads, sequences), planned on the host by `plan_prefill_launches` from th
 chunk's length, which the caller knows (`max_query_len`). Row tiles go in grid.x (up to
 2^31 - 1, so a 1M-token prompt at any GQA group fits), KV heads in grid.y and sequences in
 grid.z (both <= 65,535): a batch of more sequences is launched in several grids, each with its
-first sequence as an argument, so no grid dimension can exceed its CUDA limit. A sequence's query rows are its query
-tokens x the heads of one GQA group, row `qt * group + h`; a row tile is `spec.rows` (16 on the
-tensor-core path) consecutive rows, so each staged K/V tile serves that many rows. Query
-token j of a sequence sits at absolute position `seq_len - q_len + j` and sees positions
-0 … that position: the cached prefix plus the causal part of its own chunk. The block's warps
-split the positions up to the tile's last visible one, and each row masks what it may not see.
+first sequence as an argument, so no grid dimension can exceed its CUDA limit.
+
+A sequence's query rows are its query tokens x the heads of one GQA group, row
+`qt * group + h`; a row tile is `query_rows_per_cta` consecutive rows, so each staged K/V tile
+serves that many rows. Query token j of a sequence sits at absolute position
+`seq_len - q_len + j` and sees positions 0 … that position: the cached prefix (through the
+block table) plus the causal part of its own chunk; each row masks what it may not see.
+Two bodies: the tensor-core path is FA2-class (`_fa2_prefill.py`: 64 rows per block at
+head_dim <= 128, warps split the rows, K/V tiles read once per block, double-buffered); the
+SIMT path (float32 / mixed types) keeps the shared body (`_attention_kernel.py`: warps split
+the positions up to the tile's last visible one and merge at the end).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from numba import cuda, int32, int64
 
 from kernels._validate import KernelInputError, to_host_numpy
 from kernels.cuda._attention_kernel import make_block_attention
+from kernels.cuda._fa2_prefill import fa2_geometry, make_fa2_prefill
 from kernels.cuda._host import (
     ADDR,
     F32,
@@ -41,9 +47,18 @@ from kernels.cuda._runtime import device_function, jit_options, kind_of, launche
 from kernels.cuda._spec import KIND_BYTES, AttentionSpec
 
 
+def query_rows_per_cta(spec: AttentionSpec) -> int:
+    """Query rows (query tokens x GQA heads) one thread block holds, each staged K/V tile
+    serving all of them: the FA2-class tensor-core kernel's warps x rows per warp (64 at
+    head_dim <= 128), the SIMT kernel's `spec.rows`."""
+    return fa2_geometry(spec)[1] if spec.path == "tc" else spec.rows
+
+
 @cache
 def build_prefill_kernel(spec: AttentionSpec) -> Any:
-    head_dim, group, num_heads, rows = spec.head_dim, spec.group_size, spec.num_heads, spec.rows
+    head_dim, group, num_heads = spec.head_dim, spec.group_size, spec.num_heads
+    rows = query_rows_per_cta(spec)
+    fa2 = spec.path == "tc"
     q_row_bytes = head_dim * KIND_BYTES[spec.q_kind]
     out_row_bytes = head_dim * KIND_BYTES[spec.out_kind]
 
@@ -70,7 +85,10 @@ def build_prefill_kernel(spec: AttentionSpec) -> Any:
         addr = out_ptr + (int64(q_begin + qt) * num_heads + kv_head * group + h) * out_row_bytes
         return addr, 1 if real else 0, addr
 
-    run = make_block_attention(spec, row_source, row_target)
+    if fa2:
+        run_fa2 = make_fa2_prefill(spec, row_source, row_target)
+    else:
+        run = make_block_attention(spec, row_source, row_target)
 
     def prefill_kernel(out_ptr: Any, q_ptr: Any, k_ptr: Any, v_ptr: Any, tbl_ptr: Any,
                        lens_ptr: Any, starts_ptr: Any, tbl_stride: Any, scale_log2: Any,
@@ -87,20 +105,19 @@ def build_prefill_kernel(spec: AttentionSpec) -> Any:
         last_qt = min(int32((row0 + rows - 1) // group), int32(q_len - 1))
         tok_end = int32(ctx_begin + last_qt + 1)  # the tile's last visible position + 1
         tbl = tbl_ptr + int64(seq) * tbl_stride * 4  # block_tables: [num_seqs, tbl_stride] int32
-        run(k_ptr, v_ptr, tbl, kv_head, 0, tok_end, scale_log2,
-            q_ptr, q_begin, q_len, kv_head, row0, ctx_begin,
-            out_ptr, q_begin, q_len, kv_head, row0, 0)
+        if fa2:
+            run_fa2(k_ptr, v_ptr, tbl, kv_head, tok_end, scale_log2,
+                    q_ptr, q_begin, q_len, kv_head, row0, ctx_begin,
+                    out_ptr, q_begin, q_len, kv_head, row0, 0)
+        else:
+            run(k_ptr, v_ptr, tbl, kv_head, 0, tok_end, scale_log2,
+                q_ptr, q_begin, q_len, kv_head, row0, ctx_begin,
+                out_ptr, q_begin, q_len, kv_head, row0, 0)
 
     return prefill_kernel
 
 
 PREFILL_SIGNATURE = (ADDR, ADDR, ADDR, ADDR, ADDR, ADDR, ADDR, I32, F32, I32)
-
-def query_rows_per_cta(spec: AttentionSpec) -> int:
-    """Query rows (query tokens x GQA heads) one thread block holds, each staged K/V tile
-    serving all of them."""
-    return spec.rows
-
 
 MAX_GRID_X = 2**31 - 1  # CUDA's grid limits (every compute capability the kernels build for)
 MAX_GRID_YZ = 65_535
@@ -122,7 +139,8 @@ def plan_prefill_launches(spec: AttentionSpec, num_seqs: int,
     holds: ~2^31 x rows / group query tokens in one chunk, or more KV heads than grid.y)."""
     if num_seqs < 0 or max_query_len < 0:
         raise KernelInputError("num_seqs and max_query_len must be >= 0")
-    num_tiles = max(1, math.ceil(max_query_len * spec.group_size / spec.rows))
+    rows = query_rows_per_cta(spec)
+    num_tiles = max(1, math.ceil(max_query_len * spec.group_size / rows))
     if num_tiles > MAX_GRID_X or spec.num_kv_heads > MAX_GRID_YZ:
         raise KernelInputError(
             f"a {max_query_len}-token chunk with {spec.num_kv_heads} KV heads x group "

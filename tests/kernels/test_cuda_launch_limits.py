@@ -19,7 +19,12 @@ from compute_node.pool import PoolGeometry
 from kernels._validate import KernelInputError
 from kernels.cuda._host import spec_for
 from kernels.cuda._spec import MAX_HEAD_DIM
-from kernels.cuda.prefill import MAX_GRID_X, MAX_GRID_YZ, plan_prefill_launches
+from kernels.cuda.prefill import (
+    MAX_GRID_X,
+    MAX_GRID_YZ,
+    plan_prefill_launches,
+    query_rows_per_cta,
+)
 
 GROUPS = (1, 2, 4, 8, 16)
 KINDS = ("f16", "bf16", "f32")
@@ -44,9 +49,10 @@ def _check_plan(spec, q_lens: list[int]) -> None:
         x, y, z = launch.grid
         assert 1 <= x <= MAX_GRID_X and 1 <= y <= MAX_GRID_YZ and 1 <= z <= MAX_GRID_YZ
         assert y == spec.num_kv_heads
-        # every row of the longest chunk has a tile
-        assert x * spec.rows >= max(q_lens) * spec.group_size
-        assert (x - 1) * spec.rows < max(q_lens) * spec.group_size or x == 1
+        # every row of the longest chunk has a tile, and no tile is wholly surplus
+        rows = query_rows_per_cta(spec)
+        assert x * rows >= max(q_lens) * spec.group_size
+        assert (x - 1) * rows < max(q_lens) * spec.group_size or x == 1
         covered.extend(range(launch.seq0, launch.seq0 + z))
     assert covered == list(range(len(q_lens)))  # every sequence once, in order
 
@@ -64,10 +70,11 @@ def test_every_supported_variant_plans_200k_batched_tokens_and_a_1m_prompt() -> 
 def test_old_layout_would_overflow_where_the_plan_does_not() -> None:
     spec = spec_for(128, 16, 8, 8, "f16", "f16", "f16", "prefill")
     total = 200_000
-    old_z = math.ceil(total * spec.group_size / spec.rows)  # grid.z of the old layout
+    old_z = math.ceil(total * spec.group_size / 16)  # grid.z of the old layout (16 rows)
     assert old_z > MAX_GRID_YZ
     (launch,) = plan_prefill_launches(spec, 4, 50_000)
-    assert launch.grid == (math.ceil(50_000 * 8 / spec.rows), 8, 4)
+    assert query_rows_per_cta(spec) == 64  # FA2 class
+    assert launch.grid == (math.ceil(50_000 * 8 / 64), 8, 4)
 
 
 def test_many_sequences_split_into_launches_of_at_most_65535() -> None:
@@ -80,7 +87,8 @@ def test_many_sequences_split_into_launches_of_at_most_65535() -> None:
 
 def test_plan_refuses_a_chunk_no_grid_can_hold() -> None:
     spec = spec_for(128, 16, 8, 16, "f16", "f16", "f16", "prefill")
-    too_long = (MAX_GRID_X + 1) * spec.rows // spec.group_size + spec.rows
+    rows = query_rows_per_cta(spec)
+    too_long = (MAX_GRID_X + 1) * rows // spec.group_size + rows
     with pytest.raises(KernelInputError, match="split the prompt"):
         plan_prefill_launches(spec, 1, too_long)
 
