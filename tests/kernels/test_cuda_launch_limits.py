@@ -123,3 +123,45 @@ def test_prepare_step_passes_the_longest_prefill_chunk_on_the_host() -> None:
     decode_only = prepare_step(batch[:1], geometry, vocab_size=100, max_model_len=64,
                                head_dim=8, device=torch.device("cpu"))
     assert decode_only.meta.prefill_max_query_len is None
+
+
+def test_split_k_plans_a_million_token_sequence_within_limits_and_scratch() -> None:
+    """A 1M-token sequence (62,500 blocks of 16) decoded split-K: partitions <= MAX_PARTS, the
+    grid within CUDA's limits, scratch at its documented bound, every token in a partition."""
+    from kernels.cuda.decode_reduce import PART_ALIGN
+    from kernels.cuda.decode_split import MAX_PARTS, partitions_for, split_launch
+
+    tables = np.zeros((1, 62_500), np.int32)
+    lens = np.array([1_000_000], np.int32)
+
+    class DeviceLens:  # device-resident lengths: the table capacity bounds the context
+        shape, dtype = (1,), np.dtype(np.int32)
+
+        @property
+        def __cuda_array_interface__(self) -> dict[str, tuple[int, ...]]:
+            return {"shape": (1,)}
+
+    checked = 0
+    for head_dim in (64, 128, 256):
+        for kind in KINDS:
+            for group in GROUPS:
+                spec = spec_for(head_dim, 16, 8, group, kind, kind, kind, "split")
+                for resident in (132 * 6, 8):  # an H100/H200's resident blocks; a tiny GPU
+                    for forced in (None, True):
+                        parts = partitions_for(spec, 1, tables, lens, forced, resident)
+                        assert parts == partitions_for(spec, 1, tables, DeviceLens(), forced,
+                                                       resident)
+                        assert 1 <= parts <= MAX_PARTS
+                        (x, y, z), words = split_launch(spec, 1, parts)
+                        assert x <= MAX_GRID_X and y <= MAX_GRID_YZ and z <= MAX_GRID_YZ
+                        assert words <= MAX_PARTS * spec.num_heads * (head_dim + 2)
+                        per = -(-1_000_000 // parts)
+                        per = -(-per // PART_ALIGN) * PART_ALIGN  # as decode_reduce.part_tokens
+                        assert per * parts >= 1_000_000
+                        checked += 1
+    assert checked == 3 * len(KINDS) * len(GROUPS) * 4
+    spec = spec_for(128, 16, 8, 4, "f16", "f16", "f16", "split")
+    _, words = split_launch(spec, 1, MAX_PARTS)
+    assert words * 4 == 64 * 32 * 130 * 4  # 1.06 MB for one 1M-token sequence, 32 heads
+    with pytest.raises(KernelInputError, match="exceed one split-K grid"):
+        split_launch(spec, MAX_GRID_YZ + 1, 2)
