@@ -82,8 +82,11 @@ def test_attention_variant_compiles(axes) -> None:
 
 
 def test_odd_head_dim_compiles() -> None:
-    """head_dim 80 (not a multiple of 64): generic staging layout, tensor cores."""
+    """head_dim 80 (not a multiple of 64): generic staging layout, tensor cores; the FA2-class
+    prefill stages its shared tiles through the same layout."""
     _ptx(KS.Variant("v", "decode", 80, 16, 4, "f16"))
+    ptx = _ptx(KS.Variant("v", "prefill", 80, 16, 4, "f16"))
+    assert "cp.async.cg.shared.global" in ptx and "bar.sync" in ptx
 
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16", "f32"])

@@ -25,12 +25,12 @@ from kernels.cuda.prefill import query_rows_per_cta
 @pytest.mark.parametrize(
     ("num_kv_heads", "group", "block_size", "head_dim", "q_lens", "lens"),
     [
-        # MHA d64: a 40-token prompt over two K/V tiles; a 5-token chunk after a 16-token
-        # prefix hit, ending mid-block (21 = 16 + 5)
-        (1, 1, 16, 64, [40, 5], [40, 21]),
+        # MHA d64, 2 KV heads: a 40-token prompt over two K/V tiles; a 5-token chunk after a
+        # 16-token prefix hit, ending mid-block (21 = 16 + 5)
+        (2, 1, 16, 64, [40, 5], [40, 21]),
         # GQA 4 d128: 17 tokens x 4 heads = 68 rows, two row tiles (the second holds 4 rows),
         # after a 33-token prefix; a 3-token chunk ending mid-block (block 8)
-        (2, 4, 8, 128, [17, 3], [50, 12]),
+        (1, 4, 8, 128, [17, 3], [50, 12]),
         # GQA 8 d256: 16 rows per block = 2 tokens; ragged 3 / 6 token chunks
         (1, 8, 16, 256, [3, 6], [37, 6]),
         # block 4: every row looked up through the table; 70 rows = two row tiles, 3 tiles
