@@ -82,8 +82,11 @@ def test_attention_variant_compiles(axes) -> None:
 
 
 def test_odd_head_dim_compiles() -> None:
-    """head_dim 80 (not a multiple of 64): generic staging layout, tensor cores."""
+    """head_dim 80 (not a multiple of 64): generic staging layout, tensor cores; the FA2-class
+    prefill stages its shared tiles through the same layout."""
     _ptx(KS.Variant("v", "decode", 80, 16, 4, "f16"))
+    ptx = _ptx(KS.Variant("v", "prefill", 80, 16, 4, "f16"))
+    assert "cp.async.cg.shared.global" in ptx and "bar.sync" in ptx
 
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16", "f32"])
@@ -103,3 +106,27 @@ FULL = list(itertools.product(("decode", "split", "prefill"), ("f16", "bf16", "f
 def test_every_attention_variant_compiles(axes) -> None:
     mode, dtype, head_dim, block_size, group = axes
     _ptx(KS.Variant("v", mode, head_dim, block_size, group, dtype))
+
+
+def test_warp_collective_asm_is_sideeffect_and_convergent() -> None:
+    """mma.sync / movmatrix / ldmatrix reach LLVM as `asm sideeffect ... convergent`: the
+    optimiser may not sink, hoist, duplicate or drop them (every lane must execute them)."""
+    from numba import types
+    from numba.cuda.compiler import compile_cuda
+
+    from kernels.cuda._ops_gpu import ldmatrix_x4
+    from kernels.cuda._ops_gpu_math import mma16816_bf16, mma16816_f16, movmatrix
+
+    def uses_collectives(a, c):
+        d = mma16816_f16(a, a, a, a, a, a, c, c, c, c)
+        e = mma16816_bf16(a, a, a, a, a, a, c, c, c, c)
+        return d[0] + e[1] + movmatrix(a) + ldmatrix_x4(a)[0]
+
+    cres = compile_cuda(uses_collectives, types.float32, (types.uint32, types.float32), cc=(9, 0))
+    calls = [line for line in cres.library.get_llvm_str().splitlines() if " asm " in line]
+    for op in ("mma.sync.aligned.m16n8k16.row.col.f32.f16", "mma.sync.aligned.m16n8k16.row.col.f32.bf16",
+               "movmatrix.sync", "ldmatrix.sync"):
+        found = [line for line in calls if op in line]
+        assert found, f"{op} not emitted"
+        for line in found:
+            assert "asm sideeffect" in line and line.rstrip().endswith("convergent"), line
