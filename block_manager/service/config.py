@@ -74,6 +74,9 @@ class BlockManagerConfig(YamlEnvSettings):
     max_batch: int = Field(default=4096, ge=1)
     # A restart right after a crash may find the old session's lock not yet released.
     store_lock_wait_s: float = Field(default=10.0, ge=0)
+    # Upgrade an older store schema at start-up (`serve --migrate`); without it the server
+    # refuses to start on an older schema and names the `block-manager db upgrade` to run.
+    migrate: bool = False
     # SQLite only: FULL fsyncs every group commit (survives power loss); NORMAL fsyncs at
     # WAL checkpoints only (survives a process crash, not a power cut).
     sqlite_synchronous: Literal["FULL", "NORMAL"] = "FULL"

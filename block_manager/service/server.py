@@ -7,7 +7,7 @@ SIGINT) flips health to NOT_SERVING, refuses new mutations with UNAVAILABLE, let
 RPCs finish within `shutdown_grace_s` (`server.stop(grace)`), writes a final snapshot and
 releases the store lock. Nothing polls: lease expiry and defrag timeouts are timers.
 
-    block-manager serve --config block_manager.yaml [--listen HOST:PORT] [--database-url URL]
+    block-manager serve --config block_manager.yaml [--listen HOST:PORT] [--database-url URL] [--migrate]
     python -m block_manager.service.server --listen 127.0.0.1:0 --port-file /tmp/bm.port
 """
 
@@ -77,6 +77,7 @@ class BlockManagerServer:
             max_retained_requests=self.config.max_retained_requests,
             lock_wait_s=self.config.store_lock_wait_s,
             sqlite_synchronous=self.config.sqlite_synchronous,
+            migrate=self.config.migrate,
         )
         return open_store(self.config.database_url, options)
 
@@ -203,9 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--database-url", help="store URL: sqlite:///FILE, postgresql+psycopg://..., memory://")
     parser.add_argument("--metrics-port", type=int, help="Prometheus endpoint port (0: ephemeral)")
     parser.add_argument("--port-file", type=Path, help="write the bound gRPC port here once listening")
+    parser.add_argument(
+        "--migrate", action="store_true", default=None,
+        help="upgrade an older store schema at start-up (default: refuse and name `block-manager db upgrade`)",
+    )
     args = parser.parse_args(argv)
     overrides = flag_overrides(
-        (("listen_address", args.listen), ("database_url", args.database_url), ("metrics_port", args.metrics_port))
+        (("listen_address", args.listen), ("database_url", args.database_url), ("metrics_port", args.metrics_port),
+         ("migrate", args.migrate))
     )
     return run_service_main(
         "block-manager",

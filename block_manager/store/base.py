@@ -42,6 +42,9 @@ class StoreOptions:
     # just killed may need a moment until the database notices the dead session.
     lock_wait_s: float = 0.0
     snapshot_compress_level: int = 1
+    # SQL stores: upgrade an older schema at open (`serve --migrate`); without it an older
+    # schema is refused with `SchemaOutdated`, which names the command to run.
+    migrate: bool = False
     clock: Callable[[], float] = field(default=time.time)
 
     def __post_init__(self) -> None:

@@ -21,6 +21,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
 
 from block_manager.store.base import StoreOptions, StoreStats, prune_bounds
 from block_manager.store.errors import DuplicateRequestId, StoreError
+from block_manager.store.migrate import check_schema
 from block_manager.store.records import (
     JournalRecord,
     NewRecord,
@@ -31,7 +32,7 @@ from block_manager.store.records import (
     decode_json,
     encode_records,
 )
-from block_manager.store.schema import ensure_schema, journal, snapshots
+from block_manager.store.schema import journal, snapshots
 from block_manager.store.snapshot import (
     ENCODING_JSON_ZLIB,
     check_snapshot_seq_no,
@@ -62,7 +63,7 @@ class SqlStore:
         self._broken: str | None = None
         self._closed = False
         with self._writer.begin():
-            ensure_schema(self._writer)
+            self.schema = check_schema(self._writer, options.migrate)
             last_journal = self._writer.execute(select(func.max(journal.c.seq_no))).scalar()
             last_snapshot = self._writer.execute(select(func.max(snapshots.c.seq_no))).scalar()
         self._snapshot_seq_no = int(last_snapshot or 0)
