@@ -23,8 +23,8 @@ class BlockManagerAdminServicer(MutatingServicer, pb_grpc.BlockManagerAdminServi
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
         rt = self.runtime
-        if rt.phase == "recovering":
-            return pb.StatusResponse(state="recovering", uptime_s=rt.uptime_s, store=rt.store_kind)
+        if rt.phase in ("recovering", "standby"):
+            return pb.StatusResponse(state=rt.phase, uptime_s=rt.uptime_s, store=rt.store_kind)
         core = rt.state.core
         pools = []
         for pid in core.pool_ids:

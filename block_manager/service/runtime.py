@@ -74,7 +74,7 @@ from pagedkv.rpc import Backoff, clip
 
 log = get_logger(__name__)
 
-Phase = Literal["recovering", "serving", "draining", "failed", "stopped"]
+Phase = Literal["standby", "recovering", "serving", "draining", "failed", "stopped"]
 
 class ServiceRuntime:
     def __init__(
@@ -115,6 +115,10 @@ class ServiceRuntime:
             journal=journal,
         )
         self.on_applied(self._after_apply)
+        # Active/standby: False once this process can no longer be sure it leads (its
+        # database session may have been ended); every RPC is then refused before it is
+        # answered. None: a single server, always leading.
+        self.fence: Callable[[], bool] | None = None
 
     # ---- lifecycle ------------------------------------------------------------------
     def on_phase(self, listener: Callable[[Phase], None]) -> None:
@@ -131,6 +135,17 @@ class ServiceRuntime:
         log.info("phase", phase=phase)
         for listener in self._phase_listeners:
             listener(phase)
+
+    def wait_as_standby(self) -> None:
+        """Before `adopt_store`: refuse every RPC with UNAVAILABLE ("standby")."""
+        self._set_phase("standby")
+
+    def adopt_store(self, store: Store) -> None:
+        """A standby that took the lead: journal to the store it now holds (then `start`)."""
+        self.store = store
+        self.writer.store = store
+        self.writer.last_seq_no = store.last_seq_no
+        self._set_phase("recovering")
 
     async def start(self) -> None:
         """Recover from the store, then serve."""
@@ -199,6 +214,10 @@ class ServiceRuntime:
     def _journal_failed(self, exc: BaseException) -> None:
         self._set_phase("failed")
 
+    def fail(self, exc: BaseException) -> None:
+        """Stop serving for good (the server exits): the store or the leadership is gone."""
+        self._set_phase("failed")
+
     def _after_snapshot(self, seq_no: int) -> None:
         """The store may now prune records the snapshot covers beyond the newest
         `max_retained_requests` (and older ones by age): forget at most those, so the index
@@ -207,12 +226,18 @@ class ServiceRuntime:
 
     # ---- guards ---------------------------------------------------------------------
     def check_readable(self) -> None:
-        if self.phase in ("recovering", "failed", "stopped"):
+        if self.phase in ("standby", "recovering", "failed", "stopped"):
             raise ServerUnavailable(f"block manager is {self.phase}")
+        self._check_fence()
 
     def check_writable(self) -> None:
         if self.phase != "serving":
             raise ServerUnavailable(f"block manager is {self.phase}")
+        self._check_fence()
+
+    def _check_fence(self) -> None:
+        if self.fence is not None and not self.fence():
+            raise ServerUnavailable("block manager lost its leadership lease; another one may lead now")
 
     # ---- mutations ------------------------------------------------------------------
     async def _recorded(self, request_id: str, digest: str) -> dict[str, Any] | None:

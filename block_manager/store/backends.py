@@ -153,6 +153,13 @@ def _connect_postgres(url: URL, options: StoreOptions) -> tuple[Engine, Connecti
             # Durable on commit even if the server default was relaxed.
             writer.execute(text("SET synchronous_commit = on"))
         acquire_pg_advisory_lock(writer, options.lock_wait_s)
+        if options.leader_lease_s is not None:
+            # The fence: once this session is silent for a lease the server ends it, the lock
+            # goes with it, and no statement of ours can commit any more.
+            lease_ms = max(1, int(options.leader_lease_s * 1000))
+            with writer.begin():
+                writer.execute(text(f"SET idle_session_timeout = {lease_ms}"))
+                writer.execute(text(f"SET idle_in_transaction_session_timeout = {lease_ms}"))
     except SQLAlchemyError as exc:
         writer.close()
         engine.dispose()

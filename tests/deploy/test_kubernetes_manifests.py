@@ -19,6 +19,7 @@ from pydantic import BaseModel
 
 from block_manager.service.config import BlockManagerConfig
 from block_manager.service.config import load_config as load_bm_config
+from block_manager.service.server import REPLICA_HEALTH
 from compute_node.service.config import ComputeNodeConfig
 from compute_node.service.config import load_config as load_cn_config
 
@@ -90,6 +91,10 @@ def test_required_pieces_are_there() -> None:
     assert ("Namespace", "pagedkv") in kinds
     bm = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "block-manager")
     assert bm["spec"]["replicas"] == 2
+    (bm_container,) = bm["spec"]["template"]["spec"]["containers"]
+    assert _env(bm_container)["PAGEDKV_FAILOVER__ENABLED"] == "true"
+    # Readiness must pass on a healthy standby too, or a rolling update waits forever.
+    assert bm_container["readinessProbe"]["grpc"]["service"] == REPLICA_HEALTH
     gpu = next(d for d in docs if d["metadata"]["name"] == "compute-node-gpu")
     limits = gpu["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits["nvidia.com/gpu"] == 1
@@ -196,7 +201,7 @@ def test_the_settings_accept_the_manifests_values(tmp_path: Path, monkeypatch: p
                 mp.setenv(name, value)
             if c["command"][0] == "block-manager":
                 cfg = load_bm_config(config_file)
-                assert cfg.database_url.startswith("postgresql")
+                assert cfg.database_url.startswith("postgresql") and cfg.failover.enabled
             elif c["command"][0] == "compute-node":
                 cfg = load_cn_config(None)
                 assert cfg.node_id.startswith("compute-node") and cfg.memory_budget_bytes
