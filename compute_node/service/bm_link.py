@@ -14,8 +14,9 @@ import grpc
 
 from compute_node.tables import NodeTable, SeqId
 from pagedkv.auth import token_metadata
+from pagedkv.endpoints import Endpoints
 from pagedkv.rpc import is_retryable
-from pagedkv.tls import TlsSettings, open_channel
+from pagedkv.tls import TlsSettings
 from pagedkv.v1 import block_manager_pb2 as bm_pb
 from pagedkv.v1 import block_manager_pb2_grpc as bm_grpc
 
@@ -85,7 +86,10 @@ class BlockManagerLink:
         # gRPC's default reconnect backoff grows to minutes; a node must notice a restarted
         # block manager within a heartbeat or two, so cap it at a second. GetTables answers
         # may exceed gRPC's 4 MiB default: accept what the block manager may send.
-        self._channel = open_channel(
+        # `address` may list several block managers (active/standby) or name several records:
+        # a call that gets UNAVAILABLE or times out moves the next one to the next address
+        # (the heartbeat loop's retry then reaches the new leader; pagedkv.endpoints).
+        self._endpoints = Endpoints(
             address,
             tls,
             [
@@ -96,10 +100,14 @@ class BlockManagerLink:
             ],
             aio=True,
         )
-        self._stub = bm_grpc.BlockManagerStub(self._channel)
+
+    @property
+    def _stub(self) -> bm_grpc.BlockManagerStub:
+        return bm_grpc.BlockManagerStub(self._endpoints.channel())
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._endpoints.close_all():
+            await channel.close()
 
     async def register(
         self, *, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -116,7 +124,7 @@ class BlockManagerLink:
             ),
             address=address,
         )
-        reply = await self._call(self._stub.RegisterNode, request)
+        reply = await self._call("RegisterNode", request)
         return Registration(
             epoch=int(reply.epoch),
             lease_ttl_s=float(reply.lease_ttl_s),
@@ -126,21 +134,23 @@ class BlockManagerLink:
         )
 
     async def heartbeat(self, epoch: int) -> bm_pb.HeartbeatResponse:
-        return await self._call(self._stub.Heartbeat, bm_pb.HeartbeatRequest(node_id=self.node_id, epoch=epoch))
+        return await self._call("Heartbeat", bm_pb.HeartbeatRequest(node_id=self.node_id, epoch=epoch))
 
     async def get_tables(self, epoch: int, seq_ids: list[SeqId]) -> TablesReply:
         """The current tables of `seq_ids` (a cold cache; never on the hot path)."""
         request = bm_pb.GetTablesRequest(node_id=self.node_id, epoch=epoch, seq_ids=seq_ids)
-        reply = await self._call(self._stub.GetTables, request)
+        reply = await self._call("GetTables", request)
         tables = {
             SeqId(t.seq_id): NodeTable([int(b) for b in t.block_table], int(t.version), int(t.num_tokens))
             for t in reply.tables
         }
         return TablesReply(tables, int(reply.last_step_id))
 
-    async def _call(self, method, request):  # type: ignore[no-untyped-def]
+    async def _call(self, method: str, request):  # type: ignore[no-untyped-def]
         self.num_rpcs += 1
         try:
-            return await method(request, timeout=self.timeout_s, metadata=self._metadata)
+            return await getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self._endpoints.advance()
             raise _translate(exc) from None

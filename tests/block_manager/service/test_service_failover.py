@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -22,61 +21,21 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sqlalchemy import create_engine, text
 
 from block_manager.service.server import REPLICA_HEALTH
-from engine.localstack import ServiceProcess
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
+from tests.block_manager.service.failover_helpers import health, start_server, wait_serving
 from tests.block_manager.service.service_helpers import step_request
-from tests.support.polling import eventually
 
 pytestmark = pytest.mark.postgres
 
-REPO = Path(__file__).resolve().parents[3]
 SCHEDULERS = ("sched-a", "sched-b")   # each drives its own pool (node) with two workers
 WORKERS_PER_SCHEDULER = 2
 MIN_ACKED_BEFORE_KILL = 60
 OPS_AFTER_TAKEOVER = 40
 LOAD_DEADLINE_S = 60.0
-
-
-def server_env(lease_s: float) -> dict[str, str]:
-    return {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "PAGEDKV_BLOCK_SIZE": "4",
-        "PAGEDKV_SNAPSHOT_EVERY_RECORDS": "50",   # the new leader recovers snapshot + replay
-        "PAGEDKV_LEASE_TTL_S": "120",
-        "PAGEDKV_DEFRAG__ENABLED": "false",
-        "PAGEDKV_MAX_UNSETTLED_STEPS": "64",
-        "PAGEDKV_FAILOVER__ENABLED": "true",
-        "PAGEDKV_FAILOVER__LEASE_S": str(lease_s),
-        "PAGEDKV_SHUTDOWN_GRACE_S": "0.5",
-    }
-
-
-def start_server(url: str, tmp: Path, name: str, lease_s: float) -> ServiceProcess:
-    argv = [sys.executable, "-m", "block_manager.service.server", "--listen", "127.0.0.1:0", "--database-url", url]
-    return ServiceProcess.start(argv, workdir=tmp, name=name, env=server_env(lease_s), cwd=REPO, timeout_s=60)
-
-
-async def health(address: str, service: str = "") -> str:
-    async with grpc.aio.insecure_channel(address) as ch:
-        try:
-            request = health_pb2.HealthCheckRequest(service=service)
-            reply = await health_pb2_grpc.HealthStub(ch).Check(request, timeout=2)
-        except grpc.aio.AioRpcError as exc:
-            return exc.code().name
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-
-
-async def wait_serving(address: str, timeout_s: float = 60.0) -> None:
-    async def serving() -> bool:
-        return await health(address) == "SERVING"
-
-    await eventually(serving, timeout_s=timeout_s, interval_s=0.05, what=f"{address} SERVING")
 
 
 @dataclass
