@@ -88,6 +88,7 @@ class Endpoints:
         self._addresses: list[tuple[str, str | None]] = []
         self._index = 0
         self._refresh()
+        self.channel()   # now, so bad TLS files are reported by the constructor, not mid-call
 
     def _refresh(self) -> None:
         addresses: list[tuple[str, str | None]] = []

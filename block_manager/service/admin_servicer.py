@@ -24,7 +24,9 @@ class BlockManagerAdminServicer(MutatingServicer, pb_grpc.BlockManagerAdminServi
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
         rt = self.runtime
         if rt.phase in ("recovering", "standby"):
-            return pb.StatusResponse(state=rt.phase, uptime_s=rt.uptime_s, store=rt.store_kind)
+            return pb.StatusResponse(
+                state=rt.phase, uptime_s=rt.uptime_s, store=rt.store_kind, last_seq_no=rt.followed_seq_no
+            )
         core = rt.state.core
         pools = []
         for pid in core.pool_ids:

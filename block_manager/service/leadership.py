@@ -23,9 +23,10 @@ A standby cannot acquire the lock before step 1, and everything the old leader a
 was committed before it, so the new leader recovers every acknowledged mutation; the request
 ids journaled with them make a client's resend of an unanswered one return the recorded result.
 
-A standby answers health NOT_SERVING (and every RPC UNAVAILABLE "block manager is standby")
-and retries the lock; on success it bumps the leadership epoch (in the database, under the
-lock), recovers (snapshot + replay of the journal), and serves.
+A standby answers health NOT_SERVING (and every RPC UNAVAILABLE "block manager is standby"),
+follows the journal into a warm copy of the state (service/follower.py) and retries the lock;
+on success it bumps the leadership epoch (in the database, under the lock), replays what it
+had not followed yet, and serves.
 """
 
 from __future__ import annotations

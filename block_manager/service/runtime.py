@@ -56,6 +56,7 @@ from block_manager.service.errors import (
     RequestIdConflict,
     ServerUnavailable,
 )
+from block_manager.service.follower import WarmState
 from block_manager.service.journal_writer import JournalWriter
 from block_manager.service.request_index import (
     Recorded,
@@ -119,6 +120,7 @@ class ServiceRuntime:
         # database session may have been ended); every RPC is then refused before it is
         # answered. None: a single server, always leading.
         self.fence: Callable[[], bool] | None = None
+        self.followed_seq_no = 0   # a standby: the last journal record its warm copy applied
 
     # ---- lifecycle ------------------------------------------------------------------
     def on_phase(self, listener: Callable[[Phase], None]) -> None:
@@ -147,11 +149,21 @@ class ServiceRuntime:
         self.writer.last_seq_no = store.last_seq_no
         self._set_phase("recovering")
 
-    async def start(self) -> None:
-        """Recover from the store, then serve."""
+    async def start(self, warm: WarmState | None = None) -> None:
+        """Recover from the store, then serve. `warm`: a standby's copy of the state, built by
+        following the journal (`service/follower.py`): only the records after it are
+        replayed; if that fails for any reason, recovery starts from scratch."""
         t0 = time.perf_counter()
         try:
-            state, records, snapshot_seq_no, problems = await asyncio.to_thread(self._recover)
+            recovered = None
+            if warm is not None:
+                try:
+                    recovered = await asyncio.to_thread(self._catch_up, warm)
+                except Exception as exc:  # noqa: BLE001 - the full recovery below decides
+                    log.warning("warm takeover failed; recovering from the store", error=clip(repr(exc)))
+            if recovered is None:
+                recovered = await asyncio.to_thread(self._recover)
+            state, records, snapshot_seq_no, problems = recovered
             retained = await asyncio.to_thread(self.store.retained_requests) if self.writer.journal else []
         except Exception as exc:
             self._set_phase("failed")
@@ -160,14 +172,39 @@ class ServiceRuntime:
         self.writer.snapshot_seq_no = snapshot_seq_no
         self.writer.last_seq_no = self.store.last_seq_no
         self._index_retained(retained, records)
-        self.num_replayed = len(records)
+        if warm is None or self.num_replayed == 0:
+            self.num_replayed = len(records)
         self.recovery_s = time.perf_counter() - t0
         self.recovery_problems = problems
         if self.recovery_problems:
             log.error("fsck after recovery found problems", problems=self.recovery_problems[:20])
-        log.info("recovered", records=len(records), snapshot_seq_no=snapshot_seq_no, seconds=round(self.recovery_s, 3))
+        log.info("recovered", records=self.num_replayed, snapshot_seq_no=snapshot_seq_no, warm=warm is not None,
+                 seconds=round(self.recovery_s, 3))
         self._set_phase("serving")
         self.schedule_lease_check()
+
+    def _catch_up(self, warm: WarmState) -> tuple[ServiceState, list[JournalRecord], int, list[str]]:
+        """A followed state + the records committed after it (on a worker thread)."""
+        state, seq_no, records = warm.state, warm.seq_no, list(warm.records)
+        now = self.clock()
+        num_applied = 0
+        while True:
+            batch = self.store.records_after(seq_no, 5000)
+            if not batch:
+                break
+            if batch[0].seq_no != seq_no + 1:
+                raise RecoveryError(f"the journal was pruned past the followed position {seq_no}")
+            for rec in batch:
+                state.apply(rec.op, rec.payload, now)
+                seq_no = rec.seq_no
+                records.append(rec)
+            num_applied += len(batch)
+        if seq_no != self.store.last_seq_no:
+            raise RecoveryError(f"followed up to {seq_no}, the store is at {self.store.last_seq_no}")
+        state.registry.renew_all(now)
+        state.leases.renew_all(now)
+        self.num_replayed = num_applied
+        return state, records, self.store.stats().snapshot_seq_no, state.fsck()
 
     def _index_retained(self, retained: list[RetainedRequest], records: list[JournalRecord]) -> None:
         """Every id the journal holds goes into the request index (with the replayed

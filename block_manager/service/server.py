@@ -33,6 +33,7 @@ from block_manager.service.admin_servicer import BlockManagerAdminServicer
 from block_manager.service.config import BlockManagerConfig, load_config
 from block_manager.service.defrag_runner import DefragRunner
 from block_manager.service.errors import RecoveryError
+from block_manager.service.follower import JournalFollower
 from block_manager.service.interceptors import ErrorMappingInterceptor
 from block_manager.service.leadership import NotLeading
 from block_manager.service.metrics import ServiceMetrics
@@ -40,6 +41,7 @@ from block_manager.service.runtime import Phase, ServiceRuntime
 from block_manager.service.servicer import BlockManagerServicer
 from block_manager.store import StoreError, StoreOptions, open_store
 from block_manager.store.base import Store
+from block_manager.store.reader import JournalReader
 from pagedkv.auth import Authenticator
 from pagedkv.guard import EdgeGuard
 from pagedkv.lifecycle import (
@@ -65,6 +67,10 @@ ADMIN_SERVICE = pb.DESCRIPTOR.services_by_name["BlockManagerAdmin"].full_name
 # Health of the process as a replica (leader or healthy standby), for orchestrator readiness;
 # "" and the data services say SERVING on the leader only.
 REPLICA_HEALTH = "pagedkv.block_manager.replica"
+# How long a failed server lets in-flight calls receive their refusal before it stops.
+FAILED_GRACE_S = 0.5
+# How often a standby reads the journal's new records (its copy lags by at most this).
+FOLLOW_INTERVAL_S = 0.2
 
 
 class BlockManagerServer:
@@ -173,12 +179,20 @@ class BlockManagerServer:
         runtime = self.runtime
         if runtime is None or self.defrag is None or self.health is None:
             return
+        follower = JournalFollower(JournalReader(self.config.database_url), self.config.state_config(), runtime.clock)
+        follow_stop = asyncio.Event()
+        following = self.tasks.spawn(self._follow(follower, follow_stop), name="follow")
         try:
             store = await leadership.acquire(self._open_leader_store, self._stopped)
         except StoreError as exc:
             log.error("cannot take the lead", error=str(exc))
             runtime.fail(exc)
             return
+        finally:
+            follow_stop.set()
+            await asyncio.wait([following])   # its worker thread is done with the copy
+            warm = follower.warm()
+            follower.close()
         if store is None:
             return
         if self._stopped.is_set():
@@ -191,7 +205,7 @@ class BlockManagerServer:
         runtime.adopt_store(store)
         store.start_keepalive(lambda exc: loop.call_soon_threadsafe(self._leadership_lost, exc))  # type: ignore[attr-defined]
         try:
-            await runtime.start()
+            await runtime.start(warm)
         except RecoveryError as exc:
             log.exception("recovery failed")
             runtime.fail(exc)
@@ -201,6 +215,24 @@ class BlockManagerServer:
         log.warning(
             "serving as leader", epoch=getattr(store, "epoch", None), takeover_s=round(time.perf_counter() - t0, 3)
         )
+
+    async def _follow(self, follower: JournalFollower, stop: asyncio.Event) -> None:
+        """A standby keeps a warm copy of the leader's state (service/follower.py)."""
+        warned = False
+        while not stop.is_set():
+            try:
+                await asyncio.to_thread(follower.poll)
+                if self.runtime is not None:
+                    self.runtime.followed_seq_no = follower.seq_no
+                warned = False
+            except StoreError as exc:
+                if not warned:
+                    log.warning("standby cannot follow the journal yet", error=str(exc).splitlines()[0][:300])
+                    warned = True
+            try:
+                await asyncio.wait_for(stop.wait(), FOLLOW_INTERVAL_S)
+            except TimeoutError:
+                pass
 
     def _leadership_lost(self, exc: BaseException) -> None:
         if self.runtime is not None and self.runtime.phase not in ("stopped", "failed"):
@@ -220,7 +252,9 @@ class BlockManagerServer:
         if phase in ("failed", "draining", "stopped"):
             self.tasks.spawn(self._set_replica_health(False), name="replica-health")
         if phase == "failed":
-            self.failed.set()
+            # Exit after a moment: calls already queued are dispatched meanwhile and refused
+            # (UNAVAILABLE, retried elsewhere by clients) instead of ending CANCELLED.
+            asyncio.get_running_loop().call_later(FAILED_GRACE_S, self.failed.set)
 
     @property
     def address(self) -> str:
@@ -232,6 +266,11 @@ class BlockManagerServer:
             return
         self._stopped.set()
         grace = self.config.shutdown_grace_s if grace is None else grace
+        if self.runtime is not None and self.runtime.phase == "failed":
+            # Fail-stop: calls already in flight are refused (UNAVAILABLE: the phase is
+            # "failed"), which a client retries elsewhere; cut off at once they would end
+            # CANCELLED, which no client retries. Refusing takes microseconds.
+            grace = max(grace, min(FAILED_GRACE_S, self.config.shutdown_grace_s))
         if self.runtime is not None:
             self.runtime.begin_drain()
         if self.health is not None:

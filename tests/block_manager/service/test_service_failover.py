@@ -181,6 +181,15 @@ async def test_kill9_leader_under_load_standby_takes_over(tmp_path: Path, fresh_
         while sum(len(w.acked_ids) for w in workers) < MIN_ACKED_BEFORE_KILL and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         num_before = sum(len(w.acked_ids) for w in workers)
+        # The standby follows the journal while it waits (its Status shows how far).
+        async with grpc.aio.insecure_channel(standby.address) as ch:
+            admin = pb_grpc.BlockManagerAdminStub(ch)
+            for _ in range(100):
+                status = await admin.Status(pb.StatusRequest(), timeout=5)
+                if status.last_seq_no > 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert status.state == "standby" and status.last_seq_no > 0
         killed_at = time.monotonic()
         leader.stop(signal.SIGKILL)   # mid-load: Steps are in flight
         while sum(len(w.acked_ids) for w in workers) < num_before + OPS_AFTER_TAKEOVER:
@@ -194,6 +203,8 @@ async def test_kill9_leader_under_load_standby_takes_over(tmp_path: Path, fresh_
         assert takeover_s < 2 * lease_s
         assert await health(standby.address) == "SERVING"
         await check_state(standby.address, workers, fresh_postgres_url)
+        log = standby.log_path.read_text() if standby.log_path else ""
+        assert '"warm": true' in log and "warm takeover failed" not in log   # it took over from its copy
     finally:
         if cluster is not None:
             await cluster.close()
