@@ -204,6 +204,7 @@ async def test_kill9_leader_under_load_standby_takes_over(tmp_path: Path, fresh_
         assert await health(standby.address) == "SERVING"
         await check_state(standby.address, workers, fresh_postgres_url)
         log = standby.log_path.read_text() if standby.log_path else ""
+        print(*[line for line in log.splitlines() if "takeover_s" in line or '"recovered"' in line], sep="\n")
         assert '"warm": true' in log and "warm takeover failed" not in log   # it took over from its copy
     finally:
         if cluster is not None:
