@@ -67,6 +67,7 @@ class BlockManagerAdminServicer(MutatingServicer, pb_grpc.BlockManagerAdminServi
             last_seq_no=rt.writer.last_seq_no,
             uptime_s=rt.uptime_s,
             store=rt.store_kind,
+            leader_epoch=int(getattr(rt.store, "epoch", 0)),
         )
 
     async def ListNodes(self, request: pb.ListNodesRequest, context: grpc.aio.ServicerContext) -> pb.ListNodesResponse:

@@ -130,6 +130,7 @@ async def check_state(address: str, workers: list[Worker], url: str) -> None:
         assert live == expected   # nothing acknowledged lost, nothing applied twice
         fsck = await admin.Fsck(pb.FsckRequest())
         assert fsck.ok, list(fsck.problems)
+        status = await admin.Status(pb.StatusRequest())
     engine = create_engine(url)
     try:
         with engine.connect() as conn:
@@ -143,7 +144,7 @@ async def check_state(address: str, workers: list[Worker], url: str) -> None:
     # nothing here: retention keeps 10 000 ids). Steps that changed nothing are not journaled.
     assert all(ids[rid] <= 1 for rid in acked)
     assert sum(1 for rid in acked if ids[rid] == 1) >= len(acked) * 0.9
-    assert epoch >= 2
+    assert epoch >= 2 and status.leader_epoch == epoch   # the new leader's term is the newest
 
 
 def _journaled(url: str, request_id: str) -> int:
