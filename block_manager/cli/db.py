@@ -26,6 +26,7 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from block_manager.store import StoreError, StoreOptions
 from block_manager.store import migrate as migrations
 from block_manager.store.backends import connect_locked
+from block_manager.store.locks import release_pg_advisory_lock
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -92,7 +93,7 @@ def _current(url: str) -> int:
 def _migrate(url: str, args: argparse.Namespace) -> int:
     if args.action == "downgrade" and args.revision == "base" and not args.yes:
         return _fail('a downgrade to "base" drops every table and record; pass --yes to confirm', EXIT_USAGE)
-    _backend, engine, writer, release = connect_locked(url, StoreOptions(lock_wait_s=args.lock_wait))
+    backend, engine, writer, release = connect_locked(url, StoreOptions(lock_wait_s=args.lock_wait))
     try:
         with writer.begin():
             before = migrations.schema_state(writer)
@@ -101,6 +102,8 @@ def _migrate(url: str, args: argparse.Namespace) -> int:
             else:
                 after = migrations.downgrade(writer, args.revision)
     finally:
+        if backend == "postgresql":
+            release_pg_advisory_lock(writer)
         writer.close()
         engine.dispose()
         release()

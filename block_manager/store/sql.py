@@ -24,6 +24,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
 
 from block_manager.store.base import StoreOptions, StoreStats, prune_bounds
 from block_manager.store.errors import DuplicateRequestId, StoreError
+from block_manager.store.locks import release_pg_advisory_lock
 from block_manager.store.migrate import check_schema
 from block_manager.store.records import (
     JournalRecord,
@@ -236,6 +237,8 @@ class SqlStore:
                 return
             self._closed = True
             try:
+                if self.backend == "postgresql" and self._broken is None:
+                    release_pg_advisory_lock(self._writer)
                 self._writer.close()
                 self._engine.dispose()
             finally:

@@ -61,8 +61,9 @@ def test_keepalive_reports_a_lost_session(pg_store_url: str, postgres_cluster) -
 
         engine = create_engine(pg_store_url)
         with engine.begin() as conn:   # an operator (or a failover tool) ends the leader's session
-            conn.execute(text(
+            conn.execute(text(   # this database's lock holder only (other tests' databases untouched)
                 "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+                " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
             ))
         engine.dispose()
         assert lost.wait(5)
