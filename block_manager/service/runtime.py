@@ -121,6 +121,7 @@ class ServiceRuntime:
         # answered. None: a single server, always leading.
         self.fence: Callable[[], bool] | None = None
         self.followed_seq_no = 0   # a standby: the last journal record its warm copy applied
+        self.recovered_warm = False   # the last start() took over a followed copy (not a full recovery)
 
     # ---- lifecycle ------------------------------------------------------------------
     def on_phase(self, listener: Callable[[Phase], None]) -> None:
@@ -156,9 +157,11 @@ class ServiceRuntime:
         t0 = time.perf_counter()
         try:
             recovered = None
+            self.recovered_warm = False
             if warm is not None:
                 try:
                     recovered = await asyncio.to_thread(self._catch_up, warm)
+                    self.recovered_warm = True
                 except Exception as exc:  # noqa: BLE001 - the full recovery below decides
                     log.warning("warm takeover failed; recovering from the store", error=clip(repr(exc)))
             if recovered is None:

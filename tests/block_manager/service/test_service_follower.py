@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 
 from block_manager.service.follower import JournalFollower
+from block_manager.service.runtime import ServiceRuntime
+from block_manager.store import StoreOptions, open_store
 from block_manager.store.reader import JournalReader
 from tests.block_manager.service.service_helpers import Harness
 
@@ -80,3 +82,34 @@ async def test_follower_reloads_when_a_snapshot_pruned_its_next_records(
         _same_core(follower, h)
     finally:
         follower.close()
+
+
+async def test_takeover_with_a_stale_copy_recovers_from_the_store(
+    start_server: Callable[..., Any], fresh_postgres_url: str
+) -> None:
+    """A copy the journal has moved past (pruned by snapshots) is not used half-way: the new
+    leader recovers from the store and ends with the old leader's exact state."""
+    h = await start_server(database_url=fresh_postgres_url, snapshot_every_records=4, max_retained_requests=1,
+                           request_retention_s=0.001)
+    await h.register("n1", num_blocks=256)
+    await _load(h, "a", 3)
+    cfg = h.server.config
+    follower = JournalFollower(JournalReader(fresh_postgres_url), cfg.state_config(), time.monotonic)
+    try:
+        await asyncio.to_thread(follower.poll)
+        await _load(h, "b", 8)
+        expected = h.server.runtime.state.core.to_snapshot()   # type: ignore[union-attr]
+        await h.server.stop(0)   # final snapshot: the copy is now far behind a pruned journal
+        warm = follower.warm()
+        assert warm is not None and warm.seq_no < h.server.runtime.writer.last_seq_no   # type: ignore[union-attr]
+    finally:
+        follower.close()
+    store = await asyncio.to_thread(open_store, fresh_postgres_url, StoreOptions(lock_wait_s=10))
+    runtime = ServiceRuntime(cfg, store)
+    try:
+        await runtime.start(warm)
+        assert runtime.recovered_warm is False   # the copy was refused, the store recovered
+        assert runtime.state.core.to_snapshot() == expected
+        assert runtime.state.fsck() == []
+    finally:
+        await runtime.close()
