@@ -1,6 +1,6 @@
 """`block-manager admin ...`: the operator's view of a running block manager.
 
-    block-manager admin [--target HOST:PORT] [--token T] [--json] [--timeout S]
+    block-manager admin [--target HOST:PORT[,HOST:PORT...]] [--token T] [--json] [--timeout S]
                         [--tls] [--ca-file F] [--cert-file F --key-file F] [--server-name N] COMMAND
       status | nodes | seqs [--pool P] [--limit N] | table SEQ | defrag [POOL] [--kind K]
       | drain NODE [--undrain] | fsck | reset-prefix-cache [--pool P]
@@ -51,7 +51,8 @@ def _global_options(p: argparse.ArgumentParser, *, defaults: bool) -> None:
     p.add_argument(
         "--target",
         default=default(os.environ.get("PAGEDKV_ADMIN_TARGET", DEFAULT_TARGET)),
-        help="HOST:PORT (env PAGEDKV_ADMIN_TARGET)",
+        help="HOST:PORT, or several comma-separated (active/standby: the one that serves) "
+        "(env PAGEDKV_ADMIN_TARGET)",
     )
     p.add_argument(
         "--token",

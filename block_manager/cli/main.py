@@ -2,7 +2,7 @@
 
 - `replay TRACE.jsonl --num-blocks N --block-size B` prints one JSON object of metrics;
 - `gen-trace OUT.jsonl [knobs]` writes a seeded synthetic trace;
-- `serve ...` and `admin ...` pass the rest of the command line to
+- `serve ...`, `admin ...` and `db ...` (schema migrations) pass the rest of the command line to
   `block_manager.server.main` / `block_manager.admin_cli.main`, imported lazily so that the
   offline tools start fast and work without the service's dependencies being importable.
 
@@ -27,6 +27,7 @@ EXIT_INTERRUPTED = 130
 _PASSTHROUGH: dict[str, tuple[str, str]] = {  # subcommand -> (module, help)
     "serve": ("block_manager.service.server", "run the block manager gRPC service"),
     "admin": ("block_manager.cli.admin", "admin plane client (pools, defrag, snapshots)"),
+    "db": ("block_manager.cli.db", "schema revisions of the store: current, upgrade, downgrade"),
 }
 
 
