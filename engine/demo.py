@@ -28,6 +28,7 @@ from rich.table import Table
 
 from block_manager.trace.generate import TraceConfig, write_trace
 from block_manager.trace.replay import ReplayReport, replay
+from pagedkv.cli import ArgumentParser
 
 DEFAULT_PLOT = "pagedkv-demo.png"
 EXIT_INTERRUPTED = 130
@@ -138,7 +139,9 @@ def render_report(result: DemoResult, console: Console) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagedkv-demo", description=__doc__.splitlines()[2])
+    p = ArgumentParser(prog="pagedkv-demo", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Run pagedkv end to end on this machine and report what paging buys.\n\n"
+                       + "\n".join(__doc__.splitlines()[2:]).replace("`", ""))
     p.add_argument("--mode", choices=["services", "attention", *sorted(MODES)], default="services",
                    help="services: a model served by the block manager + two compute nodes as processes (default); "
                         "attention: the same stack fed synthetic Q/K/V (the attention-level test path); "
