@@ -161,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-heads", type=int, default=8, help="services: query heads (GQA over the nodes' KV heads)")
     p.add_argument("--check-every", type=int, default=1,
                    help="services: check every sequence's outputs every N steps (0: never)")
+    p.add_argument("--max-checked", type=int, default=64,
+                   help="services: compare at most this many greedy requests with transformers (default 64)")
     p.add_argument("--plot", default=DEFAULT_PLOT,
                    help=f"services: where to write the PNG plot (default: {DEFAULT_PLOT} in the working directory)")
     return p
