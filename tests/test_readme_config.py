@@ -1,5 +1,5 @@
-"""The configuration reference's tables (docs/configuration.md) name every setting of both services, with its environment
-variable (issue 10: `PAGEDKV_DEFRAG__ENABLED` and other defrag settings were missing)."""
+"""The configuration reference's tables (docs/configuration.md) name every setting of both
+services, with its environment variable (issue 10: `PAGEDKV_DEFRAG__ENABLED` and other defrag settings were missing)."""
 
 from __future__ import annotations
 
