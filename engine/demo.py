@@ -28,7 +28,7 @@ from rich.table import Table
 
 from block_manager.trace.generate import TraceConfig, write_trace
 from block_manager.trace.replay import ReplayReport, replay
-from pagedkv.cli import ArgumentParser
+from pagedkv.cli import ArgumentParser, error_line
 
 DEFAULT_PLOT = "pagedkv-demo.png"
 EXIT_INTERRUPTED = 130
@@ -215,6 +215,16 @@ def _main(argv: Sequence[str] | None) -> int:
         except PlotPathError as exc:
             print(f"pagedkv-demo: error: {exc}", file=sys.stderr)
             return 2
+        if args.mode == "services" and args.model:
+            from compute_node.model.config import ModelConfig
+            from compute_node.model.errors import ModelLoadError
+
+            try:       # before anything starts: the stack would load it in every node
+                ModelConfig.from_dir(args.model)
+            except ModelLoadError as exc:
+                print(error_line("pagedkv-demo", f"--model: {exc}", "a Llama / Qwen2 / Qwen3 Hugging Face "
+                                 "directory; without --model the demo builds a small one"), file=sys.stderr)
+                return 2
         if args.mode == "attention":
             from engine.demo_attention import run
         else:

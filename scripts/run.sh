@@ -49,5 +49,8 @@ export PATH="$VENV/bin:$PATH"
 case "$cmd" in
   setup) exit 0 ;;
   demo) cd "$caller_dir" && exec "$VENV/bin/pagedkv-demo" "$@" ;;
-  test) exec "$VENV/bin/python" -m pytest "$@" ;;
+  # -n auto: one pytest-xdist worker per core (most tests wait on service processes); loadscope
+  # keeps a module's tests on one worker so its module-scoped stack or server is built once.
+  # Later arguments win: `./scripts/run.sh test -n 0` runs serially.
+  test) exec "$VENV/bin/python" -m pytest -n auto --dist loadscope "$@" ;;
 esac

@@ -181,3 +181,10 @@ def test_serve_shutdown_ends_open_streams_with_an_error_event(model_dir: Path, t
     stderr = proc.stderr.read()  # type: ignore[union-attr]
     for noise in NOISE:
         assert noise not in stderr, stderr[-3000:]
+
+
+def test_demo_with_a_missing_model_is_a_usage_error_before_anything_starts(tmp_path: Path) -> None:
+    result = _run([sys.executable, "-m", "engine.demo", "--model", str(tmp_path / "nope"),
+                   "--plot", str(tmp_path / "p.png")])
+    line = _one_error("pagedkv-demo", result, 2)
+    assert "does not exist" in line and "--model" in line
