@@ -51,6 +51,9 @@ case "$cmd" in
   demo) cd "$caller_dir" && exec "$VENV/bin/pagedkv-demo" "$@" ;;
   # -n auto: one pytest-xdist worker per core (most tests wait on service processes); loadscope
   # keeps a module's tests on one worker so its module-scoped stack or server is built once.
-  # Later arguments win: `./scripts/run.sh test -n 0` runs serially.
-  test) exec "$VENV/bin/python" -m pytest -n auto --dist loadscope "$@" ;;
+  # Later arguments win: `./scripts/run.sh test -n 0` runs serially. One torch thread per
+  # process (unless set): the workers and the services they start already fill the cores, and
+  # torch's spinning intra-op threads only add CPU time there.
+  test) export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+        exec "$VENV/bin/python" -m pytest -n auto --dist loadscope "$@" ;;
 esac
