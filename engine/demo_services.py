@@ -382,8 +382,8 @@ def render(r: ModelDemoReport, console: Console) -> None:
 
 def check_summary(r: ModelDemoReport) -> str:
     """What the correctness check covered, in words (the report's last line)."""
-    text = (f"checked: {r.checked} of {r.greedy_total} greedy completions, every token the argmax of "
-            f"{r.reference or 'the reference'}'s logits given the tokens before it (batched, {r.check_s:.1f} s)")
+    text = (f"checked: {r.checked} of {r.greedy_total} greedy completions, every token the argmax of the "
+            f"logits of {r.reference or 'the reference'} given the tokens before it (batched, {r.check_s:.1f} s)")
     if r.checked < r.greedy_total:
         text += f"; the other {r.greedy_total - r.checked} skipped (--max-checked bounds the check)"
     return text + (f"; {r.sampled} sampled completions (temperature > 0) not compared: a different sampler "
