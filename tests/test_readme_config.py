@@ -1,6 +1,6 @@
 """The configuration tables name every setting of both services, with its environment variable
-(issue 10: `PAGEDKV_DEFRAG__ENABLED` and other defrag settings were missing): the README's, or
-the docs/ page of a feature (issue 21's thread budget: docs/compute_node.md)."""
+(issue 10: `PAGEDKV_DEFRAG__ENABLED` and other defrag settings were missing): docs/configuration.md (the
+README stays short: issue 24), or the docs/ page of a feature (issue 21's thread budget: docs/compute_node.md)."""
 
 from __future__ import annotations
 

@@ -20,6 +20,8 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
+from pagedkv.cli import quiet_broken_pipe
+
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -179,10 +181,15 @@ def _passthrough(command: str, rest: list[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        return _main(argv)
+        code = _main(argv)
+        sys.stdout.flush()     # here, not at exit: a closed pipe is then caught below
+        return code
     except KeyboardInterrupt:  # Ctrl-C in any subcommand: one line, not a traceback
         print("block-manager: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:    # `block-manager admin --json status | head -3`: the reader has all it wanted
+        quiet_broken_pipe()
+        return EXIT_ERROR
 
 
 def _main(argv: Sequence[str] | None) -> int:

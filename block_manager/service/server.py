@@ -27,6 +27,8 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 from block_manager.service import access, leadership
 from block_manager.service.admin_servicer import BlockManagerAdminServicer
@@ -45,6 +47,7 @@ from block_manager.store.reader import JournalReader
 from pagedkv.auth import Authenticator
 from pagedkv.guard import EdgeGuard
 from pagedkv.lifecycle import (
+    EXIT_START_FAILED,
     TaskSet,
     address_with_port,
     bind,
@@ -313,9 +316,12 @@ def edge_guard(cfg: BlockManagerConfig, metrics: ServiceMetrics | None = None) -
 
 
 async def serve(config: BlockManagerConfig, port_file: Path | None = None) -> int:
-    """Run one block manager until a signal (exit 0) or a journal failure (exit 3)."""
+    """Run one block manager until a signal (exit 0) or a journal failure (exit 3). A start
+    that fails removes the SQLite files it created (`bm.db`, its lock, WAL and shared memory),
+    so a corrected retry starts from what was there before, and nothing is left to wonder about."""
+    new_files = [p for p in _sqlite_files(config.database_url) if not p.exists()]
     server = BlockManagerServer(config)
-    return await run_until_signal(
+    code = await run_until_signal(
         server,
         prog="block-manager",
         port_file=port_file,
@@ -323,6 +329,22 @@ async def serve(config: BlockManagerConfig, port_file: Path | None = None) -> in
         failed=server.failed,
         grace_s=config.shutdown_grace_s,
     )
+    if code == EXIT_START_FAILED:
+        for path in new_files:
+            path.unlink(missing_ok=True)
+    return code
+
+
+def _sqlite_files(database_url: str) -> list[Path]:
+    """The files an SQLite store at `database_url` may create; none for other stores."""
+    try:
+        url = make_url(database_url)
+    except ArgumentError:
+        return []
+    if url.get_backend_name() != "sqlite" or not url.database or url.database == ":memory:":
+        return []
+    path = Path(url.database).expanduser().resolve()
+    return [path.with_name(path.name + suffix) for suffix in ("", ".lock", "-wal", "-shm", "-journal")]
 
 
 def main(argv: list[str] | None = None) -> int:

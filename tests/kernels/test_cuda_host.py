@@ -7,6 +7,7 @@ conversion.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -16,7 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-import kernels
+if importlib.util.find_spec("numba_cuda") is None:   # [dev] installs Numba CUDA on Linux only
+    pytest.skip("needs numba-cuda (its CUDA bindings ship Linux wheels only)", allow_module_level=True)
+
+import kernels  # noqa: E402
 from kernels._validate import KernelInputError
 from kernels.cuda import _runtime
 from kernels.cuda._host import Scratch, launch_bounds, spec_for

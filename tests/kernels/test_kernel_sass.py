@@ -40,14 +40,15 @@ needs_tools = pytest.mark.skipif(
            f"(found: {JITLINK}); install CUDA's ptxas and `pip install nvidia-cuda-nvdisasm "
            "nvidia-nvjitlink`")
 
+# By default each mode on each path; the wider and bf16 variants with --slow.
 GATED = [
     KS.DECODE_BENCH,  # the benchmark variant: the tight budgets apply
-    "decode bf16 d128 bs16 g4",
+    pytest.param("decode bf16 d128 bs16 g4", marks=pytest.mark.slow),
     "split f16 d128 bs16 g4",
     "decode f32 d128 bs16 g4",  # SIMT path
-    "decode f32 d256 bs16 g1",  # SIMT: the widest rows that must still fit shared memory
+    pytest.param("decode f32 d256 bs16 g1", marks=pytest.mark.slow),  # SIMT: the widest rows in shared memory
     KS.PREFILL_BENCH,  # FA2 class: >= 64 query rows per block, >= 2 blocks/SM
-    "prefill f16 d256 bs16 g4",  # could not launch before (512 threads x 160 registers)
+    pytest.param("prefill f16 d256 bs16 g4", marks=pytest.mark.slow),  # could not launch before (512 x 160 regs)
     "reduce f16 d128",
     "write f16 d128",
     "copy bf16 d128",
