@@ -1,6 +1,10 @@
+import resource
 import sys
+import time
 
 import pytest
+
+_STARTED = time.monotonic()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -29,3 +33,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def _cpu_s(who: int) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
+_WORKER_CPU_S: list[float] = []
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:            # an xdist worker: hand its CPU time to the controller
+        workeroutput["cpu_s"] = _cpu_s(resource.RUSAGE_SELF) + _cpu_s(resource.RUSAGE_CHILDREN)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    _WORKER_CPU_S.append(float(getattr(node, "workeroutput", {}).get("cpu_s", 0.0)))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
+    """The suite's cost, printed (never asserted): wall time and the CPU seconds of this process,
+    its xdist workers and every process they waited for (the services tests start). The CPU
+    figure is what a shared 2-core machine notices; compare runs by it, not by wall time alone."""
+    if hasattr(config, "workerinput"):
+        return
+    children = max(_cpu_s(resource.RUSAGE_CHILDREN), sum(_WORKER_CPU_S))
+    cpu = _cpu_s(resource.RUSAGE_SELF) + children
+    workers = len(_WORKER_CPU_S)
+    terminalreporter.write_sep("-", f"suite cost: {time.monotonic() - _STARTED:.0f} s wall, {cpu:.0f} CPU-s "
+                                    f"(with {workers or 'no'} xdist workers and the processes the tests started)")

@@ -16,6 +16,9 @@
    contiguously; the same for the CUDA-graph path at B=64.
 3. Host path: microseconds of Python per call (no synchronisation) for the public API,
    `DecodePlan.launch` and `DecodeGraphs.run`.
+4. Prefill (`gpu_check_prefill.py`): one layer of an 8k-token prompt, the paged FA2-class
+   kernel vs torch SDPA (flash) over the same K/V made contiguous (goal <= 1.2x), and the
+   chunked-prefill path's tokens/s.
 Writes RESULTS_DIR/gpu_check.md and RESULTS_DIR/gpu_check.json. Needs only numpy, numba,
 numba-cuda, torch and this repository's `kernels/` package; a few minutes on an H200 (mostly
 Numba JIT of ~25 kernel variants and the float64 reference).
@@ -31,6 +34,12 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+# The sibling modules (gpu_check_graphs, gpu_check_prefill) import as top-level names, also
+# when this file is loaded by path (the tests) rather than run as a script.
+_BENCH_DIR = str(Path(__file__).resolve().parent)
+if _BENCH_DIR not in sys.path:
+    sys.path.insert(0, _BENCH_DIR)
 
 EXIT_NO_GPU = 2
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -409,13 +418,17 @@ def bench_host_path(torch: Any) -> dict[str, float]:
 def write_report(out_dir: Path, device: str, checks: list[dict[str, Any]],
                  copy_gbs: float | None, rows: list[dict[str, Any]], wall_s: float,
                  host: dict[str, float] | None = None,
-                 node_graphs: dict[str, float] | None = None) -> None:
+                 node_graphs: dict[str, float] | None = None,
+                 prefill: list[dict[str, Any]] | None = None) -> None:
+    from gpu_check_prefill import prefill_lines
+
     out_dir.mkdir(parents=True, exist_ok=True)
     # Strict JSON: a non-finite error (NaN output / mismatch) is written as null.
     json_checks = [{**c, "error": c["error"] if math.isfinite(c["error"]) else None}
                    for c in checks]
     payload = {"device": device, "wall_s": wall_s, "checks": json_checks, "copy_gbs": copy_gbs,
-               "decode": rows, "host_path_us": host or {}, "node_graphs": node_graphs or {}}
+               "decode": rows, "host_path_us": host or {}, "node_graphs": node_graphs or {},
+               "prefill": prefill or []}
     (out_dir / "gpu_check.json").write_text(json.dumps(payload, indent=2))
     lines = [f"# GPU check — {device}", "", f"wall time {wall_s:.0f} s", ""]
     if checks:
@@ -437,6 +450,7 @@ def write_report(out_dir: Path, device: str, checks: list[dict[str, Any]],
                   f"{_opt(r.get('graph_us'), '.1f')} | {_opt(r.get('graph_ratio_to_copy'), '.2f')} |"
                   for r in rows]
         lines.append("")
+    lines += prefill_lines(prefill or [])
     if host:
         lines += ["## Host path (Python µs per call, B=64, context 512)", "",
                   "| path | µs |", "|---|---|"]
@@ -530,14 +544,18 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name(0)
     log(f"device {device}, torch {torch.__version__}, results → {args.out}")
     checks, node_graphs = ([], {}) if args.skip_correctness else check_correctness(torch)
-    copy_gbs, rows, host = None, [], None
+    copy_gbs, rows, host, prefill = None, [], None, []
     if not args.skip_bench:
+        from gpu_check_prefill import bench_prefill
+
         copy_gbs = copy_bandwidth(torch)
         log(f"device copy bandwidth {copy_gbs:.0f} GB/s")
         for bs in block_sizes:
             rows += bench_decode(torch, bs, args.max_reps, copy_gbs)
         host = bench_host_path(torch)
-    write_report(args.out, device, checks, copy_gbs, rows, time.time() - t0, host, node_graphs)
+        prefill = bench_prefill(torch, time_events, args.max_reps, log)
+    write_report(args.out, device, checks, copy_gbs, rows, time.time() - t0, host, node_graphs,
+                 prefill)
     failed = [c["check"] for c in checks if not c["ok"]]
     log(f"done in {time.time() - t0:.0f} s; {len(failed)} correctness failure(s)")
     return 1 if failed else 0

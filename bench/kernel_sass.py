@@ -10,12 +10,24 @@ kernels use nothing newer), then disassembled with `nvdisasm` — and reported:
   whole kernel, and of the K/V stream (`cp.async`, or loads tagged `.L2::128B`);
 - the steady-state tile loop: the loop that issues the K/V loads, its SASS instruction count,
   and instructions per 16 bytes of K/V each thread loads per trip (bytes from the variant's
-  geometry: tokens per warp step x head_dim x element size x 2 (K and V) / 32 lanes).
+  geometry: tokens per warp step x head_dim x element size x 2 (K and V) / 32 lanes; for the
+  FA2-class prefill, the block's tile x head_dim x element size x 2 / threads — there every
+  staged byte then serves 64 query rows, so its count is not comparable with decode's).
 
     .venv/bin/python bench/kernel_sass.py [--json OUT.json] [--quick] [--only NAME]
 
+Two toolchains build every variant: the standalone `ptxas` and nvJitLink (the
+`nvidia-nvjitlink` wheel through `cuda.bindings.nvjitlink`, with the option numba-cuda's
+linker passes on a GPU host: `-arch=sm_90`; the launch bounds travel in the PTX). They
+differ: under the same bounds ptxas 13.0 gave the decode kernel 91 registers, nvJitLink 13.5
+gave 96. The report carries both (`registers`: ptxas, `registers_nvjitlink`); every
+other machine-code figure (spills, blocks/SM, SASS loop) is the production build's, nvJitLink
+when it is installed (`toolchain` says which), and its ptxas twin is kept as `*_ptxas`.
+Budgets (`check`) apply to the production build.
+
 Needs `ptxas` (PATH, $PTXAS, or /usr/local/cuda/bin) and `nvdisasm` (PATH, $NVDISASM, or the
-`nvidia-cuda-nvdisasm` wheel). Exit status 1 when a variant fails its budget (`check`).
+`nvidia-cuda-nvdisasm` wheel); nvJitLink is optional (`pip install nvidia-nvjitlink`), its
+absence is reported. Exit status 1 when a variant fails its budget (`check`).
 """
 
 from __future__ import annotations
@@ -42,10 +54,15 @@ SM90_MAX_THREADS = 2048
 SM90_MAX_BLOCKS = 32
 LOAD_BYTES = {"128": 16, "64": 8, "": 4, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
 
-# Budgets of the decode benchmark variant (issue 13) and of every variant.
+# Budgets of the decode benchmark variant (issues 13, 22) and of every variant. 88 registers
+# (not the launch bound's 96): headroom, so growth shows up here before it spills.
 DECODE_BENCH = "decode f16 d128 bs16 g4"
-BENCH_MAX_REGS = 96
+BENCH_MAX_REGS = 88
 BENCH_MAX_INSTR_PER_16B = 16.0
+# The prefill benchmark variant (issue 22): an FA2-class query tile and two resident blocks.
+PREFILL_BENCH = "prefill f16 d128 bs16 g4"
+PREFILL_MIN_ROWS = 64
+PREFILL_MIN_BLOCKS = 2
 
 
 @dataclass
@@ -63,6 +80,16 @@ class Report:
     kv_bytes_per_trip: int | None
     instr_per_16b: float | None
     notes: list[str] = field(default_factory=list)
+    toolchain: str = "ptxas"  # the production build the figures above describe
+    registers_nvjitlink: int | None = None
+    spill_bytes_ptxas: int = 0
+    blocks_per_sm_ptxas: int = 0
+    instr_per_16b_ptxas: float | None = None
+    query_rows_per_cta: int | None = None  # attention kernels: query rows one block holds
+
+    @property
+    def production_registers(self) -> int:
+        return self.registers_nvjitlink if self.registers_nvjitlink is not None else self.registers
 
 
 # --------------------------------------------------------------------------------------------
@@ -123,15 +150,60 @@ def assemble(ptx: str, ptxas: str, workdir: Path) -> tuple[Path, dict[str, int]]
                           capture_output=True, text=True, check=False)
     if proc.returncode:
         raise RuntimeError(f"ptxas failed:\n{proc.stderr[-2000:]}")
-    info = proc.stderr
+    return cubin, _resource_usage(proc.stderr)
+
+
+def nvjitlink_version() -> tuple[int, int] | None:
+    """nvJitLink's version when the library loads (the `nvidia-nvjitlink` wheel), else None."""
+    try:
+        from cuda.bindings import nvjitlink
+
+        return tuple(nvjitlink.version())  # type: ignore[return-value]
+    except Exception:  # noqa: BLE001 - missing wheel, missing library: both mean "absent"
+        return None
+
+
+def link_nvjitlink(ptx: str, workdir: Path) -> tuple[Path, dict[str, int]]:
+    """Build the PTX as numba-cuda does on a GPU host (nvJitLink, `-arch=sm_90`; the kernels
+    set no `max_registers`, their launch bounds are in the PTX): (cubin, {registers,
+    spill_bytes, stack_bytes, shared_bytes}) from the link's verbose log."""
+    from cuda.bindings import nvjitlink
+
+    options = [f"-arch=sm_{CC[0]}{CC[1]}", "-verbose"]
+    handle = nvjitlink.create(len(options), options)
+    try:
+        data = ptx.encode()
+        try:
+            nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "k.ptx")
+            nvjitlink.complete(handle)
+        except Exception as exc:
+            size = nvjitlink.get_error_log_size(handle)
+            log = bytearray(size)
+            nvjitlink.get_error_log(handle, log)
+            raise RuntimeError(f"nvJitLink failed: {log.decode(errors='replace')[-2000:]}") from exc
+        size = nvjitlink.get_info_log_size(handle)
+        log = bytearray(size)
+        nvjitlink.get_info_log(handle, log)
+        size = nvjitlink.get_linked_cubin_size(handle)
+        cubin = bytearray(size)
+        nvjitlink.get_linked_cubin(handle, cubin)
+    finally:
+        nvjitlink.destroy(handle)
+    path = workdir / "k.nvjitlink.cubin"
+    path.write_bytes(bytes(cubin))
+    return path, _resource_usage(log.decode(errors="replace"))
+
+
+def _resource_usage(info: str) -> dict[str, int]:
+    """Registers, spills, stack and static shared memory from a `ptxas -v`-style log."""
     regs = re.search(r"Used (\d+) registers", info)
     spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", info)
     stack = re.search(r"(\d+) bytes stack frame", info)
     smem = re.search(r"(\d+) bytes smem", info)
-    return cubin, {"registers": int(regs.group(1)) if regs else 0,
-                   "spill_bytes": sum(int(s) for s in spills),
-                   "stack_bytes": int(stack.group(1)) if stack else 0,
-                   "shared_bytes": int(smem.group(1)) if smem else 0}
+    return {"registers": int(regs.group(1)) if regs else 0,
+            "spill_bytes": sum(int(s) for s in spills),
+            "stack_bytes": int(stack.group(1)) if stack else 0,
+            "shared_bytes": int(smem.group(1)) if smem else 0}
 
 
 def disassemble(cubin: Path, nvdisasm: str) -> list[str]:
@@ -278,7 +350,12 @@ def build(variant: Variant) -> tuple[Any, tuple[Any, ...], int, int | None, Any]
                     "prefill": (prefill.build_prefill_kernel, prefill.PREFILL_SIGNATURE)}
         make, signature = builders[v.kind]
         tokens = TC_STEP_TOKENS if spec.path == "tc" else spec_simt_tokens(spec)
-        kv_bytes = 2 * tokens * v.head_dim * KIND_BYTES[v.dtype] // 32
+        kv_bytes = 2 * tokens * v.head_dim * KIND_BYTES[v.dtype] // 32  # one warp's step
+        if v.kind == "prefill" and spec.path == "tc":  # FA2: the block stages a shared tile
+            from kernels.cuda._fa2_prefill import fa2_geometry
+
+            tile_tokens = TC_STEP_TOKENS * fa2_geometry(spec)[2]
+            kv_bytes = 2 * tile_tokens * v.head_dim * KIND_BYTES[v.dtype] // spec.num_threads
         return make(spec), signature, spec.num_threads, kv_bytes, decode.launch_bounds(spec)
     if v.kind == "reduce":
         return (decode_reduce.build_reduce_kernel(v.head_dim, v.group * v.num_kv_heads, v.dtype),
@@ -297,67 +374,125 @@ def spec_simt_tokens(spec: Any) -> int:
     return step_tokens(spec)
 
 
-def analyze(variant: Variant, ptxas: str, nvdisasm: str | None) -> Report:
-    pyfunc, signature, threads, kv_bytes, bounds = build(variant)
-    ptx = compile_ptx(pyfunc, signature, launch_bounds=bounds)
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin, info = assemble(ptx, ptxas, Path(tmp))
-        code = disassemble(cubin, nvdisasm) if nvdisasm else []
-    notes = []
-    if re.search(r"\.f64\b", ptx):
-        notes.append("float64 instructions in PTX")
+def _machine_code(cubin: Path, info: dict[str, int], nvdisasm: str | None, kv_bytes: int | None,
+                  threads: int) -> dict[str, Any]:
+    """The SASS figures of one build."""
+    code = disassemble(cubin, nvdisasm) if nvdisasm else []
     loop = steady_loop(code) if code else None
     loop_instr = instructions(code, *loop) if loop else None
     per_16b = (loop_instr / (kv_bytes / 16)) if loop_instr and kv_bytes else None
+    notes = []
     if kv_bytes and code and loop is None:
         notes.append("no steady-state K/V loop found")
     if loop and nested_loops(code, *loop):
         notes.append("step loop not fully unrolled: instructions per 16 B is a lower bound")
+    return {"code": code, "loop_instr": loop_instr, "notes": notes,
+            "per_16b": round(per_16b, 2) if per_16b else None,
+            "blocks": blocks_per_sm(info["registers"], info["shared_bytes"], threads)}
+
+
+def analyze(variant: Variant, ptxas: str, nvdisasm: str | None,
+            nvjitlink: bool | None = None) -> Report:
+    """Build `variant` with ptxas and (when installed, or when `nvjitlink` is True) with
+    nvJitLink; the report's machine-code figures are nvJitLink's when it built."""
+    pyfunc, signature, threads, kv_bytes, bounds = build(variant)
+    ptx = compile_ptx(pyfunc, signature, launch_bounds=bounds)
+    use_jitlink = nvjitlink_version() is not None if nvjitlink is None else nvjitlink
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin, info = assemble(ptx, ptxas, Path(tmp))
+        by_ptxas = _machine_code(cubin, info, nvdisasm, kv_bytes, threads)
+        prod_info, prod = info, by_ptxas
+        if use_jitlink:
+            jit_cubin, prod_info = link_nvjitlink(ptx, Path(tmp))
+            prod = _machine_code(jit_cubin, prod_info, nvdisasm, kv_bytes, threads)
+    notes = list(prod["notes"])
+    if re.search(r"\.f64\b", ptx):
+        notes.append("float64 instructions in PTX")
+    code = prod["code"]
     return Report(
-        name=variant.name, registers=info["registers"], spill_bytes=info["spill_bytes"],
-        stack_bytes=info["stack_bytes"], shared_bytes=info["shared_bytes"], threads=threads,
-        blocks_per_sm=blocks_per_sm(info["registers"], info["shared_bytes"], threads),
+        name=variant.name, registers=info["registers"], spill_bytes=prod_info["spill_bytes"],
+        stack_bytes=prod_info["stack_bytes"], shared_bytes=prod_info["shared_bytes"],
+        threads=threads, blocks_per_sm=prod["blocks"],
         load_widths=load_widths(code), kv_load_widths=load_widths(code, kv_only=True),
-        loop_instructions=loop_instr, kv_bytes_per_trip=kv_bytes,
-        instr_per_16b=round(per_16b, 2) if per_16b else None, notes=notes)
+        loop_instructions=prod["loop_instr"], kv_bytes_per_trip=kv_bytes,
+        instr_per_16b=prod["per_16b"], notes=notes,
+        toolchain="nvjitlink" if use_jitlink else "ptxas",
+        registers_nvjitlink=prod_info["registers"] if use_jitlink else None,
+        spill_bytes_ptxas=info["spill_bytes"], blocks_per_sm_ptxas=by_ptxas["blocks"],
+        instr_per_16b_ptxas=by_ptxas["per_16b"], query_rows_per_cta=query_rows_of(variant))
+
+
+def query_rows_of(variant: Variant) -> int | None:
+    """Query rows (tokens x GQA heads) one thread block of an attention variant holds."""
+    spec = _spec_of(variant)
+    if spec is None:
+        return None
+    from kernels.cuda.prefill import query_rows_per_cta
+
+    return query_rows_per_cta(spec) if spec.mode == "prefill" else spec.rows
+
+
+def _spec_of(variant: Variant) -> Any:
+    from kernels.cuda._spec import AttentionSpec
+
+    v = variant
+    if v.kind not in ("decode", "split", "prefill"):
+        return None
+    return AttentionSpec(v.head_dim, v.block_size, v.num_kv_heads, v.group, v.dtype, v.dtype,
+                         v.dtype, v.kind)
 
 
 def check(report: Report) -> list[str]:
-    """Budget violations: spills, launchability, narrow K/V loads; the decode benchmark's
-    register and instruction targets."""
+    """Budget violations of the production build: spills, launchability, narrow K/V loads;
+    the decode benchmark's register and instruction targets; the prefill benchmark's query
+    tile and occupancy."""
     problems = []
+    regs = report.production_registers
     if report.spill_bytes:
         problems.append(f"spills {report.spill_bytes} bytes")
     if report.stack_bytes:
         problems.append(f"{report.stack_bytes} bytes of local memory (arrays not in registers)")
-    if report.registers * report.threads > SM90_REGS or report.blocks_per_sm < 1:
-        problems.append(f"cannot launch: {report.registers} registers x {report.threads} threads")
+    if regs * report.threads > SM90_REGS or report.blocks_per_sm < 1:
+        problems.append(f"cannot launch: {regs} registers x {report.threads} threads")
     narrow = {w: n for w, n in report.kv_load_widths.items() if w in ("8-bit", "16-bit", "32-bit")}
     if report.kv_bytes_per_trip and (narrow or not report.kv_load_widths):
         problems.append(f"K/V loads narrower than 8 bytes: {narrow or 'none tagged'}")
     problems.extend(n for n in report.notes if "lower bound" not in n)
     if report.name == DECODE_BENCH:
-        if report.registers > BENCH_MAX_REGS:
-            problems.append(f"{report.registers} registers > {BENCH_MAX_REGS}")
+        if regs > BENCH_MAX_REGS:
+            problems.append(f"{regs} registers ({report.toolchain}) > {BENCH_MAX_REGS}")
         if report.instr_per_16b is None or report.instr_per_16b > BENCH_MAX_INSTR_PER_16B:
             problems.append(f"{report.instr_per_16b} instructions per 16 B > "
                             f"{BENCH_MAX_INSTR_PER_16B}")
+    if report.name == PREFILL_BENCH:
+        rows = report.query_rows_per_cta or 0
+        if rows < PREFILL_MIN_ROWS:
+            problems.append(f"{rows} query rows per block < {PREFILL_MIN_ROWS}")
+        if report.blocks_per_sm < PREFILL_MIN_BLOCKS:
+            problems.append(f"{report.blocks_per_sm} blocks/SM < {PREFILL_MIN_BLOCKS}")
+        if report.instr_per_16b is None:
+            problems.append("no instructions per 16 B for the prefill loop")
     return problems
 
 
 def table(reports: list[Report]) -> str:
-    header = ("| variant | regs | spill B | smem B | threads | blocks/SM | global loads | "
-              "K/V loads | loop instr | K/V B/trip/thread | instr / 16 B |")
-    lines = [header, "|---|---|---|---|---|---|---|---|---|---|---|"]
+    header = ("| variant | regs ptxas / nvJitLink | spill B | smem B | threads | rows/CTA | "
+              "blocks/SM ptxas / nvJitLink | global loads | K/V loads | loop instr | "
+              "K/V B/trip/thread | instr / 16 B ptxas / nvJitLink |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     # ">=": the step loop keeps an inner loop, so its static count is a lower bound
     for r in reports:
         bound = ">=" if any("lower bound" in n for n in r.notes) else ""
         widths = ", ".join(f"{n}x{w}" for w, n in sorted(r.load_widths.items()))
         kv = ", ".join(f"{n}x{w}" for w, n in sorted(r.kv_load_widths.items())) or "-"
-        lines.append(f"| {r.name} | {r.registers} | {r.spill_bytes} | {r.shared_bytes} | "
-                     f"{r.threads} | {r.blocks_per_sm} | {widths} | {kv} | "
-                     f"{r.loop_instructions or '-'} | {r.kv_bytes_per_trip or '-'} | "
-                     f"{bound}{r.instr_per_16b or '-'} |")
+        jit = r.toolchain == "nvjitlink"
+        regs = f"{r.registers} / {r.registers_nvjitlink if jit else '-'}"
+        blocks = f"{r.blocks_per_sm_ptxas} / {r.blocks_per_sm if jit else '-'}"
+        per_16b = (f"{bound}{r.instr_per_16b_ptxas or '-'} / "
+                   f"{(bound + str(r.instr_per_16b or '-')) if jit else '-'}")
+        lines.append(f"| {r.name} | {regs} | {r.spill_bytes} | {r.shared_bytes} | "
+                     f"{r.threads} | {r.query_rows_per_cta or '-'} | {blocks} | {widths} | {kv} | "
+                     f"{r.loop_instructions or '-'} | {r.kv_bytes_per_trip or '-'} | {per_16b} |")
     return "\n".join(lines)
 
 
@@ -373,6 +508,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not nvdisasm:
         print("kernel_sass: nvdisasm not found: SASS metrics omitted", file=sys.stderr)
+    jitlink = nvjitlink_version()
+    print(f"kernel_sass: ptxas {ptxas_version(ptxas)} (PTX ISA), nvJitLink "
+          f"{jitlink or 'not installed (pip install nvidia-nvjitlink): ptxas figures only'}",
+          file=sys.stderr)
     variants = [v for v in catalog(args.quick) if not args.only or args.only in v.name]
     reports, failures = [], []
     for v in variants:
@@ -381,12 +520,13 @@ def main(argv: list[str] | None = None) -> int:
         problems = check(report)
         if problems:
             failures.append(f"{v.name}: {'; '.join(problems)}")
-        print(f"{v.name}: {report.registers} regs, {report.spill_bytes} B spill, "
-              f"{report.blocks_per_sm} blocks/SM, {report.instr_per_16b} instr/16 B", flush=True)
+        print(f"{v.name}: {report.registers} regs ptxas, {report.registers_nvjitlink} regs "
+              f"nvJitLink, {report.spill_bytes} B spill, {report.blocks_per_sm} blocks/SM, "
+              f"{report.instr_per_16b} instr/16 B", flush=True)
     print()
     print(table(reports))
     if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in reports], indent=2))
+        args.json.write_text(json.dumps([asdict(r) for r in reports], indent=2))  # every field
     for failure in failures:
         print(f"FAIL {failure}", file=sys.stderr)
     return 1 if failures else 0

@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from compute_node.decode_path import DecodeStep, StepShape
-from compute_node.errors import InvalidForward, UnknownSequence
+from compute_node.errors import InvalidForward
 from compute_node.pool import KvPool, PoolGeometry
-from compute_node.tables import NodeTable, SeqId
+from compute_node.tables import NodeTable, SeqId, check_tail
 from compute_node.wire import WireError, decode_tensor
 from pagedkv.limits import seq_id_problem
 from pagedkv.v1 import compute_node_pb2 as pb
@@ -184,22 +184,8 @@ def resolve_sequences(
     without telling it (in-block decode), so the tail may lie beyond it within the table."""
     tables: dict[SeqId, NodeTable] = {}
     for s in batch.seqs:
-        table = table_of(s.seq_id)
-        if table is None:
-            raise UnknownSequence(
-                f"sequence {s.seq_id!r} is not on this node (its table comes with the step that admitted it)"
-            )
         start = s.context_len - s.num_new_tokens
-        if start != table.num_tokens and not (s.seq_id in cold and start > table.num_tokens):
-            raise InvalidForward(
-                f"sequence {s.seq_id!r}: writes positions {start}…{s.context_len - 1} but the node holds "
-                f"{table.num_tokens} tokens: a Forward writes only at the tail of a sequence"
-            )
-        if -(-s.context_len // block_size) > len(table.block_table):
-            raise InvalidForward(
-                f"sequence {s.seq_id!r}: context_len {s.context_len} needs {-(-s.context_len // block_size)} "
-                f"blocks, its table (version {table.version}) has {len(table.block_table)}"
-            )
+        table = check_tail(s.seq_id, table_of(s.seq_id), start, s.context_len, block_size, lagging=s.seq_id in cold)
         positions = np.arange(start, s.context_len, dtype=np.int64)
         blocks = np.asarray(table.block_table, dtype=np.int64)[positions // block_size]
         s.slot_mapping = blocks * block_size + positions % block_size

@@ -15,10 +15,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from compute_node.errors import InvalidForward, UnknownSequence
+from compute_node.errors import InvalidForward
 from compute_node.host_pool import apply_moves
 from compute_node.model import InvalidSamplingParams, ModelRunner, SamplingParams, SeqWork
-from compute_node.tables import NodeTable, SeqId, TableCache, stage
+from compute_node.tables import NodeTable, SeqId, TableCache, check_tail, stage
 from pagedkv.limits import seq_id_problem
 from pagedkv.v1 import compute_node_pb2 as pb
 
@@ -58,22 +58,8 @@ class Generator:
         work: list[SeqWork] = []
         tables: dict[SeqId, NodeTable] = {}
         for s in seqs:
-            table = staged.table(self.tables, s.seq_id)
-            if table is None:
-                raise UnknownSequence(
-                    f"sequence {s.seq_id!r} is not on this node (its table comes with the step that admitted it)"
-                )
             start = s.context_len - len(s.token_ids)
-            if start != table.num_tokens:
-                raise InvalidForward(
-                    f"sequence {s.seq_id!r}: computes positions {start}…{s.context_len - 1} but the node holds "
-                    f"{table.num_tokens} tokens: a step writes only at the tail of a sequence"
-                )
-            if -(-s.context_len // bs) > len(table.block_table):
-                raise InvalidForward(
-                    f"sequence {s.seq_id!r}: context_len {s.context_len} needs {-(-s.context_len // bs)} blocks, "
-                    f"its table has {len(table.block_table)}"
-                )
+            table = check_tail(s.seq_id, staged.table(self.tables, s.seq_id), start, s.context_len, bs)
             tables[s.seq_id] = table
             work.append(SeqWork(s.seq_id, s.token_ids, start, list(table.block_table), s.sampling,
                                 s.num_output_tokens))
@@ -90,7 +76,7 @@ class Generator:
             table.num_tokens = s.context_len
             self.tables.put(s.seq_id, table)
         was_profiling = runner.profile
-        runner.profile = True
+        runner.profile = was_profiling or request.profile   # phase timings only when asked
         try:
             outputs = runner.execute(work) if work else []
         finally:

@@ -146,12 +146,14 @@ class KvPool:
         query_start_loc: torch.Tensor,
         scale: float,
         out: torch.Tensor | None = None,
+        max_query_len: int | None = None,
     ) -> torch.Tensor:
         """Many query tokens per sequence, causal over the paged prefix plus themselves (into
-        `out` when given)."""
+        `out` when given). `max_query_len`: the longest chunk, known on the host (the CUDA
+        grid is sized from it)."""
         return kernels.paged_prefill_attention(
             query, self.key_caches[layer], self.value_caches[layer], block_tables, seq_lens,
-            query_start_loc, scale, out=out, backend=self.backend,
+            query_start_loc, scale, out=out, backend=self.backend, max_query_len=max_query_len,
         )
 
     def read_tokens(self, layer: int, slots: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NewType
 
-from compute_node.errors import InvalidForward, NodeFenced, StaleStep, StaleTable
+from compute_node.errors import InvalidForward, NodeFenced, StaleStep, StaleTable, UnknownSequence
 
 SeqId = NewType("SeqId", str)
 
@@ -201,4 +201,31 @@ def _stage_deltas(staged: StagedSteps, cache: TableCache, m: Any, i: int) -> Non
         app += na
 
 
-__all__ = ["NodeTable", "SeqId", "StagedSteps", "TableCache", "stage"]
+def check_tail(
+    seq_id: str, table: NodeTable | None, start: int, context_len: int, block_size: int, *, lagging: bool = False
+) -> NodeTable:
+    """The tail rule, one check for Forward and Generate: a step writes a sequence's new tokens
+    (positions `start … context_len - 1`) exactly at the tail the node holds, never below it
+    (so never into tokens it may share), and the sequence's table covers them.
+    `UnknownSequence` when the node has no table for it, `InvalidForward` otherwise. `lagging`:
+    a table fetched cold, whose count may lag tokens the scheduler wrote without telling the
+    block manager (in-block decode), so the tail may lie beyond it within the table."""
+    if table is None:
+        raise UnknownSequence(
+            f"sequence {seq_id!r} is not on this node (its table comes with the step that admitted it)"
+        )
+    if start != table.num_tokens and not (lagging and start > table.num_tokens):
+        raise InvalidForward(
+            f"sequence {seq_id!r}: writes positions {start}…{context_len - 1} but the node holds "
+            f"{table.num_tokens} tokens: a step writes only at the tail of a sequence"
+        )
+    if -(-context_len // block_size) > len(table.block_table):
+        raise InvalidForward(
+            f"sequence {seq_id!r}: context_len {context_len} needs {-(-context_len // block_size)} blocks, "
+            f"its table (version {table.version}) has {len(table.block_table)}"
+        )
+    return table
+
+
+__all__ = [
+    "check_tail","NodeTable", "SeqId", "StagedSteps", "TableCache", "stage"]

@@ -1,12 +1,12 @@
 """`pagedkv-demo`: the project's main job.
 
 Modes:
-- `services` (default, `engine/demo_services.py`): a real model (`--model DIR`, or a small
+- `services` (default, `demo/services.py`): a real model (`--model DIR`, or a small
   random-weight Llama built locally) served by the block manager and two compute nodes as
   processes, through the continuous-batching engine; reports tokens/s, time to first token,
   inter-token latency, KV blocks against contiguous preallocation, prefix hits, CoW copies,
   preemptions, and how many greedy completions equal the reference; writes a plot.
-- `attention` (`engine/demo_attention.py`): the same stack fed synthetic Q/K/V, every
+- `attention` (`demo/attention.py`): the same stack fed synthetic Q/K/V, every
   sequence's attention output checked against float64 every step (the attention-level path).
 - `core`: the workload replayed through the in-process block manager core: what paging buys
   (waste, concurrency at equal memory, prefix hits, CoW, evictions, append latency).
@@ -28,6 +28,7 @@ from rich.table import Table
 
 from block_manager.trace.generate import TraceConfig, write_trace
 from block_manager.trace.replay import ReplayReport, replay
+from pagedkv.cli import ArgumentParser, error_line
 
 DEFAULT_PLOT = "pagedkv-demo.png"
 EXIT_INTERRUPTED = 130
@@ -138,7 +139,9 @@ def render_report(result: DemoResult, console: Console) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagedkv-demo", description=__doc__.splitlines()[2])
+    p = ArgumentParser(prog="pagedkv-demo", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Run pagedkv end to end on this machine and report what paging buys.\n\n"
+                       + "\n".join(__doc__.splitlines()[2:]).replace("`", ""))
     p.add_argument("--mode", choices=["services", "attention", *sorted(MODES)], default="services",
                    help="services: a model served by the block manager + two compute nodes as processes (default); "
                         "attention: the same stack fed synthetic Q/K/V (the attention-level test path); "
@@ -158,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-heads", type=int, default=8, help="services: query heads (GQA over the nodes' KV heads)")
     p.add_argument("--check-every", type=int, default=1,
                    help="services: check every sequence's outputs every N steps (0: never)")
+    p.add_argument("--max-checked", type=int, default=64,
+                   help="services: compare at most this many greedy requests with transformers (default 64)")
     p.add_argument("--plot", default=DEFAULT_PLOT,
                    help=f"services: where to write the PNG plot (default: {DEFAULT_PLOT} in the working directory)")
     return p
@@ -210,6 +215,16 @@ def _main(argv: Sequence[str] | None) -> int:
         except PlotPathError as exc:
             print(f"pagedkv-demo: error: {exc}", file=sys.stderr)
             return 2
+        if args.mode == "services" and args.model:
+            from compute_node.model.config import ModelConfig
+            from compute_node.model.errors import ModelLoadError
+
+            try:       # before anything starts: the stack would load it in every node
+                ModelConfig.from_dir(args.model)
+            except ModelLoadError as exc:
+                print(error_line("pagedkv-demo", f"--model: {exc}", "a Llama / Qwen2 / Qwen3 Hugging Face "
+                                 "directory; without --model the demo builds a small one"), file=sys.stderr)
+                return 2
         if args.mode == "attention":
             from demo.attention import run
         else:

@@ -1,2 +1,4 @@
-"""The scheduler side, above everything: the serving driver over both services, the demo and its
-report, and the local stack runner. Nothing in the repository imports this package."""
+"""The scheduler side: the continuous-batching engine over the block manager and the model
+nodes (`LLM`, `LLMEngine`, the async engine thread, the node executors) and, in `engine.api`,
+the OpenAI-compatible server. Nothing below it imports this package; the demo (`demo/`) sits
+above it."""

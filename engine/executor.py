@@ -37,7 +37,7 @@ def node_error(node_id: str, code: grpc.StatusCode | None, details: str) -> Node
 
 
 def generate_request(step: NodeStep) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(request_id=step.request_id)
+    request = pb.GenerateRequest(request_id=step.request_id, profile=step.profile)
     for info in step.pool_steps:
         request.steps.append(info.message)
     for w in step.sequences:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from compute_node.model.config import ModelConfig
 from engine.executor import NodeExecutor, RemoteNode
 from engine.llm_engine import EngineConfig, EngineError, LLMEngine
 from engine.params import InvalidParams, RequestOutput, SamplingParams
@@ -65,7 +66,10 @@ class LLM:
     ) -> None:
         self.model_dir = Path(model)
         if not self.model_dir.is_dir():
-            raise EngineError(f"model directory {self.model_dir} does not exist")
+            raise EngineError(f"model directory {str(self.model_dir)!r} does not exist")
+        # The config before the tokenizer: an empty or foreign directory gets the words the
+        # command line uses ("has no config.json"), not a tokenizer complaint.
+        ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
         nodes: dict[str, NodeExecutor]
         connect: Callable[[str, str], NodeExecutor] | None = None
@@ -147,12 +151,29 @@ class LLM:
         self.engine.flush()
         return [finished[rid] for rid in ids]
 
-    def chat(self, messages: Sequence[Mapping[str, Any]], sampling_params: SamplingParams | None = None) \
-            -> RequestOutput:
-        """One conversation through the model's chat template."""
-        text = self.tokenizer.apply_chat_template(messages)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return self.generate({"prompt_token_ids": ids, "prompt": text}, sampling_params)[0]
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Conversations through the model's chat template, like vLLM's `LLM.chat`: one
+        conversation (a list of `{"role", "content"}` messages) or a list of them; always a
+        list of `RequestOutput`, one per conversation, in order."""
+        if isinstance(messages, (str, Mapping)) or not isinstance(messages, Sequence) or not messages:
+            raise InvalidParams("chat takes a conversation (a non-empty list of {'role', 'content'} messages) "
+                                "or a list of conversations")
+        conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            if isinstance(conversation, (str, Mapping)) or not isinstance(conversation, Sequence) \
+                    or not all(isinstance(m, Mapping) for m in conversation):
+                raise InvalidParams("each conversation is a list of {'role', 'content'} messages")
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False),
+                            "prompt": text})
+        return self.generate(prompts, sampling_params)
 
     def _tokens(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

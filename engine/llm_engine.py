@@ -83,6 +83,8 @@ class EngineConfig:
     # back to recompute when the host tier is full or absent), "recompute" frees them and
     # recomputes prompt + outputs on re-admission, "auto": swap where the node has a host tier.
     preemption_mode: str = "auto"
+    # Ask the nodes for each step's phase timings (GenerateStats; device syncs on a GPU).
+    profile_nodes: bool = False
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -594,7 +596,8 @@ class LLMEngine:
             info = result.steps.get(node_id)
             step = NodeStep(f"{node_id}-{self.stats.num_steps}-{id(self)}", [info] if info is not None else [],
                             [SeqStep(w.seq.seq_id or "", w.token_ids, w.context_len, w.seq.num_output_tokens,
-                                     _sampling(w.seq) if w.sample else None) for w in items])
+                                     _sampling(w.seq) if w.sample else None) for w in items],
+                            profile=self.config.profile_nodes)
             jobs.append((node_id, step, info, items))
         t0 = time.perf_counter()
         live = [job for job in jobs if job[0] not in self._down]   # a node out of placement is not called

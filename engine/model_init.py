@@ -53,6 +53,8 @@ def ensure_model(path: str | Path, spec: dict[str, Any] | None = None) -> str:
     try:
         build_tiny_model(tmp, arch, **(spec or DEMO_SPEC))
         tmp.chmod(0o755)             # mkdtemp's 0700 would hide it from a node running as another user
+        for f in tmp.iterdir():      # and the weights' 0600 (written through a private temp file)
+            f.chmod(0o644)
         os.replace(tmp, path)        # whole or not at all: a crash mid-build leaves no half model
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -46,6 +46,7 @@ class NodeStep:
     request_id: str
     pool_steps: list[PoolStepInfo] = field(default_factory=list)
     sequences: list[SeqStep] = field(default_factory=list)
+    profile: bool = False        # ask the node for its phase timings (device syncs on a GPU)
 
 
 @dataclass(slots=True, frozen=True)

@@ -26,3 +26,22 @@ def test_gpu_override_follows_the_gpus_present() -> None:
     assert _device_ids({"PAGEDKV_CN1_GPU": "0"}) == {"compute-node-0": ["0"], "compute-node-1": ["0"]}
     text = GPU_FILE.read_text()
     assert "driver >= 580" in text and "ONE GPU" in text
+
+
+def test_gpu_override_sizes_kv_memory_in_bytes(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The merged environment of a GPU node sizes its pool from bytes (no fixed block count),
+    and the compute node's settings accept it."""
+    from compute_node.service.config import load_config
+
+    base = yaml.safe_load((GPU_FILE.parent / "docker-compose.yml").read_text())
+    gpu = yaml.safe_load(GPU_FILE.read_text())
+    env = {k: interpolate(str(v), {}) for k, v in base["x-compute-node-env"].items()}
+    env.update({k: interpolate(str(v), {}) for k, v in gpu["services"]["compute-node-0"]["environment"].items()})
+    assert env["PAGEDKV_CN_MEMORY_BUDGET_BYTES"] == str(4 << 30) and env["PAGEDKV_CN_NUM_BLOCKS"] == ""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    cfg = load_config(None)
+    assert cfg.num_blocks is None and cfg.memory_budget_bytes == 4 << 30 and cfg.device == "cuda:0"
+    big = {k: interpolate(str(v), {"PAGEDKV_CN_KV_MEMORY_BYTES": str(20 << 30)})
+           for k, v in gpu["services"]["compute-node-1"]["environment"].items()}
+    assert big["PAGEDKV_CN_MEMORY_BUDGET_BYTES"] == str(20 << 30)

@@ -113,6 +113,7 @@ def paged_prefill_attention(
     scale: float,
     out: Any | None = None,
     backend: Backend = "auto",
+    max_query_len: int | None = None,
 ) -> Any:
     """Causal attention of many query tokens per sequence over the paged prefix + themselves.
 
@@ -120,11 +121,21 @@ def paged_prefill_attention(
     `query_start_loc[s] … query_start_loc[s+1]-1`, its j-th token at absolute position
     `seq_len - q_len + j`, attending to positions `0 … seq_len - q_len + j`. The new tokens'
     K/V must already be in the cache (`write_slots` first). Returns `out`.
+
+    `max_query_len`: the longest chunk (host int, >= every sequence's query tokens). The CUDA
+    backend sizes its grid from it; pass it when `query_start_loc` lives on the GPU (the
+    caller built it on the host), else the grid is sized from the total query tokens.
     """
     scale = _validate.check_prefill(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out,
+        max_query_len,
     )
     module = _backend_module(backend, (query, key_cache, value_cache, out))
+    if module.__name__ == "kernels.cuda":
+        return module.paged_prefill_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out,
+            max_query_len=max_query_len,
+        )
     return module.paged_prefill_attention(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out
     )

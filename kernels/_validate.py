@@ -186,9 +186,14 @@ def check_decode(
 
 def check_prefill(
     query: Any, key_cache: Any, value_cache: Any, block_tables: Any, seq_lens: Any,
-    query_start_loc: Any, scale: Any, out: Any,
+    query_start_loc: Any, scale: Any, out: Any, max_query_len: Any = None,
 ) -> float:
     """Validate `paged_prefill_attention` arguments; return the scale as a float."""
+    if max_query_len is not None and (
+        not isinstance(max_query_len, (int, np.integer)) or isinstance(max_query_len, bool)
+        or max_query_len < 0
+    ):
+        raise KernelInputError(f"max_query_len must be an integer >= 0, got {max_query_len!r}")
     num_blocks, num_kv_heads, block_size, head_dim = _check_caches(key_cache, value_cache)
     # [total_query_tokens, num_heads, head_dim]
     qshape = require("query", query, ndim=3, dtypes=QUERY_DTYPES)
@@ -212,6 +217,10 @@ def check_prefill(
             )
         if (q_lens < 0).any():
             raise KernelInputError("query_start_loc must be non-decreasing")
+        if max_query_len is not None and q_lens.size and int(q_lens.max()) > max_query_len:
+            raise KernelInputError(
+                f"max_query_len {max_query_len} is below the longest chunk ({int(q_lens.max())} "
+                "query tokens)")
         if lens is not None and (q_lens > lens).any():
             s = int(np.flatnonzero(q_lens > lens)[0])
             raise KernelInputError(

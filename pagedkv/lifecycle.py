@@ -28,6 +28,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pagedkv.cli import error_line, port_problem, split_host_port
 from pagedkv.logging import configure_logging, get_logger
 from pagedkv.settings import ConfigError
 from pagedkv.tls import TlsSettings, is_loopback, server_credentials
@@ -256,6 +257,25 @@ async def _stop_quietly(service: Service) -> None:
         log.warning("cleanup after a failed start failed", error=repr(exc))
 
 
+def listen_problem(config: Any) -> str | None:
+    """Why the config's gRPC listener (`listen_address`) or metrics endpoint (`metrics_address`,
+    `metrics_port`) cannot listen, e.g. "cannot listen on 127.0.0.1:50051: address already in
+    use"; None when both can (or are port 0 / absent). `ValueError` for a malformed address."""
+    listeners = []
+    address = getattr(config, "listen_address", None)
+    if address:
+        listeners.append(("cannot listen on", address, *split_host_port(address)))
+    metrics_port = getattr(config, "metrics_port", None)
+    if metrics_port:
+        host = getattr(config, "metrics_address", "127.0.0.1")
+        listeners.append(("cannot serve metrics on", f"{host}:{metrics_port}", host, int(metrics_port)))
+    for what, text, host, port in listeners:
+        problem = port_problem(host, port)
+        if problem is not None:
+            return f"{what} {text}: {problem}"
+    return None
+
+
 def flag_overrides(pairs: Iterable[tuple[str, Any]]) -> dict[str, Any]:
     """Config overrides from command-line flags: only the flags that were given."""
     return {key: value for key, value in pairs if value is not None}
@@ -267,13 +287,24 @@ def run_service_main(
     serve: Callable[[C], Coroutine[Any, Any, int]],
     log_level: Callable[[C], str],
 ) -> int:
-    """The `serve` command of either service: config errors are one line and exit 2;
-    otherwise configure logging at the configured level and run `serve(config)`."""
+    """The `serve` command of either service: config errors are one line and exit 2; a port
+    that cannot be listened on is one line and exit 1, found before anything is opened or
+    logged (no store file created, no gRPC bind noise); otherwise configure logging at the
+    configured level and run `serve(config)`."""
     try:
         config = load()
     except ConfigError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+        print(error_line(prog, str(exc)), file=sys.stderr)
         return EXIT_USAGE
+    try:
+        problem = listen_problem(config)
+    except ValueError as exc:
+        print(error_line(prog, str(exc), "listen addresses are HOST:PORT with a port in 0-65535"), file=sys.stderr)
+        return EXIT_USAGE
+    if problem is not None:
+        print(error_line(prog, problem, "another server on that port? pick another port, or 0 for a free one"),
+              file=sys.stderr)
+        return EXIT_START_FAILED
     configure_logging(log_level(config))
     try:
         return asyncio.run(serve(config))
@@ -298,6 +329,7 @@ __all__ = [
     "flag_overrides",
     "install_health_and_reflection",
     "limit_options",
+    "listen_problem",
     "new_server",
     "run_service_main",
     "run_until_signal",

@@ -4,7 +4,13 @@
 # (`test`); `setup` only installs (the Dockerfile uses it, so images install exactly as people do).
 #
 #   extras: test -> dev (pytest, ruff, the CUDA simulator's compiler pieces, transformers),
-#           demo -> demo, setup -> $PAGEDKV_EXTRAS (default: none; the GPU image passes "cuda").
+#           demo -> demo (matplotlib, transformers), setup -> $PAGEDKV_EXTRAS (default: none;
+#           the GPU image passes "cuda").
+#
+# torch: plain `pip install torch==2.13.0` takes whatever build pip's indexes offer first: on
+# Linux x86_64 from PyPI that is the CUDA build (several GB). PAGEDKV_TORCH_INDEX adds an index,
+# e.g. PAGEDKV_TORCH_INDEX=https://download.pytorch.org/whl/cpu for the CPU build (~750 MB) on
+# a host without a GPU. The build installed is printed either way.
 set -euo pipefail
 caller_dir=$PWD   # the demo writes its plot where it was started from, not into the repository
 cd "$(dirname "$0")/.."
@@ -20,23 +26,34 @@ case "$cmd" in
 esac
 stamp="$VENV/.pagedkv-installed${extras:+-$extras}"
 if [ ! -x "$VENV/bin/python" ]; then
-  echo "run.sh: creating $VENV (first run: a few minutes; about 1.5 GB with the test extras)" >&2
+  echo "run.sh: creating $VENV (first run: a few minutes; ~1.5 GB for the demo, ~2.3 GB with the test extras)" >&2
   python3 -m venv "$VENV"
 fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  echo "run.sh: installing torch==2.13.0 (CPU build) and pagedkv${extras:+[$extras]} into $VENV" >&2
+  echo "run.sh: installing torch==2.13.0 and pagedkv${extras:+[$extras]} into $VENV" >&2
   "$VENV/bin/pip" install -q --upgrade pip
-  # The CPU build of torch first: an unpinned torch requirement would pull a CUDA build.
-  "$VENV/bin/pip" install --progress-bar on "torch==2.13.0" 2>&1 | grep -v "^Requirement already satisfied" || true
+  # torch first, pinned: the project's range would otherwise let pip pick any build.
+  torch_index=()
+  [ -n "${PAGEDKV_TORCH_INDEX:-}" ] && torch_index=(--extra-index-url "$PAGEDKV_TORCH_INDEX")
+  "$VENV/bin/pip" install --progress-bar on ${torch_index[@]+"${torch_index[@]}"} "torch==2.13.0" 2>&1 \
+    | grep -v "^Requirement already satisfied" || true
+  "$VENV/bin/python" -c 'import torch; c = torch.version.cuda
+print("run.sh: torch", torch.__version__, f"(CUDA {c} build)" if c else "(CPU build)")' >&2 || true
   "$VENV/bin/pip" install --progress-bar on -e ".${extras:+[$extras]}" 2>&1 \
     | grep -E "^(Collecting|Successfully|ERROR)" || true
   "$VENV/bin/python" -c "import pagedkv" 2>/dev/null || { echo "run.sh: install failed" >&2; exit 1; }
   touch "$stamp"
-  echo "run.sh: $VENV ready" >&2
+  echo "run.sh: $VENV ready ($(du -sh "$VENV" 2>/dev/null | cut -f1))" >&2
 fi
 export PATH="$VENV/bin:$PATH"
 case "$cmd" in
   setup) exit 0 ;;
   demo) cd "$caller_dir" && exec "$VENV/bin/pagedkv-demo" "$@" ;;
-  test) exec "$VENV/bin/python" -m pytest "$@" ;;
+  # -n auto: one pytest-xdist worker per core (most tests wait on service processes); loadscope
+  # keeps a module's tests on one worker so its module-scoped stack or server is built once.
+  # Later arguments win: `./scripts/run.sh test -n 0` runs serially. One torch thread per
+  # process (unless set): the workers and the services they start already fill the cores, and
+  # torch's spinning intra-op threads only add CPU time there.
+  test) export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+        exec "$VENV/bin/python" -m pytest -n auto --dist loadscope "$@" ;;
 esac

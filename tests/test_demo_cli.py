@@ -113,3 +113,52 @@ def test_ctrl_c_is_one_line_and_stops_the_stack(tmp_path: Path) -> None:
     assert proc.returncode == demo.EXIT_INTERRUPTED
     assert err.strip() == "pagedkv-demo: interrupted", err[-2000:]
     assert not [pid for pid in services if _alive(pid)], "a service outlived the demo"
+
+
+def test_the_demo_check_compares_greedy_outputs_batched_and_says_how_many(tmp_path: Path) -> None:
+    """The services demo's correctness check on real engine outputs (the embedded engine, the
+    demo's own workload): every greedy completion compared with transformers in batches, the
+    count and the sampled ones stated, progress printed when piped, a bound honoured, and a
+    corrupted token caught."""
+    import copy
+    import dataclasses
+    import io
+
+    from rich.console import Console
+
+    from compute_node.model.tiny import build_tiny_model
+    from demo.services import ModelDemoReport, _check_reference, build_workload, check_summary, render
+    from engine.llm import LLM
+
+    model_dir = build_tiny_model(tmp_path / "tiny-llama", "llama", num_layers=1, hidden_size=64, num_heads=2,
+                                 num_kv_heads=1, head_dim=32, intermediate_size=128, vocab_size=512, seed=5)
+    with LLM(model_dir, block_size=16, num_kv_blocks=512, device="cpu") as llm:
+        workload = [dataclasses.replace(r, params=dataclasses.replace(r.params, max_tokens=r.params.max_tokens // 4))
+                    for r in build_workload(llm.tokenizer, 12, seed=1, vocab=512)]     # 4-24 tokens: cheap
+        outputs = llm.generate([{"prompt_token_ids": r.prompt_ids} for r in workload], [r.params for r in workload])
+    greedy = sum(len(o.outputs) for r, o in zip(workload, outputs) if r.params.greedy)
+    sampled = sum(len(o.outputs) for r, o in zip(workload, outputs) if not r.params.greedy)
+    assert greedy >= 4 and sampled >= 1
+
+    piped = io.StringIO()
+    report = ModelDemoReport(model="tiny-llama", built=True)
+    _check_reference(report, model_dir, workload, outputs, Console(file=piped, width=120))
+    assert (report.checked, report.matched, report.greedy_total, report.sampled) == (greedy, greedy, greedy, sampled)
+    assert report.reference == "transformers" and report.mismatches == []
+    assert f"against transformers: 0/{greedy}" in piped.getvalue() and "done in" in piped.getvalue()
+    summary = check_summary(report)
+    assert f"checked: {greedy} of {greedy} greedy completions" in summary and f"{sampled} sampled" in summary
+    shown = io.StringIO()
+    render(report, Console(file=shown, width=400))
+    assert f"OK {greedy}/{greedy}" in shown.getvalue() and summary in shown.getvalue()
+
+    bounded = ModelDemoReport(model="tiny-llama", built=True)
+    _check_reference(bounded, model_dir, workload, outputs, Console(file=io.StringIO()), max_checked=2)
+    assert bounded.checked == 2 and f"the other {greedy - 2} skipped" in check_summary(bounded)
+
+    corrupted = copy.deepcopy(outputs)
+    victim = next(o for r, o in zip(workload, corrupted) if r.params.greedy)
+    victim.outputs[0].token_ids[1] = (victim.outputs[0].token_ids[1] + 1) % 512
+    caught = ModelDemoReport(model="tiny-llama", built=True)
+    _check_reference(caught, model_dir, workload, corrupted, Console(file=io.StringIO()))
+    assert caught.matched == greedy - 1 and caught.mismatches == [f"{victim.request_id}/0 at token 1"]

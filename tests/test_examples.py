@@ -1,4 +1,4 @@
-"""The README's in-process embedding example runs as written."""
+"""The embedding examples (docs/protocol.md quotes them, the README runs them) work as written."""
 
 import runpy
 from pathlib import Path
@@ -13,11 +13,11 @@ def test_embed_core_example(capsys) -> None:  # type: ignore[no-untyped-def]
     assert "copy-on-write [(4, 6)]" in out
 
 
-def test_readme_embeds_the_examples() -> None:
-    readme = (ROOT / "README.md").read_text()
+def test_the_protocol_doc_embeds_the_examples() -> None:
+    doc = (ROOT / "docs" / "protocol.md").read_text()
     for name in ("embed_core.py", "embed_client.py"):
         body = (ROOT / "examples" / name).read_text().strip()
-        assert body in readme, f"README's copy of examples/{name} is stale"
+        assert body in doc, f"docs/protocol.md's copy of examples/{name} is stale"
 
 
 def test_client_example_without_nodes_says_so(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """`block-manager admin ...`: the operator's view of a running block manager.
 
-    block-manager admin [--target HOST:PORT] [--token T] [--json] [--timeout S]
+    block-manager admin [--target HOST:PORT[,HOST:PORT...]] [--token T] [--json] [--timeout S]
                         [--tls] [--ca-file F] [--cert-file F --key-file F] [--server-name N] COMMAND
       status | nodes | seqs [--pool P] [--limit N] | table SEQ | defrag [POOL] [--kind K]
       | drain NODE [--undrain] | fsck | reset-prefix-cache [--pool P]
@@ -23,6 +23,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -36,6 +37,7 @@ EXIT_REFUSED = 1
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 DEFAULT_TARGET = "127.0.0.1:50051"
+PROG = "block-manager admin"
 CLI_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0.05, max_backoff_s=0.2)
 
 Result = dict[str, Any]
@@ -51,7 +53,8 @@ def _global_options(p: argparse.ArgumentParser, *, defaults: bool) -> None:
     p.add_argument(
         "--target",
         default=default(os.environ.get("PAGEDKV_ADMIN_TARGET", DEFAULT_TARGET)),
-        help="HOST:PORT (env PAGEDKV_ADMIN_TARGET)",
+        help="HOST:PORT, or several comma-separated (active/standby: the one that serves) "
+        "(env PAGEDKV_ADMIN_TARGET)",
     )
     p.add_argument(
         "--token",
@@ -66,7 +69,7 @@ def _global_options(p: argparse.ArgumentParser, *, defaults: bool) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="block-manager admin", description="Inspect and operate a running block manager.")
+    p = argparse.ArgumentParser(prog=PROG, description="Inspect and operate a running block manager.")
     _global_options(p, defaults=True)
     common = argparse.ArgumentParser(add_help=False)
     _global_options(common, defaults=False)
@@ -119,7 +122,7 @@ def _call(client: AdminClient, args: argparse.Namespace) -> Result:
 
 # ---- human-readable views -------------------------------------------------------------
 def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
-    t = Table(title=title, title_justify="left")
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     for col in columns:
         t.add_column(
             col,
@@ -157,65 +160,36 @@ def _node_counts(r: Result) -> str:
 
 
 def _show_status(con: Console, r: Result) -> None:
-    con.print(
-        f"state [bold]{r['state']}[/bold]  store {r['store']}  {_node_counts(r)}  sequences {r['num_sequences']}  "
-        f"journal seq {r['last_seq_no']}  uptime {r['uptime_s']:.0f}s"
-    )
-    rows = []
-    for p in sorted(r["pools"], key=lambda p: p["pool_id"]):
+    """Fits an 80-column terminal: two header lines, then the pools as two narrow tables
+    (capacity, then activity) rather than one of 17 columns that a terminal would crop."""
+    con.print(f"state [bold]{r['state']}[/bold]  {_node_counts(r)}  sequences {r['num_sequences']}")
+    con.print(f"store {r['store']}  journal seq {r['last_seq_no']}  uptime {r['uptime_s']:.0f}s", markup=False)
+    pools = sorted(r["pools"], key=lambda p: p["pool_id"])
+    if not pools:
+        con.print("pools: (none)")
+        return
+    capacity = [
+        (p["pool_id"], p["num_blocks"], p["block_size"], p["num_free_blocks"], p["num_used_blocks"],
+         p["num_cached_blocks"], p["num_reserved_blocks"], f"{100 * p['usage']:.1f}%", p["high_water_mark"])
+        for p in pools
+    ]
+    _print_table(con, "pools", ("pool", "blocks", "bs", "free", "used", "cached", "reserved", "usage", "hwm"),
+                 capacity)
+    activity = []
+    for p in pools:
         hit = p["prefix_hit_tokens"] / p["prefix_query_tokens"] if p["prefix_query_tokens"] else 0.0
-        rows.append(
-            (
-                p["pool_id"],
-                p["num_blocks"],
-                p["block_size"],
-                p["num_free_blocks"],
-                p["num_used_blocks"],
-                p["num_cached_blocks"],
-                p["num_reserved_blocks"],
-                f"{100 * p['usage']:.1f}%",
-                p["high_water_mark"],
-                p["num_sequences"],
-                p["num_tokens"],
-                p["waste_slots"],
-                f"{100 * hit:.1f}%",
-                p["cow_copies"],
-                p["evictions"],
-                p["defrag_moves"],
-                f"{p['contiguity']:.2f}",
-            )
-        )
-    cols = (
-        "pool",
-        "blocks",
-        "bs",
-        "free",
-        "used",
-        "cached",
-        "reserved",
-        "usage",
-        "hwm",
-        "seqs",
-        "tokens",
-        "waste",
-        "prefix hit",
-        "cow",
-        "evict",
-        "defrag",
-        "contig",
-    )
-    _print_table(con, "pools", cols, rows)
-    hosts = [p for p in sorted(r["pools"], key=lambda p: p["pool_id"]) if p.get("host_num_blocks")]
-    if hosts:   # the host tier under each pool that has one (docs/tiers.md)
-        host_rows = [
+        activity.append((p["pool_id"], p["num_sequences"], p["num_tokens"], p["waste_slots"], f"{100 * hit:.1f}%",
+                         p["cow_copies"], p["evictions"], p["defrag_moves"], f"{p['contiguity']:.2f}"))
+    _print_table(con, "pool activity",
+                 ("pool", "seqs", "tokens", "waste", "hit", "cow", "evict", "defrag", "contig"), activity)
+    hosts = [p for p in pools if p.get("host_num_blocks")]
+    if hosts:   # the host tier under each pool that has one (docs/tiers.md), again as two narrow tables
+        _print_table(con, "host tier", ("pool", "blocks", "free", "used", "cached", "swapped seqs"), [
             (p["pool_id"], p["host_num_blocks"], p.get("host_free_blocks", 0), p.get("host_used_blocks", 0),
-             p.get("host_cached_blocks", 0), p.get("num_swapped_sequences", 0), p.get("swapped_out_blocks", 0),
-             p.get("swapped_in_blocks", 0), p.get("offloaded_blocks", 0), p.get("onboarded_blocks", 0),
-             p.get("host_hit_tokens", 0))
-            for p in hosts
-        ]
-        _print_table(con, "host tier", ("pool", "blocks", "free", "used", "cached", "swapped seqs", "swap out",
-                                        "swap in", "offload", "onboard", "host hit tok"), host_rows)
+             p.get("host_cached_blocks", 0), p.get("num_swapped_sequences", 0)) for p in hosts])
+        _print_table(con, "host moves", ("pool", "swap out", "swap in", "offload", "onboard", "hit tokens"), [
+            (p["pool_id"], p.get("swapped_out_blocks", 0), p.get("swapped_in_blocks", 0), p.get("offloaded_blocks", 0),
+             p.get("onboarded_blocks", 0), p.get("host_hit_tokens", 0)) for p in hosts])
 
 
 def _show_nodes(con: Console, r: Result) -> None:
@@ -339,20 +313,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse printed its usage line already
         return int(exc.code or 0) if exc.code in (0, None) else EXIT_USAGE
     if args.timeout <= 0:
-        print("error: --timeout must be > 0", file=sys.stderr)
+        print(f"{PROG}: error: --timeout must be > 0", file=sys.stderr)
         return EXIT_USAGE
     try:
         tls = tls_from_args(args)
         client = AdminClient(args.target, token=args.token, timeout_s=args.timeout, retry=CLI_RETRY, tls=tls)
     except (OSError, ValueError) as exc:   # an unreadable or non-PEM certificate file
-        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        print(f"{PROG}: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return EXIT_USAGE
     try:
         with client:
             result = _call(client, args)
     except BlockManagerError as exc:
         line, code = _error_line(exc, args)
-        print(f"error: {line}", file=sys.stderr)
+        print(f"{PROG}: error: {line}", file=sys.stderr)
         return code
     if args.json:
         print(json.dumps(result, indent=2, sort_keys=True))

@@ -2,7 +2,7 @@
 
 - `replay TRACE.jsonl --num-blocks N --block-size B` prints one JSON object of metrics;
 - `gen-trace OUT.jsonl [knobs]` writes a seeded synthetic trace;
-- `serve ...` and `admin ...` pass the rest of the command line to
+- `serve ...`, `admin ...` and `db ...` (schema migrations) pass the rest of the command line to
   `block_manager.server.main` / `block_manager.admin_cli.main`, imported lazily so that the
   offline tools start fast and work without the service's dependencies being importable.
 
@@ -20,6 +20,8 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
+from pagedkv.cli import quiet_broken_pipe
+
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -27,6 +29,7 @@ EXIT_INTERRUPTED = 130
 _PASSTHROUGH: dict[str, tuple[str, str]] = {  # subcommand -> (module, help)
     "serve": ("block_manager.service.server", "run the block manager gRPC service"),
     "admin": ("block_manager.cli.admin", "admin plane client (pools, defrag, snapshots)"),
+    "db": ("block_manager.cli.db", "schema revisions of the store: current, upgrade, downgrade"),
 }
 
 
@@ -181,10 +184,15 @@ def _passthrough(command: str, rest: list[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        return _main(argv)
+        code = _main(argv)
+        sys.stdout.flush()     # here, not at exit: a closed pipe is then caught below
+        return code
     except KeyboardInterrupt:  # Ctrl-C in any subcommand: one line, not a traceback
         print("block-manager: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:    # `block-manager admin --json status | head -3`: the reader has all it wanted
+        quiet_broken_pipe()
+        return EXIT_ERROR
 
 
 def _main(argv: Sequence[str] | None) -> int:

@@ -22,6 +22,7 @@ from block_manager.client.base import CHANNEL_OPTIONS, DEFAULT_TIMEOUT_S
 from block_manager.client.errors import error_from_rpc
 from block_manager.client.retry import ClientStats, RetryPolicy, new_request_id
 from pagedkv.auth import token_metadata
+from pagedkv.endpoints import Endpoints, split_targets
 from pagedkv.rpc import call_with_retry
 from pagedkv.tls import TlsSettings, open_channel
 from pagedkv.v1 import block_manager_pb2 as pb
@@ -51,16 +52,28 @@ class AdminClient:
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()
         self._metadata = token_metadata(token)
-        self._own_channel = channel is None
-        self._channel = channel if channel is not None else open_channel(target, tls, CHANNEL_OPTIONS)
-        self._stub = pb_grpc.BlockManagerAdminStub(self._channel)
+        # Several addresses (or a name with several records): the admin plane of whichever
+        # block manager serves, as for the data plane (`pagedkv.endpoints`).
+        self._fixed_channel = channel
+        self._endpoints = None if channel is not None else Endpoints(target, tls, CHANNEL_OPTIONS, aio=False)
         self._rng = random.Random()
         self.stats = ClientStats()
 
+    @property
+    def _stub(self) -> pb_grpc.BlockManagerAdminStub:
+        channel = self._fixed_channel if self._endpoints is None else self._endpoints.channel()
+        return pb_grpc.BlockManagerAdminStub(channel)
+
+    def _on_attempt(self, method: str, retry: bool) -> None:
+        if retry and self._endpoints is not None:
+            self._endpoints.advance()
+        self.stats.record_attempt(method, retry)
+
     def close(self) -> None:
-        """Close the channel (if this client created it)."""
-        if self._own_channel:
-            self._channel.close()
+        """Close the channels (if this client created them)."""
+        if self._endpoints is not None:
+            for channel in self._endpoints.close_all():
+                channel.close()
 
     def __enter__(self) -> AdminClient:
         return self
@@ -69,11 +82,13 @@ class AdminClient:
         self.close()
 
     def _call(self, method: str, request: Message) -> dict[str, Any]:
-        fn = getattr(self._stub, method)
+        policy = self.retry
+        if self._endpoints is not None and policy.max_attempts > 1:
+            policy = self._endpoints.retry_policy(policy)
         try:
             reply = call_with_retry(
-                lambda: fn(request, timeout=self.timeout_s, metadata=self._metadata), self.retry, self._rng,
-                lambda retry: self.stats.record_attempt(method, retry),
+                lambda: getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self._metadata),
+                policy, self._rng, lambda retry: self._on_attempt(method, retry),
             )
         except grpc.RpcError as exc:
             self.stats.errors += 1
@@ -81,8 +96,17 @@ class AdminClient:
         return message_dict(reply)
 
     def status(self) -> dict[str, Any]:
-        """The server's phase and every pool's counters (Status)."""
-        return self._call("Status", pb.StatusRequest())
+        """The server's phase and every pool's counters (Status). With several addresses, a
+        standby's answer ("standby") sends the question on to the next one, so the leader's
+        status comes back when there is a leader (else the last standby's)."""
+        reply = self._call("Status", pb.StatusRequest())
+        num_others = 0 if self._endpoints is None else self._endpoints.num_addresses - 1
+        for _ in range(num_others):
+            if reply.get("state") != "standby":
+                break
+            self._endpoints.advance()  # type: ignore[union-attr]
+            reply = self._call("Status", pb.StatusRequest())
+        return reply
 
     def list_nodes(self) -> dict[str, Any]:
         """Every registered node: epoch, lease, address, draining/fenced."""
@@ -125,7 +149,7 @@ def served_services(
     answered UNIMPLEMENTED to an admin call (e.g. a compute node's)."""
     request = reflection_pb2.ServerReflectionRequest(list_services="")
     try:
-        with open_channel(target, tls, CHANNEL_OPTIONS) as channel:
+        with open_channel(split_targets(target)[0], tls, CHANNEL_OPTIONS) as channel:
             stub = reflection_pb2_grpc.ServerReflectionStub(channel)
             reply = next(iter(stub.ServerReflectionInfo(iter([request]), timeout=timeout_s)))
     except (grpc.RpcError, StopIteration):

@@ -14,7 +14,8 @@ from block_manager.client.session import ClientSessionState
 from block_manager.client.step import SequenceTracker, StepBatch
 from block_manager.client.types import PoolStepInfo
 from pagedkv.auth import token_metadata
-from pagedkv.tls import TlsSettings, open_channel
+from pagedkv.endpoints import DEFAULT_FAILOVER_S, Endpoints
+from pagedkv.tls import TlsSettings
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
@@ -38,6 +39,10 @@ class ClientBase:
     (`client/session.py`): a resend is answered from the server's record or refused as expired,
     never applied twice, however late it comes. `sessions=False` (or a server without
     `OpenSession`) falls back to request ids alone.
+    Failover: `target` may list several block managers (`"bm-0:50051,bm-1:50051"`) or name one
+    DNS name with several records (a headless Service); calls go to one, and a retried call
+    (UNAVAILABLE, DEADLINE_EXCEEDED: a standby or a dead leader) moves to the next and keeps
+    trying for `failover_s`, resent under its request id (`pagedkv.endpoints`).
     """
 
     def __init__(
@@ -54,15 +59,18 @@ class ClientBase:
         tls: TlsSettings | None = None,
         token: str | None = None,
         sessions: bool = True,
+        failover_s: float = DEFAULT_FAILOVER_S,
     ) -> None:
         self.target = target
+        self.failover_s = failover_s
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()
         self.scheduler_id = scheduler_id or f"scheduler-{uuid.uuid4().hex[:12]}"
         self._own_channel = channel is None
-        self._channel = channel if channel is not None else open_channel(target, tls, CHANNEL_OPTIONS, aio=aio)
+        self._fixed_channel = channel
+        self._endpoints = None if channel is not None else Endpoints(target, tls, CHANNEL_OPTIONS, aio=aio)
+        self._stubs: dict[int, pb_grpc.BlockManagerStub] = {}
         self._metadata = token_metadata(token)
-        self._stub = pb_grpc.BlockManagerStub(self._channel)
         self._rng = random.Random(seed)
         self.stats = ClientStats()
         self.tracker = SequenceTracker(block_sizes)
@@ -90,6 +98,39 @@ class ClientBase:
             self.session.settle(request)
         if exc is not None:
             self.session.lost(exc.message)
+
+    @property
+    def _channel(self) -> Any:
+        return self._fixed_channel if self._endpoints is None else self._endpoints.channel()
+
+    @property
+    def _stub(self) -> pb_grpc.BlockManagerStub:
+        channel = self._channel
+        stub = self._stubs.get(id(channel))
+        if stub is None:
+            stub = self._stubs[id(channel)] = pb_grpc.BlockManagerStub(channel)
+        return stub
+
+    @property
+    def address(self) -> str:
+        """The block manager calls go to now."""
+        return self.target if self._endpoints is None else self._endpoints.current
+
+    def _retry_policy(self) -> RetryPolicy:
+        if self._endpoints is None or self.retry.max_attempts < 2:
+            return self.retry
+        return self._endpoints.retry_policy(self.retry, self.failover_s)
+
+    def _on_attempt(self, method: str, retry: bool) -> None:
+        if retry and self._endpoints is not None:
+            self._endpoints.advance()
+        self.stats.record_attempt(method, retry)
+
+    def _owned_channels(self) -> list[Any]:
+        if self._endpoints is None:
+            return []
+        self._stubs.clear()
+        return self._endpoints.close_all()
 
     def report(self, step: PoolStepInfo, ok: bool) -> None:
         """Record the outcome of the Forward that carried `step` (sent with the next step).

@@ -24,6 +24,7 @@ from block_manager.client.errors import BlockManagerError, error_from_rpc
 from block_manager.client.retry import RetryPolicy, new_request_id, request_id_or_new
 from block_manager.client.step import StepBatch, StepResult
 from block_manager.client.types import HeartbeatResult, NodeRegistration, PoolRoute, TablesUpdate
+from pagedkv.endpoints import DEFAULT_FAILOVER_S
 from pagedkv.rpc import call_with_retry
 from pagedkv.tls import TlsSettings
 from pagedkv.v1 import block_manager_pb2 as pb
@@ -43,6 +44,7 @@ class BlockManagerClient(ClientBase):
         tls: TlsSettings | None = None,
         token: str | None = None,
         sessions: bool = True,
+        failover_s: float = DEFAULT_FAILOVER_S,
     ) -> None:
         """Connect to `target` (host:port); `scheduler_id` defaults to a fresh unique name; `tls`
         and `token`: see `ClientBase` (plaintext without credentials when neither is given);
@@ -50,12 +52,13 @@ class BlockManagerClient(ClientBase):
         super().__init__(
             target, channel, False, timeout_s=timeout_s, retry=retry, block_sizes=block_sizes,
             seed=seed, scheduler_id=scheduler_id, tls=tls, token=token, sessions=sessions,
+            failover_s=failover_s,
         )
 
     def close(self) -> None:
         """Close the channel (if this client created it)."""
-        if self._own_channel:
-            self._channel.close()
+        for channel in self._owned_channels():
+            channel.close()
 
     def __enter__(self) -> BlockManagerClient:
         return self
@@ -64,12 +67,11 @@ class BlockManagerClient(ClientBase):
         self.close()
 
     def _call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
-        fn = getattr(self._stub, method)
         timeout = timeout_s if timeout_s is not None else self.timeout_s
         try:
             return call_with_retry(
-                lambda: fn(request, timeout=timeout, metadata=self._metadata), self.retry, self._rng,
-                lambda retry: self.stats.record_attempt(method, retry),
+                lambda: getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata),
+                self._retry_policy(), self._rng, lambda retry: self._on_attempt(method, retry),
             )
         except grpc.RpcError as exc:
             self.stats.errors += 1

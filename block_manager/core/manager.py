@@ -49,7 +49,7 @@ from block_manager.core.pool import MAX_POOL_BLOCKS, Pool
 from block_manager.core.sequence import Sequence
 from block_manager.core.slots import slot_range
 from block_manager.core.snapshot import CoreParts, from_snapshot, to_snapshot
-from block_manager.core.steps import StepRecord, StepWork, build_output, note_created, note_dropped
+from block_manager.core.steps import StepRecord, StepWork, base_step, build_output, note_created, note_dropped
 from block_manager.core.types import (
     AllocateResult,
     AppendFailure,
@@ -413,9 +413,10 @@ class BlockManager:
         last = cols.last_block_np[rows]
         off = (np.array(after, np.int64) - 1) % bs
         slots = list(zip((last * bs + off).tolist()))
-        new = list(zip(last.tolist()))
-        for i in (off != 0).nonzero()[0].tolist():
-            new[i] = ()
+        new: list[tuple[int, ...]] = [()] * len(seq_ids)
+        crossed = (off == 0).nonzero()[0]
+        for i, b in zip(crossed.tolist(), last[crossed].tolist()):
+            new[i] = (b,)
         copies: list[tuple[CopyOp, ...]] = [()] * len(seq_ids)
         for i, op in ops.items():
             copies[i] = (op,)
@@ -607,8 +608,8 @@ class BlockManager:
                 _tiers.drop_swapped(pool, sid)
                 dropped.append(sid)
             pool.host.release_holds(pool.step.step_id)
-        for record in [*pool.unsettled, StepRecord(pool.step.step_id, pool.step.registrations, None)]:
-            for b, block_hash in record.registrations:
+        for registrations in [*(r.registrations for r in pool.unsettled), pool.step.registrations]:
+            for b, block_hash in registrations:
                 pool.unregister(b, block_hash)
         pool.unsettled = []
         pool.settled_step = pool.step.step_id - 1
@@ -641,7 +642,7 @@ class BlockManager:
                 f"settle them before closing step {step.step_id}"
             )
         out = build_output(pool_id, step, pool.seqs)
-        pool.unsettled.append(StepRecord(step.step_id, step.registrations, step.plan_id))
+        pool.unsettled.append(StepRecord(step.step_id, step.registrations, step.plan_id, base_step(step)))
         pool.step = StepWork(StepId(step.step_id + 1))
         return out
 
@@ -696,8 +697,10 @@ class BlockManager:
             failed = pool.unsettled
             pool.unsettled = []
             pool.settled_step = last_closed
-            # The next step builds on the last completed one: the node may lack the failed ones.
-            pool.step.base_step_id = failed_from - 1
+            # The next step builds on what the first failed step was built on: the node holds
+            # that state and lacks every failed step (`failed_from - 1` may itself have failed
+            # in an earlier report, so it is not necessarily applied).
+            pool.step.base_step_id = failed[0].base_step_id
             if pool.plan is not None and pool.plan.step_id >= failed_from:
                 aborted.append(pool.plan.plan_id)
                 _defrag.abort(pool)

@@ -172,7 +172,10 @@ class Sequence:
             raise ValueError(f"sequence {self.seq_id!r}: {k} tail tokens exceed a block of {cols.block_size}")
         if k:
             start = self.row * cols.block_size
-            cols.tail[start : start + k] = array("q", tokens)
+            try:
+                cols.tail[start : start + k] = array("q", tokens)
+            except OverflowError:
+                raise ValueError(f"sequence {self.seq_id!r}: a tail token is not an int64") from None
         cols.tail_len[self.row] = k
 
     @property

@@ -81,7 +81,7 @@ def _pool_to_dict(pool: Pool) -> dict[str, Any]:
         # Only steps above the settled one matter ("not yet written"); the rest read as 0.
         "write_step": [[b, ws] for b, ws in enumerate(pool.write_step) if ws > pool.settled_step],
         "step": _step_to_dict(pool.step),
-        "unsettled": [[r.step_id, _regs(r.registrations), r.plan_id] for r in pool.unsettled],
+        "unsettled": [[r.step_id, _regs(r.registrations), r.plan_id, r.base_step_id] for r in pool.unsettled],
         "plan": None
         if pool.plan is None
         else {
@@ -220,8 +220,11 @@ def _pool_from_dict(d: dict[str, Any]) -> Pool:
         pool.write_step[b] = int(ws)
     pool.refresh_views()
     pool.step = _step_from_dict(d["step"])
-    pool.unsettled = [StepRecord(StepId(int(sid)), _unregs(regs), None if pid is None else PlanId(int(pid)))
-                      for sid, regs, pid in d["unsettled"]]
+    # A record's base step: written since the fix of two failed steps in a row; older snapshots
+    # lack it, and for them the previous step is what the old code assumed.
+    pool.unsettled = [StepRecord(StepId(int(r[0])), _unregs(r[1]), None if r[2] is None else PlanId(int(r[2])),
+                                 int(r[3]) if len(r) > 3 else int(r[0]) - 1)
+                      for r in d["unsettled"]]
     plan = d["plan"]
     if plan is not None:
         if plan["kind"] not in ("compaction", "contiguity") or not plan["moves"]:

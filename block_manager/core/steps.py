@@ -64,6 +64,7 @@ class StepRecord:
     step_id: StepId
     registrations: list[tuple[int, bytes]]
     plan_id: PlanId | None
+    base_step_id: int   # the step it was built on: where the node stands if this one fails
 
 
 def touch(step: StepWork, seq: Sequence) -> DirtyTable:
@@ -93,6 +94,11 @@ def note_dropped(step: StepWork, seq_id: SeqId) -> None:
         step.dropped.append(seq_id)
 
 
+def base_step(step: StepWork) -> int:
+    """The step the open step builds on: the previous one, unless a failure report said otherwise."""
+    return step.step_id - 1 if step.base_step_id is None else step.base_step_id
+
+
 def build_output(pool_id: str, step: StepWork, seqs: dict[SeqId, Sequence]) -> StepOutput:
     """The deltas and copy ops of a step, as its compute node must apply them."""
     deltas: list[TableDelta] = []
@@ -112,7 +118,7 @@ def build_output(pool_id: str, step: StepWork, seqs: dict[SeqId, Sequence]) -> S
         tuple(step.dropped),
         step.plan_id,
         step.reset,
-        StepId(step.step_id - 1 if step.base_step_id is None else step.base_step_id),
+        StepId(base_step(step)),
         tuple(step.tier_ops),
     )
 
@@ -121,6 +127,7 @@ __all__ = [
     "DirtyTable",
     "StepRecord",
     "StepWork",
+    "base_step",
     "build_output",
     "note_created",
     "note_dropped",

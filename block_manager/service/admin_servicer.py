@@ -43,8 +43,10 @@ class BlockManagerAdminServicer(MutatingServicer, pb_grpc.BlockManagerAdminServi
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
         rt = self.runtime
-        if rt.phase == "recovering":
-            return pb.StatusResponse(state="recovering", uptime_s=rt.uptime_s, store=rt.store_kind)
+        if rt.phase in ("recovering", "standby"):
+            return pb.StatusResponse(
+                state=rt.phase, uptime_s=rt.uptime_s, store=rt.store_kind, last_seq_no=rt.followed_seq_no
+            )
         core = rt.state.core
         pools = []
         for pid in core.pool_ids:
@@ -86,6 +88,7 @@ class BlockManagerAdminServicer(MutatingServicer, pb_grpc.BlockManagerAdminServi
             last_seq_no=rt.writer.last_seq_no,
             uptime_s=rt.uptime_s,
             store=rt.store_kind,
+            leader_epoch=int(getattr(rt.store, "epoch", 0)),
         )
 
     async def ListNodes(self, request: pb.ListNodesRequest, context: grpc.aio.ServicerContext) -> pb.ListNodesResponse:

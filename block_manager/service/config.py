@@ -45,6 +45,17 @@ class DefragSettings(BaseModel):
         )
 
 
+class FailoverSettings(BaseModel):
+    """Active/standby on PostgreSQL (docs/operations.md, service/leadership.py): several
+    `block-manager serve` on one database; one leads, the others wait as standbys."""
+
+    enabled: bool = False
+    # The leader's database session is ended by PostgreSQL after this long without a
+    # statement (the leader pings every lease/4): how long a paused or cut-off leader keeps
+    # the lock. A standby then takes over within ~50 ms plus its recovery.
+    lease_s: float = Field(default=5.0, ge=0.2, le=600)
+
+
 class BlockManagerConfig(YamlEnvSettings):
     model_config = SettingsConfigDict(env_prefix="PAGEDKV_", env_nested_delimiter="__", extra="forbid")
 
@@ -83,6 +94,10 @@ class BlockManagerConfig(YamlEnvSettings):
     max_session_answers: int = Field(default=16, ge=1)
     # A restart right after a crash may find the old session's lock not yet released.
     store_lock_wait_s: float = Field(default=10.0, ge=0)
+    # Upgrade an older store schema at start-up (`serve --migrate`); without it the server
+    # refuses to start on an older schema and names the `block-manager db upgrade` to run.
+    migrate: bool = False
+    failover: FailoverSettings = FailoverSettings()
     # SQLite only: FULL fsyncs every group commit (survives power loss); NORMAL fsyncs at
     # WAL checkpoints only (survives a process crash, not a power cut).
     sqlite_synchronous: Literal["FULL", "NORMAL"] = "FULL"
@@ -112,6 +127,12 @@ class BlockManagerConfig(YamlEnvSettings):
     @classmethod
     def _empty_token_is_none(cls, v: str | None) -> str | None:
         return v or None
+
+    @model_validator(mode="after")
+    def _failover_needs_postgres(self) -> BlockManagerConfig:
+        if self.failover.enabled and not self.database_url.startswith(("postgresql", "postgres:")):
+            raise ValueError("failover.enabled needs a PostgreSQL database_url (postgresql+psycopg://...)")
+        return self
 
     @model_validator(mode="after")
     def _tls_for_identity(self) -> BlockManagerConfig:
@@ -149,4 +170,4 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> BlockManage
     return load_settings(BlockManagerConfig, path, overrides)
 
 
-__all__ = ["BlockManagerConfig", "ConfigError", "DefragSettings", "load_config"]
+__all__ = ["BlockManagerConfig", "ConfigError", "DefragSettings", "FailoverSettings", "load_config"]

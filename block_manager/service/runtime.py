@@ -60,7 +60,9 @@ from block_manager.service.errors import (
     RequestIdConflict,
     ServerUnavailable,
 )
+from block_manager.service.follower import WarmState
 from block_manager.service.journal_writer import JournalWriter
+from block_manager.service.replay import apply_op, replay_record
 from block_manager.service.request_index import (
     Recorded,
     RequestIndex,
@@ -69,14 +71,13 @@ from block_manager.service.request_index import (
     internal_request_id,
 )
 from block_manager.service.sessions import (
-    SESSION_OPS,
     Answer,
     SessionRef,
     SessionTable,
     parse_session_request_id,
     session_request_id,
 )
-from block_manager.service.state import Applied, ServiceState
+from block_manager.service.state import ServiceState
 from block_manager.service.step_codec import StepInput
 from block_manager.store import InvalidRecord, NewRecord, Store, canonical_json
 from block_manager.store.records import JournalRecord, RetainedRequest, check_record_fields
@@ -86,26 +87,9 @@ from pagedkv.rpc import Backoff, clip
 
 log = get_logger(__name__)
 
-Phase = Literal["recovering", "serving", "draining", "failed", "stopped"]
+Phase = Literal["standby", "recovering", "serving", "draining", "failed", "stopped"]
 
 
-def apply_op(state: ServiceState, sessions: SessionTable, op: str, payload: dict[str, Any], now: float) -> Applied:
-    """The one dispatch of a journaled op: session bookkeeping or the state machine."""
-    if op in SESSION_OPS:
-        result, mutated = sessions.apply(op, payload, now)
-        return Applied(result, mutated)
-    return state.apply(op, payload, now)
-
-
-def replay_record(state: ServiceState, sessions: SessionTable, rec: JournalRecord, now: float) -> None:
-    """Replay one journal record (recovery; anything that follows the journal, e.g. a standby):
-    the op through `apply_op`, and a sessioned request's answer into the session table, timed by
-    the record's `created_at`."""
-    try:
-        apply_op(state, sessions, rec.op, rec.payload, now)
-    except Exception as exc:
-        raise RecoveryError(f"journal record {rec.seq_no} ({rec.op}) does not replay: {exc}") from exc
-    sessions.replay(rec.request_id, rec.payload_digest, rec.result, rec.created_at)
 
 
 class ServiceRuntime:
@@ -127,7 +111,7 @@ class ServiceRuntime:
         # created_at uses it too), so the window means the same thing across a restart.
         self.wall_clock = wall_clock
         self.state = ServiceState(config.state_config())
-        self.sessions = self._new_sessions()
+        self.sessions = self.new_sessions()
         self._session_timer: asyncio.TimerHandle | None = None
         self.phase: Phase = "recovering"
         self.started_at = time.monotonic()
@@ -153,8 +137,14 @@ class ServiceRuntime:
             journal=journal,
         )
         self.on_applied(self._after_apply)
+        # Active/standby: False once this process can no longer be sure it leads (its
+        # database session may have been ended); every RPC is then refused before it is
+        # answered. None: a single server, always leading.
+        self.fence: Callable[[], bool] | None = None
+        self.followed_seq_no = 0   # a standby: the last journal record its warm copy applied
+        self.recovered_warm = False   # the last start() took over a followed copy (not a full recovery)
 
-    def _new_sessions(self) -> SessionTable:
+    def new_sessions(self) -> SessionTable:
         c = self.config
         return SessionTable(
             window_s=c.session_window_s, ttl_s=c.session_ttl_s, max_sessions=c.max_sessions,
@@ -181,11 +171,34 @@ class ServiceRuntime:
         for listener in self._phase_listeners:
             listener(phase)
 
-    async def start(self) -> None:
-        """Recover from the store, then serve."""
+    def wait_as_standby(self) -> None:
+        """Before `adopt_store`: refuse every RPC with UNAVAILABLE ("standby")."""
+        self._set_phase("standby")
+
+    def adopt_store(self, store: Store) -> None:
+        """A standby that took the lead: journal to the store it now holds (then `start`)."""
+        self.store = store
+        self.writer.store = store
+        self.writer.last_seq_no = store.last_seq_no
+        self._set_phase("recovering")
+
+    async def start(self, warm: WarmState | None = None) -> None:
+        """Recover from the store, then serve. `warm`: a standby's copy of the state, built by
+        following the journal (`service/follower.py`): only the records after it are
+        replayed; if that fails for any reason, recovery starts from scratch."""
         t0 = time.perf_counter()
         try:
-            state, sessions, records, snapshot_seq_no, problems = await asyncio.to_thread(self._recover)
+            recovered = None
+            self.recovered_warm = False
+            if warm is not None:
+                try:
+                    recovered = await asyncio.to_thread(self._catch_up, warm)
+                    self.recovered_warm = True
+                except Exception as exc:  # noqa: BLE001 - the full recovery below decides
+                    log.warning("warm takeover failed; recovering from the store", error=clip(repr(exc)))
+            if recovered is None:
+                recovered = await asyncio.to_thread(self._recover)
+            state, sessions, records, snapshot_seq_no, problems = recovered
             retained = await asyncio.to_thread(self.store.retained_requests) if self.writer.journal else []
         except Exception as exc:
             self._set_phase("failed")
@@ -195,15 +208,42 @@ class ServiceRuntime:
         self.writer.snapshot_seq_no = snapshot_seq_no
         self.writer.last_seq_no = self.store.last_seq_no
         self._index_retained(retained, records)
-        self.num_replayed = len(records)
+        if warm is None or self.num_replayed == 0:
+            self.num_replayed = len(records)
         self.recovery_s = time.perf_counter() - t0
         self.recovery_problems = problems
         if self.recovery_problems:
             log.error("fsck after recovery found problems", problems=self.recovery_problems[:20])
-        log.info("recovered", records=len(records), snapshot_seq_no=snapshot_seq_no, seconds=round(self.recovery_s, 3))
+        log.info("recovered", records=self.num_replayed, snapshot_seq_no=snapshot_seq_no, warm=warm is not None,
+                 seconds=round(self.recovery_s, 3))
         self._set_phase("serving")
         self.schedule_lease_check()
         self._arm_session_sweep()
+
+    def _catch_up(self, warm: WarmState) -> tuple[ServiceState, SessionTable, list[JournalRecord], int, list[str]]:
+        """A followed state (and its client sessions) + the records committed after it (on a
+        worker thread)."""
+        state, sessions, seq_no, records = warm.state, warm.sessions, warm.seq_no, list(warm.records)
+        now = self.clock()
+        num_applied = 0
+        while True:
+            batch = self.store.records_after(seq_no, 5000)
+            if not batch:
+                break
+            if batch[0].seq_no != seq_no + 1:
+                raise RecoveryError(f"the journal was pruned past the followed position {seq_no}")
+            for rec in batch:
+                replay_record(state, sessions, rec, now)
+                seq_no = rec.seq_no
+                records.append(rec)
+            num_applied += len(batch)
+        if seq_no != self.store.last_seq_no:
+            raise RecoveryError(f"followed up to {seq_no}, the store is at {self.store.last_seq_no}")
+        state.registry.renew_all(now)
+        state.leases.renew_all(now)
+        sessions.renew_all(now)
+        self.num_replayed = num_applied
+        return state, sessions, records, self.store.stats().snapshot_seq_no, state.fsck()
 
     def _index_retained(self, retained: list[RetainedRequest], records: list[JournalRecord]) -> None:
         """Every id the journal holds goes into the request index (with the replayed
@@ -222,7 +262,7 @@ class ServiceRuntime:
         recovered = self.store.recover()
         now = self.clock()
         cfg = self.config.state_config()
-        sessions = self._new_sessions()
+        sessions = self.new_sessions()
         if recovered.snapshot is not None:
             state = ServiceState.from_snapshot(recovered.snapshot, cfg, now)
             sessions.load_snapshot(recovered.snapshot.get("sessions"), now)
@@ -256,6 +296,10 @@ class ServiceRuntime:
     def _journal_failed(self, exc: BaseException) -> None:
         self._set_phase("failed")
 
+    def fail(self, exc: BaseException) -> None:
+        """Stop serving for good (the server exits): the store or the leadership is gone."""
+        self._set_phase("failed")
+
     def _after_snapshot(self, seq_no: int) -> None:
         """The store may now prune records the snapshot covers beyond the newest
         `max_retained_requests` (and older ones by age): forget at most those, so the index
@@ -264,12 +308,18 @@ class ServiceRuntime:
 
     # ---- guards ---------------------------------------------------------------------
     def check_readable(self) -> None:
-        if self.phase in ("recovering", "failed", "stopped"):
+        if self.phase in ("standby", "recovering", "failed", "stopped"):
             raise ServerUnavailable(f"block manager is {self.phase}")
+        self._check_fence()
 
     def check_writable(self) -> None:
         if self.phase != "serving":
             raise ServerUnavailable(f"block manager is {self.phase}")
+        self._check_fence()
+
+    def _check_fence(self) -> None:
+        if self.fence is not None and not self.fence():
+            raise ServerUnavailable("block manager lost its leadership lease; another one may lead now")
 
     # ---- mutations ------------------------------------------------------------------
     async def _recorded(self, request_id: str, digest: str) -> dict[str, Any] | None:

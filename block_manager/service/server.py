@@ -7,7 +7,12 @@ SIGINT) flips health to NOT_SERVING, refuses new mutations with UNAVAILABLE, let
 RPCs finish within `shutdown_grace_s` (`server.stop(grace)`), writes a final snapshot and
 releases the store lock. Nothing polls: lease expiry and defrag timeouts are timers.
 
-    block-manager serve --config block_manager.yaml [--listen HOST:PORT] [--database-url URL]
+With `failover.enabled` (PostgreSQL) the server listens at once as a standby (every RPC
+UNAVAILABLE, health NOT_SERVING) and takes the lead in the background when the database's
+lock is free: recover, serve, ping the session; losing it stops the process (exit 3).
+See service/leadership.py for the fencing argument.
+
+    block-manager serve --config block_manager.yaml [--listen HOST:PORT] [--database-url URL] [--migrate]
     python -m block_manager.service.server --listen 127.0.0.1:0 --port-file /tmp/bm.port
 """
 
@@ -15,25 +20,34 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
+import time
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
-from block_manager.service import access
+from block_manager.service import access, leadership
 from block_manager.service.admin_servicer import BlockManagerAdminServicer
 from block_manager.service.config import BlockManagerConfig, load_config
 from block_manager.service.defrag_runner import DefragRunner
 from block_manager.service.errors import RecoveryError
+from block_manager.service.follower import JournalFollower
 from block_manager.service.interceptors import ErrorMappingInterceptor
+from block_manager.service.leadership import NotLeading
 from block_manager.service.metrics import ServiceMetrics
 from block_manager.service.runtime import Phase, ServiceRuntime
 from block_manager.service.servicer import BlockManagerServicer
 from block_manager.store import StoreError, StoreOptions, open_store
 from block_manager.store.base import Store
+from block_manager.store.reader import JournalReader
 from pagedkv.auth import Authenticator
 from pagedkv.guard import EdgeGuard
 from pagedkv.lifecycle import (
+    EXIT_START_FAILED,
     TaskSet,
     address_with_port,
     bind,
@@ -53,6 +67,13 @@ log = get_logger(__name__)
 
 DATA_SERVICE = pb.DESCRIPTOR.services_by_name["BlockManager"].full_name
 ADMIN_SERVICE = pb.DESCRIPTOR.services_by_name["BlockManagerAdmin"].full_name
+# Health of the process as a replica (leader or healthy standby), for orchestrator readiness;
+# "" and the data services say SERVING on the leader only.
+REPLICA_HEALTH = "pagedkv.block_manager.replica"
+# How long a failed server lets in-flight calls receive their refusal before it stops.
+FAILED_GRACE_S = 0.5
+# How often a standby reads the journal's new records (its copy lags by at most this).
+FOLLOW_INTERVAL_S = 0.2
 
 
 class BlockManagerServer:
@@ -77,16 +98,41 @@ class BlockManagerServer:
             max_retained_requests=self.config.max_retained_requests,
             lock_wait_s=self.config.store_lock_wait_s,
             sqlite_synchronous=self.config.sqlite_synchronous,
+            migrate=self.config.migrate,
         )
         return open_store(self.config.database_url, options)
 
+    def _store_options(self, **changes: object) -> StoreOptions:
+        options = StoreOptions(
+            request_retention_s=self.config.request_retention_s,
+            max_retained_requests=self.config.max_retained_requests,
+            lock_wait_s=self.config.store_lock_wait_s,
+            sqlite_synchronous=self.config.sqlite_synchronous,
+            migrate=self.config.migrate,
+        )
+        return dataclasses.replace(options, **changes)  # type: ignore[arg-type]
+
+    def _open_store(self) -> Store:
+        return open_store(self.config.database_url, self._store_options())
+
+    def _open_leader_store(self) -> Store:
+        """One attempt to take the lead: waits up to 1 s for the lock, then `StoreLocked`."""
+        return open_store(
+            self.config.database_url, self._store_options(lock_wait_s=1.0, leader_lease_s=self.config.failover.lease_s)
+        )
+
     async def start(self) -> None:
         cfg = self.config
-        store = self._store or await asyncio.to_thread(self._open_store)
+        # Active/standby: listen at once as a standby and take the lead in the background
+        # (service/leadership.py); otherwise open (and lock) the store before listening.
+        standby = self._store is None and cfg.failover.enabled
+        store: Store = NotLeading() if standby else (self._store or await asyncio.to_thread(self._open_store))
         # A server that opened "memory://" itself has nothing to recover later: skip the
         # journal entirely. A store passed in explicitly is always journaled.
         volatile = self._store is None and cfg.database_url.startswith("memory:")
         self.runtime = runtime = ServiceRuntime(cfg, store, journal=not volatile, tasks=self.tasks)
+        if standby:
+            runtime.wait_as_standby()
         self.defrag = DefragRunner(runtime, cfg.defrag, self.tasks)
         self.metrics.attach(runtime, asyncio.get_running_loop())
         runtime.on_phase(self._on_phase)
@@ -109,15 +155,19 @@ class BlockManagerServer:
             raise
         check_exposure(cfg.listen_address, cfg.tls, cfg.auth_enabled, bool(cfg.auth.tokens))
         await self.health.set(False)
+        await self._set_replica_health(True)
         await server.start()
         self._server = server
         log.info(
             "listening", address=cfg.listen_address, port=self.port, tls=cfg.tls.active,
-            mtls=cfg.tls.require_client_cert, auth=cfg.auth_enabled,
+            mtls=cfg.tls.require_client_cert, auth=cfg.auth_enabled, standby=standby,
         )
         if cfg.metrics_port is not None:
             mport = self.metrics.serve(cfg.metrics_address, cfg.metrics_port)
             log.info("metrics endpoint", address=cfg.metrics_address, port=mport)
+        if standby:
+            self.tasks.spawn(self._lead(), name="leadership")
+            return
         try:
             await runtime.start()
         except RecoveryError:
@@ -127,11 +177,88 @@ class BlockManagerServer:
         self.defrag.arm_outstanding()
         await self.health.set(True)
 
+    async def _lead(self) -> None:
+        """Standby until the store's lock is ours; then recover and serve (leadership.py)."""
+        runtime = self.runtime
+        if runtime is None or self.defrag is None or self.health is None:
+            return
+        follower = JournalFollower(JournalReader(self.config.database_url), self.config.state_config(), runtime.clock,
+                                   runtime.new_sessions)
+        follow_stop = asyncio.Event()
+        following = self.tasks.spawn(self._follow(follower, follow_stop), name="follow")
+        try:
+            store = await leadership.acquire(self._open_leader_store, self._stopped)
+        except StoreError as exc:
+            log.error("cannot take the lead", error=str(exc))
+            runtime.fail(exc)
+            return
+        finally:
+            follow_stop.set()
+            await asyncio.wait([following])   # its worker thread is done with the copy
+            warm = follower.warm()
+            follower.close()
+        if store is None:
+            return
+        if self._stopped.is_set():
+            await asyncio.to_thread(store.close)
+            return
+        t0 = time.perf_counter()
+        log.warning("leadership acquired", epoch=getattr(store, "epoch", None))
+        loop = asyncio.get_running_loop()
+        runtime.fence = store.leadership_fresh  # type: ignore[attr-defined]
+        runtime.adopt_store(store)
+        store.start_keepalive(lambda exc: loop.call_soon_threadsafe(self._leadership_lost, exc))  # type: ignore[attr-defined]
+        try:
+            await runtime.start(warm)
+        except RecoveryError as exc:
+            log.exception("recovery failed")
+            runtime.fail(exc)
+            return
+        self.defrag.arm_outstanding()
+        await self.health.set(True)
+        log.warning(
+            "serving as leader", epoch=getattr(store, "epoch", None), takeover_s=round(time.perf_counter() - t0, 3)
+        )
+
+    async def _follow(self, follower: JournalFollower, stop: asyncio.Event) -> None:
+        """A standby keeps a warm copy of the leader's state (service/follower.py)."""
+        warned = False
+        while not stop.is_set():
+            try:
+                await asyncio.to_thread(follower.poll)
+                if self.runtime is not None:
+                    self.runtime.followed_seq_no = follower.seq_no
+                warned = False
+            except StoreError as exc:
+                if not warned:
+                    log.warning("standby cannot follow the journal yet", error=str(exc).splitlines()[0][:300])
+                    warned = True
+            try:
+                await asyncio.wait_for(stop.wait(), FOLLOW_INTERVAL_S)
+            except TimeoutError:
+                pass
+
+    def _leadership_lost(self, exc: BaseException) -> None:
+        if self.runtime is not None and self.runtime.phase not in ("stopped", "failed"):
+            log.error("leadership lost: the store session is gone; stopping", error=str(exc).splitlines()[0][:300])
+            self.runtime.fail(exc)
+
+    async def _set_replica_health(self, serving: bool) -> None:
+        """`REPLICA_HEALTH`: SERVING while this process leads or stands by healthily (the
+        orchestrator's readiness: a standby must not block a rolling update)."""
+        if self.health is not None:
+            status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            await self.health.servicer.set(REPLICA_HEALTH, status)
+
     def _on_phase(self, phase: Phase) -> None:
         if phase != "serving" and self.health is not None:
             self.health.set_soon(False)
+        if phase in ("failed", "draining", "stopped"):
+            self.tasks.spawn(self._set_replica_health(False), name="replica-health")
         if phase == "failed":
-            self.failed.set()
+            # Exit after a moment: calls already queued are dispatched meanwhile and refused
+            # (UNAVAILABLE, retried elsewhere by clients) instead of ending CANCELLED.
+            asyncio.get_running_loop().call_later(FAILED_GRACE_S, self.failed.set)
 
     @property
     def address(self) -> str:
@@ -143,6 +270,11 @@ class BlockManagerServer:
             return
         self._stopped.set()
         grace = self.config.shutdown_grace_s if grace is None else grace
+        if self.runtime is not None and self.runtime.phase == "failed":
+            # Fail-stop: calls already in flight are refused (UNAVAILABLE: the phase is
+            # "failed"), which a client retries elsewhere; cut off at once they would end
+            # CANCELLED, which no client retries. Refusing takes microseconds.
+            grace = max(grace, min(FAILED_GRACE_S, self.config.shutdown_grace_s))
         if self.runtime is not None:
             self.runtime.begin_drain()
         if self.health is not None:
@@ -184,9 +316,12 @@ def edge_guard(cfg: BlockManagerConfig, metrics: ServiceMetrics | None = None) -
 
 
 async def serve(config: BlockManagerConfig, port_file: Path | None = None) -> int:
-    """Run one block manager until a signal (exit 0) or a journal failure (exit 3)."""
+    """Run one block manager until a signal (exit 0) or a journal failure (exit 3). A start
+    that fails removes the SQLite files it created (`bm.db`, its lock, WAL and shared memory),
+    so a corrected retry starts from what was there before, and nothing is left to wonder about."""
+    new_files = [p for p in _sqlite_files(config.database_url) if not p.exists()]
     server = BlockManagerServer(config)
-    return await run_until_signal(
+    code = await run_until_signal(
         server,
         prog="block-manager",
         port_file=port_file,
@@ -194,6 +329,22 @@ async def serve(config: BlockManagerConfig, port_file: Path | None = None) -> in
         failed=server.failed,
         grace_s=config.shutdown_grace_s,
     )
+    if code == EXIT_START_FAILED:
+        for path in new_files:
+            path.unlink(missing_ok=True)
+    return code
+
+
+def _sqlite_files(database_url: str) -> list[Path]:
+    """The files an SQLite store at `database_url` may create; none for other stores."""
+    try:
+        url = make_url(database_url)
+    except ArgumentError:
+        return []
+    if url.get_backend_name() != "sqlite" or not url.database or url.database == ":memory:":
+        return []
+    path = Path(url.database).expanduser().resolve()
+    return [path.with_name(path.name + suffix) for suffix in ("", ".lock", "-wal", "-shm", "-journal")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,9 +354,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--database-url", help="store URL: sqlite:///FILE, postgresql+psycopg://..., memory://")
     parser.add_argument("--metrics-port", type=int, help="Prometheus endpoint port (0: ephemeral)")
     parser.add_argument("--port-file", type=Path, help="write the bound gRPC port here once listening")
+    parser.add_argument(
+        "--migrate", action="store_true", default=None,
+        help="upgrade an older store schema at start-up (default: refuse and name `block-manager db upgrade`)",
+    )
     args = parser.parse_args(argv)
     overrides = flag_overrides(
-        (("listen_address", args.listen), ("database_url", args.database_url), ("metrics_port", args.metrics_port))
+        (("listen_address", args.listen), ("database_url", args.database_url), ("metrics_port", args.metrics_port),
+         ("migrate", args.migrate))
     )
     return run_service_main(
         "block-manager",

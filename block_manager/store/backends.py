@@ -13,14 +13,16 @@ batch (16 records in one transaction: 1.2 ms FULL), so FULL stays inside a sched
 
 from __future__ import annotations
 
+import shlex
+from collections.abc import Callable
 from pathlib import Path
 
-from sqlalchemy import create_engine, event, text
+from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from block_manager.store.base import StoreOptions
-from block_manager.store.errors import StoreError
+from block_manager.store.errors import SchemaOutdated, StoreError
 from block_manager.store.locks import FileLock, acquire_pg_advisory_lock
 from block_manager.store.memory import MemoryStore
 from block_manager.store.sql import SqlStore
@@ -30,7 +32,9 @@ def open_store(url: str, options: StoreOptions | None = None) -> MemoryStore | S
     """Open (creating if needed) the store at `url` and take its single-writer lock.
 
     Raises `StoreLocked` if another block manager holds the database, `SchemaVersionError`
-    if it was written by a newer schema, `StoreError` for a bad URL or unreachable database.
+    if it was written by a newer schema, `SchemaOutdated` (naming the `block-manager db
+    upgrade` command to run) if by an older one and `options.migrate` is off, `StoreError`
+    for a bad URL or unreachable database.
     """
     options = options or StoreOptions()
     if url == "memory://" or url == "memory:":
@@ -40,16 +44,57 @@ def open_store(url: str, options: StoreOptions | None = None) -> MemoryStore | S
     except ArgumentError as exc:
         raise StoreError(f"bad store URL {url!r}: {exc}") from exc
     backend = parsed.get_backend_name()
-    if backend == "sqlite":
-        return _open_sqlite(parsed, options)
-    if backend in ("postgresql", "postgres"):
-        return _open_postgres(parsed, options)
+    try:
+        if backend == "sqlite":
+            return _open_sqlite(parsed, options)
+        if backend in ("postgresql", "postgres"):
+            return _open_postgres(parsed, options)
+    except SchemaOutdated as exc:
+        raise exc.with_command(upgrade_command(parsed)) from None
     raise StoreError(
         f"unsupported store URL scheme {parsed.drivername!r} (sqlite, postgresql, memory)"
     )
 
 
+def upgrade_command(url: URL) -> str:
+    """The exact command that upgrades the database at `url` (password masked)."""
+    shown = url.render_as_string(hide_password=True)
+    return f"block-manager db upgrade --database-url {shlex.quote(shown)}"
+
+
+def connect_locked(url: str, options: StoreOptions | None = None) -> tuple[str, Engine, Connection, Callable[[], None]]:
+    """Connect to an SQL store and take its single-writer lock, without touching the schema.
+
+    Returns `(backend, engine, writer, release_lock)`; the caller owns all three (the
+    `block-manager db` commands migrate through `writer`; `open_store` builds a `SqlStore`).
+    """
+    options = options or StoreOptions()
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise StoreError(f"bad store URL {url!r}: {exc}") from exc
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        return ("sqlite", *_connect_sqlite(parsed, options))
+    if backend in ("postgresql", "postgres"):
+        return ("postgresql", *_connect_postgres(parsed, options))
+    raise StoreError(f"unsupported SQL store URL scheme {parsed.drivername!r} (sqlite, postgresql)")
+
+
 def _open_sqlite(url: URL, options: StoreOptions) -> SqlStore:
+    engine, writer, release = _connect_sqlite(url, options)
+    try:
+        return SqlStore("sqlite", engine, writer, options, release)
+    except BaseException as exc:
+        writer.close()
+        engine.dispose()
+        release()
+        if isinstance(exc, SQLAlchemyError):
+            raise StoreError(f"cannot open SQLite store {url.database}: {exc}") from exc
+        raise
+
+
+def _connect_sqlite(url: URL, options: StoreOptions) -> tuple[Engine, Connection, Callable[[], None]]:
     if not url.database or url.database == ":memory:":
         raise StoreError("an SQLite store needs a file path (use memory:// for no durability)")
     path = Path(url.database).expanduser().resolve()
@@ -77,18 +122,25 @@ def _open_sqlite(url: URL, options: StoreOptions) -> SqlStore:
     except SQLAlchemyError as exc:
         lock.release()
         raise StoreError(f"cannot open SQLite store {path}: {exc}") from exc
-    try:
-        return SqlStore("sqlite", engine, writer, options, lock.release)
-    except BaseException as exc:
-        writer.close()
-        engine.dispose()
-        lock.release()
-        if isinstance(exc, SQLAlchemyError):
-            raise StoreError(f"cannot open SQLite store {path}: {exc}") from exc
-        raise
+    return engine, writer, lock.release
 
 
 def _open_postgres(url: URL, options: StoreOptions) -> SqlStore:
+    engine, writer, release = _connect_postgres(url, options)
+    try:
+        # Closing the writer ends the session, which releases the advisory lock.
+        return SqlStore("postgresql", engine, writer, options, release)
+    except SQLAlchemyError as exc:
+        writer.close()
+        engine.dispose()
+        raise StoreError(f"cannot open PostgreSQL store: {exc}") from exc
+    except BaseException:
+        writer.close()
+        engine.dispose()
+        raise
+
+
+def _connect_postgres(url: URL, options: StoreOptions) -> tuple[Engine, Connection, Callable[[], None]]:
     if url.drivername in ("postgresql", "postgres"):
         url = url.set(drivername="postgresql+psycopg")
     try:
@@ -101,8 +153,13 @@ def _open_postgres(url: URL, options: StoreOptions) -> SqlStore:
             # Durable on commit even if the server default was relaxed.
             writer.execute(text("SET synchronous_commit = on"))
         acquire_pg_advisory_lock(writer, options.lock_wait_s)
-        # Closing the writer ends the session, which releases the advisory lock.
-        return SqlStore("postgresql", engine, writer, options, lambda: None)
+        if options.leader_lease_s is not None:
+            # The fence: once this session is silent for a lease the server ends it, the lock
+            # goes with it, and no statement of ours can commit any more.
+            lease_ms = max(1, int(options.leader_lease_s * 1000))
+            with writer.begin():
+                writer.execute(text(f"SET idle_session_timeout = {lease_ms}"))
+                writer.execute(text(f"SET idle_in_transaction_session_timeout = {lease_ms}"))
     except SQLAlchemyError as exc:
         writer.close()
         engine.dispose()
@@ -111,3 +168,4 @@ def _open_postgres(url: URL, options: StoreOptions) -> SqlStore:
         writer.close()
         engine.dispose()
         raise
+    return engine, writer, lambda: None

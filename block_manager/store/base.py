@@ -42,6 +42,16 @@ class StoreOptions:
     # just killed may need a moment until the database notices the dead session.
     lock_wait_s: float = 0.0
     snapshot_compress_level: int = 1
+    # SQL stores: upgrade an older schema at open (`serve --migrate`); without it an older
+    # schema is refused with `SchemaOutdated`, which names the command to run.
+    migrate: bool = False
+    # PostgreSQL active/standby: the leader's lease. The lock-holding session is terminated
+    # by the server after this long without a statement (idle_session_timeout and
+    # idle_in_transaction_session_timeout), which releases the advisory lock for a standby;
+    # the store pings every lease/4 while it is healthy. None: no lease (single server).
+    leader_lease_s: float | None = None
+    # Who holds the lock (logged in the leadership row): host and pid by default.
+    holder: str = ""
     clock: Callable[[], float] = field(default=time.time)
 
     def __post_init__(self) -> None:
@@ -53,6 +63,8 @@ class StoreOptions:
             )
         if self.sqlite_busy_timeout_ms < 0 or self.lock_wait_s < 0:
             raise StoreError("sqlite_busy_timeout_ms and lock_wait_s must be >= 0")
+        if self.leader_lease_s is not None and self.leader_lease_s < 0.2:
+            raise StoreError("leader_lease_s must be >= 0.2 s")
         if not -1 <= self.snapshot_compress_level <= 9:
             raise StoreError("snapshot_compress_level must be in -1..9 (zlib)")
 

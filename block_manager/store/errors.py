@@ -34,3 +34,23 @@ class InvalidRecord(StoreError):
 
 class InvalidSnapshot(StoreError):
     """`write_snapshot` got a state or seq_no it cannot store (nothing was written)."""
+
+
+class SchemaOutdated(SchemaVersionError):
+    """The database is at an older schema revision than this code needs.
+
+    Nothing was changed: run `block-manager db upgrade` (the message names the exact command)
+    or start the server with `--migrate`.
+    """
+
+    def __init__(self, current: str, head: str, command: str = "block-manager db upgrade") -> None:
+        self.current = current
+        self.head = head
+        self.command = command
+        super().__init__(
+            f"database schema is at revision {current}, this block manager needs {head}; "
+            f"run `{command}` (or start the server with --migrate)"
+        )
+
+    def with_command(self, command: str) -> SchemaOutdated:
+        return SchemaOutdated(self.current, self.head, command)

@@ -71,3 +71,17 @@ def acquire_pg_advisory_lock(conn: Connection, wait_s: float = 0.0) -> None:
         if time.monotonic() >= deadline:
             raise StoreLocked("another block manager holds this PostgreSQL database's lock")
         time.sleep(_RETRY_INTERVAL_S)
+
+
+def release_pg_advisory_lock(conn: Connection) -> None:
+    """Unlock before closing the session: the server drops a closed session's locks only once
+    its backend has exited, a moment after the client hung up, and a successor trying the
+    lock without waiting (`block-manager db upgrade` right after a stop) would find it held.
+    Best effort: a dead session holds nothing anyway."""
+    try:
+        if conn.in_transaction():
+            conn.rollback()
+        with conn.begin():
+            conn.execute(text("SELECT pg_advisory_unlock_all()"))
+    except Exception:  # noqa: BLE001 - the session is gone: so is the lock
+        pass

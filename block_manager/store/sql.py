@@ -12,15 +12,20 @@ round trip per row to learn ids. The counter only advances after a commit succee
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Engine, delete, func, or_, select
+from sqlalchemy import Connection, Engine, delete, func, or_, select, text, update
 from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
 
 from block_manager.store.base import StoreOptions, StoreStats, prune_bounds
 from block_manager.store.errors import DuplicateRequestId, StoreError
+from block_manager.store.locks import release_pg_advisory_lock
+from block_manager.store.migrate import check_schema
 from block_manager.store.records import (
     JournalRecord,
     NewRecord,
@@ -31,7 +36,7 @@ from block_manager.store.records import (
     decode_json,
     encode_records,
 )
-from block_manager.store.schema import ensure_schema, journal, snapshots
+from block_manager.store.schema import journal, leadership, snapshots
 from block_manager.store.snapshot import (
     ENCODING_JSON_ZLIB,
     check_snapshot_seq_no,
@@ -61,12 +66,21 @@ class SqlStore:
         self._write_lock = threading.Lock()
         self._broken: str | None = None
         self._closed = False
+        self._stop_keepalive = threading.Event()
+        holder = options.holder or f"{socket.gethostname()}:{os.getpid()}"
         with self._writer.begin():
-            ensure_schema(self._writer)
+            self.schema = check_schema(self._writer, options.migrate)
+            # A new leadership term: numbered in the database, under the lock, before serving.
+            self.epoch = int(self._writer.execute(
+                update(leadership).where(leadership.c.id == 1)
+                .values(epoch=leadership.c.epoch + 1, holder=holder[:256], acquired_at=float(options.clock()))
+                .returning(leadership.c.epoch)
+            ).scalar_one())
             last_journal = self._writer.execute(select(func.max(journal.c.seq_no))).scalar()
             last_snapshot = self._writer.execute(select(func.max(snapshots.c.seq_no))).scalar()
         self._snapshot_seq_no = int(last_snapshot or 0)
         self._last_seq_no = max(int(last_journal or 0), self._snapshot_seq_no)
+        self._alive_at = time.monotonic()
 
     @property
     def last_seq_no(self) -> int:
@@ -118,6 +132,7 @@ class SqlStore:
                     "a request id of this batch is already journaled; nothing was written"
                 ) from exc
             self._last_seq_no += len(rows)
+            self._alive_at = time.monotonic()
             return list(range(first, first + len(rows)))
 
     def write_snapshot(self, seq_no: int, state: dict) -> None:
@@ -177,12 +192,53 @@ class SqlStore:
             count = conn.execute(select(func.count()).select_from(journal)).scalar_one()
         return StoreStats(self.backend, self._last_seq_no, self._snapshot_seq_no, int(count))
 
+    # ---- leadership lease (PostgreSQL active/standby) ------------------------------------
+    def start_keepalive(self, on_lost: Callable[[BaseException], None]) -> None:
+        """Ping the lock-holding session every lease/4 so the server never ends it while we
+        are healthy; on the first failure the store turns unusable and `on_lost(exc)` is
+        called (from the keepalive thread). No-op without `leader_lease_s`."""
+        lease = self._options.leader_lease_s
+        if lease is None:
+            return
+        thread = threading.Thread(
+            target=self._keepalive_loop, args=(lease / 4, on_lost), name="store-keepalive", daemon=True
+        )
+        thread.start()
+
+    def _keepalive_loop(self, interval_s: float, on_lost: Callable[[BaseException], None]) -> None:
+        while not self._stop_keepalive.wait(interval_s):
+            try:
+                with self._write_lock:
+                    if self._closed:
+                        return
+                    self._check_usable()
+                    with self._guard("keepalive"), self._writer.begin():
+                        self._writer.execute(text("SELECT 1"))
+                    self._alive_at = time.monotonic()
+            except Exception as exc:  # noqa: BLE001 - any failure ends the term
+                self._broken = self._broken or "keepalive"
+                on_lost(exc)
+                return
+
+    def leadership_fresh(self) -> bool:
+        """True while the database cannot have ended our session: the last statement that
+        succeeded on it is younger than 0.8 x the lease (the server ends it only after a
+        full lease of silence). A process paused past its lease finds this False at once on
+        waking, before any answer leaves it. Always True without a lease."""
+        lease = self._options.leader_lease_s
+        if lease is None:
+            return self._broken is None
+        return self._broken is None and time.monotonic() - self._alive_at < 0.8 * lease
+
     def close(self) -> None:
+        self._stop_keepalive.set()
         with self._write_lock:
             if self._closed:
                 return
             self._closed = True
             try:
+                if self.backend == "postgresql" and self._broken is None:
+                    release_pg_advisory_lock(self._writer)
                 self._writer.close()
                 self._engine.dispose()
             finally:

@@ -36,6 +36,7 @@ class AttentionMetadata:
     prefill_seq_lens: torch.Tensor | None      # int32 [num_prefill_seqs]
     prefill_query_start_loc: torch.Tensor | None  # int32 [num_prefill_seqs + 1], from the group's first row
     scale: float
+    prefill_max_query_len: int | None = None   # longest prefill chunk (host value: sizes the grid)
     decode: DecodeStep | None = None           # the decode group's launch, bound by the runner
                                                # (KvPool.begin_decode) once per step
 
@@ -88,6 +89,7 @@ def paged_attention(
         pool.prefill(
             layer, query[split:], meta.prefill_block_tables, meta.prefill_seq_lens,
             meta.prefill_query_start_loc, meta.scale, out=out[split:],
+            max_query_len=meta.prefill_max_query_len,
         )
     if timer is not None:
         timer.stop(pool.device, started)

@@ -114,6 +114,9 @@ def prepare_step(
         prefill_seq_lens=pre_lens,
         prefill_query_start_loc=pre_starts,
         scale=head_dim**-0.5,
+        # The longest chunk, from the host: the prefill kernel's grid is sized by it (the
+        # starts above are already on the device, and reading them back would stall).
+        prefill_max_query_len=int(num_new[num_dec:].max()) if prefills else None,
     )
     sampled = [j for j, s in enumerate(seqs) if s.sample is not None]
     return StepInputs(

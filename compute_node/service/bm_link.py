@@ -21,8 +21,9 @@ import grpc
 
 from compute_node.tables import NodeTable, SeqId
 from pagedkv.auth import token_metadata
+from pagedkv.endpoints import Endpoints
 from pagedkv.rpc import is_retryable
-from pagedkv.tls import TlsSettings, open_channel
+from pagedkv.tls import TlsSettings
 from pagedkv.v1 import block_manager_pb2 as bm_pb
 from pagedkv.v1 import block_manager_pb2_grpc as bm_grpc
 
@@ -99,7 +100,10 @@ class BlockManagerLink:
         # gRPC's default reconnect backoff grows to minutes; a node must notice a restarted
         # block manager within a heartbeat or two, so cap it at a second. GetTables answers
         # may exceed gRPC's 4 MiB default: accept what the block manager may send.
-        self._channel = open_channel(
+        # `address` may list several block managers (active/standby) or name several records:
+        # a call that gets UNAVAILABLE or times out moves the next one to the next address
+        # (the heartbeat loop's retry then reaches the new leader; pagedkv.endpoints).
+        self._endpoints = Endpoints(
             address,
             tls,
             [
@@ -110,7 +114,6 @@ class BlockManagerLink:
             ],
             aio=True,
         )
-        self._stub = bm_grpc.BlockManagerStub(self._channel)
         self._session_id: str | None = None
         self._session_ttl_s = 0.0
         self._session_used = 0.0   # monotonic
@@ -126,7 +129,7 @@ class BlockManagerLink:
         if self._session_id is not None and time.monotonic() - self._session_used < self._session_ttl_s / 2:
             return
         try:
-            reply = await self._call(self._stub.OpenSession, bm_pb.OpenSessionRequest(client_name=self.node_id[:128]))
+            reply = await self._call("OpenSession", bm_pb.OpenSessionRequest(client_name=self.node_id[:128]))
         except LinkRejected as exc:
             if exc.code != grpc.StatusCode.UNIMPLEMENTED:
                 raise
@@ -135,8 +138,13 @@ class BlockManagerLink:
         self._session_id, self._next_seq = reply.session_id, 1
         self._session_ttl_s, self._session_used = reply.ttl_s, time.monotonic()
 
+    @property
+    def _stub(self) -> bm_grpc.BlockManagerStub:
+        return bm_grpc.BlockManagerStub(self._endpoints.channel())
+
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._endpoints.close_all():
+            await channel.close()
 
     async def register(
         self, *, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -168,7 +176,7 @@ class BlockManagerLink:
                 self._session_used = time.monotonic()
         self._unanswered = None
         try:
-            reply = await self._call(self._stub.RegisterNode, request)
+            reply = await self._call("RegisterNode", request)
         except LinkUnavailable:
             self._unanswered = request   # its outcome is unknown: the next try resends it
             raise
@@ -185,21 +193,23 @@ class BlockManagerLink:
         )
 
     async def heartbeat(self, epoch: int) -> bm_pb.HeartbeatResponse:
-        return await self._call(self._stub.Heartbeat, bm_pb.HeartbeatRequest(node_id=self.node_id, epoch=epoch))
+        return await self._call("Heartbeat", bm_pb.HeartbeatRequest(node_id=self.node_id, epoch=epoch))
 
     async def get_tables(self, epoch: int, seq_ids: list[SeqId]) -> TablesReply:
         """The current tables of `seq_ids` (a cold cache; never on the hot path)."""
         request = bm_pb.GetTablesRequest(node_id=self.node_id, epoch=epoch, seq_ids=seq_ids)
-        reply = await self._call(self._stub.GetTables, request)
+        reply = await self._call("GetTables", request)
         tables = {
             SeqId(t.seq_id): NodeTable([int(b) for b in t.block_table], int(t.version), int(t.num_tokens))
             for t in reply.tables
         }
         return TablesReply(tables, int(reply.last_step_id))
 
-    async def _call(self, method, request):  # type: ignore[no-untyped-def]
+    async def _call(self, method: str, request):  # type: ignore[no-untyped-def]
         self.num_rpcs += 1
         try:
-            return await method(request, timeout=self.timeout_s, metadata=self._metadata)
+            return await getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self._endpoints.advance()
             raise _translate(exc) from None

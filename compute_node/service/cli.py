@@ -3,21 +3,25 @@
     compute-node serve --config compute_node.yaml [--listen HOST:PORT] [--block-manager HOST:PORT]
                        [--node-id ID] [--num-blocks N] [--model DIR] [--metrics-port P] [--port-file FILE]
 
-Configuration errors are one line on stderr with exit code 2; start-up failures exit 1.
+Configuration errors (a flag, the YAML, a model directory that is missing or not a supported
+model) are one line on stderr with exit code 2, found before anything listens; start-up
+failures (a port in use, TLS files) exit 1.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
+from typing import Any
+
+from pagedkv.cli import ArgumentParser
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="compute-node", description="pagedkv compute node")
+def _parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="compute-node", description="pagedkv compute node")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("serve", help="run the compute node gRPC service")
     p.add_argument("--config", type=Path, help="YAML config file (PAGEDKV_CN_* environment variables override it)")
@@ -39,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     from compute_node.service.config import load_config
     from compute_node.service.server import serve
     from pagedkv.lifecycle import flag_overrides, run_service_main
+    from pagedkv.settings import ConfigError
 
     overrides = flag_overrides(
         (
@@ -54,9 +59,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.num_blocks is not None:
         overrides["memory_budget_bytes"] = None
+    def load() -> Any:
+        """The config, with its model directory checked before anything listens or loads."""
+        config = load_config(args.config, **overrides)
+        if config.model is not None:
+            from compute_node.model.config import ModelConfig
+            from compute_node.model.errors import ModelLoadError
+
+            try:
+                ModelConfig.from_dir(config.model)
+            except ModelLoadError as exc:
+                raise ConfigError(f"{exc} (pass a Hugging Face model directory, or make a tiny demo one: "
+                                  f".venv/bin/python -m engine.model_init /tmp/tiny-llama)") from None
+        return config
+
     return run_service_main(
         "compute-node",
-        lambda: load_config(args.config, **overrides),
+        load,
         lambda config: serve(config, args.port_file),
         lambda config: config.log_level,
     )

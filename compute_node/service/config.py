@@ -37,7 +37,11 @@ class GeometrySettings(BaseModel):
 
 
 class ComputeNodeConfig(YamlEnvSettings):
-    model_config = SettingsConfigDict(env_prefix="PAGEDKV_CN_", env_nested_delimiter="__", extra="forbid")
+    # env_ignore_empty: an empty variable means "not set" (a compose override blanks
+    # PAGEDKV_CN_NUM_BLOCKS to size the pool by PAGEDKV_CN_MEMORY_BUDGET_BYTES instead).
+    model_config = SettingsConfigDict(
+        env_prefix="PAGEDKV_CN_", env_nested_delimiter="__", extra="forbid", env_ignore_empty=True
+    )
 
     node_id: str = Field(default="node-0", pattern=r"^[A-Za-z0-9._:\-]{1,128}$")
     listen_address: str = "127.0.0.1:50061"

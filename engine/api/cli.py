@@ -22,11 +22,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import os
 import re
+import socket
 import sys
 from pathlib import Path
 from typing import Any
+
+from pagedkv.cli import ArgumentParser, fail, port_number
 
 EXIT_START_FAILED = 1
 EXIT_USAGE = 2
@@ -44,14 +48,14 @@ def parse_size(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagedkv-serve", description="pagedkv OpenAI-compatible HTTP server",
+    p = ArgumentParser(prog="pagedkv-serve", description="pagedkv OpenAI-compatible HTTP server",
                                 epilog=f"Each flag may also be set as {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}PORT).")
     p.add_argument("--model", help="Hugging Face model directory (Llama, Qwen2, Qwen3); required")
     p.add_argument("--served-model-name", help="model id in the API (default: the directory's name)")
     p.add_argument("--block-manager", help="HOST:PORT of a running block manager: serve its registered model nodes "
                    "(default: everything in this process)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="listen port (default 8000; 0: a free one)")
+    p.add_argument("--port", type=port_number, default=8000, help="listen port (default 8000; 0: a free one)")
     p.add_argument("--port-file", type=Path, help="write the bound port here once listening")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (env PAGEDKV_API_KEY)")
     p.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
@@ -95,42 +99,85 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _fail(code: int, message: str) -> int:
-    print(f"pagedkv-serve: error: {message}", file=sys.stderr)
-    return code
+MODEL_HINT = ("pass a Hugging Face model directory (Llama, Qwen2, Qwen3), or make a tiny demo one: "
+              ".venv/bin/python -m engine.model_init /tmp/tiny-llama")
+
+
+def _fail(code: int, message: str, hint: str | None = None) -> int:
+    return fail("pagedkv-serve", code, message, hint)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Cheap checks first (flags, the model directory's config, the port), then the slow part
+    (the weights, the block manager), then serve; every failure is one line on stderr."""
     args = _parser().parse_args(argv)
     if not args.model:
-        return _fail(EXIT_USAGE, "--model is required (a Hugging Face model directory)")
+        return _fail(EXIT_USAGE, "--model is required", MODEL_HINT)
     from pagedkv.logging import configure_logging
 
     try:
         configure_logging(args.log_level)
     except ValueError as exc:
-        return _fail(EXIT_USAGE, str(exc))
-    model_dir = Path(args.model)
-    if not model_dir.is_dir():
-        return _fail(EXIT_USAGE, f"model directory {str(model_dir)!r} does not exist")
+        return _fail(EXIT_USAGE, str(exc), "one of DEBUG, INFO, WARNING, ERROR")
+    problem = model_dir_problem(Path(args.model))
+    if problem is not None:
+        return _fail(EXIT_USAGE, problem, MODEL_HINT)
+    from engine.api.server import bind_socket
+
+    try:                                       # before the weights load: a busy port is said at once
+        sock = bind_socket(args.host, int(args.port))
+    except OSError as exc:
+        return _fail(EXIT_START_FAILED, f"cannot listen on {args.host}:{args.port}: {_os_reason(exc)}",
+                     "another server on that port? pick another --port, or --port 0 for a free one")
+    try:
+        return _build_and_serve(args, sock)
+    finally:
+        sock.close()
+
+
+def model_dir_problem(model_dir: Path) -> str | None:
+    """What is wrong with `model_dir` before anything loads (the same words `LLM()` uses):
+    missing, no `config.json`, an unsupported architecture; None when it looks servable."""
     from compute_node.model.config import ModelConfig
     from compute_node.model.errors import ModelLoadError
-    from engine.tokenizer import TokenizerError
 
     try:
         ModelConfig.from_dir(model_dir)     # an unsupported architecture is named here, before any loading
     except ModelLoadError as exc:
-        return _fail(EXIT_USAGE, str(exc))
+        return str(exc)
+    return None
+
+
+def _os_reason(exc: OSError) -> str:
+    if exc.errno == errno.EADDRINUSE:
+        return "address already in use"
+    return (exc.strerror or str(exc)).lower()
+
+
+def _build_and_serve(args: argparse.Namespace, sock: socket.socket) -> int:
+    from compute_node.model.errors import ModelLoadError
+    from engine.errors import EngineError
+    from engine.tokenizer import TokenizerError
+
     try:
         llm = _build_llm(args)
     except (ModelLoadError, TokenizerError, ValueError) as exc:
-        return _fail(EXIT_USAGE, str(exc))
+        return _fail(EXIT_USAGE, str(exc), MODEL_HINT)
+    except EngineError as exc:              # no node registered, or nodes serving another model
+        hint = None
+        if args.block_manager and "no compute node" in str(exc):
+            hint = f"start one: compute-node serve --model DIR --block-manager {args.block_manager}"
+        return _fail(EXIT_START_FAILED, str(exc), hint)
     except Exception as exc:  # noqa: BLE001 - one line, not a traceback: the block manager, the nodes
+        code = getattr(exc, "code", None)
+        if args.block_manager and getattr(code, "name", "") in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+            return _fail(EXIT_START_FAILED, f"cannot reach the block manager at {args.block_manager}",
+                         "is `block-manager serve` running there? check --block-manager and the TLS flags")
         return _fail(EXIT_START_FAILED, _one_line(exc))
     try:
-        return asyncio.run(_serve(llm, args))
-    except OSError as exc:                     # the port is in use, the address is not ours
-        return _fail(EXIT_START_FAILED, f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
+        return asyncio.run(_serve(llm, args, sock))
+    except OSError as exc:                     # the address is not ours after all
+        return _fail(EXIT_START_FAILED, f"cannot listen on {args.host}:{args.port}: {_os_reason(exc)}")
     except KeyboardInterrupt:
         return 130
 
@@ -184,7 +231,7 @@ def node_health_check(block_manager: str | None, nodes: dict[str, Any], tls: Any
     return health_check
 
 
-async def _serve(llm: Any, args: argparse.Namespace) -> int:
+async def _serve(llm: Any, args: argparse.Namespace, sock: socket.socket) -> int:
     from engine.api.server import build_app, serve_async
     from engine.async_engine import AsyncLLMEngine
     from pagedkv.logging import get_logger
@@ -202,7 +249,7 @@ async def _serve(llm: Any, args: argparse.Namespace) -> int:
     log.info("serving", model=name, model_dir=args.model, block_manager=args.block_manager or "embedded",
              max_model_len=llm.engine.max_model_len, nodes=sorted(llm.engine.nodes))
     try:
-        await serve_async(app, host=args.host, port=int(args.port), port_file=args.port_file,
+        await serve_async(app, host=args.host, port=int(args.port), port_file=args.port_file, sock=sock,
                           shutdown_grace_s=float(args.shutdown_grace_s), log_level=args.log_level)
     finally:
         await asyncio.to_thread(_close, llm, aeng, log)

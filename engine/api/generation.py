@@ -20,6 +20,7 @@ from typing import Any
 from engine.api.metrics import ApiMetrics
 from engine.api.protocol import Prompt
 from engine.async_engine import AsyncLLMEngine
+from engine.errors import EngineError
 from engine.params import CompletionOutput, RequestOutput, SamplingParams
 
 
@@ -169,6 +170,8 @@ class Generation:
         try:
             while (item := await fan.next()) is not None:
                 i, out = item
+                if out.error is not None:   # the engine could not serve it (a refusal: 400)
+                    raise EngineError(out.error)
                 now = time.perf_counter()
                 self.cached_tokens[i] = out.num_cached_tokens
                 batch = []

@@ -8,6 +8,7 @@ It prints the answer's status line, or why there was none; exit 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import http.client
 import sys
 import urllib.error
 import urllib.request
@@ -22,6 +23,10 @@ def check(target: str, timeout_s: float = 3.0) -> tuple[bool, str]:
         return False, f"{exc.code} {exc.read(200).decode(errors='replace')}"
     except (urllib.error.URLError, OSError) as exc:
         return False, f"UNREACHABLE ({getattr(exc, 'reason', exc)})"
+    except http.client.HTTPException as exc:    # something answered, but not HTTP/1.x (a gRPC port)
+        return False, f"NOT HTTP ({type(exc).__name__}: {target} did not answer HTTP/1.1; is it the API server's port?)"
+    except ValueError as exc:                   # a target that is no URL at all
+        return False, f"BAD TARGET ({exc})"
 
 
 def main(argv: list[str] | None = None) -> int:

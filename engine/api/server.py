@@ -75,6 +75,15 @@ class _ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
+class _ShuttingDown(Exception):
+    """The server received SIGTERM / SIGINT while the request was being answered."""
+
+
+def _shutdown_error() -> APIError:
+    return APIError(503, "the server is shutting down; retry on another replica or once it is back",
+                    type="server_error", code="server_shutdown")
+
+
 def _finite_logprob(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
 
@@ -94,6 +103,12 @@ class _Server:
         self.kv_capacity = max(nb * bs for nb, bs in engine.pool_blocks.values())
         self.created = int(time.time())
         self.metrics = ApiMetrics(aeng, model_name)
+        self.stopping = asyncio.Event()     # set on SIGTERM / SIGINT (`begin_shutdown`)
+
+    def begin_shutdown(self) -> None:
+        """End every open request now (streams with a final error event, whole answers with
+        503); from the server's event loop."""
+        self.stopping.set()
 
     # -- request checks ----------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
@@ -161,15 +176,20 @@ class _Server:
         updates = gen.updates()
         try:
             if not stream:
-                await _until_disconnect(request, _drain(updates))
+                await _until_disconnect(request, _drain(updates), self.stopping)
                 self.metrics.success(gen.choices[0].finish_reason or "stop")
                 return JSONResponse(answer())
             # The first update before the status line: a refusal by the engine is an HTTP error.
-            first = await _until_disconnect(request, _first(updates))
+            first = await _until_disconnect(request, _first(updates), self.stopping)
         except _ClientGone:
             gen.close()
             self.metrics.failure("client_disconnected")
             return Response(status_code=499)
+        except _ShuttingDown:
+            gen.close()
+            self.metrics.failure("engine_error")
+            err = _shutdown_error()
+            return JSONResponse(err.body(), err.status)
         except BaseException as exc:
             gen.close()
             if isinstance(exc, asyncio.CancelledError):
@@ -180,12 +200,16 @@ class _Server:
             try:
                 for obj in head + chunks(first or []):
                     yield _sse(obj)
-                async for batch in updates:
+                while (batch := await _next_unless(updates, self.stopping)) is not None:
                     for obj in chunks(batch):
                         yield _sse(obj)
                 for obj in tail():
                     yield _sse(obj)
                 self.metrics.success(gen.choices[0].finish_reason or "stop")
+            except _ShuttingDown:
+                gen.close()
+                self.metrics.failure("engine_error")
+                yield _sse(_shutdown_error().body())
             except Exception as exc:  # noqa: BLE001 - the status line is out: report in the stream
                 err = self._failure(exc)
                 if err.status < 500:
@@ -345,19 +369,43 @@ async def _drain(updates: AsyncIterator[list[Update]]) -> None:
         pass
 
 
-async def _until_disconnect(request: Request, aw: Awaitable[Any]) -> Any:
-    """`aw`'s result, or `_ClientGone` (and `aw` cancelled) when the client disconnects first."""
+async def _until_disconnect(request: Request, aw: Awaitable[Any], stopping: asyncio.Event) -> Any:
+    """`aw`'s result, or `_ClientGone` (and `aw` cancelled) when the client disconnects first,
+    or `_ShuttingDown` when the server is told to stop first."""
     task = asyncio.ensure_future(aw)
     watch = asyncio.ensure_future(_disconnected(request))
+    stop = asyncio.ensure_future(stopping.wait())
     try:
-        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watch, stop}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for t in (task, watch):
+        for t in (task, watch, stop):
             if not t.done():
                 t.cancel()
     if task in done:
         return task.result()
-    raise _ClientGone()
+    if watch in done:
+        raise _ClientGone()
+    raise _ShuttingDown()
+
+
+async def _next_unless(updates: AsyncIterator[list[Update]], stopping: asyncio.Event) -> list[Update] | None:
+    """The next batch of updates (None at the end), or `_ShuttingDown` once `stopping` is set."""
+    if stopping.is_set():
+        raise _ShuttingDown()
+    nxt = asyncio.ensure_future(anext(updates))
+    stop = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+        if not nxt.done():
+            nxt.cancel()
+    if nxt.done() and not nxt.cancelled():
+        try:
+            return nxt.result()
+        except StopAsyncIteration:
+            return None
+    raise _ShuttingDown()
 
 
 async def _disconnected(request: Request) -> None:
@@ -473,7 +521,9 @@ def _config(app: FastAPI, host: str, port: int, shutdown_grace_s: float, log_lev
                           lifespan="off")
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A socket bound (not yet listening) to `host:port`: callers bind before slow start-up
+    work so a busy port is reported at once; `serve_async(sock=...)` listens on it."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -484,17 +534,26 @@ def _bind(host: str, port: int) -> socket.socket:
 
 async def serve_async(app: FastAPI, *, host: str, port: int, port_file: Path | None = None,
                       shutdown_grace_s: float = 5.0, log_level: str = "info",
-                      on_listening: Callable[[int], None] | None = None) -> None:
+                      on_listening: Callable[[int], None] | None = None,
+                      sock: socket.socket | None = None) -> None:
     """Serve until SIGTERM / SIGINT (a second SIGINT stops at once). The port file is written
-    once the server accepts connections (port 0: the port the kernel picked)."""
+    once the server accepts connections (port 0: the port the kernel picked). `sock`: one
+    already bound by `bind_socket` (then `host`/`port` only name it in the log).
+
+    On the signal open streams end first, each with a final error event and `[DONE]`, and
+    requests still waiting for a whole answer get 503: uvicorn then finds no connection busy
+    and stops well within `shutdown_grace_s` instead of cancelling handlers mid-send."""
     server = _UvicornServer(_config(app, host, port, shutdown_grace_s, log_level))
-    sock = _bind(host, port)
+    sock = sock if sock is not None else bind_socket(host, port)
+    api: _Server | None = getattr(app.state, "server", None)
     bound = sock.getsockname()[1]
     loop = asyncio.get_running_loop()
 
     def stop(sig: int) -> None:
         if server.should_exit and sig == signal.SIGINT:
             server.force_exit = True
+        if api is not None:
+            api.begin_shutdown()
         server.should_exit = True
 
     installed = []
@@ -530,7 +589,7 @@ class ServerThread:
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
         self.server = _UvicornServer(_config(app, host, port, 1.0, "warning"))
-        self._sock = _bind(host, port)
+        self._sock = bind_socket(host, port)
         self.host = host
         self.port = self._sock.getsockname()[1]
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},

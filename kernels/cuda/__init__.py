@@ -16,12 +16,18 @@ Design (issue 13; machine-code budgets checked by `bench/kernel_sass.py`):
   the next tile in flight) and computes on tensor cores (`mma.sync` fp16/bf16 → fp32, fragments
   by `ldmatrix`), or with fp32 FMAs and warp shuffles for fp32 caches (`_simt_attend.py`).
   Softmax in base 2 with explicit -inf masking; no `fastmath`.
+- Prefill on tensor cores is FA2 class (issue 22, `_fa2_prefill.py`): 64 query rows per
+  block (warps split the rows), K/V tiles of 32 tokens staged once per block with
+  double-buffered `cp.async`; its grid comes from the longest chunk (a host value) with row
+  tiles in grid.x, so no grid dimension can overflow (`prefill.plan_prefill_launches`).
 - Split-K (`decode_split`) when the one-pass grid fills less than half the GPU, partitions
   sized by each sequence's length; a warp-parallel reduce (`decode_reduce`).
 - Host path (`_host.py`, `graph.py`): memoised specs, kernels and launch configurations, reused
   scratch, and `DecodeGraphs` to replay decode from CUDA graphs per batch-size bucket.
 - `_ops.py` picks the machine-level operations: inline PTX on a GPU (`_ops_gpu.py`), Python
-  twins with per-warp exchanges under the simulator (`_ops_sim.py`). One kernel source.
+  twins with per-warp exchanges under the simulator (`_ops_sim.py`). One kernel source. The
+  simulator's `cp.async` lands a copy only at the wait that covers it (NaN until then), and
+  the warp-collective asm is `sideeffect` + `convergent`.
 - copy_blocks keeps sequential pair semantics by grouping dependent pairs into waves.
 """
 

@@ -51,6 +51,21 @@ def _asm(builder: Any, ret: ir.Type, args: list[Any], text: str, constraints: st
     return builder.call(ir.InlineAsm(fnty, text, constraints), args)
 
 
+def _collective_asm(builder: Any, ret: ir.Type, args: list[Any], text: str,
+                    constraints: str) -> Any:
+    """Inline asm of a warp-collective instruction (`mma.sync`, `movmatrix`, `ldmatrix`).
+
+    Why `sideeffect` + `convergent`: every lane of the warp must execute the instruction
+    together. A pure asm call may be sunk into a branch, hoisted out of one, duplicated into
+    both arms (tail duplication, unswitching) or deleted when its result looks unused; each of
+    these can leave some lanes without it (undefined behaviour or a hang on the GPU). The
+    markings forbid exactly these transformations, the same way NVVM treats its own
+    `shfl.sync` / `bar.warp.sync` intrinsics."""
+    fnty = ir.FunctionType(ret, [a.type for a in args])
+    return builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True), args,
+                        attrs=("convergent",))
+
+
 # --------------------------------------------------------------------------------------------
 # Loads and stores
 # --------------------------------------------------------------------------------------------
@@ -238,7 +253,8 @@ def _ldmatrix(trans: bool) -> Any:
             a = context.cast(builder, args[0], sig.args[0], types.uint32)
             fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32])
             asm = ir.InlineAsm(fnty, text, "=r,=r,=r,=r,r,~{memory}", side_effect=True)
-            return _struct_to_tuple(context, builder, ret, builder.call(asm, [a]), 4)
+            out = builder.call(asm, [a], attrs=("convergent",))  # collective: see _collective_asm
+            return _struct_to_tuple(context, builder, ret, out, 4)
 
         return ret(addr), codegen
 

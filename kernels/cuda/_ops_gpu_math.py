@@ -7,6 +7,9 @@
   float32 → fp16x2 / bf16x2 conversions (round to nearest even), and back to float32;
 - `ex2`: `ex2.approx.ftz.f32` (2 ulp; exp2(-inf) = +0, which the masked softmax relies on);
 - warp shuffles, called warp-uniformly (every lane takes part).
+The warp-collective asm (`mma.sync`, `movmatrix`; `ldmatrix` in `_ops_gpu`) is emitted
+`sideeffect` + `convergent` (`_collective_asm`) so the compiler can neither move it into or
+out of control flow, duplicate it, nor drop it.
 Memory operations are in `_ops_gpu.py`; `_ops_sim.py` has the simulator's twins of both.
 """
 
@@ -17,7 +20,7 @@ from typing import Any
 from llvmlite import ir
 from numba import cuda, types
 
-from kernels.cuda._ops_gpu import _F32, _I32, _asm, _struct_to_tuple, intrinsic
+from kernels.cuda._ops_gpu import _F32, _I32, _asm, _collective_asm, _struct_to_tuple, intrinsic
 
 _FULL_MASK = 0xFFFFFFFF
 
@@ -36,7 +39,8 @@ def _mma(shape: str, kind: str, num_a: int = 4, num_b: int = 2) -> Any:
 
     def codegen(context: Any, builder: Any, sig: Any, llargs: list[Any]) -> Any:
         vals = [context.cast(builder, v, t, w) for v, t, w in zip(llargs, sig.args, want)]
-        out = _asm(builder, ir.LiteralStructType([_F32] * 4), vals, text, constraints)
+        out = _collective_asm(builder, ir.LiteralStructType([_F32] * 4), vals, text,
+                              constraints)
         return _struct_to_tuple(context, builder, ret, out, 4)
 
     @intrinsic
@@ -57,7 +61,8 @@ def movmatrix(typingctx: Any, word: Any) -> Any:
     holds row g, columns 2c and 2c+1, before and after (`movmatrix.sync.aligned.m8n8.trans`)."""
     def codegen(context: Any, builder: Any, sig: Any, args: list[Any]) -> Any:
         w = context.cast(builder, args[0], sig.args[0], types.uint32)
-        return _asm(builder, _I32, [w], "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r")
+        return _collective_asm(builder, _I32, [w], "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;",
+                               "=r,r")
 
     return types.uint32(word), codegen
 

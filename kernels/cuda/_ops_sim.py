@@ -12,7 +12,10 @@ each GPU intrinsic has a Python twin here with the documented semantics:
 - `mma.sync` rebuilds the A/B/C matrices from the 32 lanes' fragments with the PTX ISA's
   fragment layouts (groupID = lane >> 2, threadID_in_group = lane % 4) and multiplies in
   float64 before rounding the accumulators to float32;
-- fp16/bf16 packing rounds to nearest even, exactly as `cvt.rn`.
+- fp16/bf16 packing rounds to nearest even, exactly as `cvt.rn`;
+- `cp.async` copies land only at the issuing thread's `wait_group` that covers their commit
+  group; until then their destination reads back poison (NaN), so a missing or misplaced wait
+  fails a reference check instead of passing silently.
 """
 
 from __future__ import annotations
@@ -179,12 +182,60 @@ def smem_addr(array: np.ndarray) -> SimPtr:
     return sim_ptr(array)
 
 
+# cp.async: like the GPU, a copy is not visible in shared memory until the issuing thread
+# waits for its group. Each simulated thread keeps its own copies: issued ones join the open
+# group (and their destination reads back POISON: 0xFF bytes, NaN as fp16 / bf16 / float32),
+# `commit` closes the group, and `wait_group n` lands every committed group but the n newest.
+# So a kernel that reads a tile before the wait that covers it, or that overwrites a tile
+# another lane still reads, sees NaN and fails its reference check.
+POISON = 0xFF
+
+
+class _AsyncCopies:
+    """One simulated thread's copies in flight (PTX: per-thread commit groups)."""
+
+    __slots__ = ("open", "committed")
+
+    def __init__(self) -> None:
+        self.open: list[tuple[np.ndarray, np.ndarray]] = []  # (destination view, bytes)
+        self.committed: list[list[tuple[np.ndarray, np.ndarray]]] = []
+
+    def issue(self, view: np.ndarray, data: np.ndarray) -> None:
+        view[:] = POISON
+        self.open.append((view, data))
+
+    def commit(self) -> None:
+        self.committed.append(self.open)
+        self.open = []
+
+    def wait(self, newest_pending: int) -> None:
+        while len(self.committed) > newest_pending:
+            for view, data in self.committed.pop(0):
+                view[:] = data
+
+
+def _async_copies() -> _AsyncCopies:
+    thread = threading.current_thread()
+    copies = getattr(thread, "_pagedkv_cp_async", None)
+    if copies is None:
+        copies = thread._pagedkv_cp_async = _AsyncCopies()
+    return copies
+
+
+def pending_copies() -> int:
+    """Copies this simulated thread issued that have not landed (tests: none may outlive a
+    kernel)."""
+    copies = _async_copies()
+    return len(copies.open) + sum(len(group) for group in copies.committed)
+
+
 def _copy(dst: SimPtr, src: SimPtr, nbytes: int) -> None:
-    dst.view(nbytes, nbytes)[:] = src.view(nbytes, nbytes)
+    # The source is read at issue (the cache is invariant while a kernel runs).
+    _async_copies().issue(dst.view(nbytes, nbytes), src.view(nbytes, nbytes).copy())
 
 
 def cp_async16(dst: SimPtr, src: SimPtr) -> None:
-    _copy(dst, src, 16)  # the simulator completes copies at once
+    _copy(dst, src, 16)
 
 
 def cp_async8(dst: SimPtr, src: SimPtr) -> None:
@@ -197,9 +248,9 @@ def cp_async4(dst: SimPtr, src: SimPtr) -> None:
 
 def _copy_fill(dst: SimPtr, src: SimPtr, nbytes: int, src_bytes: Any) -> None:
     view = dst.view(nbytes, nbytes)
-    view[:] = 0
-    if int(src_bytes):
-        view[:] = src.view(nbytes, nbytes)
+    # Zero-fill is part of the asynchronous copy: a row past the range is not read.
+    data = src.view(nbytes, nbytes).copy() if int(src_bytes) else np.zeros(nbytes, np.uint8)
+    _async_copies().issue(view, data)
 
 
 def cp_async16_fill(dst: SimPtr, src: SimPtr, src_bytes: Any) -> None:
@@ -215,15 +266,15 @@ def cp_async4_fill(dst: SimPtr, src: SimPtr, src_bytes: Any) -> None:
 
 
 def cp_async_commit() -> None:
-    pass
+    _async_copies().commit()
 
 
 def cp_async_wait1() -> None:
-    pass
+    _async_copies().wait(1)
 
 
 def cp_async_wait0() -> None:
-    pass
+    _async_copies().wait(0)
 
 
 def syncwarp() -> None:

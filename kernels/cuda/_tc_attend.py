@@ -63,26 +63,21 @@ STEP = TC_STEP_TOKENS
 
 
 @cache
-def make_tc_attend(spec: AttentionSpec) -> Any:
-    """Device function `attend(...)` of one variant; see the module docstring."""
-    head_dim, block_size, row_tiles = spec.head_dim, spec.block_size, spec.row_tiles
-    num_warps = spec.num_warps
+def make_tc_step(spec: AttentionSpec) -> tuple[Any, Any]:
+    """Device functions `(scores_softmax, pv)`: one 16-token step of a warp's rows on K and V
+    tiles already in shared memory (steps 1-3 of the module docstring). Shared by the
+    per-warp token streams below and the FA2-class prefill (`_fa2_prefill.py`)."""
+    head_dim, row_tiles = spec.head_dim, spec.row_tiles
     row_bytes = 2 * head_dim
-    head_bytes = block_size * row_bytes
     k_words = head_dim // 8  # query words per row per lane
     k_steps = head_dim // 16  # k-steps of Sᵀ = K·Qᵀ, and m-tiles of Oᵀ
-    num_acc = 4 * k_steps * row_tiles
-    _, _, stride, tile_bytes = tile_geometry(row_bytes, STEP)
+    _, _, stride, _ = tile_geometry(row_bytes, STEP)
     p_split = spec.kv_kind == "bf16" or spec.out_kind == "f32"
     causal = spec.mode == "prefill"  # rows see different prefixes: mask every step
     bf16 = spec.kv_kind == "bf16"
     mma = mma16816_bf16 if bf16 else mma16816_f16
     pack = f32x2_to_bf16x2 if bf16 else f32x2_to_f16x2
     unpack = bf16x2_to_f32 if bf16 else f16x2_to_f32
-    paging = make_paging(block_size, spec.num_kv_heads, row_bytes, STEP, num_warps)
-    block_div, locate, offsets, start = paging.block_div, paging.locate, paging.offsets, paging.start
-    per_token = paging.per_token
-    stage = make_stager(row_bytes, STEP, paging.half, paging.token_off)
 
     @device_function
     def scores(k_tile: Any, qf: Any, rt: Any, s: Any) -> None:
@@ -177,6 +172,25 @@ def make_tc_attend(spec: AttentionSpec) -> Any:
                 softmax(s, tok, lims[2 * rt], lims[2 * rt + 1], mask, scale_log2, st, rt, pf, rs)
             else:  # every row sees the whole range: the limit is its end
                 softmax(s, tok, last_pos, last_pos, mask, scale_log2, st, rt, pf, rs)
+
+    return scores_softmax, pv
+
+
+@cache
+def make_tc_attend(spec: AttentionSpec) -> Any:
+    """Device function `attend(...)` of one variant; see the module docstring."""
+    head_dim, block_size, row_tiles = spec.head_dim, spec.block_size, spec.row_tiles
+    num_warps = spec.num_warps
+    row_bytes = 2 * head_dim
+    head_bytes = block_size * row_bytes
+    num_acc = 4 * (head_dim // 16) * row_tiles
+    _, _, _, tile_bytes = tile_geometry(row_bytes, STEP)
+    causal = spec.mode == "prefill"  # rows see different prefixes: mask every step
+    paging = make_paging(block_size, spec.num_kv_heads, row_bytes, STEP, num_warps)
+    block_div, locate, offsets, start = paging.block_div, paging.locate, paging.offsets, paging.start
+    per_token = paging.per_token
+    stage = make_stager(row_bytes, STEP, paging.half, paging.token_off)
+    scores_softmax, pv = make_tc_step(spec)
 
     @device_function
     def attend(k_ptr: Any, v_ptr: Any, tbl_ptr: Any, kv_head: Any, begin: Any, end: Any,

@@ -90,7 +90,8 @@ def decode_kernel(spec: AttentionSpec) -> Any:
 def resident_blocks(spec: AttentionSpec) -> int:
     """Thread blocks of this variant the whole GPU keeps resident: the occupancy of the
     compiled kernel (registers, shared memory) times the SMs. The split-K kernel shares the
-    one-pass kernel's body, so this is also its occupancy."""
+    one-pass kernel's body; it is bounded to 5 blocks per SM where the one-pass kernel has 6
+    (`_host.launch_bounds`), so this overstates its occupancy by at most a sixth."""
     if SIMULATOR:
         return 4
     kernel = decode_kernel(spec)

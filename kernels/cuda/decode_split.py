@@ -126,6 +126,24 @@ def partitions_for(spec: AttentionSpec, num_seqs: int, block_tables: Any, seq_le
     return choose_num_partitions(num_seqs * spec.num_kv_heads * spec.row_blocks, max_len, resident)
 
 
+MAX_GRID_YZ = 65_535  # CUDA's limit on grid.y and grid.z
+
+
+def split_launch(spec: AttentionSpec, num_seqs: int, num_parts: int) -> tuple[tuple[int, int, int], int]:
+    """(grid, scratch float32 words) of a split-K decode of `num_seqs` sequences.
+
+    The scratch is [num_seqs, num_heads, num_parts, head_dim] partial outputs + [..., 2]
+    (max, sum): at most MAX_PARTS x num_heads x (head_dim + 2) words per sequence, whatever
+    the context length (a 1M-token sequence at 32 heads x d128: 1.1 MB). Raises
+    `KernelInputError` when the grid cannot launch (more sequences than grid.y holds)."""
+    if not 1 <= num_parts <= MAX_PARTS:
+        raise KernelInputError(f"num_parts must be in [1, {MAX_PARTS}], got {num_parts}")
+    if num_seqs > MAX_GRID_YZ:
+        raise KernelInputError(f"{num_seqs} sequences exceed one split-K grid ({MAX_GRID_YZ})")
+    grid = (spec.num_kv_heads * spec.row_blocks, num_seqs, num_parts)
+    return grid, num_seqs * spec.num_heads * num_parts * (spec.head_dim + 2)
+
+
 def paged_attention_decode_split(
     query: Any, key_cache: Any, value_cache: Any, block_tables: Any, seq_lens: Any,
     scale: float, out: Any | None = None, *, num_parts: int,
@@ -143,11 +161,11 @@ def paged_attention_decode_split(
     tables = index_ptr(block_tables, key_cache, keep)
     lens = index_ptr(seq_lens, key_cache, keep)
     rows = num_seqs * num_heads * num_parts
-    scratch = SCRATCH.get(query, rows * (head_dim + 2))
+    grid, scratch_words = split_launch(spec, num_seqs, num_parts)
+    scratch = SCRATCH.get(query, scratch_words)
     tmp_o = device_ptr(scratch)
     tmp_ml = tmp_o + rows * head_dim * 4
     stream = stream_for(query, key_cache, out)
-    grid = (spec.num_kv_heads * spec.row_blocks, num_seqs, num_parts)
     launcher(split_kernel(spec), grid, spec.num_threads, stream)(
         tmp_o, tmp_ml, q, k, v, tables, lens, int(block_tables.shape[1]), scale_log2(scale))
     launch_reduce(spec, num_seqs, num_parts, o, tmp_o, tmp_ml, lens, stream)

@@ -1195,15 +1195,20 @@ class StatusResponse(_message.Message):
     LAST_SEQ_NO_FIELD_NUMBER: _builtins.int
     UPTIME_S_FIELD_NUMBER: _builtins.int
     STORE_FIELD_NUMBER: _builtins.int
+    LEADER_EPOCH_FIELD_NUMBER: _builtins.int
     state: _builtins.str
-    """"recovering", "serving" or "draining" """
+    """"standby", "recovering", "serving" or "draining" """
     num_nodes: _builtins.int
     num_sequences: _builtins.int
     last_seq_no: _builtins.int
-    """journal position of the last applied record"""
+    """journal position of the last applied record (standby: followed)"""
     uptime_s: _builtins.float
     store: _builtins.str
     """store kind: "sqlite", "postgresql" or "memory" """
+    leader_epoch: _builtins.int
+    """The leadership epoch of this block manager's term (SQL stores: bumped by every process that
+    takes the database's lock, so a failover shows as a new epoch); 0: a standby or memory://.
+    """
     @_builtins.property
     def pools(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolStatus]: ...
     def __init__(
@@ -1216,10 +1221,11 @@ class StatusResponse(_message.Message):
         last_seq_no: _builtins.int = ...,
         uptime_s: _builtins.float = ...,
         store: _builtins.str = ...,
+        leader_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["last_seq_no", b"last_seq_no", "num_nodes", b"num_nodes", "num_sequences", b"num_sequences", "pools", b"pools", "state", b"state", "store", b"store", "uptime_s", b"uptime_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["last_seq_no", b"last_seq_no", "leader_epoch", b"leader_epoch", "num_nodes", b"num_nodes", "num_sequences", b"num_sequences", "pools", b"pools", "state", b"state", "store", b"store", "uptime_s", b"uptime_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

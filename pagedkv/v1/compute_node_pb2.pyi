@@ -372,8 +372,13 @@ class GenerateRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     STEPS_FIELD_NUMBER: _builtins.int
     SEQUENCES_FIELD_NUMBER: _builtins.int
+    PROFILE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """a retry with the same id gets the same answer, run once"""
+    profile: _builtins.bool
+    """Fill GenerateStats' phase times (prepare, dense, attention, sample). Off by default: on a
+    GPU they force a device synchronisation per phase. total_s and the copy times are always set.
+    """
     @_builtins.property
     def steps(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.PoolStep]:
         """as in ForwardRequest"""
@@ -386,10 +391,11 @@ class GenerateRequest(_message.Message):
         request_id: _builtins.str = ...,
         steps: _abc.Iterable[_common_pb2.PoolStep] | None = ...,
         sequences: _abc.Iterable[Global___GenerateSequence] | None = ...,
+        profile: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "sequences", b"sequences", "steps", b"steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["profile", b"profile", "request_id", b"request_id", "sequences", b"sequences", "steps", b"steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -119,5 +119,5 @@ def test_cli_names_an_unsupported_model_architecture(tmp_path: Path) -> None:
          "127.0.0.1:0", "--block-manager", "127.0.0.1:9"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
-    assert proc.returncode == 1
+    assert proc.returncode == 2          # a model problem is a usage error, found before listening
     assert "GPT2LMHeadModel is not supported" in proc.stderr and "LlamaForCausalLM" in proc.stderr

@@ -496,3 +496,25 @@ def test_cli_serves_and_stops_on_sigterm(tmp_path: Path, model_dir: Path) -> Non
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_request_the_engine_refused_is_a_400_with_its_reason(
+    server: ServerThread, llm: LLM, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request the engine ends with an error (the failure table's FAIL_REQUEST) is answered
+    as the client's error with the reason, and the server goes on serving."""
+    engine = llm.engine
+    original = engine.add_request
+
+    def refusing(*args: Any, **kwargs: Any) -> str:
+        rid = original(*args, **kwargs)
+        engine._fail_request(engine.requests[rid], "admission refused: too big for this test")
+        return rid
+
+    monkeypatch.setattr(engine, "add_request", refusing)
+    body = {"model": model_dir.name, "prompt": [5, 6, 7], "max_tokens": 5}
+    reply = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 400 and "too big for this test" in reply.json()["error"]["message"], reply.text
+    monkeypatch.undo()
+    assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    wait_all_freed(llm)

@@ -83,3 +83,24 @@ def test_the_lifecycle_moves_only_along_its_transitions() -> None:
         with pytest.raises(LifecycleError):
             move()
     assert TRANSITIONS[SeqStatus.FINISHED] == frozenset()
+
+
+def test_a_refused_request_ends_with_its_error_and_the_engine_goes_on() -> None:
+    """FAIL_REQUEST: the request's completions end with finish reason "error" and the reason in
+    its output; nothing is held; the other requests are served."""
+    from tests.engine.fakes import fake_completion, fake_engine
+
+    engine, _ = fake_engine(1, num_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    bad = engine.add_request([1, 2, 3, 4, 5], SamplingParams(n=2, temperature=0, max_tokens=4, ignore_eos=True))
+    good = engine.add_request([6, 7, 8], params)
+    engine.step()                                       # both admitted (the n=2 parent prefills)
+    engine._act(Item.APPEND, InvalidArgumentError("no such thing"), engine.requests[bad])
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done[bad].error is not None and "no such thing" in done[bad].error
+    assert [c.finish_reason for c in done[bad].outputs] == ["error", "error"]
+    assert done[good].error is None and done[good].outputs[0].token_ids == fake_completion([6, 7, 8], 4)
+    engine.flush()
+    assert engine.client.state.core.sequences() == [] and engine.client.state.core.fsck() == []

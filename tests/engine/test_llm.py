@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from compute_node.model.errors import ModelNotFound
 from engine.llm import LLM
 from engine.llm_engine import EngineError
 from engine.params import InvalidParams, SamplingParams
@@ -98,6 +99,31 @@ def test_text_prompts_and_stop_tokens(model_dirs: dict[str, Path]) -> None:
         assert llm.engine.running == [] and not llm.engine.requests
 
 
+def test_chat_takes_a_conversation_or_a_list_and_returns_a_list(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Like vLLM's `LLM.chat`: one conversation or many in, always a list out, each the greedy
+    continuation of that conversation's chat template; an empty directory is named by its
+    missing config.json, as the command line names it."""
+    with pytest.raises(ModelNotFound, match="no config.json"):
+        LLM(tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first = [{"role": "user", "content": "what is a block table?"}]
+    second = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    with LLM(model_dirs["llama-gqa4-hd64"], block_size=4, num_kv_blocks=128, device="cpu") as llm:
+        one = llm.chat(first, params)
+        both = llm.chat([first, second], params)
+        assert isinstance(one, list) and len(one) == 1 and len(both) == 2
+        for conversation, out in zip([first, second], both):
+            text = llm.tokenizer.apply_chat_template(conversation)
+            assert out.prompt_token_ids == llm.tokenizer.encode(text, add_special_tokens=False)
+            ref = llm.generate({"prompt_token_ids": out.prompt_token_ids}, params)[0]
+            assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert one[0].outputs[0].token_ids == both[0].outputs[0].token_ids
+        for bad in ([], "hello", {"role": "user", "content": "x"}, [first, "x"]):
+            with pytest.raises(InvalidParams):
+                llm.chat(bad, params)  # type: ignore[arg-type]
+        assert not llm.engine.requests
+
+
 def test_bad_input_is_refused_and_frees_everything(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(EngineError, match="does not exist"):
         LLM(tmp_path / "nope")
@@ -175,3 +201,25 @@ def test_aborts_at_random_points_leave_nothing_held(model_dirs: dict[str, Path],
             assert core.fsck() == []
         assert aborted and finished - aborted and engine.stats.num_preemptions > 0
         _assert_all_freed(llm)
+
+
+def test_nodes_profile_a_step_only_when_asked(model_dirs: dict[str, Path]) -> None:
+    """Phase timings (device syncs on a GPU) are filled only for steps that ask for them."""
+    with LLM(model_dirs["llama-gqa4-hd64"], block_size=4, num_kv_blocks=64, device="cpu") as llm:
+        node = llm.engine.nodes["local-0"]
+        generate, seen = node.generator.generate, []
+
+        def recording(request: Any, *args: Any) -> Any:
+            reply = generate(request, *args)
+            seen.append((request.profile, reply.stats.dense_s, reply.stats.total_s))
+            return reply
+
+        node.generator.generate = recording
+        llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3))
+        llm.engine.config.profile_nodes = True
+        llm.generate({"prompt_token_ids": [4, 5, 6]}, SamplingParams(max_tokens=3))
+        plain = [s for s in seen if not s[0]]
+        profiled = [s for s in seen if s[0]]
+        assert plain and profiled
+        assert all(dense == 0.0 and total > 0 for _, dense, total in plain)
+        assert all(dense > 0 for _, dense, _ in profiled)

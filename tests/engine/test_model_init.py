@@ -18,6 +18,9 @@ def test_builds_a_missing_tiny_model_once(tmp_path: Path) -> None:
     assert (target / "config.json").is_file() and (target / "tokenizer.json").is_file()
     assert "Qwen2ForCausalLM" in (target / "config.json").read_text()
     assert [p.name for p in target.parent.iterdir()] == ["tiny-qwen2"]      # no temp directory left behind
+    # readable by a node running as another user (compose): the weights too, not 0600
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in target.iterdir()} == {
+        p.name: "0o644" for p in target.iterdir()}
     assert ensure_model(target, SMALL) == "present"
 
 

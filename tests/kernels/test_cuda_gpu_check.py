@@ -66,8 +66,13 @@ def test_report_files(tmp_path: Path) -> None:
     rows = [base, {**base, "batch": 64, "context": 4096, "graph_us": 55.0,
                    "graph_ratio_to_copy": 0.85}]
     host = {"public API (validation + dispatch)": 31.4, "DecodeGraphs.run (copy q + replay)": 9.0}
-    gpu_check.write_report(tmp_path, "Test GPU", checks, 4000.0, rows, 12.0, host)
+    import gpu_check_prefill  # importable once gpu_check is loaded (its sibling)
+
+    prefill = [gpu_check_prefill.prefill_row(0.8, 0.7, 4.0)]
+    gpu_check.write_report(tmp_path, "Test GPU", checks, 4000.0, rows, 12.0, host,
+                           prefill=prefill)
     md = (tmp_path / "gpu_check.md").read_text()
+    assert "| 8192 | 0.800 |" in md and "| 0.700 | 1.14 | 512 | 4.000 | 2048000 |" in md
     assert "| decode fp16 | 1.00e-04 | 1e-03 | yes |" in md
     assert "| prefill bf16 | inf | 8e-03 | **NO** |" in md
     assert "| 16 | 1 | 512 | one-pass | 10.0 | 210 | 0.05 | 20.0 | 105 | 2.00 | - | - |" in md
@@ -77,6 +82,29 @@ def test_report_files(tmp_path: Path) -> None:
     assert data["device"] == "Test GPU" and data["decode"][0]["paged_gbs"] == 210.0
     assert data["checks"][1]["error"] is None  # strict JSON for a non-finite error
     assert data["host_path_us"]["public API (validation + dispatch)"] == 31.4
+    assert data["prefill"][0]["ratio_vs_sdpa"] == pytest.approx(0.8 / 0.7)
+
+
+def test_prefill_cpu_parts() -> None:
+    """Chunking, the causal FLOP count and the report row of the prefill timing."""
+    _load_gpu_check()
+    import gpu_check_prefill as gp
+
+    assert gp.chunk_bounds(1100, 512) == [(0, 512), (512, 1024), (1024, 1100)]
+    assert gp.chunk_bounds(0, 512) == []
+    with pytest.raises(ValueError):
+        gp.chunk_bounds(10, 0)
+    # 3 tokens, no prefix: 1 + 2 + 3 = 6 (query, key) pairs x 4 FLOP x heads x head_dim
+    assert gp.causal_flops(3, 2, 8) == 6 * 4 * 2 * 8
+    assert gp.causal_flops(2, 1, 1, prefix=5) == 4 * (10 + 3)
+    # chunks of a prompt add up to the whole prompt's pairs
+    whole = gp.causal_flops(1100, 4, 64)
+    parts = sum(gp.causal_flops(e - b, 4, 64, prefix=b) for b, e in gp.chunk_bounds(1100, 512))
+    assert parts == pytest.approx(whole)
+    row = gp.prefill_row(2.0, None, 10.0, prompt=4096, chunk=256)
+    assert row["ratio_vs_sdpa"] is None and row["chunked_tokens_per_s"] == pytest.approx(409600)
+    assert row["paged_tflops"] == pytest.approx(gp.causal_flops(4096, 32, 128) / 2e-3 / 1e12)
+    assert "| 4096 | 2.000 |" in "\n".join(gp.prefill_lines([row]))
 
 
 def test_a_crashing_check_group_is_a_failed_check() -> None:

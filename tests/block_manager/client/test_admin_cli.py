@@ -63,7 +63,7 @@ def test_status_nodes_seqs_table(capsys, populated):
     table = json.loads(run(capsys, populated, "--json", "table", "s1")[1])
     assert table["num_blocks"] == 3 and len(table["table"]["block_table"]) == 3
     code, _, err = run(capsys, populated, "table", "nope")
-    assert code == EXIT_REFUSED and err.startswith("error: not found:") and err.count("\n") == 1
+    assert code == EXIT_REFUSED and err.startswith("block-manager admin: error: not found:") and err.count("\n") == 1
 
 
 def test_mutating_subcommands(capsys, populated):
@@ -85,7 +85,7 @@ def test_mutating_subcommands(capsys, populated):
     assert code == 0 and "fsck: ok" in out
     assert json.loads(run(capsys, populated, "--json", "fsck")[1]) == {"ok": True, "problems": []}
     code, _, err = run(capsys, populated, "drain", "ghost")
-    assert code == EXIT_REFUSED and err.startswith("error: not found:")
+    assert code == EXIT_REFUSED and err.startswith("block-manager admin: error: not found:")
 
 
 def test_fsck_problems_exit_1(capsys, populated):
@@ -101,7 +101,8 @@ def test_fsck_problems_exit_1(capsys, populated):
 
 def test_auth_unreachable_usage(capsys, populated, monkeypatch):
     code, _, err = run(capsys, populated, "status", token=None)
-    assert code == EXIT_REFUSED and err.startswith("error: unauthenticated:") and err.count("\n") == 1
+    assert code == EXIT_REFUSED and err.startswith("block-manager admin: error: unauthenticated:")
+    assert err.count("\n") == 1
     code, _, err = run(capsys, populated, "status", token="wrong")
     assert code == EXIT_REFUSED and "unauthenticated" in err
     monkeypatch.setenv("PAGEDKV_ADMIN_TOKEN", "s3cret")
@@ -110,7 +111,8 @@ def test_auth_unreachable_usage(capsys, populated, monkeypatch):
     capsys.readouterr()
     code = main(["--target", "127.0.0.1:1", "--timeout", "1", "status"])
     err = capsys.readouterr().err
-    assert code == EXIT_UNREACHABLE and err == "error: cannot reach block manager at 127.0.0.1:1 (UNAVAILABLE)\n"
+    assert code == EXIT_UNREACHABLE
+    assert err == "block-manager admin: error: cannot reach block manager at 127.0.0.1:1 (UNAVAILABLE)\n"
     assert main(["frobnicate"]) == EXIT_USAGE
     assert main(["--timeout", "0", "status"]) == EXIT_USAGE
 
@@ -130,8 +132,55 @@ def test_cli_subprocess_against_served_process(tmp_path):
         bad = subprocess.run([*cli, "--token", "nope", "nodes"], capture_output=True, text=True, cwd=REPO, timeout=60)
         assert (
             bad.returncode == EXIT_REFUSED
-            and bad.stderr.startswith("error: unauthenticated:")
+            and bad.stderr.startswith("block-manager admin: error: unauthenticated:")
             and "Traceback" not in bad.stderr
         )
     finally:
         assert server.stop(timeout_s=20) == 0
+
+
+def _big_pool(pool_id: str) -> dict:
+    return dict(pool_id=pool_id, num_blocks=1048576, block_size=16, num_free_blocks=524288, num_used_blocks=524288,
+                num_cached_blocks=123456, num_reserved_blocks=65536, usage=0.5, high_water_mark=1000000,
+                num_sequences=4096, num_tokens=12345678, waste_slots=123457, prefix_hit_tokens=1,
+                prefix_query_tokens=3, cow_copies=12345, evictions=234567, defrag_moves=345678, contiguity=0.987)
+
+
+def test_status_fits_80_columns_without_cutting_a_cell():
+    """Seven-digit counters and eleven-character pool ids: every value whole, no line over 80."""
+    import io
+
+    from rich.console import Console
+
+    from block_manager.cli.admin import _show_status
+
+    status = dict(state="serving", store="sqlite:///var/lib/pagedkv/bm.db", num_nodes=2, num_sequences=8192,
+                  last_seq_no=123456789, uptime_s=86400.0, pools=[_big_pool("gpu-node-01"), _big_pool("gpu-node-00")],
+                  _nodes=[{"fenced": False, "draining": True}, {"fenced": False, "draining": False}])
+    buf = io.StringIO()
+    _show_status(Console(file=buf, width=80, highlight=False), status)
+    out = buf.getvalue()
+    assert max(len(line.rstrip()) for line in out.splitlines()) <= 80, out
+    assert "…" not in out, out
+    for value in ("gpu-node-00", "gpu-node-01", "1048576", "524288", "123456", "65536", "50.0%", "1000000", "4096",
+                  "12345678", "123457", "33.3%", "12345", "234567", "345678", "0.99", "123456789", "86400s",
+                  "sqlite:///var/lib/pagedkv/bm.db", "2 active (1 draining), 0 fenced"):
+        assert value in out, (value, out)
+    assert out.index("gpu-node-00") < out.index("gpu-node-01")
+
+
+def test_status_in_an_80_column_terminal_and_json_into_a_closed_pipe(tmp_path, populated):
+    """A real process: the human view at COLUMNS=80 (as a terminal would be) fits; `--json`
+    into a pipe whose reader is gone (`| head`) exits quietly, no BrokenPipeError traceback."""
+    env = {**os.environ, "PAGEDKV_ADMIN_TOKEN": "s3cret", "COLUMNS": "80", "TTY_COMPATIBLE": "1"}
+    cli = [sys.executable, "-m", "block_manager.cli.main", "admin", "--target", populated.address]
+    wide = subprocess.run([*cli, "--json", "status"], capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
+    assert wide.returncode == 0 and json.loads(wide.stdout)["num_sequences"] == 3
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        gone = subprocess.run([*cli, "--json", "status"], stdout=write_end, stderr=subprocess.PIPE, text=True,
+                              cwd=REPO, env=env, timeout=60)
+    finally:
+        os.close(write_end)
+    assert gone.returncode == 1 and "Traceback" not in gone.stderr and "BrokenPipe" not in gone.stderr, gone.stderr

@@ -612,3 +612,39 @@ def test_append_tokens_columnar() -> None:
     with pytest.raises(InvalidRequest):
         m.append_tokens(["b"], [1], [1, 2])                  # ids for all or none
     assert m.fsck() == []
+
+
+def test_two_failed_steps_in_a_row_build_on_the_last_applied_step() -> None:
+    """Step 1 fails, step 2 (based on 0) fails: the node still holds step 0's state, so step 3
+    must say it builds on 0 — not on step 1, which never ran."""
+    m = BlockManager()
+    m.add_pool("p", 16, 2)
+    for i, sid in enumerate(["a", "b", "c"]):
+        m.allocate(sid, "p", [1, 2, 3])
+        out = m.close_step("p")
+        assert out is not None
+        if i < 2:
+            m.settle_steps("p", out.step_id - 1, failed_from=out.step_id)
+    assert out.base_step_id == 0
+
+
+def test_a_failure_after_a_completed_step_builds_on_that_step_and_survives_a_snapshot() -> None:
+    """Step 1 fails; step 2 (based on 0) completes; step 3 fails: the node holds step 2, so step
+    4 builds on 2. A snapshot taken with failed-over steps unsettled keeps each step's base."""
+    m = BlockManager()
+    m.add_pool("p", 16, 2)
+    m.allocate("a", "p", [1, 2, 3])
+    s1 = m.close_step("p")
+    m.settle_steps("p", 0, failed_from=s1.step_id)
+    m.allocate("b", "p", [4, 5, 6])
+    s2 = m.close_step("p")
+    assert s2.base_step_id == 0
+    m.allocate("c", "p", [7, 8, 9])
+    s3 = m.close_step("p")
+    assert s3.base_step_id == s2.step_id
+    restored = BlockManager.from_snapshot(m.to_snapshot())
+    for mgr in (m, restored):
+        mgr.settle_steps("p", s2.step_id, failed_from=s3.step_id)
+        mgr.allocate("d", "p", [1, 1, 1])
+        assert mgr.close_step("p").base_step_id == s2.step_id
+        assert mgr.fsck() == []

@@ -238,3 +238,40 @@ def test_large_decode_batches_match() -> None:
         t.check_state()
     m = t.new.metrics("big")
     assert m.prefix_hit_tokens > 0 and m.num_sequences > new_append.VECTOR_MIN_ITEMS
+
+
+@pytest.mark.parametrize("vector_min", [1, new_append.VECTOR_MIN_ITEMS])
+def test_fill_then_evicting_crossing_keep_request_order(vector_min: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block that fills with the content of a cached block, then (later in the same batch)
+    a crossing that has to evict that very cached block: the filled block must stay anonymous
+    (the cached one still owned the hash when it filled), exactly as item-by-item order says."""
+    monkeypatch.setattr(new_append, "VECTOR_MIN_ITEMS", vector_min)
+    t = Trace(7)
+    t.both("add_pool", "e", 12, 2)
+    for m in (t.old, t.new):
+        m.watermark = 0.0
+
+    def forward() -> None:
+        out = t.both("close_step", "e", force=True)
+        if out is not None:
+            t.both("settle_steps", "e", out[2])
+
+    t.both("allocate", "x", "e", [1, 2, 3])
+    forward()
+    t.both("append_tokens", ["x"], [1], [4])          # fills [3, 4]: hashed, registered
+    forward()
+    t.both("free", ["x"])                             # both blocks cached
+    forward()
+    t.both("allocate", "a", "e", [1, 2, 3])          # hits [1, 2]; [3] in a new block
+    t.both("allocate", "b", "e", [9, 9])              # a full table: its next token crosses
+    fillers = 0
+    while t.new.metrics("e").num_free_blocks > 0:     # no free block left, [3, 4] still cached
+        t.both("allocate", f"f{fillers}", "e", num_tokens=2)
+        fillers += 1
+    forward()
+    assert t.new.metrics("e").num_cached_blocks == 1
+    extra = [f"f{i}" for i in range(fillers)] if vector_min > 1 else []
+    # a (fills [3, 4]) comes before b (crosses, evicting the cached [3, 4])
+    t.both("append_tokens", ["a", "b", *extra], [1, 1, *([1] * len(extra))], [4, 5, *([6] * len(extra))])
+    t.check_state()
+    assert t.new.metrics("e").evictions >= 1

@@ -167,3 +167,20 @@ def test_snapshot_keeps_the_pipelining_depth() -> None:
     m = BlockManager(max_unsettled_steps=7)
     m.add_pool("p", 8, 4)
     assert BlockManager.from_snapshot(json.loads(json.dumps(m.to_snapshot()))).max_unsettled_steps == 7
+
+
+@pytest.mark.parametrize(
+    ("tail", "message"),
+    [([1 << 70], "not an int64"), ([1, 2, 3, 4, 5, 6], "exceed a block"), ([], "tail tokens for 5 tokens")],
+)
+def test_snapshot_with_a_bad_tail_is_refused(tail: list[int], message: str) -> None:
+    """The partial block's tokens live in a fixed-width int64 column: a snapshot whose tail
+    does not fit it (too long, not int64) or disagrees with the token count is refused with
+    InvalidRequest, never a crash."""
+    m = BlockManager()
+    m.add_pool("p", 8, 4)
+    m.allocate("a", "p", [1, 2, 3, 4, 5])
+    data = m.to_snapshot()
+    data["pools"][0]["sequences"][0]["tail_token_ids"] = tail
+    with pytest.raises(InvalidRequest, match=message):
+        BlockManager.from_snapshot(data)

@@ -25,7 +25,7 @@ import sqlalchemy
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from block_manager.service.server import BlockManagerServer
-from engine.localstack import ServiceProcess
+from demo.localstack import ServiceProcess
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 from tests.block_manager.service.service_helpers import (

@@ -26,7 +26,7 @@ def pg_store_url(_store_tests_pg_url: str) -> str:
     engine = create_engine(_store_tests_pg_url)
     try:
         with engine.begin() as conn:
-            conn.execute(text("DROP TABLE IF EXISTS journal, snapshots, meta"))
+            conn.execute(text("DROP TABLE IF EXISTS journal, snapshots, meta, leadership, alembic_version"))
     finally:
         engine.dispose()
     return _store_tests_pg_url

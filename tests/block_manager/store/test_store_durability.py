@@ -20,6 +20,7 @@ from block_manager.store import (
     StoreOptions,
     open_store,
 )
+from block_manager.store.schema import SCHEMA_VERSION
 
 HERE = Path(__file__).parent
 # Child processes' pipes must be closed by the tests themselves, not by the garbage collector.
@@ -79,7 +80,7 @@ def test_newer_schema_version_is_a_clear_error(durable_url: str, opened) -> None
     with pytest.raises(SchemaVersionError, match="newer"):
         opened(durable_url)
     with engine.begin() as conn:
-        conn.execute(text("UPDATE meta SET value = '1' WHERE key = 'schema_version'"))
+        conn.execute(text("UPDATE meta SET value = :v WHERE key = 'schema_version'"), {"v": str(SCHEMA_VERSION)})
     engine.dispose()
     # The failed open released the lock and changed nothing.
     assert [r.request_id for r in opened(durable_url).recover().records] == ["a"]

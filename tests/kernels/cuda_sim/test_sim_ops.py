@@ -128,7 +128,11 @@ def test_cp_async_zero_fill_and_simptr_checks() -> None:
     dst = np.full(8, -1.0, np.float32)
     ops.cp_async16_fill(sim_ptr(dst), sim_ptr(src), 16)
     ops.cp_async16_fill(sim_ptr(dst) + 16, sim_ptr(src) + 16, 0)  # past the range: zeros
+    assert np.isnan(dst).all()  # in flight: the destination reads back poison
+    ops.cp_async_commit()
+    ops.cp_async_wait0()
     assert dst.tolist() == [0, 1, 2, 3, 0, 0, 0, 0]
+    assert ops.pending_copies() == 0
     with pytest.raises(RuntimeError, match="misaligned"):
         ops.ld_v4(sim_ptr(src) + 4)
     with pytest.raises(IndexError):

@@ -43,7 +43,7 @@ from .pool import MAX_POOL_BLOCKS, Pool
 from .sequence import Sequence
 from .slots import slot_range
 from .snapshot import CoreParts, from_snapshot, to_snapshot
-from .steps import StepRecord, StepWork, build_output, note_created, note_dropped
+from .steps import StepRecord, StepWork, base_step, build_output, note_created, note_dropped
 from .types import (
     AllocateResult,
     AppendFailure,
@@ -511,8 +511,8 @@ class BlockManager:
             del pool.seqs[sid]
             for b in reversed(seq.block_table):
                 pool.release_block(b)
-        for record in [*pool.unsettled, StepRecord(pool.step.step_id, pool.step.registrations, None)]:
-            for b, block_hash in record.registrations:
+        for registrations in [*(r.registrations for r in pool.unsettled), pool.step.registrations]:
+            for b, block_hash in registrations:
                 pool.unregister(b, block_hash)
         pool.unsettled = []
         pool.settled_step = pool.step.step_id - 1
@@ -545,7 +545,7 @@ class BlockManager:
                 f"settle them before closing step {step.step_id}"
             )
         out = build_output(pool_id, step, pool.seqs)
-        pool.unsettled.append(StepRecord(step.step_id, step.registrations, step.plan_id))
+        pool.unsettled.append(StepRecord(step.step_id, step.registrations, step.plan_id, base_step(step)))
         pool.step = StepWork(StepId(step.step_id + 1))
         return out
 
@@ -598,8 +598,10 @@ class BlockManager:
             failed = pool.unsettled
             pool.unsettled = []
             pool.settled_step = last_closed
-            # The next step builds on the last completed one: the node may lack the failed ones.
-            pool.step.base_step_id = failed_from - 1
+            # The next step builds on what the first failed step was built on: the node holds
+            # that state and lacks every failed step (`failed_from - 1` may itself have failed
+            # in an earlier report, so it is not necessarily applied).
+            pool.step.base_step_id = failed[0].base_step_id
             if pool.plan is not None and pool.plan.step_id >= failed_from:
                 aborted.append(pool.plan.plan_id)
                 _defrag.abort(pool)

@@ -1,0 +1,231 @@
+"""The batched append as array operations over one pool's sequence columns (numpy views):
+in-block appends and plain block crossings for the whole batch at once, the blocks that fill
+hashed in one pass; everything else goes item by item (append_item.py), in request order."""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Sequence as Seq
+
+import numpy as np
+
+from block_manager.core.append_item import AppendOutcome, append_one, hash_full_row, stop_hashing
+from block_manager.core.errors import CoreError
+from block_manager.core.hashing import hash_encoded, salt_bytes
+from block_manager.core.pool import BlockMeta, Pool
+from block_manager.core.sequence import Sequence
+from block_manager.core.steps import touch
+from block_manager.core.types import SeqId
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
+_NO_SALT = salt_bytes(None)
+
+
+
+_ONES: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def decode_arrays(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Counts and token offsets of a decode batch of `n` (read-only, cached per size)."""
+    got = _ONES.get(n)
+    if got is None:
+        if len(_ONES) >= 64:
+            _ONES.clear()
+        ones, starts = np.ones(n, np.int64), np.arange(n, dtype=np.int64)
+        ones.flags.writeable = starts.flags.writeable = False
+        got = _ONES[n] = (ones, starts)
+    return got
+
+
+def append_pool(
+    pool: Pool,
+    seqs: dict[SeqId, Sequence],
+    seq_ids: Seq[str],
+    sel: np.ndarray | None,
+    rows: np.ndarray,
+    cnt: np.ndarray,
+    starts: np.ndarray,
+    toks: array | None,
+    tk: np.ndarray | None,
+    mark: bool,
+    ones: bool,
+    out: AppendOutcome,
+) -> bool:
+    """The items `sel` (all when None; their rows `rows`) of one pool, answered into `out`;
+    whether any of them succeeded.
+
+    Two kinds of item run as array operations: in-block appends (inside or exactly filling
+    an exclusive partial last block) and plain crossings (the table is full and the tokens
+    fit one new block: no copy). Crossings take their blocks in request order, so they run
+    as arrays only when no other item of the batch takes blocks and the pool has a plain free
+    block for each (no eviction, which would drop a hash out of order with the batch's
+    registrations); otherwise they go item by item with the rest."""
+    cols = pool.cols
+    bs = pool.block_size
+    num = len(rows)
+    c, st = (cnt, starts) if sel is None else (cnt[sel], starts[sel])
+    nt0 = cols.num_tokens_np[rows]
+    off = nt0 % bs
+    last = cols.last_block_np[rows]
+    if ones:
+        end = off + 1
+        fast = (off != 0) & (pool.ref_np[last] == 1)
+    else:
+        end = off + c
+        fast = (off != 0) & (end <= bs) & (pool.ref_np[last] == 1)
+    nt1 = nt0 + c
+    step_id = pool.step.step_id
+    num_fast = int(np.count_nonzero(fast))
+    simple = fast
+    cross: list[int] = []
+    if num_fast < num:
+        crossing = (off == 0) if ones else (off == 0) & (c <= bs)
+        num_cross = int(np.count_nonzero(crossing))
+        # Only from plain free blocks: an eviction drops a hash, which must happen in request
+        # order relative to the registrations of blocks that fill in this batch.
+        if num_cross and num_fast + num_cross == num and num_cross <= pool.free_list.length:
+            simple = fast | crossing
+            cross = crossing.nonzero()[0].tolist()
+    if num_fast == num or cross:
+        # Every item is in-block or a plain crossing: one scatter each for all of them (a
+        # crossing's new count and writing step are the same; only its block differs).
+        cols.num_tokens_np[rows] = nt1
+        if mark:
+            pool.write_step_np[last if num_fast == num else last[fast]] = step_id
+            cols.last_write_step_np[rows] = step_id
+        if cross:
+            _cross(pool, seqs, seq_ids, sel, rows, cross, step_id)
+    elif num_fast:
+        rs = rows[fast]
+        cols.num_tokens_np[rs] = nt1[fast]
+        if mark:
+            pool.write_step_np[last[fast]] = step_id
+            cols.last_write_step_np[rs] = step_id
+    hf = simple & (cols.hashing_np[rows] != 0)
+    per_item = ~simple
+    filled: np.ndarray | None = None
+    if tk is None:
+        per_item |= hf
+    elif hf.any():
+        rh, oh, sh = rows[hf], off[hf], st[hf]
+        if ones:
+            cols.tail_np.reshape(-1)[rh * bs + oh] = tk[sh]
+            cols.tail_len_np[rh] = oh + 1
+        else:
+            ch = c[hf]
+            item = np.repeat(np.arange(len(ch)), ch)
+            within = np.arange(int(ch.sum())) - np.repeat(np.cumsum(ch) - ch, ch)
+            cols.tail_np[rh[item], oh[item] + within] = tk[sh[item] + within]
+            cols.tail_len_np[rh] = oh + ch
+        filled = hf & (end == bs)
+    num_tokens = nt1.tolist()
+    any_ok = num_fast > 0 or bool(cross)
+    todo = per_item.nonzero()[0].tolist()
+    req = sel.tolist() if sel is not None else None
+    if filled is not None and not todo:
+        # Only blocks that filled inside their tails: hash them straight from the columns.
+        f = filled.nonzero()[0]
+        if len(f):
+            _hash_filled(pool, seqs, seq_ids, f.tolist() if req is None else [req[j] for j in f.tolist()], rows[f])
+    elif todo or filled is not None:
+        if filled is not None:
+            todo = (per_item | filled).nonzero()[0].tolist()
+        cl, sl, fl = c.tolist(), st.tolist(), simple.tolist()
+        for j in todo:
+            i = j if req is None else req[j]
+            seq = seqs[seq_ids[i]]  # type: ignore[index]
+            if fl[j]:
+                if tk is None:
+                    stop_hashing(seq)
+                else:   # its block filled: hash it
+                    hash_full_row(pool, seq)
+                continue
+            k, p = cl[j], sl[j]
+            try:
+                _, op = append_one(pool, seq, k, None if toks is None else toks[p : p + k], mark)
+            except CoreError as exc:
+                out.failures.append((i, exc))
+                num_tokens[j] = 0
+                continue
+            any_ok = True
+            if op is not None:
+                out.copy_ops[i] = op
+    if req is None:
+        out.num_tokens = num_tokens
+    else:
+        for j, i in enumerate(req):
+            out.num_tokens[i] = num_tokens[j]
+    return any_ok
+
+
+def _cross(
+    pool: Pool,
+    seqs: dict[SeqId, Sequence],
+    seq_ids: Seq[str],
+    sel: np.ndarray | None,
+    rows: np.ndarray,
+    cross: list[int],
+    step_id: int,
+) -> None:
+    """Plain crossings (positions `cross` of the pool's items, in request order): one new
+    block each, at the end of the table; the caller checked that the pool has enough and
+    wrote their counts and writing step."""
+    step = pool.step
+    dirty = step.dirty
+    take = pool.take_block
+    version = pool.last_version
+    req = sel.tolist() if sel is not None else None
+    new_blocks = []
+    for j in cross:
+        seq = seqs[seq_ids[j if req is None else req[j]]]  # type: ignore[index]
+        if seq.seq_id not in dirty:
+            touch(step, seq)
+        b = take()
+        seq.block_table.append(b)
+        new_blocks.append(b)
+        version += 1
+        seq.version = version
+        seq.last_step = step_id
+    pool.last_version = version
+    step.has_writes = True
+    blocks = np.array(new_blocks, np.int64)
+    pool.cols.last_block_np[rows[cross]] = blocks
+    pool.write_step_np[blocks] = step_id
+
+
+def _hash_filled(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[str], items: list[int],
+                 rows: np.ndarray) -> None:
+    """Hash and register the blocks the items' tails just filled, in request order (no other
+    item of the batch touches the prefix index)."""
+    if not _LITTLE_ENDIAN:
+        for i in items:
+            hash_full_row(pool, seqs[seq_ids[i]])  # type: ignore[index]
+        return
+    cols = pool.cols
+    blocks = cols.tail_np[rows]
+    data = blocks.tobytes()
+    token_lists = blocks.tolist()
+    cols.tail_len_np[rows] = 0
+    bs = pool.block_size
+    width = 8 * bs
+    size = bs.to_bytes(4, "little")
+    regs = pool.step.registrations
+    index = pool.prefix_index
+    meta = pool.meta
+    for j, i in enumerate(items):
+        seq = seqs[seq_ids[i]]  # type: ignore[index]
+        hashes = seq.block_hashes
+        parent = hashes[-1] if hashes else None
+        salt = seq.salt
+        h = hash_encoded(parent, _NO_SALT if salt is None else salt_bytes(salt), size,
+                         data[j * width : (j + 1) * width])
+        b = seq.block_table[len(hashes)]
+        if h not in index and meta[b] is None:   # `Pool.register`, inlined: the first block keeps a hash
+            index[h] = b
+            meta[b] = BlockMeta(h, parent, salt, tuple(token_lists[j]))
+            regs.append((b, h))
+        hashes.append(h)
+
+
+__all__ = ["append_pool", "decode_arrays"]

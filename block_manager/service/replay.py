@@ -1,0 +1,33 @@
+"""Replaying journal records: the one dispatch of a journaled op (client-session bookkeeping or
+the state machine), shared by live requests, recovery and a standby following the journal."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from block_manager.service.errors import RecoveryError
+from block_manager.service.sessions import SESSION_OPS, SessionTable
+from block_manager.service.state import Applied, ServiceState
+from block_manager.store.records import JournalRecord
+
+
+def apply_op(state: ServiceState, sessions: SessionTable, op: str, payload: dict[str, Any], now: float) -> Applied:
+    """The one dispatch of a journaled op: session bookkeeping or the state machine."""
+    if op in SESSION_OPS:
+        result, mutated = sessions.apply(op, payload, now)
+        return Applied(result, mutated)
+    return state.apply(op, payload, now)
+
+
+def replay_record(state: ServiceState, sessions: SessionTable, rec: JournalRecord, now: float) -> None:
+    """Replay one journal record (recovery; anything that follows the journal, e.g. a standby):
+    the op through `apply_op`, and a sessioned request's answer into the session table, timed by
+    the record's `created_at`."""
+    try:
+        apply_op(state, sessions, rec.op, rec.payload, now)
+    except Exception as exc:
+        raise RecoveryError(f"journal record {rec.seq_no} ({rec.op}) does not replay: {exc}") from exc
+    sessions.replay(rec.request_id, rec.payload_digest, rec.result, rec.created_at)
+
+
+__all__ = ["apply_op", "replay_record"]

@@ -1,0 +1,191 @@
+"""The FA2-class prefill body (tensor-core path): warps split the query rows, not the tokens.
+
+A thread block holds `num_warps x max_rows` query rows (64 at head_dim <= 128: 4 warps x 16
+rows; 16 at head_dim 256: 2 warps x 8) of one KV head. The block walks the visible token
+range in tiles of `16 * S` tokens (S = num_warps / 2 slices of 16): each tile's K and V are
+copied from the paged cache into shared memory once (`cp.async`, warp w stages slice w % S of
+K when w < S, else of V) and read by every warp for its own rows, so the cache is read once per
+64 query rows instead of once per 16. Tiles are double-buffered: tile t+1's copies are in
+flight while tile t is computed, with one `wait_group 1` + block barrier before a tile is read
+and one barrier after (its buffer is then free for tile t+2).
+
+Per warp and 16-token slice the step is `_tc_attend.make_tc_step`'s: Sᵀ = K·Qᵀ and
+Oᵀ += Vᵀ·Pᵀ with `mma.m16n8k16`, online softmax in registers (causal limits per row; a slice
+entirely past the warp's last visible position is skipped, warp-uniformly). Each warp owns its
+rows to the end, so there is no cross-warp merge: each row is divided by its sum, staged as
+float32 in the (then free) tile buffer and stored in 16-byte chunks.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+from typing import Any
+
+from numba import cuda, float32, int32, int64, uint32
+
+from kernels.cuda._merge import chunk_dims, make_store_chunk
+from kernels.cuda._ops import cp_async_commit, cp_async_wait0, cp_async_wait1, shfl_xor, smem_addr
+from kernels.cuda._runtime import SIMULATOR, device_function
+from kernels.cuda._spec import KIND_BYTES, TC_STEP_TOKENS, AttentionSpec
+from kernels.cuda._stage import make_stager, tile_geometry
+from kernels.cuda._table import make_paging
+from kernels.cuda._tc_attend import make_tc_load_queries, make_tc_step
+
+NEG_INF = float32(-math.inf)
+STEP = TC_STEP_TOKENS
+
+
+def fa2_geometry(spec: AttentionSpec) -> tuple[int, int, int, int]:
+    """(rows per warp, rows per block, slices per tile, shared float32 words) of a variant."""
+    rows_w = spec.max_rows
+    rows = spec.num_warps * rows_w
+    slices = max(1, spec.num_warps // 2)
+    _, _, _, tile_bytes = tile_geometry(2 * spec.head_dim, STEP)
+    staging = 2 * 2 * slices * tile_bytes  # [buffer][K, V][slice]
+    return rows_w, rows, slices, max(staging // 4, rows * spec.head_dim)
+
+
+@cache
+def make_fa2_prefill(spec: AttentionSpec, row_source: Any, row_target: Any) -> Any:
+    """Device function `run(k_ptr, v_ptr, tbl_ptr, kv_head, end, scale_log2, *src, *dst)`.
+
+    `row_source(r, *src) -> (query address, real row?, last visible position)` and
+    `row_target(r, *dst) -> (address, kind, unused)` map block row r (0 .. rows-1); the block
+    attends to positions [0, end), `end` = the block's last visible position + 1.
+    """
+    head_dim, block_size = spec.head_dim, spec.block_size
+    rows_w, rows, slices, buf_floats = fa2_geometry(spec)
+    row_tiles = spec.row_tiles
+    row_bytes = 2 * head_dim
+    head_bytes = block_size * row_bytes
+    tile_tokens = STEP * slices
+    k_steps = head_dim // 16
+    num_acc = 4 * k_steps * row_tiles
+    q_words = head_dim // 8 * row_tiles
+    state_len = 4 * row_tiles  # [max, sum] of the lane's 2 rows per row tile
+    _, _, _, tile_bytes = tile_geometry(row_bytes, STEP)
+    paging = make_paging(block_size, spec.num_kv_heads, row_bytes, STEP, slices)
+    locate, start, block_div = paging.locate, paging.start, paging.block_div
+    per_token = paging.per_token
+    stage = make_stager(row_bytes, STEP, paging.half, paging.token_off)
+    scores_softmax, pv = make_tc_step(spec)
+    load_queries = make_tc_load_queries(spec)
+    chunk = chunk_dims(head_dim)
+    chunks_per_row = head_dim // chunk
+    items = rows * chunks_per_row
+    threads = spec.num_threads
+    store_out = make_store_chunk(spec.out_kind, chunk)
+    out_bytes = KIND_BYTES[spec.out_kind]
+    smem_align = None if SIMULATOR else 16  # cp.async needs 16-byte aligned shared rows
+
+    @device_function
+    def stage_tile(tbl_ptr: Any, src: Any, smem: Any, buf_idx: Any, tile0: Any, end: Any,
+                   last_blk: Any, win: Any, cur: Any, nxt: Any) -> Any:
+        """This warp's share of tile `tile0`: slice w % S of K (w < S) or V into buffer
+        buf_idx; rows past `end` zero-filled. Returns the warp's advanced table window."""
+        warp = cuda.threadIdx.x >> 5
+        s = warp % slices
+        tok = int32(tile0 + STEP * s)
+        valid = min(int32(end - tok), int32(STEP))
+        at = tok if tok < end else tile0  # a slice past the range: any mapped rows, all filled
+        win, cur, nxt, lo, hi = locate(tbl_ptr, at, last_blk, win, cur, nxt)
+        kv = 0 if warp < slices else 1
+        dst = smem + int32(((buf_idx * 2 + kv) * slices + s) * tile_bytes)
+        stage(dst, src, at, valid, per_token, lo, hi, cur, nxt, win)
+        return win, cur, nxt
+
+    @device_function
+    def run(k_ptr: Any, v_ptr: Any, tbl_ptr: Any, kv_head: Any, end: Any, scale_log2: Any,
+            s0: Any, s1: Any, s2: Any, s3: Any, s4: Any, s5: Any,
+            t0: Any, t1: Any, t2: Any, t3: Any, t4: Any, t5: Any) -> None:
+        buf = cuda.shared.array(buf_floats, float32, alignment=smem_align)
+        o = cuda.local.array(num_acc, float32)
+        qf = cuda.local.array(q_words, uint32)
+        st = cuda.local.array(state_len, float32)
+        lims = cuda.local.array(4, int32)
+        sc = cuda.local.array(8, float32)
+        pf = cuda.local.array(8, uint32)
+        rs = cuda.local.array(4, float32)
+        vals = cuda.local.array(chunk, float32)
+        warp = cuda.threadIdx.x >> 5
+        lane = cuda.laneid
+        r0 = warp * rows_w  # the warp's first block row
+        g = lane >> 2
+        c2 = 2 * (lane & 3)
+        qa, real_a, _lim = row_source(r0 + g, s0, s1, s2, s3, s4, s5)
+        qb, real_b, _lim = row_source(r0 + 8 + g, s0, s1, s2, s3, s4, s5)
+        load_queries(qa, real_a, qb, real_b, qf)
+        for i in range(4):  # rows 2c, 2c+1, 8+2c, 9+2c of the warp: the lane's softmax rows
+            _q, _real, lim = row_source(r0 + c2 + (i & 1) + 8 * (i >> 1), s0, s1, s2, s3, s4, s5)
+            lims[i] = min(lim, end - 1)
+        # The warp's last visible position (its last row's; rows are in position order) and
+        # whether it has a real row at all: both warp-uniform.
+        _q, warp_real, _lim = row_source(r0, s0, s1, s2, s3, s4, s5)
+        _q, _real, warp_last = row_source(r0 + rows_w - 1, s0, s1, s2, s3, s4, s5)
+        warp_last = min(warp_last, end - 1)
+        for i in range(num_acc):
+            o[i] = float32(0.0)
+        for i in range(0, state_len, 2):
+            st[i], st[i + 1] = NEG_INF, float32(0.0)
+        last_pos = int32(end - 1)
+        last_blk = block_div(last_pos)
+        src = (k_ptr if warp < slices else v_ptr) + int64(kv_head) * head_bytes
+        smem = smem_addr(buf)
+        win, cur, nxt = start(tbl_ptr, 0, last_blk)
+        num_tiles = (end + tile_tokens - 1) // tile_tokens
+        win, cur, nxt = stage_tile(tbl_ptr, src, smem, 0, 0, end, last_blk, win, cur, nxt)
+        cp_async_commit()
+        for t in range(num_tiles):
+            tile0 = int32(t * tile_tokens)
+            if t + 1 < num_tiles:  # the next tile in flight while this one is computed
+                win, cur, nxt = stage_tile(tbl_ptr, src, smem, (t + 1) & 1,
+                                           int32(tile0 + tile_tokens), end, last_blk,
+                                           win, cur, nxt)
+            cp_async_commit()  # (an empty group after the last tile)
+            cp_async_wait1()  # this thread's copies of tile t landed
+            # Why: every warp reads the slices all warps copied.
+            cuda.syncthreads()
+            if warp_real:
+                for s in range(slices):
+                    tok0 = int32(tile0 + STEP * s)
+                    if tok0 <= warp_last:  # warp-uniform: a slice the warp sees at least part of
+                        k_tile = smem + int32(((t & 1) * 2 * slices + s) * tile_bytes)
+                        v_tile = k_tile + int32(slices * tile_bytes)
+                        scores_softmax(k_tile, tok0, True, lims, last_pos, scale_log2, qf, st,
+                                       sc, pf, rs)
+                        pv(v_tile, o, pf, rs)
+            # Why: tile t's buffer is refilled with tile t+2 next trip; all warps must be done.
+            cuda.syncthreads()
+        cp_async_wait0()  # (only empty groups remain: no copy outlives the loop)
+        # Each row's sum over the warp's 8 token lanes g; then Oᵀ / sum → buf [row, dim].
+        for i in range(1, state_len, 2):
+            total = st[i]
+            total += shfl_xor(total, 4)
+            total += shfl_xor(total, 8)
+            st[i] = total + shfl_xor(total, 16)
+        for rt in range(row_tiles):
+            sa = st[4 * rt + 1]
+            sb = st[4 * rt + 3]
+            f_a = float32(1.0) / sa if sa > float32(0.0) else float32(0.0)
+            f_b = float32(1.0) / sb if sb > float32(0.0) else float32(0.0)
+            row_a = (r0 + rt * 8 + c2) * head_dim
+            row_b = row_a + head_dim
+            for j in range(k_steps):
+                i = 4 * (k_steps * rt + j)
+                buf[row_a + 16 * j + g] = o[i] * f_a
+                buf[row_b + 16 * j + g] = o[i + 1] * f_b
+                buf[row_a + 16 * j + g + 8] = o[i + 2] * f_a
+                buf[row_b + 16 * j + g + 8] = o[i + 3] * f_b
+        # Why: a row's chunks are stored by other threads than the lanes that staged them.
+        cuda.syncthreads()
+        for item in range(cuda.threadIdx.x, items, threads):
+            r = item // chunks_per_row
+            d0 = (item - r * chunks_per_row) * chunk
+            addr, kind, _unused = row_target(r, t0, t1, t2, t3, t4, t5)
+            if kind != 0:
+                for i in range(chunk):
+                    vals[i] = buf[r * head_dim + d0 + i]
+                store_out(addr + d0 * out_bytes, vals)
+
+    return run

@@ -1,0 +1,97 @@
+"""What every pagedkv command does the same way when something goes wrong.
+
+One error style for `pagedkv-serve`, `compute-node`, `block-manager` and the demo:
+`prog: error: <what> (<hint>)` on stderr, one line, exit 2 for a usage problem (a flag, a
+model directory) and 1 for a runtime failure (a port in use, a service unreachable). Checks
+that are cheap run before anything slow (a busy port is found before the weights load), and a
+reader that closes the pipe early (`| head`) ends the command quietly, not with a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import os
+import socket
+import sys
+
+EXIT_RUNTIME = 1
+EXIT_USAGE = 2
+
+
+def error_line(prog: str, what: str, hint: str | None = None) -> str:
+    """`prog: error: what (hint)`, kept to one line."""
+    text = f"{prog}: error: {what.splitlines()[0] if what else 'failed'}"
+    return text + (f" ({hint})" if hint else "")
+
+
+def fail(prog: str, code: int, what: str, hint: str | None = None) -> int:
+    """Print the error line on stderr; `code` back, for `return fail(...)`."""
+    print(error_line(prog, what, hint), file=sys.stderr)
+    return code
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are the one line too (`prog: error: ... (see prog --help)`),
+    exit 2, instead of a usage block followed by the message."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, error_line(self.prog, message, f"see {self.prog} --help") + "\n")
+
+
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 (a free one) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is beyond 0-65535")
+    return port
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """`("::1", 50051)` from `[::1]:50051`, `("127.0.0.1", 0)` from `127.0.0.1:0`; `ValueError`
+    for a missing or non-numeric port or one beyond 0-65535."""
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not port_text.isdigit():
+        raise ValueError(f"{address!r} is not HOST:PORT")
+    port = int(port_text)
+    if port > 65535:
+        raise ValueError(f"port {port} in {address!r} is beyond 0-65535")
+    return host.strip("[]") or "0.0.0.0", port
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why `host:port` cannot be listened on (in use, not an address of this machine), or None.
+    Port 0 always works. The probe socket is closed at once: a service binds for real later, so
+    this is a quick early answer, not a reservation."""
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return f"cannot resolve {host!r}: {exc.strerror or exc}"
+    family, _, _, _, sockaddr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(sockaddr)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return "address already in use"
+            return exc.strerror or str(exc)
+    return None
+
+
+def quiet_broken_pipe() -> None:
+    """After stdout's reader went away (`cmd | head`): point stdout at /dev/null so the
+    interpreter's final flush does not raise again (Python's documented recipe)."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
+__all__ = ["ArgumentParser", "EXIT_RUNTIME", "EXIT_USAGE", "error_line", "fail", "port_number", "port_problem",
+           "quiet_broken_pipe", "split_host_port"]

@@ -1,0 +1,190 @@
+"""What a newcomer's mistakes look like from the command line (issue 24): every case below is a
+real process, and each ends with exactly one `prog: error: <what> (<hint>)` line on stderr, the
+right exit code (2 usage, 1 runtime), no traceback, and nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.compute_node.model.model_helpers import tiny_model_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+NOISE = ("Traceback", "Exception ignored", "Event loop is closed", "never awaited", "add_port.cc", "CancelledError")
+SERVE = [sys.executable, "-m", "engine.api.cli"]
+BLOCK_MANAGER = [sys.executable, "-m", "block_manager.cli.main"]
+COMPUTE_NODE = [sys.executable, "-m", "compute_node.service.cli", "serve"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("cli-models"), "llama", num_layers=1, hidden_size=64,
+                          num_heads=2, num_kv_heads=1, head_dim=32, intermediate_size=128, vocab_size=512, seed=3)
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "PAGEDKV_LOG_LEVEL": "WARNING"}
+
+
+def _run(argv: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                          env=_env(), cwd=cwd or ROOT)
+
+
+def _one_error(prog: str, result: subprocess.CompletedProcess[str], code: int) -> str:
+    """The single error line; the exit code; nothing else on stderr."""
+    for noise in NOISE:
+        assert noise not in result.stderr, result.stderr[-3000:]
+    assert result.returncode == code, (result.returncode, result.stderr[-3000:])
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), result.stderr[-3000:]
+    return lines[0]
+
+
+def test_serve_port_out_of_range_is_a_usage_error(model_dir: Path) -> None:
+    line = _one_error("pagedkv-serve", _run([*SERVE, "--model", str(model_dir), "--port", "99999"]), 2)
+    assert "99999" in line and "0-65535" in line
+
+
+def test_serve_busy_port_is_said_before_the_model_loads(model_dir: Path, busy_port: int) -> None:
+    result = _run([*SERVE, "--model", str(model_dir), "--port", str(busy_port), "--log-level", "INFO"])
+    line = _one_error("pagedkv-serve", result, 1)     # one line: not even the "serving" log came first
+    assert f"127.0.0.1:{busy_port}" in line and "in use" in line and "--port 0" in line
+
+
+def test_serve_model_dir_problems_are_usage_errors_with_the_model_init_hint(tmp_path: Path) -> None:
+    line = _one_error("pagedkv-serve", _run([*SERVE, "--model", str(tmp_path / "nope")]), 2)
+    assert "does not exist" in line and "engine.model_init" in line
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    line = _one_error("pagedkv-serve", _run([*SERVE, "--model", str(empty)]), 2)
+    assert "no config.json" in line and "engine.model_init" in line
+
+
+def test_serve_dead_block_manager_is_one_plain_line(model_dir: Path) -> None:
+    with socket.socket() as sock:                 # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    line = _one_error("pagedkv-serve", _run([*SERVE, "--model", str(model_dir), "--block-manager",
+                                             f"127.0.0.1:{port}"]), 1)
+    assert f"cannot reach the block manager at 127.0.0.1:{port}" in line and "UNAVAILABLE" not in line
+
+
+def test_compute_node_missing_model_is_exit_2_before_listening(tmp_path: Path) -> None:
+    result = _run([*COMPUTE_NODE, "--listen", "127.0.0.1:0", "--block-manager", "127.0.0.1:9",
+                   "--model", str(tmp_path / "nope")])
+    line = _one_error("compute-node", result, 2)
+    assert "does not exist" in line and "engine.model_init" in line
+
+
+def test_block_manager_busy_port_leaves_no_database_behind(tmp_path: Path, busy_port: int) -> None:
+    result = _run([*BLOCK_MANAGER, "serve", "--listen", f"127.0.0.1:{busy_port}",
+                   "--database-url", f"sqlite:///{tmp_path / 'bm.db'}"])
+    line = _one_error("block-manager", result, 1)
+    assert f"127.0.0.1:{busy_port}" in line and "in use" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_block_manager_failed_start_after_the_store_opened_removes_its_files(tmp_path: Path) -> None:
+    """The TLS files are read once the store is open: the failed start takes bm.db and its
+    lock away again."""
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    env = {**_env(), "PAGEDKV_TLS__CERT_FILE": str(junk), "PAGEDKV_TLS__KEY_FILE": str(junk)}
+    result = subprocess.run([*BLOCK_MANAGER, "serve", "--listen", "127.0.0.1:0", "--database-url",
+                             f"sqlite:///{tmp_path / 'bm.db'}"], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "block-manager: error: " in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["junk.pem"]
+
+
+def test_block_manager_listen_port_out_of_range_is_a_usage_error() -> None:
+    line = _one_error("block-manager", _run([*BLOCK_MANAGER, "serve", "--listen", "127.0.0.1:99999",
+                                             "--database-url", "memory://"]), 2)
+    assert "0-65535" in line
+
+
+def test_api_healthcheck_against_a_grpc_port_says_so(busy_port: int, tmp_path: Path) -> None:
+    port_file = tmp_path / "port"
+    bm = subprocess.Popen([*BLOCK_MANAGER, "serve", "--listen", "127.0.0.1:0", "--database-url", "memory://",
+                           "--port-file", str(port_file)], env=_env(), stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert bm.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        result = _run([sys.executable, "-m", "engine.api.healthcheck", f"127.0.0.1:{port_file.read_text()}"])
+    finally:
+        bm.terminate()
+        bm.wait(timeout=30)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stdout.startswith("NOT HTTP") and "API server" in result.stdout
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
+def test_serve_shutdown_ends_open_streams_with_an_error_event(model_dir: Path, tmp_path: Path, sig: int) -> None:
+    """SIGTERM / Ctrl-C with a stream open and a whole answer pending: the stream gets a final
+    `server_shutdown` error event and `[DONE]`, the other request a 503, the server exits 0
+    within its grace period, and stderr stays free of tracebacks."""
+    port_file = tmp_path / "port"
+    proc = subprocess.Popen([*SERVE, "--model", str(model_dir), "--port", "0", "--port-file", str(port_file),
+                             "--device", "cpu", "--num-kv-blocks", "512", "--block-size", "16",
+                             "--log-level", "WARNING", "--shutdown-grace-s", "10"],
+                            env=_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not port_file.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()  # type: ignore[union-attr]
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{port_file.read_text()}/v1/completions"
+        body = {"prompt": "the cache", "max_tokens": 4000, "ignore_eos": True}
+        whole: list[httpx.Response] = []
+        waiting = threading.Thread(target=lambda: whole.append(httpx.post(url, json=body, timeout=60)))
+        waiting.start()
+        with httpx.Client(timeout=60) as client:
+            with client.stream("POST", url, json={**body, "stream": True}) as stream:
+                events = []
+                for line in stream.iter_lines():
+                    if line:
+                        events.append(line)
+                    if len(events) == 3:
+                        proc.send_signal(sig)
+                        signalled = time.monotonic()
+            ended_s = time.monotonic() - signalled
+        assert events[-1] == "data: [DONE]" and "server_shutdown" in events[-2], events[-3:]
+        assert ended_s < 10, ended_s
+        waiting.join(timeout=30)
+        assert whole[0].status_code == 503 and whole[0].json()["error"]["code"] == "server_shutdown"
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = proc.stderr.read()  # type: ignore[union-attr]
+    for noise in NOISE:
+        assert noise not in stderr, stderr[-3000:]
+
+
+def test_demo_with_a_missing_model_is_a_usage_error_before_anything_starts(tmp_path: Path) -> None:
+    result = _run([sys.executable, "-m", "demo.cli", "--model", str(tmp_path / "nope"),
+                   "--plot", str(tmp_path / "p.png")])
+    line = _one_error("pagedkv-demo", result, 2)
+    assert "does not exist" in line and "--model" in line
