@@ -158,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="token slots per block")
     p.add_argument("--watermark", type=float, default=0.01, help="admission watermark")
     p.add_argument("--node-blocks", type=int, default=2048, help="services: blocks per compute node")
+    p.add_argument("--host-kv-memory", type=int, default=256 << 20,
+                   help="services: bytes of host KV tier per compute node (swaps, offloaded prefixes; 0: none)")
     p.add_argument("--num-heads", type=int, default=8, help="services: query heads (GQA over the nodes' KV heads)")
     p.add_argument("--check-every", type=int, default=1,
                    help="services: check every sequence's outputs every N steps (0: never)")

@@ -117,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
             "PAGEDKV_CN_NUM_BLOCKS": str(args.node_blocks), "PAGEDKV_LOG_LEVEL": "WARNING",
             "PAGEDKV_MODEL_DIR": str(model_dir.parent), "PAGEDKV_MODEL": model_dir.name,
             "PAGEDKV_BLOCK_SIZE": str(args.block_size),
+            # a host tier under each node (docs/tiers.md): preemptions swap, evicted prefixes stay
+            "PAGEDKV_CN_HOST_KV_MEMORY": str(args.host_kv_memory) if args.host_kv_memory > 0 else "",
         }
         # the two nodes share this machine's cores: one thread pool each, no oversubscription
         threads = str(max(1, (os.cpu_count() or 2) // len(NODES)))
@@ -368,7 +370,13 @@ def render(r: ModelDemoReport, console: Console) -> None:
     queried = sum(int(p.get("prefix_query_tokens", 0)) for p in r.pools)
     t.add_row("prefix cache hit tokens / queried", f"{hits} / {queried} ({100 * hits / max(queried, 1):.1f}%)")
     t.add_row("copy-on-write copies (n > 1 forks)", str(sum(int(p.get("cow_copies", 0)) for p in r.pools)))
-    t.add_row("preemptions (recompute)", str(int(s.get("preemptions", 0))))
+    recomputes = int(s.get("preemptions", 0)) - int(s.get("swap_outs", 0))
+    t.add_row("preemptions: swapped / recomputed", f"{int(s.get('swap_outs', 0))} / {recomputes}")
+    t.add_row("host blocks: swap out / in, offload / onboard",
+              f"{int(s.get('swapped_out_blocks', 0))} / {int(s.get('swapped_in_blocks', 0))}, "
+              f"{int(s.get('offloaded_blocks', 0))} / {int(s.get('onboarded_blocks', 0))}")
+    t.add_row("prefix hit tokens: device / host", f"{int(s.get('prefix_hit_tokens', 0))} / "
+              f"{int(s.get('host_hit_tokens', 0))}")
     plans = sum(int(p.get("compaction_plans", 0)) + int(p.get("contiguity_plans", 0)) for p in r.pools)
     t.add_row("defrag plans committed / blocks moved",
               f"{plans} / {sum(int(p.get('defrag_moves', 0)) for p in r.pools)}")

@@ -151,6 +151,13 @@ def test_the_demo_check_compares_greedy_outputs_batched_and_says_how_many(tmp_pa
     shown = io.StringIO()
     render(report, Console(file=shown, width=400))
     assert f"OK {greedy}/{greedy}" in shown.getvalue() and summary in shown.getvalue()
+    # the tier counters (issue 18): swapped vs recomputed preemptions, host moves, host hits
+    report.stats = {"preemptions": 5, "swap_outs": 3, "swapped_out_blocks": 7, "swapped_in_blocks": 6,
+                    "offloaded_blocks": 11, "onboarded_blocks": 4, "prefix_hit_tokens": 96, "host_hit_tokens": 64}
+    shown = io.StringIO()
+    render(report, Console(file=shown, width=400))
+    text = shown.getvalue()
+    assert "swapped / recomputed" in text and "3 / 2" in text and "7 / 6, 11 / 4" in text and "96 / 64" in text
 
     bounded = ModelDemoReport(model="tiny-llama", built=True)
     _check_reference(bounded, model_dir, workload, outputs, Console(file=io.StringIO()), max_checked=2)
