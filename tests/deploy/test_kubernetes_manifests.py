@@ -51,9 +51,10 @@ def _containers(workload: dict[str, Any]) -> list[dict[str, Any]]:
     return [*spec.get("initContainers", []), *spec["containers"]]
 
 
-def _env(container: dict[str, Any]) -> dict[str, str]:
-    """Literal env values with $(VAR) references expanded (downward-API values get a sample)."""
-    samples = {"POD_NAME": "compute-node-cpu-5d8f-abcde", "POD_IP": "10.1.2.3"}
+def _env(container: dict[str, Any], pod_name: str = "compute-node-cpu-1") -> dict[str, str]:
+    """Literal env values with $(VAR) references expanded (downward-API values get a sample:
+    `pod_name` for metadata.name)."""
+    samples = {"POD_NAME": pod_name, "POD_IP": "10.1.2.3", "POD_NAMESPACE": "pagedkv"}
     out: dict[str, str] = {}
     for item in container.get("env", []):
         value = item.get("value")
@@ -94,8 +95,9 @@ def test_required_pieces_are_there() -> None:
     (bm_container,) = bm["spec"]["template"]["spec"]["containers"]
     assert _env(bm_container)["PAGEDKV_FAILOVER__ENABLED"] == "true"
     # Readiness must pass on a healthy standby too, or a rolling update waits forever.
-    assert bm_container["readinessProbe"]["grpc"]["service"] == REPLICA_HEALTH
-    gpu = next(d for d in docs if d["metadata"]["name"] == "compute-node-gpu")
+    probe = bm_container["readinessProbe"]["exec"]["command"]
+    assert probe[probe.index("--service") + 1] == REPLICA_HEALTH
+    gpu = next(d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "compute-node-gpu")
     limits = gpu["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits["nvidia.com/gpu"] == 1
     assert any(d["metadata"]["name"] == "compute-node-cpu" for d in docs)
@@ -113,6 +115,13 @@ def test_required_pieces_are_there() -> None:
         v for w in _workloads() for v in w["spec"]["template"]["spec"].get("volumes", []) if "secret" in v
     ]
     assert any(v["secret"]["secretName"] == "block-manager-config" for v in secret_volumes)
+    # mTLS: every pagedkv service pod mounts the CA; nodes are StatefulSets (per-ordinal certificates).
+    for name, c in _service_containers():
+        w = next(w for w in _workloads() if w["metadata"]["name"] == name)
+        assert any(v.get("secret", {}).get("secretName") == "pagedkv-ca"
+                   for v in w["spec"]["template"]["spec"]["volumes"]), name
+        if c["command"][0] == "compute-node":
+            assert w["kind"] == "StatefulSet", name
 
 
 # ---- env vars and flags ---------------------------------------------------------------------
@@ -285,3 +294,228 @@ def test_services_and_network_policies_use_container_ports() -> None:
                 for peer in rule.get("from", []):
                     if "podSelector" in peer:
                         assert selected(peer["podSelector"]["matchLabels"]), (d["metadata"]["name"], peer)
+
+
+# ---- TLS: certificates as files, one per node ordinal ---------------------------------------
+
+TLS_FILE_VARS = re.compile(r"^PAGEDKV_(CN_TLS__|TLS__|API_)(CERT_FILE|KEY_FILE|CA_FILE)$")
+
+
+def _pod_names(workload: dict[str, Any]) -> list[str]:
+    """The pod names a workload's pods get: a StatefulSet's ordinals (at least one, so a set
+    declared with 0 replicas is checked too), a Deployment's random suffix."""
+    name = workload["metadata"]["name"]
+    if workload["kind"] == "StatefulSet":
+        return [f"{name}-{i}" for i in range(max(workload["spec"]["replicas"], 1))]
+    return [f"{name}-5d8f7c9b4-x2k8q"]
+
+
+def _declared_replicas(name: str) -> int:
+    return max(next(w for w in _workloads() if w["metadata"]["name"] == name)["spec"]["replicas"], 1)
+
+
+@pytest.fixture(scope="module")
+def cert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """deploy/kubernetes/gen-certs.sh run for the ordinals the StatefulSets declare."""
+    out = tmp_path_factory.mktemp("k8s-certs")
+    env = {"PATH": "/usr/bin:/bin", "PAGEDKV_K8S_CPU_NODES": str(_declared_replicas("compute-node-cpu")),
+           "PAGEDKV_K8S_GPU_NODES": str(_declared_replicas("compute-node-gpu"))}
+    proc = subprocess.run(["bash", str(DEPLOY / "gen-certs.sh"), str(out)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def tls_secrets(cert_dir: Path) -> dict[str, dict[str, bytes]]:
+    import base64
+
+    docs = [d for d in yaml.safe_load_all((cert_dir / "tls-secrets.yaml").read_text()) if d]
+    for d in docs:
+        kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+    return {d["metadata"]["name"]: {k: base64.b64decode(v) for k, v in (d.get("data") or {}).items()}
+            for d in docs}
+
+
+def _mounted_file(workload: dict[str, Any], c: dict[str, Any], path: str) -> tuple[str, str] | None:
+    """(Secret name, key) a file path of the container reads, or None when no Secret volume holds it."""
+    parent, _, key = path.rpartition("/")
+    volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"].get("volumes", [])}
+    for m in c.get("volumeMounts", []):
+        if m["mountPath"].rstrip("/") == parent and "secret" in volumes.get(m["name"], {}):
+            return volumes[m["name"]]["secret"]["secretName"], key
+    return None
+
+
+def tls_file_problems(secrets: dict[str, dict[str, bytes]]) -> list[str]:
+    problems = []
+    checked = 0
+    for w in _workloads():
+        for c in w["spec"]["template"]["spec"]["containers"]:
+            for pod in _pod_names(w):
+                for name, value in _env(c, pod).items():
+                    if not TLS_FILE_VARS.match(name):
+                        continue
+                    checked += 1
+                    where = _mounted_file(w, c, value)
+                    if where is None:
+                        problems.append(f"{pod}: {name}={value} is in no mounted Secret volume")
+                    elif where[1] not in secrets.get(where[0], {}):
+                        problems.append(f"{pod}: {name}={value}: Secret {where[0]} has no key {where[1]!r}")
+    if checked < 10:
+        problems.append(f"only {checked} TLS file settings found")
+    return problems
+
+
+def test_every_tls_file_is_a_key_of_a_mounted_secret(tls_secrets: dict[str, dict[str, bytes]]) -> None:
+    """Every certificate, key and CA path a TLS setting names, for every pod name the workloads
+    get (each StatefulSet ordinal), is a key of the Secret mounted at that directory."""
+    assert tls_file_problems(tls_secrets) == []
+
+
+def test_tls_file_check_catches_a_missing_ordinal(tls_secrets: dict[str, dict[str, bytes]]) -> None:
+    broken = {k: dict(v) for k, v in tls_secrets.items()}
+    del broken["compute-node-cpu-tls"]["compute-node-cpu-1.key"]
+    assert any("compute-node-cpu-1.key" in p for p in tls_file_problems(broken))
+
+
+def _cert_identities(pem: bytes) -> tuple[list[str], list[str]]:
+    """(SANs without their type, subject CNs) of a PEM certificate, as gRPC's auth context lists them."""
+    text = subprocess.run(["openssl", "x509", "-noout", "-ext", "subjectAltName", "-subject", "-nameopt", "multiline"],
+                          input=pem, capture_output=True, timeout=30, check=True).stdout.decode()
+    sans = re.findall(r"(?:DNS|URI|IP Address):([^,\s]+)", text)
+    cns = re.findall(r"commonName\s*=\s*(.+)", text)
+    return sans, [c.strip() for c in cns]
+
+
+def _principal_of(pem: bytes) -> str:
+    from pagedkv.auth import Authenticator, AuthSettings, Principal
+
+    sans, cns = _cert_identities(pem)
+    found = Authenticator(AuthSettings()).from_certificate({
+        "transport_security_type": [b"ssl"], "x509_pem_cert": [pem],
+        "x509_subject_alternative_name": [s.encode() for s in sans],
+        "x509_common_name": [c.encode() for c in cns],
+    })
+    assert isinstance(found, Principal), found
+    return str(found)
+
+
+def _secret_file(w: dict[str, Any], c: dict[str, Any], pod: str, var: str,
+                 secrets: dict[str, dict[str, bytes]]) -> bytes:
+    where = _mounted_file(w, c, _env(c, pod)[var])
+    assert where is not None, (pod, var)
+    return secrets[where[0]][where[1]]
+
+
+def test_certificates_name_the_identities_and_hosts_the_manifests_use(
+    tls_secrets: dict[str, dict[str, bytes]], cert_dir: Path
+) -> None:
+    """Each pod presents the principal the access rules expect (node:<its node id>, scheduler)
+    and its server certificate names the host its clients dial (and 127.0.0.1, the probe)."""
+    ca = cert_dir / "ca.pem"
+    assert tls_secrets["pagedkv-ca"]["ca.crt"] == ca.read_bytes()
+    seen = set()
+    for w in _workloads():
+        for c in w["spec"]["template"]["spec"]["containers"]:
+            command = c.get("command", [""])[0]
+            for pod in _pod_names(w):
+                env = _env(c, pod)
+                if command == "compute-node":
+                    pem = _secret_file(w, c, pod, "PAGEDKV_CN_TLS__CERT_FILE", tls_secrets)
+                    assert _principal_of(pem) == f"node:{env['PAGEDKV_CN_NODE_ID']}" == f"node:{pod}"
+                    sans, _ = _cert_identities(pem)
+                    assert env["PAGEDKV_CN_ADVERTISE_ADDRESS"].rsplit(":", 1)[0] in sans, (pod, sans)
+                    assert "127.0.0.1" in sans
+                    assert env["PAGEDKV_CN_BLOCK_MANAGER_ADDRESS"].rsplit(":", 1)[0] == "block-manager"
+                elif command == "block-manager":
+                    pem = _secret_file(w, c, pod, "PAGEDKV_TLS__CERT_FILE", tls_secrets)
+                    sans, _ = _cert_identities(pem)
+                    assert {"block-manager", "127.0.0.1"} <= set(sans), sans
+                elif command == "pagedkv-serve":
+                    pem = _secret_file(w, c, pod, "PAGEDKV_API_CERT_FILE", tls_secrets)
+                    assert _principal_of(pem) == "scheduler"
+                    assert c["command"][c["command"].index("--block-manager") + 1].startswith("block-manager:")
+                else:
+                    continue
+                seen.add(command)
+                with_ca = subprocess.run(["openssl", "verify", "-CAfile", str(ca)], input=pem,
+                                         capture_output=True, timeout=30)
+                assert with_ca.returncode == 0, with_ca.stdout + with_ca.stderr
+    assert seen == set(ENV_PREFIXES)
+
+
+def test_headless_services_give_each_node_its_advertised_name() -> None:
+    """A StatefulSet's pods get DNS names <pod>.<serviceName> only from a headless Service of that
+    name selecting them; the nodes advertise exactly that name."""
+    docs = _docs()
+    for w in _workloads():
+        if w["kind"] != "StatefulSet" or w["metadata"]["name"] == "postgres":
+            continue
+        name = w["metadata"]["name"]
+        svc = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == w["spec"]["serviceName"])
+        assert svc["spec"]["clusterIP"] == "None"
+        assert svc["spec"]["selector"].items() <= w["spec"]["template"]["metadata"]["labels"].items()
+        (c,) = w["spec"]["template"]["spec"]["containers"]
+        env = _env(c, f"{name}-0")
+        assert env["PAGEDKV_CN_ADVERTISE_ADDRESS"] == f"{name}-0.{svc['metadata']['name']}.pagedkv.svc:50061"
+
+
+def test_exec_probes_use_the_health_checks_flags_and_the_services_tls_prefix() -> None:
+    """`python -m pagedkv.healthcheck` probes: every flag exists, and `--tls-env` names the prefix
+    of the TLS settings the container sets (so the probe dials with the service's certificate)."""
+    proc = subprocess.run([sys.executable, "-m", "pagedkv.healthcheck", "--help"], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    flags = set(re.findall(r"(--[a-z][a-z0-9-]*)", proc.stdout))
+    checked = 0
+    for w in _workloads():
+        for c in w["spec"]["template"]["spec"]["containers"]:
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                cmd = c.get(kind, {}).get("exec", {}).get("command", [])
+                if cmd[:3] != ["python", "-m", "pagedkv.healthcheck"]:
+                    continue
+                assert {a for a in cmd if a.startswith("--")} <= flags, cmd
+                prefix = cmd[cmd.index("--tls-env") + 1]
+                tls_vars = [n for n in _env(c) if n.startswith(prefix) and n.endswith("CERT_FILE")]
+                assert tls_vars, (w["metadata"]["name"], prefix)
+                checked += 1
+    assert checked >= 3
+
+
+def test_the_tls_probe_passes_against_a_mutual_tls_server(cert_dir: Path, tmp_path: Path) -> None:
+    """The readiness probe as the node's container runs it (its own env, --tls-env) against a real
+    gRPC server on 127.0.0.1 serving the node's certificate and demanding client certificates."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    from pagedkv.tls import TlsSettings, server_credentials
+
+    w = next(w for w in _workloads() if w["metadata"]["name"] == "compute-node-cpu")
+    (c,) = w["spec"]["template"]["spec"]["containers"]
+    env = _env(c, "compute-node-cpu-1")
+    files = {"/etc/pagedkv/tls/node/compute-node-cpu-1.crt": cert_dir / "compute-node-cpu-1.pem",
+             "/etc/pagedkv/tls/node/compute-node-cpu-1.key": cert_dir / "compute-node-cpu-1-key.pem",
+             "/etc/pagedkv/tls/ca/ca.crt": cert_dir / "ca.pem"}
+    probe_env = {k: str(files.get(v, v)) for k, v in env.items() if k.startswith("PAGEDKV_CN_TLS__")}
+    assert len(probe_env) == 4
+    tls = TlsSettings(cert_file=probe_env["PAGEDKV_CN_TLS__CERT_FILE"], key_file=probe_env["PAGEDKV_CN_TLS__KEY_FILE"],
+                      ca_file=probe_env["PAGEDKV_CN_TLS__CA_FILE"], require_client_cert=True)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_secure_port("127.0.0.1:0", server_credentials(tls))
+    server.start()
+    try:
+        cmd = c["readinessProbe"]["exec"]["command"]
+        args = [a.replace("127.0.0.1:50061", f"127.0.0.1:{port}") for a in cmd[1:]]
+        base = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+        ok = subprocess.run([sys.executable, *args], env={**base, **probe_env}, capture_output=True, text=True,
+                            timeout=60, cwd=tmp_path)
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        # Without the service's TLS settings the same probe cannot pass (it can fail).
+        plain = subprocess.run([sys.executable, *args], env=base, capture_output=True, text=True, timeout=60,
+                               cwd=tmp_path)
+        assert plain.returncode != 0
+    finally:
+        server.stop(None)
