@@ -12,6 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import grpc
 import kubernetes_validate
 import pytest
 import yaml
@@ -487,7 +488,6 @@ def test_the_tls_probe_passes_against_a_mutual_tls_server(cert_dir: Path, tmp_pa
     gRPC server on 127.0.0.1 serving the node's certificate and demanding client certificates."""
     from concurrent import futures
 
-    import grpc
     from grpc_health.v1 import health, health_pb2_grpc
 
     from pagedkv.tls import TlsSettings, server_credentials
@@ -519,3 +519,67 @@ def test_the_tls_probe_passes_against_a_mutual_tls_server(cert_dir: Path, tmp_pa
         assert plain.returncode != 0
     finally:
         server.stop(None)
+
+
+def _tls_from_manifest(workload: str, pod: str, prefix: str, cert_dir: Path, **extra: Any) -> Any:
+    """The TlsSettings a pod's container gets from its env, its Secret paths mapped onto the files
+    gen-certs.sh wrote (`/etc/pagedkv/tls/node/<pod>.crt` -> `<pod>.pem`, ...)."""
+    from pagedkv.tls import TlsSettings
+
+    w = next(w for w in _workloads() if w["metadata"]["name"] == workload)
+    (c,) = w["spec"]["template"]["spec"]["containers"]
+    env = _env(c, pod)
+
+    def local(path: str) -> Path:
+        leaf = {"node": pod, "server": "block-manager", "client": "api-server"}
+        directory, name = path.rsplit("/", 2)[1:]
+        if directory == "ca":
+            return cert_dir / "ca.pem"
+        return cert_dir / (f"{leaf[directory]}-key.pem" if name.endswith(".key") else f"{leaf[directory]}.pem")
+
+    return TlsSettings(cert_file=local(env[f"{prefix}CERT_FILE"]), key_file=local(env[f"{prefix}KEY_FILE"]),
+                       ca_file=local(env[f"{prefix}CA_FILE"]), **extra)
+
+
+async def test_a_node_pod_registers_as_itself_only_over_the_manifests_mtls(cert_dir: Path) -> None:
+    """A real block manager with the manifest's TLS settings: pod compute-node-cpu-0, with the
+    certificate its env names and dialling the name its env names, registers as node id
+    compute-node-cpu-0 (its pod name); with ordinal 1's certificate it may not; the API server's
+    certificate may Step but not register a node."""
+    from block_manager.service.server import BlockManagerServer
+    from pagedkv.tls import open_channel
+    from pagedkv.v1 import block_manager_pb2 as pb
+    from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
+    from tests.block_manager.service.service_helpers import rid, service_config, step_request
+
+    bm_tls = _tls_from_manifest("block-manager", "block-manager-5d8f7c9b4-x2k8q", "PAGEDKV_TLS__", cert_dir,
+                                require_client_cert=True)
+    server = BlockManagerServer(service_config(tls=bm_tls))
+    await server.start()
+    geometry = pb.KvGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", device="cpu")
+
+    def register(node_id: str) -> pb.RegisterNodeRequest:
+        return pb.RegisterNodeRequest(request_id=rid("reg"), node_id=node_id, num_blocks=64, geometry=geometry,
+                                      address=f"{node_id}.compute-node-cpu.pagedkv.svc:50061")
+
+    async def code(tls: Any, method: str, request: Any) -> grpc.StatusCode:
+        # Dial 127.0.0.1 but check the name the pods dial (block-manager:50051).
+        async with open_channel(f"127.0.0.1:{server.port}", tls.model_copy(update={"server_name": "block-manager"}),
+                                aio=True) as channel:
+            try:
+                await getattr(pb_grpc.BlockManagerStub(channel), method)(request, timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+            return grpc.StatusCode.OK
+
+    try:
+        node0 = _tls_from_manifest("compute-node-cpu", "compute-node-cpu-0", "PAGEDKV_CN_TLS__", cert_dir)
+        node1 = _tls_from_manifest("compute-node-cpu", "compute-node-cpu-1", "PAGEDKV_CN_TLS__", cert_dir)
+        api = _tls_from_manifest("api-server", "api-server-5d8f7c9b4-x2k8q", "PAGEDKV_API_", cert_dir)
+        assert await code(node0, "RegisterNode", register("compute-node-cpu-0")) == grpc.StatusCode.OK
+        assert await code(node1, "RegisterNode", register("compute-node-cpu-0")) == grpc.StatusCode.PERMISSION_DENIED
+        assert await code(api, "RegisterNode", register("compute-node-cpu-0")) == grpc.StatusCode.PERMISSION_DENIED
+        step = step_request(allocs=[("seq-0", "compute-node-cpu-0", list(range(10)), 0, None, 0)])
+        assert await code(api, "Step", step) == grpc.StatusCode.OK
+    finally:
+        await server.stop(0)
