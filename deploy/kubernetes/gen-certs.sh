@@ -2,7 +2,7 @@
 # Certificates for the Kubernetes manifests (mutual TLS between every pagedkv pod) and the
 # Secrets that hold them (docs/kubernetes.md "Certificates").
 #
-#   deploy/kubernetes/gen-certs.sh [DIR]            # default DIR: certs/k8s (git-ignored)
+#   deploy/kubernetes/gen-certs.sh [DIR]            # default DIR: certs/k8s (git-ignored; relative to the repo root)
 #   kubectl apply -f DIR/tls-secrets.yaml
 #
 # The names follow the manifests:
