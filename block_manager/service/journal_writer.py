@@ -15,6 +15,13 @@ request's own content could cause are ruled out before its op is applied (see
 `ServiceRuntime`), so a failed transaction here is a store failure — or a bug, which is
 logged as such (`journal refused a validated record`) and handled the same way.
 
+An answer that is not itself journaled can still depend on state that is: a Step refused
+because a sequence exists, when the Allocate that created it is applied but its transaction
+is still being fsynced. If the server crashed before that fsync, the refusal would describe a
+state that never became durable. `barrier()` waits until every record queued so far is
+committed, and the runtime awaits it before such an answer leaves (see
+`ServiceRuntime.mutate`); it costs nothing when no transaction is in flight.
+
 Snapshots are written by the flusher too, at a moment when nothing is queued or in
 flight, so the state it serialises corresponds exactly to the last committed seq_no. Under
 continuous load the queue may never be empty; once a snapshot is overdue (twice its
@@ -65,6 +72,8 @@ class JournalWriter:
         self._inline = isinstance(store, MemoryStore)
         self._executor = None if self._inline else ThreadPoolExecutor(1, thread_name_prefix="journal")
         self._pending: list[tuple[NewRecord, asyncio.Future[int]]] = []
+        # The newest queued record's future: done once everything applied so far is durable.
+        self._newest: asyncio.Future[int] | None = None
         self._flusher: asyncio.Task[None] | None = None
         self._failed: BaseException | None = None
         self.last_seq_no = store.last_seq_no
@@ -99,9 +108,22 @@ class JournalWriter:
             return self.last_seq_no
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._pending.append((record, fut))
+        self._newest = fut
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush_loop(), name="journal-flusher")
         return await asyncio.shield(fut)
+
+    async def barrier(self) -> None:
+        """Wait until every record queued so far is committed: an answer that reads state
+        those records changed may then leave. `JournalFailure` if their transaction failed
+        (the state the answer saw may be lost)."""
+        newest = self._newest
+        if newest is None or not self.journal:
+            return
+        if not newest.done():
+            await asyncio.shield(newest)
+        elif newest.exception() is not None:
+            raise JournalFailure("the journal failed earlier; the server is stopping")
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         if self._executor is None:
