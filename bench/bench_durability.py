@@ -40,6 +40,7 @@ def main() -> None:
     p.add_argument("--normal", action="store_true", help="also SQLite synchronous=NORMAL (this tree)")
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-dur-"))
+    (tmp / "before").mkdir()
     before = extract(args.before, tmp / "before")
     servers: list[tuple[str, str, Path, dict[str, str]]] = [
         ("memory://", "memory://", bs.REPO, {}),
