@@ -10,7 +10,13 @@ memory:// of the same round set. With `--normal`, SQLite synchronous=NORMAL (no 
 commit) from this tree too: the difference FULL - NORMAL is the fsync, NORMAL - memory is
 the journal's CPU.
 
+`--gil`: instead, the commit latency of SQLite FULL on a writer thread while another thread
+of the same process runs Python without pause (the event loop under load), with the default
+5 ms GIL switch interval and with the journal writer's `GIL_SWITCH_INTERVAL_S`, alternating,
+each in a fresh process.
+
     .venv/bin/python bench/bench_durability.py [--before 3578cf0] [--rounds 5] [--seconds 1.5] [--normal]
+    .venv/bin/python bench/bench_durability.py --gil
 """
 
 from __future__ import annotations
@@ -19,8 +25,11 @@ import argparse
 import asyncio
 import contextlib
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -32,13 +41,68 @@ from bench_scale import extract  # noqa: E402
 DEFAULT_BEFORE = "3578cf0"   # main before the durability work of issue 20
 
 
+def gil_probe(switch_interval_s: float, num_commits: int = 300) -> None:
+    """One line: SQLite FULL commits on this thread while a second thread spins in Python."""
+    import sqlite3
+
+    sys.setswitchinterval(switch_interval_s)
+    db = Path(tempfile.mkdtemp(prefix="bench-gil-")) / "gil.db"
+    conn = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute("CREATE TABLE journal (seq_no INTEGER PRIMARY KEY, payload TEXT)")
+    stop = threading.Event()
+
+    def busy() -> None:
+        x = 0
+        while not stop.is_set():
+            for i in range(1000):
+                x += i * i
+
+    spinner = threading.Thread(target=busy)
+    spinner.start()
+    lat = []
+    for i in range(num_commits):
+        t0 = time.perf_counter()
+        conn.execute("BEGIN")
+        conn.execute("INSERT INTO journal VALUES (?, ?)", (i, "x" * 3200))
+        conn.execute("COMMIT")
+        lat.append(time.perf_counter() - t0)
+    stop.set()
+    spinner.join()
+    lat.sort()
+    print(
+        f"| {switch_interval_s * 1e3:.1f} ms | {statistics.mean(lat) * 1e3:.2f} | {lat[len(lat) // 2] * 1e3:.2f} "
+        f"| {lat[int(len(lat) * 0.9)] * 1e3:.2f} |",
+        flush=True,
+    )
+
+
+def bench_gil(rounds: int) -> None:
+    from block_manager.service.journal_writer import GIL_SWITCH_INTERVAL_S
+
+    print("| GIL switch interval | commit mean ms | p50 ms | p90 ms |")
+    print("|---|---:|---:|---:|")
+    for _ in range(rounds):
+        for si in (0.005, GIL_SWITCH_INTERVAL_S):
+            subprocess.run([sys.executable, __file__, "--gil-probe", str(si)], check=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--before", default=DEFAULT_BEFORE)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seconds", type=float, default=1.5)
     p.add_argument("--normal", action="store_true", help="also SQLite synchronous=NORMAL (this tree)")
+    p.add_argument("--gil", action="store_true", help="the GIL switch interval probe instead")
+    p.add_argument("--gil-probe", type=float, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.gil_probe is not None:
+        gil_probe(args.gil_probe)
+        return
+    if args.gil:
+        bench_gil(args.rounds)
+        return
     tmp = Path(tempfile.mkdtemp(prefix="bench-dur-"))
     (tmp / "before").mkdir()
     before = extract(args.before, tmp / "before")

@@ -33,6 +33,7 @@ of an ever-growing replay.
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +44,9 @@ from block_manager.store import DuplicateRequestId, InvalidRecord, MemoryStore, 
 from pagedkv.logging import get_logger
 
 log = get_logger(__name__)
+
+# The process's GIL switch interval while a journal thread runs (see `JournalWriter`).
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class JournalWriter:
@@ -71,6 +75,11 @@ class JournalWriter:
         # The memory store does no I/O: appending inline avoids a thread hop per batch.
         self._inline = isinstance(store, MemoryStore)
         self._executor = None if self._inline else ThreadPoolExecutor(1, thread_name_prefix="journal")
+        if self._executor is not None and sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
+            # The writer thread drops the GIL for each SQL call (the fsync is in COMMIT) and
+            # must take it back from a busy event loop to hand the results over; with the
+            # default 5 ms interval that wait, not the fsync, dominated a commit under load.
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self._pending: list[tuple[NewRecord, asyncio.Future[int]]] = []
         # The newest queued record's future: done once everything applied so far is durable.
         self._newest: asyncio.Future[int] | None = None
