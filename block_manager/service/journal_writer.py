@@ -49,6 +49,30 @@ log = get_logger(__name__)
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
+class _SwitchInterval:
+    """Lowers the process's GIL switch interval while any journal writer thread exists and
+    restores the previous one when the last is closed (tests run several servers at once)."""
+
+    def __init__(self) -> None:
+        self._num_holders = 0
+        self._previous: float | None = None
+
+    def hold(self) -> None:
+        if self._num_holders == 0 and sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
+            self._previous = sys.getswitchinterval()
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        self._num_holders += 1
+
+    def release(self) -> None:
+        self._num_holders -= 1
+        if self._num_holders == 0 and self._previous is not None:
+            sys.setswitchinterval(self._previous)
+            self._previous = None
+
+
+_SWITCH_INTERVAL = _SwitchInterval()
+
+
 class JournalWriter:
     def __init__(
         self,
@@ -75,11 +99,13 @@ class JournalWriter:
         # The memory store does no I/O: appending inline avoids a thread hop per batch.
         self._inline = isinstance(store, MemoryStore)
         self._executor = None if self._inline else ThreadPoolExecutor(1, thread_name_prefix="journal")
-        if self._executor is not None and sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
+        self._holds_switch_interval = False
+        if self._executor is not None:
             # The writer thread drops the GIL for each SQL call (the fsync is in COMMIT) and
             # must take it back from a busy event loop to hand the results over; with the
             # default 5 ms interval that wait, not the fsync, dominated a commit under load.
-            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+            _SWITCH_INTERVAL.hold()
+            self._holds_switch_interval = True
         self._pending: list[tuple[NewRecord, asyncio.Future[int]]] = []
         # The newest queued record's future: done once everything applied so far is durable.
         self._newest: asyncio.Future[int] | None = None
@@ -218,6 +244,9 @@ class JournalWriter:
         await self._run(self.store.close)
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        if self._holds_switch_interval:
+            self._holds_switch_interval = False
+            _SWITCH_INTERVAL.release()
 
 
 __all__ = ["JournalWriter"]

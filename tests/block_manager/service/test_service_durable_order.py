@@ -17,14 +17,17 @@ After release every answer arrives, each the one a durable server would give.
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 
 import grpc
 import pytest
 
+from block_manager.service.journal_writer import GIL_SWITCH_INTERVAL_S, JournalWriter
 from block_manager.service.server import BlockManagerServer
-from block_manager.store import MemoryStore, NewRecord, StoreOptions
+from block_manager.store import MemoryStore, NewRecord, StoreOptions, open_store
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 from tests.block_manager.service.service_helpers import (
@@ -131,3 +134,22 @@ async def test_later_requests_wait_for_the_earlier_commit(gated: tuple[GatedStor
 
 def _alloc(seq_id: str, num_tokens: int) -> pb.StepRequest:
     return step_request(allocs=[(seq_id, "n1", None, num_tokens, None, 0)])
+
+
+async def test_gil_switch_interval_lowered_while_a_writer_thread_runs(tmp_path: Path) -> None:
+    """The journal thread must get the GIL back promptly after its fsync (see
+    `journal_writer.GIL_SWITCH_INTERVAL_S`); the process's setting is restored when the last
+    writer closes, not when the first of two does."""
+    before = sys.getswitchinterval()
+    writers = [
+        JournalWriter(
+            open_store(f"sqlite:///{tmp_path / f'{i}.db'}"),
+            snapshot_fn=dict, snapshot_interval_s=60.0, snapshot_every_records=100, on_failure=lambda exc: None,
+        )
+        for i in range(2)
+    ]
+    assert sys.getswitchinterval() == min(before, GIL_SWITCH_INTERVAL_S)
+    await writers[0].close(final_snapshot=False)
+    assert sys.getswitchinterval() == min(before, GIL_SWITCH_INTERVAL_S)
+    await writers[1].close(final_snapshot=False)
+    assert sys.getswitchinterval() == before
