@@ -15,6 +15,13 @@ request's own content could cause are ruled out before its op is applied (see
 `ServiceRuntime`), so a failed transaction here is a store failure — or a bug, which is
 logged as such (`journal refused a validated record`) and handled the same way.
 
+An answer that is not itself journaled can still depend on state that is: a Step refused
+because a sequence exists, when the Allocate that created it is applied but its transaction
+is still being fsynced. If the server crashed before that fsync, the refusal would describe a
+state that never became durable. `barrier()` waits until every record queued so far is
+committed, and the runtime awaits it before such an answer leaves (see
+`ServiceRuntime.mutate`); it costs nothing when no transaction is in flight.
+
 Snapshots are written by the flusher too, at a moment when nothing is queued or in
 flight, so the state it serialises corresponds exactly to the last committed seq_no. Under
 continuous load the queue may never be empty; once a snapshot is overdue (twice its
@@ -26,6 +33,7 @@ of an ever-growing replay.
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +44,33 @@ from block_manager.store import DuplicateRequestId, InvalidRecord, MemoryStore, 
 from pagedkv.logging import get_logger
 
 log = get_logger(__name__)
+
+# The process's GIL switch interval while a journal thread runs (see `JournalWriter`).
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
+class _SwitchInterval:
+    """Lowers the process's GIL switch interval while any journal writer thread exists and
+    restores the previous one when the last is closed (tests run several servers at once)."""
+
+    def __init__(self) -> None:
+        self._num_holders = 0
+        self._previous: float | None = None
+
+    def hold(self) -> None:
+        if self._num_holders == 0 and sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
+            self._previous = sys.getswitchinterval()
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        self._num_holders += 1
+
+    def release(self) -> None:
+        self._num_holders -= 1
+        if self._num_holders == 0 and self._previous is not None:
+            sys.setswitchinterval(self._previous)
+            self._previous = None
+
+
+_SWITCH_INTERVAL = _SwitchInterval()
 
 
 class JournalWriter:
@@ -64,7 +99,16 @@ class JournalWriter:
         # The memory store does no I/O: appending inline avoids a thread hop per batch.
         self._inline = isinstance(store, MemoryStore)
         self._executor = None if self._inline else ThreadPoolExecutor(1, thread_name_prefix="journal")
+        self._holds_switch_interval = False
+        if self._executor is not None:
+            # The writer thread drops the GIL for each SQL call (the fsync is in COMMIT) and
+            # must take it back from a busy event loop to hand the results over; with the
+            # default 5 ms interval that wait, not the fsync, dominated a commit under load.
+            _SWITCH_INTERVAL.hold()
+            self._holds_switch_interval = True
         self._pending: list[tuple[NewRecord, asyncio.Future[int]]] = []
+        # The newest queued record's future: done once everything applied so far is durable.
+        self._newest: asyncio.Future[int] | None = None
         self._flusher: asyncio.Task[None] | None = None
         self._failed: BaseException | None = None
         self.last_seq_no = store.last_seq_no
@@ -99,9 +143,22 @@ class JournalWriter:
             return self.last_seq_no
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._pending.append((record, fut))
+        self._newest = fut
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush_loop(), name="journal-flusher")
         return await asyncio.shield(fut)
+
+    async def barrier(self) -> None:
+        """Wait until every record queued so far is committed: an answer that reads state
+        those records changed may then leave. `JournalFailure` if their transaction failed
+        (the state the answer saw may be lost)."""
+        newest = self._newest
+        if newest is None or not self.journal:
+            return
+        if not newest.done():
+            await asyncio.shield(newest)
+        elif newest.exception() is not None:
+            raise JournalFailure("the journal failed earlier; the server is stopping")
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         if self._executor is None:
@@ -187,6 +244,9 @@ class JournalWriter:
         await self._run(self.store.close)
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        if self._holds_switch_interval:
+            self._holds_switch_interval = False
+            _SWITCH_INTERVAL.release()
 
 
 __all__ = ["JournalWriter"]

@@ -11,7 +11,11 @@ decisions: lease expiry, defrag plans and their timeouts):
    request-id window forgot it, so a late resend is never applied twice);
 2. otherwise the op is applied to the in-memory state on the event loop (which
    serialises mutations), journaled through the group-commit writer, and the result is
-   returned only after the transaction committed.
+   returned only after the transaction committed. A refusal, or an answer that changed
+   nothing, is not journaled but may read state that is not durable yet: it waits for the
+   writer's `barrier()` (every record queued before it committed). No answer leaves before
+   the state it describes is durable; meanwhile the next requests are applied and queued,
+   so the fsync overlaps their work (group commit).
 
 Ops that fail raise with the state unchanged and record nothing; ops that change nothing
 (e.g. an Allocate whose every item failed) are answered but not journaled.
@@ -400,8 +404,13 @@ class ServiceRuntime:
             payload_json = canonical_json(payload)  # what the store writes; no await until it has it
         except InvalidRecord as exc:
             raise RecordRejected(f"cannot journal this request: {exc}") from None
-        applied = apply_op(self.state, self.sessions, op, payload, self.clock())
+        try:
+            applied = apply_op(self.state, self.sessions, op, payload, self.clock())
+        except Exception:
+            await self.writer.barrier()   # the refusal may read state not yet durable
+            raise
         if not applied.mutated:
+            await self.writer.barrier()   # likewise an answer that changed nothing
             return applied.result
         record = NewRecord(request_id, op, payload, applied.result, digest, payload_json)
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()

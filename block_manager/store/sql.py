@@ -81,6 +81,7 @@ class SqlStore:
         self._snapshot_seq_no = int(last_snapshot or 0)
         self._last_seq_no = max(int(last_journal or 0), self._snapshot_seq_no)
         self._alive_at = time.monotonic()
+        self._insert = _JournalInsert(writer)
 
     @property
     def last_seq_no(self) -> int:
@@ -113,20 +114,12 @@ class SqlStore:
             now = float(self._options.clock())
             first = self._last_seq_no + 1
             rows = [
-                {
-                    "seq_no": first + i,
-                    "request_id": rec.request_id,
-                    "op": rec.op,
-                    "payload": rec.payload,
-                    "result": rec.result,
-                    "payload_digest": rec.payload_digest,
-                    "created_at": now,
-                }
+                (first + i, rec.request_id, rec.op, rec.payload, rec.result, rec.payload_digest, now)
                 for i, rec in enumerate(encoded)
             ]
             try:
                 with self._guard("append"), self._writer.begin():
-                    self._writer.execute(journal.insert(), rows)
+                    self._insert.run(self._writer, rows)
             except IntegrityError as exc:
                 raise DuplicateRequestId(
                     "a request id of this batch is already journaled; nothing was written"
@@ -258,6 +251,36 @@ class SqlStore:
 
     def _guard(self, what: str) -> _DbErrors:
         return _DbErrors(self, what)
+
+
+class _JournalInsert:
+    """The journal INSERT, compiled once for the writer's dialect and run as driver SQL.
+
+    `append` is the one statement on the commit path; going through `journal.insert()` each
+    time costs a cache-key walk, a compiled-cache lookup and per-row parameter processing —
+    about as much CPU as SQLite's own insert of a step's record (bench/bench_store.py
+    `--cpu`). The statement text is the one SQLAlchemy compiles, so types and quoting are
+    the dialect's; errors still pass through SQLAlchemy (IntegrityError on a duplicate id).
+    """
+
+    __slots__ = ("_keys", "_sql")
+
+    COLUMNS = ("seq_no", "request_id", "op", "payload", "result", "payload_digest", "created_at")
+
+    def __init__(self, conn: Connection) -> None:
+        compiled = journal.insert().compile(dialect=conn.dialect, column_keys=list(self.COLUMNS))
+        self._sql = str(compiled)
+        # Positional paramstyles (SQLite's qmark) take tuples in the compiled order; named
+        # ones (psycopg's pyformat) take dicts.
+        self._keys = None if compiled.positional else self.COLUMNS
+        if compiled.positional and tuple(compiled.positiontup or ()) != self.COLUMNS:
+            raise StoreError(f"unexpected journal insert parameter order: {compiled.positiontup}")
+
+    def run(self, conn: Connection, rows: list[tuple[Any, ...]]) -> None:
+        if self._keys is None:
+            conn.exec_driver_sql(self._sql, rows)
+        else:
+            conn.exec_driver_sql(self._sql, [dict(zip(self._keys, row, strict=True)) for row in rows])
 
 
 class _DbErrors:
