@@ -5,10 +5,11 @@ Starts the block manager and both compute nodes from docker-compose.yml as local
 with `demo.serving.ServingDriver` (batched Route → one Step RPC per scheduler step through the
 client's step helper → Forward on the owning node carrying that node's PoolStep; every
 sequence's outputs checked against float64 every step), triggers one admin defrag midway
-(its moves ride in the next steps), prints the report and writes the PNG plot (`args.plot`,
-already checked by `demo.check_plot_path`: the working directory's `pagedkv-demo.png` unless
-`--plot` says otherwise). Everything it started is stopped on the way out, also on Ctrl-C or
-an error.
+(its moves ride in the next steps), with `--swap-every N` swaps a few running sequences out
+to the nodes' host tier every N steps and back at the next such step (docs/tiers.md), prints
+the report and writes the PNG plot (`args.plot`, already checked by `demo.check_plot_path`:
+the working directory's `pagedkv-demo.png` unless `--plot` says otherwise). Everything it
+started is stopped on the way out, also on Ctrl-C or an error.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
     ops = parse_trace(list(generate_trace(cfg)))
     num_steps = sum(isinstance(op, AppendOp) for op in ops)
     env = {"PAGEDKV_CN_NUM_BLOCKS": str(args.node_blocks), "PAGEDKV_LOG_LEVEL": "WARNING"}
+    swap_every = getattr(args, "swap_every", 0)
+    if swap_every:   # forced swaps need a host tier under each node's pool (`--host-kv-memory` bytes)
+        env["PAGEDKV_CN_HOST_KV_MEMORY"] = str(args.host_kv_memory)
     with tempfile.TemporaryDirectory(prefix="pagedkv-demo-") as tmp, \
             LocalStack(Path(tmp), interp_env=env) as stack:
         console.print(f"starting block manager + {len(NODES)} compute nodes from docker-compose.yml ...")
@@ -58,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
             stack.address("block-manager"),
             {f"node-{i}": stack.address(n) for i, n in enumerate(NODES)},
             num_heads=args.num_heads, max_model_len=cfg.prompt_len_max + cfg.output_len_max,
-            check_every=args.check_every, seed=args.seed,
+            check_every=args.check_every, seed=args.seed, swap_every=swap_every,
         )
         try:
             with Progress(TextColumn("serving"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

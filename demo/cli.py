@@ -159,8 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watermark", type=float, default=0.01, help="admission watermark")
     p.add_argument("--node-blocks", type=int, default=2048, help="services: blocks per compute node")
     p.add_argument("--host-kv-memory", type=int, default=256 << 20,
-                   help="services: bytes of host KV tier per compute node (swaps, offloaded prefixes; 0: none)")
+                   help="services (and attention with --swap-every): bytes of host KV tier per compute node "
+                        "(swaps, offloaded prefixes; 0: none)")
     p.add_argument("--num-heads", type=int, default=8, help="services: query heads (GQA over the nodes' KV heads)")
+    p.add_argument("--swap-every", type=int, default=0, metavar="N",
+                   help="attention: every N steps swap a few running sequences out to the nodes' host tier and "
+                        "the previous ones back in (0: never)")
     p.add_argument("--check-every", type=int, default=1,
                    help="services: check every sequence's outputs every N steps (0: never)")
     p.add_argument("--max-checked", type=int, default=64,
@@ -207,9 +211,9 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.requests is None:
         args.requests = {"services": 48, "attention": 120}.get(args.mode, 400)
     if min(args.requests, args.num_blocks, args.block_size, args.node_blocks, args.num_heads,
-           args.max_batched_tokens) < 1:
+           args.max_batched_tokens) < 1 or args.swap_every < 0:
         print("pagedkv-demo: error: --requests, --num-blocks, --block-size, --node-blocks, --num-heads and "
-              "--max-batched-tokens must be >= 1", file=sys.stderr)
+              "--max-batched-tokens must be >= 1, --swap-every >= 0", file=sys.stderr)
         return 2
     if args.mode in ("services", "attention"):
         try:

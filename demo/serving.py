@@ -85,6 +85,10 @@ class ServingReport:
     final_status: dict[str, object] = field(default_factory=dict)
     block_size: int = 0
     num_pool_blocks: int = 0
+    swapped_out: int = 0          # sequences the driver swapped out to a host tier (--swap-every)
+    swapped_in: int = 0           # ... and back in, onto device blocks, before decoding on
+    swap_refused: int = 0         # swap items the block manager refused (host or device full)
+    swap_errors: list[str] = field(default_factory=list)   # why, one line each
 
     def step_latency_ms(self, q: float) -> float:
         if not self.steps:
@@ -119,6 +123,8 @@ class ServingDriver:
         tls: TlsSettings | None = None,
         token: str | None = None,
         admin_tls: TlsSettings | None = None,
+        swap_every: int = 0,
+        swap_count: int = 2,
     ) -> None:
         # Credentials (none: plaintext): the scheduler's `tls` / `token` towards the block
         # manager and the nodes; the admin plane's (`admin_tls`, default `tls`; `admin_token`).
@@ -150,6 +156,12 @@ class ServingDriver:
             self.report.check_policy = f"{which} every {check_every} steps"
         self._step = 0
         self._pending_free: list[str] = []
+        # Forced swaps (docs/tiers.md): every `swap_every` steps the sequences swapped out at
+        # the last such step come back and `swap_count` running ones go to their host tier;
+        # the trace's appends to a swapped-out sequence are skipped while it is out.
+        self.swap_every = swap_every
+        self.swap_count = swap_count
+        self.swapped: dict[str, _Seq] = {}
 
     def close(self) -> None:
         """Hand the pools back (another scheduler may drive them at once) and disconnect."""
@@ -212,7 +224,7 @@ class ServingDriver:
     ) -> tuple[StepResult, dict[str, list[tuple[str, int, int]]]]:
         """One Step; returns it with the Forward work (seq, new tokens, context_len)."""
         step = self.client.step()
-        freed = [s for s in frees if s in self.seqs] + self._pending_free
+        freed = [s for s in frees if s in self.seqs or s in self.swapped] + self._pending_free
         self._pending_free = []
         for s in frees:
             if s in self.dead:
@@ -226,6 +238,11 @@ class ServingDriver:
             self.report.num_requests += 1
             step.allocate(op.seq_id, pool, list(op.token_ids), salt=op.salt)
         allocated = {a.seq_id for a in allocs}
+        swap_in, swap_out = self._plan_swaps(set(freed), {f.parent_id for f in forks})
+        if swap_in:
+            step.swap_in(swap_in)
+        if swap_out:
+            step.swap_out(swap_out)
         for op in forks:
             if op.parent_id in self.seqs or op.parent_id in allocated:
                 step.fork(op.parent_id, list(op.child_ids))
@@ -235,6 +252,8 @@ class ServingDriver:
         born = {c for f in forks for c in f.child_ids}
         if append is not None:
             for seq_id, token_ids in append.seqs:
+                if seq_id in self.swapped or seq_id in swap_out:
+                    continue   # out on the host tier this step: it decodes on once swapped in
                 if seq_id in self.seqs or seq_id in allocated or seq_id in born:
                     step.append(seq_id, list(token_ids))
                 else:
@@ -245,6 +264,8 @@ class ServingDriver:
         work: dict[str, list[tuple[str, int, int]]] = {}
         for s in freed:
             self.seqs.pop(s, None)
+            self.swapped.pop(s, None)
+        self._swap_results(result)
         for sid in result.dropped:  # a reported failure dropped them: their requests restart
             if self.seqs.pop(sid, None) is not None:
                 self.report.preempted += 1
@@ -272,6 +293,8 @@ class ServingDriver:
                 self.report.forks += 1
                 self.report.fork_shared_blocks += -(-len(p.hashes) // self.report.block_size)
         for seq_id, token_ids in (append.seqs if append is not None else ()):
+            if seq_id in swap_out:
+                continue
             out = result.appends.get(seq_id)
             if out is None or seq_id not in self.seqs:
                 continue
@@ -292,6 +315,36 @@ class ServingDriver:
             else:
                 parts[prior] = (seq_id, parts[prior][1] + out.num_new_tokens, out.context_len)
         return result, work
+
+    def _plan_swaps(self, freed: set[str], parents: set[str]) -> tuple[list[str], list[str]]:
+        """At every `swap_every`-th step: bring back what is out, send `swap_count` others out
+        (never one the step frees or forks)."""
+        if not self.swap_every or self._step % self.swap_every:
+            return [], []
+        swap_in = [s for s in self.swapped if s not in freed]
+        running = [s for s in self.seqs if s not in freed and s not in parents]
+        return swap_in, running[: self.swap_count]
+
+    def _swap_results(self, result: StepResult) -> None:
+        for sid, err in result.swapped_out.items():
+            if err is not None:
+                self.report.swap_refused += 1
+                self.report.swap_errors.append(str(err))
+            elif sid in self.seqs:
+                self.swapped[sid] = self.seqs.pop(sid)
+                self.report.swapped_out += 1
+        for sid, out in result.swapped_in.items():
+            if isinstance(out, ItemFailure):
+                self.report.swap_errors.append(str(out))
+                self.report.swap_refused += 1   # still out: tried again at the next swap step
+                continue
+            seq = self.swapped.pop(sid, None)
+            if seq is None:
+                continue
+            if out != len(seq.hashes):   # the block manager must bring back every token it had
+                self.report.check_failures += 1
+            self.seqs[sid] = seq
+            self.report.swapped_in += 1
 
     def _route_many(self, allocs: list[AllocateOp]) -> list[str]:
         """Cache-aware placement of every admission of the step, in one batched Route."""
@@ -372,12 +425,13 @@ class ServingDriver:
 
     def _flush_frees(self) -> None:
         """Free what the trace left running (and preempted sequences not yet freed)."""
-        leftover = list(self.seqs) + self._pending_free
+        leftover = list(self.seqs) + list(self.swapped) + self._pending_free
         if leftover:
             self.client.free(leftover)
         else:
             self.client.flush_reports()
         self.seqs.clear()
+        self.swapped.clear()
         self._pending_free = []
 
     # -- admin ---------------------------------------------------------------------------------

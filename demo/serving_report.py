@@ -75,6 +75,11 @@ def render(r: ServingReport, console: Console, *, title: str) -> None:
     s.add_row("prefix cache hit tokens / queried", f"{hits} / {queries} ({_pct(hits / queries if queries else 0)})")
     s.add_row("forked children / blocks shared at fork", f"{r.forks} / {r.fork_shared_blocks}")
     s.add_row("CoW copies / blocks saved vs copying at fork", f"{cow} / {r.fork_shared_blocks - cow}")
+    if r.swapped_out or r.swap_refused:
+        moved = sum(int(p.get("swapped_out_blocks", 0)) for p in pools), sum(
+            int(p.get("swapped_in_blocks", 0)) for p in pools)
+        s.add_row("swapped out / in (sequences; blocks) / refused",
+                  f"{r.swapped_out} / {r.swapped_in} ({moved[0]} / {moved[1]}) / {r.swap_refused}")
     if r.defrag:
         before = r.defrag.get("high_water_before", {})
         after = r.defrag.get("high_water_after", {})

@@ -106,10 +106,27 @@ def _status(client: AdminClient, args: argparse.Namespace) -> Result:
     return result
 
 
+_HOST_FIELDS = ("host_num_blocks", "host_free_blocks", "host_used_blocks", "host_cached_blocks")
+
+
+def _nodes(client: AdminClient) -> Result:
+    """The node list with each node's host tier joined in (a node's pool is its host tier's
+    owner, docs/tiers.md), so `nodes` shows both tiers; all 0 for a node without one, or while
+    the block manager is recovering and has no pool statistics yet."""
+    result = client.list_nodes()
+    status = client.status()
+    pools = {p["pool_id"]: p for p in status.get("pools", [])} if status.get("state") != "recovering" else {}
+    for n in result.get("nodes", []):
+        pool = pools.get(n.get("pool_id") or n["node_id"], {})
+        for field in _HOST_FIELDS:
+            n[field] = pool.get(field, 0)
+    return result
+
+
 def _call(client: AdminClient, args: argparse.Namespace) -> Result:
     calls: dict[str, Callable[[], Result]] = {
         "status": lambda: _status(client, args),
-        "nodes": client.list_nodes,
+        "nodes": lambda: _nodes(client),
         "seqs": lambda: client.list_sequences(args.pool, args.limit),
         "table": lambda: client.describe_sequence(args.seq),
         "defrag": lambda: client.trigger_defrag(args.pool, args.kind),
@@ -193,23 +210,22 @@ def _show_status(con: Console, r: Result) -> None:
 
 
 def _show_nodes(con: Console, r: Result) -> None:
-    rows = [
-        (
-            n["node_id"],
-            n["epoch"],
-            n["address"] or "-",
-            n["num_blocks"],
-            n["block_size"],
-            n["geometry"]["device"] or "-",
-            n["geometry"]["dtype"] or "-",
-            "yes" if n["draining"] else "no",
-            "yes" if n["fenced"] else "no",
-            f"{n['lease_remaining_s']:.1f}s",
-        )
-        for n in sorted(r["nodes"], key=lambda n: n["node_id"])
-    ]
-    cols = ("node", "epoch", "address", "blocks", "bs", "device", "dtype", "draining", "fenced", "lease")
-    _print_table(con, "nodes", cols, rows)
+    """Fits an 80-column terminal: membership, then each tier (docs/tiers.md) as its own narrow
+    table, rather than one wide table that a terminal would crop."""
+    nodes = sorted(r["nodes"], key=lambda n: n["node_id"])
+    _print_table(con, "nodes", ("node", "epoch", "address", "draining", "fenced", "lease"), [
+        (n["node_id"], n["epoch"], n["address"] or "-", "yes" if n["draining"] else "no",
+         "yes" if n["fenced"] else "no", f"{n['lease_remaining_s']:.1f}s") for n in nodes])
+    if not nodes:
+        return
+    _print_table(con, "device tier", ("node", "blocks", "bs", "device", "dtype"), [
+        (n["node_id"], n["num_blocks"], n["block_size"], n["geometry"]["device"] or "-",
+         n["geometry"]["dtype"] or "-") for n in nodes])
+    hosts = [n for n in nodes if n.get("host_num_blocks")]
+    if hosts:
+        _print_table(con, "host tier", ("node", "blocks", "free", "used", "cached"), [
+            (n["node_id"], n["host_num_blocks"], n.get("host_free_blocks", 0), n.get("host_used_blocks", 0),
+             n.get("host_cached_blocks", 0)) for n in hosts])
 
 
 def _show_seqs(con: Console, r: Result) -> None:

@@ -60,8 +60,9 @@ class ComputeNodeConfig(YamlEnvSettings):
     block_size: int | None = Field(default=None, ge=1, le=4096)
     num_blocks: int | None = Field(default=None, ge=1, le=1 << 24)
     memory_budget_bytes: int | None = Field(default=None, ge=1)
-    # The host tier under the pool (docs/tiers.md; model nodes): `host_kv_blocks`, or as many
-    # blocks as fit in `host_kv_memory` bytes; pinned memory on CUDA. Unset: no host tier.
+    # The host tier under the pool (docs/tiers.md; model and attention-only nodes alike):
+    # `host_kv_blocks`, or as many blocks as fit in `host_kv_memory` bytes; pinned memory on
+    # CUDA. Unset: no host tier.
     host_kv_blocks: int | None = Field(default=None, ge=0, le=1 << 24)
     host_kv_memory: int | None = Field(default=None, ge=0)
     # "auto": CUDA when torch sees a GPU, else the CPU; or an explicit "cpu" / "cuda:N".
@@ -130,6 +131,9 @@ class ComputeNodeConfig(YamlEnvSettings):
             raise ValueError("set at most one of num_blocks or memory_budget_bytes")
         if self.host_kv_blocks is not None and self.host_kv_memory is not None:
             raise ValueError("set at most one of host_kv_blocks or host_kv_memory")
+        if self.host_kv_memory and self.model is None and self.block_size is None:
+            # An attention-only node sizes its host tier before registering (it sends the size).
+            raise ValueError("host_kv_memory on an attention-only node needs an explicit block_size")
         if self.memory_budget_bytes is not None:
             # The pool size is derived before registering, so the block size must be known.
             if self.block_size is None:

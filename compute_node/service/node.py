@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -50,6 +51,7 @@ from compute_node.errors import (
 )
 from compute_node.forward import ForwardBatch, execute, plan_attention, resolve_sequences
 from compute_node.generate import Generator
+from compute_node.host_pool import HostKvPool, apply_moves, host_blocks_for_budget
 from compute_node.model import ModelRunner
 from compute_node.pool import KvPool, PoolGeometry, blocks_for_budget, resolve_device
 from compute_node.service.bm_link import (
@@ -129,6 +131,9 @@ class ComputeNode:
         )
         self.tables = TableCache()
         self.pool: KvPool | None = None
+        # The host tier under `pool` (docs/tiers.md): the model runner's on a model node; an
+        # attention-only node creates its own with its pool, at the first registration.
+        self.host_pool: HostKvPool | None = None
         self.runner: ModelRunner | None = None     # set by `load_model` when a model is served
         self.generator: Generator | None = None
         self.registration: Registration | None = None
@@ -166,6 +171,7 @@ class ComputeNode:
         if cfg.host_kv_blocks or cfg.host_kv_memory:
             num_host = runner.attach_host_tier(cfg.host_kv_blocks, cfg.host_kv_memory)
             self.log.info("host_tier", num_blocks=num_host, pinned=bool(runner.host_pool and runner.host_pool.pinned))
+        self.host_pool = runner.host_pool
         self.generator = Generator(runner, self.tables, max_batch=cfg.max_batch)
         self.metrics.set_pool(runner.geometry, str(self.device))
         self.log.info("model_loaded", model=cfg.model, architecture=runner.model_config.architecture,
@@ -265,7 +271,7 @@ class ComputeNode:
             reg = await self.link.register(
                 num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, dtype=g.dtype,
                 device=str(self.device), block_size=block_size, num_blocks=num_blocks, address=self.advertise_address,
-                host_num_blocks=self.runner.host_pool.num_blocks if self.runner and self.runner.host_pool else 0,
+                host_num_blocks=self._host_num_blocks(g, block_size),
             )
             self.metrics.bm_rpcs.labels("RegisterNode").inc()
         except LinkError as exc:
@@ -274,7 +280,11 @@ class ComputeNode:
             return
         if pool_geometry is None:
             geometry = PoolGeometry(g.num_layers, g.num_kv_heads, g.head_dim, g.dtype, reg.block_size, reg.num_blocks)
+            num_host = self._host_num_blocks(g, reg.block_size)
             self.pool = KvPool(geometry, self.device, cuda_graphs=self.config.cuda_graphs)
+            if num_host:
+                self.host_pool = HostKvPool(geometry, num_host, self.device)
+                self.log.info("host_tier", num_blocks=num_host, pinned=self.host_pool.pinned)
             self.metrics.set_pool(geometry, str(self.device))
         elif (reg.block_size, reg.num_blocks) != (pool_geometry.block_size, pool_geometry.num_blocks):
             # Cannot happen with an honest block manager (we sent both explicitly).
@@ -289,6 +299,19 @@ class ComputeNode:
             "registered", epoch=reg.epoch, block_size=reg.block_size, num_blocks=reg.num_blocks,
             lease_ttl_s=reg.lease_ttl_s, device=str(self.device),
         )
+
+    def _host_num_blocks(self, g: Any, block_size: int | None) -> int:
+        """The host tier's size to register: the existing one's, else (an attention-only node
+        before its first registration) the configured blocks or what the budget holds."""
+        if self.host_pool is not None or self.pool is not None:
+            return 0 if self.host_pool is None else self.host_pool.num_blocks
+        cfg = self.config
+        if cfg.host_kv_blocks is not None:
+            return cfg.host_kv_blocks
+        if not cfg.host_kv_memory or not block_size:
+            return 0
+        probe = PoolGeometry(g.num_layers, g.num_kv_heads, g.head_dim, g.dtype, block_size, 1)
+        return host_blocks_for_budget(cfg.host_kv_memory, probe)
 
     def _reset_locked(self, reason: str) -> None:
         """Our epoch is fenced: forget everything tied to it (tables, copy-op cursor)."""
@@ -342,7 +365,8 @@ class ComputeNode:
                 table_of = lambda sid: self._retry_table(sid, counts)  # noqa: E731
             else:
                 try:
-                    staged = stage(self.tables, batch.steps, self.config.node_id, epoch, pool.geometry.num_blocks)
+                    staged = stage(self.tables, batch.steps, self.config.node_id, epoch, pool.geometry.num_blocks,
+                                   0 if self.host_pool is None else self.host_pool.num_blocks)
                 except NodeFenced as exc:
                     # The block manager registered the pool anew behind our back: start over.
                     self._reset_locked(f"forward: {exc}")
@@ -355,7 +379,9 @@ class ComputeNode:
             tables = resolve_sequences(batch, table_of, pool.geometry.block_size, cold=set(cold))
             plan = plan_attention(batch, tables, pool.geometry)
             t0 = time.perf_counter()
-            if staged.copy_pairs:
+            if staged.tier_moves:   # host tier moves and copies, in step order (as Generate does)
+                await asyncio.to_thread(apply_moves, pool, self.host_pool, staged)
+            elif staged.copy_pairs:
                 await asyncio.to_thread(pool.copy_blocks, staged.copy_pairs)
             t1 = time.perf_counter()
             before = {s.seq_id: tables[s.seq_id].num_tokens for s in batch.seqs}

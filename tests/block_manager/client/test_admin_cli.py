@@ -184,3 +184,46 @@ def test_status_in_an_80_column_terminal_and_json_into_a_closed_pipe(tmp_path, p
     finally:
         os.close(write_end)
     assert gone.returncode == 1 and "Traceback" not in gone.stderr and "BrokenPipe" not in gone.stderr, gone.stderr
+
+
+def test_nodes_show_both_tiers(capsys, bm_token):
+    """`nodes` lists each node's host tier beside its device tier (a second narrow table), with
+    the blocks a swap-out moved there counted as used; `--json` carries the same fields."""
+    with BlockManagerClient(bm_token.address, scheduler_id=SCHEDULER) as c:
+        c.register_node("h1", 8, block_size=4, host_num_blocks=24)
+        c.register_node("d1", 8, block_size=4)
+        step = c.step()
+        step.allocate("s1", "h1", num_tokens=10)
+        assert not forwarded(c, step.commit()).failures
+        step = c.step()
+        step.swap_out(["s1"])
+        assert not forwarded(c, step.commit()).failures
+    nodes = {n["node_id"]: n for n in json.loads(run(capsys, bm_token, "--json", "nodes")[1])["nodes"]}
+    assert (nodes["h1"]["host_num_blocks"], nodes["h1"]["host_used_blocks"], nodes["h1"]["host_free_blocks"]) == (
+        24, 3, 21)
+    assert nodes["d1"]["host_num_blocks"] == 0 and nodes["d1"]["num_blocks"] == 8
+    code, out, _ = run(capsys, bm_token, "nodes")
+    host = out[out.index("host tier"):]
+    assert code == 0 and "h1" in host and "d1" not in host and "24" in host and "21" in host, out
+
+
+def test_nodes_fit_80_columns_with_a_host_tier():
+    """Both tables of `nodes` stay within 80 columns with long ids and seven-digit counts."""
+    import io
+
+    from rich.console import Console
+
+    from block_manager.cli.admin import _show_nodes
+
+    node = dict(node_id="gpu-node-01", epoch=123, address="10.200.100.123:50051", num_blocks=1048576, block_size=16,
+                geometry={"device": "cuda:0", "dtype": "bfloat16"}, draining=False, fenced=False,
+                lease_remaining_s=29.5, host_num_blocks=4194304, host_free_blocks=3145728, host_used_blocks=1000000,
+                host_cached_blocks=48576)
+    buf = io.StringIO()
+    _show_nodes(Console(file=buf, width=80, highlight=False), {"nodes": [node]})
+    out = buf.getvalue()
+    assert max(len(line.rstrip()) for line in out.splitlines()) <= 80, out
+    assert "…" not in out, out
+    for value in ("gpu-node-01", "10.200.100.123:50051", "1048576", "bfloat16", "4194304", "3145728", "1000000",
+                  "48576", "host tier"):
+        assert value in out, (value, out)
