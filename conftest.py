@@ -26,7 +26,14 @@ def pytest_configure(config: pytest.Config) -> None:
     cygrpc.init_grpc_aio()
 
 
+# The longest single tests (each simulator group runs minutes in its own process) are handed
+# out first: under `--dist loadscope` the other worker meanwhile runs the many short modules,
+# instead of one long group starting last and running alone at the end.
+START_FIRST = ("tests/kernels/test_cuda_simulator.py::",)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda i: not i.nodeid.startswith(START_FIRST))   # stable: else unchanged
     if config.getoption("--slow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --slow")
