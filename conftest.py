@@ -15,6 +15,8 @@ def pytest_configure(config: pytest.Config) -> None:
     # The Numba CUDA simulator runs one OS thread per GPU thread; a short switch
     # interval makes those threads hand over quickly (several times faster).
     sys.setswitchinterval(5e-4)
+    if hasattr(config.option, "loadscopereorder"):   # pytest-xdist: see START_FIRST
+        config.option.loadscopereorder = False
     # gRPC AsyncIO keeps one process-wide poller thread, reference-counted by live aio
     # channels/servers; when the count drops to 0 (the garbage collector freeing the last
     # one, at any later moment) it shuts the completion queue down and joins the poller,
@@ -26,7 +28,16 @@ def pytest_configure(config: pytest.Config) -> None:
     cygrpc.init_grpc_aio()
 
 
+# The longest single tests (each simulator group runs minutes in its own process) are handed
+# out first, one to each worker: the workers then share the many short modules, instead of one
+# long group starting last and running alone at the end. pytest-xdist's loadscope would
+# otherwise hand out the scopes with the most tests first (these are one test each), so its
+# reordering is switched off in `pytest_configure`: the queue follows the collection order.
+START_FIRST = ("tests/kernels/test_cuda_simulator.py::",)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda i: not i.nodeid.startswith(START_FIRST))   # stable: else unchanged
     if config.getoption("--slow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --slow")

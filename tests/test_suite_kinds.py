@@ -32,6 +32,8 @@ KINDS: dict[str, Callable[[pytest.Item], bool]] = {
     "command-line errors (real processes)": lambda i: "test_cli_errors" in _id(i),
     "README runs as written": lambda i: "test_readme_runnable_blocks" in _id(i),
     "property-based (hypothesis)": lambda i: "stateful" in _id(i) or "fuzz" in _id(i),
+    "leader failover (a standby takes over)": lambda i: "failover" in _id(i),
+    "Kubernetes manifests (schema-validated)": lambda i: _id(i).startswith("tests/deploy/test_kubernetes_manifests"),
 }
 
 

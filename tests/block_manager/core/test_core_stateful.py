@@ -450,8 +450,8 @@ def run_machine(max_examples: int, steps: int, derandomize: bool) -> None:
 
 
 def test_core_state_machine() -> None:
-    """CI size: ~6000 steps, a fixed seed so the run (and its coverage) is reproducible."""
-    run_machine(max_examples=150, steps=40, derandomize=True)
+    """CI size: ~3000 steps, a fixed seed so the run (and its coverage) is reproducible."""
+    run_machine(max_examples=75, steps=40, derandomize=True)
 
 
 @pytest.mark.slow
