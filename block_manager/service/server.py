@@ -93,14 +93,7 @@ class BlockManagerServer:
         self.failed = asyncio.Event()  # set when the journal failed (fail-stop)
 
     def _open_store(self) -> Store:
-        options = StoreOptions(
-            request_retention_s=self.config.request_retention_s,
-            max_retained_requests=self.config.max_retained_requests,
-            lock_wait_s=self.config.store_lock_wait_s,
-            sqlite_synchronous=self.config.sqlite_synchronous,
-            migrate=self.config.migrate,
-        )
-        return open_store(self.config.database_url, options)
+        return open_store(self.config.database_url, self._store_options())
 
     def _store_options(self, **changes: object) -> StoreOptions:
         options = StoreOptions(

@@ -73,6 +73,17 @@ def item_error(section: str, index: int, exc: CoreError) -> list[Any]:
     return [section, index, type(exc).__name__, str(exc)]
 
 
+
+def _defrag_args(p: dict[str, Any]) -> tuple[str, int | None]:
+    """A defrag request's plan kind (default compaction) and move cap, checked."""
+    kind = p.get("kind") or "compaction"
+    if kind not in DEFRAG_KINDS:
+        raise InvalidRequest(f"unknown defrag kind {kind!r}")
+    max_moves = p.get("max_moves")
+    if max_moves is not None:
+        check_count("max_moves", max_moves, 1, 1 << 30)
+    return kind, max_moves
+
 class ServiceState:
     """Core + registry + the small bookkeeping the service adds (freed/fenced ids)."""
 
@@ -503,12 +514,7 @@ class ServiceState:
     def _plan_defrag(self, p: dict[str, Any], now: float) -> Applied:
         pool_id = p["pool_id"]
         self.registry.check_active(pool_id)
-        kind = p.get("kind") or "compaction"
-        if kind not in DEFRAG_KINDS:
-            raise InvalidRequest(f"unknown defrag kind {kind!r}")
-        max_moves = p.get("max_moves")
-        if max_moves is not None:
-            check_count("max_moves", max_moves, 1, 1 << 30)
+        kind, max_moves = _defrag_args(p)
         plan = self.core.plan_defrag(PoolId(pool_id), kind, max_moves)
         return Applied({"plan": plan_dict(plan) if plan else None}, plan is not None)
 
@@ -519,12 +525,7 @@ class ServiceState:
         per pool under derived ids lost the answer: the pools that got a plan are busy by the
         time the resend picks its pools)."""
         pool_id = check_optional_str("pool_id", p.get("pool_id"), 128)
-        kind = p.get("kind") or "compaction"
-        if kind not in DEFRAG_KINDS:
-            raise InvalidRequest(f"unknown defrag kind {kind!r}")
-        max_moves = p.get("max_moves")
-        if max_moves is not None:
-            check_count("max_moves", max_moves, 1, 1 << 30)
+        kind, max_moves = _defrag_args(p)
         if pool_id:
             self.registry.check_active(pool_id)
             plan = self.core.plan_defrag(PoolId(pool_id), kind, max_moves)
