@@ -272,10 +272,12 @@ def test_a_batch_with_one_bad_prompt_is_refused_whole(server: ServerThread, llm:
 
 
 # ---- disconnects ----------------------------------------------------------------------------------
-def test_disconnect_mid_stream_frees_everything(server: ServerThread, llm: LLM, model_dir: Path) -> None:
+def test_disconnect_mid_stream_frees_everything(server: ServerThread, llm: LLM, model_dir: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     body = {"model": model_dir.name, "messages": [{"role": "user", "content": "tell me everything"}],
             "max_tokens": 100, "n": 2, "stream": True, "ignore_eos": True}
     gone = _disconnects(server)
+    _pace_steps(llm, monkeypatch)
     with httpx.Client(timeout=30) as http, http.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
         seen = 0
@@ -289,8 +291,9 @@ def test_disconnect_mid_stream_frees_everything(server: ServerThread, llm: LLM, 
     assert _disconnects(server) == gone + 1
 
 
-def test_disconnect_before_a_non_stream_answer_frees_everything(server: ServerThread, llm: LLM,
-                                                                model_dir: Path) -> None:
+def test_disconnect_before_a_non_stream_answer_frees_everything(server: ServerThread, llm: LLM, model_dir: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    _pace_steps(llm, monkeypatch)
     body = {"model": model_dir.name, "prompt": _long(20), "max_tokens": 230, "ignore_eos": True}
     gone, generated = _disconnects(server), llm.engine.stats.generated_tokens
     with pytest.raises(httpx.ReadTimeout):
@@ -298,6 +301,18 @@ def test_disconnect_before_a_non_stream_answer_frees_everything(server: ServerTh
     wait_all_freed(llm)
     assert _disconnects(server) == gone + 1
     assert llm.engine.stats.generated_tokens - generated < 230      # aborted, not run to the end
+
+
+def _pace_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch, seconds: float = 0.02) -> None:
+    """A loaded CI machine can starve the test's client thread until the tiny model has run a
+    request to its end; a paced engine step keeps it running while the client reads and leaves."""
+    engine, step = llm.engine, llm.engine.step
+
+    def paced_step() -> Any:
+        time.sleep(seconds)
+        return step()
+
+    monkeypatch.setattr(engine, "step", paced_step)
 
 
 def _disconnects(server: ServerThread) -> float:
