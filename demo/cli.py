@@ -28,7 +28,7 @@ from rich.table import Table
 
 from block_manager.trace.generate import TraceConfig, write_trace
 from block_manager.trace.replay import ReplayReport, replay
-from pagedkv.cli import ArgumentParser, error_line
+from pagedkv.cli import ArgumentParser, catch_ctrl_c, error_line
 
 DEFAULT_PLOT = "pagedkv-demo.png"
 EXIT_INTERRUPTED = 130
@@ -199,6 +199,7 @@ def check_plot_path(text: str) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    catch_ctrl_c()
     try:
         return _main(argv)
     except KeyboardInterrupt:  # everything started was stopped on the way out (context managers)

@@ -13,8 +13,11 @@ import argparse
 import contextlib
 import errno
 import os
+import signal
 import socket
 import sys
+import threading
+from types import FrameType
 
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
@@ -85,6 +88,24 @@ def port_problem(host: str, port: int) -> str | None:
     return None
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C as our own handler raises it. A subclass, because CPython marks a plain
+    KeyboardInterrupt that passes through `exec()` of a string (dataclasses builds its methods
+    that way, so any import in progress) as unhandled, and then ends the process by SIGINT at
+    exit even after `main` caught it and returned 130. `except KeyboardInterrupt` still
+    catches this one, and the interpreter's exact-type check does not."""
+
+
+def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
+    raise Interrupted
+
+
+def catch_ctrl_c() -> None:
+    """Make Ctrl-C raise `Interrupted` (call first thing in a command's `main`)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _raise_interrupted)
+
+
 def quiet_broken_pipe() -> None:
     """After stdout's reader went away (`cmd | head`): point stdout at /dev/null so the
     interpreter's final flush does not raise again (Python's documented recipe)."""
@@ -93,5 +114,7 @@ def quiet_broken_pipe() -> None:
         os.dup2(devnull, sys.stdout.fileno())
 
 
-__all__ = ["ArgumentParser", "EXIT_RUNTIME", "EXIT_USAGE", "error_line", "fail", "port_number", "port_problem",
-           "quiet_broken_pipe", "split_host_port"]
+__all__ = [
+    "ArgumentParser", "EXIT_RUNTIME", "EXIT_USAGE", "Interrupted", "catch_ctrl_c", "error_line", "fail", "port_number",
+    "port_problem", "quiet_broken_pipe", "split_host_port",
+]

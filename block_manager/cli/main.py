@@ -20,7 +20,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
-from pagedkv.cli import quiet_broken_pipe
+from pagedkv.cli import catch_ctrl_c, quiet_broken_pipe
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -183,6 +183,7 @@ def _passthrough(command: str, rest: list[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    catch_ctrl_c()
     try:
         code = _main(argv)
         sys.stdout.flush()     # here, not at exit: a closed pipe is then caught below
