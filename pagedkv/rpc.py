@@ -231,6 +231,23 @@ def wrap_unary_handler(
     )
 
 
+
+def wrap_unary_stream_handler(
+    handler: grpc.RpcMethodHandler | None, fn: Callable[[Any], Any], *, tolerant: bool = False
+) -> grpc.RpcMethodHandler | None:
+    """A unary-stream (server-streaming) handler whose behaviour is `fn(original behaviour)`
+    (an async generator function); with `tolerant`, requests are parsed by
+    `tolerant_deserializer`. Other handler kinds pass through."""
+    if handler is None or handler.unary_stream is None:
+        return handler
+    deserializer = handler.request_deserializer
+    return grpc.unary_stream_rpc_method_handler(
+        fn(handler.unary_stream),
+        request_deserializer=tolerant_deserializer(deserializer) if tolerant else deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
 __all__ = [
     "MAX_DETAIL_CHARS",
     "NO_RETRY",
@@ -246,4 +263,5 @@ __all__ = [
     "request_id_or_new",
     "tolerant_deserializer",
     "wrap_unary_handler",
+    "wrap_unary_stream_handler",
 ]

@@ -12,6 +12,7 @@ item in Python except the per-item errors, which are rare.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -19,6 +20,7 @@ import grpc
 from block_manager.core.errors import InvalidRequest
 from block_manager.core.types import SeqId
 from block_manager.service.defrag_runner import DefragRunner
+from block_manager.service.kv_events_codec import frame_pb
 from block_manager.service.protocol import MutatingServicer, check_request_id, request_digest, session_of
 from block_manager.service.runtime import ServiceRuntime
 from block_manager.service.sessions import MAX_CLIENT_NAME_LEN
@@ -285,6 +287,21 @@ class BlockManagerServicer(MutatingServicer, pb_grpc.BlockManagerServicer):
     async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
         self.runtime.check_readable()
         return route_response(self.runtime.state, request, self.max_route_tokens)
+
+    # ---- KV events ------------------------------------------------------------------
+    async def SubscribeKvEvents(
+        self, request: pb.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.SubscribeKvEventsResponse]:
+        """Only a serving leader streams (a standby, a recovering or draining server answers
+        UNAVAILABLE, like every other RPC); the stream ends UNAVAILABLE when it stops serving."""
+        self.runtime.check_writable()
+        hub = self.runtime.kv_events
+        sub = hub.subscribe(request.from_event_id, request.live_only)
+        try:
+            async for frame in hub.stream(sub):
+                yield frame_pb(frame)
+        finally:
+            hub.unsubscribe(sub)
 
 
 __all__ = [
