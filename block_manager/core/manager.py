@@ -130,6 +130,10 @@ class BlockManager:
         out.clear()
         return changes
 
+    def num_prefix_hashes(self, pool_id: PoolId) -> int:
+        """Blocks of the pool's device tier findable by their hash (in use or cached)."""
+        return len(self._pool(pool_id).prefix_index)
+
     def kv_index_view(self) -> IndexView:
         """Every tier's prefix index as the KV events describe it (what a replay reproduces)."""
         return _kv_events.index_view(self._pools)
