@@ -103,7 +103,7 @@ class Subscription:
     """One subscriber's bounded queue and what it must be sent next."""
 
     __slots__ = ("capacity", "queue", "num_queued", "wake", "overflowed", "closed", "backlog", "snapshot",
-                 "snapshot_id", "reason")
+                 "snapshot_id", "reason", "num_overflows")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -116,6 +116,7 @@ class Subscription:
         self.snapshot: list[tuple[tuple[str, str], dict]] | None = None
         self.snapshot_id = 0
         self.reason = ""
+        self.num_overflows = 0
 
     def offer(self, batch: list[Event]) -> None:
         """Enqueue one published batch; never blocks. Over capacity: drop to a Resync."""
@@ -126,6 +127,7 @@ class Subscription:
             self.queue.clear()
             self.num_queued = 0
             self.overflowed = True
+            self.num_overflows += 1
         else:
             self.queue.append(batch)
             self.num_queued = n
