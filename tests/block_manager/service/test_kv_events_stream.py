@@ -87,9 +87,11 @@ async def test_live_only_sends_no_snapshot(start_server: Any) -> None:
     await h.register("n1", num_blocks=64)
     await distinct_allocs(h, 0, 2)
     call = h.stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(live_only=True))
+    hub = h.server.runtime.kv_events
+    await eventually(lambda: hub.subscribers, what="the subscription reached the server")   # live only: from then on
     await distinct_allocs(h, 5, 1)
     first = (await call.read()).events[0]
-    assert first.WhichOneof("kind") == "block_stored" and first.event_id == h.server.runtime.kv_events.head
+    assert first.WhichOneof("kind") == "block_stored" and first.event_id == hub.head
     assert list(first.block_stored.block_hashes) and first.block_stored.num_tokens == 8
     call.cancel()
 
@@ -129,6 +131,8 @@ async def test_a_stalled_subscriber_is_dropped_to_resync_and_steps_go_on(start_s
             resp = await stalled.read()
             assert resp is not grpc.aio.EOF
             reasons += [ev.resync.reason for ev in resp.events if ev.WhichOneof("kind") == "resync"]
+        metrics = h.server.metrics.render().decode()
+        assert "pagedkv_kv_event_overflows_total 1.0" in metrics and "pagedkv_kv_event_subscribers 2.0" in metrics
     finally:
         stalled.cancel()
         await stalled_channel.close()
