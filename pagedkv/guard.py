@@ -28,14 +28,14 @@ statuses; this guard answers only for the edge's own refusals.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 
 from pagedkv.auth import Authenticator, Principal, Refusal
 from pagedkv.logging import get_logger
-from pagedkv.rpc import clip, wrap_unary_handler, wrap_unary_stream_handler
+from pagedkv.rpc import clip, run_stream, wrap_unary_handler, wrap_unary_stream_handler
 
 log = get_logger(__name__)
 
@@ -109,13 +109,13 @@ class EdgeGuard(grpc.aio.ServerInterceptor):
 
     def _guard_stream(self, behavior: Any, method: str, needs_auth: bool) -> Any:
         """A server-streaming call passes the same checks before its first message; it counts
-        as one call in flight for as long as it stays open."""
+        as one call in flight for as long as it stays open. Either handler style works (an
+        async generator, or a coroutine that writes with `context.write`)."""
 
-        async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> None:
             key = await self._admit(request, context, method, needs_auth)
             try:
-                async for item in behavior(request, context):
-                    yield item
+                await run_stream(behavior, request, context)
             finally:
                 if key is not None:
                     self._leave(key)

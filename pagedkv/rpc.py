@@ -19,6 +19,7 @@ detail longer than the peer's metadata limit turns any status into RESOURCE_EXHA
 from __future__ import annotations
 
 import asyncio
+import inspect
 import random
 import time
 import uuid
@@ -248,6 +249,18 @@ def wrap_unary_stream_handler(
     )
 
 
+
+async def run_stream(behavior: Any, request: Any, context: Any) -> None:
+    """Run a server-streaming handler of either style — an async generator (each item is
+    written) or a coroutine that writes itself — so a wrapper can present one style to gRPC."""
+    result = behavior(request, context)
+    if inspect.isasyncgen(result):
+        async for item in result:
+            await context.write(item)
+    else:
+        await result
+
+
 __all__ = [
     "MAX_DETAIL_CHARS",
     "NO_RETRY",
@@ -260,6 +273,7 @@ __all__ = [
     "clip",
     "is_retryable",
     "new_request_id",
+    "run_stream",
     "request_id_or_new",
     "tolerant_deserializer",
     "wrap_unary_handler",

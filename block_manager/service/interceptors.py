@@ -18,7 +18,7 @@ Credentials, deadlines and per-peer limits are checked before this, by the edge 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -28,7 +28,7 @@ from block_manager.core.errors import InvalidRequest
 from block_manager.service.metrics import ServiceMetrics
 from block_manager.service.status import clip, status_for
 from pagedkv.logging import get_logger
-from pagedkv.rpc import Undecodable, wrap_unary_handler, wrap_unary_stream_handler
+from pagedkv.rpc import Undecodable, run_stream, wrap_unary_handler, wrap_unary_stream_handler
 
 log = get_logger(__name__)
 
@@ -110,13 +110,12 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         between messages ends the stream with its status; the latency histogram is not fed
         (a stream's duration is its subscriber's, not the server's)."""
 
-        async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> None:
             with structlog.contextvars.bound_contextvars(rpc=method):
                 try:
                     if isinstance(request, Undecodable):
                         raise InvalidRequest(f"malformed request: {request.error}")
-                    async for item in behavior(request, context):
-                        yield item
+                    await run_stream(behavior, request, context)
                 except grpc.aio.AbortError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - the single mapping point

@@ -12,7 +12,6 @@ item in Python except the per-item errors, which are rare.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -27,9 +26,12 @@ from block_manager.service.sessions import MAX_CLIENT_NAME_LEN
 from block_manager.service.state import ServiceState
 from block_manager.service.state_codec import check_count, check_ids
 from block_manager.service.status import code_for_reason
+from pagedkv.logging import get_logger
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 from pagedkv.v1 import common_pb2
+
+log = get_logger(__name__)
 
 MAX_ROUTE_TOKENS = 1 << 17   # the default of the `max_route_tokens` setting
 
@@ -291,15 +293,21 @@ class BlockManagerServicer(MutatingServicer, pb_grpc.BlockManagerServicer):
     # ---- KV events ------------------------------------------------------------------
     async def SubscribeKvEvents(
         self, request: pb.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.SubscribeKvEventsResponse]:
+    ) -> None:
         """Only a serving leader streams (a standby, a recovering or draining server answers
-        UNAVAILABLE, like every other RPC); the stream ends UNAVAILABLE when it stops serving."""
+        UNAVAILABLE, like every other RPC); the stream ends UNAVAILABLE when it stops serving.
+        Messages go out with `context.write`, so a subscriber that went away (the write fails)
+        ends its stream quietly instead of as a servicer error."""
         self.runtime.check_writable()
         hub = self.runtime.kv_events
         sub = hub.subscribe(request.from_event_id, request.live_only)
         try:
             async for frame in hub.stream(sub):
-                yield frame_pb(frame)
+                try:
+                    await context.write(frame_pb(frame))
+                except Exception as exc:  # noqa: BLE001 - the transport refused: the peer is gone
+                    log.info("kv events subscriber went away", error_type=type(exc).__name__)
+                    return
         finally:
             hub.unsubscribe(sub)
 

@@ -196,3 +196,27 @@ async def test_only_subscribers_and_admins_may_subscribe_under_mutual_tls(
             assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     finally:
         await channel.close()
+
+
+async def test_a_subscriber_that_goes_away_mid_write_is_forgotten(start_server: Any, caplog: Any) -> None:
+    """The server's write to a stalled stream is blocked when its subscriber cancels: the
+    subscription is dropped (the hub offers it nothing more) and gRPC logs no servicer error."""
+    h = await start_server(**SMALL)
+    await h.register("n1", num_blocks=2048)
+    hub: KvEventHub = h.server.runtime.kv_events
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{h.server.port}", options=[("grpc.http2.bdp_probe", 0)])
+    call = pb_grpc.BlockManagerStub(channel).SubscribeKvEvents(pb.SubscribeKvEventsRequest())
+    try:
+        assert (await call.read()).events[0].WhichOneof("kind") == "resync"
+        n = 0
+        while not any(sub.num_overflows for sub in hub.subscribers) and n < 200:
+            await step(h, allocs=[(f"big{n}", "n1", [n + 1] + [5] * 999, 0, None, 0)])
+            await step(h, frees=[f"big{n}"])
+            n += 1
+        assert hub.subscribers and any(sub.num_overflows for sub in hub.subscribers)
+        call.cancel()
+        await eventually(lambda: not hub.subscribers, what="the subscription dropped")
+    finally:
+        await channel.close()
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert not errors, [r.getMessage() for r in errors]
