@@ -236,17 +236,29 @@ def wrap_unary_handler(
 def wrap_unary_stream_handler(
     handler: grpc.RpcMethodHandler | None, fn: Callable[[Any], Any], *, tolerant: bool = False
 ) -> grpc.RpcMethodHandler | None:
-    """A unary-stream (server-streaming) handler whose behaviour is `fn(original behaviour)`
-    (an async generator function); with `tolerant`, requests are parsed by
-    `tolerant_deserializer`. Other handler kinds pass through."""
+    """A unary-stream (server-streaming) handler whose behaviour is `fn(original behaviour)`;
+    with `tolerant`, requests are parsed by `tolerant_deserializer`. Its responses may also be
+    `bytes` already serialized (sent as they are: a stream that sends one message to many
+    peers serializes it once). Other handler kinds pass through."""
     if handler is None or handler.unary_stream is None:
         return handler
     deserializer = handler.request_deserializer
     return grpc.unary_stream_rpc_method_handler(
         fn(handler.unary_stream),
         request_deserializer=tolerant_deserializer(deserializer) if tolerant else deserializer,
-        response_serializer=handler.response_serializer,
+        response_serializer=_bytes_or(handler.response_serializer),
     )
+
+
+def _bytes_or(serializer: Callable[[Any], bytes] | None) -> Callable[[Any], bytes] | None:
+    if serializer is None or getattr(serializer, "passes_bytes", False):
+        return serializer
+
+    def serialize(message: Any) -> bytes:
+        return message if isinstance(message, bytes) else serializer(message)
+
+    serialize.passes_bytes = True  # type: ignore[attr-defined]
+    return serialize
 
 
 

@@ -63,6 +63,8 @@ class KvEventSettings(BaseModel):
 
     history_events: int = Field(default=100_000, ge=0, le=1 << 24)
     subscriber_buffer_events: int = Field(default=10_000, ge=1, le=1 << 24)
+    # At most one live message per subscriber per interval (0: one per published batch).
+    batch_interval_s: float = Field(default=0.005, ge=0.0, le=1.0)
 
 
 class BlockManagerConfig(YamlEnvSettings):

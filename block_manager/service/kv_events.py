@@ -26,7 +26,8 @@ the journal:
   salt id, tokens)}, updated per event; a snapshot is a copy of its dicts (C-level copies, not
   a walk of the core), so a Resync costs the Step path little.
 - **Slow subscribers.** Each subscriber has a bounded queue (`subscriber_buffer_events`);
-  publishing appends one batch per subscriber (O(1), never awaits). A subscriber whose queue
+  publishing appends one batch per subscriber (O(1), never awaits). A subscriber is sent at
+  most one live message per `batch_interval_s`: batches published meanwhile go together. A subscriber whose queue
   would overflow has it cleared and is marked for a Resync, which it gets as soon as it reads
   again. Nothing a subscriber does reaches the Step path.
 """
@@ -149,9 +150,12 @@ class Subscription:
 class KvEventHub:
     """Numbers staged changes once committed, keeps the history and the view, feeds subscribers."""
 
-    def __init__(self, history_events: int = 100_000, subscriber_buffer_events: int = 10_000) -> None:
+    def __init__(
+        self, history_events: int = 100_000, subscriber_buffer_events: int = 10_000, batch_interval_s: float = 0.0
+    ) -> None:
         self.history: deque[Event] = deque(maxlen=history_events)
         self.buffer_events = subscriber_buffer_events
+        self.batch_interval_s = batch_interval_s
         self.head = 0
         self.boot_id = 0
         self.view: HubView = {}
@@ -321,6 +325,10 @@ class KvEventHub:
             events = sub.take(MAX_EVENTS_PER_MESSAGE)
             if events:
                 yield Frame("events", events[-1].event_id, events=events)
+                if self.batch_interval_s > 0 and not sub.queue:
+                    # at most one live message per interval: what is published meanwhile rides
+                    # in the next one (fewer, larger writes; events at most this late)
+                    await asyncio.sleep(self.batch_interval_s)
                 continue
             sub.wake.clear()
             await sub.wake.wait()

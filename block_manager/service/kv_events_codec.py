@@ -1,7 +1,9 @@
-"""KV event frames (service/kv_events.py) <-> `SubscribeKvEventsResponse` messages.
+"""KV event frames (service/kv_events.py) -> `SubscribeKvEventsResponse` messages.
 
-A live event is encoded once and the message object is shared by every subscriber that sends
-it (`Event.encoded`): with N subscribers the encoding cost does not grow N times.
+A live event is serialized once, as its `events` entry of the response (tag, length, bytes),
+and kept on the event (`Event.encoded`); a live message is those entries joined, written as
+bytes (the stream's serializer passes bytes through: `pagedkv.rpc.wrap_unary_stream_handler`).
+With N subscribers the encoding cost does not grow N times.
 """
 
 from __future__ import annotations
@@ -11,14 +13,9 @@ from block_manager.service.kv_events import Event, Frame
 from pagedkv.v1 import block_manager_pb2 as pb
 
 TIER_PB = {"device": pb.KV_TIER_DEVICE, "host": pb.KV_TIER_HOST, None: pb.KV_TIER_UNSPECIFIED}
-TIER_NAMES = {pb.KV_TIER_DEVICE: "device", pb.KV_TIER_HOST: "host", pb.KV_TIER_DISK: "disk",
-              pb.KV_TIER_UNSPECIFIED: None}
 
 
 def event_pb(e: Event) -> pb.KvEvent:
-    m = e.encoded
-    if m is not None:
-        return m
     m = pb.KvEvent(event_id=e.event_id)
     if e.kind == STORED:
         m.block_stored.CopyFrom(pb.BlockStored(
@@ -28,8 +25,32 @@ def event_pb(e: Event) -> pb.KvEvent:
         m.block_removed.CopyFrom(pb.BlockRemoved(node_id=e.node_id, tier=TIER_PB[e.tier], block_hashes=e.block_hashes))
     else:
         m.all_blocks_cleared.CopyFrom(pb.AllBlocksCleared(node_id=e.node_id, tier=TIER_PB[e.tier]))
-    e.encoded = m
     return m
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def event_entry(e: Event) -> bytes:
+    """`e` as one serialized `events` entry (field 1, length-delimited), built once."""
+    entry = e.encoded
+    if entry is None:
+        data = event_pb(e).SerializeToString()
+        entry = e.encoded = b"\x0a" + _varint(len(data)) + data
+    return entry
+
+
+def frame_bytes(frame: Frame) -> bytes:
+    """The serialized response of one frame; live events from their cached entries."""
+    if frame.kind == "events":
+        return b"".join([event_entry(e) for e in frame.events or ()])
+    return frame_pb(frame).SerializeToString()
 
 
 def frame_pb(frame: Frame) -> pb.SubscribeKvEventsResponse:
@@ -49,4 +70,4 @@ def frame_pb(frame: Frame) -> pb.SubscribeKvEventsResponse:
     return out
 
 
-__all__ = ["TIER_NAMES", "TIER_PB", "event_pb", "frame_pb"]
+__all__ = ["TIER_PB", "event_entry", "event_pb", "frame_bytes", "frame_pb"]

@@ -143,7 +143,8 @@ class ServiceRuntime:
         )
         self.on_applied(self._after_apply)
         # The KV events stream (service/kv_events.py): changes staged at apply, published at commit.
-        self.kv_events = KvEventHub(config.kv_events.history_events, config.kv_events.subscriber_buffer_events)
+        ev = config.kv_events
+        self.kv_events = KvEventHub(ev.history_events, ev.subscriber_buffer_events, ev.batch_interval_s)
         # Active/standby: False once this process can no longer be sure it leads (its
         # database session may have been ended); every RPC is then refused before it is
         # answered. None: a single server, always leading.

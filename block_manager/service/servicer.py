@@ -19,7 +19,7 @@ import grpc
 from block_manager.core.errors import InvalidRequest
 from block_manager.core.types import SeqId
 from block_manager.service.defrag_runner import DefragRunner
-from block_manager.service.kv_events_codec import frame_pb
+from block_manager.service.kv_events_codec import frame_bytes
 from block_manager.service.protocol import MutatingServicer, check_request_id, request_digest, session_of
 from block_manager.service.runtime import ServiceRuntime
 from block_manager.service.sessions import MAX_CLIENT_NAME_LEN
@@ -304,7 +304,7 @@ class BlockManagerServicer(MutatingServicer, pb_grpc.BlockManagerServicer):
         try:
             async for frame in hub.stream(sub):
                 try:
-                    await context.write(frame_pb(frame))
+                    await context.write(frame_bytes(frame))
                 except Exception as exc:  # noqa: BLE001 - the transport refused: the peer is gone
                     log.info("kv events subscriber went away", error_type=type(exc).__name__)
                     return
