@@ -4,10 +4,12 @@ One block manager process; one scheduler (this process) sends Step RPCs of a wor
 changes the prefix index every step: 32 running sequences decode one token each (block size
 16: about two blocks fill and are registered per step), and every 4th step the oldest
 sequence is freed and a 256-token prompt (128 shared tokens) is admitted, so the pool fills,
-evicts, and offloads to a host tier. Three attachments, measured in the same run, interleaved
-round by round (none, 4 subscribers, 1 stalled subscriber, none, ...):
+evicts, and offloads to a host tier. Four cases, measured in the same run, interleaved round by
+round (off, none, 4 subscribers, 1 stalled subscriber, off, ...):
 
-- `none`: nobody subscribed;
+- `off`: a second block manager, up at the same time, with `kv_events.enabled=false` (nothing
+  recorded: the cost of the feature itself), driven by its own scheduler the same way;
+- `none`: KV events on, nobody subscribed;
 - `4 subscribers`: four streams, each on its own channel, read as fast as they come by a
   separate process (as external routers would);
 - `stalled`: one stream that reads its first message and then nothing (its channel has BDP
@@ -199,39 +201,56 @@ def main() -> None:
         db = "memory://" if args.store == "memory" else f"sqlite:///{tmp}/bm.db"
         argv = [sys.executable, "-m", "block_manager.service.server", "--listen", "127.0.0.1:0", "--database-url", db]
         env = bs.server_env(PAGEDKV_BLOCK_SIZE=str(BS), PAGEDKV_SQLITE_SYNCHRONOUS="NORMAL")
+        if args.store == "sqlite":
+            argv_off = [*argv[:-1], f"sqlite:///{tmp}/bm-off.db"]
+        else:
+            argv_off = argv
         server = ServiceProcess.start(argv, workdir=Path(tmp), name="bm", env=env, cwd=REPO, timeout_s=60)
+        off = ServiceProcess.start(argv_off, workdir=Path(tmp), name="bm-off",
+                                   env={**env, "PAGEDKV_KV_EVENTS__ENABLED": "false"}, cwd=REPO, timeout_s=60)
         try:
-            stub = pb_grpc.BlockManagerStub(grpc.insecure_channel(server.address))
-            wl = Workload(stub)
-            wl.register()
-            for _ in range(200):   # fill the pool: evictions and offloads from here on
-                wl.step()
-            phases = [("none", 0, False), ("4 subscribers", 4, False), ("stalled", 1, True)]
+            wl = Workload(pb_grpc.BlockManagerStub(grpc.insecure_channel(server.address)))
+            wl_off = Workload(pb_grpc.BlockManagerStub(grpc.insecure_channel(off.address)))
+            for w in (wl, wl_off):
+                w.register()
+                for _ in range(200):   # fill the pool: evictions and offloads from here on
+                    w.step()
+            phases = [("off", 0, False), ("none", 0, False), ("4 subscribers", 4, False), ("stalled", 1, True)]
             lat: dict[str, list[float]] = {p[0]: [] for p in phases}
             cpu: dict[str, float] = {p[0]: 0.0 for p in phases}
             received: dict[str, list[int]] = {p[0]: [] for p in phases}
             for _ in range(args.rounds):
                 for name, num, stall in phases:
-                    proc = attach(server.address, num, stall, wl)
+                    w, srv = (wl_off, off) if name == "off" else (wl, server)
+                    proc = attach(srv.address, num, stall, w)
                     for _ in range(20):
-                        wl.step()
-                    c0 = server_cpu_s(server.proc.pid)
-                    lat[name] += [wl.step() for _ in range(args.steps)]
-                    cpu[name] += server_cpu_s(server.proc.pid) - c0
+                        w.step()
+                    c0 = server_cpu_s(srv.proc.pid)
+                    lat[name] += [w.step() for _ in range(args.steps)]
+                    cpu[name] += server_cpu_s(srv.proc.pid) - c0
                     received[name] += detach(proc)
         finally:
             server.stop()
+            off.stop()
     base = percentile(lat["none"], 50)
     base99 = percentile(lat["none"], 99)
+    base_cpu = cpu["none"] / len(lat["none"])
     print(f"store={args.store} rounds={args.rounds} steps/attachment/round={args.steps} "
           f"(block size {BS}, {NUM_RUNNING} running, a {PROMPT}-token admission every 4th step)")
+    print("ratios are to `none` (KV events on, nobody subscribed)")
     print(f"{'attachment':<15} {'p50 ms':>8} {'p99 ms':>8} {'p50 ratio':>10} {'p99 ratio':>10} "
-          f"{'server CPU ms/step':>19}  events received per subscriber")
+          f"{'server CPU ms/step':>19} {'CPU ratio':>10}  events received per subscriber")
     for name, samples in lat.items():
         p50, p99 = percentile(samples, 50), percentile(samples, 99)
         per_step = 1000 * cpu[name] / len(samples)
         print(f"{name:<15} {1000 * p50:8.3f} {1000 * p99:8.3f} {p50 / base:10.3f} {p99 / base99:10.3f} "
-              f"{per_step:19.3f}  {received[name] or '-'}")
+              f"{per_step:19.3f} {per_step / (1000 * base_cpu):10.3f}  {_counts(received[name])}")
+
+
+def _counts(received: list[int]) -> str:
+    if not received:
+        return "-"
+    return f"{len(received)} streams, {min(received)}-{max(received)} events each"
 
 
 if __name__ == "__main__":

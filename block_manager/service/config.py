@@ -61,6 +61,7 @@ class KvEventSettings(BaseModel):
     subscriber to resume from, and how many one subscriber may have waiting before it is
     dropped to a Resync (a slow subscriber never slows the Step path)."""
 
+    enabled: bool = True   # off: no change is recorded, SubscribeKvEvents answers FAILED_PRECONDITION
     history_events: int = Field(default=100_000, ge=0, le=1 << 24)
     subscriber_buffer_events: int = Field(default=10_000, ge=1, le=1 << 24)
     # At most one live message per subscriber per interval (0: one per published batch).

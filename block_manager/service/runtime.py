@@ -292,6 +292,8 @@ class ServiceRuntime:
         this boot's mark, above every id an earlier process published (service/kv_events.py)."""
         core = self.state.core
         core.take_kv_changes()
+        if not self.config.kv_events.enabled:
+            return
         core.record_kv_changes()
         base = journal_base(self.store.last_seq_no) if self.writer.journal else volatile_base()
         self.kv_events.reset(base, core.kv_index_view())

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from block_manager.core.errors import InvalidRequest
+from block_manager.core.errors import FailedPrecondition, InvalidRequest
 from block_manager.core.types import SeqId
 from block_manager.service.defrag_runner import DefragRunner
 from block_manager.service.kv_events_codec import frame_bytes
@@ -299,6 +299,8 @@ class BlockManagerServicer(MutatingServicer, pb_grpc.BlockManagerServicer):
         Messages go out with `context.write`, so a subscriber that went away (the write fails)
         ends its stream quietly instead of as a servicer error."""
         self.runtime.check_writable()
+        if not self.runtime.config.kv_events.enabled:
+            raise FailedPrecondition("KV events are off on this block manager (kv_events.enabled)")
         hub = self.runtime.kv_events
         sub = hub.subscribe(request.from_event_id, request.live_only)
         try:

@@ -220,3 +220,14 @@ async def test_a_subscriber_that_goes_away_mid_write_is_forgotten(start_server: 
         await channel.close()
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
     assert not errors, [r.getMessage() for r in errors]
+
+
+async def test_kv_events_off_records_nothing_and_refuses_subscribers(start_server: Any) -> None:
+    h = await start_server(kv_events={"enabled": False})
+    await h.register("n1", num_blocks=64)
+    await distinct_allocs(h, 0, 2)
+    assert h.server.runtime.state.core.take_kv_changes() == [] and h.server.runtime.kv_events.num_published == 0
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await h.stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(), timeout=10).read()
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "kv_events.enabled" in (err.value.details() or "")
