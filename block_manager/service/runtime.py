@@ -301,6 +301,21 @@ class ServiceRuntime:
     def _stage_kv_changes(self) -> list[Any] | None:
         return self.kv_events.stage(self.state.core.take_kv_changes())
 
+    def _kv_on_commit(self, ticket: list[Any] | None) -> Callable[[asyncio.Future[int]], None] | None:
+        """Publish an op's staged changes when its record's transaction is decided — not when
+        its RPC resumes: a caller cancelled meanwhile (deadline) does not stop the commit."""
+        if ticket is None:
+            return None
+        hub = self.kv_events
+
+        def done(fut: asyncio.Future[int]) -> None:
+            if fut.cancelled() or fut.exception() is not None:
+                hub.abandon(ticket, "the journal failed")
+            else:
+                hub.commit(ticket)
+
+        return done
+
     def begin_drain(self) -> None:
         if self.phase == "serving":
             self._set_phase("draining")
@@ -446,11 +461,9 @@ class ServiceRuntime:
         for listener in self._listeners:
             listener(op, payload, applied.result)
         try:
-            entry.seq_no = await self.writer.commit(record)
+            entry.seq_no = await self.writer.commit(record, self._kv_on_commit(kv_ticket))
             fut.set_result(entry.seq_no)
-            self.kv_events.commit(kv_ticket)
         except BaseException as exc:
-            self.kv_events.abandon(kv_ticket, "the journal failed")
             fut.set_exception(exc)
             fut.exception()  # retrieved: waiters re-raise it, nobody else must log it
             raise

@@ -10,6 +10,7 @@ the events) equals the block manager's prefix indexes per node and tier.
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,8 @@ from block_manager.service.server import BlockManagerServer
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 from tests.block_manager.service.kv_events_helpers import Subscriber, expected_view, step
-from tests.block_manager.service.service_helpers import Harness, rid, service_config
+from tests.block_manager.service.service_helpers import Harness, rid, service_config, step_request
+from tests.support.polling import eventually
 
 PREFIXES = [[7, 7, 7, 7, 1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9, 9, 9, 9, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
 
@@ -117,6 +119,42 @@ async def test_replayed_events_equal_the_prefix_indexes_through_a_restart(tmp_pa
             assert sub.kinds[kind] > 0, (kind, sub.kinds)
         assert ops.get("fail", 0) and ops.get("reregister", 0) and ops.get("swap_out", 0), ops
         assert sub.error is None
+    finally:
+        await sub.stop()
+        await stop(h)
+
+
+@pytest.mark.timeout(60)
+async def test_a_step_whose_caller_gave_up_mid_commit_is_still_published(tmp_path: Path) -> None:
+    """The Step's deadline passes while its journal transaction is in flight: the RPC ends
+    DEADLINE_EXCEEDED, the record commits anyway, and so its events are published (after the
+    commit, not when the cancelled handler would have resumed) — subscribers stay connected."""
+    h = await start(tmp_path / "bm.db")
+    sub = Subscriber()
+    try:
+        await h.register("n1", num_blocks=64)
+        sub.start(h.stub)
+        await sub.caught_up(h.server)
+        hub = h.server.runtime.kv_events  # type: ignore[union-attr]
+        published_before = hub.num_published
+        store = h.server.runtime.store  # type: ignore[union-attr]
+        release = threading.Event()
+        real_append = store.append
+
+        def slow_append(records: Any) -> Any:
+            release.wait(30)
+            return real_append(records)
+
+        store.append = slow_append
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await h.stub.Step(step_request(allocs=[("a", "n1", list(range(1, 14)), 0, None, 0)]), timeout=0.5)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert hub.num_published == published_before    # not before its commit
+        release.set()
+        await eventually(lambda: hub.num_published > published_before, what="the step's events published")
+        await sub.caught_up(h.server)
+        assert sub.ended is None and sub.view.num_resyncs == 1
+        assert sub.view.blocks == expected_view(h.server) and len(sub.view.blocks[("n1", "device")]) == 3
     finally:
         await sub.stop()
         await stop(h)
