@@ -2,9 +2,10 @@
 
 The main check: a randomized workload — prompts sharing prefixes (two salts), appends that
 fill blocks, frees, evictions in small pools, offloads to a host tier, swaps, failed step
-reports, prefix-cache resets, a node re-registering — journaled in a real SQLite file, with a
-block-manager restart in the middle; after every op the subscriber's view (built only from
-the events) equals the block manager's prefix indexes per node and tier.
+reports, prefix-cache resets, defrag plans moving hashed blocks, a node re-registering —
+journaled in a real SQLite file, with a block-manager restart in the middle; after every op
+the subscriber's view (built only from the events) equals the block manager's prefix indexes
+per node and tier.
 """
 
 from __future__ import annotations
@@ -71,9 +72,17 @@ async def random_op(h: Harness, rng: random.Random, n: int) -> str:
     if r < 0.91:
         await step(h, fail=rng.choice(["n1", "n2"]))
         return "fail"
-    if r < 0.95:
+    if r < 0.93:
         await h.admin.ResetPrefixCache(pb.ResetPrefixCacheRequest(request_id=rid("reset"), pool_id="n2"))
         return "reset"
+    if r < 0.97:   # compaction: hashed blocks move to other ids (no event), committed with the next steps
+        kind = rng.choice(["compaction", "contiguity"])
+        try:
+            await h.admin.TriggerDefrag(pb.TriggerDefragRequest(request_id=rid("defrag"), pool_id="n1", kind=kind))
+        except grpc.aio.AioRpcError as exc:   # nothing to move, or a plan is outstanding
+            assert exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED), exc
+            return "defrag refused"
+        return "defrag"
     h.reports.pop("n2", None)
     await h.register("n2", num_blocks=12)
     return "reregister"
@@ -118,6 +127,7 @@ async def test_replayed_events_equal_the_prefix_indexes_through_a_restart(tmp_pa
                      ("block_removed", "host"), ("all_blocks_cleared", "all"), ("all_blocks_cleared", "device")):
             assert sub.kinds[kind] > 0, (kind, sub.kinds)
         assert ops.get("fail", 0) and ops.get("reregister", 0) and ops.get("swap_out", 0), ops
+        assert pool.defrag_moves > 0, ops   # hashed blocks moved to other ids: no event, views still equal
         assert sub.error is None
     finally:
         await sub.stop()
