@@ -7,7 +7,8 @@ A **principal** is a role and, for roles that have one, a name:
 | `node:<node id>` | RegisterNode / Heartbeat / GetTables for that node id only | — |
 | `scheduler` | Step (any `scheduler_id`), Route | Forward, Generate, GetNodeInfo |
 | `scheduler:<id>` | Step with `scheduler_id == <id>` only, Route | Forward, Generate, GetNodeInfo |
-| `admin` / `admin:<who>` | the admin plane (`BlockManagerAdmin`) | GetNodeInfo |
+| `admin` / `admin:<who>` | the admin plane (`BlockManagerAdmin`), SubscribeKvEvents | GetNodeInfo |
+| `subscriber` / `subscriber:<who>` | SubscribeKvEvents only (an external KV-aware router) | — |
 
 (the per-method rules live with each service: `block_manager/service/access.py`,
 `compute_node/service/access.py`). A call proves its principal in one of two ways:
@@ -39,7 +40,7 @@ from typing import Any
 import grpc
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-ROLES = ("admin", "scheduler", "node")
+ROLES = ("admin", "scheduler", "node", "subscriber")
 _NAME = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 MIN_TOKEN_CHARS = 16
 

@@ -35,7 +35,7 @@ import grpc
 
 from pagedkv.auth import Authenticator, Principal, Refusal
 from pagedkv.logging import get_logger
-from pagedkv.rpc import clip, wrap_unary_handler
+from pagedkv.rpc import clip, run_stream, wrap_unary_handler, wrap_unary_stream_handler
 
 log = get_logger(__name__)
 
@@ -91,45 +91,73 @@ class EdgeGuard(grpc.aio.ServerInterceptor):
             return handler
         needs_auth = self._auth is not None and self._guarded(method)
         wrapped = wrap_unary_handler(handler, lambda behavior: self._guard(behavior, method, needs_auth))
+        wrapped = wrap_unary_stream_handler(wrapped, lambda behavior: self._guard_stream(behavior, method, needs_auth))
         self._wrapped[method] = wrapped
         return wrapped
 
     def _guard(self, behavior: Handler, method: str, needs_auth: bool) -> Handler:
-        auth, authorize, cap, inflight = self._auth, self._authorize, self._cap, self._inflight
-
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            t0 = time.perf_counter()
-            remaining = context.time_remaining()
-            if remaining is not None and remaining <= 0:
-                await self._refuse(context, method, t0, None, Refusal(
-                    grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed before the server could start it"))
-            principal: Principal | None = None
-            if needs_auth:
-                found = auth.identify(context)  # type: ignore[union-attr]
-                if isinstance(found, Refusal):
-                    await self._refuse(context, method, t0, None, found)
-                principal = found  # type: ignore[assignment]
-                why = authorize(method, principal, request) if authorize is not None else None  # type: ignore[arg-type]
-                if why is not None:
-                    await self._refuse(context, method, t0, principal, Refusal(grpc.StatusCode.PERMISSION_DENIED, why))
-            if cap is None:
+            key = await self._admit(request, context, method, needs_auth)
+            if key is None:
                 return await behavior(request, context)
-            key = str(principal) if principal is not None else peer_host(context.peer())
-            n = inflight.get(key, 0)
-            if n >= cap:
-                await self._refuse(context, method, t0, principal, Refusal(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"too many calls in flight from this peer (limit {cap})"))
-            inflight[key] = n + 1
             try:
                 return await behavior(request, context)
             finally:
-                left = inflight[key] - 1
-                if left:
-                    inflight[key] = left
-                else:
-                    del inflight[key]
+                self._leave(key)
 
         return call
+
+    def _guard_stream(self, behavior: Any, method: str, needs_auth: bool) -> Any:
+        """A server-streaming call passes the same checks before its first message; it counts
+        as one call in flight for as long as it stays open. Either handler style works (an
+        async generator, or a coroutine that writes with `context.write`)."""
+
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> None:
+            key = await self._admit(request, context, method, needs_auth)
+            try:
+                await run_stream(behavior, request, context)
+            finally:
+                if key is not None:
+                    self._leave(key)
+
+        return call
+
+    async def _admit(
+        self, request: Any, context: grpc.aio.ServicerContext, method: str, needs_auth: bool
+    ) -> str | None:
+        """Deadline, identity, rule, then the per-peer cap (aborts the call on a refusal);
+        the in-flight key taken (release it with `_leave`), None when nothing is capped."""
+        t0 = time.perf_counter()
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            await self._refuse(context, method, t0, None, Refusal(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed before the server could start it"))
+        principal: Principal | None = None
+        if needs_auth:
+            found = self._auth.identify(context)  # type: ignore[union-attr]
+            if isinstance(found, Refusal):
+                await self._refuse(context, method, t0, None, found)
+            principal = found  # type: ignore[assignment]
+            why = self._authorize(method, principal, request) if self._authorize is not None else None  # type: ignore[arg-type]
+            if why is not None:
+                await self._refuse(context, method, t0, principal, Refusal(grpc.StatusCode.PERMISSION_DENIED, why))
+        cap = self._cap
+        if cap is None:
+            return None
+        key = str(principal) if principal is not None else peer_host(context.peer())
+        n = self._inflight.get(key, 0)
+        if n >= cap:
+            await self._refuse(context, method, t0, principal, Refusal(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"too many calls in flight from this peer (limit {cap})"))
+        self._inflight[key] = n + 1
+        return key
+
+    def _leave(self, key: str) -> None:
+        left = self._inflight[key] - 1
+        if left:
+            self._inflight[key] = left
+        else:
+            del self._inflight[key]
 
     async def _refuse(
         self, context: grpc.aio.ServicerContext, method: str, t0: float, principal: Principal | None, refusal: Refusal

@@ -19,6 +19,7 @@ detail longer than the peer's metadata limit turns any status into RESOURCE_EXHA
 from __future__ import annotations
 
 import asyncio
+import inspect
 import random
 import time
 import uuid
@@ -231,6 +232,47 @@ def wrap_unary_handler(
     )
 
 
+
+def wrap_unary_stream_handler(
+    handler: grpc.RpcMethodHandler | None, fn: Callable[[Any], Any], *, tolerant: bool = False
+) -> grpc.RpcMethodHandler | None:
+    """A unary-stream (server-streaming) handler whose behaviour is `fn(original behaviour)`;
+    with `tolerant`, requests are parsed by `tolerant_deserializer`. Its responses may also be
+    `bytes` already serialized (sent as they are: a stream that sends one message to many
+    peers serializes it once). Other handler kinds pass through."""
+    if handler is None or handler.unary_stream is None:
+        return handler
+    deserializer = handler.request_deserializer
+    return grpc.unary_stream_rpc_method_handler(
+        fn(handler.unary_stream),
+        request_deserializer=tolerant_deserializer(deserializer) if tolerant else deserializer,
+        response_serializer=_bytes_or(handler.response_serializer),
+    )
+
+
+def _bytes_or(serializer: Callable[[Any], bytes] | None) -> Callable[[Any], bytes] | None:
+    if serializer is None or getattr(serializer, "passes_bytes", False):
+        return serializer
+
+    def serialize(message: Any) -> bytes:
+        return message if isinstance(message, bytes) else serializer(message)
+
+    serialize.passes_bytes = True  # type: ignore[attr-defined]
+    return serialize
+
+
+
+async def run_stream(behavior: Any, request: Any, context: Any) -> None:
+    """Run a server-streaming handler of either style — an async generator (each item is
+    written) or a coroutine that writes itself — so a wrapper can present one style to gRPC."""
+    result = behavior(request, context)
+    if inspect.isasyncgen(result):
+        async for item in result:
+            await context.write(item)
+    else:
+        await result
+
+
 __all__ = [
     "MAX_DETAIL_CHARS",
     "NO_RETRY",
@@ -243,7 +285,9 @@ __all__ = [
     "clip",
     "is_retryable",
     "new_request_id",
+    "run_stream",
     "request_id_or_new",
     "tolerant_deserializer",
     "wrap_unary_handler",
+    "wrap_unary_stream_handler",
 ]

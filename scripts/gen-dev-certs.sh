@@ -13,6 +13,7 @@
 #                                        URI spiffe://pagedkv/node/node-N  (the node's identity)
 #   scheduler.pem / -key.pem             client; URI spiffe://pagedkv/scheduler  (any scheduler id)
 #   admin.pem / -key.pem                 client; URI spiffe://pagedkv/admin
+#   subscriber.pem / -key.pem            client; URI spiffe://pagedkv/subscriber  (KV events only)
 #
 # Identities follow the services' default mapping (auth.cert_uri_prefix = spiffe://pagedkv/):
 # a URI SAN spiffe://pagedkv/<role>[/<name>] is principal <role>[:<name>]. Development only:
@@ -54,6 +55,7 @@ for node in $nodes; do
 done
 leaf scheduler clientAuth "URI:spiffe://pagedkv/scheduler"
 leaf admin clientAuth "URI:spiffe://pagedkv/admin"
+leaf subscriber clientAuth "URI:spiffe://pagedkv/subscriber"
 chmod 644 "$out"/*.pem
 chmod 600 "$out"/*-key.pem
-echo "gen-dev-certs: wrote a development CA and certificates for block-manager, ${nodes// /, }, scheduler, admin to $out" >&2
+echo "gen-dev-certs: wrote a development CA and certificates for block-manager, ${nodes// /, }, scheduler, admin, subscriber to $out" >&2

@@ -4,6 +4,7 @@
                         [--tls] [--ca-file F] [--cert-file F --key-file F] [--server-name N] COMMAND
       status | nodes | seqs [--pool P] [--limit N] | table SEQ | defrag [POOL] [--kind K]
       | drain NODE [--undrain] | fsck | reset-prefix-cache [--pool P]
+      | events [--follow [--from ID]] [--max-events N]    (KV events: docs/kv_events.md)
 
 The global options may also follow the command (`admin status --target HOST:PORT`).
 Human-readable rich tables by default (pools and nodes sorted by id, "(none)" for an empty
@@ -27,6 +28,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from block_manager.cli import events
 from block_manager.client.admin import AdminClient, served_services
 from block_manager.client.errors import BlockManagerError
 from block_manager.client.retry import RetryPolicy
@@ -94,6 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     command("fsck", "consistency check (exit 1 when problems are found)")
     s = command("reset-prefix-cache", "drop cached prefix blocks")
     s.add_argument("--pool", default="", help="only this pool (default: every pool)")
+    events.add_arguments(command("events", "KV events: what is cached where (--follow: live)"))
     return p
 
 
@@ -337,6 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as exc:   # an unreadable or non-PEM certificate file
         print(f"{PROG}: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return EXIT_USAGE
+    if args.command == "events":
+        return _events(client, args)
     try:
         with client:
             result = _call(client, args)
@@ -352,6 +357,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "fsck" and not result["ok"]:
         return EXIT_REFUSED
     return EXIT_OK
+
+
+def _events(client: AdminClient, args: argparse.Namespace) -> int:
+    """A stream, not one answer: printed as it comes (cli/events.py)."""
+    problem = events.check_arguments(args)
+    if problem is not None:
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        with client:
+            return events.run(client, args)
+    except BlockManagerError as exc:
+        line, code = _error_line(exc, args)
+        print(f"{PROG}: error: {line}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ mutating admin calls carry a request id reused on retry.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -139,6 +140,24 @@ class AdminClient:
         return self._call(
             "TriggerDefrag", pb.TriggerDefragRequest(request_id=new_request_id(), pool_id=pool_id, kind=kind)
         )
+
+    def kv_events(self, from_event_id: int = 0, *, live_only: bool = False) -> Iterator[pb.KvEvent]:
+        """The KV events stream (docs/kv_events.md), event by event, until the caller stops
+        iterating or the server ends it (then the typed error). No retry: a caller that
+        wants to go on resubscribes from the last id it applied."""
+        channel = self._fixed_channel if self._endpoints is None else self._endpoints.channel()
+        call = pb_grpc.BlockManagerStub(channel).SubscribeKvEvents(
+            pb.SubscribeKvEventsRequest(from_event_id=from_event_id, live_only=live_only), metadata=self._metadata)
+        try:
+            for resp in call:
+                yield from resp.events
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
+                return
+            self.stats.errors += 1
+            raise error_from_rpc(exc, "SubscribeKvEvents") from exc
+        finally:
+            call.cancel()
 
 
 def served_services(

@@ -213,6 +213,7 @@ def _hash_filled(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[str], ite
     regs = pool.step.registrations
     index = pool.prefix_index
     meta = pool.meta
+    kv_log = pool.kv_log
     for j, i in enumerate(items):
         seq = seqs[seq_ids[i]]  # type: ignore[index]
         hashes = seq.block_hashes
@@ -223,8 +224,10 @@ def _hash_filled(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[str], ite
         b = seq.block_table[len(hashes)]
         if h not in index and meta[b] is None:   # `Pool.register`, inlined: the first block keeps a hash
             index[h] = b
-            meta[b] = BlockMeta(h, parent, salt, tuple(token_lists[j]))
+            m = meta[b] = BlockMeta(h, parent, salt, tuple(token_lists[j]))
             regs.append((b, h))
+            if kv_log is not None:
+                kv_log.stored(m)
         hashes.append(h)
 
 

@@ -27,6 +27,7 @@ import numpy as np
 
 from block_manager.core import append as _append
 from block_manager.core import defrag as _defrag
+from block_manager.core import kv_events as _kv_events
 from block_manager.core import tiers as _tiers
 from block_manager.core.append import AppendOutcome, append_columns, item_error
 from block_manager.core.errors import (
@@ -45,6 +46,7 @@ from block_manager.core.errors import (
 )
 from block_manager.core.fsck import fsck
 from block_manager.core.hashing import hash_prefix, token_array
+from block_manager.core.kv_events import IndexView, KvChange
 from block_manager.core.pool import MAX_POOL_BLOCKS, Pool
 from block_manager.core.sequence import Sequence
 from block_manager.core.slots import slot_range
@@ -108,6 +110,33 @@ class BlockManager:
         self._pools: dict[PoolId, Pool] = {}
         self._seqs: dict[SeqId, Sequence] = {}
         self._next_plan_id = 1
+        self._kv_changes: list[KvChange] | None = None   # recorded prefix-index changes (kv_events.py)
+
+    # ---- KV events --------------------------------------------------------------------
+    def record_kv_changes(self) -> None:
+        """From now on every prefix-index change of every pool is recorded (O(1) each) until
+        `take_kv_changes` hands them over (see core/kv_events.py)."""
+        if self._kv_changes is None:
+            self._kv_changes = []
+            for pool in self._pools.values():
+                _kv_events.attach(pool, self._kv_changes)
+
+    def take_kv_changes(self) -> list[KvChange]:
+        """The changes recorded since the last call, oldest first (empty when not recording)."""
+        out = self._kv_changes
+        if not out:
+            return []
+        changes = list(out)
+        out.clear()
+        return changes
+
+    def num_prefix_hashes(self, pool_id: PoolId) -> int:
+        """Blocks of the pool's device tier findable by their hash (in use or cached)."""
+        return len(self._pool(pool_id).prefix_index)
+
+    def kv_index_view(self) -> IndexView:
+        """Every tier's prefix index as the KV events describe it (what a replay reproduces)."""
+        return _kv_events.index_view(self._pools)
 
     # ---- lookups --------------------------------------------------------------------
     def _pool(self, pool_id: PoolId) -> Pool:
@@ -154,6 +183,8 @@ class BlockManager:
         pool = Pool(pool_id, num_blocks, block_size)
         if host_num_blocks:
             pool.host = _tiers.HostTier(host_num_blocks)
+        if self._kv_changes is not None:
+            _kv_events.attach(pool, self._kv_changes)
         self._pools[pool_id] = pool
 
     def remove_pool(self, pool_id: PoolId) -> list[SeqId]:
@@ -165,6 +196,8 @@ class BlockManager:
         if pool.host is not None:
             dropped.extend(pool.host.swapped)
         del self._pools[pool_id]
+        if self._kv_changes is not None:
+            self._kv_changes.append((_kv_events.CLEARED, pool_id, None))
         return dropped
 
     def set_draining(self, pool_id: PoolId, draining: bool) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 from block_manager.core.block_list import BlockList
 from block_manager.core.errors import InvalidRequest
 from block_manager.core.hashing import BlockHash
+from block_manager.core.kv_events import KvChangeLog
 from block_manager.core.sequence import SeqColumns, Sequence
 from block_manager.core.steps import StepRecord, StepWork
 from block_manager.core.tiers import HostTier, offload
@@ -59,7 +60,7 @@ class Pool:
         "num_reserved", "seqs", "next_op_id", "plan", "write_step", "step", "unsettled",
         "settled_step", "num_steps", "last_defrag_step", "prefix_query_tokens", "prefix_hit_tokens",
         "cow_copies", "evictions", "defrag_moves", "compaction_plans", "contiguity_plans", "aborted_plans",
-        "last_version", "cols", "ref_np", "write_step_np", "host",
+        "last_version", "cols", "ref_np", "write_step_np", "host", "kv_log",
     )
 
     def __init__(self, pool_id: PoolId, num_blocks: int, block_size: int) -> None:
@@ -107,6 +108,7 @@ class Pool:
         self.contiguity_plans = 0
         self.aborted_plans = 0
         self.host: HostTier | None = None   # the host tier under the pool (tiers.py), if any
+        self.kv_log: KvChangeLog | None = None   # prefix-index changes, when recorded (kv_events.py)
 
     def refresh_views(self) -> None:
         """(Re)bind the numpy views after `ref_cnt` or `write_step` was replaced."""
@@ -197,7 +199,9 @@ class Pool:
         if block_hash in self.prefix_index or self.meta[b] is not None:
             return False
         self.prefix_index[block_hash] = b
-        self.meta[b] = BlockMeta(block_hash, parent, salt, token_ids)
+        meta = self.meta[b] = BlockMeta(block_hash, parent, salt, token_ids)
+        if self.kv_log is not None:
+            self.kv_log.stored(meta)
         return True
 
     def drop_hash(self, b: int) -> None:
@@ -205,6 +209,8 @@ class Pool:
         if m is not None:
             del self.prefix_index[m.block_hash]
             self.meta[b] = None
+            if self.kv_log is not None:
+                self.kv_log.removed(m.block_hash)
 
     def evict(self, num_blocks: int) -> int:
         """Evict up to `num_blocks` cached blocks, least recently freed first (to the host tier
@@ -234,6 +240,8 @@ class Pool:
             n += 1
         for b in list(self.prefix_index.values()):
             self.meta[b] = None
+        if self.prefix_index and self.kv_log is not None:
+            self.kv_log.cleared()
         self.prefix_index.clear()
         return n
 

@@ -88,7 +88,7 @@ class HostTier:
     """The host blocks of one pool (see the module docstring)."""
 
     __slots__ = ("num_blocks", "ref_cnt", "free_list", "cached_list", "meta", "prefix_index",
-                 "write_step", "holds", "swapped", *_COUNTERS)
+                 "write_step", "holds", "swapped", "kv_log", *_COUNTERS)
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -102,6 +102,7 @@ class HostTier:
         self.write_step = [0] * num_blocks
         self.holds: list[tuple[int, int]] = []   # (step id, host block) read by that step
         self.swapped: dict[SeqId, SwappedSeq] = {}
+        self.kv_log: Any = None   # a kv_events.KvChangeLog while changes are recorded
         for name in _COUNTERS:
             setattr(self, name, 0)
 
@@ -161,6 +162,8 @@ class HostTier:
         if m is not None:
             del self.prefix_index[m.block_hash]
             self.meta[b] = None
+            if self.kv_log is not None:
+                self.kv_log.removed(m.block_hash)
 
     def forget(self, b: int) -> None:
         """`b`'s content is not what its hash says (its writing step failed)."""
@@ -213,6 +216,8 @@ def offload(pool: Pool, b: int) -> None:
     host.ref_cnt[h] = 0
     host.meta[h] = meta
     host.prefix_index[meta.block_hash] = h
+    if host.kv_log is not None:
+        host.kv_log.stored(meta)
     host.cached_list.push_back(h)
     host.write_step[h] = pool.step.step_id
     host.offloaded_blocks += 1

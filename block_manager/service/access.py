@@ -7,6 +7,7 @@
 | `BlockManager/Step` | `scheduler`, or `scheduler:<id>` with `<id> == request.scheduler_id` |
 | `BlockManager/Route` | `scheduler` / `scheduler:<id>` |
 | `BlockManager/OpenSession` | `node`, `scheduler` or `admin` (a session id is a random secret) |
+| `BlockManager/SubscribeKvEvents` | `subscriber` (any name) or `admin` (the CLI's `admin events`) |
 | anything else of ours | nobody (a new RPC must be given its rule here) |
 
 A node's credentials therefore cannot register, heartbeat or read tables as another node, a
@@ -27,6 +28,7 @@ DATA_PREFIX = "/pagedkv.v1.BlockManager/"
 NODE_METHODS = frozenset({"RegisterNode", "Heartbeat", "GetTables"})
 SCHEDULER_METHODS = frozenset({"Step", "Route"})
 SESSION_METHODS = frozenset({"OpenSession"})
+SUBSCRIBER_METHODS = frozenset({"SubscribeKvEvents"})
 
 
 def is_admin_method(method: str) -> bool:
@@ -44,6 +46,10 @@ def authorize(method: str, principal: Principal, request: Any) -> str | None:
         if principal.role in ("node", "scheduler", "admin"):
             return None
         return f"{principal} may not open a client session"
+    if name in SUBSCRIBER_METHODS:
+        if principal.role in ("subscriber", "admin"):
+            return None
+        return f"{name} is for subscribers (and admins); {principal} is neither"
     if name in NODE_METHODS:
         if principal.role != "node":
             return f"{name} is for compute nodes; {principal} is not one"
@@ -61,6 +67,7 @@ def authorize(method: str, principal: Principal, request: Any) -> str | None:
 
 
 __all__ = [
-    "ADMIN_PREFIX", "DATA_PREFIX", "NODE_METHODS", "SCHEDULER_METHODS", "SESSION_METHODS", "authorize",
+    "ADMIN_PREFIX", "DATA_PREFIX", "NODE_METHODS", "SCHEDULER_METHODS", "SESSION_METHODS", "SUBSCRIBER_METHODS",
+    "authorize",
     "is_admin_method",
 ]

@@ -56,6 +56,18 @@ class FailoverSettings(BaseModel):
     lease_s: float = Field(default=5.0, ge=0.2, le=600)
 
 
+class KvEventSettings(BaseModel):
+    """The KV events stream (docs/kv_events.md): how many recent events are held for a
+    subscriber to resume from, and how many one subscriber may have waiting before it is
+    dropped to a Resync (a slow subscriber never slows the Step path)."""
+
+    enabled: bool = True   # off: no change is recorded, SubscribeKvEvents answers FAILED_PRECONDITION
+    history_events: int = Field(default=100_000, ge=0, le=1 << 24)
+    subscriber_buffer_events: int = Field(default=10_000, ge=1, le=1 << 24)
+    # At most one live message per subscriber per interval (0: one per published batch).
+    batch_interval_s: float = Field(default=0.005, ge=0.0, le=1.0)
+
+
 class BlockManagerConfig(YamlEnvSettings):
     model_config = SettingsConfigDict(env_prefix="PAGEDKV_", env_nested_delimiter="__", extra="forbid")
 
@@ -98,6 +110,7 @@ class BlockManagerConfig(YamlEnvSettings):
     # refuses to start on an older schema and names the `block-manager db upgrade` to run.
     migrate: bool = False
     failover: FailoverSettings = FailoverSettings()
+    kv_events: KvEventSettings = KvEventSettings()
     # SQLite only: FULL fsyncs every group commit (survives power loss); NORMAL fsyncs at
     # WAL checkpoints only (survives a process crash, not a power cut).
     sqlite_synchronous: Literal["FULL", "NORMAL"] = "FULL"
@@ -170,4 +183,4 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> BlockManage
     return load_settings(BlockManagerConfig, path, overrides)
 
 
-__all__ = ["BlockManagerConfig", "ConfigError", "DefragSettings", "FailoverSettings", "load_config"]
+__all__ = ["BlockManagerConfig", "ConfigError", "DefragSettings", "FailoverSettings", "KvEventSettings", "load_config"]

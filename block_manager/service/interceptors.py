@@ -1,6 +1,7 @@
 """Server interceptor: the ONE place domain errors become statuses.
 
-`ErrorMappingInterceptor` wraps every unary handler: it binds the request id, node and
+`ErrorMappingInterceptor` wraps every unary handler (and, without the latency histogram, the
+server-streaming SubscribeKvEvents): it binds the request id, node and
 epoch into structlog's context for the duration of the call, times it for the latency
 histogram, and turns an escaping exception into a status via `status.status_for` —
 domain errors keep their message (clipped by `status.clip`: messages echo client ids, and a
@@ -27,7 +28,7 @@ from block_manager.core.errors import InvalidRequest
 from block_manager.service.metrics import ServiceMetrics
 from block_manager.service.status import clip, status_for
 from pagedkv.logging import get_logger
-from pagedkv.rpc import Undecodable, wrap_unary_handler
+from pagedkv.rpc import Undecodable, run_stream, wrap_unary_handler, wrap_unary_stream_handler
 
 log = get_logger(__name__)
 
@@ -65,6 +66,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             return handler  # unknown method, health, reflection: not ours to map
         short = method.rsplit("/", 1)[-1]
         wrapped = wrap_unary_handler(handler, lambda behavior: self._mapped(behavior, short), tolerant=True)
+        wrapped = wrap_unary_stream_handler(
+            wrapped, lambda behavior: self._mapped_stream(behavior, short), tolerant=True)
         self._wrapped[method] = wrapped
         return wrapped
 
@@ -99,6 +102,30 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 finally:
                     if metrics is not None:
                         metrics.observe_rpc(method, code.name, time.perf_counter() - t0)
+
+        return call
+
+    def _mapped_stream(self, behavior: Any, method: str) -> Any:
+        """The same mapping for a server-streaming call (SubscribeKvEvents): an error before or
+        between messages ends the stream with its status; the latency histogram is not fed
+        (a stream's duration is its subscriber's, not the server's)."""
+
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> None:
+            with structlog.contextvars.bound_contextvars(rpc=method):
+                try:
+                    if isinstance(request, Undecodable):
+                        raise InvalidRequest(f"malformed request: {request.error}")
+                    await run_stream(behavior, request, context)
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the single mapping point
+                    mapped = status_for(exc)
+                    if mapped is None:
+                        log.exception("internal error")
+                        await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+                    detail = clip(str(exc) or type(exc).__name__)
+                    log.info("rpc failed", code=mapped.name, error=detail, error_type=type(exc).__name__)
+                    await context.abort(mapped, detail)
 
         return call
 

@@ -132,8 +132,10 @@ class JournalWriter:
         """Wait while an overdue snapshot drains the queue (see the module docstring)."""
         await self._gate.wait()
 
-    async def commit(self, record: NewRecord) -> int:
-        """Queue `record`; returns its seq_no once the transaction holding it committed."""
+    async def commit(self, record: NewRecord, on_done: Callable[[asyncio.Future[int]], None] | None = None) -> int:
+        """Queue `record`; returns its seq_no once the transaction holding it committed.
+        `on_done(future)` runs when the transaction is decided, even if the caller was
+        cancelled meanwhile (the record is committed all the same)."""
         if self._failed is not None:
             raise JournalFailure("the journal failed earlier; the server is stopping")
         if not self.journal:
@@ -142,6 +144,8 @@ class JournalWriter:
             self.num_transactions += 1
             return self.last_seq_no
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        if on_done is not None:
+            fut.add_done_callback(on_done)
         self._pending.append((record, fut))
         self._newest = fut
         if self._flusher is None or self._flusher.done():

@@ -51,6 +51,7 @@ class _StateCollector(Collector):
             "sessions": len(rt.sessions),
             "session_answers": rt.sessions.num_answers,
             "session_refusals": rt.sessions.num_expired_refusals,
+            "kv_events": rt.kv_events,
         }
 
     async def _read_async(self) -> dict[str, Any]:
@@ -138,6 +139,18 @@ class _StateCollector(Collector):
             "Resends refused as expired (a number whose answer is gone, or an unknown session).",
             value=snap["session_refusals"],
         )
+        yield from _kv_event_families(snap["kv_events"])
+
+
+def _kv_event_families(hub: Any) -> Iterator[Metric]:
+    """The KV events stream (docs/kv_events.md)."""
+    yield GaugeMetricFamily("pagedkv_kv_event_subscribers", "Open SubscribeKvEvents streams.",
+                            value=len(hub.subscribers))
+    yield CounterMetricFamily("pagedkv_kv_events", "KV events published since start.", value=hub.num_published)
+    yield CounterMetricFamily("pagedkv_kv_event_resyncs", "Resyncs sent (a snapshot each).", value=hub.num_resyncs)
+    yield CounterMetricFamily("pagedkv_kv_event_overflows",
+                              "Subscribers dropped to a Resync because their buffer overflowed.",
+                              value=hub.num_overflows)
 
 
 def _host_families(hosts: Iterable[HostTierMetrics]) -> Iterator[Metric]:

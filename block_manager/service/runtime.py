@@ -66,6 +66,7 @@ from block_manager.service.errors import (
 )
 from block_manager.service.follower import WarmState
 from block_manager.service.journal_writer import JournalWriter
+from block_manager.service.kv_events import KvEventHub, journal_base, volatile_base
 from block_manager.service.replay import apply_op, replay_record
 from block_manager.service.request_index import (
     Recorded,
@@ -141,6 +142,9 @@ class ServiceRuntime:
             journal=journal,
         )
         self.on_applied(self._after_apply)
+        # The KV events stream (service/kv_events.py): changes staged at apply, published at commit.
+        ev = config.kv_events
+        self.kv_events = KvEventHub(ev.history_events, ev.subscriber_buffer_events, ev.batch_interval_s)
         # Active/standby: False once this process can no longer be sure it leads (its
         # database session may have been ended); every RPC is then refused before it is
         # answered. None: a single server, always leading.
@@ -172,6 +176,8 @@ class ServiceRuntime:
             return
         self.phase = phase
         log.info("phase", phase=phase)
+        if phase != "serving":
+            self.kv_events.close_all(f"block manager is {phase}")
         for listener in self._phase_listeners:
             listener(phase)
 
@@ -211,6 +217,7 @@ class ServiceRuntime:
         self.sessions = sessions
         self.writer.snapshot_seq_no = snapshot_seq_no
         self.writer.last_seq_no = self.store.last_seq_no
+        self._start_kv_events()
         self._index_retained(retained, records)
         if warm is None or self.num_replayed == 0:
             self.num_replayed = len(records)
@@ -279,6 +286,35 @@ class ServiceRuntime:
         sessions.renew_all(now)
         return state, sessions, recovered.records, recovered.snapshot_seq_no, state.fsck()
 
+
+    def _start_kv_events(self) -> None:
+        """Record the recovered core's prefix-index changes from now on; the hub's head is
+        this boot's mark, above every id an earlier process published (service/kv_events.py)."""
+        core = self.state.core
+        core.take_kv_changes()
+        if not self.config.kv_events.enabled:
+            return
+        core.record_kv_changes()
+        base = journal_base(self.store.last_seq_no) if self.writer.journal else volatile_base()
+        self.kv_events.reset(base, core.kv_index_view())
+
+    def _stage_kv_changes(self) -> list[Any] | None:
+        return self.kv_events.stage(self.state.core.take_kv_changes())
+
+    def _kv_on_commit(self, ticket: list[Any] | None) -> Callable[[asyncio.Future[int]], None] | None:
+        """Publish an op's staged changes when its record's transaction is decided — not when
+        its RPC resumes: a caller cancelled meanwhile (deadline) does not stop the commit."""
+        if ticket is None:
+            return None
+        hub = self.kv_events
+
+        def done(fut: asyncio.Future[int]) -> None:
+            if fut.cancelled() or fut.exception() is not None:
+                hub.abandon(ticket, "the journal failed")
+            else:
+                hub.commit(ticket)
+
+        return done
 
     def begin_drain(self) -> None:
         if self.phase == "serving":
@@ -407,11 +443,14 @@ class ServiceRuntime:
         try:
             applied = apply_op(self.state, self.sessions, op, payload, self.clock())
         except Exception:
+            self._unexpected_kv_changes(op)
             await self.writer.barrier()   # the refusal may read state not yet durable
             raise
         if not applied.mutated:
+            self._unexpected_kv_changes(op)
             await self.writer.barrier()   # likewise an answer that changed nothing
             return applied.result
+        kv_ticket = self._stage_kv_changes()
         record = NewRecord(request_id, op, payload, applied.result, digest, payload_json)
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         entry = Recorded(digest, applied.result, fut)
@@ -422,7 +461,7 @@ class ServiceRuntime:
         for listener in self._listeners:
             listener(op, payload, applied.result)
         try:
-            entry.seq_no = await self.writer.commit(record)
+            entry.seq_no = await self.writer.commit(record, self._kv_on_commit(kv_ticket))
             fut.set_result(entry.seq_no)
         except BaseException as exc:
             fut.set_exception(exc)
@@ -435,6 +474,7 @@ class ServiceRuntime:
     ) -> dict[str, Any]:
         """In-memory mode: same state machine, request-id index and sessions, no journal."""
         applied = apply_op(self.state, self.sessions, op, payload, self.clock())
+        self.kv_events.commit(self._stage_kv_changes())
         if applied.mutated:
             if session is not None:
                 self.sessions.record(session, Answer(digest, applied.result, self.wall_clock(), None))
@@ -445,6 +485,14 @@ class ServiceRuntime:
             for listener in self._listeners:
                 listener(op, payload, applied.result)
         return applied.result
+
+    def _unexpected_kv_changes(self, op: str) -> None:
+        """An op that failed or changed nothing leaves the state as it was, hence no changes;
+        should one slip through anyway, it is published (in order) rather than hidden."""
+        ticket = self._stage_kv_changes()
+        if ticket is not None:
+            log.error("prefix index changed by an op that reported no change", op=op, num=len(ticket[0]))
+            self.kv_events.commit(ticket)
 
     async def mutate_step(
         self, request_id: str, digest: str, payload: dict[str, Any], session: SessionRef | None = None,

@@ -16,18 +16,22 @@ from typing import Any
 
 import grpc
 
-from block_manager.core.errors import InvalidRequest
+from block_manager.core.errors import FailedPrecondition, InvalidRequest
 from block_manager.core.types import SeqId
 from block_manager.service.defrag_runner import DefragRunner
+from block_manager.service.kv_events_codec import frame_bytes
 from block_manager.service.protocol import MutatingServicer, check_request_id, request_digest, session_of
 from block_manager.service.runtime import ServiceRuntime
 from block_manager.service.sessions import MAX_CLIENT_NAME_LEN
 from block_manager.service.state import ServiceState
 from block_manager.service.state_codec import check_count, check_ids
 from block_manager.service.status import code_for_reason
+from pagedkv.logging import get_logger
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 from pagedkv.v1 import common_pb2
+
+log = get_logger(__name__)
 
 MAX_ROUTE_TOKENS = 1 << 17   # the default of the `max_route_tokens` setting
 
@@ -285,6 +289,29 @@ class BlockManagerServicer(MutatingServicer, pb_grpc.BlockManagerServicer):
     async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
         self.runtime.check_readable()
         return route_response(self.runtime.state, request, self.max_route_tokens)
+
+    # ---- KV events ------------------------------------------------------------------
+    async def SubscribeKvEvents(
+        self, request: pb.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        """Only a serving leader streams (a standby, a recovering or draining server answers
+        UNAVAILABLE, like every other RPC); the stream ends UNAVAILABLE when it stops serving.
+        Messages go out with `context.write`, so a subscriber that went away (the write fails)
+        ends its stream quietly instead of as a servicer error."""
+        self.runtime.check_writable()
+        if not self.runtime.config.kv_events.enabled:
+            raise FailedPrecondition("KV events are off on this block manager (kv_events.enabled)")
+        hub = self.runtime.kv_events
+        sub = hub.subscribe(request.from_event_id, request.live_only)
+        try:
+            async for frame in hub.stream(sub):
+                try:
+                    await context.write(frame_bytes(frame))
+                except Exception as exc:  # noqa: BLE001 - the transport refused: the peer is gone
+                    log.info("kv events subscriber went away", error_type=type(exc).__name__)
+                    return
+        finally:
+            hub.unsubscribe(sub)
 
 
 __all__ = [

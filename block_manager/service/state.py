@@ -549,8 +549,10 @@ class ServiceState:
 
     def _reset_prefix_cache(self, p: dict[str, Any], now: float) -> Applied:
         pool_ids = self._pool_ids(check_optional_str("pool_id", p.get("pool_id"), 128))
+        # Blocks in use lose their hashes too (not counted in the answer): that is a change.
+        hashed = sum(self.core.num_prefix_hashes(pid) for pid in pool_ids)
         num = sum(self.core.reset_prefix_cache(pid) for pid in pool_ids)
-        return Applied({"num_blocks_reset": num}, num > 0)
+        return Applied({"num_blocks_reset": num}, num > 0 or hashed > 0)
 
     # ---- queries --------------------------------------------------------------------
     def outstanding_plans(self) -> list[DefragPlan]:

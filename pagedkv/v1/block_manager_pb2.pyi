@@ -20,6 +20,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from pagedkv.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
@@ -31,6 +32,33 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _KvTier:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _KvTierEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_KvTier.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    KV_TIER_UNSPECIFIED: _KvTier.ValueType  # 0
+    """AllBlocksCleared: every tier of the node"""
+    KV_TIER_DEVICE: _KvTier.ValueType  # 1
+    KV_TIER_HOST: _KvTier.ValueType  # 2
+    KV_TIER_DISK: _KvTier.ValueType  # 3
+    """reserved for the disk tier"""
+
+class KvTier(_KvTier, metaclass=_KvTierEnumTypeWrapper):
+    """---------------------------------------------------------------- KV events (docs/kv_events.md)
+
+    Where a block's K/V is kept on its node.
+    """
+
+KV_TIER_UNSPECIFIED: KvTier.ValueType  # 0
+"""AllBlocksCleared: every tier of the node"""
+KV_TIER_DEVICE: KvTier.ValueType  # 1
+KV_TIER_HOST: KvTier.ValueType  # 2
+KV_TIER_DISK: KvTier.ValueType  # 3
+"""reserved for the disk tier"""
+Global___KvTier: _TypeAlias = KvTier  # noqa: Y015
 
 @_typing.final
 class KvGeometry(_message.Message):
@@ -1596,3 +1624,224 @@ class TriggerDefragResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TriggerDefragResponse: _TypeAlias = TriggerDefragResponse  # noqa: Y015
+
+@_typing.final
+class SubscribeKvEventsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FROM_EVENT_ID_FIELD_NUMBER: _builtins.int
+    LIVE_ONLY_FIELD_NUMBER: _builtins.int
+    from_event_id: _builtins.int
+    """The id of the last event the subscriber applied: the stream goes on with the next one
+    when the server still holds it, else starts with a Resync and a snapshot. 0: no view yet.
+    """
+    live_only: _builtins.bool
+    """No snapshot, no resume: live events from now on (watching; not enough to build a view)."""
+    def __init__(
+        self,
+        *,
+        from_event_id: _builtins.int = ...,
+        live_only: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_event_id", b"from_event_id", "live_only", b"live_only"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubscribeKvEventsRequest: _TypeAlias = SubscribeKvEventsRequest  # noqa: Y015
+
+@_typing.final
+class BlockStored(_message.Message):
+    """Full blocks that became findable by their content hash in one tier of one node: a chain
+    (block i's parent is block i-1; the first one's is `parent_hash`, empty for none).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    PARENT_HASH_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    SALT_ID_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    tier: Global___KvTier.ValueType
+    parent_hash: _builtins.bytes
+    num_tokens: _builtins.int
+    """tokens the blocks hold together (full blocks: len * block size)"""
+    salt_id: _builtins.str
+    """16 hex digits naming the blocks' salt (not the salt); "" for none"""
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        tier: Global___KvTier.ValueType = ...,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        parent_hash: _builtins.bytes = ...,
+        num_tokens: _builtins.int = ...,
+        salt_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "node_id", b"node_id", "num_tokens", b"num_tokens", "parent_hash", b"parent_hash", "salt_id", b"salt_id", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BlockStored: _TypeAlias = BlockStored  # noqa: Y015
+
+@_typing.final
+class BlockRemoved(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    tier: Global___KvTier.ValueType
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        tier: Global___KvTier.ValueType = ...,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "node_id", b"node_id", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BlockRemoved: _TypeAlias = BlockRemoved  # noqa: Y015
+
+@_typing.final
+class AllBlocksCleared(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    tier: Global___KvTier.ValueType
+    """KV_TIER_UNSPECIFIED: every tier (the node's pool is gone)"""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        tier: Global___KvTier.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AllBlocksCleared: _TypeAlias = AllBlocksCleared  # noqa: Y015
+
+@_typing.final
+class KvResync(_message.Message):
+    """The subscriber's view must be dropped: a snapshot as of `event_id` follows (BlockStored
+    entries carrying that id), closed by KvSnapshotEnd; then live events after it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REASON_FIELD_NUMBER: _builtins.int
+    reason: _builtins.str
+    """"no view yet", "not held", "subscriber buffer overflow", ..."""
+    def __init__(
+        self,
+        *,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvResync: _TypeAlias = KvResync  # noqa: Y015
+
+@_typing.final
+class KvSnapshotEnd(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    num_blocks: _builtins.int
+    def __init__(
+        self,
+        *,
+        num_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvSnapshotEnd: _TypeAlias = KvSnapshotEnd  # noqa: Y015
+
+@_typing.final
+class KvEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENT_ID_FIELD_NUMBER: _builtins.int
+    BLOCK_STORED_FIELD_NUMBER: _builtins.int
+    BLOCK_REMOVED_FIELD_NUMBER: _builtins.int
+    ALL_BLOCKS_CLEARED_FIELD_NUMBER: _builtins.int
+    RESYNC_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_END_FIELD_NUMBER: _builtins.int
+    event_id: _builtins.int
+    """strictly increasing, also across block manager restarts"""
+    @_builtins.property
+    def block_stored(self) -> Global___BlockStored: ...
+    @_builtins.property
+    def block_removed(self) -> Global___BlockRemoved: ...
+    @_builtins.property
+    def all_blocks_cleared(self) -> Global___AllBlocksCleared: ...
+    @_builtins.property
+    def resync(self) -> Global___KvResync: ...
+    @_builtins.property
+    def snapshot_end(self) -> Global___KvSnapshotEnd: ...
+    def __init__(
+        self,
+        *,
+        event_id: _builtins.int = ...,
+        block_stored: Global___BlockStored | None = ...,
+        block_removed: Global___BlockRemoved | None = ...,
+        all_blocks_cleared: Global___AllBlocksCleared | None = ...,
+        resync: Global___KvResync | None = ...,
+        snapshot_end: Global___KvSnapshotEnd | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["all_blocks_cleared", b"all_blocks_cleared", "block_removed", b"block_removed", "block_stored", b"block_stored", "kind", b"kind", "resync", b"resync", "snapshot_end", b"snapshot_end"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all_blocks_cleared", b"all_blocks_cleared", "block_removed", b"block_removed", "block_stored", b"block_stored", "event_id", b"event_id", "kind", b"kind", "resync", b"resync", "snapshot_end", b"snapshot_end"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["block_stored", "block_removed", "all_blocks_cleared", "resync", "snapshot_end"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___KvEvent: _TypeAlias = KvEvent  # noqa: Y015
+
+@_typing.final
+class SubscribeKvEventsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvEvent]: ...
+    def __init__(
+        self,
+        *,
+        events: _abc.Iterable[Global___KvEvent] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubscribeKvEventsResponse: _TypeAlias = SubscribeKvEventsResponse  # noqa: Y015

@@ -66,6 +66,11 @@ class BlockManagerStub:
                 request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.OpenSessionRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.OpenSessionResponse.FromString,
                 _registered_method=True)
+        self.SubscribeKvEvents = channel.unary_stream(
+                '/pagedkv.v1.BlockManager/SubscribeKvEvents',
+                request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.SubscribeKvEventsRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.SubscribeKvEventsResponse.FromString,
+                _registered_method=True)
 
 
 class BlockManagerServicer:
@@ -117,6 +122,14 @@ class BlockManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeKvEvents(self, request, context):
+        """What is cached where, as a stream of numbered events (docs/kv_events.md): resumed after
+        `from_event_id` when still held, else a Resync and a snapshot first. Leader only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BlockManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -149,6 +162,11 @@ def add_BlockManagerServicer_to_server(servicer, server):
                     servicer.OpenSession,
                     request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.OpenSessionRequest.FromString,
                     response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.OpenSessionResponse.SerializeToString,
+            ),
+            'SubscribeKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKvEvents,
+                    request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.SubscribeKvEventsRequest.FromString,
+                    response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.SubscribeKvEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -315,6 +333,33 @@ class BlockManager:
             '/pagedkv.v1.BlockManager/OpenSession',
             pagedkv_dot_v1_dot_block__manager__pb2.OpenSessionRequest.SerializeToString,
             pagedkv_dot_v1_dot_block__manager__pb2.OpenSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pagedkv.v1.BlockManager/SubscribeKvEvents',
+            pagedkv_dot_v1_dot_block__manager__pb2.SubscribeKvEventsRequest.SerializeToString,
+            pagedkv_dot_v1_dot_block__manager__pb2.SubscribeKvEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -62,6 +62,10 @@ class BlockManagerStub:
     """Pools ranked by cached prefix length, then free space, for one or more prompts. Read-only."""
     OpenSession: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.OpenSessionRequest, _block_manager_pb2.OpenSessionResponse]
     """A new client session (journaled; expires after the server's session TTL without use)."""
+    SubscribeKvEvents: _grpc.UnaryStreamMultiCallable[_block_manager_pb2.SubscribeKvEventsRequest, _block_manager_pb2.SubscribeKvEventsResponse]
+    """What is cached where, as a stream of numbered events (docs/kv_events.md): resumed after
+    `from_event_id` when still held, else a Resync and a snapshot first. Leader only.
+    """
 
 @_typing.type_check_only
 class BlockManagerAsyncStub(BlockManagerStub):
@@ -84,6 +88,10 @@ class BlockManagerAsyncStub(BlockManagerStub):
     """Pools ranked by cached prefix length, then free space, for one or more prompts. Read-only."""
     OpenSession: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.OpenSessionRequest, _block_manager_pb2.OpenSessionResponse]  # type: ignore[assignment]
     """A new client session (journaled; expires after the server's session TTL without use)."""
+    SubscribeKvEvents: _aio.UnaryStreamMultiCallable[_block_manager_pb2.SubscribeKvEventsRequest, _block_manager_pb2.SubscribeKvEventsResponse]  # type: ignore[assignment]
+    """What is cached where, as a stream of numbered events (docs/kv_events.md): resumed after
+    `from_event_id` when still held, else a Resync and a snapshot first. Leader only.
+    """
 
 class BlockManagerServicer(metaclass=_abc_1.ABCMeta):
     """---------------------------------------------------------------- data plane"""
@@ -139,6 +147,16 @@ class BlockManagerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_block_manager_pb2.OpenSessionResponse, _abc.Awaitable[_block_manager_pb2.OpenSessionResponse]]:
         """A new client session (journaled; expires after the server's session TTL without use)."""
+
+    @_abc_1.abstractmethod
+    def SubscribeKvEvents(
+        self,
+        request: _block_manager_pb2.SubscribeKvEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_block_manager_pb2.SubscribeKvEventsResponse], _abc.AsyncIterator[_block_manager_pb2.SubscribeKvEventsResponse]]:
+        """What is cached where, as a stream of numbered events (docs/kv_events.md): resumed after
+        `from_event_id` when still held, else a Resync and a snapshot first. Leader only.
+        """
 
 def add_BlockManagerServicer_to_server(servicer: BlockManagerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

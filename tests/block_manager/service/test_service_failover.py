@@ -4,6 +4,7 @@
   within 2 x the lease; every Step is acknowledged exactly once (unanswered ones are resent
   under their request ids to whichever server answers), none is lost or applied twice (live
   state and the journal inspected), fsck is clean.
+  A KV events subscriber of the leader gets a Resync on the new leader, with higher ids.
 - SIGSTOP of the leader past its lease: the standby takes over; the resumed old leader
   answers nothing (its pending Step is refused, it exits), its Step resent to the new leader
   is applied once, and everything it acknowledged before the pause is kept.
@@ -27,7 +28,9 @@ from block_manager.service.server import REPLICA_HEALTH
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 from tests.block_manager.service.failover_helpers import health, start_server, wait_serving
+from tests.block_manager.service.kv_events_helpers import Subscriber
 from tests.block_manager.service.service_helpers import step_request
+from tests.support.polling import eventually
 
 pytestmark = pytest.mark.postgres
 
@@ -164,6 +167,7 @@ async def test_kill9_leader_under_load_standby_takes_over(tmp_path: Path, fresh_
     leader = await asyncio.to_thread(start_server, fresh_postgres_url, tmp_path, "leader", lease_s)
     standby = None
     cluster = None
+    events, events_channel = Subscriber(), grpc.aio.insecure_channel(leader.address)
     try:
         await wait_serving(leader.address)
         standby = await asyncio.to_thread(start_server, fresh_postgres_url, tmp_path, "standby", lease_s)
@@ -173,7 +177,12 @@ async def test_kill9_leader_under_load_standby_takes_over(tmp_path: Path, fresh_
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await pb_grpc.BlockManagerStub(ch).Step(step_request(request_id="probe"), timeout=5)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "standby" in info.value.details()
+            # KV events: only the leader streams (docs/kv_events.md)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await pb_grpc.BlockManagerStub(ch).SubscribeKvEvents(pb.SubscribeKvEventsRequest(), timeout=5).read()
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "standby" in info.value.details()
         await register_pools(leader.address)
+        events.start(pb_grpc.BlockManagerStub(events_channel))
         cluster = Cluster([leader.address, standby.address])
         workers = [Worker(s, f"n{k}", i) for k, s in enumerate(SCHEDULERS) for i in range(WORKERS_PER_SCHEDULER)]
         stop = asyncio.Event()
@@ -207,7 +216,19 @@ async def test_kill9_leader_under_load_standby_takes_over(tmp_path: Path, fresh_
         log = standby.log_path.read_text() if standby.log_path else ""
         print(*[line for line in log.splitlines() if "takeover_s" in line or '"recovered"' in line], sep="\n")
         assert '"warm": true' in log and "warm takeover failed" not in log   # it took over from its copy
+        # The KV events stream ended with the leader; on the new one the last id is not held:
+        # a Resync and a snapshot, ids above every id the killed leader published.
+        await eventually(lambda: events.ended is not None or events.error is not None, what="the stream ended")
+        last_id = events.view.last_event_id
+        assert events.error is None and events.view.num_resyncs == 1 and last_id > 0
+        await events_channel.close()
+        events_channel = grpc.aio.insecure_channel(standby.address)
+        events.start(pb_grpc.BlockManagerStub(events_channel))
+        await eventually(lambda: events.view.num_resyncs == 2 and events.view.ready, what="a resync on the new leader")
+        assert events.view.resync_reasons[-1] == f"event {last_id} is not held" and events.first_ids[-1] > last_id
     finally:
+        await events.stop()
+        await events_channel.close()
         if cluster is not None:
             await cluster.close()
         leader.stop(signal.SIGKILL)
