@@ -244,20 +244,30 @@ def attach(pool: Pool, disk: DiskTier) -> None:
     pool.host.on_evict = partial(spill, pool)
 
 
-def seed(disk: DiskTier, blocks: Sequence[SeedBlock], block_size: int, meta_cls: type) -> None:
-    """Index the blocks a node's segment file holds (written before this epoch: hits at once),
-    least recently used first. Each one's hash is recomputed from its parent, tokens and salt:
-    a block whose identity does not add up is refused with the whole registration."""
+def check_seeds(blocks: Sequence[SeedBlock], num_slots: int, block_size: int) -> None:
+    """`InvalidRequest` unless every seed names a distinct slot in range, holds one block of
+    tokens and its hash is what its parent, tokens and salt hash to (checked before a
+    registration changes anything)."""
     seen: set[int] = set()
-    for blk in sorted(blocks, key=lambda b: b.last_used):
-        if not 0 <= blk.slot < disk.num_blocks or blk.slot in seen:
-            raise InvalidRequest(f"disk block slot {blk.slot} is outside 0..{disk.num_blocks - 1} or repeated")
+    for blk in blocks:
+        if not 0 <= blk.slot < num_slots or blk.slot in seen:
+            raise InvalidRequest(f"disk block slot {blk.slot} is outside 0..{num_slots - 1} or repeated")
         if len(blk.token_ids) != block_size:
             raise InvalidRequest(
                 f"disk block slot {blk.slot}: {len(blk.token_ids)} tokens, the block size is {block_size}")
+        if blk.parent_hash is not None and len(blk.parent_hash) != len(blk.block_hash):
+            raise InvalidRequest(f"disk block slot {blk.slot}: malformed parent hash")
         if hash_block(blk.parent_hash, blk.token_ids, blk.salt) != blk.block_hash:
             raise InvalidRequest(f"disk block slot {blk.slot}: its hash does not match its parent, tokens and salt")
         seen.add(blk.slot)
+
+
+def seed(disk: DiskTier, blocks: Sequence[SeedBlock], block_size: int, meta_cls: type) -> None:
+    """Index the blocks a node's segment file holds (written before this epoch: hits at once),
+    least recently used first. A block whose identity does not add up is refused with the
+    whole registration (`check_seeds`)."""
+    check_seeds(blocks, disk.num_blocks, block_size)
+    for blk in sorted(blocks, key=lambda b: b.last_used):
         if blk.block_hash in disk.prefix_index:
             continue   # a duplicate copy stays a plain free slot
         disk.free_list.remove(blk.slot)
@@ -355,4 +365,4 @@ def stage(pool: Pool, slots: list[int]) -> list[int]:
     return out
 
 
-__all__ = ["DiskTier", "SeedBlock", "attach", "disk_hits", "pin", "seed", "spill", "stage"]
+__all__ = ["DiskTier", "SeedBlock", "attach", "check_seeds", "disk_hits", "pin", "seed", "spill", "stage"]
