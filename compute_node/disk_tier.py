@@ -43,6 +43,7 @@ import torch
 from compute_node.errors import ComputeNodeError
 from compute_node.pool import TORCH_DTYPES, PoolGeometry
 from pagedkv.logging import get_logger
+from pagedkv.v1 import common_pb2
 
 FILE_NAME = "kv.seg"
 MAGIC = b"PKVDISK1"
@@ -77,6 +78,14 @@ class DiskRecord:
     slot: int
     meta: DiskBlockMeta
     last_used: int
+
+
+def as_meta(block: Any) -> DiskBlockMeta:
+    """A `DiskBlockMeta`, or the identity of a `common_pb2.DiskBlock` (a step's disk offload)."""
+    if isinstance(block, DiskBlockMeta):
+        return block
+    return DiskBlockMeta(bytes(block.block_hash), bytes(block.parent_hash) or None,
+                         block.salt if block.HasField("salt") else None, tuple(block.token_ids))
 
 
 def model_identity(model_dir: str | Path) -> str:
@@ -235,17 +244,30 @@ class DiskKvStore:
         """What the file holds, checked (reported to the block manager at registration)."""
         return sorted(self.index.values(), key=lambda r: r.slot)
 
+    def register_blocks(self) -> list[common_pb2.DiskBlock]:
+        """`records()` as `RegisterNodeRequest.disk_blocks` (seeds the pool's disk index)."""
+        out = []
+        for r in self.records():
+            b = common_pb2.DiskBlock(slot=r.slot, block_hash=r.meta.block_hash, parent_hash=r.meta.parent_hash or b"",
+                                     token_ids=r.meta.token_ids, last_used=r.last_used)
+            if r.meta.salt is not None:
+                b.salt = r.meta.salt
+            out.append(b)
+        return out
+
     # ---- moves ---------------------------------------------------------------------------
-    def write(self, host: Any, items: Sequence[tuple[int, int, DiskBlockMeta]]) -> None:
-        """Host blocks `h` into disk slots (every layer, K and V) with their identity."""
+    def write(self, host: Any, items: Sequence[tuple[int, int, Any]]) -> None:
+        """Host blocks `h` into disk slots (every layer, K and V) with their identity (a
+        `DiskBlockMeta` or a `DiskBlock` message)."""
         if not items:
             return
         idx = torch.tensor([h for h, _, _ in items], dtype=torch.int64)
         caches = [c for pair in zip(host.key_caches, host.value_caches) for c in pair]
         stacked = torch.stack([c.index_select(0, idx) for c in caches], dim=1).contiguous()
         raw = stacked.view(torch.uint8).reshape(len(items), -1).numpy()
-        for i, (_, slot, meta) in enumerate(items):
+        for i, (_, slot, block) in enumerate(items):
             self._check_slot(slot)
+            meta = as_meta(block)
             meta_b = _encode_meta(meta)
             if len(meta_b) > self.meta_cap:
                 raise ValueError(f"disk block identity of {len(meta_b)} bytes exceeds {self.meta_cap}")
@@ -298,4 +320,13 @@ class DiskKvStore:
             self.fd = -1
 
 
-__all__ = ["DiskBlockMeta", "DiskKvStore", "DiskRecord", "DiskTierCorrupt", "fingerprint", "model_identity"]
+def open_disk_tier(path: str | Path, capacity_bytes: int, geometry: PoolGeometry, model_dir: str | Path) -> DiskKvStore:
+    """The disk tier of a node serving `model_dir` (its fingerprint: the weights' identity and
+    the pool's layout)."""
+    return DiskKvStore(path, capacity_bytes, geometry, model_identity(model_dir))
+
+
+__all__ = [
+    "as_meta", "open_disk_tier", "DiskBlockMeta", "DiskKvStore", "DiskRecord", "DiskTierCorrupt", "fingerprint",
+    "model_identity",
+]

@@ -8,8 +8,10 @@ the engine's block manager client and answers `Generate` requests by direct call
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from block_manager.client import BlockManagerClient
+from compute_node.disk_tier import open_disk_tier
 from compute_node.errors import ComputeNodeError
 from compute_node.generate import Generator, node_info_fields
 from compute_node.model import ModelRunner
@@ -43,6 +45,8 @@ class LocalNode:
         max_model_len: int | None = None,
         host_num_blocks: int | None = None,
         host_memory_bytes: int | None = None,
+        disk_kv_path: str | Path | None = None,
+        disk_kv_bytes: int | None = None,
     ) -> LocalNode:
         """Load the model, size the KV pool, register it with `client`'s block manager."""
         runner = ModelRunner(model_dir, block_size=block_size, num_blocks=num_blocks,
@@ -51,10 +55,16 @@ class LocalNode:
         g = runner.geometry
         num_host = runner.attach_host_tier(host_num_blocks, host_memory_bytes) if (
             host_num_blocks or host_memory_bytes) else 0
+        disk: dict[str, Any] = {}
+        if disk_kv_path is not None:   # the disk tier under the host tier (docs/tiers.md)
+            if not num_host:
+                raise ComputeNodeError("disk_kv_path needs a host tier (host_kv_memory or host_kv_blocks)")
+            runner.disk_store = store = open_disk_tier(disk_kv_path, int(disk_kv_bytes or 0), g, model_dir)
+            disk = {"disk_num_blocks": store.num_blocks, "disk_blocks": store.register_blocks()}
         reg = client.register_node(node_id, g.num_blocks, block_size=g.block_size, geometry={
             "num_layers": g.num_layers, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
             "dtype": g.dtype, "device": str(runner.device),
-        }, host_num_blocks=num_host)
+        }, host_num_blocks=num_host, **disk)
         return cls(node_id, runner, reg.epoch, Path(model_dir).name)
 
     def info(self, timeout_s: float | None = None) -> NodeInfo:
@@ -76,7 +86,8 @@ class LocalNode:
         return sampled_tokens(reply)
 
     def close(self) -> None:
-        pass
+        if self.runner.disk_store is not None:
+            self.runner.disk_store.close()
 
 
 __all__ = ["LocalNode"]

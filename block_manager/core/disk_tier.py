@@ -245,9 +245,8 @@ def attach(pool: Pool, disk: DiskTier) -> None:
 
 
 def check_seeds(blocks: Sequence[SeedBlock], num_slots: int, block_size: int) -> None:
-    """`InvalidRequest` unless every seed names a distinct slot in range, holds one block of
-    tokens and its hash is what its parent, tokens and salt hash to (checked before a
-    registration changes anything)."""
+    """`InvalidRequest` unless every seed names a distinct slot in range and holds one block of
+    tokens (checked before a registration changes anything)."""
     seen: set[int] = set()
     for blk in blocks:
         if not 0 <= blk.slot < num_slots or blk.slot in seen:
@@ -257,23 +256,28 @@ def check_seeds(blocks: Sequence[SeedBlock], num_slots: int, block_size: int) ->
                 f"disk block slot {blk.slot}: {len(blk.token_ids)} tokens, the block size is {block_size}")
         if blk.parent_hash is not None and len(blk.parent_hash) != len(blk.block_hash):
             raise InvalidRequest(f"disk block slot {blk.slot}: malformed parent hash")
-        if hash_block(blk.parent_hash, blk.token_ids, blk.salt) != blk.block_hash:
-            raise InvalidRequest(f"disk block slot {blk.slot}: its hash does not match its parent, tokens and salt")
         seen.add(blk.slot)
 
 
-def seed(disk: DiskTier, blocks: Sequence[SeedBlock], block_size: int, meta_cls: type) -> None:
+def seed(disk: DiskTier, blocks: Sequence[SeedBlock], block_size: int, meta_cls: type) -> int:
     """Index the blocks a node's segment file holds (written before this epoch: hits at once),
-    least recently used first. A block whose identity does not add up is refused with the
-    whole registration (`check_seeds`)."""
+    least recently used first; malformed seeds refuse the registration (`check_seeds`). Each
+    hash is recomputed from its parent, tokens and salt: a block whose identity does not add up
+    (another hashing version, a damaged file the checksums missed) is left out, not served.
+    Returns how many were left out."""
     check_seeds(blocks, disk.num_blocks, block_size)
+    skipped = 0
     for blk in sorted(blocks, key=lambda b: b.last_used):
+        if hash_block(blk.parent_hash, blk.token_ids, blk.salt) != blk.block_hash:
+            skipped += 1
+            continue
         if blk.block_hash in disk.prefix_index:
             continue   # a duplicate copy stays a plain free slot
         disk.free_list.remove(blk.slot)
         disk.meta[blk.slot] = meta_cls(blk.block_hash, blk.parent_hash, blk.salt, tuple(blk.token_ids))
         disk.prefix_index[blk.block_hash] = blk.slot
         disk.cached_list.push_back(blk.slot)
+    return skipped
 
 
 def _queue(pool: Pool, kind: str, src: int, dst: int, meta: BlockMeta | None = None) -> None:
