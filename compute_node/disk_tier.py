@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from compute_node.errors import ComputeNodeError
@@ -258,56 +259,71 @@ class DiskKvStore:
     # ---- moves ---------------------------------------------------------------------------
     def write(self, host: Any, items: Sequence[tuple[int, int, Any]]) -> None:
         """Host blocks `h` into disk slots (every layer, K and V) with their identity (a
-        `DiskBlockMeta` or a `DiskBlock` message)."""
+        `DiskBlockMeta` or a `DiskBlock` message). One gather per layer into one buffer, one
+        positioned write per slot (no per-block tensor work)."""
         if not items:
             return
         idx = torch.tensor([h for h, _, _ in items], dtype=torch.int64)
-        caches = [c for pair in zip(host.key_caches, host.value_caches) for c in pair]
-        stacked = torch.stack([c.index_select(0, idx) for c in caches], dim=1).contiguous()
-        raw = stacked.view(torch.uint8).reshape(len(items), -1).numpy()
+        buf = self._gather(host, idx)
         for i, (_, slot, block) in enumerate(items):
             self._check_slot(slot)
             meta = as_meta(block)
             meta_b = _encode_meta(meta)
             if len(meta_b) > self.meta_cap:
                 raise ValueError(f"disk block identity of {len(meta_b)} bytes exceeds {self.meta_cap}")
-            payload = raw[i].tobytes()
+            payload = memoryview(buf[i])
             crc = zlib.crc32(payload, zlib.crc32(meta_b))
             counter = self.next_counter
             self.next_counter += 1
             off = HEADER_BYTES + slot * self.slot_bytes
-            rec = REC_HEAD.pack(REC_MAGIC, crc, len(meta_b), counter).ljust(REC_HEAD_BYTES, b"\0")
-            os.pwrite(self.fd, rec + meta_b.ljust(self.meta_cap, b"\0") + payload, off)
+            head = REC_HEAD.pack(REC_MAGIC, crc, len(meta_b), counter).ljust(REC_HEAD_BYTES, b"\0")
+            os.pwritev(self.fd, [head + meta_b.ljust(self.meta_cap, b"\0"), payload], off)
             self.index[slot] = DiskRecord(slot, meta, counter)
         self.num_written += len(items)
 
+    def _gather(self, host: Any, idx: torch.Tensor) -> np.ndarray:
+        """`[n, payload_bytes]` bytes of host blocks `idx`: K then V of every layer."""
+        n = len(idx)
+        buf = np.empty((n, 2 * self.geometry.num_layers, self.payload_bytes // (2 * self.geometry.num_layers)),
+                       dtype=np.uint8)
+        for j, cache in enumerate(self._caches(host)):
+            buf[:, j, :] = cache.index_select(0, idx).reshape(n, -1).view(torch.uint8).numpy()
+        return buf.reshape(n, -1)
+
+    @staticmethod
+    def _caches(host: Any) -> list[torch.Tensor]:
+        return [c for pair in zip(host.key_caches, host.value_caches) for c in pair]
+
     def read(self, host: Any, pairs: Sequence[tuple[int, int]]) -> None:
-        """Disk slots into host blocks `h`, each checked against its checksum and identity."""
+        """Disk slots into host blocks `h`, each checked against its checksum and identity
+        before anything is written to host memory."""
         if not pairs:
             return
-        blocks = []
-        for slot, _ in pairs:
+        n = len(pairs)
+        buf = np.empty((n, self.payload_bytes), dtype=np.uint8)
+        for i, (slot, _) in enumerate(pairs):
             self._check_slot(slot)
             off = HEADER_BYTES + slot * self.slot_bytes
-            magic, crc, meta_len, _ = REC_HEAD.unpack(os.pread(self.fd, REC_HEAD.size, off).ljust(REC_HEAD.size, b"\0"))
-            data = os.pread(self.fd, self.meta_cap + self.payload_bytes, off + REC_HEAD_BYTES)
+            head = os.pread(self.fd, REC_HEAD_BYTES + self.meta_cap, off)
+            got = os.preadv(self.fd, [memoryview(buf[i])], off + REC_HEAD_BYTES + self.meta_cap)
             held = self.index.get(slot)
-            ok = (magic == REC_MAGIC and meta_len <= self.meta_cap and held is not None
-                  and len(data) == self.meta_cap + self.payload_bytes
-                  and zlib.crc32(data[self.meta_cap:], zlib.crc32(data[:meta_len])) == crc
-                  and data[:HASH_BYTES] == held.meta.block_hash)
+            ok = len(head) == REC_HEAD_BYTES + self.meta_cap and got == self.payload_bytes and held is not None
+            if ok:
+                magic, crc, meta_len, _ = REC_HEAD.unpack_from(head)
+                meta_b = head[REC_HEAD_BYTES: REC_HEAD_BYTES + min(meta_len, self.meta_cap)]
+                ok = (magic == REC_MAGIC and meta_len <= self.meta_cap
+                      and zlib.crc32(memoryview(buf[i]), zlib.crc32(meta_b)) == crc
+                      and meta_b[:HASH_BYTES] == held.meta.block_hash)
             if not ok:
                 self.index.pop(slot, None)
                 self.num_discarded += 1
                 log.warning("disk_block_discarded", path=str(self.file), slot=slot, reason="checksum on read")
                 raise DiskTierCorrupt(f"disk tier slot {slot} failed its checksum: not served (recompute)")
-            blocks.append(torch.frombuffer(bytearray(data[self.meta_cap:]), dtype=torch.uint8))
-        stacked = torch.stack(blocks).view(self.dtype).reshape(len(pairs), 2 * self.geometry.num_layers,
-                                                               *self.block_shape)
         dst = torch.tensor([h for _, h in pairs], dtype=torch.int64)
-        caches = [c for pair in zip(host.key_caches, host.value_caches) for c in pair]
-        for j, cache in enumerate(caches):
-            cache.index_copy_(0, dst, stacked[:, j])
+        per = buf.reshape(n, 2 * self.geometry.num_layers, -1)
+        for j, cache in enumerate(self._caches(host)):
+            src = torch.from_numpy(np.ascontiguousarray(per[:, j, :])).view(self.dtype).reshape(n, *self.block_shape)
+            cache.index_copy_(0, dst, src)
         self.num_read += len(pairs)
 
     def _check_slot(self, slot: int) -> None:
