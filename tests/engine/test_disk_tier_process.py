@@ -168,6 +168,8 @@ def test_a_restarted_node_process_onboards_its_prefixes_from_disk(
         assert stats["disk_hit_tokens"] == 4 * 16 and stats["disk_onboarded_blocks"] == 16
         assert stats["prefix_hit_tokens"] == 0 and stats["host_hit_tokens"] == 0
         assert int(_pool(admin)["disk_hit_tokens"]) == 4 * 16
+        text = bm.server.metrics.render().decode()
+        assert f'pagedkv_disk_moves_total{{kind="disk_onboard",pool="{NODE}"}} 16.0' in text
         assert admin.fsck().get("ok") is True
     finally:
         node.stop()
