@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import torch
 
@@ -61,7 +62,11 @@ log = get_logger("compute_node.disk_tier")
 
 
 class DiskTierCorrupt(ComputeNodeError):
-    """A disk slot read for an onboard failed its checksum: the step fails, nothing is served."""
+    """A disk slot read for an onboard failed its checksum: the step fails, nothing is served.
+    The node then registers anew (a new epoch, whose disk index lacks that slot), so the step's
+    sequences recompute — the code of a node that moved on."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 @dataclass(slots=True, frozen=True)
@@ -241,6 +246,20 @@ class DiskKvStore:
             return None
         return meta
 
+    def _recheck(self) -> None:
+        """Check every held slot again (after a read found one damaged while running)."""
+        for slot in list(self.index):
+            off = HEADER_BYTES + slot * self.slot_bytes
+            head = os.pread(self.fd, REC_HEAD.size, off)
+            rec = None
+            if len(head) == REC_HEAD.size:
+                magic, crc, meta_len, _ = REC_HEAD.unpack(head)
+                rec = self._check(slot, off, crc, meta_len) if magic == REC_MAGIC else None
+            if rec is None or rec != self.index[slot].meta:
+                del self.index[slot]
+                self.num_discarded += 1
+                log.warning("disk_block_discarded", path=str(self.file), slot=slot, reason="checksum on recheck")
+
     def records(self) -> list[DiskRecord]:
         """What the file holds, checked (reported to the block manager at registration)."""
         return sorted(self.index.values(), key=lambda r: r.slot)
@@ -318,6 +337,7 @@ class DiskKvStore:
                 self.index.pop(slot, None)
                 self.num_discarded += 1
                 log.warning("disk_block_discarded", path=str(self.file), slot=slot, reason="checksum on read")
+                self._recheck()   # the file changed under us: drop every other bad slot too, at once
                 raise DiskTierCorrupt(f"disk tier slot {slot} failed its checksum: not served (recompute)")
         dst = torch.tensor([h for _, h in pairs], dtype=torch.int64)
         per = buf.reshape(n, 2 * self.geometry.num_layers, -1)

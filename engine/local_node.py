@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from block_manager.client import BlockManagerClient
-from compute_node.disk_tier import open_disk_tier
+from compute_node.disk_tier import DiskTierCorrupt, open_disk_tier
 from compute_node.errors import ComputeNodeError
 from compute_node.generate import Generator, node_info_fields
 from compute_node.model import ModelRunner
@@ -22,8 +22,10 @@ from pagedkv.v1 import compute_node_pb2 as pb
 
 
 class LocalNode:
-    def __init__(self, node_id: str, runner: ModelRunner, epoch: int, model_name: str) -> None:
+    def __init__(self, node_id: str, runner: ModelRunner, epoch: int, model_name: str,
+                 client: BlockManagerClient | None = None) -> None:
         self.node_id = node_id
+        self.client = client   # re-registers through it after a corrupt disk slot
         self.runner = runner
         self.epoch = epoch
         self.model_name = model_name
@@ -55,17 +57,27 @@ class LocalNode:
         g = runner.geometry
         num_host = runner.attach_host_tier(host_num_blocks, host_memory_bytes) if (
             host_num_blocks or host_memory_bytes) else 0
-        disk: dict[str, Any] = {}
         if disk_kv_path is not None:   # the disk tier under the host tier (docs/tiers.md)
             if not num_host:
                 raise ComputeNodeError("disk_kv_path needs a host tier (host_kv_memory or host_kv_blocks)")
-            runner.disk_store = store = open_disk_tier(disk_kv_path, int(disk_kv_bytes or 0), g, model_dir)
-            disk = {"disk_num_blocks": store.num_blocks, "disk_blocks": store.register_blocks()}
-        reg = client.register_node(node_id, g.num_blocks, block_size=g.block_size, geometry={
+            runner.disk_store = open_disk_tier(disk_kv_path, int(disk_kv_bytes or 0), g, model_dir)
+        node = cls(node_id, runner, 0, Path(model_dir).name, client)
+        node.register()
+        return node
+
+    def register(self) -> None:
+        """Register the pool (a new epoch), with the blocks the disk tier holds now."""
+        runner, g = self.runner, self.runner.geometry
+        store = runner.disk_store
+        disk: dict[str, Any] = {} if store is None else {
+            "disk_num_blocks": store.num_blocks, "disk_blocks": store.register_blocks()}
+        reg = self.client.register_node(self.node_id, g.num_blocks, block_size=g.block_size, geometry={  # type: ignore[union-attr]
             "num_layers": g.num_layers, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
             "dtype": g.dtype, "device": str(runner.device),
-        }, host_num_blocks=num_host, **disk)
-        return cls(node_id, runner, reg.epoch, Path(model_dir).name)
+        }, host_num_blocks=0 if runner.host_pool is None else runner.host_pool.num_blocks, **disk)
+        self.epoch = reg.epoch
+        self.tables.clear()
+        self.generator.reset()
 
     def info(self, timeout_s: float | None = None) -> NodeInfo:
         g = self.runner.geometry
@@ -81,6 +93,10 @@ class LocalNode:
         by their status code, exactly as over gRPC."""
         try:
             reply = self.generator.generate(generate_request(step), self.node_id, self.epoch)
+        except DiskTierCorrupt as exc:
+            if self.client is not None:
+                self.register()   # the disk index must lose the bad slot: a new epoch seeds it anew
+            raise node_error(self.node_id, exc.code, str(exc)) from exc
         except ComputeNodeError as exc:
             raise node_error(self.node_id, exc.code, str(exc)) from exc
         return sampled_tokens(reply)

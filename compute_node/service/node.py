@@ -39,7 +39,7 @@ from typing import Any
 import grpc
 import torch
 
-from compute_node.disk_tier import open_disk_tier
+from compute_node.disk_tier import DiskTierCorrupt, open_disk_tier
 from compute_node.errors import (
     BlockManagerRefused,
     BlockManagerUnavailable,
@@ -354,7 +354,9 @@ class ComputeNode:
             epoch = self.registration.epoch
             try:
                 resp = await asyncio.to_thread(self.generator.generate, request, self.config.node_id, epoch)
-            except NodeFenced as exc:
+            except (NodeFenced, DiskTierCorrupt) as exc:
+                # DiskTierCorrupt: the block manager's disk index names a slot whose bytes are bad;
+                # a new registration seeds the index from what the file really holds
                 self._reset_locked(f"generate: {exc}")
                 await self._try_register_locked()
                 raise

@@ -85,3 +85,29 @@ def test_disk_options_are_checked(tmp_path: Path, model_dirs: dict[str, Path]) -
     with pytest.raises(EngineError, match="both"):
         LLM(model_dirs[NAME], device="cpu", num_kv_blocks=8, block_size=4, host_kv_blocks=4,
             disk_kv_path=str(tmp_path))
+
+
+def test_a_slot_damaged_while_running_is_recomputed_not_served(tmp_path: Path, model_dirs: dict[str, Path],
+                                                               hf_models: dict[str, Any]) -> None:
+    """The file changes under a running node: the onboarding step fails instead of reading bad
+    bytes, the node registers anew (its disk index now without the damaged slots) and the
+    prompts are recomputed — tokens still equal transformers'."""
+    systems = _prompts(61, [16, 16, 16, 16])
+    tails = _prompts(62, [3] * 8)
+    hf = hf_models[NAME]
+    with _llm(model_dirs[NAME], tmp_path) as llm:
+        _rounds(llm, hf, systems, tails[0:4], "first")
+        core = llm.client.state.core   # type: ignore[attr-defined]
+        assert core.disk_metrics("local-0").num_cached_blocks > 0
+        node = llm.engine.nodes["local-0"]
+        epoch, reads = node.epoch, node.runner.disk_store.num_read
+        seg = tmp_path / FILE_NAME
+        data = bytearray(seg.read_bytes())
+        for i in range(HEADER_BYTES + 9000, len(data), 4096):
+            data[i] ^= 0x5A
+        seg.write_bytes(bytes(data))
+        _rounds(llm, hf, systems, tails[4:8], "damaged while running")
+        assert node.epoch > epoch                                  # registered anew
+        assert node.runner.disk_store.num_read == reads            # nothing served from the damaged file
+        assert node.runner.disk_store.num_discarded > 0
+        assert llm.client.state.core.fsck() == []   # type: ignore[attr-defined]
