@@ -163,3 +163,20 @@ def test_model_identity_follows_the_weights(tmp_path: Path) -> None:
 def test_a_budget_below_one_slot_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="holds no block"):
         DiskKvStore(tmp_path, HEADER_BYTES + 10, GEOM, "m1")
+
+
+def test_the_node_config_checks_the_disk_tier_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from pydantic import ValidationError
+
+    from compute_node.service.config import ComputeNodeConfig, load_config
+
+    with pytest.raises(ValidationError, match="both disk_kv_path and disk_kv_bytes"):
+        ComputeNodeConfig(disk_kv_path=str(tmp_path))
+    with pytest.raises(ValidationError, match="needs a model"):
+        ComputeNodeConfig(disk_kv_path=str(tmp_path), disk_kv_bytes=1 << 20)
+    with pytest.raises(ValidationError, match="needs a host tier"):
+        ComputeNodeConfig(model=str(tmp_path), disk_kv_path=str(tmp_path), disk_kv_bytes=1 << 20)
+    monkeypatch.setenv("PAGEDKV_CN_DISK_KV_PATH", str(tmp_path))
+    monkeypatch.setenv("PAGEDKV_CN_DISK_KV_BYTES", str(1 << 30))
+    cfg = load_config(model=str(tmp_path), host_kv_blocks=8)
+    assert (cfg.disk_kv_path, cfg.disk_kv_bytes) == (str(tmp_path), 1 << 30)
