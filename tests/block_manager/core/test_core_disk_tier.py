@@ -238,16 +238,26 @@ class DiskMachine(tiers.TierMachine):
         self.allocate(pid, prefix, 24, [1], salt, True)
 
 
+def run_disk_machine(max_examples: int, steps: int, derandomize: bool) -> None:
+    EVENTS.clear()
+    run_state_machine_as_test(
+        DiskMachine,
+        settings=settings(max_examples=max_examples, stateful_step_count=steps, deadline=None,
+                          derandomize=derandomize, database=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]),
+    )
+    print(dict(EVENTS))
+    assert EVENTS["disk_offload"] > 0 and EVENTS["disk_onboard"] > 0, dict(EVENTS)
+
+
 def test_three_tier_core_state_machine() -> None:
     """Everything the two-tier machine checks (tokens read back through the node's tables after
     every rule, fsck of every tier, failed calls change nothing, snapshots round-trip), with
     host evictions spilling to disk and prefixes coming back from it."""
-    EVENTS.clear()
-    run_state_machine_as_test(
-        DiskMachine,
-        settings=settings(max_examples=30, stateful_step_count=40, deadline=None, derandomize=True,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-                          database=None),
-    )
-    print(dict(EVENTS))
-    assert EVENTS["disk_offload"] > 0 and EVENTS["disk_onboard"] > 0, dict(EVENTS)
+    run_disk_machine(max_examples=30, steps=40, derandomize=True)   # --slow: 300 x 60, random seeds
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_three_tier_core_state_machine_long() -> None:
+    run_disk_machine(max_examples=300, steps=60, derandomize=False)
