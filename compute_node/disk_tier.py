@@ -28,6 +28,7 @@ fails that step (the scheduler recomputes); it is never served.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -59,6 +60,10 @@ MAX_SALT_BYTES = 4 * 1024   # 1024 characters (the block manager's limit), UTF-8
 ALIGN = 4096
 
 log = get_logger("compute_node.disk_tier")
+
+
+class DiskTierInUse(ValueError):
+    """Another node (process) holds the slot file: each node needs its own `disk_kv_path`."""
 
 
 class DiskTierCorrupt(ComputeNodeError):
@@ -165,6 +170,10 @@ class DiskKvStore:
         self.num_discarded = 0
         self.fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
         try:
+            try:   # one node per file: another one writing the same slots would corrupt both
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise DiskTierInUse(f"{self.file} is in use by another node (one disk_kv_path per node)") from None
             self._open()
         except BaseException:
             os.close(self.fd)
@@ -363,6 +372,6 @@ def open_disk_tier(path: str | Path, capacity_bytes: int, geometry: PoolGeometry
 
 
 __all__ = [
-    "as_meta", "open_disk_tier", "DiskBlockMeta", "DiskKvStore", "DiskRecord", "DiskTierCorrupt", "fingerprint",
-    "model_identity",
+    "as_meta", "open_disk_tier", "DiskBlockMeta", "DiskTierInUse", "DiskKvStore", "DiskRecord", "DiskTierCorrupt",
+    "fingerprint", "model_identity",
 ]

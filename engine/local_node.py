@@ -16,6 +16,7 @@ from compute_node.errors import ComputeNodeError
 from compute_node.generate import Generator, node_info_fields
 from compute_node.model import ModelRunner
 from compute_node.tables import TableCache
+from engine.errors import EngineError
 from engine.executor import generate_request, node_error, node_info, sampled_tokens
 from engine.node_api import NodeInfo, NodeStep, SampledToken
 from pagedkv.v1 import compute_node_pb2 as pb
@@ -60,7 +61,10 @@ class LocalNode:
         if disk_kv_path is not None:   # the disk tier under the host tier (docs/tiers.md)
             if not num_host:
                 raise ComputeNodeError("disk_kv_path needs a host tier (host_kv_memory or host_kv_blocks)")
-            runner.disk_store = open_disk_tier(disk_kv_path, int(disk_kv_bytes or 0), g, model_dir)
+            try:
+                runner.disk_store = open_disk_tier(disk_kv_path, int(disk_kv_bytes or 0), g, model_dir)
+            except (ValueError, OSError) as exc:   # in use by another node, too small, unwritable
+                raise EngineError(f"disk tier at {str(disk_kv_path)!r}: {exc}") from exc
         node = cls(node_id, runner, 0, Path(model_dir).name, client)
         node.register()
         return node

@@ -180,3 +180,13 @@ def test_the_node_config_checks_the_disk_tier_settings(monkeypatch: pytest.Monke
     monkeypatch.setenv("PAGEDKV_CN_DISK_KV_BYTES", str(1 << 30))
     cfg = load_config(model=str(tmp_path), host_kv_blocks=8)
     assert (cfg.disk_kv_path, cfg.disk_kv_bytes) == (str(tmp_path), 1 << 30)
+
+
+def test_one_slot_file_serves_one_node(tmp_path: Path) -> None:
+    from compute_node.disk_tier import DiskTierInUse
+
+    first = _store(tmp_path)
+    with pytest.raises(DiskTierInUse, match="in use by another node"):
+        _store(tmp_path)
+    first.close()
+    _store(tmp_path).close()   # free again once the first one closed

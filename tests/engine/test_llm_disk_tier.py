@@ -82,6 +82,9 @@ def test_disk_options_are_checked(tmp_path: Path, model_dirs: dict[str, Path]) -
     with pytest.raises(EngineError, match="host tier"):
         LLM(model_dirs[NAME], device="cpu", num_kv_blocks=8, block_size=4, disk_kv_path=str(tmp_path),
             disk_kv_bytes=1 << 20)
+    with pytest.raises(EngineError, match="holds no block"):
+        LLM(model_dirs[NAME], device="cpu", num_kv_blocks=8, block_size=4, host_kv_blocks=4,
+            disk_kv_path=str(tmp_path), disk_kv_bytes=5000)
     with pytest.raises(EngineError, match="both"):
         LLM(model_dirs[NAME], device="cpu", num_kv_blocks=8, block_size=4, host_kv_blocks=4,
             disk_kv_path=str(tmp_path))
