@@ -4,8 +4,10 @@ server on 127.0.0.1) and a model node started as its own process (`compute-node 
 the restart are pushed down to disk; the node process is stopped and started again with the same
 model: it reports its slot file's blocks when it registers (new epoch), the prefixes are
 onboarded from disk (disk->host->device, zero prefix tokens recomputed) and greedy tokens equal
-the pre-restart run and transformers'. A truncated slot file is discarded, never served: the
-prompts are recomputed, tokens still right. Every wait is on a condition, never a sleep."""
+the pre-restart run and transformers'. A slot file damaged under the running node fails the
+onboarding step (the node registers anew without the damaged slots) and a truncated one is
+discarded at start: never served, the prompts are recomputed, tokens still right. Every wait
+is on a condition, never a sleep."""
 
 from __future__ import annotations
 
@@ -175,14 +177,31 @@ def test_a_restarted_node_process_onboards_its_prefixes_from_disk(
         node.stop()
 
     seg = disk / FILE_NAME
-    os.truncate(seg, HEADER_BYTES + 100)    # cut short: every slot is gone
     epoch = _epoch(admin)
     node = _start(bm, admin, model_dirs[MODEL], disk, tmp_path / "n3", epoch)
+    try:   # the file is damaged under the running node: the onboarding step fails, nothing is served
+        epoch = _epoch(admin)
+        assert int(_pool(admin).get("disk_cached_blocks", 0)) >= 8
+        data = bytearray(seg.read_bytes())
+        for i in range(HEADER_BYTES + 9000, len(data), 4096):
+            data[i] ^= 0x5A
+        seg.write_bytes(bytes(data))
+        again, stats = _serve(bm, node, prompts)
+        assert again == before                                  # recomputed, still right
+        assert _epoch(admin) > epoch                            # the node registered anew...
+        assert int(_pool(admin).get("disk_hit_tokens", 0)) == 0    # ...without the damaged slots: no disk hit
+        assert b"checksum on read" in (tmp_path / "n3" / "node.log").read_bytes()
+    finally:
+        node.stop()
+
+    os.truncate(seg, HEADER_BYTES + 100)    # cut short: every slot is gone
+    epoch = _epoch(admin)
+    node = _start(bm, admin, model_dirs[MODEL], disk, tmp_path / "n4", epoch)
     try:
         assert int(_pool(admin).get("disk_cached_blocks", 0)) == 0
         again, stats = _serve(bm, node, prompts)
         assert again == before and stats["disk_hit_tokens"] == 0   # recomputed, still right
-        assert b"disk_tier_truncated" in (tmp_path / "n3" / "node.log").read_bytes()
+        assert b"disk_tier_truncated" in (tmp_path / "n4" / "node.log").read_bytes()
     finally:
         node.stop()
         admin.close()
