@@ -51,9 +51,9 @@ class Generator:
             return self._last[1]
         seqs = self._parse(request)
         runner = self.runner
-        host = runner.host_pool
+        host, disk = runner.host_pool, runner.disk_store
         staged = stage(self.tables, request.steps, node_id, epoch, runner.geometry.num_blocks,
-                       0 if host is None else host.num_blocks)
+                       0 if host is None else host.num_blocks, 0 if disk is None else disk.num_blocks)
         bs = runner.geometry.block_size
         work: list[SeqWork] = []
         tables: dict[SeqId, NodeTable] = {}
@@ -66,7 +66,7 @@ class Generator:
         # ---- everything is checked: apply ----
         t0 = time.perf_counter()
         if staged.tier_moves:
-            apply_moves(runner.pool, host, staged)   # host tier moves and copies, in step order
+            apply_moves(runner.pool, host, staged, disk)   # tier moves and copies, in step order
         elif staged.copy_pairs:
             runner.copy_blocks(staged.copy_pairs)
         copy_s = time.perf_counter() - t0

@@ -95,19 +95,27 @@ class HostKvPool:
         self.num_blocks_to_device += len(pairs)
 
 
-def apply_moves(pool: KvPool, host: HostKvPool | None, staged: Any) -> None:
-    """A Forward's staged host tier moves and copy ops, in step order: for each step, its
-    copies staged before it, then its device->host moves, then its host->device moves; the
-    copies of the last steps after that."""
+def apply_moves(pool: KvPool, host: HostKvPool | None, staged: Any, disk: Any = None) -> None:
+    """A Forward's staged tier moves and copy ops, in step order: for each step, its copies
+    staged before it, then its host->disk moves (`disk`: compute_node.disk_tier.DiskKvStore),
+    device->host moves, disk->host moves and host->device moves; the copies of the last steps
+    after that."""
     pairs = staged.copy_pairs
     done = 0
-    for offset, to_host, to_device in staged.tier_moves:
+    disk_moves = getattr(staged, "disk_moves", None) or [((), ())] * len(staged.tier_moves)
+    for (offset, to_host, to_device), (to_disk, from_disk) in zip(staged.tier_moves, disk_moves):
         if offset > done:
             pool.copy_blocks(pairs[done:offset])
             done = offset
         if host is None:
             raise RuntimeError("internal: tier moves staged for a node without a host tier")
+        if (to_disk or from_disk) and disk is None:
+            raise RuntimeError("internal: disk moves staged for a node without a disk tier")
+        if to_disk:
+            disk.write(host, to_disk)
         host.to_host(pool, to_host)
+        if from_disk:
+            disk.read(host, from_disk)
         host.to_device(pool, to_device)
     if len(pairs) > done:
         pool.copy_blocks(pairs[done:])

@@ -42,6 +42,9 @@ class StagedSteps:
     # host tier moves per step, in step order: (copy pairs staged before them, device->host
     # pairs, host->device pairs); applied by compute_node.host_pool.apply_moves
     tier_moves: list[tuple[int, list[tuple[int, int]], list[tuple[int, int]]]] = field(default_factory=list)
+    # the disk tier's moves of the same steps (index for index): (host->disk (host block, slot,
+    # identity), disk->host (slot, host block)); applied around the host tier's moves
+    disk_moves: list[tuple[list[tuple[int, int, Any]], list[tuple[int, int]]]] = field(default_factory=list)
 
     def table(self, cache: TableCache, seq_id: SeqId) -> NodeTable | None:
         if seq_id in self.changed:
@@ -87,7 +90,7 @@ class TableCache:
 
 
 def stage(cache: TableCache, steps: Sequence[Any], node_id: str, epoch: int, num_blocks: int,
-          host_num_blocks: int = 0) -> StagedSteps:
+          host_num_blocks: int = 0, disk_num_blocks: int = 0) -> StagedSteps:
     """Check the steps (`PoolStep` messages) a Forward carries and compute their effect.
 
     `StaleStep` (FAILED_PRECONDITION) when they do not continue from the node's last applied
@@ -119,7 +122,7 @@ def stage(cache: TableCache, steps: Sequence[Any], node_id: str, epoch: int, num
             staged.changed.clear()
         _check_blocks(m, i, num_blocks)
         if m.tier_kind:
-            _stage_tier_moves(staged, m, i, num_blocks, host_num_blocks)
+            _stage_tier_moves(staged, m, i, num_blocks, host_num_blocks, disk_num_blocks)
         _stage_copies(staged, m, i)
         for sid in m.dropped_seq_ids:
             staged.changed[SeqId(sid)] = None
@@ -135,14 +138,33 @@ def _check_blocks(m: Any, i: int, num_blocks: int) -> None:
             raise InvalidForward(f"steps[{i}].{name} names block {max(col)}; the pool has {num_blocks} blocks")
 
 
-def _stage_tier_moves(staged: StagedSteps, m: Any, i: int, num_blocks: int, host_num_blocks: int) -> None:
+def _stage_tier_moves(staged: StagedSteps, m: Any, i: int, num_blocks: int, host_num_blocks: int,
+                      disk_num_blocks: int = 0) -> None:
     """A step's host tier moves (kinds 1 swap-out / 3 offload: device->host; 2 swap-in /
-    4 onboard: host->device), every id checked against the tier it names."""
+    4 onboard: host->device) and disk tier moves (5 disk offload: host->disk, with its block's
+    identity in `disk_blocks`; 6 disk onboard: disk->host), every id checked against the tier
+    it names."""
     if not len(m.tier_kind) == len(m.tier_src) == len(m.tier_dst):
         raise InvalidForward(f"steps[{i}]: tier move columns have different lengths")
     to_host: list[tuple[int, int]] = []
     to_device: list[tuple[int, int]] = []
+    to_disk: list[tuple[int, int, Any]] = []
+    from_disk: list[tuple[int, int]] = []
+    identities = list(m.disk_blocks)
     for kind, src, dst in zip(m.tier_kind, m.tier_src, m.tier_dst):
+        if kind in (5, 6):
+            host, slot = (src, dst) if kind == 5 else (dst, src)
+            if host >= host_num_blocks or slot >= disk_num_blocks:
+                raise InvalidForward(
+                    f"steps[{i}]: disk move {src}->{dst} names a block outside the tiers ({host_num_blocks} host "
+                    f"blocks, {disk_num_blocks} disk slots)")
+            if kind == 6:
+                from_disk.append((slot, host))
+                continue
+            if len(to_disk) >= len(identities) or identities[len(to_disk)].slot != slot:
+                raise InvalidForward(f"steps[{i}]: disk offload {src}->{dst} has no matching disk_blocks entry")
+            to_disk.append((host, slot, identities[len(to_disk)]))
+            continue
         if kind in (1, 3):
             dev, host, out = src, dst, to_host
         elif kind in (2, 4):
@@ -155,7 +177,10 @@ def _stage_tier_moves(staged: StagedSteps, m: Any, i: int, num_blocks: int, host
                 f"{host_num_blocks} host blocks)"
             )
         out.append((src, dst))
+    if len(to_disk) != len(identities):
+        raise InvalidForward(f"steps[{i}]: {len(identities)} disk_blocks for {len(to_disk)} disk offloads")
     staged.tier_moves.append((len(staged.copy_pairs), to_host, to_device))
+    staged.disk_moves.append((to_disk, from_disk))
 
 
 def _stage_copies(staged: StagedSteps, m: Any, i: int) -> None:

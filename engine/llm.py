@@ -40,7 +40,8 @@ class LLM:
     `max_num_batched_tokens` (per step; longer prompts are prefilled in chunks),
     `max_model_len`. With `block_manager`: `tls`, `token` (the scheduler's credentials).
     Host tier (docs/tiers.md): `host_kv_memory` (bytes) or `host_kv_blocks`, and `preemption_mode`
-    ("auto": swap where the node has a host tier, "swap", "recompute").
+    ("auto": swap where the node has a host tier, "swap", "recompute"). Disk tier under it:
+    `disk_kv_path` (a directory) and `disk_kv_bytes`; it outlives the process.
     """
 
     def __init__(
@@ -63,6 +64,8 @@ class LLM:
         preemption_mode: str = "auto",
         host_kv_memory: int | None = None,
         host_kv_blocks: int | None = None,
+        disk_kv_path: str | Path | None = None,
+        disk_kv_bytes: int | None = None,
     ) -> None:
         self.model_dir = Path(model)
         if not self.model_dir.is_dir():
@@ -76,6 +79,13 @@ class LLM:
         if block_manager is not None and (host_kv_memory or host_kv_blocks):
             raise EngineError("host_kv_memory / host_kv_blocks size the embedded node's host tier; with "
                               "block_manager= each node's own config sets it (compute-node serve --host-kv-memory)")
+        if block_manager is not None and disk_kv_path is not None:
+            raise EngineError("disk_kv_path sizes the embedded node's disk tier; with block_manager= each node's "
+                              "own config sets it (compute-node serve --disk-kv-path --disk-kv-bytes)")
+        if (disk_kv_path is None) != (disk_kv_bytes is None):
+            raise EngineError("give both disk_kv_path and disk_kv_bytes, or neither")
+        if disk_kv_path is not None and not (host_kv_memory or host_kv_blocks):
+            raise EngineError("disk_kv_path needs a host tier above it (host_kv_memory or host_kv_blocks)")
         if block_manager is None:
             from block_manager.service.config import BlockManagerConfig
             from engine.local_bm import LocalBlockManagerClient
@@ -90,7 +100,8 @@ class LLM:
             node = LocalNode.start(client, "local-0", self.model_dir, block_size=block_size,
                                    num_blocks=num_kv_blocks, kv_memory_bytes=None if num_kv_blocks else kv_cache_memory,
                                    dtype=dtype, device=device, max_model_len=max_model_len,
-                                   host_num_blocks=host_kv_blocks, host_memory_bytes=host_kv_memory)
+                                   host_num_blocks=host_kv_blocks, host_memory_bytes=host_kv_memory,
+                                   disk_kv_path=disk_kv_path, disk_kv_bytes=disk_kv_bytes)
             nodes = {node.node_id: node}
         else:
             from block_manager.client import BlockManagerClient

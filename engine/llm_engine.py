@@ -126,6 +126,11 @@ class EngineStats:
     offloaded_blocks: int = 0
     onboarded_blocks: int = 0
     host_hit_tokens: int = 0
+    # disk tier (docs/tiers.md): host blocks spilled to disk, blocks / prompt tokens onboarded
+    # from disk (disk->host->device; not in host_hit_tokens)
+    disk_offloaded_blocks: int = 0
+    disk_onboarded_blocks: int = 0
+    disk_hit_tokens: int = 0
 
     def summary(self) -> dict[str, float]:
         """Counters and latency percentiles (ms) as a flat mapping."""
@@ -136,8 +141,10 @@ class EngineStats:
             "steps": self.num_steps, "preemptions": self.num_preemptions,
             "generated_tokens": self.generated_tokens, "prompt_tokens": self.prompt_tokens,
             "cached_prompt_tokens": self.cached_prompt_tokens,
-            "prefix_hit_tokens": self.cached_prompt_tokens - self.host_hit_tokens,
+            "prefix_hit_tokens": self.cached_prompt_tokens - self.host_hit_tokens - self.disk_hit_tokens,
             "host_hit_tokens": self.host_hit_tokens,
+            "disk_offloaded_blocks": self.disk_offloaded_blocks, "disk_onboarded_blocks": self.disk_onboarded_blocks,
+            "disk_hit_tokens": self.disk_hit_tokens,
             "swapped_out_blocks": self.swapped_out_blocks, "swapped_in_blocks": self.swapped_in_blocks,
             "offloaded_blocks": self.offloaded_blocks, "onboarded_blocks": self.onboarded_blocks,
             "recomputed_tokens": self.recomputed_tokens, "recompute_fallbacks": self.recompute_fallbacks,
@@ -556,7 +563,11 @@ class LLMEngine:
                 self.stats.swapped_in_blocks += kinds.count(2)
                 self.stats.offloaded_blocks += kinds.count(3)
                 self.stats.onboarded_blocks += kinds.count(4)
-                self.stats.host_hit_tokens += kinds.count(4) * bs
+                from_disk = kinds.count(6)   # each also onboarded host->device (kind 4)
+                self.stats.host_hit_tokens += (kinds.count(4) - from_disk) * bs
+                self.stats.disk_offloaded_blocks += kinds.count(5)
+                self.stats.disk_onboarded_blocks += from_disk
+                self.stats.disk_hit_tokens += from_disk * bs
 
     def _recompute_swapped(self, seq: Sequence, *, free: bool) -> None:
         """A swapped sequence that cannot come back from host: recompute it (fallback)."""

@@ -8,20 +8,25 @@ the engine's block manager client and answers `Generate` requests by direct call
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from block_manager.client import BlockManagerClient
+from compute_node.disk_tier import DiskTierCorrupt, open_disk_tier
 from compute_node.errors import ComputeNodeError
 from compute_node.generate import Generator, node_info_fields
 from compute_node.model import ModelRunner
 from compute_node.tables import TableCache
+from engine.errors import EngineError
 from engine.executor import generate_request, node_error, node_info, sampled_tokens
 from engine.node_api import NodeInfo, NodeStep, SampledToken
 from pagedkv.v1 import compute_node_pb2 as pb
 
 
 class LocalNode:
-    def __init__(self, node_id: str, runner: ModelRunner, epoch: int, model_name: str) -> None:
+    def __init__(self, node_id: str, runner: ModelRunner, epoch: int, model_name: str,
+                 client: BlockManagerClient | None = None) -> None:
         self.node_id = node_id
+        self.client = client   # re-registers through it after a corrupt disk slot
         self.runner = runner
         self.epoch = epoch
         self.model_name = model_name
@@ -43,6 +48,8 @@ class LocalNode:
         max_model_len: int | None = None,
         host_num_blocks: int | None = None,
         host_memory_bytes: int | None = None,
+        disk_kv_path: str | Path | None = None,
+        disk_kv_bytes: int | None = None,
     ) -> LocalNode:
         """Load the model, size the KV pool, register it with `client`'s block manager."""
         runner = ModelRunner(model_dir, block_size=block_size, num_blocks=num_blocks,
@@ -51,11 +58,30 @@ class LocalNode:
         g = runner.geometry
         num_host = runner.attach_host_tier(host_num_blocks, host_memory_bytes) if (
             host_num_blocks or host_memory_bytes) else 0
-        reg = client.register_node(node_id, g.num_blocks, block_size=g.block_size, geometry={
+        if disk_kv_path is not None:   # the disk tier under the host tier (docs/tiers.md)
+            if not num_host:
+                raise ComputeNodeError("disk_kv_path needs a host tier (host_kv_memory or host_kv_blocks)")
+            try:
+                runner.disk_store = open_disk_tier(disk_kv_path, int(disk_kv_bytes or 0), g, model_dir)
+            except (ValueError, OSError) as exc:   # in use by another node, too small, unwritable
+                raise EngineError(f"disk tier at {str(disk_kv_path)!r}: {exc}") from exc
+        node = cls(node_id, runner, 0, Path(model_dir).name, client)
+        node.register()
+        return node
+
+    def register(self) -> None:
+        """Register the pool (a new epoch), with the blocks the disk tier holds now."""
+        runner, g = self.runner, self.runner.geometry
+        store = runner.disk_store
+        disk: dict[str, Any] = {} if store is None else {
+            "disk_num_blocks": store.num_blocks, "disk_blocks": store.register_blocks()}
+        reg = self.client.register_node(self.node_id, g.num_blocks, block_size=g.block_size, geometry={  # type: ignore[union-attr]
             "num_layers": g.num_layers, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
             "dtype": g.dtype, "device": str(runner.device),
-        }, host_num_blocks=num_host)
-        return cls(node_id, runner, reg.epoch, Path(model_dir).name)
+        }, host_num_blocks=0 if runner.host_pool is None else runner.host_pool.num_blocks, **disk)
+        self.epoch = reg.epoch
+        self.tables.clear()
+        self.generator.reset()
 
     def info(self, timeout_s: float | None = None) -> NodeInfo:
         g = self.runner.geometry
@@ -71,12 +97,17 @@ class LocalNode:
         by their status code, exactly as over gRPC."""
         try:
             reply = self.generator.generate(generate_request(step), self.node_id, self.epoch)
+        except DiskTierCorrupt as exc:
+            if self.client is not None:
+                self.register()   # the disk index must lose the bad slot: a new epoch seeds it anew
+            raise node_error(self.node_id, exc.code, str(exc)) from exc
         except ComputeNodeError as exc:
             raise node_error(self.node_id, exc.code, str(exc)) from exc
         return sampled_tokens(reply)
 
     def close(self) -> None:
-        pass
+        if self.runner.disk_store is not None:
+            self.runner.disk_store.close()
 
 
 __all__ = ["LocalNode"]

@@ -210,6 +210,11 @@ def _show_status(con: Console, r: Result) -> None:
         _print_table(con, "host moves", ("pool", "swap out", "swap in", "offload", "onboard", "hit tokens"), [
             (p["pool_id"], p.get("swapped_out_blocks", 0), p.get("swapped_in_blocks", 0), p.get("offloaded_blocks", 0),
              p.get("onboarded_blocks", 0), p.get("host_hit_tokens", 0)) for p in hosts])
+    disks = [p for p in pools if p.get("disk_num_blocks")]
+    if disks:   # the disk tier under the host tier (docs/tiers.md)
+        _print_table(con, "disk tier", ("pool", "slots", "cached", "spilled", "onboarded", "hit tokens"), [
+            (p["pool_id"], p["disk_num_blocks"], p.get("disk_cached_blocks", 0), p.get("disk_offloaded_blocks", 0),
+             p.get("disk_onboarded_blocks", 0), p.get("disk_hit_tokens", 0)) for p in disks])
 
 
 def _show_nodes(con: Console, r: Result) -> None:

@@ -103,12 +103,15 @@ class BlockManagerClient(ClientBase):
         geometry: Mapping[str, Any] | None = None,
         address: str = "",
         host_num_blocks: int = 0,
+        disk_num_blocks: int = 0,
+        disk_blocks: Sequence[Any] = (),
         request_id: str | None = None,
         timeout_s: float | None = None,
     ) -> NodeRegistration:
         """Register a pool (a new epoch; any previous epoch of the node is fenced)."""
         req = wire.register_node_request(
-            request_id_or_new(request_id), node_id, num_blocks, block_size, geometry, address, host_num_blocks
+            request_id_or_new(request_id), node_id, num_blocks, block_size, geometry, address, host_num_blocks,
+            disk_num_blocks, disk_blocks,
         )
         reg = wire.registration(self._mutating_call("RegisterNode", req, timeout_s))
         self.tracker.set_block_size(reg.pool_id, reg.block_size)

@@ -76,8 +76,9 @@ def step_settled(m: pb.StepSettled) -> StepSettled:
 # ---- data plane requests ---------------------------------------------------------------
 def register_node_request(
     request_id: str, node_id: str, num_blocks: int, block_size: int, geometry: Mapping[str, Any] | None, address: str,
-    host_num_blocks: int = 0,
+    host_num_blocks: int = 0, disk_num_blocks: int = 0, disk_blocks: Sequence[Any] = (),
 ) -> pb.RegisterNodeRequest:
+    """`disk_blocks`: `common_pb2.DiskBlock` messages of the node's disk tier (docs/tiers.md)."""
     return pb.RegisterNodeRequest(
         request_id=request_id,
         node_id=node_id,
@@ -86,6 +87,8 @@ def register_node_request(
         geometry=pb.KvGeometry(**dict(geometry or {})),
         address=address,
         host_num_blocks=host_num_blocks,
+        disk_num_blocks=disk_num_blocks,
+        disk_blocks=list(disk_blocks),
     )
 
 

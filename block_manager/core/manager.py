@@ -27,6 +27,7 @@ import numpy as np
 
 from block_manager.core import append as _append
 from block_manager.core import defrag as _defrag
+from block_manager.core import disk_tier as _disk
 from block_manager.core import kv_events as _kv_events
 from block_manager.core import tiers as _tiers
 from block_manager.core.append import AppendOutcome, append_columns, item_error
@@ -47,7 +48,7 @@ from block_manager.core.errors import (
 from block_manager.core.fsck import fsck
 from block_manager.core.hashing import hash_prefix, token_array
 from block_manager.core.kv_events import IndexView, KvChange
-from block_manager.core.pool import MAX_POOL_BLOCKS, Pool
+from block_manager.core.pool import MAX_POOL_BLOCKS, BlockMeta, Pool
 from block_manager.core.sequence import Sequence
 from block_manager.core.slots import slot_range
 from block_manager.core.snapshot import CoreParts, from_snapshot, to_snapshot
@@ -62,6 +63,7 @@ from block_manager.core.types import (
     DefragKind,
     DefragPlan,
     DefragPolicy,
+    DiskTierMetrics,
     HostTierMetrics,
     PlanId,
     PoolId,
@@ -168,7 +170,11 @@ class BlockManager:
         return list(self._pools)
 
     # ---- pools ----------------------------------------------------------------------
-    def add_pool(self, pool_id: PoolId, num_blocks: int, block_size: int, host_num_blocks: int = 0) -> None:
+    def add_pool(self, pool_id: PoolId, num_blocks: int, block_size: int, host_num_blocks: int = 0,
+                 disk_num_blocks: int = 0, disk_blocks: Seq[_disk.SeedBlock] = ()) -> None:
+        """A new pool, with a host tier of `host_num_blocks` and under it a disk tier of
+        `disk_num_blocks` slots seeded with `disk_blocks` (what the node's segment file holds:
+        docs/tiers.md). All or nothing."""
         if not isinstance(pool_id, str) or not pool_id:
             raise InvalidRequest(f"pool id must be a non-empty string, got {pool_id!r}")
         if pool_id in self._pools:
@@ -180,11 +186,22 @@ class BlockManager:
         _check_count("host_num_blocks", host_num_blocks, 0)
         if host_num_blocks > MAX_POOL_BLOCKS:
             raise InvalidRequest(f"host_num_blocks {host_num_blocks} exceeds {MAX_POOL_BLOCKS}")
+        _check_count("disk_num_blocks", disk_num_blocks, 0)
+        if disk_num_blocks > MAX_POOL_BLOCKS:
+            raise InvalidRequest(f"disk_num_blocks {disk_num_blocks} exceeds {MAX_POOL_BLOCKS}")
+        if disk_num_blocks and not host_num_blocks:
+            raise InvalidRequest("a disk tier needs a host tier above it (host_num_blocks > 0)")
+        if disk_blocks and not disk_num_blocks:
+            raise InvalidRequest("disk blocks given for a pool without a disk tier")
         pool = Pool(pool_id, num_blocks, block_size)
         if host_num_blocks:
             pool.host = _tiers.HostTier(host_num_blocks)
         if self._kv_changes is not None:
             _kv_events.attach(pool, self._kv_changes)
+        if disk_num_blocks:
+            disk = _disk.DiskTier(disk_num_blocks)
+            _disk.seed(disk, disk_blocks, block_size, BlockMeta)   # raises before the pool exists
+            _disk.attach(pool, disk)
         self._pools[pool_id] = pool
 
     def remove_pool(self, pool_id: PoolId) -> list[SeqId]:
@@ -262,9 +279,15 @@ class BlockManager:
         # host hits continue the device prefix: onboarded (host->device copy) instead of recomputed
         onboard = (_tiers.host_hits(pool, tokens, hashes, salt, len(hits), hashes[len(hits) - 1] if hits else None)
                    if hashing and pool.host is not None else [])
+        # disk hits continue the host ones: disk->host->device in this step (disk_tier.py)
+        from_disk: list[int] = []
+        if hashing and pool.host is not None and pool.host.disk is not None:
+            n_on = len(hits) + len(onboard)
+            room = pool.host.num_available - sum(1 for h in onboard if pool.host.ref_cnt[h] == 0)
+            from_disk = _disk.disk_hits(pool, tokens, hashes, salt, n_on, hashes[n_on - 1] if n_on else None, room)
         total = prompt_len
         if num_compute is not None:
-            total = min(prompt_len, (len(hits) + len(onboard)) * bs + num_compute)
+            total = min(prompt_len, (len(hits) + len(onboard) + len(from_disk)) * bs + num_compute)
             if tokens is not None:
                 tokens = tokens[:total]
             hashes = hashes[: total // bs]
@@ -281,12 +304,19 @@ class BlockManager:
             pool.share_block(b)
         if onboard:
             _tiers.pin(pool, onboard)
+        staged: list[int] = []
+        if from_disk:
+            _disk.pin(pool, from_disk)
+            staged = _disk.stage(pool, from_disk)   # host blocks, taken before any device block
         table = hits + [pool.take_block() for _ in range(num_new)]
         if onboard:
             _tiers.onboard(pool, onboard, table[len(hits):len(hits) + len(onboard)], bs)
+        if staged:
+            first = len(hits) + len(onboard)
+            _tiers.onboard(pool, staged, table[first:first + len(staged)], bs, count_hits=False)
         # the pool's own id object: the batched append tells pools apart by identity
         seq = Sequence(seq_id, pool.pool_id, table, total, pool.new_version(), salt, hashing, cols=pool.cols)
-        num_cached = (len(hits) + len(onboard)) * bs
+        num_cached = (len(hits) + len(onboard) + len(staged)) * bs
         step = pool.step
         step.has_writes = True
         seq.last_step = seq.last_write_step = step.step_id
@@ -977,6 +1007,15 @@ class BlockManager:
             pool_id, host.num_blocks, host.free_list.length, host.cached_list.length,
             host.num_blocks - host.num_available, len(host.swapped), **host.counters(),
         )
+
+    def disk_metrics(self, pool_id: PoolId) -> DiskTierMetrics | None:
+        """The pool's disk tier counters and gauges (None: the pool has no disk tier)."""
+        host = self._pool(pool_id).host
+        disk = None if host is None else host.disk
+        if disk is None:
+            return None
+        return DiskTierMetrics(pool_id, disk.num_blocks, disk.free_list.length, disk.cached_list.length,
+                               **disk.counters())
 
     def fsck(self) -> list[str]:
         """Check every invariant; human-readable violations, empty when healthy."""

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from block_manager.core import disk_tier as _disk
 from block_manager.core import tiers as _tiers
 from block_manager.core.errors import CoreError, InvalidRequest
 from block_manager.core.pool import MAX_POOL_BLOCKS, BlockMeta, PlanState, Pool
@@ -135,7 +136,7 @@ def _step_to_dict(step: StepWork) -> dict[str, Any]:
         "reset": step.reset,
         "base_step_id": step.base_step_id,
         # only with a host tier's moves pending (a snapshot without tiers keeps its old shape)
-        **({"tier_ops": [[op.op_id, op.kind, op.src, op.dst] for op in step.tier_ops]} if step.tier_ops else {}),
+        **({"tier_ops": [_tier(op) for op in step.tier_ops]} if step.tier_ops else {}),
     }
 
 
@@ -157,11 +158,26 @@ def _step_from_dict(d: dict[str, Any]) -> StepWork:
     )
 
 
+def _tier(op: _tiers.TierOp) -> list[Any]:
+    """A tier op; a disk offload carries its block's identity (the node stores it)."""
+    out: list[Any] = [op.op_id, op.kind, op.src, op.dst]
+    if op.meta is not None:
+        m = op.meta
+        out.append([m.block_hash.hex(), None if m.parent_hash is None else m.parent_hash.hex(), m.salt,
+                    list(m.token_ids)])
+    return out
+
+
 def _untier(d: list) -> _tiers.TierOp:
-    op_id, kind, src, dst = d
+    op_id, kind, src, dst, *meta = d
     if kind not in _tiers.TIER_KINDS:
         raise ValueError(f"tier op kind {kind!r}")
-    return _tiers.TierOp(int(op_id), kind, BlockId(int(src)), BlockId(int(dst)))
+    m = None
+    if meta:
+        h, parent, salt, tokens = meta[0]
+        m = BlockMeta(bytes.fromhex(h), None if parent is None else bytes.fromhex(parent), salt,
+                      tuple(int(t) for t in tokens))
+    return _tiers.TierOp(int(op_id), kind, BlockId(int(src)), BlockId(int(dst)), m)
 
 
 def to_snapshot(parts: CoreParts) -> dict[str, Any]:
@@ -235,6 +251,8 @@ def _pool_from_dict(d: dict[str, Any]) -> Pool:
         setattr(pool, name, int(d[name]))
     if d.get("host") is not None:
         pool.host = _tiers.from_dict(d["host"], MAX_POOL_BLOCKS, BlockMeta)
+        if d["host"].get("disk") is not None:
+            _disk.attach(pool, _disk.DiskTier.from_dict(d["host"]["disk"], MAX_POOL_BLOCKS, BlockMeta))
     for s in d["sequences"]:
         seq = Sequence(
             SeqId(s["seq_id"]), pool.pool_id, [int(b) for b in s["block_table"]],

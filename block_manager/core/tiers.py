@@ -39,9 +39,10 @@ from block_manager.core.types import BlockId, SeqId
 Pool = Any
 BlockMeta = Any
 
-TierKind = Literal["swap_out", "swap_in", "offload", "onboard"]
-TIER_KINDS: tuple[TierKind, ...] = ("swap_out", "swap_in", "offload", "onboard")
+TierKind = Literal["swap_out", "swap_in", "offload", "onboard", "disk_offload", "disk_onboard"]
+TIER_KINDS: tuple[TierKind, ...] = ("swap_out", "swap_in", "offload", "onboard", "disk_offload", "disk_onboard")
 TO_HOST: frozenset[str] = frozenset(("swap_out", "offload"))
+DISK_KINDS: frozenset[str] = frozenset(("disk_offload", "disk_onboard"))   # disk_tier.py
 
 
 @dataclass(slots=True, frozen=True)
@@ -49,13 +50,16 @@ class TierOp:
     """Copy one block between tiers on the pool's node (all layers, K and V).
 
     `swap_out` / `offload`: `src` is a device block, `dst` a host block; `swap_in` /
-    `onboard`: `src` is a host block, `dst` a device block. `op_id` shares the pool's copy-op
-    counter, so ops of a pool are totally ordered."""
+    `onboard`: `src` is a host block, `dst` a device block. The disk tier's (disk_tier.py):
+    `disk_offload` host block -> disk slot, with `meta` (the block's identity, which the node
+    keeps with the bytes); `disk_onboard` disk slot -> host block. `op_id` shares the pool's
+    copy-op counter, so ops of a pool are totally ordered."""
 
     op_id: int
     kind: TierKind
     src: BlockId
     dst: BlockId
+    meta: Any = None
 
     @property
     def to_host(self) -> bool:
@@ -88,7 +92,7 @@ class HostTier:
     """The host blocks of one pool (see the module docstring)."""
 
     __slots__ = ("num_blocks", "ref_cnt", "free_list", "cached_list", "meta", "prefix_index",
-                 "write_step", "holds", "swapped", "kv_log", *_COUNTERS)
+                 "write_step", "holds", "swapped", "kv_log", "disk", "on_evict", *_COUNTERS)
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -103,6 +107,8 @@ class HostTier:
         self.holds: list[tuple[int, int]] = []   # (step id, host block) read by that step
         self.swapped: dict[SeqId, SwappedSeq] = {}
         self.kv_log: Any = None   # a kv_events.KvChangeLog while changes are recorded
+        self.disk: Any = None       # the disk tier under this one (disk_tier.attach), if any
+        self.on_evict: Any = None   # called with a cached block evicted for good (disk_tier.spill)
         for name in _COUNTERS:
             setattr(self, name, 0)
 
@@ -117,12 +123,14 @@ class HostTier:
 
     def take(self) -> int | None:
         """A host block for a new owner (ref_cnt 1): a free one, else the LRU cached one,
-        evicted for good (the host tier is the last tier). None when every block is held."""
+        evicted (spilled to the disk tier when there is one). None when every block is held."""
         b = self.free_list.pop_front()
         if b is None:
             b = self.cached_list.pop_front()
             if b is None:
                 return None
+            if self.on_evict is not None:
+                self.on_evict(b)
             self.drop_hash(b)
             self.host_evictions += 1
         self.ref_cnt[b] = 1
@@ -174,7 +182,10 @@ class HostTier:
 
     # ---- steps ------------------------------------------------------------------------
     def release_holds(self, settled_step: int) -> None:
-        """Steps up to `settled_step` are reported: the host blocks they read are free to go."""
+        """Steps up to `settled_step` are reported: the host blocks (and disk slots) they read
+        are free to go."""
+        if self.disk is not None:
+            self.disk.release_holds(settled_step)
         if not self.holds:
             return
         keep: list[tuple[int, int]] = []
@@ -250,7 +261,8 @@ def pin(pool: Pool, host_blocks: Iterable[int]) -> None:
         host.share(h)
 
 
-def onboard(pool: Pool, host_blocks: list[int], device_blocks: list[int], block_size: int) -> None:
+def onboard(pool: Pool, host_blocks: list[int], device_blocks: list[int], block_size: int,
+            count_hits: bool = True) -> None:
     """Queue host→device copies of pinned host hits into fresh device blocks; each host block
     stays held until the step is reported."""
     host = host_of(pool)
@@ -259,7 +271,8 @@ def onboard(pool: Pool, host_blocks: list[int], device_blocks: list[int], block_
         _queue(pool, "onboard", h, d)
         host.holds.append((step_id, h))
     host.onboarded_blocks += len(host_blocks)
-    host.host_hit_tokens += len(host_blocks) * block_size
+    if count_hits:   # blocks staged from disk count as disk hits (disk_tier.stage)
+        host.host_hit_tokens += len(host_blocks) * block_size
 
 
 def check_swap_out(pool: Pool, seqs: list[Any]) -> int:
@@ -377,6 +390,8 @@ def fail_from(pool: Pool, failed_from: int, last_closed: int) -> list[SeqId]:
                if rec.data_step >= failed_from or failed_from <= rec.swap_step <= last_closed]
     for sid in dropped:
         drop_swapped(pool, sid)
+    if host.disk is not None:
+        host.disk.fail_from(failed_from, last_closed)
     for h in range(host.num_blocks):
         if failed_from <= host.write_step[h] <= last_closed and host.meta[h] is not None:
             host.forget(h)
@@ -397,6 +412,7 @@ def to_dict(host: HostTier) -> dict[str, Any]:
         "swapped": [[r.seq_id, r.host_table, r.num_tokens, r.salt, r.hashing, r.tail_token_ids,
                      [h.hex() for h in r.block_hashes], r.data_step, r.swap_step] for r in host.swapped.values()],
         "counters": host.counters(),
+        **({"disk": host.disk.to_dict()} if host.disk is not None else {}),
     }
 
 
@@ -483,11 +499,17 @@ def fsck_host(pool: Pool, live_ids: Iterable[SeqId]) -> list[str]:
                 p.append(f"{name} block {b}: device block {d} has its hash with other content")
     if len(host.prefix_index) != sum(m is not None for m in host.meta):
         p.append(f"{name}: index and metadata disagree")
+    disk = host.disk
     for op in pool.step.tier_ops:
         src_n, dst_n = (pool.num_blocks, host.num_blocks) if op.to_host else (host.num_blocks, pool.num_blocks)
+        if op.kind in DISK_KINDS:
+            n_disk = 0 if disk is None else disk.num_blocks
+            src_n, dst_n = (host.num_blocks, n_disk) if op.kind == "disk_offload" else (n_disk, host.num_blocks)
         if not (0 <= op.src < src_n and 0 <= op.dst < dst_n):
             p.append(f"{name}: tier op {op} out of range")
+    if disk is not None:
+        p.extend(disk.fsck(pool))
     return p
 
 
-__all__ = ["HostTier", "SwappedSeq", "TierOp", "TierKind", "TIER_KINDS", "TO_HOST"]
+__all__ = ["HostTier", "SwappedSeq", "TierOp", "TierKind", "DISK_KINDS", "TIER_KINDS", "TO_HOST"]

@@ -273,3 +273,21 @@ class HostTierMetrics:
     host_evictions: int
     swap_outs: int
     swap_ins: int
+
+
+@dataclass(slots=True, frozen=True)
+class DiskTierMetrics:
+    """Point-in-time counters and gauges of one pool's disk tier (block_manager.core.disk_tier).
+
+    `disk_offloaded_blocks`: host blocks spilled to disk on host eviction; `disk_onboarded_blocks`
+    / `disk_hit_tokens`: prefix blocks / prompt tokens served from disk (disk->host->device);
+    `disk_evictions`: disk slots overwritten (LRU) for good."""
+
+    pool_id: PoolId
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    disk_offloaded_blocks: int
+    disk_onboarded_blocks: int
+    disk_hit_tokens: int
+    disk_evictions: int

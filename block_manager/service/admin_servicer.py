@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import grpc
 
-from block_manager.core.types import HostTierMetrics, PoolId, SeqId
+from block_manager.core.types import DiskTierMetrics, HostTierMetrics, PoolId, SeqId
 from block_manager.service.defrag_runner import DefragRunner
 from block_manager.service.protocol import (
     MutatingServicer,
@@ -33,6 +33,17 @@ def host_status(h: HostTierMetrics | None) -> dict[str, int]:
         "num_swapped_sequences": h.num_swapped_sequences, "swapped_out_blocks": h.swapped_out_blocks,
         "swapped_in_blocks": h.swapped_in_blocks, "offloaded_blocks": h.offloaded_blocks,
         "onboarded_blocks": h.onboarded_blocks, "host_hit_tokens": h.host_hit_tokens,
+    }
+
+
+def disk_status(d: DiskTierMetrics | None) -> dict[str, int]:
+    """The disk tier fields of a PoolStatus (none for a pool without a disk tier)."""
+    if d is None:
+        return {}
+    return {
+        "disk_num_blocks": d.num_blocks, "disk_cached_blocks": d.num_cached_blocks,
+        "disk_offloaded_blocks": d.disk_offloaded_blocks, "disk_onboarded_blocks": d.disk_onboarded_blocks,
+        "disk_hit_tokens": d.disk_hit_tokens,
     }
 
 
@@ -78,6 +89,7 @@ class BlockManagerAdminServicer(MutatingServicer, pb_grpc.BlockManagerAdminServi
                     settled_step=core.settled_step_id(pid),
                     scheduler_id=(lease.scheduler_id if (lease := rt.state.leases.get(pid)) else ""),
                     **host_status(core.host_metrics(pid)),
+                    **disk_status(core.disk_metrics(pid)),
                 )
             )
         return pb.StatusResponse(

@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from block_manager.core.types import HostTierMetrics
+    from block_manager.core.types import DiskTierMetrics, HostTierMetrics
     from block_manager.service.runtime import ServiceRuntime
 
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -37,10 +37,12 @@ class _StateCollector(Collector):
         rt = self._runtime
         pools = [rt.state.core.metrics(pid) for pid in rt.state.core.pool_ids]
         hosts = [h for pid in rt.state.core.pool_ids if (h := rt.state.core.host_metrics(pid)) is not None]
+        disks = [d for pid in rt.state.core.pool_ids if (d := rt.state.core.disk_metrics(pid)) is not None]
         nodes = rt.state.registry.nodes()
         return {
             "pools": pools,
             "hosts": hosts,
+            "disks": disks,
             "nodes_active": sum(1 for n in nodes if n.active and not n.draining),
             "nodes_draining": sum(1 for n in nodes if n.active and n.draining),
             "nodes_fenced": sum(1 for n in nodes if n.fenced),
@@ -116,6 +118,7 @@ class _StateCollector(Collector):
             plans.add_metric([m.pool_id, "aborted", ""], m.aborted_plans)
         yield from (usage, blocks, hwm, waste, seqs, contiguity, queries, hits, cow, evictions, moves, plans)
         yield from _host_families(snap.get("hosts", ()))
+        yield from _disk_families(snap.get("disks", ()))
         nodes = GaugeMetricFamily("pagedkv_nodes", "Registered nodes by state.", labels=["state"])
         for state in ("active", "draining", "fenced"):
             nodes.add_metric([state], snap[f"nodes_{state}"])
@@ -172,6 +175,24 @@ def _host_families(hosts: Iterable[HostTierMetrics]) -> Iterator[Metric]:
         host_hits.add_metric([h.pool_id], h.host_hit_tokens)
         host_evictions.add_metric([h.pool_id], h.host_evictions)
     yield from (blocks, swapped, moves, host_hits, host_evictions)
+
+
+def _disk_families(disks: Iterable[DiskTierMetrics]) -> Iterator[Metric]:
+    """The disk tier's metrics (docs/tiers.md): slots by state, moves by kind, disk hit tokens."""
+    blocks = GaugeMetricFamily("pagedkv_disk_blocks", "Disk tier slots of the pool by state.", labels=["pool", "state"])
+    moves = CounterMetricFamily("pagedkv_disk_moves", "Blocks moved to / from the disk tier.", labels=["pool", "kind"])
+    hits = CounterMetricFamily("pagedkv_disk_hit_tokens", "Prompt tokens onboarded from the disk tier.",
+                               labels=["pool"])
+    evictions = CounterMetricFamily("pagedkv_disk_evictions", "Disk slots overwritten for good.", labels=["pool"])
+    for d in disks:
+        for state, value in (("free", d.num_free_blocks), ("cached", d.num_cached_blocks),
+                             ("held", d.num_blocks - d.num_free_blocks - d.num_cached_blocks)):
+            blocks.add_metric([d.pool_id, state], value)
+        moves.add_metric([d.pool_id, "disk_offload"], d.disk_offloaded_blocks)
+        moves.add_metric([d.pool_id, "disk_onboard"], d.disk_onboarded_blocks)
+        hits.add_metric([d.pool_id], d.disk_hit_tokens)
+        evictions.add_metric([d.pool_id], d.disk_evictions)
+    yield from (blocks, moves, hits, evictions)
 
 
 class ServiceMetrics:

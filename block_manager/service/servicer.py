@@ -19,6 +19,7 @@ import grpc
 from block_manager.core.errors import FailedPrecondition, InvalidRequest
 from block_manager.core.types import SeqId
 from block_manager.service.defrag_runner import DefragRunner
+from block_manager.service.disk_codec import disk_register_payload, fill_disk_blocks
 from block_manager.service.kv_events_codec import frame_bytes
 from block_manager.service.protocol import MutatingServicer, check_request_id, request_digest, session_of
 from block_manager.service.runtime import ServiceRuntime
@@ -113,6 +114,7 @@ def fill_pool_step(msg: common_pb2.PoolStep, d: dict[str, Any]) -> None:
         msg.tier_kind.extend(d["tier_kind"])
         msg.tier_src.extend(d["tier_src"])
         msg.tier_dst.extend(d["tier_dst"])
+        fill_disk_blocks(msg, d.get("disk_blocks", ()))
 
 
 def step_response(r: dict[str, Any]) -> pb.StepResponse:
@@ -159,6 +161,7 @@ def register_payload(request: pb.RegisterNodeRequest) -> dict[str, Any]:
         },
         "address": request.address,
         **({"host_num_blocks": request.host_num_blocks} if request.host_num_blocks else {}),
+        **disk_register_payload(request),
     }
 
 
@@ -171,6 +174,7 @@ def register_response(r: dict[str, Any]) -> pb.RegisterNodeResponse:
         num_blocks=r["num_blocks"],
         prefetch_window=r["prefetch_window"],
         host_num_blocks=r.get("host_num_blocks", 0),
+        disk_num_blocks=r.get("disk_num_blocks", 0),
     )
 
 

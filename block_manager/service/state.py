@@ -35,6 +35,7 @@ from block_manager.core.leases import PoolLeases, check_scheduler_id
 from block_manager.core.manager import DEFAULT_MAX_UNSETTLED_STEPS, MAX_POOL_BLOCKS, BlockManager
 from block_manager.core.nodes import NodeRegistry, check_node_id
 from block_manager.core.types import DefragPlan, DefragPolicy, PoolId, SeqId
+from block_manager.service.disk_codec import decode_disk_seeds
 from block_manager.service.errors import NotPlaced
 from block_manager.service.state_codec import check_count, check_optional_str, plan_dict
 from block_manager.service.step_codec import AppendColumns, StepInput, decode_swap_ids, pool_step_dict
@@ -190,11 +191,12 @@ class ServiceState:
         geometry = p.get("geometry") or {}
         if not isinstance(geometry, dict):
             raise InvalidRequest("geometry must be a mapping")
-        dropped = self._drop_pool(node_id)
-        lease = self.registry.register(node_id, num_blocks, block_size, geometry, address, now)
         host_num_blocks = check_count("host_num_blocks", p.get("host_num_blocks", 0), 0,
                                       MAX_POOL_BLOCKS)
-        self.core.add_pool(node_id, num_blocks, block_size, host_num_blocks)
+        disk_num_blocks, disk_blocks = decode_disk_seeds(p, block_size, host_num_blocks)   # before any change
+        dropped = self._drop_pool(node_id)
+        lease = self.registry.register(node_id, num_blocks, block_size, geometry, address, now)
+        self.core.add_pool(node_id, num_blocks, block_size, host_num_blocks, disk_num_blocks, disk_blocks)
         result = {
             "pool_id": node_id,
             "epoch": lease.epoch,
@@ -204,6 +206,7 @@ class ServiceState:
             "prefetch_window": self.config.prefetch_window,
             "dropped_seq_ids": dropped,
             "host_num_blocks": host_num_blocks,
+            **({"disk_num_blocks": disk_num_blocks} if disk_num_blocks else {}),
         }
         return Applied(result, True)
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from block_manager.core.errors import InvalidRequest
 from block_manager.core.types import SeqId, StepOutput
+from block_manager.service.disk_codec import disk_step_blocks
 from block_manager.service.state_codec import MAX_ID_LEN
 
 SECTIONS = ("alloc", "written", "fork", "append")
@@ -252,7 +253,9 @@ def pool_step_dict(out: StepOutput, epoch: int) -> dict[str, Any]:
         "base_step_id": out.base_step_id,
         **({"tier_kind": [TIER_KIND_CODES[op.kind] for op in out.tier_ops],
             "tier_src": [op.src for op in out.tier_ops],
-            "tier_dst": [op.dst for op in out.tier_ops]} if out.tier_ops else {}),
+            "tier_dst": [op.dst for op in out.tier_ops],
+            **({"disk_blocks": disk_step_blocks(out.tier_ops)} if any(op.meta for op in out.tier_ops) else {}),
+            } if out.tier_ops else {}),
     }
 
 
@@ -266,7 +269,7 @@ def decode_swap_ids(p: Mapping[str, Any], key: str, max_batch: int) -> list[SeqI
 
 
 # PoolStep.tier_kind numbering (proto/pagedkv/v1/common.proto)
-TIER_KIND_CODES = {"swap_out": 1, "swap_in": 2, "offload": 3, "onboard": 4}
+TIER_KIND_CODES = {"swap_out": 1, "swap_in": 2, "offload": 3, "onboard": 4, "disk_offload": 5, "disk_onboard": 6}
 
 
 __all__ = ["SECTIONS", "Alloc", "AppendColumns", "Report", "StepInput", "pool_step_dict"]

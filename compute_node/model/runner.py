@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -109,6 +110,7 @@ class ModelRunner:
         geometry = PoolGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, block_size, num_blocks)
         self.pool = KvPool(geometry, self.device, cuda_graphs=cuda_graphs, max_context=self.max_model_len)
         self.host_pool: HostKvPool | None = None   # the host tier, when attached (attach_host_tier)
+        self.disk_store: Any = None   # the disk tier under it (compute_node.disk_tier.DiskKvStore), if any
         self.sampler = Sampler()
         self.profile = False
         self.last_timings: StepTimings | None = None

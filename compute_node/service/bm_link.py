@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -79,8 +81,8 @@ def _translate(exc: grpc.aio.AioRpcError) -> LinkError:
 
 def _same_registration(a: bm_pb.RegisterNodeRequest, b: bm_pb.RegisterNodeRequest) -> bool:
     """The same pool described the same way (ids and sessions aside)."""
-    return (a.node_id, a.num_blocks, a.block_size, a.geometry, a.address, a.host_num_blocks) == (
-        b.node_id, b.num_blocks, b.block_size, b.geometry, b.address, b.host_num_blocks
+    return (a.node_id, a.num_blocks, a.block_size, a.geometry, a.address, a.host_num_blocks, a.disk_num_blocks) == (
+        b.node_id, b.num_blocks, b.block_size, b.geometry, b.address, b.host_num_blocks, b.disk_num_blocks
     )
 
 
@@ -149,7 +151,7 @@ class BlockManagerLink:
     async def register(
         self, *, num_layers: int, num_kv_heads: int, head_dim: int,
         dtype: str, device: str, block_size: int | None, num_blocks: int, address: str,
-        host_num_blocks: int = 0,
+        host_num_blocks: int = 0, disk_num_blocks: int = 0, disk_blocks: Sequence[Any] = (),
     ) -> Registration:
         """Register the pool; every call starts a new epoch (fencing any previous one) — except
         that a registration whose answer was lost is resent first (see the module docstring)."""
@@ -163,6 +165,8 @@ class BlockManagerLink:
             ),
             address=address,
             host_num_blocks=host_num_blocks,
+            disk_num_blocks=disk_num_blocks,
+            disk_blocks=list(disk_blocks),
         )
         pending = self._unanswered
         if pending is not None and _same_registration(pending, request):

@@ -32,6 +32,9 @@ def _parser() -> ArgumentParser:
     p.add_argument("--host-kv-memory", type=int, metavar="BYTES",
                    help="host tier under the KV pool, in bytes (swap preemption, prefix offload; docs/tiers.md)")
     p.add_argument("--host-kv-blocks", type=int, metavar="N", help="host tier size in blocks instead of bytes")
+    p.add_argument("--disk-kv-path", metavar="DIR",
+                   help="disk tier under the host tier: its slot file's directory (survives restarts; docs/tiers.md)")
+    p.add_argument("--disk-kv-bytes", type=int, metavar="BYTES", help="disk tier size in bytes")
     p.add_argument("--model", help="serve this Hugging Face model directory (Llama/Qwen2/Qwen3; overrides config)")
     p.add_argument("--metrics-port", type=int, help="Prometheus endpoint port (0: ephemeral)")
     p.add_argument("--port-file", type=Path, help="write the bound gRPC port here once listening")
@@ -55,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
             ("metrics_port", args.metrics_port),
             ("host_kv_memory", args.host_kv_memory),
             ("host_kv_blocks", args.host_kv_blocks),
+            ("disk_kv_path", args.disk_kv_path),
+            ("disk_kv_bytes", args.disk_kv_bytes),
         )
     )
     if args.num_blocks is not None:

@@ -65,6 +65,10 @@ class ComputeNodeConfig(YamlEnvSettings):
     # CUDA. Unset: no host tier.
     host_kv_blocks: int | None = Field(default=None, ge=0, le=1 << 24)
     host_kv_memory: int | None = Field(default=None, ge=0)
+    # The disk tier under the host tier (docs/tiers.md; model nodes): a slot file in directory
+    # `disk_kv_path` of at most `disk_kv_bytes`; it outlives the process (same model and layout).
+    disk_kv_path: str | None = None
+    disk_kv_bytes: int | None = Field(default=None, ge=1)
     # "auto": CUDA when torch sees a GPU, else the CPU; or an explicit "cpu" / "cuda:N".
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     max_batch: int = Field(default=4096, ge=1)
@@ -134,6 +138,13 @@ class ComputeNodeConfig(YamlEnvSettings):
         if self.host_kv_memory and self.model is None and self.block_size is None:
             # An attention-only node sizes its host tier before registering (it sends the size).
             raise ValueError("host_kv_memory on an attention-only node needs an explicit block_size")
+        if (self.disk_kv_path is None) != (self.disk_kv_bytes is None):
+            raise ValueError("set both disk_kv_path and disk_kv_bytes, or neither")
+        if self.disk_kv_path is not None:
+            if self.model is None:
+                raise ValueError("disk_kv_path needs a model (the disk tier is fingerprinted by the model's weights)")
+            if not (self.host_kv_blocks or self.host_kv_memory):
+                raise ValueError("disk_kv_path needs a host tier above it (host_kv_blocks or host_kv_memory)")
         if self.memory_budget_bytes is not None:
             # The pool size is derived before registering, so the block size must be known.
             if self.block_size is None:

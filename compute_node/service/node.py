@@ -39,6 +39,7 @@ from typing import Any
 import grpc
 import torch
 
+from compute_node.disk_tier import DiskTierCorrupt, open_disk_tier
 from compute_node.errors import (
     BlockManagerRefused,
     BlockManagerUnavailable,
@@ -172,6 +173,10 @@ class ComputeNode:
             num_host = runner.attach_host_tier(cfg.host_kv_blocks, cfg.host_kv_memory)
             self.log.info("host_tier", num_blocks=num_host, pinned=bool(runner.host_pool and runner.host_pool.pinned))
         self.host_pool = runner.host_pool
+        if cfg.disk_kv_path:
+            runner.disk_store = open_disk_tier(cfg.disk_kv_path, cfg.disk_kv_bytes or 0, runner.geometry, cfg.model)
+            self.log.info("disk_tier", path=cfg.disk_kv_path, num_blocks=runner.disk_store.num_blocks,
+                          blocks_held=len(runner.disk_store.index), discarded=runner.disk_store.num_discarded)
         self.generator = Generator(runner, self.tables, max_batch=cfg.max_batch)
         self.metrics.set_pool(runner.geometry, str(self.device))
         self.log.info("model_loaded", model=cfg.model, architecture=runner.model_config.architecture,
@@ -211,6 +216,9 @@ class ComputeNode:
             except asyncio.CancelledError:
                 pass
         await self.link.close()
+        if self.runner is not None and self.runner.disk_store is not None:
+            async with self._lock:   # no step is moving blocks through it
+                self.runner.disk_store.close()
 
     async def _run(self) -> None:
         # Registration is retried until it succeeds: capped, jittered backoff, so a node whose
@@ -272,6 +280,7 @@ class ComputeNode:
                 num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, dtype=g.dtype,
                 device=str(self.device), block_size=block_size, num_blocks=num_blocks, address=self.advertise_address,
                 host_num_blocks=self._host_num_blocks(g, block_size),
+                **self._disk_registration(),
             )
             self.metrics.bm_rpcs.labels("RegisterNode").inc()
         except LinkError as exc:
@@ -299,6 +308,13 @@ class ComputeNode:
             "registered", epoch=reg.epoch, block_size=reg.block_size, num_blocks=reg.num_blocks,
             lease_ttl_s=reg.lease_ttl_s, device=str(self.device),
         )
+
+    def _disk_registration(self) -> dict[str, Any]:
+        """The disk tier's slots and the blocks its file holds (seeding the new epoch's index)."""
+        disk = None if self.runner is None else self.runner.disk_store
+        if disk is None:
+            return {}
+        return {"disk_num_blocks": disk.num_blocks, "disk_blocks": disk.register_blocks()}
 
     def _host_num_blocks(self, g: Any, block_size: int | None) -> int:
         """The host tier's size to register: the existing one's, else (an attention-only node
@@ -338,7 +354,9 @@ class ComputeNode:
             epoch = self.registration.epoch
             try:
                 resp = await asyncio.to_thread(self.generator.generate, request, self.config.node_id, epoch)
-            except NodeFenced as exc:
+            except (NodeFenced, DiskTierCorrupt) as exc:
+                # DiskTierCorrupt: the block manager's disk index names a slot whose bytes are bad;
+                # a new registration seeds the index from what the file really holds
                 self._reset_locked(f"generate: {exc}")
                 await self._try_register_locked()
                 raise

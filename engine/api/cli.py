@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host-kv-memory", type=parse_size,
                    help="host tier under the KV pool, e.g. 2GiB (embedded; swap preemption, prefix offload)")
     p.add_argument("--host-kv-blocks", type=int, help="host tier size in blocks instead (embedded)")
+    p.add_argument("--disk-kv-path", help="disk tier under the host tier in this directory (embedded; survives "
+                                          "restarts of the same model)")
+    p.add_argument("--disk-kv-bytes", type=parse_size, help="disk tier size, e.g. 20GiB (embedded)")
     p.add_argument("--preemption-mode", choices=["auto", "swap", "recompute"], default="auto",
                    help="swap preempted sequences to the host tier or recompute them (default auto: swap where "
                         "the node has a host tier)")
@@ -202,6 +205,8 @@ def _build_llm(args: argparse.Namespace) -> Any:
         preemption_mode=args.preemption_mode,
         host_kv_memory=None if args.host_kv_memory is None else int(args.host_kv_memory),
         host_kv_blocks=None if args.host_kv_blocks is None else int(args.host_kv_blocks),
+        disk_kv_path=args.disk_kv_path,
+        disk_kv_bytes=None if args.disk_kv_bytes is None else int(args.disk_kv_bytes),
     )
 
 

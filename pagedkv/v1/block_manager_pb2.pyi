@@ -295,6 +295,8 @@ class RegisterNodeRequest(_message.Message):
     ADDRESS_FIELD_NUMBER: _builtins.int
     SESSION_FIELD_NUMBER: _builtins.int
     HOST_NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    DISK_NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    DISK_BLOCKS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     node_id: _builtins.str
     """also the pool id; [A-Za-z0-9._:-], 1..128 chars"""
@@ -306,10 +308,17 @@ class RegisterNodeRequest(_message.Message):
     """the node's own gRPC address (host:port), for routers"""
     host_num_blocks: _builtins.int
     """blocks of the node's host tier (same layout); 0: none"""
+    disk_num_blocks: _builtins.int
+    """The node's disk tier under its host tier (docs/tiers.md): its slots, and the blocks its
+    segment file holds now (validated by the node: checksums, model fingerprint), which seed
+    the pool's disk index. Needs a host tier.
+    """
     @_builtins.property
     def geometry(self) -> Global___KvGeometry: ...
     @_builtins.property
     def session(self) -> Global___ClientSession: ...
+    @_builtins.property
+    def disk_blocks(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.DiskBlock]: ...
     def __init__(
         self,
         *,
@@ -321,10 +330,12 @@ class RegisterNodeRequest(_message.Message):
         address: _builtins.str = ...,
         session: Global___ClientSession | None = ...,
         host_num_blocks: _builtins.int = ...,
+        disk_num_blocks: _builtins.int = ...,
+        disk_blocks: _abc.Iterable[_common_pb2.DiskBlock] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["geometry", b"geometry", "session", b"session"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_size", b"block_size", "geometry", b"geometry", "host_num_blocks", b"host_num_blocks", "node_id", b"node_id", "num_blocks", b"num_blocks", "request_id", b"request_id", "session", b"session"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_size", b"block_size", "disk_blocks", b"disk_blocks", "disk_num_blocks", b"disk_num_blocks", "geometry", b"geometry", "host_num_blocks", b"host_num_blocks", "node_id", b"node_id", "num_blocks", b"num_blocks", "request_id", b"request_id", "session", b"session"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -341,6 +352,7 @@ class RegisterNodeResponse(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     PREFETCH_WINDOW_FIELD_NUMBER: _builtins.int
     HOST_NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    DISK_NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     epoch: _builtins.int
     """>= 1; send it on every node-scoped request"""
@@ -353,6 +365,8 @@ class RegisterNodeResponse(_message.Message):
     """hint: block-table entries the attention kernels stage ahead"""
     host_num_blocks: _builtins.int
     """the pool's host tier"""
+    disk_num_blocks: _builtins.int
+    """the pool's disk tier"""
     def __init__(
         self,
         *,
@@ -363,10 +377,11 @@ class RegisterNodeResponse(_message.Message):
         num_blocks: _builtins.int = ...,
         prefetch_window: _builtins.int = ...,
         host_num_blocks: _builtins.int = ...,
+        disk_num_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "epoch", b"epoch", "host_num_blocks", b"host_num_blocks", "lease_ttl_s", b"lease_ttl_s", "num_blocks", b"num_blocks", "pool_id", b"pool_id", "prefetch_window", b"prefetch_window"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "disk_num_blocks", b"disk_num_blocks", "epoch", b"epoch", "host_num_blocks", b"host_num_blocks", "lease_ttl_s", b"lease_ttl_s", "num_blocks", b"num_blocks", "pool_id", b"pool_id", "prefetch_window", b"prefetch_window"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1108,6 +1123,11 @@ class PoolStatus(_message.Message):
     OFFLOADED_BLOCKS_FIELD_NUMBER: _builtins.int
     ONBOARDED_BLOCKS_FIELD_NUMBER: _builtins.int
     HOST_HIT_TOKENS_FIELD_NUMBER: _builtins.int
+    DISK_NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    DISK_CACHED_BLOCKS_FIELD_NUMBER: _builtins.int
+    DISK_OFFLOADED_BLOCKS_FIELD_NUMBER: _builtins.int
+    DISK_ONBOARDED_BLOCKS_FIELD_NUMBER: _builtins.int
+    DISK_HIT_TOKENS_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     num_blocks: _builtins.int
     block_size: _builtins.int
@@ -1151,6 +1171,15 @@ class PoolStatus(_message.Message):
     onboarded_blocks: _builtins.int
     host_hit_tokens: _builtins.int
     """prompt tokens onboarded from host instead of recomputed"""
+    disk_num_blocks: _builtins.int
+    """disk tier (docs/tiers.md); 0: none"""
+    disk_cached_blocks: _builtins.int
+    disk_offloaded_blocks: _builtins.int
+    """host blocks spilled to disk"""
+    disk_onboarded_blocks: _builtins.int
+    """blocks brought back disk->host->device"""
+    disk_hit_tokens: _builtins.int
+    """prompt tokens onboarded from disk instead of recomputed"""
     def __init__(
         self,
         *,
@@ -1188,10 +1217,15 @@ class PoolStatus(_message.Message):
         offloaded_blocks: _builtins.int = ...,
         onboarded_blocks: _builtins.int = ...,
         host_hit_tokens: _builtins.int = ...,
+        disk_num_blocks: _builtins.int = ...,
+        disk_cached_blocks: _builtins.int = ...,
+        disk_offloaded_blocks: _builtins.int = ...,
+        disk_onboarded_blocks: _builtins.int = ...,
+        disk_hit_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted_plans", b"aborted_plans", "block_size", b"block_size", "compaction_plans", b"compaction_plans", "contiguity", b"contiguity", "contiguity_plans", b"contiguity_plans", "cow_copies", b"cow_copies", "defrag_moves", b"defrag_moves", "evictions", b"evictions", "high_water_mark", b"high_water_mark", "host_cached_blocks", b"host_cached_blocks", "host_free_blocks", b"host_free_blocks", "host_hit_tokens", b"host_hit_tokens", "host_num_blocks", b"host_num_blocks", "host_used_blocks", b"host_used_blocks", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_free_blocks", b"num_free_blocks", "num_reserved_blocks", b"num_reserved_blocks", "num_sequences", b"num_sequences", "num_swapped_sequences", b"num_swapped_sequences", "num_tokens", b"num_tokens", "num_used_blocks", b"num_used_blocks", "offloaded_blocks", b"offloaded_blocks", "onboarded_blocks", b"onboarded_blocks", "open_step", b"open_step", "pool_id", b"pool_id", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_query_tokens", b"prefix_query_tokens", "scheduler_id", b"scheduler_id", "settled_step", b"settled_step", "swapped_in_blocks", b"swapped_in_blocks", "swapped_out_blocks", b"swapped_out_blocks", "usage", b"usage", "waste_slots", b"waste_slots"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted_plans", b"aborted_plans", "block_size", b"block_size", "compaction_plans", b"compaction_plans", "contiguity", b"contiguity", "contiguity_plans", b"contiguity_plans", "cow_copies", b"cow_copies", "defrag_moves", b"defrag_moves", "disk_cached_blocks", b"disk_cached_blocks", "disk_hit_tokens", b"disk_hit_tokens", "disk_num_blocks", b"disk_num_blocks", "disk_offloaded_blocks", b"disk_offloaded_blocks", "disk_onboarded_blocks", b"disk_onboarded_blocks", "evictions", b"evictions", "high_water_mark", b"high_water_mark", "host_cached_blocks", b"host_cached_blocks", "host_free_blocks", b"host_free_blocks", "host_hit_tokens", b"host_hit_tokens", "host_num_blocks", b"host_num_blocks", "host_used_blocks", b"host_used_blocks", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_free_blocks", b"num_free_blocks", "num_reserved_blocks", b"num_reserved_blocks", "num_sequences", b"num_sequences", "num_swapped_sequences", b"num_swapped_sequences", "num_tokens", b"num_tokens", "num_used_blocks", b"num_used_blocks", "offloaded_blocks", b"offloaded_blocks", "onboarded_blocks", b"onboarded_blocks", "open_step", b"open_step", "pool_id", b"pool_id", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_query_tokens", b"prefix_query_tokens", "scheduler_id", b"scheduler_id", "settled_step", b"settled_step", "swapped_in_blocks", b"swapped_in_blocks", "swapped_out_blocks", b"swapped_out_blocks", "usage", b"usage", "waste_slots", b"waste_slots"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

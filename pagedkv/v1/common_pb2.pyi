@@ -57,6 +57,7 @@ class PoolStep(_message.Message):
     TIER_KIND_FIELD_NUMBER: _builtins.int
     TIER_SRC_FIELD_NUMBER: _builtins.int
     TIER_DST_FIELD_NUMBER: _builtins.int
+    DISK_BLOCKS_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     epoch: _builtins.int
     """the node registration the step belongs to"""
@@ -127,6 +128,15 @@ class PoolStep(_message.Message):
     def tier_src(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def tier_dst(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def disk_blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___DiskBlock]:
+        """Disk tier moves (docs/tiers.md) are tier moves too: kind 5 disk offload (src a host block,
+        dst a disk slot), kind 6 disk onboard (src a disk slot, dst a host block). The node runs a
+        step's moves host->disk, device->host, disk->host, host->device. `disk_blocks` holds the
+        identity of each kind-5 move's block, in the order of those moves (the node stores it
+        with the bytes and reports it back when it registers after a restart).
+        """
+
     def __init__(
         self,
         *,
@@ -152,11 +162,55 @@ class PoolStep(_message.Message):
         tier_kind: _abc.Iterable[_builtins.int] | None = ...,
         tier_src: _abc.Iterable[_builtins.int] | None = ...,
         tier_dst: _abc.Iterable[_builtins.int] | None = ...,
+        disk_blocks: _abc.Iterable[Global___DiskBlock] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["appended_blocks", b"appended_blocks", "base_step_id", b"base_step_id", "copy_dst", b"copy_dst", "copy_is_defrag", b"copy_is_defrag", "copy_src", b"copy_src", "delta_base_versions", b"delta_base_versions", "delta_num_appended", b"delta_num_appended", "delta_num_replaced", b"delta_num_replaced", "delta_num_tokens", b"delta_num_tokens", "delta_seq_ids", b"delta_seq_ids", "delta_versions", b"delta_versions", "dropped_seq_ids", b"dropped_seq_ids", "epoch", b"epoch", "plan_id", b"plan_id", "pool_id", b"pool_id", "replaced_blocks", b"replaced_blocks", "replaced_positions", b"replaced_positions", "reset", b"reset", "step_id", b"step_id", "tier_dst", b"tier_dst", "tier_kind", b"tier_kind", "tier_src", b"tier_src"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["appended_blocks", b"appended_blocks", "base_step_id", b"base_step_id", "copy_dst", b"copy_dst", "copy_is_defrag", b"copy_is_defrag", "copy_src", b"copy_src", "delta_base_versions", b"delta_base_versions", "delta_num_appended", b"delta_num_appended", "delta_num_replaced", b"delta_num_replaced", "delta_num_tokens", b"delta_num_tokens", "delta_seq_ids", b"delta_seq_ids", "delta_versions", b"delta_versions", "disk_blocks", b"disk_blocks", "dropped_seq_ids", b"dropped_seq_ids", "epoch", b"epoch", "plan_id", b"plan_id", "pool_id", b"pool_id", "replaced_blocks", b"replaced_blocks", "replaced_positions", b"replaced_positions", "reset", b"reset", "step_id", b"step_id", "tier_dst", b"tier_dst", "tier_kind", b"tier_kind", "tier_src", b"tier_src"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PoolStep: _TypeAlias = PoolStep  # noqa: Y015
+
+@_typing.final
+class DiskBlock(_message.Message):
+    """A prefix block on a node's disk tier: its slot and the identity a prefix hit is confirmed
+    against (content hash, parent hash, salt, the block's token ids).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SLOT_FIELD_NUMBER: _builtins.int
+    BLOCK_HASH_FIELD_NUMBER: _builtins.int
+    PARENT_HASH_FIELD_NUMBER: _builtins.int
+    SALT_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    LAST_USED_FIELD_NUMBER: _builtins.int
+    slot: _builtins.int
+    block_hash: _builtins.bytes
+    parent_hash: _builtins.bytes
+    """empty: the first block of a prompt"""
+    salt: _builtins.str
+    last_used: _builtins.int
+    """registration only: the node's write counter (LRU order)"""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        slot: _builtins.int = ...,
+        block_hash: _builtins.bytes = ...,
+        parent_hash: _builtins.bytes = ...,
+        salt: _builtins.str | None = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        last_used: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_salt", b"_salt", "salt", b"salt"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_salt", b"_salt", "block_hash", b"block_hash", "last_used", b"last_used", "parent_hash", b"parent_hash", "salt", b"salt", "slot", b"slot", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__salt: _TypeAlias = _typing.Literal["salt"]  # noqa: Y015
+    _WhichOneofArgType__salt: _TypeAlias = _typing.Literal["_salt", b"_salt"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__salt) -> _WhichOneofReturnType__salt | None: ...
+
+Global___DiskBlock: _TypeAlias = DiskBlock  # noqa: Y015
