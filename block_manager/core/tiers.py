@@ -18,7 +18,9 @@ then its copy ops, then its writes, so
 - a host block read by a swap-in or an onboard is held until the step is reported, so no
   device→host move of the same step (or a later one still in flight) can overwrite it;
 - a host block is *written* once the step carrying its device→host move is reported
-  complete (`write_step <= settled_step`): only then may it be swapped in or onboarded. A
+  complete (`write_step <= settled_step`): only then may it be swapped in or onboarded. An
+  offloaded block is held by its writing step until then, so it is never evicted (nor
+  spilled to disk) before its bytes are there, nor written twice by one step. A
   step reported failed drops the swapped-out sequences it carried (their K/V never reached
   host: the scheduler recomputes them) and forgets the hashes of the blocks it offloaded.
 """
@@ -224,12 +226,14 @@ def offload(pool: Pool, b: int) -> None:
     h = host.take()
     if h is None:
         return
-    host.ref_cnt[h] = 0
+    # Held by its writing step until that step is reported (then it joins the cached LRU):
+    # a block still being written can be neither evicted again nor retaken in the same step,
+    # which would give one batched device->host copy two writes into one host block.
+    host.holds.append((pool.step.step_id, h))
     host.meta[h] = meta
     host.prefix_index[meta.block_hash] = h
     if host.kv_log is not None:
         host.kv_log.stored(meta)
-    host.cached_list.push_back(h)
     host.write_step[h] = pool.step.step_id
     host.offloaded_blocks += 1
     _queue(pool, "offload", b, h)

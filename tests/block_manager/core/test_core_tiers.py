@@ -47,11 +47,34 @@ def test_a_failed_step_forgets_the_prefix_blocks_it_offloaded() -> None:
     m.evict("p", 2)                                  # offloaded to host in the open step
     out = m.close_step("p", force=True)
     assert [op.kind for op in out.tier_ops] == ["offload", "offload"]
-    assert m.host_metrics("p").num_cached_blocks == 2
+    host = m.host_metrics("p")
+    assert host.num_used_blocks == 2 and host.num_cached_blocks == 0   # held by the step writing them
     m.settle_steps("p", out.step_id - 1, failed_from=out.step_id)
-    assert m.host_metrics("p").num_cached_blocks == 0   # never written: no host hit may read them
+    host = m.host_metrics("p")
+    assert host.num_cached_blocks == 0 and host.num_used_blocks == 0   # never written: no host hit may read them
     r = m.allocate("b", "p", list(range(1, 10)))
     assert r.num_cached_tokens == 0 and m.fsck() == []
+
+
+def test_an_offloaded_block_is_held_until_written_so_one_step_never_writes_a_host_block_twice() -> None:
+    """One step evicting more blocks than the host tier has: the host blocks it is writing are
+    not evicted again and reused by the same step (a batched copy with two writes to one
+    block has no defined winner on CUDA); they join the LRU once the step is reported."""
+    m = _manager(num_blocks=8, host=2)
+    m.allocate("a", "p", list(range(1, 26)))         # 6 full hashed blocks + 1
+    _run(m)
+    m.free(["a"])
+    m.evict("p", 6)
+    out = m.close_step("p", force=True)
+    targets = [op.dst for op in out.tier_ops if op.kind == "offload"]
+    assert len(targets) == 2 and len(set(targets)) == 2
+    assert m.host_metrics("p").num_cached_blocks == 0 and m.fsck() == []
+    m.settle_steps("p", out.step_id)
+    host = m.host_metrics("p")
+    assert host.num_cached_blocks == 2 and host.host_evictions == 0 and m.fsck() == []
+    r = m.allocate("b", "p", list(range(1, 26)))
+    assert r.num_cached_tokens == 0          # the first blocks were not kept: no prefix to continue
+    assert m.fsck() == []
 
 
 def test_swap_in_waits_for_its_swap_out_report_and_holds_host_sources() -> None:
