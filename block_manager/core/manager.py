@@ -891,6 +891,16 @@ class BlockManager:
                                     -e.num_free_blocks, e.pool_id))
         return entries
 
+    def is_lending(self, pool_id: PoolId) -> bool:
+        """Whether the pool's open step carries serve grants (prefix fetch): it must be closed
+        and handed to its node with the step whose fetches they serve."""
+        return bool(self._pool(pool_id).step.serves)
+
+    def fetch_counts(self, pool_id: PoolId) -> tuple[int, int]:
+        """(blocks this pool fetched from others, blocks it lends now) — prefix fetch gauges."""
+        pool = self._pool(pool_id)
+        return pool.fetched_blocks, sum(len(loan.blocks) for loan in pool.lent.values())
+
     def evict(self, pool_id: PoolId, num_blocks: int) -> int:
         """Evict up to `num_blocks` cached blocks (LRU); returns how many were evicted."""
         pool = self._pool(pool_id)
