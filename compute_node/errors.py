@@ -69,3 +69,12 @@ class BlockManagerUnavailable(ComputeNodeError):
     """A node → block manager call failed transiently; retrying the Forward is safe."""
 
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class PeerFetchFailed(ComputeNodeError):
+    """An attention-only node's Forward could not pull a prefix fetch's blocks from the source
+    node (it cannot recompute them: the scheduler sends K/V, not tokens). The Forward failed as a
+    whole and wrote nothing of its sequences; the scheduler reports the step failed and
+    recomputes (docs/prefix_fetch.md)."""
+
+    code = grpc.StatusCode.UNAVAILABLE

@@ -1,0 +1,76 @@
+"""`ComputeNode/FetchBlocks`: serving granted prefix blocks to another node (docs/prefix_fetch.md).
+
+Served only when every check passes, in this order:
+1. the caller is authenticated as `node:<id>` (under TLS client certificates or bearer tokens,
+   as every call of ours; `access.authorize`) — done here, because the edge guard wraps unary
+   handlers only and this one streams;
+2. a grant for `fetch_id` arrived with one of this node's steps (waited for up to
+   `fetch_grant_wait_s`: the scheduler calls the source and the destination at once), has not
+   expired, names exactly the requested blocks, and its destination is the caller (`<id>` =
+   `dst_pool_id` = the grant's destination; without auth, the request's `dst_pool_id`).
+Refusals: PERMISSION_DENIED (identity or destination), NOT_FOUND (no live grant),
+INVALID_ARGUMENT (blocks differ from the grant), FAILED_PRECONDITION (no pool yet).
+
+The blocks are read without the node's step lock: the block manager pinned them for the
+transfer, so no step of this node writes, moves or reuses them until the destination's step is
+reported. The grant is used up by a complete transfer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+
+from compute_node.service import access
+from compute_node.service.node import ComputeNode
+from compute_node.transfer import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, chunks, layout_of, pack_blocks
+from pagedkv.auth import Authenticator, Refusal
+from pagedkv.v1 import compute_node_pb2 as pb
+
+METHOD = f"{access.PREFIX}FetchBlocks"
+
+
+async def serve_blocks(
+    node: ComputeNode, auth: Authenticator | None, request: pb.FetchBlocksRequest, context: grpc.aio.ServicerContext,
+) -> AsyncIterator[pb.KvChunk]:
+    if auth is not None:
+        found = auth.identify(context)
+        if isinstance(found, Refusal):
+            await context.abort(found.code, found.message)
+        why = access.authorize(METHOD, found, request)  # type: ignore[arg-type]
+        if why is None and found.name != request.dst_pool_id:  # type: ignore[union-attr]
+            why = f"{found} may not pull blocks granted to node {request.dst_pool_id!r}"
+        if why is not None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+    pool = node.pool
+    if pool is None:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the node has no pool yet")
+    grant = await asyncio.to_thread(node.grants.wait_for, request.fetch_id, node.config.fetch_grant_wait_s)
+    if grant is None:
+        await context.abort(grpc.StatusCode.NOT_FOUND, f"no live grant for fetch {request.fetch_id!r} on this node")
+    if grant.dst_pool != request.dst_pool_id:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                            f"fetch {request.fetch_id!r} is granted to {grant.dst_pool!r}, not {request.dst_pool_id!r}")
+    if tuple(request.blocks) != grant.blocks:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"fetch {request.fetch_id!r}: the requested blocks are not the granted ones")
+    chunk_bytes = min(request.max_chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
+    data = await asyncio.to_thread(pack_blocks, pool, list(grant.blocks))   # type: ignore[union-attr]
+    geometry = pool.geometry   # type: ignore[union-attr]
+    pause = node.config.fetch_test_pause_file
+    for i, chunk in enumerate(chunks(data, chunk_bytes, geometry.bytes_per_block, layout_of(geometry))):
+        yield chunk
+        if pause and i == 0:
+            # TEST HOOK (config `fetch_test_pause_file`): hold the stream after the first chunk
+            Path(pause).write_text(request.fetch_id)
+            await asyncio.Event().wait()
+    node.grants.take(request.fetch_id)
+    node.metrics.served_blocks.inc(len(grant.blocks))
+    node.log.info("prefix_blocks_served", fetch_id=request.fetch_id, dst=request.dst_pool_id,
+                  num_blocks=len(grant.blocks), num_bytes=len(data))
+
+
+__all__ = ["serve_blocks"]

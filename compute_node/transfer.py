@@ -1,0 +1,231 @@
+"""Prefix fetch between nodes, the node's half (docs/prefix_fetch.md): the grants a source node
+serves, the byte layout of blocks on the wire, and the destination's pull.
+
+The block manager plans a fetch (its source blocks pinned on the source pool); the scheduler
+hands the source its grant in the source's step (`PoolStep.serves`) and the destination its
+fetch op in the destination's step (`PoolStep.fetches`). The destination pulls inside that
+step, after the step's tier moves and copy ops and before its writes and attention
+(`ComputeNode.FetchBlocks`, a server stream), and writes the blocks into its fresh
+destination blocks. Anything that goes wrong — the source unreachable or dead mid-stream, no
+grant before the wait ends, a checksum mismatch, a layout that differs, a timeout — is a
+`FetchFailed`, and the caller recomputes those positions in the same step instead.
+
+Wire layout: the blocks in request order, each block every layer's K then V
+(`[num_kv_heads, block_size, head_dim]` each, the pool's dtype, C order) — `block_bytes` per
+block; the stream is cut into chunks of at most `chunk_bytes`, each with its zlib CRC-32.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from compute_node.pool import TORCH_DTYPES, KvPool, PoolGeometry
+from pagedkv.auth import token_metadata
+from pagedkv.tls import TlsSettings, open_channel
+from pagedkv.v1 import compute_node_pb2 as pb
+from pagedkv.v1 import compute_node_pb2_grpc as pb_grpc
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+MAX_CHUNK_BYTES = 4 << 20
+
+
+class FetchFailed(Exception):
+    """A pull that did not deliver every block intact; the caller recomputes instead."""
+
+
+def layout_of(g: PoolGeometry) -> str:
+    """What must agree between the two pools for their blocks' bytes to mean the same."""
+    return f"{g.dtype}:{g.num_layers}:{g.block_size}:{g.num_kv_heads}:{g.head_dim}"
+
+
+# ---- grants (source side) -----------------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class Grant:
+    fetch_id: str
+    dst_pool: str
+    blocks: tuple[int, ...]
+    expires_at: float   # GrantBook.clock() time
+
+
+class GrantBook:
+    """The grants this node's steps gave it, by fetch id, until served or expired. Written by
+    the step (on the worker thread that applies it), read by the FetchBlocks handler, which may
+    wait for a grant whose step is still on its way (the scheduler calls both nodes at once)."""
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._grants: dict[str, Grant] = {}
+        self._cond = threading.Condition()
+
+    def add(self, serves: Sequence[Any]) -> None:
+        now = self.clock()
+        with self._cond:
+            for fid in [f for f, g in self._grants.items() if g.expires_at <= now]:
+                del self._grants[fid]
+            for s in serves:
+                self._grants[s.fetch_id] = Grant(s.fetch_id, s.dst_pool_id, tuple(s.blocks), now + self.ttl_s)
+            self._cond.notify_all()
+
+    def wait_for(self, fetch_id: str, timeout_s: float) -> Grant | None:
+        """The live grant for `fetch_id`, waiting up to `timeout_s` for it to arrive."""
+        deadline = self.clock() + timeout_s
+        with self._cond:
+            while True:
+                g = self._grants.get(fetch_id)
+                now = self.clock()
+                if g is not None and g.expires_at > now:
+                    return g
+                if now >= deadline:
+                    return None
+                self._cond.wait(deadline - now)
+
+    def take(self, fetch_id: str) -> None:
+        """Served: a grant is good for one transfer."""
+        with self._cond:
+            self._grants.pop(fetch_id, None)
+
+    def clear(self) -> None:
+        """A new registration: the old epoch's grants name blocks of a pool that is gone."""
+        with self._cond:
+            self._grants.clear()
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._grants)
+
+
+# ---- bytes of blocks ------------------------------------------------------------------------------
+def pack_blocks(pool: KvPool, blocks: Sequence[int]) -> memoryview:
+    """The blocks' K/V as one contiguous host buffer, in wire layout."""
+    idx = torch.tensor(list(blocks), dtype=torch.int64, device=pool.device)
+    parts = [torch.stack((k.index_select(0, idx), v.index_select(0, idx)))   # [2, n, H, B, D]
+             for k, v in zip(pool.key_caches, pool.value_caches)]
+    t = torch.stack(parts).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()   # [n, L, 2, H, B, D]
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def unpack_into(pool: KvPool, blocks: Sequence[int], data: bytearray) -> None:
+    """Write wire-layout `data` into `blocks` of the pool (every layer, K and V)."""
+    g = pool.geometry
+    n = len(blocks)
+    t = torch.frombuffer(data, dtype=torch.uint8).view(TORCH_DTYPES[g.dtype])
+    t = t.reshape(n, g.num_layers, 2, g.num_kv_heads, g.block_size, g.head_dim).to(pool.device)
+    idx = torch.tensor(list(blocks), dtype=torch.int64, device=pool.device)
+    for layer, (k, v) in enumerate(zip(pool.key_caches, pool.value_caches)):
+        k.index_copy_(0, idx, t[:, layer, 0])
+        v.index_copy_(0, idx, t[:, layer, 1])
+
+
+def chunks(data: memoryview, chunk_bytes: int, block_bytes: int, layout: str) -> Iterator[pb.KvChunk]:
+    """The stream's messages: `chunk_bytes` at most each, CRC-32 each; the first says the layout."""
+    for off in range(0, len(data), chunk_bytes):
+        part = bytes(data[off:off + chunk_bytes])
+        first = off == 0
+        yield pb.KvChunk(offset=off, data=part, crc32=zlib.crc32(part),
+                         block_bytes=block_bytes if first else 0, layout=layout if first else "")
+
+
+# ---- the pull (destination side) -----------------------------------------------------------------
+@dataclass(slots=True)
+class PullStats:
+    fetched_blocks: int = 0
+    recomputed_tokens: int = 0
+    seconds: float = 0.0
+    num_bytes: int = 0
+
+
+class BlockPuller:
+    """Pulls granted blocks from other nodes: one channel per source address (TLS and this
+    node's identity as on every channel: its certificate under mTLS, else `token`)."""
+
+    def __init__(self, node_id: str, *, tls: TlsSettings | None, token: str | None, timeout_s: float,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_message_bytes: int = 64 << 20) -> None:
+        self.node_id = node_id
+        self.tls = tls
+        self.metadata = token_metadata(token)
+        self.timeout_s = timeout_s
+        self.chunk_bytes = chunk_bytes
+        self.max_message_bytes = max_message_bytes
+        self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.ComputeNodeStub]] = {}
+        self._lock = threading.Lock()
+
+    def _stub(self, address: str) -> pb_grpc.ComputeNodeStub:
+        with self._lock:
+            entry = self._stubs.get(address)
+            if entry is None:
+                ch = open_channel(address, self.tls, [("grpc.max_receive_message_length", self.max_message_bytes)])
+                entry = self._stubs[address] = (ch, pb_grpc.ComputeNodeStub(ch))
+            return entry[1]
+
+    def pull(self, pool: KvPool, op: Any) -> int:
+        """Pull one fetch op's blocks into its destination blocks; the bytes moved.
+        `FetchFailed` when anything is missing, late or corrupt (nothing is trusted then: the
+        caller recomputes every position of the op)."""
+        if not op.src_address:
+            raise FetchFailed(f"fetch {op.fetch_id}: the source {op.src_pool_id!r} has no address")
+        layout = layout_of(pool.geometry)
+        block_bytes = pool.geometry.bytes_per_block
+        n = len(op.dst_blocks)
+        if n != len(op.src_blocks) or n == 0:
+            raise FetchFailed(f"fetch {op.fetch_id}: {len(op.src_blocks)} source blocks for {n} destinations")
+        buf = bytearray(n * block_bytes)
+        got = 0
+        req = pb.FetchBlocksRequest(fetch_id=op.fetch_id, dst_pool_id=self.node_id, blocks=op.src_blocks,
+                                    max_chunk_bytes=self.chunk_bytes)
+        try:
+            stream = self._stub(op.src_address).FetchBlocks(req, timeout=self.timeout_s, metadata=self.metadata)
+            for chunk in stream:
+                if chunk.offset == 0 and (chunk.layout != layout or chunk.block_bytes != block_bytes):
+                    raise FetchFailed(f"fetch {op.fetch_id}: source layout {chunk.layout!r} x {chunk.block_bytes} "
+                                      f"bytes, this pool {layout!r} x {block_bytes}")
+                size = len(chunk.data)
+                if chunk.offset != got or got + size > len(buf):
+                    raise FetchFailed(f"fetch {op.fetch_id}: chunk at {chunk.offset} (+{size}) after {got} bytes")
+                if zlib.crc32(chunk.data) != chunk.crc32:
+                    raise FetchFailed(f"fetch {op.fetch_id}: checksum mismatch in the chunk at {chunk.offset}")
+                buf[got:got + size] = chunk.data
+                got += size
+        except grpc.RpcError as exc:
+            raise FetchFailed(
+                f"fetch {op.fetch_id} from {op.src_pool_id!r}: {exc.code().name}: {exc.details()}") from None
+        if got != len(buf):
+            raise FetchFailed(f"fetch {op.fetch_id}: the stream ended after {got} of {len(buf)} bytes")
+        unpack_into(pool, list(op.dst_blocks), buf)
+        return got
+
+    def close(self) -> None:
+        with self._lock:
+            for ch, _ in self._stubs.values():
+                ch.close()
+            self._stubs.clear()
+
+
+def pull_all(puller: BlockPuller | None, pool: KvPool, ops: Sequence[Any],
+             on_failure: Callable[[Any, str], None]) -> PullStats:
+    """Every fetch op of a step, in order; a failed one is handed to `on_failure` (recompute)."""
+    stats = PullStats()
+    t0 = time.perf_counter()
+    for op in ops:
+        try:
+            if puller is None:
+                raise FetchFailed(f"fetch {op.fetch_id}: this node cannot pull from other nodes (embedded)")
+            stats.num_bytes += puller.pull(pool, op)
+            stats.fetched_blocks += len(op.dst_blocks)
+        except FetchFailed as exc:
+            on_failure(op, str(exc))
+            stats.recomputed_tokens += len(op.token_ids)
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+__all__ = ["BlockPuller", "FetchFailed", "Grant", "GrantBook", "PullStats", "chunks", "layout_of", "pack_blocks",
+           "pull_all", "unpack_into"]

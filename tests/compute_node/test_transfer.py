@@ -1,0 +1,217 @@
+"""Prefix fetch between nodes, the transfer (compute_node/transfer.py, transfer_servicer.py):
+over a real gRPC server on 127.0.0.1, a granted transfer arrives bit-exact in other block ids;
+nothing is served without a live grant naming exactly those blocks and that destination, nor to
+a caller whose identity is not that node; a corrupt chunk, a layout that differs, or a stream
+that breaks is a FetchFailed, never partial data taken as good."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from compute_node.pool import KvPool, PoolGeometry
+from compute_node.service.config import ComputeNodeConfig
+from compute_node.service.node import ComputeNode
+from compute_node.service.server import edge_guard
+from compute_node.service.servicer import ComputeNodeServicer
+from compute_node.transfer import BlockPuller, FetchFailed, GrantBook, chunks, layout_of, pack_blocks
+from pagedkv.auth import Authenticator
+from pagedkv.lifecycle import new_server
+from pagedkv.v1 import compute_node_pb2 as pb
+from pagedkv.v1 import compute_node_pb2_grpc as pb_grpc
+
+GEOM = PoolGeometry(num_layers=3, num_kv_heads=2, head_dim=16, dtype="float16", block_size=4, num_blocks=32)
+TOKENS = {"node:a": "a" * 32, "node:b": "b" * 32, "scheduler": "s" * 32}
+
+
+@dataclass(slots=True, frozen=True)
+class _Serve:
+    fetch_id: str
+    dst_pool_id: str
+    blocks: tuple[int, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class _Fetch:
+    fetch_id: str
+    src_pool_id: str
+    src_address: str
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+
+
+def _random_pool(seed: int) -> KvPool:
+    pool = KvPool(GEOM, torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    for t in (*pool.key_caches, *pool.value_caches):
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    return pool
+
+
+class _Source:
+    """A compute node (no model, no block manager) serving FetchBlocks on a background loop."""
+
+    def __init__(self, *, auth: bool = False, **cfg: Any) -> None:
+        config = ComputeNodeConfig(node_id="a", block_manager_address="127.0.0.1:1",
+                                   auth={"tokens": TOKENS} if auth else {}, **cfg)
+        self.node = ComputeNode(config)
+        self.node.pool = _random_pool(1)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.port = asyncio.run_coroutine_threadsafe(self._start(config), self.loop).result(30)
+        self.address = f"127.0.0.1:{self.port}"
+
+    async def _start(self, config: ComputeNodeConfig) -> int:
+        self.server = new_server([edge_guard(config)])
+        pb_grpc.add_ComputeNodeServicer_to_server(
+            ComputeNodeServicer(self.node, Authenticator(config.auth) if config.auth_enabled else None), self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        return port
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+
+
+@pytest.fixture
+def source() -> Iterator[_Source]:
+    s = _Source(fetch_grant_wait_s=0.3, fetch_chunk_bytes=4096)
+    yield s
+    s.stop()
+
+
+def _same(src: KvPool, src_blocks: tuple[int, ...], dst: KvPool, dst_blocks: tuple[int, ...]) -> bool:
+    s, d = list(src_blocks), list(dst_blocks)
+    return all(torch.equal(a[s], b[d]) for a, b in zip((*src.key_caches, *src.value_caches),
+                                                       (*dst.key_caches, *dst.value_caches)))
+
+
+def test_a_granted_transfer_arrives_bit_exact_in_other_block_ids(source: _Source) -> None:
+    dst = KvPool(GEOM, torch.device("cpu"))
+    src_blocks, dst_blocks = (7, 3, 20, 11), (0, 30, 1, 5)
+    source.node.grants.add([_Serve("f1", "b", src_blocks)])
+    puller = BlockPuller("b", tls=None, token=None, timeout_s=30, chunk_bytes=4096)
+    try:
+        n = puller.pull(dst, _Fetch("f1", "a", source.address, src_blocks, dst_blocks))
+        assert n == 4 * GEOM.bytes_per_block and n > 4096          # several chunks
+        assert _same(source.node.pool, src_blocks, dst, dst_blocks)
+        # a grant is good for one transfer
+        with pytest.raises(FetchFailed, match="NOT_FOUND"):
+            puller.pull(dst, _Fetch("f1", "a", source.address, src_blocks, dst_blocks))
+    finally:
+        puller.close()
+
+
+def test_nothing_is_served_without_a_matching_live_grant(source: _Source) -> None:
+    dst = KvPool(GEOM, torch.device("cpu"))
+    puller = BlockPuller("b", tls=None, token=None, timeout_s=30)
+    try:
+        with pytest.raises(FetchFailed, match="NOT_FOUND"):          # never granted
+            puller.pull(dst, _Fetch("nope", "a", source.address, (1,), (2,)))
+        source.node.grants.add([_Serve("f2", "b", (1, 2))])
+        with pytest.raises(FetchFailed, match="INVALID_ARGUMENT"):   # other blocks than granted
+            puller.pull(dst, _Fetch("f2", "a", source.address, (1, 3), (2, 4)))
+        source.node.grants.add([_Serve("f3", "c", (1, 2))])
+        with pytest.raises(FetchFailed, match="PERMISSION_DENIED"):  # granted to another node
+            puller.pull(dst, _Fetch("f3", "a", source.address, (1, 2), (2, 4)))
+        now = [100.0]
+        book = GrantBook(ttl_s=60, clock=lambda: now[0])
+        book.add([_Serve("f4", "b", (1,))])
+        assert book.wait_for("f4", 0) is not None
+        now[0] += 60
+        assert book.wait_for("f4", 0) is None                        # expired grants are not served
+        assert torch.count_nonzero(dst.key_caches[0]) == 0           # nothing was written
+    finally:
+        puller.close()
+
+
+def test_a_pull_waits_for_its_grant_to_arrive_with_the_sources_step() -> None:
+    s = _Source(fetch_grant_wait_s=30)
+    dst = KvPool(GEOM, torch.device("cpu"))
+    puller = BlockPuller("b", tls=None, token=None, timeout_s=60)
+    try:
+        result: list[Any] = []
+        t = threading.Thread(target=lambda: result.append(
+            puller.pull(dst, _Fetch("late", "a", s.address, (4, 5), (6, 7)))))
+        t.start()
+        # the grant comes after the pull began (the scheduler runs both nodes' steps at once)
+        s.node.grants.add([_Serve("late", "b", (4, 5))])
+        t.join(60)
+        assert result and _same(s.node.pool, (4, 5), dst, (6, 7))
+    finally:
+        puller.close()
+        s.stop()
+
+
+def test_only_the_granted_node_may_pull_under_auth() -> None:
+    s = _Source(auth=True, fetch_grant_wait_s=0.3)
+    dst = KvPool(GEOM, torch.device("cpu"))
+    s.node.grants.add([_Serve("g", "b", (1, 2))])
+    pullers = {who: BlockPuller("b", tls=None, token=TOKENS[who] if who else None, timeout_s=30)
+               for who in ("node:a", "scheduler", None, "node:b")}
+    try:
+        with pytest.raises(FetchFailed, match="PERMISSION_DENIED"):   # another node's identity
+            pullers["node:a"].pull(dst, _Fetch("g", "a", s.address, (1, 2), (3, 4)))
+        with pytest.raises(FetchFailed, match="PERMISSION_DENIED"):   # a scheduler is no node
+            pullers["scheduler"].pull(dst, _Fetch("g", "a", s.address, (1, 2), (3, 4)))
+        with pytest.raises(FetchFailed, match="UNAUTHENTICATED"):     # no credentials
+            pullers[None].pull(dst, _Fetch("g", "a", s.address, (1, 2), (3, 4)))
+        pullers["node:b"].pull(dst, _Fetch("g", "a", s.address, (1, 2), (3, 4)))
+        assert _same(s.node.pool, (1, 2), dst, (3, 4))
+    finally:
+        for p in pullers.values():
+            p.close()
+        s.stop()
+
+
+class _Corrupting(pb_grpc.ComputeNodeServicer):
+    """A misbehaving source: flips a byte after computing a chunk's checksum, or lies about the
+    layout, or ends the stream early."""
+
+    def __init__(self, pool: KvPool, how: str) -> None:
+        self.pool, self.how = pool, how
+
+    async def FetchBlocks(self, request: pb.FetchBlocksRequest, context: Any):  # noqa: N802
+        data = pack_blocks(self.pool, list(request.blocks))
+        layout = "float32:1:1:1:1" if self.how == "layout" else layout_of(self.pool.geometry)
+        for i, c in enumerate(chunks(data, 4096, self.pool.geometry.bytes_per_block, layout)):
+            if self.how == "crc" and i == 1:
+                bad = bytearray(c.data)
+                bad[10] ^= 0xFF
+                c = pb.KvChunk(offset=c.offset, data=bytes(bad), crc32=c.crc32)
+                assert zlib.crc32(bytes(bad)) != c.crc32
+            if self.how == "short" and i == 1:
+                return
+            yield c
+
+
+@pytest.mark.parametrize("how", ["crc", "layout", "short"])
+def test_corrupt_or_short_streams_fail_the_pull(how: str) -> None:
+    async def run() -> None:
+        src = _random_pool(2)
+        server = grpc.aio.server()
+        pb_grpc.add_ComputeNodeServicer_to_server(_Corrupting(src, how), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        dst = KvPool(GEOM, torch.device("cpu"))
+        puller = BlockPuller("b", tls=None, token=None, timeout_s=30)
+        try:
+            with pytest.raises(FetchFailed, match={"crc": "checksum", "layout": "layout", "short": "ended"}[how]):
+                await asyncio.to_thread(puller.pull, dst, _Fetch("x", "a", f"127.0.0.1:{port}", (1, 2, 3), (4, 5, 6)))
+            assert torch.count_nonzero(dst.key_caches[0]) == 0       # nothing written from a bad stream
+        finally:
+            puller.close()
+            await server.stop(0)
+
+    asyncio.run(run())
