@@ -126,6 +126,8 @@ class EngineStats:
     offloaded_blocks: int = 0
     onboarded_blocks: int = 0
     host_hit_tokens: int = 0
+    # prefix fetch (docs/prefix_fetch.md): prompt tokens admitted as blocks pulled from another node
+    fetched_tokens: int = 0
 
     def summary(self) -> dict[str, float]:
         """Counters and latency percentiles (ms) as a flat mapping."""
@@ -136,7 +138,8 @@ class EngineStats:
             "steps": self.num_steps, "preemptions": self.num_preemptions,
             "generated_tokens": self.generated_tokens, "prompt_tokens": self.prompt_tokens,
             "cached_prompt_tokens": self.cached_prompt_tokens,
-            "prefix_hit_tokens": self.cached_prompt_tokens - self.host_hit_tokens,
+            "prefix_hit_tokens": self.cached_prompt_tokens - self.host_hit_tokens - self.fetched_tokens,
+            "fetched_tokens": self.fetched_tokens,
             "host_hit_tokens": self.host_hit_tokens,
             "swapped_out_blocks": self.swapped_out_blocks, "swapped_in_blocks": self.swapped_in_blocks,
             "offloaded_blocks": self.offloaded_blocks, "onboarded_blocks": self.onboarded_blocks,
@@ -549,6 +552,8 @@ class LLMEngine:
         for seq in [s for s in self.swapped if s.seq_id in result.dropped]:
             self._recompute_swapped(seq, free=False)
         for info in result.steps.values():
+            for f in info.message.fetches:   # prefix fetch: pulled by the node instead of recomputed
+                self.stats.fetched_tokens += len(f.token_ids)
             kinds = list(info.message.tier_kind)
             if kinds:
                 bs = self.pool_blocks.get(info.pool_id, (0, 1))[1]
