@@ -12,20 +12,22 @@ grant before the wait ends, a checksum mismatch, a layout that differs, a timeou
 
 Wire layout: the blocks in request order, each block every layer's K then V
 (`[num_kv_heads, block_size, head_dim]` each, the pool's dtype, C order) — `block_bytes` per
-block; the stream is cut into chunks of at most `chunk_bytes`, each with its zlib CRC-32.
+block; the stream is cut into chunks of at most `chunk_bytes`, each with its XXH3-64 checksum
+(~10x cheaper than zlib's CRC-32, which was half the transfer's CPU on a CPU node).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import numpy as np
 import torch
+import xxhash
 
 from compute_node.pool import TORCH_DTYPES, KvPool, PoolGeometry
 from pagedkv.auth import token_metadata
@@ -39,6 +41,11 @@ MAX_CHUNK_BYTES = 4 << 20
 
 class FetchFailed(Exception):
     """A pull that did not deliver every block intact; the caller recomputes instead."""
+
+
+def checksum(data: bytes) -> int:
+    """A chunk's checksum (XXH3-64)."""
+    return xxhash.xxh3_64_intdigest(data)
 
 
 def layout_of(g: PoolGeometry) -> str:
@@ -104,34 +111,70 @@ class GrantBook:
 
 
 # ---- bytes of blocks ------------------------------------------------------------------------------
+def _byte_views(caches: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    """Each CPU cache as a `[num_blocks, bytes per block]` uint8 numpy view (no copy)."""
+    return [t.view(torch.uint8).numpy().reshape(t.shape[0], -1) for t in caches]
+
+
 def pack_blocks(pool: KvPool, blocks: Sequence[int]) -> memoryview:
-    """The blocks' K/V as one contiguous host buffer, in wire layout."""
-    idx = torch.tensor(list(blocks), dtype=torch.int64, device=pool.device)
-    parts = [torch.stack((k.index_select(0, idx), v.index_select(0, idx)))   # [2, n, H, B, D]
+    """The blocks' K/V as one contiguous host buffer, in wire layout. On the CPU through numpy:
+    a single-threaded gather (torch's intra-op threads only contend on a busy host; measured
+    5 ms vs 115 ms for 6 MB at load 9 on 2 cores)."""
+    n, num_layers = len(blocks), len(pool.key_caches)
+    if pool.device.type == "cpu":
+        idx = np.asarray(blocks, dtype=np.int64)
+        keys, values = _byte_views(pool.key_caches), _byte_views(pool.value_caches)
+        out = np.empty((n, num_layers, 2, keys[0].shape[1]), dtype=np.uint8)
+        for layer in range(num_layers):
+            np.take(keys[layer], idx, axis=0, out=out[:, layer, 0])
+            np.take(values[layer], idx, axis=0, out=out[:, layer, 1])
+        return memoryview(out).cast("B")
+    tidx = torch.tensor(list(blocks), dtype=torch.int64, device=pool.device)
+    parts = [torch.stack((k.index_select(0, tidx), v.index_select(0, tidx)))   # [2, n, H, B, D]
              for k, v in zip(pool.key_caches, pool.value_caches)]
     t = torch.stack(parts).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()   # [n, L, 2, H, B, D]
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
-def unpack_into(pool: KvPool, blocks: Sequence[int], data: bytearray) -> None:
-    """Write wire-layout `data` into `blocks` of the pool (every layer, K and V)."""
+def unpack_into(pool: KvPool, blocks: Sequence[int], data: bytes | bytearray | memoryview) -> None:
+    """Write wire-layout `data` (whole blocks) into `blocks` of the pool (every layer, K and V)."""
     g = pool.geometry
     n = len(blocks)
-    t = torch.frombuffer(data, dtype=torch.uint8).view(TORCH_DTYPES[g.dtype])
+    if pool.device.type == "cpu":
+        src = np.frombuffer(data, dtype=np.uint8).reshape(n, g.num_layers, 2, -1)
+        idx = np.asarray(blocks, dtype=np.int64)
+        for layer, (k, v) in enumerate(zip(_byte_views(pool.key_caches), _byte_views(pool.value_caches))):
+            k[idx] = src[:, layer, 0]
+            v[idx] = src[:, layer, 1]
+        return
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(TORCH_DTYPES[g.dtype])
     t = t.reshape(n, g.num_layers, 2, g.num_kv_heads, g.block_size, g.head_dim).to(pool.device)
-    idx = torch.tensor(list(blocks), dtype=torch.int64, device=pool.device)
+    tidx = torch.tensor(list(blocks), dtype=torch.int64, device=pool.device)
     for layer, (k, v) in enumerate(zip(pool.key_caches, pool.value_caches)):
-        k.index_copy_(0, idx, t[:, layer, 0])
-        v.index_copy_(0, idx, t[:, layer, 1])
+        k.index_copy_(0, tidx, t[:, layer, 0])
+        v.index_copy_(0, tidx, t[:, layer, 1])
 
 
-def chunks(data: memoryview, chunk_bytes: int, block_bytes: int, layout: str) -> Iterator[pb.KvChunk]:
-    """The stream's messages: `chunk_bytes` at most each, CRC-32 each; the first says the layout."""
+def chunks(data: memoryview, chunk_bytes: int, block_bytes: int, layout: str, offset: int = 0) -> Iterator[pb.KvChunk]:
+    """The stream's messages for `data` (at stream `offset`): `chunk_bytes` at most each, with
+    their checksum; the stream's first message says the layout and the bytes per block."""
     for off in range(0, len(data), chunk_bytes):
         part = bytes(data[off:off + chunk_bytes])
-        first = off == 0
-        yield pb.KvChunk(offset=off, data=part, crc32=zlib.crc32(part),
+        first = offset + off == 0
+        yield pb.KvChunk(offset=offset + off, data=part, checksum=checksum(part),
                          block_bytes=block_bytes if first else 0, layout=layout if first else "")
+
+
+def block_chunks(pool: KvPool, blocks: Sequence[int], chunk_bytes: int) -> Iterator[pb.KvChunk]:
+    """The whole stream for `blocks`, gathered a chunk's worth of whole blocks at a time (so the
+    first chunk leaves before the last block is gathered, and no full-size copy is held)."""
+    g = pool.geometry
+    block_bytes = g.bytes_per_block
+    per_chunk = max(1, chunk_bytes // block_bytes)
+    layout = layout_of(g)
+    for i in range(0, len(blocks), per_chunk):
+        group = blocks[i:i + per_chunk]
+        yield from chunks(pack_blocks(pool, group), chunk_bytes, block_bytes, layout, i * block_bytes)
 
 
 # ---- the pull (destination side) -----------------------------------------------------------------
@@ -177,8 +220,10 @@ class BlockPuller:
         n = len(op.dst_blocks)
         if n != len(op.src_blocks) or n == 0:
             raise FetchFailed(f"fetch {op.fetch_id}: {len(op.src_blocks)} source blocks for {n} destinations")
-        buf = bytearray(n * block_bytes)
+        total = n * block_bytes
         got = 0
+        done = 0                  # destination blocks written so far
+        carry = b""               # the start of a block split across chunks
         req = pb.FetchBlocksRequest(fetch_id=op.fetch_id, dst_pool_id=self.node_id, blocks=op.src_blocks,
                                     max_chunk_bytes=self.chunk_bytes)
         try:
@@ -188,18 +233,24 @@ class BlockPuller:
                     raise FetchFailed(f"fetch {op.fetch_id}: source layout {chunk.layout!r} x {chunk.block_bytes} "
                                       f"bytes, this pool {layout!r} x {block_bytes}")
                 size = len(chunk.data)
-                if chunk.offset != got or got + size > len(buf):
+                if chunk.offset != got or got + size > total:
                     raise FetchFailed(f"fetch {op.fetch_id}: chunk at {chunk.offset} (+{size}) after {got} bytes")
-                if zlib.crc32(chunk.data) != chunk.crc32:
+                if checksum(chunk.data) != chunk.checksum:
                     raise FetchFailed(f"fetch {op.fetch_id}: checksum mismatch in the chunk at {chunk.offset}")
-                buf[got:got + size] = chunk.data
                 got += size
+                # whole blocks are written as they arrive (the destination blocks are this
+                # sequence's alone: a pull that fails later is recomputed over all of them)
+                data = carry + chunk.data if carry else chunk.data
+                whole = len(data) // block_bytes
+                if whole:
+                    unpack_into(pool, list(op.dst_blocks[done:done + whole]), memoryview(data)[:whole * block_bytes])
+                    done += whole
+                carry = data[whole * block_bytes:]
         except grpc.RpcError as exc:
             raise FetchFailed(
                 f"fetch {op.fetch_id} from {op.src_pool_id!r}: {exc.code().name}: {exc.details()}") from None
-        if got != len(buf):
-            raise FetchFailed(f"fetch {op.fetch_id}: the stream ended after {got} of {len(buf)} bytes")
-        unpack_into(pool, list(op.dst_blocks), buf)
+        if got != total or done != n:
+            raise FetchFailed(f"fetch {op.fetch_id}: the stream ended after {got} of {total} bytes")
         return got
 
     def close(self) -> None:
@@ -227,5 +278,6 @@ def pull_all(puller: BlockPuller | None, pool: KvPool, ops: Sequence[Any],
     return stats
 
 
-__all__ = ["BlockPuller", "FetchFailed", "Grant", "GrantBook", "PullStats", "chunks", "layout_of", "pack_blocks",
+__all__ = ["BlockPuller", "FetchFailed", "Grant", "GrantBook", "PullStats", "block_chunks", "chunks", "layout_of",
+           "pack_blocks",
            "pull_all", "unpack_into"]

@@ -19,6 +19,8 @@ reported. The grant is used up by a complete transfer.
 from __future__ import annotations
 
 import asyncio
+import queue
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -26,11 +28,12 @@ import grpc
 
 from compute_node.service import access
 from compute_node.service.node import ComputeNode
-from compute_node.transfer import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, chunks, layout_of, pack_blocks
+from compute_node.transfer import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, block_chunks
 from pagedkv.auth import Authenticator, Refusal
 from pagedkv.v1 import compute_node_pb2 as pb
 
 METHOD = f"{access.PREFIX}FetchBlocks"
+AHEAD = 4   # chunks gathered ahead of the one being sent
 
 
 async def serve_blocks(
@@ -58,10 +61,10 @@ async def serve_blocks(
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                             f"fetch {request.fetch_id!r}: the requested blocks are not the granted ones")
     chunk_bytes = min(request.max_chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
-    data = await asyncio.to_thread(pack_blocks, pool, list(grant.blocks))   # type: ignore[union-attr]
-    geometry = pool.geometry   # type: ignore[union-attr]
     pause = node.config.fetch_test_pause_file
-    for i, chunk in enumerate(chunks(data, chunk_bytes, geometry.bytes_per_block, layout_of(geometry))):
+    num_bytes = 0
+    async for i, chunk in _produced(node, list(grant.blocks), chunk_bytes):
+        num_bytes += len(chunk.data)
         yield chunk
         if pause and i == 0:
             # TEST HOOK (config `fetch_test_pause_file`): hold the stream after the first chunk
@@ -70,7 +73,58 @@ async def serve_blocks(
     node.grants.take(request.fetch_id)
     node.metrics.served_blocks.inc(len(grant.blocks))
     node.log.info("prefix_blocks_served", fetch_id=request.fetch_id, dst=request.dst_pool_id,
-                  num_blocks=len(grant.blocks), num_bytes=len(data))
+                  num_blocks=len(grant.blocks), num_bytes=num_bytes)
+
+
+async def _produced(node: ComputeNode, blocks: list[int], chunk_bytes: int) -> AsyncIterator[tuple[int, pb.KvChunk]]:
+    """The stream's chunks, gathered and checksummed on a worker thread while the event loop
+    sends the ones before (a pipeline), at most `AHEAD` chunks
+    ahead; a consumer that stops early (a broken stream) stops the producer too."""
+    loop = asyncio.get_running_loop()
+    ready: queue.Queue[pb.KvChunk | BaseException | None] = queue.Queue(maxsize=AHEAD)
+    stop = threading.Event()
+    pool = node.pool
+
+    def put(item: pb.KvChunk | BaseException | None) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def take() -> pb.KvChunk | BaseException | None:
+        while not stop.is_set():   # never blocks for good: a cancelled consumer sets `stop`
+            try:
+                return ready.get(timeout=0.1)
+            except queue.Empty:
+                continue
+        return None
+
+    def produce() -> None:
+        try:
+            for chunk in block_chunks(pool, blocks, chunk_bytes):   # type: ignore[arg-type]
+                if not put(chunk):
+                    return
+            put(None)
+        except BaseException as exc:   # noqa: BLE001 - handed to the event loop, raised there
+            put(exc)
+
+    producer = loop.run_in_executor(None, produce)
+    try:
+        i = 0
+        while True:
+            item = await loop.run_in_executor(None, take)
+            if item is None:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            yield i, item
+            i += 1
+    finally:
+        stop.set()
+        await asyncio.shield(producer)
 
 
 __all__ = ["serve_blocks"]

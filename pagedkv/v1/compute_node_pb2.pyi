@@ -73,13 +73,13 @@ class KvChunk(_message.Message):
 
     OFFSET_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
-    CRC32_FIELD_NUMBER: _builtins.int
+    CHECKSUM_FIELD_NUMBER: _builtins.int
     BLOCK_BYTES_FIELD_NUMBER: _builtins.int
     LAYOUT_FIELD_NUMBER: _builtins.int
     offset: _builtins.int
     data: _builtins.bytes
-    crc32: _builtins.int
-    """zlib.crc32 of `data`"""
+    checksum: _builtins.int
+    """XXH3-64 of `data` (xxhash.xxh3_64_intdigest)"""
     block_bytes: _builtins.int
     """first chunk: bytes per block"""
     layout: _builtins.str
@@ -89,13 +89,13 @@ class KvChunk(_message.Message):
         *,
         offset: _builtins.int = ...,
         data: _builtins.bytes = ...,
-        crc32: _builtins.int = ...,
+        checksum: _builtins.int = ...,
         block_bytes: _builtins.int = ...,
         layout: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "crc32", b"crc32", "data", b"data", "layout", b"layout", "offset", b"offset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "checksum", b"checksum", "data", b"data", "layout", b"layout", "offset", b"offset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
