@@ -24,9 +24,10 @@ from compute_node.service.server import edge_guard
 from compute_node.service.servicer import ComputeNodeServicer
 from compute_node.transfer import BlockPuller, FetchFailed, GrantBook, checksum, chunks, layout_of, pack_blocks
 from pagedkv.auth import Authenticator
-from pagedkv.lifecycle import new_server
+from pagedkv.lifecycle import bind, new_server
 from pagedkv.v1 import compute_node_pb2 as pb
 from pagedkv.v1 import compute_node_pb2_grpc as pb_grpc
+from tests.fixtures.certs import DevCerts
 
 GEOM = PoolGeometry(num_layers=3, num_kv_heads=2, head_dim=16, dtype="float16", block_size=4, num_blocks=32)
 TOKENS = {"node:a": "a" * 32, "node:b": "b" * 32, "scheduler": "s" * 32}
@@ -59,8 +60,8 @@ def _random_pool(seed: int) -> KvPool:
 class _Source:
     """A compute node (no model, no block manager) serving FetchBlocks on a background loop."""
 
-    def __init__(self, *, auth: bool = False, **cfg: Any) -> None:
-        config = ComputeNodeConfig(node_id="a", block_manager_address="127.0.0.1:1",
+    def __init__(self, *, auth: bool = False, node_id: str = "a", **cfg: Any) -> None:
+        config = ComputeNodeConfig(node_id=node_id, block_manager_address="127.0.0.1:1",
                                    auth={"tokens": TOKENS} if auth else {}, **cfg)
         self.node = ComputeNode(config)
         self.node.pool = _random_pool(1)
@@ -74,7 +75,7 @@ class _Source:
         self.server = new_server([edge_guard(config)])
         pb_grpc.add_ComputeNodeServicer_to_server(
             ComputeNodeServicer(self.node, Authenticator(config.auth) if config.auth_enabled else None), self.server)
-        port = self.server.add_insecure_port("127.0.0.1:0")
+        port = bind(self.server, "127.0.0.1:0", config.tls)
         await self.server.start()
         return port
 
@@ -168,6 +169,35 @@ def test_only_the_granted_node_may_pull_under_auth() -> None:
         with pytest.raises(FetchFailed, match="UNAUTHENTICATED"):     # no credentials
             pullers[None].pull(dst, _Fetch("g", "a", s.address, (1, 2), (3, 4)))
         pullers["node:b"].pull(dst, _Fetch("g", "a", s.address, (1, 2), (3, 4)))
+        assert _same(s.node.pool, (1, 2), dst, (3, 4))
+    finally:
+        for p in pullers.values():
+            p.close()
+        s.stop()
+
+
+def test_under_mutual_tls_the_pulling_node_is_its_certificate(dev_certs: DevCerts, foreign_certs: DevCerts) -> None:
+    """Node to node over mTLS, the identities of the certificates (node:<id> from the URI SAN):
+    only node-0's own certificate pulls a grant for node-0; another node's certificate, a
+    scheduler's, or a certificate of another CA are refused."""
+    s = _Source(node_id="node-a", tls=dev_certs.server("compute-node-a"), fetch_grant_wait_s=0.3)
+    dst = KvPool(GEOM, torch.device("cpu"))
+    s.node.grants.add([_Serve("t", "node-0", (1, 2)), _Serve("u", "node-1", (1, 2))])
+    pullers = {
+        "node-0": BlockPuller("node-0", tls=dev_certs.client("compute-node-0"), token=None, timeout_s=30),
+        "node-0 as node-1": BlockPuller("node-1", tls=dev_certs.client("compute-node-0"), token=None, timeout_s=30),
+        "scheduler": BlockPuller("node-0", tls=dev_certs.client("scheduler"), token=None, timeout_s=30),
+        "foreign": BlockPuller("node-0", tls=foreign_certs.client("compute-node-0"), token=None, timeout_s=30),
+    }
+    try:
+        with pytest.raises(FetchFailed, match="PERMISSION_DENIED"):   # node-0 asking for node-1's grant
+            pullers["node-0 as node-1"].pull(dst, _Fetch("u", "node-a", s.address, (1, 2), (3, 4)))
+        with pytest.raises(FetchFailed, match="PERMISSION_DENIED"):
+            pullers["scheduler"].pull(dst, _Fetch("t", "node-a", s.address, (1, 2), (3, 4)))
+        with pytest.raises(FetchFailed, match="UNAVAILABLE"):         # the handshake fails
+            pullers["foreign"].pull(dst, _Fetch("t", "node-a", s.address, (1, 2), (3, 4)))
+        assert torch.count_nonzero(dst.key_caches[0]) == 0
+        pullers["node-0"].pull(dst, _Fetch("t", "node-a", s.address, (1, 2), (3, 4)))
         assert _same(s.node.pool, (1, 2), dst, (3, 4))
     finally:
         for p in pullers.values():
