@@ -446,21 +446,34 @@ class ServiceState:
             if a.token_ids:
                 # the fetch cost model (block_manager/core/fetch.py): tokens to recompute plus
                 # fetched tokens / FETCH_SPEEDUP, then the load this step already put on the pool
-                ranked = [(e.pool_id, e.num_cached_tokens + e.num_fetchable_tokens, e.num_free_blocks,
+                ranked = [(e.pool_id, e.num_cached_tokens, e.num_fetchable_tokens, e.num_free_blocks,
                            fetch_score(length, e.num_cached_tokens, e.num_fetchable_tokens), e.fetch_pool_id)
                           for e in core.route(a.token_ids, a.salt, fetch_sources=sources) if e.pool_id in usable]
             else:
-                ranked = [(pid, 0, core.free_blocks(pid)[1], float(length), None) for pid in usable]
+                ranked = [(pid, 0, 0, core.free_blocks(pid)[1], float(length), None) for pid in usable]
             if not ranked:
                 refused.add(i)
                 continue
-            pool, cached, _, _, source = min(ranked, key=lambda r: (r[3], taken.get(r[0], 0) - r[2], r[0]))
-            a.fetch_sources = [source] if source is not None else []
+
+            def fits(r: tuple, length: int = length) -> bool:
+                """Room for the blocks beyond its local prefix (its local hits may be cached
+                blocks counted as free: not counted as room)."""
+                bs = self.registry.get(r[0]).block_size
+                local = r[1] // bs
+                return -(-length // bs) - local <= r[3] - local - taken.get(r[0], 0)
+
+            # a pool with room first (a busy pool holding the prefix lends it to one that has
+            # room, instead of the request queueing for it), then the cost, load and id
+            pool, local, fetchable, _, _, source = min(
+                ranked, key=lambda r: (not fits(r), r[4], taken.get(r[0], 0) - r[3], r[0]))
+            a.fetch_sources = [source] if source is not None and fetchable else []
+            cached = local + fetchable
             if step.placement.admit_budget:
                 a.num_compute = min(budget, a.num_compute or budget)
                 budget -= max(1, min(a.num_compute, length - cached))
             a.pool_id = pool
-            taken[pool] = taken.get(pool, 0) + -(-(length - cached) // self.registry.get(pool).block_size)
+            # fetched blocks are fresh blocks of the destination: only local ones are not taken
+            taken[pool] = taken.get(pool, 0) + -(-(length - local) // self.registry.get(pool).block_size)
         return refused
 
     def _allocate(
