@@ -6,9 +6,10 @@ draining or otherwise unchosen node) gets, besides its local hits, *fetched* blo
 blocks of D whose content is copied from S's blocks node to node. Three records, all ops of
 open steps (the one-sequencer rule, like tier moves and defrag moves):
 
-- a `Loan` on S: S's source blocks are pinned (one reference each) until D's step carrying
-  the fetch is reported, done or failed — nothing of S can evict, reuse or move them meanwhile
-  (a pool with loans takes no defrag plan);
+- a `Loan` on S: S's source blocks — device blocks, then host-tier blocks continuing them —
+  are pinned (one reference each) until D's step carrying the fetch is reported, done or
+  failed: nothing of S can evict, reuse or move them meanwhile (a pool with loans takes no
+  defrag plan; a pinned host block is not evictable);
 - a `ServeGrant` in S's open step: the scheduler hands it to S's node in S's step, which then
   serves exactly those blocks to D's node for that fetch id (and nothing else);
 - a `FetchOp` in D's open step: D's node pulls the blocks inside its step, before its Forward
@@ -28,7 +29,7 @@ The cost model that decides whether to fetch at all and which pool to place on i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from block_manager.core.types import BlockId, PoolId, SeqId
@@ -58,6 +59,7 @@ class FetchOp:
     seq_id: SeqId
     first_token: int
     token_ids: tuple[int, ...]
+    src_host: tuple[bool, ...] = ()   # per source block: in the source's host tier (empty: none)
 
 
 @dataclass(slots=True, frozen=True)
@@ -67,16 +69,19 @@ class ServeGrant:
     fetch_id: str
     dst_pool: PoolId
     blocks: tuple[BlockId, ...]
+    host: tuple[bool, ...] = ()   # per block: a host-tier block (empty: none)
 
 
 @dataclass(slots=True)
 class Loan:
-    """Blocks of a source pool pinned for a fetch until `dst_pool` reports `dst_step`."""
+    """Blocks of a source pool pinned for a fetch until `dst_pool` reports `dst_step`:
+    device blocks, and host-tier blocks (their own id space)."""
 
     fetch_id: str
     dst_pool: PoolId
     dst_step: int
     blocks: list[int]
+    host_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True, frozen=True)
@@ -85,6 +90,7 @@ class FetchPlan:
 
     src: Pool
     src_blocks: list[int]
+    src_host: list[bool]
 
 
 def fetch_id(dst_pool: str, step_id: int, seq_id: str) -> str:
@@ -104,20 +110,27 @@ def can_lend(pool: Pool, max_unsettled_steps: int) -> bool:
     return pool.plan is None and not pool.step.reset and len(pool.unsettled) < max_unsettled_steps
 
 
-def plan(src: Pool, src_hits: list[int], num_local: int) -> FetchPlan | None:
-    """The source blocks continuing a destination's `num_local` local blocks (None: too few)."""
-    extra = src_hits[num_local:]
-    if len(extra) < MIN_FETCH_BLOCKS:
+def plan(src: Pool, src_hits: list[int], host_hits: list[int], num_local: int) -> FetchPlan | None:
+    """The source blocks (device hits, then host hits continuing them) beyond a destination's
+    `num_local` local blocks (None: too few)."""
+    blocks = [*src_hits, *host_hits][num_local:]
+    if len(blocks) < MIN_FETCH_BLOCKS:
         return None
-    return FetchPlan(src, extra)
+    host = [i >= len(src_hits) for i in range(num_local, len(src_hits) + len(host_hits))]
+    return FetchPlan(src, blocks, host)
 
 
-def lend(src: Pool, dst_pool: PoolId, dst_step: int, fid: str, blocks: list[int]) -> None:
+def lend(src: Pool, dst_pool: PoolId, dst_step: int, fid: str, blocks: list[int], host: list[bool]) -> None:
     """Pin `blocks` of `src` for the fetch and queue the grant in `src`'s open step."""
-    for b in blocks:
+    device_blocks = [b for b, h in zip(blocks, host) if not h]
+    host_blocks = [b for b, h in zip(blocks, host) if h]
+    for b in device_blocks:
         src.share_block(b)
-    src.lent[fid] = Loan(fid, dst_pool, dst_step, list(blocks))
-    src.step.serves.append(ServeGrant(fid, dst_pool, tuple(BlockId(b) for b in blocks)))
+    for b in host_blocks:
+        src.host.share(b)
+    src.lent[fid] = Loan(fid, dst_pool, dst_step, device_blocks, host_blocks)
+    src.step.serves.append(ServeGrant(fid, dst_pool, tuple(BlockId(b) for b in blocks),
+                                      tuple(host) if any(host) else ()))
 
 
 def queue_fetch(dst: Pool, op: FetchOp) -> None:
@@ -133,8 +146,11 @@ def repay(pools: dict[PoolId, Pool], dst_pool: PoolId, up_to_step: int) -> int:
         if not src.lent:
             continue
         for fid in [f for f, loan in src.lent.items() if loan.dst_pool == dst_pool and loan.dst_step <= up_to_step]:
-            for b in reversed(src.lent.pop(fid).blocks):
+            loan = src.lent.pop(fid)
+            for b in reversed(loan.blocks):
                 src.release_block(b)
+            for b in reversed(loan.host_blocks):
+                src.host.release(b)
             n += 1
     return n
 
@@ -144,6 +160,15 @@ def loan_holders(pool: Pool) -> dict[int, int]:
     out: dict[int, int] = {}
     for loan in pool.lent.values():
         for b in loan.blocks:
+            out[b] = out.get(b, 0) + 1
+    return out
+
+
+def host_loan_holders(pool: Pool) -> dict[int, int]:
+    """References each host-tier block of `pool` has from loans (fsck_host counts them)."""
+    out: dict[int, int] = {}
+    for loan in pool.lent.values():
+        for b in loan.host_blocks:
             out[b] = out.get(b, 0) + 1
     return out
 
@@ -162,6 +187,9 @@ def fsck_loans(pools: dict[PoolId, Pool]) -> list[str]:
                          f"(settled up to {dst.settled_step})")
             if any(not 0 <= b < src.num_blocks for b in loan.blocks):
                 p.append(f"pool {src.pool_id!r}: loan {fid} names a block outside the pool")
+            if loan.host_blocks and (src.host is None or any(not 0 <= b < src.host.num_blocks
+                                                             for b in loan.host_blocks)):
+                p.append(f"pool {src.pool_id!r}: loan {fid} names a host block outside its host tier")
     for dst in pools.values():
         for op in dst.step.fetches:
             src = pools.get(op.src_pool)
@@ -172,31 +200,35 @@ def fsck_loans(pools: dict[PoolId, Pool]) -> list[str]:
 
 # ---- snapshot ---------------------------------------------------------------------------------
 def loans_to_list(pool: Pool) -> list[list[Any]]:
-    return [[loan.fetch_id, loan.dst_pool, loan.dst_step, list(loan.blocks)] for loan in pool.lent.values()]
+    return [[loan.fetch_id, loan.dst_pool, loan.dst_step, list(loan.blocks), list(loan.host_blocks)]
+            for loan in pool.lent.values()]
 
 
 def loans_from_list(data: list[list[Any]]) -> dict[str, Loan]:
-    return {str(f): Loan(str(f), PoolId(str(d)), int(s), [int(b) for b in blocks]) for f, d, s, blocks in data}
+    return {str(d[0]): Loan(str(d[0]), PoolId(str(d[1])), int(d[2]), [int(b) for b in d[3]],
+                            [int(b) for b in d[4]] if len(d) > 4 else []) for d in data}
 
 
 def fetch_to_list(op: FetchOp) -> list[Any]:
     return [op.fetch_id, op.src_pool, list(op.src_blocks), list(op.dst_blocks), op.seq_id, op.first_token,
-            list(op.token_ids)]
+            list(op.token_ids), list(op.src_host)]
 
 
 def fetch_from_list(d: list[Any]) -> FetchOp:
-    fid, src, sb, db, sid, first, tokens = d
+    fid, src, sb, db, sid, first, tokens = d[:7]
     return FetchOp(str(fid), PoolId(str(src)), tuple(BlockId(int(b)) for b in sb), tuple(BlockId(int(b)) for b in db),
-                   SeqId(str(sid)), int(first), tuple(int(t) for t in tokens))
+                   SeqId(str(sid)), int(first), tuple(int(t) for t in tokens),
+                   tuple(bool(h) for h in d[7]) if len(d) > 7 else ())
 
 
 def grant_to_list(g: ServeGrant) -> list[Any]:
-    return [g.fetch_id, g.dst_pool, list(g.blocks)]
+    return [g.fetch_id, g.dst_pool, list(g.blocks), list(g.host)]
 
 
 def grant_from_list(d: list[Any]) -> ServeGrant:
-    fid, dst, blocks = d
-    return ServeGrant(str(fid), PoolId(str(dst)), tuple(BlockId(int(b)) for b in blocks))
+    fid, dst, blocks = d[:3]
+    return ServeGrant(str(fid), PoolId(str(dst)), tuple(BlockId(int(b)) for b in blocks),
+                      tuple(bool(h) for h in d[3]) if len(d) > 3 else ())
 
 
 __all__ = ["FETCH_SPEEDUP", "MIN_FETCH_BLOCKS", "FetchOp", "FetchPlan", "Loan", "ServeGrant", "fetch_id", "score"]

@@ -267,11 +267,12 @@ class BlockManager:
         if fetch is not None:
             first = len(hits) + len(onboard)
             fid = _fetch.fetch_id(pool_id, step.step_id, seq_id)
-            _fetch.lend(fetch.src, pool.pool_id, step.step_id, fid, fetch.src_blocks)
+            _fetch.lend(fetch.src, pool.pool_id, step.step_id, fid, fetch.src_blocks, fetch.src_host)
             _fetch.queue_fetch(pool, _fetch.FetchOp(
                 fid, fetch.src.pool_id, tuple(BlockId(b) for b in fetch.src_blocks),
                 tuple(BlockId(b) for b in table[first:first + num_fetch]), SeqId(seq_id), first * bs,
                 tuple(tokens[first * bs:(first + num_fetch) * bs].tolist()),   # type: ignore[index]
+                tuple(fetch.src_host) if any(fetch.src_host) else (),
             ))
         # the pool's own id object: the batched append tells pools apart by identity
         seq = Sequence(seq_id, pool.pool_id, table, total, pool.new_version(), salt, hashing, cols=pool.cols)
@@ -326,17 +327,21 @@ class BlockManager:
         sources: Seq[PoolId],
     ) -> _fetch.FetchPlan | None:
         """The source pool among `sources` with the longest written prefix beyond `num_local`
-        blocks (ties: pool id), and the blocks to fetch from it; None: nothing worth fetching."""
-        best: tuple[Pool, list[int]] | None = None
+        blocks — its device hits, then host-tier hits continuing them — (ties: pool id), and the
+        blocks to fetch from it; None: nothing worth fetching."""
+        best: tuple[Pool, list[int], list[int]] | None = None
         for sid in sorted(set(sources)):
             src = self._pools.get(sid)
             if (src is None or src is pool or src.block_size != pool.block_size
                     or not _fetch.can_lend(src, self.max_unsettled_steps)):
                 continue
             src_hits = self._prefix_hits(src, tokens, hashes, salt)
-            if best is None or len(src_hits) > len(best[1]):
-                best = (src, src_hits)
-        return None if best is None else _fetch.plan(best[0], best[1], num_local)
+            host_hits = (_tiers.host_hits(src, tokens, hashes, salt, len(src_hits),
+                                          hashes[len(src_hits) - 1] if src_hits else None)
+                         if src.host is not None else [])
+            if best is None or len(src_hits) + len(host_hits) > len(best[1]) + len(best[2]):
+                best = (src, src_hits, host_hits)
+        return None if best is None else _fetch.plan(best[0], best[1], best[2], num_local)
 
     def can_append(self, seq_id: SeqId, num_new_tokens: int) -> bool:
         """Whether `append_slots` would succeed for this sequence alone (appends may use
@@ -859,7 +864,8 @@ class BlockManager:
         if not tokens:
             raise InvalidRequest("empty prompt")
         hashes_by_size: dict[int, list[bytes]] = {}
-        hits: dict[PoolId, int] = {}
+        hits: dict[PoolId, int] = {}        # device hits (a pool's local prefix)
+        lendable: dict[PoolId, int] = {}    # a source's device hits + host hits continuing them
         sources = set(self._pools) if fetch_sources is None else set(fetch_sources) & set(self._pools)
         if self.enable_prefix_caching:
             for pool in self._pools.values():
@@ -869,7 +875,11 @@ class BlockManager:
                 if hashes is None:
                     hashes = hash_prefix(tokens, pool.block_size, salt)
                     hashes_by_size[pool.block_size] = hashes
-                hits[pool.pool_id] = len(self._prefix_hits(pool, tokens, hashes, salt))
+                device = self._prefix_hits(pool, tokens, hashes, salt)
+                hits[pool.pool_id] = n = len(device)
+                if pool.pool_id in sources and pool.host is not None:
+                    n += len(_tiers.host_hits(pool, tokens, hashes, salt, n, hashes[n - 1] if n else None))
+                lendable[pool.pool_id] = n
         entries: list[RouteEntry] = []
         for pool in self._pools.values():
             if pool.draining:
@@ -879,12 +889,12 @@ class BlockManager:
             for sid in sorted(sources):
                 src = self._pools[sid]
                 if (sid != pool.pool_id and src.block_size == pool.block_size
-                        and hits.get(sid, 0) - local >= _fetch.MIN_FETCH_BLOCKS
+                        and lendable.get(sid, 0) - local >= _fetch.MIN_FETCH_BLOCKS
                         and _fetch.can_lend(src, self.max_unsettled_steps)
-                        and (best is None or hits[sid] > hits[best])):
+                        and (best is None or lendable[sid] > lendable[best])):
                     best = sid
             bs = pool.block_size
-            fetchable = 0 if best is None else (hits[best] - local) * bs
+            fetchable = 0 if best is None else (lendable[best] - local) * bs
             entries.append(RouteEntry(pool.pool_id, local * bs, pool.num_available, fetchable,
                                       len(tokens) - local * bs - fetchable, best))
         entries.sort(key=lambda e: (_fetch.score(len(tokens), e.num_cached_tokens, e.num_fetchable_tokens),

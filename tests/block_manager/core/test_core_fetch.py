@@ -162,3 +162,47 @@ def test_route_splits_local_fetchable_and_missing_per_candidate() -> None:
     # the cost model: the longest local prefix beats fetching it; fetching beats recomputing
     assert score(100, 64, 0) < score(100, 0, 64) < score(100, 0, 0)
     assert score(100, 0, 64) == 36 + 64 / FETCH_SPEEDUP
+
+
+def test_a_prefix_partly_in_the_sources_host_tier_is_fetched_from_both_tiers() -> None:
+    """The source's device hits and the host-tier hits continuing them are lent together (the
+    grant and the fetch op say which blocks are host blocks); host blocks are pinned (not
+    evictable) until the destination reports, then back in the source's host LRU."""
+    m = BlockManager(watermark=0.0)
+    m.add_pool("a", 6, BS, host_num_blocks=8)
+    m.add_pool("b", 16, BS)
+    m.allocate("s0", "a", PROMPT)
+    _run(m, "a")
+    m.free(["s0"])
+    m.evict("a", 4)                                   # every cached block of a's prefix to host
+    _run(m, "a")                                      # the offloads are reported: host blocks written
+    assert m.host_metrics("a").num_cached_blocks == 4
+    r = m.allocate("s1", "b", PROMPT, fetch_sources=["a"])
+    assert r.num_cached_tokens == 4 * BS
+    (op,) = m.close_step("b").fetches
+    (grant,) = m.close_step("a").serves
+    assert op.src_host == (True,) * 4 and grant.host == (True,) * 4 and grant.blocks == op.src_blocks
+    host = m._pools["a"].host
+    assert all(host.ref_cnt[h] == 1 for h in op.src_blocks) and m.host_metrics("a").num_cached_blocks == 0
+    assert m.fsck() == []
+    snap = m.to_snapshot()
+    assert BlockManager.from_snapshot(snap).to_snapshot() == snap
+    m.settle_steps("a", m.open_step_id("a") - 1)
+    m.settle_steps("b", m.open_step_id("b") - 1)
+    assert all(host.ref_cnt[h] == 0 for h in op.src_blocks) and m.host_metrics("a").num_cached_blocks == 4
+    assert m.fsck() == []
+    e = next(e for e in m.route(PROMPT) if e.pool_id == "b")
+    assert e.num_cached_tokens == 4 * BS               # committed on b now
+
+
+def test_route_counts_the_sources_host_tier_as_fetchable() -> None:
+    m = BlockManager(watermark=0.0)
+    m.add_pool("a", 6, BS, host_num_blocks=8)
+    m.add_pool("b", 16, BS)
+    m.allocate("s0", "a", PROMPT)
+    _run(m, "a")
+    m.free(["s0"])
+    m.evict("a", 4)
+    _run(m, "a")
+    e = next(e for e in m.route(PROMPT) if e.pool_id == "b")
+    assert (e.num_fetchable_tokens, e.fetch_pool_id) == (4 * BS, "a")
