@@ -126,7 +126,7 @@ def stage(cache: TableCache, steps: Sequence[Any], node_id: str, epoch: int, num
             _stage_tier_moves(staged, m, i, num_blocks, host_num_blocks)
         _stage_copies(staged, m, i)
         if m.fetches or m.serves:
-            _stage_fetches(staged, m, i, num_blocks)
+            _stage_fetches(staged, m, i, num_blocks, host_num_blocks)
         for sid in m.dropped_seq_ids:
             staged.changed[SeqId(sid)] = None
         _stage_deltas(staged, cache, m, i)
@@ -134,18 +134,22 @@ def stage(cache: TableCache, steps: Sequence[Any], node_id: str, epoch: int, num
     return staged
 
 
-def _stage_fetches(staged: StagedSteps, m: Any, i: int, num_blocks: int) -> None:
-    """A step's prefix fetch ops and serve grants, their block ids checked against the pool."""
+def _stage_fetches(staged: StagedSteps, m: Any, i: int, num_blocks: int, host_num_blocks: int) -> None:
+    """A step's prefix fetch ops and serve grants, their block ids checked against the tier
+    each names (a grant's host blocks against this node's host tier)."""
     for f in m.fetches:
-        if not f.fetch_id or len(f.src_blocks) != len(f.dst_blocks) or not f.dst_blocks:
+        if (not f.fetch_id or len(f.src_blocks) != len(f.dst_blocks) or not f.dst_blocks
+                or len(f.src_host) not in (0, len(f.src_blocks))):
             raise InvalidForward(f"steps[{i}]: fetch {f.fetch_id!r} needs as many source as destination blocks")
         if max(f.dst_blocks) >= num_blocks:
             raise InvalidForward(f"steps[{i}]: fetch {f.fetch_id!r} names block {max(f.dst_blocks)}; "
                                  f"the pool has {num_blocks} blocks")
         staged.fetches.append(f)
     for g in m.serves:
-        if not g.fetch_id or not g.blocks or max(g.blocks) >= num_blocks:
-            raise InvalidForward(f"steps[{i}]: serve grant {g.fetch_id!r} names no block or one outside the pool")
+        host = list(g.host) or [False] * len(g.blocks)
+        if (not g.fetch_id or not g.blocks or len(host) != len(g.blocks)
+                or any(b >= (host_num_blocks if h else num_blocks) for b, h in zip(g.blocks, host))):
+            raise InvalidForward(f"steps[{i}]: serve grant {g.fetch_id!r} names no block or one outside its tier")
         staged.serves.append(g)
 
 

@@ -29,18 +29,25 @@ import numpy as np
 import torch
 import xxhash
 
+from compute_node.host_pool import HostKvPool
 from compute_node.pool import TORCH_DTYPES, KvPool, PoolGeometry
 from pagedkv.auth import token_metadata
 from pagedkv.tls import TlsSettings, open_channel
 from pagedkv.v1 import compute_node_pb2 as pb
 from pagedkv.v1 import compute_node_pb2_grpc as pb_grpc
 
+_CPU = torch.device("cpu")
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 4 << 20
 
 
 class FetchFailed(Exception):
     """A pull that did not deliver every block intact; the caller recomputes instead."""
+
+
+def host_flags(host: Sequence[bool], n: int) -> tuple[bool, ...]:
+    """Per-block host flags, an empty list meaning "all device blocks"."""
+    return tuple(bool(h) for h in host) if len(host) else (False,) * n
 
 
 def checksum(data: bytes) -> int:
@@ -59,6 +66,7 @@ class Grant:
     fetch_id: str
     dst_pool: str
     blocks: tuple[int, ...]
+    host: tuple[bool, ...]   # per block: a host-tier block
     expires_at: float   # GrantBook.clock() time
 
 
@@ -79,7 +87,8 @@ class GrantBook:
             for fid in [f for f, g in self._grants.items() if g.expires_at <= now]:
                 del self._grants[fid]
             for s in serves:
-                self._grants[s.fetch_id] = Grant(s.fetch_id, s.dst_pool_id, tuple(s.blocks), now + self.ttl_s)
+                self._grants[s.fetch_id] = Grant(s.fetch_id, s.dst_pool_id, tuple(s.blocks),
+                                                 host_flags(s.host, len(s.blocks)), now + self.ttl_s)
             self._cond.notify_all()
 
     def wait_for(self, fetch_id: str, timeout_s: float) -> Grant | None:
@@ -116,13 +125,14 @@ def _byte_views(caches: Sequence[torch.Tensor]) -> list[np.ndarray]:
     return [t.view(torch.uint8).numpy().reshape(t.shape[0], -1) for t in caches]
 
 
-def pack_blocks(pool: KvPool, blocks: Sequence[int], buf: np.ndarray | None = None) -> memoryview:
+def pack_blocks(pool: Any, blocks: Sequence[int], buf: np.ndarray | None = None) -> memoryview:
     """The blocks' K/V as one contiguous host buffer, in wire layout. On the CPU through numpy:
     a single-threaded gather (torch's intra-op threads only contend on a busy host; measured
     5 ms vs 115 ms for 6 MB at load 9 on 2 cores), into `buf` (uint8, at least as large) when
-    given: a stream reuses one buffer for all its chunks."""
+    given: a stream reuses one buffer for all its chunks. `pool`: the device `KvPool` or the
+    `HostKvPool` (CPU tensors, same layout)."""
     n, num_layers = len(blocks), len(pool.key_caches)
-    if pool.device.type == "cpu":
+    if getattr(pool, "device", _CPU).type == "cpu" or isinstance(pool, HostKvPool):
         idx = np.asarray(blocks, dtype=np.int64)
         keys, values = _byte_views(pool.key_caches), _byte_views(pool.value_caches)
         shape = (n, num_layers, 2, keys[0].shape[1])
@@ -168,17 +178,27 @@ def chunks(data: memoryview, chunk_bytes: int, block_bytes: int, layout: str, of
                          block_bytes=block_bytes if first else 0, layout=layout if first else "")
 
 
-def block_chunks(pool: KvPool, blocks: Sequence[int], chunk_bytes: int) -> Iterator[pb.KvChunk]:
-    """The whole stream for `blocks`, gathered a chunk's worth of whole blocks at a time (so the
-    first chunk leaves before the last block is gathered, and no full-size copy is held)."""
+def block_chunks(pool: KvPool, blocks: Sequence[int], chunk_bytes: int, host_pool: Any = None,
+                 host: Sequence[bool] = ()) -> Iterator[pb.KvChunk]:
+    """The whole stream for `blocks` (those flagged in `host` from `host_pool`), gathered a
+    chunk's worth of whole blocks of one tier at a time (so the first chunk leaves before the
+    last block is gathered, and no full-size copy is held)."""
     g = pool.geometry
     block_bytes = g.bytes_per_block
     per_chunk = max(1, chunk_bytes // block_bytes)
     layout = layout_of(g)
+    flags = host_flags(host, len(blocks))
+    if any(flags) and host_pool is None:
+        raise FetchFailed("host-tier blocks granted on a node without a host tier")
     buf = np.empty(min(per_chunk, len(blocks)) * block_bytes, dtype=np.uint8)
-    for i in range(0, len(blocks), per_chunk):
-        group = blocks[i:i + per_chunk]
-        yield from chunks(pack_blocks(pool, group, buf), chunk_bytes, block_bytes, layout, i * block_bytes)
+    i = 0
+    while i < len(blocks):
+        j = i + 1
+        while j < len(blocks) and j - i < per_chunk and flags[j] == flags[i]:
+            j += 1
+        src = host_pool if flags[i] else pool
+        yield from chunks(pack_blocks(src, blocks[i:j], buf), chunk_bytes, block_bytes, layout, i * block_bytes)
+        i = j
 
 
 # ---- the pull (destination side) -----------------------------------------------------------------
@@ -229,7 +249,7 @@ class BlockPuller:
         done = 0                  # destination blocks written so far
         carry = b""               # the start of a block split across chunks
         req = pb.FetchBlocksRequest(fetch_id=op.fetch_id, dst_pool_id=self.node_id, blocks=op.src_blocks,
-                                    max_chunk_bytes=self.chunk_bytes)
+                                    max_chunk_bytes=self.chunk_bytes, host=getattr(op, "src_host", ()))
         try:
             stream = self._stub(op.src_address).FetchBlocks(req, timeout=self.timeout_s, metadata=self.metadata)
             for chunk in stream:

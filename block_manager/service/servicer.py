@@ -105,11 +105,11 @@ def fill_pool_step(msg: common_pb2.PoolStep, d: dict[str, Any]) -> None:
     msg.plan_id = d["plan_id"]
     msg.reset = d["reset"]
     msg.base_step_id = d["base_step_id"]
-    for fid, src, address, src_blocks, dst_blocks, seq_id, first, tokens in d.get("fetches", ()):
+    for fid, src, address, src_blocks, dst_blocks, seq_id, first, tokens, src_host in d.get("fetches", ()):
         msg.fetches.add(fetch_id=fid, src_pool_id=src, src_address=address, src_blocks=src_blocks,
-                        dst_blocks=dst_blocks, seq_id=seq_id, first_token=first, token_ids=tokens)
-    for fid, dst, blocks in d.get("serves", ()):
-        msg.serves.add(fetch_id=fid, dst_pool_id=dst, blocks=blocks)
+                        dst_blocks=dst_blocks, seq_id=seq_id, first_token=first, token_ids=tokens, src_host=src_host)
+    for fid, dst, blocks, host in d.get("serves", ()):
+        msg.serves.add(fetch_id=fid, dst_pool_id=dst, blocks=blocks, host=host)
     if "tier_kind" in d:   # host tier moves (absent in steps without any)
         msg.tier_kind.extend(d["tier_kind"])
         msg.tier_src.extend(d["tier_src"])

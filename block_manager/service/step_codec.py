@@ -256,9 +256,10 @@ def pool_step_dict(out: StepOutput, epoch: int, address_of: Callable[[str], str]
             "tier_src": [op.src for op in out.tier_ops],
             "tier_dst": [op.dst for op in out.tier_ops]} if out.tier_ops else {}),
         **({"fetches": [[op.fetch_id, op.src_pool, address_of(op.src_pool) if address_of else "",
-                         list(op.src_blocks), list(op.dst_blocks), op.seq_id, op.first_token, list(op.token_ids)]
-                        for op in out.fetches]} if out.fetches else {}),
-        **({"serves": [[g.fetch_id, g.dst_pool, list(g.blocks)] for g in out.serves]} if out.serves else {}),
+                         list(op.src_blocks), list(op.dst_blocks), op.seq_id, op.first_token, list(op.token_ids),
+                         list(op.src_host)] for op in out.fetches]} if out.fetches else {}),
+        **({"serves": [[g.fetch_id, g.dst_pool, list(g.blocks), list(g.host)] for g in out.serves]}
+           if out.serves else {}),
     }
 
 

@@ -28,7 +28,7 @@ import grpc
 
 from compute_node.service import access
 from compute_node.service.node import ComputeNode
-from compute_node.transfer import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, block_chunks
+from compute_node.transfer import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, block_chunks, host_flags
 from pagedkv.auth import Authenticator, Refusal
 from pagedkv.v1 import compute_node_pb2 as pb
 
@@ -57,13 +57,13 @@ async def serve_blocks(
     if grant.dst_pool != request.dst_pool_id:
         await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                             f"fetch {request.fetch_id!r} is granted to {grant.dst_pool!r}, not {request.dst_pool_id!r}")
-    if tuple(request.blocks) != grant.blocks:
+    if tuple(request.blocks) != grant.blocks or host_flags(request.host, len(request.blocks)) != grant.host:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                             f"fetch {request.fetch_id!r}: the requested blocks are not the granted ones")
     chunk_bytes = min(request.max_chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
     pause = node.config.fetch_test_pause_file
     num_bytes = 0
-    async for i, chunk in _produced(node, list(grant.blocks), chunk_bytes):
+    async for i, chunk in _produced(node, list(grant.blocks), list(grant.host), chunk_bytes):
         num_bytes += len(chunk.data)
         yield chunk
         if pause and i == 0:
@@ -76,7 +76,9 @@ async def serve_blocks(
                   num_blocks=len(grant.blocks), num_bytes=num_bytes)
 
 
-async def _produced(node: ComputeNode, blocks: list[int], chunk_bytes: int) -> AsyncIterator[tuple[int, pb.KvChunk]]:
+async def _produced(
+    node: ComputeNode, blocks: list[int], host: list[bool], chunk_bytes: int,
+) -> AsyncIterator[tuple[int, pb.KvChunk]]:
     """The stream's chunks, gathered and checksummed on a worker thread while the event loop
     sends the ones before (a pipeline), at most `AHEAD` chunks
     ahead; a consumer that stops early (a broken stream) stops the producer too."""
@@ -104,7 +106,7 @@ async def _produced(node: ComputeNode, blocks: list[int], chunk_bytes: int) -> A
 
     def produce() -> None:
         try:
-            for chunk in block_chunks(pool, blocks, chunk_bytes):   # type: ignore[arg-type]
+            for chunk in block_chunks(pool, blocks, chunk_bytes, node.host_pool, host):   # type: ignore[arg-type]
                 if not put(chunk):
                     return
             put(None)

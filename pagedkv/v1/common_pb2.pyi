@@ -191,6 +191,7 @@ class KvFetch(_message.Message):
     SEQ_ID_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    SRC_HOST_FIELD_NUMBER: _builtins.int
     fetch_id: _builtins.str
     src_pool_id: _builtins.str
     src_address: _builtins.str
@@ -204,6 +205,10 @@ class KvFetch(_message.Message):
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """what the node recomputes when the pull fails"""
 
+    @_builtins.property
+    def src_host(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """per source block: in the source's host tier (empty: none)"""
+
     def __init__(
         self,
         *,
@@ -215,10 +220,11 @@ class KvFetch(_message.Message):
         seq_id: _builtins.str = ...,
         first_token: _builtins.int = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        src_host: _abc.Iterable[_builtins.bool] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_blocks", b"dst_blocks", "fetch_id", b"fetch_id", "first_token", b"first_token", "seq_id", b"seq_id", "src_address", b"src_address", "src_blocks", b"src_blocks", "src_pool_id", b"src_pool_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_blocks", b"dst_blocks", "fetch_id", b"fetch_id", "first_token", b"first_token", "seq_id", b"seq_id", "src_address", b"src_address", "src_blocks", b"src_blocks", "src_host", b"src_host", "src_pool_id", b"src_pool_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -233,20 +239,26 @@ class KvServe(_message.Message):
     FETCH_ID_FIELD_NUMBER: _builtins.int
     DST_POOL_ID_FIELD_NUMBER: _builtins.int
     BLOCKS_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
     fetch_id: _builtins.str
     dst_pool_id: _builtins.str
     @_builtins.property
     def blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def host(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """per block: a host-tier block (empty: none)"""
+
     def __init__(
         self,
         *,
         fetch_id: _builtins.str = ...,
         dst_pool_id: _builtins.str = ...,
         blocks: _abc.Iterable[_builtins.int] | None = ...,
+        host: _abc.Iterable[_builtins.bool] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "dst_pool_id", b"dst_pool_id", "fetch_id", b"fetch_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "dst_pool_id", b"dst_pool_id", "fetch_id", b"fetch_id", "host", b"host"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -38,6 +38,7 @@ class FetchBlocksRequest(_message.Message):
     DST_POOL_ID_FIELD_NUMBER: _builtins.int
     BLOCKS_FIELD_NUMBER: _builtins.int
     MAX_CHUNK_BYTES_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
     fetch_id: _builtins.str
     dst_pool_id: _builtins.str
     """the pulling node (checked against the grant and its identity)"""
@@ -47,6 +48,10 @@ class FetchBlocksRequest(_message.Message):
     def blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """exactly the granted blocks, in order"""
 
+    @_builtins.property
+    def host(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """per block: from the host tier (as granted; empty: none)"""
+
     def __init__(
         self,
         *,
@@ -54,10 +59,11 @@ class FetchBlocksRequest(_message.Message):
         dst_pool_id: _builtins.str = ...,
         blocks: _abc.Iterable[_builtins.int] | None = ...,
         max_chunk_bytes: _builtins.int = ...,
+        host: _abc.Iterable[_builtins.bool] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "dst_pool_id", b"dst_pool_id", "fetch_id", b"fetch_id", "max_chunk_bytes", b"max_chunk_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "dst_pool_id", b"dst_pool_id", "fetch_id", b"fetch_id", "host", b"host", "max_chunk_bytes", b"max_chunk_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -17,6 +17,7 @@ import grpc
 import pytest
 import torch
 
+from compute_node.host_pool import HostKvPool
 from compute_node.pool import KvPool, PoolGeometry
 from compute_node.service.config import ComputeNodeConfig
 from compute_node.service.node import ComputeNode
@@ -38,6 +39,7 @@ class _Serve:
     fetch_id: str
     dst_pool_id: str
     blocks: tuple[int, ...]
+    host: tuple[bool, ...] = ()
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,6 +49,7 @@ class _Fetch:
     src_address: str
     src_blocks: tuple[int, ...]
     dst_blocks: tuple[int, ...]
+    src_host: tuple[bool, ...] = ()
 
 
 def _random_pool(seed: int) -> KvPool:
@@ -110,6 +113,28 @@ def test_a_granted_transfer_arrives_bit_exact_in_other_block_ids(source: _Source
         # a grant is good for one transfer
         with pytest.raises(FetchFailed, match="NOT_FOUND"):
             puller.pull(dst, _Fetch("f1", "a", source.address, src_blocks, dst_blocks))
+    finally:
+        puller.close()
+
+
+def test_host_tier_blocks_are_served_from_the_host_pool(source: _Source) -> None:
+    """A grant mixing device blocks and host-tier blocks (a source's prefix continuing on host):
+    each comes from its tier, in order; asking for the same ids as device blocks is refused."""
+    host = HostKvPool(GEOM, 8, torch.device("cpu"))
+    g = torch.Generator().manual_seed(5)
+    for t in (*host.key_caches, *host.value_caches):
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    source.node.host_pool = host
+    dst = KvPool(GEOM, torch.device("cpu"))
+    blocks, flags = (9, 10, 2, 5), (False, False, True, True)
+    source.node.grants.add([_Serve("h", "b", blocks, flags)])
+    puller = BlockPuller("b", tls=None, token=None, timeout_s=30, chunk_bytes=4096)
+    try:
+        with pytest.raises(FetchFailed, match="INVALID_ARGUMENT"):     # same ids, other tier
+            puller.pull(dst, _Fetch("h", "a", source.address, blocks, (20, 21, 22, 23)))
+        puller.pull(dst, _Fetch("h", "a", source.address, blocks, (20, 21, 22, 23), flags))
+        assert _same(source.node.pool, (9, 10), dst, (20, 21))
+        assert _same(host, (2, 5), dst, (22, 23))                       # type: ignore[arg-type]
     finally:
         puller.close()
 

@@ -110,9 +110,11 @@ def stack(model_dirs: dict[str, Path], tmp_path: Path) -> Iterator[dict[str, Any
         services.close()
 
 
-def _start(stack: dict[str, Any], *, pause_a: bool) -> tuple[NodeProcess, NodeProcess, LLMEngine, AdminClient]:
+def _start(stack: dict[str, Any], *, pause_a: bool,
+           **env_a: str) -> tuple[NodeProcess, NodeProcess, LLMEngine, AdminClient]:
     bm = stack["services"].bm.address
-    env_a = {"PAGEDKV_CN_FETCH_TEST_PAUSE_FILE": str(stack["tmp"] / "paused")} if pause_a else {}
+    if pause_a:
+        env_a["PAGEDKV_CN_FETCH_TEST_PAUSE_FILE"] = str(stack["tmp"] / "paused")
     a = NodeProcess("node-a", bm, stack["model"], stack["tmp"], **env_a)
     stack["nodes"].append(a)
     b = NodeProcess("node-b", bm, stack["model"], stack["tmp"])
@@ -197,5 +199,36 @@ def test_killing_the_source_mid_transfer_falls_back_to_recompute(stack, hf_model
         assert admin.fsck().get("ok") is True
         core = stack["services"].bm.runtime.state.core
         assert core.fetch_counts("node-a") == (0, 0)    # nothing of A stays pinned (it is not fenced yet)
+    finally:
+        admin.close()
+
+
+def test_a_prefix_partly_offloaded_to_the_sources_host_tier_is_fetched_from_both_tiers(  # type: ignore[no-untyped-def]
+        stack, hf_models) -> None:
+    """Node A has a small device pool and a host tier: a long prompt evicts the tail of the
+    cached prefix to A's host tier (the head stays on device); the prefix on B is then fetched
+    from A's device blocks and host blocks together, nothing recomputed, tokens still equal."""
+    a, b, engine, admin = _start(stack, pause_a=False, PAGEDKV_CN_NUM_BLOCKS="40",
+                                 PAGEDKV_CN_HOST_KV_BLOCKS="64")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    first, second = _prompts()
+    core = stack["services"].bm.runtime.state.core
+    try:
+        admin.drain_node("node-b")
+        compare_greedy(_generate(engine, first, params), hf_greedy(hf_models[MODEL], first, params.max_tokens),
+                       "first on A")
+        filler = [random.Random(5).randrange(1, 512) for _ in range(30 * BS)]
+        _generate(engine, filler, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))   # evicts to host
+        on_device = next(e for e in core.route(second, fetch_sources=[]) if e.pool_id == "node-a").num_cached_tokens
+        assert on_device < PREFIX_BLOCKS * BS, "the filler evicted nothing of the prefix"
+        assert core.host_metrics("node-a").offloaded_blocks > 0
+        admin.drain_node("node-b", undrain=True)
+        admin.drain_node("node-a")
+        out = _generate(engine, second, params)
+        compare_greedy(out, hf_greedy(hf_models[MODEL], second, params.max_tokens), "second on B (device + host)")
+        assert engine.stats.fetched_tokens == PREFIX_BLOCKS * BS
+        assert b.counter("pagedkv_cn_fetched_blocks") == PREFIX_BLOCKS
+        assert b.counter("pagedkv_cn_fetch_recomputed_tokens") == 0
+        assert admin.fsck().get("ok") is True and core.fetch_counts("node-a") == (0, 0)
     finally:
         admin.close()
