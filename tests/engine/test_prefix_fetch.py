@@ -166,7 +166,9 @@ def test_a_prefix_computed_on_a_drained_node_is_fetched_not_recomputed(stack, hf
         assert b.counter("pagedkv_cn_fetch_recomputed_tokens") == 0
         assert a.counter("pagedkv_cn_served_blocks") == PREFIX_BLOCKS
         assert admin.fsck().get("ok") is True
-        assert stack["services"].bm.runtime.state.core.fetch_counts("node-a") == (0, 0)   # the loan ended
+        core = stack["services"].bm.runtime.state.core
+        assert core.fetch_counts("node-a") == (0, 0)            # the loan ended
+        assert core.fetch_counts("node-b") == (PREFIX_BLOCKS, 0)   # the block manager's count (metrics)
         pools = {p["pool_id"]: p for p in admin.status()["pools"]}
         assert int(pools["node-a"].get("num_sequences", 0)) == 0 == int(pools["node-b"].get("num_sequences", 0))
         # committed on the report: the prefix is now local on B (a hit, no fetch)
