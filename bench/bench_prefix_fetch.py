@@ -160,21 +160,22 @@ def serve_source(port_file: Path, num_grants: int, num_blocks: int) -> None:
 
     class _Serve:
         def __init__(self, fid: str) -> None:
-            self.fetch_id, self.dst_pool_id, self.blocks = fid, "dst", tuple(range(num_blocks))
+            self.fetch_id, self.dst_pool_id, self.blocks, self.host = fid, "dst", tuple(range(num_blocks)), ()
 
-    node = ComputeNode(ComputeNodeConfig(node_id="src", block_manager_address="127.0.0.1:1",
-                                         fetch_grant_ttl_s=3600))
-    node.pool = KvPool(XFER_GEOM, torch.device("cpu"))
-    for t in (*node.pool.key_caches, *node.pool.value_caches):
+    pool = KvPool(XFER_GEOM, torch.device("cpu"))
+    for t in (*pool.key_caches, *pool.value_caches):
         t.copy_(torch.randn(t.shape))
-    node.grants.add([_Serve(f"f{i}") for i in range(num_grants)])
-    payload = bytes(pack_blocks(node.pool, list(range(num_blocks))))
+    payload = bytes(pack_blocks(pool, list(range(num_blocks))))
 
     async def raw(request: bytes, context: Any) -> Any:
         for off in range(0, len(payload), DEFAULT_CHUNK_BYTES):
             yield payload[off:off + DEFAULT_CHUNK_BYTES]
 
     async def main() -> None:
+        node = ComputeNode(ComputeNodeConfig(node_id="src", block_manager_address="127.0.0.1:1",
+                                             fetch_grant_ttl_s=3600))
+        node.pool = pool
+        node.grants.add([_Serve(f"f{i}") for i in range(num_grants)])
         server = grpc.aio.server()
         pb_grpc.add_ComputeNodeServicer_to_server(ComputeNodeServicer(node), server)
         server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Raw", {

@@ -66,8 +66,6 @@ class _Source:
     def __init__(self, *, auth: bool = False, node_id: str = "a", **cfg: Any) -> None:
         config = ComputeNodeConfig(node_id=node_id, block_manager_address="127.0.0.1:1",
                                    auth={"tokens": TOKENS} if auth else {}, **cfg)
-        self.node = ComputeNode(config)
-        self.node.pool = _random_pool(1)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -75,6 +73,8 @@ class _Source:
         self.address = f"127.0.0.1:{self.port}"
 
     async def _start(self, config: ComputeNodeConfig) -> int:
+        self.node = ComputeNode(config)   # on the loop: its block manager channel is an aio one
+        self.node.pool = _random_pool(1)
         self.server = new_server([edge_guard(config)])
         pb_grpc.add_ComputeNodeServicer_to_server(
             ComputeNodeServicer(self.node, Authenticator(config.auth) if config.auth_enabled else None), self.server)
