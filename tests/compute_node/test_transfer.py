@@ -272,3 +272,40 @@ def test_corrupt_or_short_streams_fail_the_pull(how: str) -> None:
             await server.stop(0)
 
     asyncio.run(run())
+
+
+class _Runner:
+    """What `Generator._check_fetches` reads of a model runner."""
+
+    class geometry:   # noqa: N801
+        block_size = 4
+
+    class model_config:   # noqa: N801
+        vocab_size = 100
+
+
+def _op(**kw: Any) -> Any:
+    base = dict(fetch_id="f", seq_id="s", first_token=4, token_ids=tuple(range(10, 18)), dst_blocks=(7, 8),
+                src_blocks=(1, 2))
+    base.update(kw)
+    return type("Op", (), base)()
+
+
+def test_a_fetch_must_sit_right_before_its_sequences_new_tokens_and_a_failed_one_is_recomputed() -> None:
+    from compute_node.errors import InvalidForward
+    from compute_node.generate import Generator
+    from compute_node.model import SeqWork
+    from compute_node.tables import TableCache
+
+    gen = Generator(_Runner(), TableCache())   # type: ignore[arg-type]
+    work = [SeqWork("s", [50, 51, 52], 12, [3, 7, 8, 9])]     # positions 0-3 local, 4-11 fetched, 12.. new
+    assert gen._check_fetches([_op()], work) == {"f": work[0]}
+    for bad in (dict(seq_id="other"), dict(first_token=0), dict(dst_blocks=(8, 7)), dict(token_ids=(1,) * 7),
+                dict(token_ids=(100,) * 8)):
+        with pytest.raises(InvalidForward):
+            gen._check_fetches([_op(**bad)], work)
+    seen: list[str] = []
+    gen.on_fetch_failed = lambda op, why: seen.append(why)
+    gen._recompute(work[0], _op(), "source gone")
+    assert work[0].token_ids == [*range(10, 18), 50, 51, 52] and work[0].num_computed_tokens == 4
+    assert seen == ["source gone"]
