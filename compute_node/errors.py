@@ -72,9 +72,10 @@ class BlockManagerUnavailable(ComputeNodeError):
 
 
 class PeerFetchFailed(ComputeNodeError):
-    """An attention-only node's Forward could not pull a prefix fetch's blocks from the source
-    node (it cannot recompute them: the scheduler sends K/V, not tokens). The Forward failed as a
-    whole and wrote nothing of its sequences; the scheduler reports the step failed and
-    recomputes (docs/prefix_fetch.md)."""
+    """A prefix fetch's blocks could not be pulled from the source node and this step cannot
+    recompute them (an attention-only node's Forward: the scheduler sends K/V, not tokens; or a
+    fetch for a sequence the step does not compute). The step failed as a whole before anything
+    of it was applied; ABORTED: the scheduler reports it failed and recomputes its sequences
+    (docs/prefix_fetch.md), without blaming this node's reachability."""
 
-    code = grpc.StatusCode.UNAVAILABLE
+    code = grpc.StatusCode.ABORTED

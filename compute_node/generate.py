@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from compute_node.errors import InvalidForward
+from compute_node.errors import InvalidForward, PeerFetchFailed
 from compute_node.host_pool import apply_moves
 from compute_node.model import InvalidSamplingParams, ModelRunner, SamplingParams, SeqWork
 from compute_node.tables import NodeTable, SeqId, TableCache, check_tail, stage
@@ -72,6 +72,11 @@ class Generator:
             work.append(SeqWork(s.seq_id, s.token_ids, start, list(table.block_table), s.sampling,
                                 s.num_output_tokens))
         fetch_work = self._check_fetches(staged.fetches, work) if staged.fetches else {}
+        orphans = [f for f in staged.fetches if f.fetch_id not in fetch_work]
+        if orphans:
+            # no sequence of this step can recompute them: pulled before anything is applied,
+            # and a failure fails the step whole (PeerFetchFailed, ABORTED)
+            pull_all(self.puller, runner.pool, orphans, self._orphan_failed)
         # ---- everything is checked: apply ----
         if staged.serves and self.on_serves is not None:
             self.on_serves(staged.serves)   # granted blocks are written and pinned: serve them now
@@ -84,8 +89,9 @@ class Generator:
         pulled = PullStats()
         if staged.fetches:
             # pulled before the Forward reads them; a failed pull is recomputed in this very step
-            pulled = pull_all(self.puller, runner.pool, staged.fetches,
+            pulled = pull_all(self.puller, runner.pool, [f for f in staged.fetches if f.fetch_id in fetch_work],
                               lambda op, why: self._recompute(fetch_work[op.fetch_id], op, why))
+            pulled.fetched_blocks += sum(len(f.dst_blocks) for f in orphans)
         self.tables.commit(staged)
         for s in seqs:
             table = tables[s.seq_id]
@@ -121,9 +127,10 @@ class Generator:
         return resp
 
     def _check_fetches(self, fetches: list[Any], work: list[SeqWork]) -> dict[str, SeqWork]:
-        """Each fetch op's sequence is computed in this step, right after the fetched positions,
-        and its table holds the destination blocks there: so a failed pull can be recomputed
-        in the step (its tokens prepended). Returns each fetch's sequence work."""
+        """A fetch op whose sequence is computed in this step must sit right before that
+        sequence's new tokens, on its table's blocks: so a failed pull can be recomputed in the
+        step (its tokens prepended). Returns each such fetch's sequence work (a fetch for a
+        sequence the step does not compute is left out: it cannot fall back)."""
         by_seq = {w.seq_id: w for w in work}
         bs = self.runner.geometry.block_size
         vocab = self.runner.model_config.vocab_size
@@ -132,8 +139,7 @@ class Generator:
             w = by_seq.get(f.seq_id)
             n = len(f.dst_blocks)
             if w is None:
-                raise InvalidForward(
-                    f"fetch {f.fetch_id!r} is for sequence {f.seq_id!r}, which this step does not compute")
+                continue
             first = f.first_token
             if (first % bs or len(f.token_ids) != n * bs or first + n * bs != w.num_computed_tokens
                     or list(w.block_table[first // bs: first // bs + n]) != list(f.dst_blocks)):
@@ -143,6 +149,11 @@ class Generator:
                 raise InvalidForward(f"fetch {f.fetch_id!r}: a token id outside the vocabulary ({vocab})")
             out[f.fetch_id] = w
         return out
+
+    @staticmethod
+    def _orphan_failed(op: Any, why: str) -> None:
+        raise PeerFetchFailed(f"{why}; sequence {op.seq_id!r} is not computed in this step, so the step "
+                              "cannot recompute it: report the step failed and recompute")
 
     def _recompute(self, w: SeqWork, op: Any, why: str) -> None:
         """A failed pull: the sequence computes the fetched positions itself, in this step."""

@@ -292,7 +292,7 @@ def _op(**kw: Any) -> Any:
 
 
 def test_a_fetch_must_sit_right_before_its_sequences_new_tokens_and_a_failed_one_is_recomputed() -> None:
-    from compute_node.errors import InvalidForward
+    from compute_node.errors import InvalidForward, PeerFetchFailed
     from compute_node.generate import Generator
     from compute_node.model import SeqWork
     from compute_node.tables import TableCache
@@ -300,7 +300,10 @@ def test_a_fetch_must_sit_right_before_its_sequences_new_tokens_and_a_failed_one
     gen = Generator(_Runner(), TableCache())   # type: ignore[arg-type]
     work = [SeqWork("s", [50, 51, 52], 12, [3, 7, 8, 9])]     # positions 0-3 local, 4-11 fetched, 12.. new
     assert gen._check_fetches([_op()], work) == {"f": work[0]}
-    for bad in (dict(seq_id="other"), dict(first_token=0), dict(dst_blocks=(8, 7)), dict(token_ids=(1,) * 7),
+    assert gen._check_fetches([_op(seq_id="other")], work) == {}   # pulled up front, no fallback
+    with pytest.raises(PeerFetchFailed):
+        gen._orphan_failed(_op(seq_id="other"), "source gone")
+    for bad in (dict(first_token=0), dict(dst_blocks=(8, 7)), dict(token_ids=(1,) * 7),
                 dict(token_ids=(100,) * 8)):
         with pytest.raises(InvalidForward):
             gen._check_fetches([_op(**bad)], work)
