@@ -69,3 +69,13 @@ class BlockManagerUnavailable(ComputeNodeError):
     """A node → block manager call failed transiently; retrying the Forward is safe."""
 
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class PeerFetchFailed(ComputeNodeError):
+    """A prefix fetch's blocks could not be pulled from the source node and this step cannot
+    recompute them (an attention-only node's Forward: the scheduler sends K/V, not tokens; or a
+    fetch for a sequence the step does not compute). The step failed as a whole before anything
+    of it was applied; ABORTED: the scheduler reports it failed and recomputes its sequences
+    (docs/prefix_fetch.md), without blaming this node's reachability."""
+
+    code = grpc.StatusCode.ABORTED

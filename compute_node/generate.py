@@ -13,12 +13,15 @@ happen once, and a sampled token must not change on a retry).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from compute_node.errors import InvalidForward
+from compute_node.errors import InvalidForward, PeerFetchFailed
 from compute_node.host_pool import apply_moves
 from compute_node.model import InvalidSamplingParams, ModelRunner, SamplingParams, SeqWork
 from compute_node.tables import NodeTable, SeqId, TableCache, check_tail, stage
+from compute_node.transfer import BlockPuller, PullStats, pull_all
 from pagedkv.limits import seq_id_problem
 from pagedkv.v1 import compute_node_pb2 as pb
 
@@ -38,6 +41,11 @@ class Generator:
         self.tables = tables
         self.max_batch = max_batch
         self._last: tuple[str, pb.GenerateResponse] | None = None
+        # prefix fetch (compute_node/transfer.py): the puller of a node that can reach other
+        # nodes (None: every fetch is recomputed), and where the step's serve grants go
+        self.puller: BlockPuller | None = None
+        self.on_serves: Callable[[list[Any]], None] | None = None
+        self.on_fetch_failed: Callable[[Any, str], None] | None = None
 
     def reset(self) -> None:
         """A new registration: nothing of the old epoch's pool is valid."""
@@ -63,13 +71,27 @@ class Generator:
             tables[s.seq_id] = table
             work.append(SeqWork(s.seq_id, s.token_ids, start, list(table.block_table), s.sampling,
                                 s.num_output_tokens))
+        fetch_work = self._check_fetches(staged.fetches, work) if staged.fetches else {}
+        orphans = [f for f in staged.fetches if f.fetch_id not in fetch_work]
+        if orphans:
+            # no sequence of this step can recompute them: pulled before anything is applied,
+            # and a failure fails the step whole (PeerFetchFailed, ABORTED)
+            pull_all(self.puller, runner.pool, orphans, self._orphan_failed)
         # ---- everything is checked: apply ----
+        if staged.serves and self.on_serves is not None:
+            self.on_serves(staged.serves)   # granted blocks are written and pinned: serve them now
         t0 = time.perf_counter()
         if staged.tier_moves:
             apply_moves(runner.pool, host, staged, disk)   # tier moves and copies, in step order
         elif staged.copy_pairs:
             runner.copy_blocks(staged.copy_pairs)
         copy_s = time.perf_counter() - t0
+        pulled = PullStats()
+        if staged.fetches:
+            # pulled before the Forward reads them; a failed pull is recomputed in this very step
+            pulled = pull_all(self.puller, runner.pool, [f for f in staged.fetches if f.fetch_id in fetch_work],
+                              lambda op, why: self._recompute(fetch_work[op.fetch_id], op, why))
+            pulled.fetched_blocks += sum(len(f.dst_blocks) for f in orphans)
         self.tables.commit(staged)
         for s in seqs:
             table = tables[s.seq_id]
@@ -98,9 +120,47 @@ class Generator:
         st.copy_ops_s = copy_s
         st.num_copy_ops = len(staged.copy_pairs)
         st.last_step_id = self.tables.last_step_id
+        st.fetched_blocks, st.fetch_recomputed_tokens = pulled.fetched_blocks, pulled.recomputed_tokens
+        st.fetch_s, st.fetch_bytes = pulled.seconds, pulled.num_bytes
         st.total_s = time.perf_counter() - started
         self._last = (request.request_id, resp)
         return resp
+
+    def _check_fetches(self, fetches: list[Any], work: list[SeqWork]) -> dict[str, SeqWork]:
+        """A fetch op whose sequence is computed in this step must sit right before that
+        sequence's new tokens, on its table's blocks: so a failed pull can be recomputed in the
+        step (its tokens prepended). Returns each such fetch's sequence work (a fetch for a
+        sequence the step does not compute is left out: it cannot fall back)."""
+        by_seq = {w.seq_id: w for w in work}
+        bs = self.runner.geometry.block_size
+        vocab = self.runner.model_config.vocab_size
+        out: dict[str, SeqWork] = {}
+        for f in fetches:
+            w = by_seq.get(f.seq_id)
+            n = len(f.dst_blocks)
+            if w is None:
+                continue
+            first = f.first_token
+            if (first % bs or len(f.token_ids) != n * bs or first + n * bs != w.num_computed_tokens
+                    or list(w.block_table[first // bs: first // bs + n]) != list(f.dst_blocks)):
+                raise InvalidForward(f"fetch {f.fetch_id!r} does not cover the positions just before sequence "
+                                     f"{f.seq_id!r}'s new tokens with its table's blocks")
+            if f.token_ids and max(f.token_ids) >= vocab:
+                raise InvalidForward(f"fetch {f.fetch_id!r}: a token id outside the vocabulary ({vocab})")
+            out[f.fetch_id] = w
+        return out
+
+    @staticmethod
+    def _orphan_failed(op: Any, why: str) -> None:
+        raise PeerFetchFailed(f"{why}; sequence {op.seq_id!r} is not computed in this step, so the step "
+                              "cannot recompute it: report the step failed and recompute")
+
+    def _recompute(self, w: SeqWork, op: Any, why: str) -> None:
+        """A failed pull: the sequence computes the fetched positions itself, in this step."""
+        w.token_ids = [*op.token_ids, *w.token_ids]
+        w.num_computed_tokens = op.first_token
+        if self.on_fetch_failed is not None:
+            self.on_fetch_failed(op, why)
 
     def _parse(self, request: pb.GenerateRequest) -> list[_Seq]:
         runner = self.runner

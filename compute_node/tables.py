@@ -45,6 +45,10 @@ class StagedSteps:
     # the disk tier's moves of the same steps (index for index): (host->disk (host block, slot,
     # identity), disk->host (slot, host block)); applied around the host tier's moves
     disk_moves: list[tuple[list[tuple[int, int, Any]], list[tuple[int, int]]]] = field(default_factory=list)
+    # prefix fetch (compute_node/transfer.py): KvFetch ops to pull inside the step, KvServe
+    # grants to serve from it on (docs/prefix_fetch.md)
+    fetches: list[Any] = field(default_factory=list)
+    serves: list[Any] = field(default_factory=list)
 
     def table(self, cache: TableCache, seq_id: SeqId) -> NodeTable | None:
         if seq_id in self.changed:
@@ -124,11 +128,32 @@ def stage(cache: TableCache, steps: Sequence[Any], node_id: str, epoch: int, num
         if m.tier_kind:
             _stage_tier_moves(staged, m, i, num_blocks, host_num_blocks, disk_num_blocks)
         _stage_copies(staged, m, i)
+        if m.fetches or m.serves:
+            _stage_fetches(staged, m, i, num_blocks, host_num_blocks)
         for sid in m.dropped_seq_ids:
             staged.changed[SeqId(sid)] = None
         _stage_deltas(staged, cache, m, i)
     staged.last_step_id = last if steps else None
     return staged
+
+
+def _stage_fetches(staged: StagedSteps, m: Any, i: int, num_blocks: int, host_num_blocks: int) -> None:
+    """A step's prefix fetch ops and serve grants, their block ids checked against the tier
+    each names (a grant's host blocks against this node's host tier)."""
+    for f in m.fetches:
+        if (not f.fetch_id or len(f.src_blocks) != len(f.dst_blocks) or not f.dst_blocks
+                or len(f.src_host) not in (0, len(f.src_blocks))):
+            raise InvalidForward(f"steps[{i}]: fetch {f.fetch_id!r} needs as many source as destination blocks")
+        if max(f.dst_blocks) >= num_blocks:
+            raise InvalidForward(f"steps[{i}]: fetch {f.fetch_id!r} names block {max(f.dst_blocks)}; "
+                                 f"the pool has {num_blocks} blocks")
+        staged.fetches.append(f)
+    for g in m.serves:
+        host = list(g.host) or [False] * len(g.blocks)
+        if (not g.fetch_id or not g.blocks or len(host) != len(g.blocks)
+                or any(b >= (host_num_blocks if h else num_blocks) for b, h in zip(g.blocks, host))):
+            raise InvalidForward(f"steps[{i}]: serve grant {g.fetch_id!r} names no block or one outside its tier")
+        staged.serves.append(g)
 
 
 def _check_blocks(m: Any, i: int, num_blocks: int) -> None:

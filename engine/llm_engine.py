@@ -131,6 +131,8 @@ class EngineStats:
     disk_offloaded_blocks: int = 0
     disk_onboarded_blocks: int = 0
     disk_hit_tokens: int = 0
+    # prefix fetch (docs/prefix_fetch.md): prompt tokens admitted as blocks pulled from another node
+    fetched_tokens: int = 0
 
     def summary(self) -> dict[str, float]:
         """Counters and latency percentiles (ms) as a flat mapping."""
@@ -141,7 +143,9 @@ class EngineStats:
             "steps": self.num_steps, "preemptions": self.num_preemptions,
             "generated_tokens": self.generated_tokens, "prompt_tokens": self.prompt_tokens,
             "cached_prompt_tokens": self.cached_prompt_tokens,
-            "prefix_hit_tokens": self.cached_prompt_tokens - self.host_hit_tokens - self.disk_hit_tokens,
+            "prefix_hit_tokens": (self.cached_prompt_tokens - self.host_hit_tokens - self.disk_hit_tokens
+                                  - self.fetched_tokens),
+            "fetched_tokens": self.fetched_tokens,
             "host_hit_tokens": self.host_hit_tokens,
             "disk_offloaded_blocks": self.disk_offloaded_blocks, "disk_onboarded_blocks": self.disk_onboarded_blocks,
             "disk_hit_tokens": self.disk_hit_tokens,
@@ -556,6 +560,8 @@ class LLMEngine:
         for seq in [s for s in self.swapped if s.seq_id in result.dropped]:
             self._recompute_swapped(seq, free=False)
         for info in result.steps.values():
+            for f in info.message.fetches:   # prefix fetch: pulled by the node instead of recomputed
+                self.stats.fetched_tokens += len(f.token_ids)
             kinds = list(info.message.tier_kind)
             if kinds:
                 bs = self.pool_blocks.get(info.pool_id, (0, 1))[1]

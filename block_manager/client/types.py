@@ -58,6 +58,10 @@ class PoolRoute:
     num_cached_tokens: int
     num_free_blocks: int
     address: str
+    # prefix fetch (docs/prefix_fetch.md): tokens fetchable from `fetch_pool_id`, tokens missing
+    num_fetchable_tokens: int = 0
+    num_missing_tokens: int = 0
+    fetch_pool_id: str = ""
 
 
 @dataclass(slots=True, frozen=True)

@@ -128,7 +128,8 @@ def tables_update(m: pb.GetTablesResponse) -> TablesUpdate:
 
 
 def route_entries(entries: Any) -> list[PoolRoute]:
-    return [PoolRoute(PoolId(e.pool_id), int(e.num_cached_tokens), int(e.num_free_blocks), e.address) for e in entries]
+    return [PoolRoute(PoolId(e.pool_id), int(e.num_cached_tokens), int(e.num_free_blocks), e.address,
+                      int(e.num_fetchable_tokens), int(e.num_missing_tokens), e.fetch_pool_id) for e in entries]
 
 
 def routes(m: pb.RouteResponse) -> list[PoolRoute]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 
+from block_manager.core.fetch import loan_holders
 from block_manager.core.pool import Pool
 from block_manager.core.sequence import Sequence
 from block_manager.core.types import PoolId, SeqId
@@ -108,6 +109,8 @@ def _check_pool(pool: Pool) -> list[str]:
         elif seq.block_hashes or seq.tail_token_ids:
             out.append(s + "hashing is off but hashes/tail tokens are kept")
 
+    for b, n_loans in loan_holders(pool).items():   # blocks lent to other pools' fetches
+        holders[b] += n_loans
     plan = pool.plan
     dsts = {op.dst for op in plan.moves} if plan else set()
     srcs = {op.src for op in plan.moves} if plan else set()

@@ -28,6 +28,7 @@ import numpy as np
 from block_manager.core import append as _append
 from block_manager.core import defrag as _defrag
 from block_manager.core import disk_tier as _disk
+from block_manager.core import fetch as _fetch
 from block_manager.core import kv_events as _kv_events
 from block_manager.core import tiers as _tiers
 from block_manager.core.append import AppendOutcome, append_columns, item_error
@@ -212,6 +213,9 @@ class BlockManager:
             del self._seqs[sid]
         if pool.host is not None:
             dropped.extend(pool.host.swapped)
+        # its fetches never run now: the source blocks lent for them are unpinned (its own
+        # loans go with it; a destination's pull from it fails and recomputes on the node)
+        _fetch.repay(self._pools, pool_id, pool.step.step_id)
         del self._pools[pool_id]
         if self._kv_changes is not None:
             self._kv_changes.append((_kv_events.CLEARED, pool_id, None))
@@ -239,6 +243,7 @@ class BlockManager:
         num_tokens: int | None = None,
         salt: str | None = None,
         num_compute: int | None = None,
+        fetch_sources: Seq[PoolId] = (),
     ) -> AllocateResult:
         """Create a sequence for a prompt, reusing prefix-cached full blocks.
 
@@ -254,6 +259,10 @@ class BlockManager:
         `num_cached_tokens + min(num_compute, rest)` tokens, and the scheduler appends the
         rest of the prompt (with its token ids) in later steps. The new tokens' slots are
         recorded in the pool's open step.
+
+        `fetch_sources`: pools whose cached prefix blocks may be *fetched* (copied node to
+        node, block_manager/core/fetch.py) where the prompt's cached prefix on this pool ends;
+        the one with the longest prefix lends its blocks. Fetched tokens count as cached.
         """
         if not isinstance(seq_id, str) or not seq_id:
             raise InvalidRequest(f"sequence id must be a non-empty string, got {seq_id!r}")
@@ -285,9 +294,14 @@ class BlockManager:
             n_on = len(hits) + len(onboard)
             room = pool.host.num_available - sum(1 for h in onboard if pool.host.ref_cnt[h] == 0)
             from_disk = _disk.disk_hits(pool, tokens, hashes, salt, n_on, hashes[n_on - 1] if n_on else None, room)
+        # another node's prefix continues this node's own (device, host, disk): fetched node to node
+        num_local = len(hits) + len(onboard) + len(from_disk)
+        fetch = (self._fetch_plan(pool, tokens, hashes, salt, num_local, fetch_sources)
+                 if hashing and fetch_sources else None)
+        num_fetch = 0 if fetch is None else len(fetch.src_blocks)
         total = prompt_len
         if num_compute is not None:
-            total = min(prompt_len, (len(hits) + len(onboard) + len(from_disk)) * bs + num_compute)
+            total = min(prompt_len, (num_local + num_fetch) * bs + num_compute)
             if tokens is not None:
                 tokens = tokens[:total]
             hashes = hashes[: total // bs]
@@ -314,10 +328,20 @@ class BlockManager:
         if staged:
             first = len(hits) + len(onboard)
             _tiers.onboard(pool, staged, table[first:first + len(staged)], bs, count_hits=False)
+        step = pool.step
+        if fetch is not None:
+            first = num_local
+            fid = _fetch.fetch_id(pool_id, step.step_id, seq_id)
+            _fetch.lend(fetch.src, pool.pool_id, step.step_id, fid, fetch.src_blocks, fetch.src_host)
+            _fetch.queue_fetch(pool, _fetch.FetchOp(
+                fid, fetch.src.pool_id, tuple(BlockId(b) for b in fetch.src_blocks),
+                tuple(BlockId(b) for b in table[first:first + num_fetch]), SeqId(seq_id), first * bs,
+                tuple(tokens[first * bs:(first + num_fetch) * bs].tolist()),   # type: ignore[index]
+                tuple(fetch.src_host) if any(fetch.src_host) else (),
+            ))
         # the pool's own id object: the batched append tells pools apart by identity
         seq = Sequence(seq_id, pool.pool_id, table, total, pool.new_version(), salt, hashing, cols=pool.cols)
-        num_cached = (len(hits) + len(onboard) + len(staged)) * bs
-        step = pool.step
+        num_cached = (num_local + num_fetch) * bs
         step.has_writes = True
         seq.last_step = seq.last_write_step = step.step_id
         for b in table[len(hits) :]:
@@ -362,6 +386,27 @@ class BlockManager:
             hits.append(b)
             parent = hashes[i]
         return hits
+
+    def _fetch_plan(
+        self, pool: Pool, tokens: array, hashes: list[bytes], salt: str | None, num_local: int,
+        sources: Seq[PoolId],
+    ) -> _fetch.FetchPlan | None:
+        """The source pool among `sources` with the longest written prefix beyond `num_local`
+        blocks — its device hits, then host-tier hits continuing them — (ties: pool id), and the
+        blocks to fetch from it; None: nothing worth fetching."""
+        best: tuple[Pool, list[int], list[int]] | None = None
+        for sid in sorted(set(sources)):
+            src = self._pools.get(sid)
+            if (src is None or src is pool or src.block_size != pool.block_size
+                    or not _fetch.can_lend(src, self.max_unsettled_steps)):
+                continue
+            src_hits = self._prefix_hits(src, tokens, hashes, salt)
+            host_hits = (_tiers.host_hits(src, tokens, hashes, salt, len(src_hits),
+                                          hashes[len(src_hits) - 1] if src_hits else None)
+                         if src.host is not None else [])
+            if best is None or len(src_hits) + len(host_hits) > len(best[1]) + len(best[2]):
+                best = (src, src_hits, host_hits)
+        return None if best is None else _fetch.plan(best[0], best[1], best[2], num_local)
 
     def can_append(self, seq_id: SeqId, num_new_tokens: int) -> bool:
         """Whether `append_slots` would succeed for this sequence alone (appends may use
@@ -674,6 +719,7 @@ class BlockManager:
         for registrations in [*(r.registrations for r in pool.unsettled), pool.step.registrations]:
             for b, block_hash in registrations:
                 pool.unregister(b, block_hash)
+        _fetch.repay(self._pools, pool_id, pool.step.step_id)   # its fetches never run
         pool.unsettled = []
         pool.settled_step = pool.step.step_id - 1
         # The open step's own work belonged to the old scheduler too: the next step only resets.
@@ -776,6 +822,8 @@ class BlockManager:
             if pool.host is not None:
                 dropped.extend(_tiers.fail_from(pool, failed_from, last_closed))
                 pool.host.release_holds(last_closed)
+        # the fetches of reported steps are over (pulled, or recomputed by the node): unpin
+        _fetch.repay(self._pools, pool_id, pool.settled_step)
         return SettleResult(pool_id, StepId(pool.settled_step), tuple(committed), tuple(aborted), tuple(dropped))
 
     # ---- host tier: swap preemption ---------------------------------------------------
@@ -869,27 +917,64 @@ class BlockManager:
         return views
 
     # ---- prefix cache ---------------------------------------------------------------
-    def route(self, token_ids: Seq[int], salt: str | None = None) -> list[RouteEntry]:
-        """Pools that admit new sequences, best first: longest cached prefix, then most
-        free-or-evictable blocks, then pool id."""
+    def route(
+        self, token_ids: Seq[int], salt: str | None = None, fetch_sources: Seq[PoolId] | None = None,
+    ) -> list[RouteEntry]:
+        """Pools that admit new sequences, best first by the fetch cost model
+        (`fetch.score`: tokens to recompute + fetched tokens / FETCH_SPEEDUP; so the longest
+        local prefix still wins), then most free-or-evictable blocks, then pool id. Per pool:
+        its local prefix tokens, the tokens it could fetch beyond them from the best other
+        pool among `fetch_sources` (None: every pool, draining ones included) and the rest."""
         tokens = token_array(token_ids)
         if not tokens:
             raise InvalidRequest("empty prompt")
         hashes_by_size: dict[int, list[bytes]] = {}
-        entries: list[RouteEntry] = []
-        for pool in self._pools.values():
-            if pool.draining:
-                continue
-            cached = 0
-            if self.enable_prefix_caching:
+        hits: dict[PoolId, int] = {}        # device hits (a pool's local prefix)
+        lendable: dict[PoolId, int] = {}    # a source's device hits + host hits continuing them
+        sources = set(self._pools) if fetch_sources is None else set(fetch_sources) & set(self._pools)
+        if self.enable_prefix_caching:
+            for pool in self._pools.values():
+                if pool.draining and pool.pool_id not in sources:
+                    continue
                 hashes = hashes_by_size.get(pool.block_size)
                 if hashes is None:
                     hashes = hash_prefix(tokens, pool.block_size, salt)
                     hashes_by_size[pool.block_size] = hashes
-                cached = len(self._prefix_hits(pool, tokens, hashes, salt)) * pool.block_size
-            entries.append(RouteEntry(pool.pool_id, cached, pool.num_available))
-        entries.sort(key=lambda e: (-e.num_cached_tokens, -e.num_free_blocks, e.pool_id))
+                device = self._prefix_hits(pool, tokens, hashes, salt)
+                hits[pool.pool_id] = n = len(device)
+                if pool.pool_id in sources and pool.host is not None:
+                    n += len(_tiers.host_hits(pool, tokens, hashes, salt, n, hashes[n - 1] if n else None))
+                lendable[pool.pool_id] = n
+        entries: list[RouteEntry] = []
+        for pool in self._pools.values():
+            if pool.draining:
+                continue
+            local = hits.get(pool.pool_id, 0)
+            best: PoolId | None = None
+            for sid in sorted(sources):
+                src = self._pools[sid]
+                if (sid != pool.pool_id and src.block_size == pool.block_size
+                        and lendable.get(sid, 0) - local >= _fetch.MIN_FETCH_BLOCKS
+                        and _fetch.can_lend(src, self.max_unsettled_steps)
+                        and (best is None or lendable[sid] > lendable[best])):
+                    best = sid
+            bs = pool.block_size
+            fetchable = 0 if best is None else (lendable[best] - local) * bs
+            entries.append(RouteEntry(pool.pool_id, local * bs, pool.num_available, fetchable,
+                                      len(tokens) - local * bs - fetchable, best))
+        entries.sort(key=lambda e: (_fetch.score(len(tokens), e.num_cached_tokens, e.num_fetchable_tokens),
+                                    -e.num_free_blocks, e.pool_id))
         return entries
+
+    def is_lending(self, pool_id: PoolId) -> bool:
+        """Whether the pool's open step carries serve grants (prefix fetch): it must be closed
+        and handed to its node with the step whose fetches they serve."""
+        return bool(self._pool(pool_id).step.serves)
+
+    def fetch_counts(self, pool_id: PoolId) -> tuple[int, int]:
+        """(blocks this pool fetched from others, blocks it lends now) — prefix fetch gauges."""
+        pool = self._pool(pool_id)
+        return pool.fetched_blocks, sum(len(loan.blocks) for loan in pool.lent.values())
 
     def evict(self, pool_id: PoolId, num_blocks: int) -> int:
         """Evict up to `num_blocks` cached blocks (LRU); returns how many were evicted."""
@@ -920,6 +1005,8 @@ class BlockManager:
             raise FailedPrecondition(
                 f"pool {pool_id!r} already has outstanding plan {pool.plan.plan_id}"
             )
+        if pool.lent:
+            return None   # blocks lent to another pool's fetch must stay put until it is reported
         if kind == "compaction":
             pairs = _defrag.plan_compaction(pool, max_moves)
         else:
@@ -1022,6 +1109,7 @@ class BlockManager:
         problems = fsck(self._pools, self._seqs, self._next_plan_id)
         for pool in self._pools.values():
             problems.extend(_tiers.fsck_host(pool, self._seqs))
+        problems.extend(_fetch.fsck_loans(self._pools))
         return problems
 
     def to_snapshot(self) -> dict:

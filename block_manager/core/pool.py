@@ -18,6 +18,7 @@ import numpy as np
 
 from block_manager.core.block_list import BlockList
 from block_manager.core.errors import InvalidRequest
+from block_manager.core.fetch import Loan
 from block_manager.core.hashing import BlockHash
 from block_manager.core.kv_events import KvChangeLog
 from block_manager.core.sequence import SeqColumns, Sequence
@@ -60,7 +61,7 @@ class Pool:
         "num_reserved", "seqs", "next_op_id", "plan", "write_step", "step", "unsettled",
         "settled_step", "num_steps", "last_defrag_step", "prefix_query_tokens", "prefix_hit_tokens",
         "cow_copies", "evictions", "defrag_moves", "compaction_plans", "contiguity_plans", "aborted_plans",
-        "last_version", "cols", "ref_np", "write_step_np", "host", "kv_log",
+        "last_version", "cols", "ref_np", "write_step_np", "host", "kv_log", "lent", "fetched_blocks",
     )
 
     def __init__(self, pool_id: PoolId, num_blocks: int, block_size: int) -> None:
@@ -109,6 +110,8 @@ class Pool:
         self.aborted_plans = 0
         self.host: HostTier | None = None   # the host tier under the pool (tiers.py), if any
         self.kv_log: KvChangeLog | None = None   # prefix-index changes, when recorded (kv_events.py)
+        self.lent: dict[str, Loan] = {}   # blocks pinned for other pools' fetches (fetch.py), by fetch id
+        self.fetched_blocks = 0           # blocks this pool got by a fetch instead of a recompute
 
     def refresh_views(self) -> None:
         """(Re)bind the numpy views after `ref_cnt` or `write_step` was replaced."""

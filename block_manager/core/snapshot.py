@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from block_manager.core import disk_tier as _disk
+from block_manager.core import fetch as _fetch
 from block_manager.core import tiers as _tiers
 from block_manager.core.errors import CoreError, InvalidRequest
 from block_manager.core.pool import MAX_POOL_BLOCKS, BlockMeta, PlanState, Pool
@@ -111,6 +112,11 @@ def _pool_to_dict(pool: Pool) -> dict[str, Any]:
         d[name] = getattr(pool, name)
     if pool.host is not None:
         d["host"] = _tiers.to_dict(pool.host)
+    # prefix fetch (fetch.py): only when there is something (older snapshots keep their shape)
+    if pool.lent:
+        d["lent"] = _fetch.loans_to_list(pool)
+    if pool.fetched_blocks:
+        d["fetched_blocks"] = pool.fetched_blocks
     return d
 
 
@@ -137,6 +143,8 @@ def _step_to_dict(step: StepWork) -> dict[str, Any]:
         "base_step_id": step.base_step_id,
         # only with a host tier's moves pending (a snapshot without tiers keeps its old shape)
         **({"tier_ops": [_tier(op) for op in step.tier_ops]} if step.tier_ops else {}),
+        **({"fetches": [_fetch.fetch_to_list(op) for op in step.fetches]} if step.fetches else {}),
+        **({"serves": [_fetch.grant_to_list(g) for g in step.serves]} if step.serves else {}),
     }
 
 
@@ -155,6 +163,8 @@ def _step_from_dict(d: dict[str, Any]) -> StepWork:
         bool(d["reset"]),
         None if d["base_step_id"] is None else int(d["base_step_id"]),
         [_untier(op) for op in d.get("tier_ops", ())],
+        [_fetch.fetch_from_list(op) for op in d.get("fetches", ())],
+        [_fetch.grant_from_list(g) for g in d.get("serves", ())],
     )
 
 
@@ -253,6 +263,8 @@ def _pool_from_dict(d: dict[str, Any]) -> Pool:
         pool.host = _tiers.from_dict(d["host"], MAX_POOL_BLOCKS, BlockMeta)
         if d["host"].get("disk") is not None:
             _disk.attach(pool, _disk.DiskTier.from_dict(d["host"]["disk"], MAX_POOL_BLOCKS, BlockMeta))
+    pool.lent = _fetch.loans_from_list(d.get("lent", []))
+    pool.fetched_blocks = int(d.get("fetched_blocks", 0))
     for s in d["sequences"]:
         seq = Sequence(
             SeqId(s["seq_id"]), pool.pool_id, [int(b) for b in s["block_table"]],

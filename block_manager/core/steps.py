@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from block_manager.core.fetch import FetchOp, ServeGrant
 from block_manager.core.sequence import Sequence
 from block_manager.core.tiers import TierOp
 from block_manager.core.types import BlockId, CopyOp, PlanId, SeqId, StepId, StepOutput, TableDelta
@@ -48,13 +49,16 @@ class StepWork:
     reset: bool = False   # the pool changed hands: the node forgets every table it holds first
     base_step_id: int | None = None  # set after a failure report: the last step to build on
     tier_ops: list[TierOp] = field(default_factory=list)  # device<->host moves (tiers.py), run first
+    fetches: list[FetchOp] = field(default_factory=list)  # blocks pulled from other nodes (fetch.py)
+    serves: list[ServeGrant] = field(default_factory=list)  # blocks this node serves to others (fetch.py)
 
     @property
     def has_work(self) -> bool:
         """Whether the node must run something for this step (writes, copies, a reset). New,
         changed or dropped tables alone wait in the open step: nothing reads them before the
         next step that writes, whose Forward applies them first."""
-        return bool(self.has_writes or self.copy_ops or self.plan_id is not None or self.reset or self.tier_ops)
+        return bool(self.has_writes or self.copy_ops or self.plan_id is not None or self.reset or self.tier_ops
+                    or self.serves)
 
 
 @dataclass(slots=True)
@@ -120,6 +124,8 @@ def build_output(pool_id: str, step: StepWork, seqs: dict[SeqId, Sequence]) -> S
         step.reset,
         StepId(base_step(step)),
         tuple(step.tier_ops),
+        tuple(step.fetches),
+        tuple(step.serves),
     )
 
 

@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 from block_manager.core.block_list import BlockList
 from block_manager.core.errors import FailedPrecondition, InvalidRequest, OutOfBlocks, PendingWrite
+from block_manager.core.fetch import host_loan_holders
 from block_manager.core.hashing import BlockHash
 from block_manager.core.types import BlockId, SeqId
 
@@ -476,6 +477,8 @@ def fsck_host(pool: Pool, live_ids: Iterable[SeqId]) -> list[str]:
             p.append(f"{name}: swapped {rec.seq_id!r} has {len(rec.host_table)} blocks for {rec.num_tokens} tokens")
     for _, h in host.holds:
         expected[h] += 1
+    for h, n_loans in host_loan_holders(pool).items():   # pinned for another pool's fetch (fetch.py)
+        expected[h] += n_loans
     live = set(live_ids)
     for sid in host.swapped:
         if sid in live:

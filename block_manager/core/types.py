@@ -78,6 +78,10 @@ class StepOutput:
     # Device<->host moves (block_manager.core.tiers.TierOp), run before everything else of the
     # step: all device->host moves, then all host->device moves, then the copy ops.
     tier_ops: tuple = ()
+    # Prefix fetch (block_manager.core.fetch): FetchOps this pool's node pulls inside the step
+    # (before its Forward reads them), ServeGrants it serves to other nodes from this step on.
+    fetches: tuple = ()
+    serves: tuple = ()
 
 
 @dataclass(slots=True, frozen=True)
@@ -174,6 +178,12 @@ class RouteEntry:
     pool_id: PoolId
     num_cached_tokens: int
     num_free_blocks: int
+    # Prefix fetch (docs/prefix_fetch.md): prompt tokens another pool (`fetch_pool_id`) holds
+    # beyond this pool's own hits, and the tokens neither has (recomputed); `num_cached_tokens`
+    # is the local part (device hits).
+    num_fetchable_tokens: int = 0
+    num_missing_tokens: int = 0
+    fetch_pool_id: PoolId | None = None
 
 
 @dataclass(slots=True, frozen=True)

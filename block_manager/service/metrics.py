@@ -38,11 +38,13 @@ class _StateCollector(Collector):
         pools = [rt.state.core.metrics(pid) for pid in rt.state.core.pool_ids]
         hosts = [h for pid in rt.state.core.pool_ids if (h := rt.state.core.host_metrics(pid)) is not None]
         disks = [d for pid in rt.state.core.pool_ids if (d := rt.state.core.disk_metrics(pid)) is not None]
+        fetches = [(pid, *rt.state.core.fetch_counts(pid)) for pid in rt.state.core.pool_ids]
         nodes = rt.state.registry.nodes()
         return {
             "pools": pools,
             "hosts": hosts,
             "disks": disks,
+            "fetches": fetches,
             "nodes_active": sum(1 for n in nodes if n.active and not n.draining),
             "nodes_draining": sum(1 for n in nodes if n.active and n.draining),
             "nodes_fenced": sum(1 for n in nodes if n.fenced),
@@ -119,6 +121,7 @@ class _StateCollector(Collector):
         yield from (usage, blocks, hwm, waste, seqs, contiguity, queries, hits, cow, evictions, moves, plans)
         yield from _host_families(snap.get("hosts", ()))
         yield from _disk_families(snap.get("disks", ()))
+        yield from _fetch_families(snap.get("fetches", ()))
         nodes = GaugeMetricFamily("pagedkv_nodes", "Registered nodes by state.", labels=["state"])
         for state in ("active", "draining", "fenced"):
             nodes.add_metric([state], snap[f"nodes_{state}"])
@@ -154,6 +157,18 @@ def _kv_event_families(hub: Any) -> Iterator[Metric]:
     yield CounterMetricFamily("pagedkv_kv_event_overflows",
                               "Subscribers dropped to a Resync because their buffer overflowed.",
                               value=hub.num_overflows)
+
+
+def _fetch_families(fetches: Iterable[tuple[str, int, int]]) -> Iterator[Metric]:
+    """Prefix fetch between nodes (docs/prefix_fetch.md): blocks a pool fetched from other pools
+    instead of recomputing them, and blocks it lends now (pinned for another pool's fetch)."""
+    fetched = CounterMetricFamily("pagedkv_fetched_blocks", "Prefix blocks fetched from other pools.",
+                                  labels=["pool"])
+    lent = GaugeMetricFamily("pagedkv_lent_blocks", "Blocks pinned for other pools' fetches.", labels=["pool"])
+    for pid, num_fetched, num_lent in fetches:
+        fetched.add_metric([pid], num_fetched)
+        lent.add_metric([pid], num_lent)
+    yield from (fetched, lent)
 
 
 def _host_families(hosts: Iterable[HostTierMetrics]) -> Iterator[Metric]:

@@ -110,6 +110,11 @@ def fill_pool_step(msg: common_pb2.PoolStep, d: dict[str, Any]) -> None:
     msg.plan_id = d["plan_id"]
     msg.reset = d["reset"]
     msg.base_step_id = d["base_step_id"]
+    for fid, src, address, src_blocks, dst_blocks, seq_id, first, tokens, src_host in d.get("fetches", ()):
+        msg.fetches.add(fetch_id=fid, src_pool_id=src, src_address=address, src_blocks=src_blocks,
+                        dst_blocks=dst_blocks, seq_id=seq_id, first_token=first, token_ids=tokens, src_host=src_host)
+    for fid, dst, blocks, host in d.get("serves", ()):
+        msg.serves.add(fetch_id=fid, dst_pool_id=dst, blocks=blocks, host=host)
     if "tier_kind" in d:   # host tier moves (absent in steps without any)
         msg.tier_kind.extend(d["tier_kind"])
         msg.tier_src.extend(d["tier_src"])
@@ -222,6 +227,9 @@ def _route_entries(state: ServiceState, token_ids: list[int], salt: str | None) 
                 num_cached_tokens=e.num_cached_tokens,
                 num_free_blocks=e.num_free_blocks,
                 address=node.address,
+                num_fetchable_tokens=e.num_fetchable_tokens,
+                num_missing_tokens=e.num_missing_tokens,
+                fetch_pool_id=e.fetch_pool_id or "",
             )
         )
     return out

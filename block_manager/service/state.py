@@ -31,6 +31,7 @@ from block_manager.core.errors import (
     StepsUnsettled,
     UnknownSequence,
 )
+from block_manager.core.fetch import score as fetch_score
 from block_manager.core.leases import PoolLeases, check_scheduler_id
 from block_manager.core.manager import DEFAULT_MAX_UNSETTLED_STEPS, MAX_POOL_BLOCKS, BlockManager
 from block_manager.core.nodes import NodeRegistry, check_node_id
@@ -232,6 +233,7 @@ class ServiceState:
         live = set(self.core.pool_ids)
         pools: set[str] = {r.pool_id for r in step.reports if r.pool_id in live}
         pools.update(a.pool_id for a in step.allocs if a.pool_id in live)
+        pools.update(src for a in step.allocs for src in a.fetch_sources if src in live)
         pools |= self.core.pools_of([*step.free_ids, *self._item_seq_ids(step), *step.swap_ids])
         return sorted(PoolId(p) for p in pools)
 
@@ -285,6 +287,7 @@ class ServiceState:
                 raise self._missing_seq_error(SeqId(sid))
         has_items = {a.pool_id for a in step.allocs}
         has_items |= core.pools_of([*self._item_seq_ids(step), *step.swap_ids])
+        lenders = {src for a in step.allocs for src in a.fetch_sources}
         settled_after = {r.pool_id: r.failed_from or r.completed_up_to for r in reports}
         for pid in sorted(has_items & set(pools)):
             pending = [s for s in core.unsettled_step_ids(pid) if s > settled_after.get(pid, 0)]
@@ -315,6 +318,8 @@ class ServiceState:
         swapped_in = self._swap("swap_in", [s for s in swap_in if s not in dropped], errors)
         self._fork(step, errors)
         append_tokens = self._append(step.appends, "append", errors, already_written=False)
+        # a fetch source's grant rides in its own step, closed with this one (prefix fetch)
+        has_items |= {pid for pid in lenders if pid in core.pool_ids and core.is_lending(pid)}
         # ---- close the open step of every pool this step has tokens (or forks) for ----
         # Only a step whose Forward the scheduler is about to run hands out a PoolStep: a Step
         # of frees or reports alone closes nothing, so no PoolStep (a defrag plan's copies, say)
@@ -326,7 +331,7 @@ class ServiceState:
             if pid in core.pool_ids and core.can_close_step(pid):
                 out = core.close_step(pid)
                 if out is not None:
-                    steps.append(pool_step_dict(out, self.registry.get(pid).epoch))
+                    steps.append(pool_step_dict(out, self.registry.get(pid).epoch, self._address_of))
         if p.get("release"):
             for pid in sorted(held):
                 if pid in core.pool_ids and core.sequences(pid):
@@ -362,6 +367,13 @@ class ServiceState:
             "alloc_pool_ids": [a.pool_id if tokens else "" for a, tokens in zip(step.allocs, alloc_tokens)],
         }
         return Applied(result, mutated)
+
+    def _address_of(self, pool_id: str) -> str:
+        """A pool's node address (a fetch source's, for the destination's pull)."""
+        try:
+            return self.registry.get(pool_id).address
+        except CoreError:
+            return ""
 
     def _host_usable(self, pool_id: PoolId) -> list[int]:
         """[host blocks free or evictable] for a pool with a host tier, else nothing."""
@@ -419,10 +431,13 @@ class ServiceState:
         live = set(core.pool_ids)
         candidates = set(step.placement.pool_ids) & live if step.placement.pool_ids else live
         usable: set[str] = set()
+        sources: list[PoolId] = []   # may lend prefix blocks: draining ones too (docs/prefix_fetch.md)
         for pid in candidates:
             node = self.registry.get(pid)
-            if not node.fenced and not node.draining and self.leases.blocked(pid, sched, now) is None:
-                usable.add(pid)
+            if not node.fenced and self.leases.blocked(pid, sched, now) is None:
+                sources.append(PoolId(pid))
+                if not node.draining:
+                    usable.add(pid)
         budget = step.placement.admit_budget
         taken: dict[str, int] = {}
         refused: set[int] = set()
@@ -430,21 +445,38 @@ class ServiceState:
             if not usable or (step.placement.admit_budget and budget <= 0):
                 refused.add(i)
                 continue
+            length = len(a.token_ids) if a.token_ids else (a.num_tokens or 0)
             if a.token_ids:
-                ranked = [(e.pool_id, e.num_cached_tokens, e.num_free_blocks)
-                          for e in core.route(a.token_ids, a.salt) if e.pool_id in usable]
+                # the fetch cost model (block_manager/core/fetch.py): tokens to recompute plus
+                # fetched tokens / FETCH_SPEEDUP, then the load this step already put on the pool
+                ranked = [(e.pool_id, e.num_cached_tokens, e.num_fetchable_tokens, e.num_free_blocks,
+                           fetch_score(length, e.num_cached_tokens, e.num_fetchable_tokens), e.fetch_pool_id)
+                          for e in core.route(a.token_ids, a.salt, fetch_sources=sources) if e.pool_id in usable]
             else:
-                ranked = [(pid, 0, core.free_blocks(pid)[1]) for pid in usable]
+                ranked = [(pid, 0, 0, core.free_blocks(pid)[1], float(length), None) for pid in usable]
             if not ranked:
                 refused.add(i)
                 continue
-            pool, cached, _ = min(ranked, key=lambda r: (-r[1], taken.get(r[0], 0) - r[2], r[0]))
-            length = len(a.token_ids) if a.token_ids else (a.num_tokens or 0)
+
+            def fits(r: tuple, length: int = length) -> bool:
+                """Room for the blocks beyond its local prefix (its local hits may be cached
+                blocks counted as free: not counted as room)."""
+                bs = self.registry.get(r[0]).block_size
+                local = r[1] // bs
+                return -(-length // bs) - local <= r[3] - local - taken.get(r[0], 0)
+
+            # a pool with room first (a busy pool holding the prefix lends it to one that has
+            # room, instead of the request queueing for it), then the cost, load and id
+            pool, local, fetchable, _, _, source = min(
+                ranked, key=lambda r: (not fits(r), r[4], taken.get(r[0], 0) - r[3], r[0]))
+            a.fetch_sources = [source] if source is not None and fetchable else []
+            cached = local + fetchable
             if step.placement.admit_budget:
                 a.num_compute = min(budget, a.num_compute or budget)
                 budget -= max(1, min(a.num_compute, length - cached))
             a.pool_id = pool
-            taken[pool] = taken.get(pool, 0) + -(-(length - cached) // self.registry.get(pool).block_size)
+            # fetched blocks are fresh blocks of the destination: only local ones are not taken
+            taken[pool] = taken.get(pool, 0) + -(-(length - local) // self.registry.get(pool).block_size)
         return refused
 
     def _allocate(
@@ -459,7 +491,7 @@ class ServiceState:
                 self.registry.check_active(a.pool_id)
                 res = self.core.allocate(
                     SeqId(a.seq_id), PoolId(a.pool_id), a.token_ids, num_tokens=a.num_tokens, salt=a.salt,
-                    num_compute=a.num_compute,
+                    num_compute=a.num_compute, fetch_sources=[PoolId(p) for p in a.fetch_sources],
                 )
             except CoreError as exc:
                 errors.append(item_error("alloc", i, exc))

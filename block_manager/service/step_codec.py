@@ -9,7 +9,7 @@ too, and `pool_step_dict` encodes one closed core step the way `PoolStep` carrie
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +77,7 @@ class Alloc:
     salt: str | None
     num_compute: int | None
     place: bool = False           # the block manager picks the pool (among `StepInput.place_pools`)
+    fetch_sources: list[str] = field(default_factory=list)   # placement's fetch source (docs/prefix_fetch.md)
 
 
 @dataclass(slots=True)
@@ -217,8 +218,9 @@ def _decode_forks(f: Mapping[str, Any]) -> list[tuple[str, list[str]]]:
     return out
 
 
-def pool_step_dict(out: StepOutput, epoch: int) -> dict[str, Any]:
-    """One closed core step, columnar as `PoolStep` carries it."""
+def pool_step_dict(out: StepOutput, epoch: int, address_of: Callable[[str], str] | None = None) -> dict[str, Any]:
+    """One closed core step, columnar as `PoolStep` carries it; `address_of(pool)`: a fetch
+    source node's address."""
     seq_ids, bases, versions, num_tokens, num_rep, rep_pos, rep_blk, num_app, app_blk = ([] for _ in range(9))
     for d in out.deltas:
         seq_ids.append(d.seq_id)
@@ -256,6 +258,11 @@ def pool_step_dict(out: StepOutput, epoch: int) -> dict[str, Any]:
             "tier_dst": [op.dst for op in out.tier_ops],
             **({"disk_blocks": disk_step_blocks(out.tier_ops)} if any(op.meta for op in out.tier_ops) else {}),
             } if out.tier_ops else {}),
+        **({"fetches": [[op.fetch_id, op.src_pool, address_of(op.src_pool) if address_of else "",
+                         list(op.src_blocks), list(op.dst_blocks), op.seq_id, op.first_token, list(op.token_ids),
+                         list(op.src_host)] for op in out.fetches]} if out.fetches else {}),
+        **({"serves": [[g.fetch_id, g.dst_pool, list(g.blocks), list(g.host)] for g in out.serves]}
+           if out.serves else {}),
     }
 
 

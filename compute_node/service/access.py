@@ -5,10 +5,12 @@
 | `ComputeNode/Forward` | `scheduler` / `scheduler:<id>`: a Forward writes into the node's KV memory |
 | `ComputeNode/Generate` | `scheduler` / `scheduler:<id>`: the model-level step writes KV memory too |
 | `ComputeNode/GetNodeInfo` | `scheduler`, `admin` |
+| `ComputeNode/FetchBlocks` | `node:<id>`: a node pulling prefix blocks granted to it (`<id>` = the grant's) |
 | anything else of ours | nobody (a new RPC must be given its rule here) |
 
-Nodes never call each other, and the block manager never calls a node: a `node:*` principal
-(another node's certificate from the same CA) is refused everything.
+Nodes call each other only to pull granted prefix blocks (docs/prefix_fetch.md), and the block
+manager never calls a node: a `node:*` principal (another node's certificate from the same CA)
+is refused everything else.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ _ALLOWED = {
     "Forward": frozenset({"scheduler"}),
     "Generate": frozenset({"scheduler"}),
     "GetNodeInfo": frozenset({"scheduler", "admin"}),
+    "FetchBlocks": frozenset({"node"}),
 }
 
 

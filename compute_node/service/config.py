@@ -101,6 +101,18 @@ class ComputeNodeConfig(YamlEnvSettings):
     max_inflight_per_peer: int | None = Field(default=64, ge=1)
     shutdown_grace_s: float = Field(default=5.0, ge=0)
     log_level: str = "INFO"
+    # Prefix fetch between nodes (docs/prefix_fetch.md). `peer_token`: this node's bearer token
+    # at other nodes (without mTLS; under mTLS its certificate identifies it). A pull's deadline,
+    # how long a granted transfer may wait to be pulled (and a pull may wait for its grant to
+    # arrive with the source's step), the chunk size. `fetch_test_pause_file` is a TEST HOOK: a
+    # source that has sent its first chunk creates that file and stops sending (holds the stream),
+    # so a test can kill it mid-transfer deterministically. Never set it in production.
+    peer_token: str | None = None
+    fetch_timeout_s: float = Field(default=30.0, gt=0)
+    fetch_grant_ttl_s: float = Field(default=60.0, gt=0)
+    fetch_grant_wait_s: float = Field(default=10.0, gt=0)
+    fetch_chunk_bytes: int = Field(default=1 << 20, ge=1 << 12, le=4 << 20)
+    fetch_test_pause_file: str | None = None
 
     @field_validator("block_manager_token")
     @classmethod

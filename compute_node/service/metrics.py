@@ -39,6 +39,12 @@ class NodeMetrics:
         self.bm_failures = Counter(
             "pagedkv_cn_block_manager_failures", "Failed calls to the block manager", ["rpc"], registry=r
         )
+        self.fetched_blocks = Counter("pagedkv_cn_fetched_blocks", "Prefix blocks pulled from other nodes",
+                                      registry=r)
+        self.fetch_recomputed_tokens = Counter(
+            "pagedkv_cn_fetch_recomputed_tokens", "Prefix tokens recomputed because a pull failed", registry=r)
+        self.fetch_bytes = Counter("pagedkv_cn_fetch_bytes", "K/V bytes pulled from other nodes", registry=r)
+        self.served_blocks = Counter("pagedkv_cn_served_blocks", "Prefix blocks served to other nodes", registry=r)
         self.fenced = Counter("pagedkv_cn_fenced", "Times this node found its epoch fenced", registry=r)
         self.epoch = Gauge("pagedkv_cn_epoch", "Current registration epoch (0: not registered)", registry=r)
         self.cached_tables = Gauge("pagedkv_cn_cached_tables", "Block tables in the node's cache", registry=r)

@@ -47,6 +47,7 @@ from compute_node.errors import (
     InvalidForward,
     NodeFenced,
     NotRegistered,
+    PeerFetchFailed,
     StaleTable,
     UnknownSequence,
 )
@@ -67,6 +68,7 @@ from compute_node.service.config import DEFAULT_NUM_BLOCKS, ComputeNodeConfig
 from compute_node.service.metrics import NodeMetrics
 from compute_node.tables import NodeTable, SeqId, StagedSteps, TableCache, stage
 from compute_node.threads import apply_thread_budget, thread_budget
+from compute_node.transfer import BlockPuller, FetchFailed, GrantBook
 from pagedkv.logging import get_logger
 from pagedkv.rpc import Backoff
 from pagedkv.v1 import compute_node_pb2 as pb
@@ -132,6 +134,13 @@ class ComputeNode:
         )
         self.tables = TableCache()
         self.pool: KvPool | None = None
+        # prefix fetch (compute_node/transfer.py, docs/prefix_fetch.md): what this node's steps
+        # granted to other nodes, and its puller of other nodes' blocks
+        self.grants = GrantBook(config.fetch_grant_ttl_s)
+        self.puller = BlockPuller(
+            config.node_id, tls=config.tls, token=config.peer_token, timeout_s=config.fetch_timeout_s,
+            chunk_bytes=config.fetch_chunk_bytes, max_message_bytes=config.max_message_bytes,
+        )
         # The host tier under `pool` (docs/tiers.md): the model runner's on a model node; an
         # attention-only node creates its own with its pool, at the first registration.
         self.host_pool: HostKvPool | None = None
@@ -177,7 +186,8 @@ class ComputeNode:
             runner.disk_store = open_disk_tier(cfg.disk_kv_path, cfg.disk_kv_bytes or 0, runner.geometry, cfg.model)
             self.log.info("disk_tier", path=cfg.disk_kv_path, num_blocks=runner.disk_store.num_blocks,
                           blocks_held=len(runner.disk_store.index), discarded=runner.disk_store.num_discarded)
-        self.generator = Generator(runner, self.tables, max_batch=cfg.max_batch)
+        self.generator = gen = Generator(runner, self.tables, max_batch=cfg.max_batch)
+        gen.puller, gen.on_serves, gen.on_fetch_failed = self.puller, self.grants.add, self._fetch_failed
         self.metrics.set_pool(runner.geometry, str(self.device))
         self.log.info("model_loaded", model=cfg.model, architecture=runner.model_config.architecture,
                       dtype=runner.geometry.dtype, num_blocks=runner.geometry.num_blocks)
@@ -219,6 +229,19 @@ class ComputeNode:
         if self.runner is not None and self.runner.disk_store is not None:
             async with self._lock:   # no step is moving blocks through it
                 self.runner.disk_store.close()
+        self.puller.close()
+
+    def _fetch_failed(self, op: object, why: str) -> None:
+        """A pull failed: the step recomputes those positions (logged and counted)."""
+        self.log.warning("prefix_fetch_failed", fetch_id=getattr(op, "fetch_id", ""), error=why)
+
+    def observe_generate(self, resp: pb.GenerateResponse) -> None:
+        st = resp.stats
+        if st.fetched_blocks:
+            self.metrics.fetched_blocks.inc(st.fetched_blocks)
+            self.metrics.fetch_bytes.inc(st.fetch_bytes)
+        if st.fetch_recomputed_tokens:
+            self.metrics.fetch_recomputed_tokens.inc(st.fetch_recomputed_tokens)
 
     async def _run(self) -> None:
         # Registration is retried until it succeeds: capped, jittered backoff, so a node whose
@@ -336,6 +359,7 @@ class ComputeNode:
         self.registration = None
         self.metrics.epoch.set(0)
         self.tables.clear()
+        self.grants.clear()
         if self.generator is not None:
             self.generator.reset()
         self.metrics.cached_tables.set(0)
@@ -361,6 +385,7 @@ class ComputeNode:
                 await self._try_register_locked()
                 raise
         self.metrics.cached_tables.set(len(self.tables))
+        self.observe_generate(resp)
         return resp
 
     # ---- forward --------------------------------------------------------------------
@@ -396,6 +421,11 @@ class ComputeNode:
                 table_of = lambda sid: cold.get(sid) or staged.table(self.tables, sid)  # noqa: E731
             tables = resolve_sequences(batch, table_of, pool.geometry.block_size, cold=set(cold))
             plan = plan_attention(batch, tables, pool.geometry)
+            if staged.serves:
+                self.grants.add(staged.serves)
+            if staged.fetches:
+                # before anything of the step is applied: a failed pull fails the Forward whole
+                await asyncio.to_thread(self._pull_for_forward, pool, staged.fetches)
             t0 = time.perf_counter()
             if staged.tier_moves:   # host tier moves and copies, in step order (as Generate does)
                 await asyncio.to_thread(apply_moves, pool, self.host_pool, staged)
@@ -423,6 +453,17 @@ class ComputeNode:
                 self.metrics.copy_ops.labels("cow").inc(len(staged.copy_pairs) - n_defrag)
         self._observe(batch, stats)
         return ForwardResult([(step.layer, out) for step, out in zip(batch.layers, outputs)], stats)
+
+    def _pull_for_forward(self, pool: KvPool, fetches: list) -> None:
+        """An attention-only node's pulls: it cannot recompute (the scheduler brings K/V), so a
+        failed pull fails the Forward (PeerFetchFailed) and the scheduler recomputes."""
+        for op in fetches:
+            try:
+                n = self.puller.pull(pool, op)
+            except FetchFailed as exc:
+                raise PeerFetchFailed(str(exc)) from None
+            self.metrics.fetched_blocks.inc(len(op.dst_blocks))
+            self.metrics.fetch_bytes.inc(n)
 
     async def _cold_tables(self, batch: ForwardBatch, staged: StagedSteps, epoch: int) -> dict[SeqId, NodeTable]:
         """Tables of sequences the node does not hold (a cold cache: not on the hot path).

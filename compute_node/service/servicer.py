@@ -7,6 +7,8 @@ with a generic message (the exception is logged with the request id, never sent 
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import grpc
 import structlog
 
@@ -15,7 +17,9 @@ from compute_node.forward import parse_forward
 from compute_node.generate import node_info_fields
 from compute_node.model import ModelError
 from compute_node.service.node import ComputeNode
+from compute_node.service.transfer_servicer import serve_blocks
 from compute_node.wire import encode_tensor
+from pagedkv.auth import Authenticator
 from pagedkv.v1 import compute_node_pb2 as pb
 from pagedkv.v1 import compute_node_pb2_grpc as pb_grpc
 
@@ -25,8 +29,16 @@ MAX_STEPS_PER_FORWARD = 64
 
 
 class ComputeNodeServicer(pb_grpc.ComputeNodeServicer):
-    def __init__(self, node: ComputeNode) -> None:
+    def __init__(self, node: ComputeNode, auth: Authenticator | None = None) -> None:
         self.node = node
+        self.auth = auth   # FetchBlocks checks identities itself (a stream: the edge guard wraps unary calls)
+
+    async def FetchBlocks(  # noqa: N802 (the gRPC method name)
+        self, request: pb.FetchBlocksRequest, context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.KvChunk]:
+        """Prefix fetch: serve granted blocks to another node (transfer_servicer.py)."""
+        async for chunk in serve_blocks(self.node, self.auth, request, context):
+            yield chunk
 
     async def Forward(self, request: pb.ForwardRequest, context: grpc.aio.ServicerContext) -> pb.ForwardResponse:
         node = self.node

@@ -1015,10 +1015,19 @@ class RouteEntry(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_FREE_BLOCKS_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
+    NUM_FETCHABLE_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_MISSING_TOKENS_FIELD_NUMBER: _builtins.int
+    FETCH_POOL_ID_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     num_cached_tokens: _builtins.int
     num_free_blocks: _builtins.int
     address: _builtins.str
+    num_fetchable_tokens: _builtins.int
+    """Prefix fetch (docs/prefix_fetch.md): num_cached_tokens are local; these the pool could
+    fetch from `fetch_pool_id` beyond them; the rest would be recomputed.
+    """
+    num_missing_tokens: _builtins.int
+    fetch_pool_id: _builtins.str
     def __init__(
         self,
         *,
@@ -1026,10 +1035,13 @@ class RouteEntry(_message.Message):
         num_cached_tokens: _builtins.int = ...,
         num_free_blocks: _builtins.int = ...,
         address: _builtins.str = ...,
+        num_fetchable_tokens: _builtins.int = ...,
+        num_missing_tokens: _builtins.int = ...,
+        fetch_pool_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "num_cached_tokens", b"num_cached_tokens", "num_free_blocks", b"num_free_blocks", "pool_id", b"pool_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "fetch_pool_id", b"fetch_pool_id", "num_cached_tokens", b"num_cached_tokens", "num_fetchable_tokens", b"num_fetchable_tokens", "num_free_blocks", b"num_free_blocks", "num_missing_tokens", b"num_missing_tokens", "pool_id", b"pool_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

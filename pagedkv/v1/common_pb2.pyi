@@ -58,6 +58,8 @@ class PoolStep(_message.Message):
     TIER_SRC_FIELD_NUMBER: _builtins.int
     TIER_DST_FIELD_NUMBER: _builtins.int
     DISK_BLOCKS_FIELD_NUMBER: _builtins.int
+    FETCHES_FIELD_NUMBER: _builtins.int
+    SERVES_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     epoch: _builtins.int
     """the node registration the step belongs to"""
@@ -137,6 +139,16 @@ class PoolStep(_message.Message):
         with the bytes and reports it back when it registers after a restart).
         """
 
+    @_builtins.property
+    def fetches(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvFetch]:
+        """Prefix fetch between nodes (docs/prefix_fetch.md). `fetches`: blocks this node pulls from
+        another node inside the step, before its Forward reads them (after the tier moves and copy
+        ops, before the writes); a failed pull is recomputed from `token_ids` in the same step.
+        `serves`: blocks this node serves to another node's pull from this step on (and nothing else).
+        """
+
+    @_builtins.property
+    def serves(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvServe]: ...
     def __init__(
         self,
         *,
@@ -163,10 +175,12 @@ class PoolStep(_message.Message):
         tier_src: _abc.Iterable[_builtins.int] | None = ...,
         tier_dst: _abc.Iterable[_builtins.int] | None = ...,
         disk_blocks: _abc.Iterable[Global___DiskBlock] | None = ...,
+        fetches: _abc.Iterable[Global___KvFetch] | None = ...,
+        serves: _abc.Iterable[Global___KvServe] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["appended_blocks", b"appended_blocks", "base_step_id", b"base_step_id", "copy_dst", b"copy_dst", "copy_is_defrag", b"copy_is_defrag", "copy_src", b"copy_src", "delta_base_versions", b"delta_base_versions", "delta_num_appended", b"delta_num_appended", "delta_num_replaced", b"delta_num_replaced", "delta_num_tokens", b"delta_num_tokens", "delta_seq_ids", b"delta_seq_ids", "delta_versions", b"delta_versions", "disk_blocks", b"disk_blocks", "dropped_seq_ids", b"dropped_seq_ids", "epoch", b"epoch", "plan_id", b"plan_id", "pool_id", b"pool_id", "replaced_blocks", b"replaced_blocks", "replaced_positions", b"replaced_positions", "reset", b"reset", "step_id", b"step_id", "tier_dst", b"tier_dst", "tier_kind", b"tier_kind", "tier_src", b"tier_src"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["appended_blocks", b"appended_blocks", "base_step_id", b"base_step_id", "copy_dst", b"copy_dst", "copy_is_defrag", b"copy_is_defrag", "copy_src", b"copy_src", "delta_base_versions", b"delta_base_versions", "delta_num_appended", b"delta_num_appended", "delta_num_replaced", b"delta_num_replaced", "delta_num_tokens", b"delta_num_tokens", "delta_seq_ids", b"delta_seq_ids", "delta_versions", b"delta_versions", "disk_blocks", b"disk_blocks", "dropped_seq_ids", b"dropped_seq_ids", "epoch", b"epoch", "fetches", b"fetches", "plan_id", b"plan_id", "pool_id", b"pool_id", "replaced_blocks", b"replaced_blocks", "replaced_positions", b"replaced_positions", "reset", b"reset", "serves", b"serves", "step_id", b"step_id", "tier_dst", b"tier_dst", "tier_kind", b"tier_kind", "tier_src", b"tier_src"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -214,3 +228,92 @@ class DiskBlock(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__salt) -> _WhichOneofReturnType__salt | None: ...
 
 Global___DiskBlock: _TypeAlias = DiskBlock  # noqa: Y015
+
+@_typing.final
+class KvFetch(_message.Message):
+    """Pull `src_blocks` of node `src_pool_id` (at `src_address`) into this pool's `dst_blocks`,
+    for sequence `seq_id`'s positions first_token .. first_token + len(token_ids) - 1.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FETCH_ID_FIELD_NUMBER: _builtins.int
+    SRC_POOL_ID_FIELD_NUMBER: _builtins.int
+    SRC_ADDRESS_FIELD_NUMBER: _builtins.int
+    SRC_BLOCKS_FIELD_NUMBER: _builtins.int
+    DST_BLOCKS_FIELD_NUMBER: _builtins.int
+    SEQ_ID_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    SRC_HOST_FIELD_NUMBER: _builtins.int
+    fetch_id: _builtins.str
+    src_pool_id: _builtins.str
+    src_address: _builtins.str
+    seq_id: _builtins.str
+    first_token: _builtins.int
+    @_builtins.property
+    def src_blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def dst_blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """what the node recomputes when the pull fails"""
+
+    @_builtins.property
+    def src_host(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """per source block: in the source's host tier (empty: none)"""
+
+    def __init__(
+        self,
+        *,
+        fetch_id: _builtins.str = ...,
+        src_pool_id: _builtins.str = ...,
+        src_address: _builtins.str = ...,
+        src_blocks: _abc.Iterable[_builtins.int] | None = ...,
+        dst_blocks: _abc.Iterable[_builtins.int] | None = ...,
+        seq_id: _builtins.str = ...,
+        first_token: _builtins.int = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        src_host: _abc.Iterable[_builtins.bool] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_blocks", b"dst_blocks", "fetch_id", b"fetch_id", "first_token", b"first_token", "seq_id", b"seq_id", "src_address", b"src_address", "src_blocks", b"src_blocks", "src_host", b"src_host", "src_pool_id", b"src_pool_id", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvFetch: _TypeAlias = KvFetch  # noqa: Y015
+
+@_typing.final
+class KvServe(_message.Message):
+    """Serve `blocks` of this pool to node `dst_pool_id` for fetch `fetch_id`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FETCH_ID_FIELD_NUMBER: _builtins.int
+    DST_POOL_ID_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
+    fetch_id: _builtins.str
+    dst_pool_id: _builtins.str
+    @_builtins.property
+    def blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def host(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """per block: a host-tier block (empty: none)"""
+
+    def __init__(
+        self,
+        *,
+        fetch_id: _builtins.str = ...,
+        dst_pool_id: _builtins.str = ...,
+        blocks: _abc.Iterable[_builtins.int] | None = ...,
+        host: _abc.Iterable[_builtins.bool] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "dst_pool_id", b"dst_pool_id", "fetch_id", b"fetch_id", "host", b"host"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvServe: _TypeAlias = KvServe  # noqa: Y015

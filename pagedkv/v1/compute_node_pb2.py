@@ -25,43 +25,47 @@ _sym_db = _symbol_database.Default()
 from pagedkv.v1 import common_pb2 as pagedkv_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpagedkv/v1/compute_node.proto\x12\npagedkv.v1\x1a\x17pagedkv/v1/common.proto\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"N\n\x0f\x46orwardSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x16\n\x0enum_new_tokens\x18\x02 \x01(\r\x12\x13\n\x0b\x63ontext_len\x18\x03 \x01(\r\"\x82\x01\n\nLayerInput\x12\r\n\x05layer\x18\x01 \x01(\r\x12!\n\x05query\x18\x02 \x01(\x0b\x32\x12.pagedkv.v1.Tensor\x12\x1f\n\x03key\x18\x03 \x01(\x0b\x32\x12.pagedkv.v1.Tensor\x12!\n\x05value\x18\x04 \x01(\x0b\x32\x12.pagedkv.v1.Tensor\"\xb0\x01\n\x0e\x46orwardRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x05steps\x18\x02 \x03(\x0b\x32\x14.pagedkv.v1.PoolStep\x12.\n\tsequences\x18\x03 \x03(\x0b\x32\x1b.pagedkv.v1.ForwardSequence\x12&\n\x06layers\x18\x04 \x03(\x0b\x32\x16.pagedkv.v1.LayerInput\x12\r\n\x05scale\x18\x05 \x01(\x01\"@\n\x0bLayerOutput\x12\r\n\x05layer\x18\x01 \x01(\r\x12\"\n\x06output\x18\x02 \x01(\x0b\x32\x12.pagedkv.v1.Tensor\"\xd3\x01\n\x0c\x46orwardStats\x12\x15\n\rtable_fetch_s\x18\x01 \x01(\x01\x12\x12\n\ncopy_ops_s\x18\x02 \x01(\x01\x12\x0f\n\x07write_s\x18\x03 \x01(\x01\x12\x13\n\x0b\x61ttention_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\x12\x1e\n\x16num_block_manager_rpcs\x18\x06 \x01(\r\x12\x14\n\x0cnum_copy_ops\x18\x07 \x01(\r\x12\x15\n\rkv_bytes_read\x18\x08 \x01(\x04\x12\x14\n\x0clast_step_id\x18\t \x01(\x04\"d\n\x0f\x46orwardResponse\x12(\n\x07outputs\x18\x01 \x03(\x0b\x32\x17.pagedkv.v1.LayerOutput\x12\'\n\x05stats\x18\x02 \x01(\x0b\x32\x18.pagedkv.v1.ForwardStats\"\x8c\x01\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\x06 \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\x8d\x01\n\x10GenerateSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x13\n\x0b\x63ontext_len\x18\x03 \x01(\r\x12&\n\x08sampling\x18\x04 \x01(\x0b\x32\x14.pagedkv.v1.Sampling\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\r\"\x8c\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x05steps\x18\x02 \x03(\x0b\x32\x14.pagedkv.v1.PoolStep\x12/\n\tsequences\x18\x03 \x03(\x0b\x32\x1c.pagedkv.v1.GenerateSequence\x12\x0f\n\x07profile\x18\x32 \x01(\x08\"\x7f\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\x42\n\n\x08_logprob\"\xab\x01\n\rGenerateStats\x12\x11\n\tprepare_s\x18\x01 \x01(\x01\x12\x0f\n\x07\x64\x65nse_s\x18\x02 \x01(\x01\x12\x13\n\x0b\x61ttention_s\x18\x03 \x01(\x01\x12\x10\n\x08sample_s\x18\x04 \x01(\x01\x12\x12\n\ncopy_ops_s\x18\x05 \x01(\x01\x12\x0f\n\x07total_s\x18\x06 \x01(\x01\x12\x14\n\x0cnum_copy_ops\x18\x07 \x01(\r\x12\x14\n\x0clast_step_id\x18\x08 \x01(\x04\"f\n\x10GenerateResponse\x12(\n\x06tokens\x18\x01 \x03(\x0b\x32\x18.pagedkv.v1.SampledToken\x12(\n\x05stats\x18\x02 \x01(\x0b\x32\x19.pagedkv.v1.GenerateStats\"\x14\n\x12GetNodeInfoRequest\"\xce\x02\n\x13GetNodeInfoResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x12\n\nregistered\x18\x03 \x01(\x08\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x12\n\nnum_blocks\x18\n \x01(\r\x12\x14\n\x0clast_step_id\x18\x0b \x01(\x04\x12\x19\n\x11num_cached_tables\x18\x0c \x01(\r\x12\r\n\x05model\x18\r \x01(\t\x12\x12\n\nvocab_size\x18\x0e \x01(\r\x12\x15\n\rmax_model_len\x18\x0f \x01(\r\x12\x15\n\reos_token_ids\x18\x10 \x03(\r2\xe8\x01\n\x0b\x43omputeNode\x12\x42\n\x07\x46orward\x12\x1a.pagedkv.v1.ForwardRequest\x1a\x1b.pagedkv.v1.ForwardResponse\x12\x45\n\x08Generate\x12\x1b.pagedkv.v1.GenerateRequest\x1a\x1c.pagedkv.v1.GenerateResponse\x12N\n\x0bGetNodeInfo\x12\x1e.pagedkv.v1.GetNodeInfoRequest\x1a\x1f.pagedkv.v1.GetNodeInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpagedkv/v1/compute_node.proto\x12\npagedkv.v1\x1a\x17pagedkv/v1/common.proto\"r\n\x12\x46\x65tchBlocksRequest\x12\x10\n\x08\x66\x65tch_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64st_pool_id\x18\x02 \x01(\t\x12\x0e\n\x06\x62locks\x18\x03 \x03(\r\x12\x17\n\x0fmax_chunk_bytes\x18\x04 \x01(\r\x12\x0c\n\x04host\x18\x05 \x03(\x08\"^\n\x07KvChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06layout\x18\x05 \x01(\t\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"N\n\x0f\x46orwardSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x16\n\x0enum_new_tokens\x18\x02 \x01(\r\x12\x13\n\x0b\x63ontext_len\x18\x03 \x01(\r\"\x82\x01\n\nLayerInput\x12\r\n\x05layer\x18\x01 \x01(\r\x12!\n\x05query\x18\x02 \x01(\x0b\x32\x12.pagedkv.v1.Tensor\x12\x1f\n\x03key\x18\x03 \x01(\x0b\x32\x12.pagedkv.v1.Tensor\x12!\n\x05value\x18\x04 \x01(\x0b\x32\x12.pagedkv.v1.Tensor\"\xb0\x01\n\x0e\x46orwardRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x05steps\x18\x02 \x03(\x0b\x32\x14.pagedkv.v1.PoolStep\x12.\n\tsequences\x18\x03 \x03(\x0b\x32\x1b.pagedkv.v1.ForwardSequence\x12&\n\x06layers\x18\x04 \x03(\x0b\x32\x16.pagedkv.v1.LayerInput\x12\r\n\x05scale\x18\x05 \x01(\x01\"@\n\x0bLayerOutput\x12\r\n\x05layer\x18\x01 \x01(\r\x12\"\n\x06output\x18\x02 \x01(\x0b\x32\x12.pagedkv.v1.Tensor\"\xd3\x01\n\x0c\x46orwardStats\x12\x15\n\rtable_fetch_s\x18\x01 \x01(\x01\x12\x12\n\ncopy_ops_s\x18\x02 \x01(\x01\x12\x0f\n\x07write_s\x18\x03 \x01(\x01\x12\x13\n\x0b\x61ttention_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\x12\x1e\n\x16num_block_manager_rpcs\x18\x06 \x01(\r\x12\x14\n\x0cnum_copy_ops\x18\x07 \x01(\r\x12\x15\n\rkv_bytes_read\x18\x08 \x01(\x04\x12\x14\n\x0clast_step_id\x18\t \x01(\x04\"d\n\x0f\x46orwardResponse\x12(\n\x07outputs\x18\x01 \x03(\x0b\x32\x17.pagedkv.v1.LayerOutput\x12\'\n\x05stats\x18\x02 \x01(\x0b\x32\x18.pagedkv.v1.ForwardStats\"\x8c\x01\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\x06 \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\x8d\x01\n\x10GenerateSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x13\n\x0b\x63ontext_len\x18\x03 \x01(\r\x12&\n\x08sampling\x18\x04 \x01(\x0b\x32\x14.pagedkv.v1.Sampling\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\r\"\x8c\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x05steps\x18\x02 \x03(\x0b\x32\x14.pagedkv.v1.PoolStep\x12/\n\tsequences\x18\x03 \x03(\x0b\x32\x1c.pagedkv.v1.GenerateSequence\x12\x0f\n\x07profile\x18\x32 \x01(\x08\"\x7f\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\x42\n\n\x08_logprob\"\x8a\x02\n\rGenerateStats\x12\x11\n\tprepare_s\x18\x01 \x01(\x01\x12\x0f\n\x07\x64\x65nse_s\x18\x02 \x01(\x01\x12\x13\n\x0b\x61ttention_s\x18\x03 \x01(\x01\x12\x10\n\x08sample_s\x18\x04 \x01(\x01\x12\x12\n\ncopy_ops_s\x18\x05 \x01(\x01\x12\x0f\n\x07total_s\x18\x06 \x01(\x01\x12\x14\n\x0cnum_copy_ops\x18\x07 \x01(\r\x12\x14\n\x0clast_step_id\x18\x08 \x01(\x04\x12\x16\n\x0e\x66\x65tched_blocks\x18Z \x01(\r\x12\x1f\n\x17\x66\x65tch_recomputed_tokens\x18[ \x01(\r\x12\x0f\n\x07\x66\x65tch_s\x18\\ \x01(\x01\x12\x13\n\x0b\x66\x65tch_bytes\x18] \x01(\x04\"f\n\x10GenerateResponse\x12(\n\x06tokens\x18\x01 \x03(\x0b\x32\x18.pagedkv.v1.SampledToken\x12(\n\x05stats\x18\x02 \x01(\x0b\x32\x19.pagedkv.v1.GenerateStats\"\x14\n\x12GetNodeInfoRequest\"\xce\x02\n\x13GetNodeInfoResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x12\n\nregistered\x18\x03 \x01(\x08\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x12\n\nnum_blocks\x18\n \x01(\r\x12\x14\n\x0clast_step_id\x18\x0b \x01(\x04\x12\x19\n\x11num_cached_tables\x18\x0c \x01(\r\x12\r\n\x05model\x18\r \x01(\t\x12\x12\n\nvocab_size\x18\x0e \x01(\r\x12\x15\n\rmax_model_len\x18\x0f \x01(\r\x12\x15\n\reos_token_ids\x18\x10 \x03(\r2\xae\x02\n\x0b\x43omputeNode\x12\x42\n\x07\x46orward\x12\x1a.pagedkv.v1.ForwardRequest\x1a\x1b.pagedkv.v1.ForwardResponse\x12\x45\n\x08Generate\x12\x1b.pagedkv.v1.GenerateRequest\x1a\x1c.pagedkv.v1.GenerateResponse\x12N\n\x0bGetNodeInfo\x12\x1e.pagedkv.v1.GetNodeInfoRequest\x1a\x1f.pagedkv.v1.GetNodeInfoResponse\x12\x44\n\x0b\x46\x65tchBlocks\x12\x1e.pagedkv.v1.FetchBlocksRequest\x1a\x13.pagedkv.v1.KvChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedkv.v1.compute_node_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TENSOR']._serialized_start=70
-  _globals['_TENSOR']._serialized_end=122
-  _globals['_FORWARDSEQUENCE']._serialized_start=124
-  _globals['_FORWARDSEQUENCE']._serialized_end=202
-  _globals['_LAYERINPUT']._serialized_start=205
-  _globals['_LAYERINPUT']._serialized_end=335
-  _globals['_FORWARDREQUEST']._serialized_start=338
-  _globals['_FORWARDREQUEST']._serialized_end=514
-  _globals['_LAYEROUTPUT']._serialized_start=516
-  _globals['_LAYEROUTPUT']._serialized_end=580
-  _globals['_FORWARDSTATS']._serialized_start=583
-  _globals['_FORWARDSTATS']._serialized_end=794
-  _globals['_FORWARDRESPONSE']._serialized_start=796
-  _globals['_FORWARDRESPONSE']._serialized_end=896
-  _globals['_SAMPLING']._serialized_start=899
-  _globals['_SAMPLING']._serialized_end=1039
-  _globals['_GENERATESEQUENCE']._serialized_start=1042
-  _globals['_GENERATESEQUENCE']._serialized_end=1183
-  _globals['_GENERATEREQUEST']._serialized_start=1186
-  _globals['_GENERATEREQUEST']._serialized_end=1326
-  _globals['_SAMPLEDTOKEN']._serialized_start=1328
-  _globals['_SAMPLEDTOKEN']._serialized_end=1455
-  _globals['_GENERATESTATS']._serialized_start=1458
-  _globals['_GENERATESTATS']._serialized_end=1629
-  _globals['_GENERATERESPONSE']._serialized_start=1631
-  _globals['_GENERATERESPONSE']._serialized_end=1733
-  _globals['_GETNODEINFOREQUEST']._serialized_start=1735
-  _globals['_GETNODEINFOREQUEST']._serialized_end=1755
-  _globals['_GETNODEINFORESPONSE']._serialized_start=1758
-  _globals['_GETNODEINFORESPONSE']._serialized_end=2092
-  _globals['_COMPUTENODE']._serialized_start=2095
-  _globals['_COMPUTENODE']._serialized_end=2327
+  _globals['_FETCHBLOCKSREQUEST']._serialized_start=70
+  _globals['_FETCHBLOCKSREQUEST']._serialized_end=184
+  _globals['_KVCHUNK']._serialized_start=186
+  _globals['_KVCHUNK']._serialized_end=280
+  _globals['_TENSOR']._serialized_start=282
+  _globals['_TENSOR']._serialized_end=334
+  _globals['_FORWARDSEQUENCE']._serialized_start=336
+  _globals['_FORWARDSEQUENCE']._serialized_end=414
+  _globals['_LAYERINPUT']._serialized_start=417
+  _globals['_LAYERINPUT']._serialized_end=547
+  _globals['_FORWARDREQUEST']._serialized_start=550
+  _globals['_FORWARDREQUEST']._serialized_end=726
+  _globals['_LAYEROUTPUT']._serialized_start=728
+  _globals['_LAYEROUTPUT']._serialized_end=792
+  _globals['_FORWARDSTATS']._serialized_start=795
+  _globals['_FORWARDSTATS']._serialized_end=1006
+  _globals['_FORWARDRESPONSE']._serialized_start=1008
+  _globals['_FORWARDRESPONSE']._serialized_end=1108
+  _globals['_SAMPLING']._serialized_start=1111
+  _globals['_SAMPLING']._serialized_end=1251
+  _globals['_GENERATESEQUENCE']._serialized_start=1254
+  _globals['_GENERATESEQUENCE']._serialized_end=1395
+  _globals['_GENERATEREQUEST']._serialized_start=1398
+  _globals['_GENERATEREQUEST']._serialized_end=1538
+  _globals['_SAMPLEDTOKEN']._serialized_start=1540
+  _globals['_SAMPLEDTOKEN']._serialized_end=1667
+  _globals['_GENERATESTATS']._serialized_start=1670
+  _globals['_GENERATESTATS']._serialized_end=1936
+  _globals['_GENERATERESPONSE']._serialized_start=1938
+  _globals['_GENERATERESPONSE']._serialized_end=2040
+  _globals['_GETNODEINFOREQUEST']._serialized_start=2042
+  _globals['_GETNODEINFOREQUEST']._serialized_end=2062
+  _globals['_GETNODEINFORESPONSE']._serialized_start=2065
+  _globals['_GETNODEINFORESPONSE']._serialized_end=2399
+  _globals['_COMPUTENODE']._serialized_start=2402
+  _globals['_COMPUTENODE']._serialized_end=2704
 # @@protoc_insertion_point(module_scope)

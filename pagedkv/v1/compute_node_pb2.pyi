@@ -31,6 +31,83 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class FetchBlocksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FETCH_ID_FIELD_NUMBER: _builtins.int
+    DST_POOL_ID_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
+    fetch_id: _builtins.str
+    dst_pool_id: _builtins.str
+    """the pulling node (checked against the grant and its identity)"""
+    max_chunk_bytes: _builtins.int
+    """0: the server's default; capped by the server"""
+    @_builtins.property
+    def blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """exactly the granted blocks, in order"""
+
+    @_builtins.property
+    def host(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """per block: from the host tier (as granted; empty: none)"""
+
+    def __init__(
+        self,
+        *,
+        fetch_id: _builtins.str = ...,
+        dst_pool_id: _builtins.str = ...,
+        blocks: _abc.Iterable[_builtins.int] | None = ...,
+        max_chunk_bytes: _builtins.int = ...,
+        host: _abc.Iterable[_builtins.bool] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "dst_pool_id", b"dst_pool_id", "fetch_id", b"fetch_id", "host", b"host", "max_chunk_bytes", b"max_chunk_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FetchBlocksRequest: _TypeAlias = FetchBlocksRequest  # noqa: Y015
+
+@_typing.final
+class KvChunk(_message.Message):
+    """Bytes `offset .. offset + len(data)` of the stream: every block's K then V of every layer,
+    blocks in request order (`block_bytes` each, `layout` says dtype and per-layer shape).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OFFSET_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    CHECKSUM_FIELD_NUMBER: _builtins.int
+    BLOCK_BYTES_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
+    offset: _builtins.int
+    data: _builtins.bytes
+    checksum: _builtins.int
+    """XXH3-64 of `data` (xxhash.xxh3_64_intdigest)"""
+    block_bytes: _builtins.int
+    """first chunk: bytes per block"""
+    layout: _builtins.str
+    """first chunk: "dtype:layers:block_size:kv_heads:head_dim" """
+    def __init__(
+        self,
+        *,
+        offset: _builtins.int = ...,
+        data: _builtins.bytes = ...,
+        checksum: _builtins.int = ...,
+        block_bytes: _builtins.int = ...,
+        layout: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "checksum", b"checksum", "data", b"data", "layout", b"layout", "offset", b"offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvChunk: _TypeAlias = KvChunk  # noqa: Y015
+
+@_typing.final
 class Tensor(_message.Message):
     """A dense tensor: `data` holds prod(shape) elements of `dtype`, little-endian, C order."""
 
@@ -452,6 +529,10 @@ class GenerateStats(_message.Message):
     TOTAL_S_FIELD_NUMBER: _builtins.int
     NUM_COPY_OPS_FIELD_NUMBER: _builtins.int
     LAST_STEP_ID_FIELD_NUMBER: _builtins.int
+    FETCHED_BLOCKS_FIELD_NUMBER: _builtins.int
+    FETCH_RECOMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
+    FETCH_S_FIELD_NUMBER: _builtins.int
+    FETCH_BYTES_FIELD_NUMBER: _builtins.int
     prepare_s: _builtins.float
     """checks and index tensors (host)"""
     dense_s: _builtins.float
@@ -464,6 +545,13 @@ class GenerateStats(_message.Message):
     """the whole RPC on the node"""
     num_copy_ops: _builtins.int
     last_step_id: _builtins.int
+    fetched_blocks: _builtins.int
+    """Prefix fetch (docs/prefix_fetch.md): blocks pulled from other nodes in this step, positions
+    recomputed because a pull failed, the time and bytes of the pulls.
+    """
+    fetch_recomputed_tokens: _builtins.int
+    fetch_s: _builtins.float
+    fetch_bytes: _builtins.int
     def __init__(
         self,
         *,
@@ -475,10 +563,14 @@ class GenerateStats(_message.Message):
         total_s: _builtins.float = ...,
         num_copy_ops: _builtins.int = ...,
         last_step_id: _builtins.int = ...,
+        fetched_blocks: _builtins.int = ...,
+        fetch_recomputed_tokens: _builtins.int = ...,
+        fetch_s: _builtins.float = ...,
+        fetch_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_s", b"attention_s", "copy_ops_s", b"copy_ops_s", "dense_s", b"dense_s", "last_step_id", b"last_step_id", "num_copy_ops", b"num_copy_ops", "prepare_s", b"prepare_s", "sample_s", b"sample_s", "total_s", b"total_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_s", b"attention_s", "copy_ops_s", b"copy_ops_s", "dense_s", b"dense_s", "fetch_bytes", b"fetch_bytes", "fetch_recomputed_tokens", b"fetch_recomputed_tokens", "fetch_s", b"fetch_s", "fetched_blocks", b"fetched_blocks", "last_step_id", b"last_step_id", "num_copy_ops", b"num_copy_ops", "prepare_s", b"prepare_s", "sample_s", b"sample_s", "total_s", b"total_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

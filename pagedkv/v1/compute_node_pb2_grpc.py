@@ -49,6 +49,11 @@ class ComputeNodeStub:
                 request_serializer=pagedkv_dot_v1_dot_compute__node__pb2.GetNodeInfoRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_v1_dot_compute__node__pb2.GetNodeInfoResponse.FromString,
                 _registered_method=True)
+        self.FetchBlocks = channel.unary_stream(
+                '/pagedkv.v1.ComputeNode/FetchBlocks',
+                request_serializer=pagedkv_dot_v1_dot_compute__node__pb2.FetchBlocksRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_v1_dot_compute__node__pb2.KvChunk.FromString,
+                _registered_method=True)
 
 
 class ComputeNodeServicer:
@@ -79,6 +84,15 @@ class ComputeNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchBlocks(self, request, context):
+        """Prefix fetch (docs/prefix_fetch.md): another node pulls blocks of this node's pool. Served
+        only for a fetch id and blocks the scheduler granted in this node's step (PoolStep.serves),
+        to that destination node, before the grant expires; chunked, each chunk checksummed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ComputeNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +110,11 @@ def add_ComputeNodeServicer_to_server(servicer, server):
                     servicer.GetNodeInfo,
                     request_deserializer=pagedkv_dot_v1_dot_compute__node__pb2.GetNodeInfoRequest.FromString,
                     response_serializer=pagedkv_dot_v1_dot_compute__node__pb2.GetNodeInfoResponse.SerializeToString,
+            ),
+            'FetchBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchBlocks,
+                    request_deserializer=pagedkv_dot_v1_dot_compute__node__pb2.FetchBlocksRequest.FromString,
+                    response_serializer=pagedkv_dot_v1_dot_compute__node__pb2.KvChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +198,33 @@ class ComputeNode:
             '/pagedkv.v1.ComputeNode/GetNodeInfo',
             pagedkv_dot_v1_dot_compute__node__pb2.GetNodeInfoRequest.SerializeToString,
             pagedkv_dot_v1_dot_compute__node__pb2.GetNodeInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pagedkv.v1.ComputeNode/FetchBlocks',
+            pagedkv_dot_v1_dot_compute__node__pb2.FetchBlocksRequest.SerializeToString,
+            pagedkv_dot_v1_dot_compute__node__pb2.KvChunk.FromString,
             options,
             channel_credentials,
             insecure,

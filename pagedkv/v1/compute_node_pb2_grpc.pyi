@@ -54,6 +54,11 @@ class ComputeNodeStub:
     """
     GetNodeInfo: _grpc.UnaryUnaryMultiCallable[_compute_node_pb2.GetNodeInfoRequest, _compute_node_pb2.GetNodeInfoResponse]
     """The node's pool geometry and registration (read-only)."""
+    FetchBlocks: _grpc.UnaryStreamMultiCallable[_compute_node_pb2.FetchBlocksRequest, _compute_node_pb2.KvChunk]
+    """Prefix fetch (docs/prefix_fetch.md): another node pulls blocks of this node's pool. Served
+    only for a fetch id and blocks the scheduler granted in this node's step (PoolStep.serves),
+    to that destination node, before the grant expires; chunked, each chunk checksummed.
+    """
 
 @_typing.type_check_only
 class ComputeNodeAsyncStub(ComputeNodeStub):
@@ -70,6 +75,11 @@ class ComputeNodeAsyncStub(ComputeNodeStub):
     """
     GetNodeInfo: _aio.UnaryUnaryMultiCallable[_compute_node_pb2.GetNodeInfoRequest, _compute_node_pb2.GetNodeInfoResponse]  # type: ignore[assignment]
     """The node's pool geometry and registration (read-only)."""
+    FetchBlocks: _aio.UnaryStreamMultiCallable[_compute_node_pb2.FetchBlocksRequest, _compute_node_pb2.KvChunk]  # type: ignore[assignment]
+    """Prefix fetch (docs/prefix_fetch.md): another node pulls blocks of this node's pool. Served
+    only for a fetch id and blocks the scheduler granted in this node's step (PoolStep.serves),
+    to that destination node, before the grant expires; chunked, each chunk checksummed.
+    """
 
 class ComputeNodeServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -101,5 +111,16 @@ class ComputeNodeServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_compute_node_pb2.GetNodeInfoResponse, _abc.Awaitable[_compute_node_pb2.GetNodeInfoResponse]]:
         """The node's pool geometry and registration (read-only)."""
+
+    @_abc_1.abstractmethod
+    def FetchBlocks(
+        self,
+        request: _compute_node_pb2.FetchBlocksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_compute_node_pb2.KvChunk], _abc.AsyncIterator[_compute_node_pb2.KvChunk]]:
+        """Prefix fetch (docs/prefix_fetch.md): another node pulls blocks of this node's pool. Served
+        only for a fetch id and blocks the scheduler granted in this node's step (PoolStep.serves),
+        to that destination node, before the grant expires; chunked, each chunk checksummed.
+        """
 
 def add_ComputeNodeServicer_to_server(servicer: ComputeNodeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -30,14 +30,19 @@ sys.path.insert(0, str(Path(__file__).parent))
 import reference_core as old_core  # noqa: E402  (test-only copy of the object-based core)
 
 POOLS = {"p": (48, 4), "q": (40, 3), "r": (64, 8)}
+_NEW_EMPTY = frozenset(("tier_ops", "fetches", "serves"))
+_NEW_ROUTE = frozenset(("num_fetchable_tokens", "num_missing_tokens", "fetch_pool_id"))
 
 
 def plain(value: Any) -> Any:
     """Results of either core as comparable plain data (their classes differ)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        # `tier_ops` (host tier moves) is new in the array core; empty here: no pool has a host tier
+        # `tier_ops` (host tier moves) and `fetches` / `serves` (prefix fetch) are new in the array
+        # core; empty here: no pool has a host tier, and the pools' block sizes differ (no fetch).
+        # Route's fetch split (fetchable / missing / source) is new too: the ranking is compared.
         return (type(value).__name__, *(plain(getattr(value, f.name)) for f in dataclasses.fields(value)
-                                        if not (f.name == "tier_ops" and not getattr(value, f.name))))
+                                        if not (f.name in _NEW_EMPTY and not getattr(value, f.name))
+                                        and f.name not in _NEW_ROUTE))
     if isinstance(value, BaseException):
         return ("error", type(value).__name__, str(value))
     if isinstance(value, (list, tuple)):

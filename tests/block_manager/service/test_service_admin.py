@@ -113,4 +113,5 @@ async def test_metrics_endpoint(start_server: Any) -> None:
     assert 'pagedkv_evictions_total{pool="n1"} 0.0' in text
     assert 'pagedkv_rpc_latency_seconds_count{code="OK",method="Step"} 4.0' in text
     assert "pagedkv_journal_transactions_total" in text
+    assert 'pagedkv_fetched_blocks_total{pool="n1"} 0.0' in text and 'pagedkv_lent_blocks{pool="n1"} 0.0' in text
 
