@@ -140,6 +140,61 @@ def compile_ptx(pyfunc: Any, signature: tuple[Any, ...], launch_bounds: Any = No
     return ptx
 
 
+# Compiling a variant to PTX (Numba typing + NVVM) is most of a variant's cost; ptxas, nvJitLink
+# and nvdisasm take a fraction of a second. The test suite builds several variants in two files
+# (the PTX checks and the SASS gate, on different pytest-xdist workers), so it points this
+# variable at a directory of its run and each variant is compiled once per run.
+PTX_CACHE_ENV = "PAGEDKV_PTX_CACHE_DIR"
+
+
+def variant_ptx(variant: Variant) -> str:
+    """PTX of `variant` as the kernel files build it, reused from $PAGEDKV_PTX_CACHE_DIR when
+    set: keyed by the variant, every kernel source file, this file and the compiler versions,
+    so a changed kernel is compiled anew."""
+    cache = os.environ.get(PTX_CACHE_ENV)
+    if not cache:
+        pyfunc, signature, _, _, bounds = build(variant)
+        return compile_ptx(pyfunc, signature, launch_bounds=bounds)
+    import fcntl
+
+    path = Path(cache) / f"{_ptx_key(variant)}.ptx"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # One compile per variant: a second process asking for it meanwhile (the other test file on
+    # the other worker) waits for the first one's result instead of compiling it too.
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return path.read_text()
+        pyfunc, signature, _, _, bounds = build(variant)
+        ptx = compile_ptx(pyfunc, signature, launch_bounds=bounds)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")   # write-then-rename: whole or absent
+        tmp.write_text(ptx)
+        tmp.replace(path)
+        return ptx
+
+
+def _ptx_key(variant: Variant) -> str:
+    import hashlib
+
+    import numba
+
+    axes = {k: v for k, v in asdict(variant).items() if k != "name"}   # the name is a label only
+    digest = hashlib.sha256(repr((axes, CC, numba.__version__, _numba_cuda_version())).encode())
+    kernel_dir = Path(__file__).resolve().parents[1] / "kernels" / "cuda"
+    for source in (*sorted(kernel_dir.glob("*.py")), Path(__file__).resolve()):
+        digest.update(source.name.encode() + source.read_bytes())
+    return digest.hexdigest()[:32]
+
+
+def _numba_cuda_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("numba-cuda")
+    except Exception:   # not installed as a distribution (a source checkout): the sources decide
+        return "?"
+
+
 def assemble(ptx: str, ptxas: str, workdir: Path) -> tuple[Path, dict[str, int]]:
     """ptxas -v: (cubin, {registers, spill_bytes, shared_bytes})."""
     major, minor = ptxas_version(ptxas)
@@ -395,8 +450,8 @@ def analyze(variant: Variant, ptxas: str, nvdisasm: str | None,
             nvjitlink: bool | None = None) -> Report:
     """Build `variant` with ptxas and (when installed, or when `nvjitlink` is True) with
     nvJitLink; the report's machine-code figures are nvJitLink's when it built."""
-    pyfunc, signature, threads, kv_bytes, bounds = build(variant)
-    ptx = compile_ptx(pyfunc, signature, launch_bounds=bounds)
+    _, _, threads, kv_bytes, _ = build(variant)
+    ptx = variant_ptx(variant)
     use_jitlink = nvjitlink_version() is not None if nvjitlink is None else nvjitlink
     with tempfile.TemporaryDirectory() as tmp:
         cubin, info = assemble(ptx, ptxas, Path(tmp))

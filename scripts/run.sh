@@ -11,6 +11,10 @@
 # Linux x86_64 from PyPI that is the CUDA build (several GB). PAGEDKV_TORCH_INDEX adds an index,
 # e.g. PAGEDKV_TORCH_INDEX=https://download.pytorch.org/whl/cpu for the CPU build (~750 MB) on
 # a host without a GPU. The build installed is printed either way.
+#
+# demo and test venvs install with --no-compile: pip would otherwise write ~300 MB of .pyc for
+# every module of every package (a fifth of the demo venv), most never imported; Python writes
+# those a run imports, once. `setup` (the images) keeps them: a container may not write them.
 set -euo pipefail
 caller_dir=$PWD   # the demo writes its plot where it was started from, not into the repository
 cd "$(dirname "$0")/.."
@@ -26,7 +30,7 @@ case "$cmd" in
 esac
 stamp="$VENV/.pagedkv-installed${extras:+-$extras}"
 if [ ! -x "$VENV/bin/python" ]; then
-  echo "run.sh: creating $VENV (first run: a few minutes; ~1.5 GB for the demo, ~2.3 GB with the test extras)" >&2
+  echo "run.sh: creating $VENV (first run: a few minutes; ~1.3 GB for the demo, ~2 GB with the test extras)" >&2
   python3 -m venv "$VENV"
 fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
@@ -35,11 +39,14 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   # torch first, pinned: the project's range would otherwise let pip pick any build.
   torch_index=()
   [ -n "${PAGEDKV_TORCH_INDEX:-}" ] && torch_index=(--extra-index-url "$PAGEDKV_TORCH_INDEX")
-  "$VENV/bin/pip" install --progress-bar on ${torch_index[@]+"${torch_index[@]}"} "torch==2.13.0" 2>&1 \
+  no_compile=()
+  [ "$cmd" != setup ] && no_compile=(--no-compile)
+  "$VENV/bin/pip" install --progress-bar on ${no_compile[@]+"${no_compile[@]}"} \
+    ${torch_index[@]+"${torch_index[@]}"} "torch==2.13.0" 2>&1 \
     | grep -v "^Requirement already satisfied" || true
   "$VENV/bin/python" -c 'import torch; c = torch.version.cuda
 print("run.sh: torch", torch.__version__, f"(CUDA {c} build)" if c else "(CPU build)")' >&2 || true
-  "$VENV/bin/pip" install --progress-bar on -e ".${extras:+[$extras]}" 2>&1 \
+  "$VENV/bin/pip" install --progress-bar on ${no_compile[@]+"${no_compile[@]}"} -e ".${extras:+[$extras]}" 2>&1 \
     | grep -E "^(Collecting|Successfully|ERROR)" || true
   "$VENV/bin/python" -c "import pagedkv" 2>/dev/null || { echo "run.sh: install failed" >&2; exit 1; }
   touch "$stamp"

@@ -26,6 +26,7 @@ from engine.node_api import NodeStep
 from engine.params import SamplingParams
 from tests.compute_node.model.model_helpers import compare_greedy, hf_greedy
 from tests.engine.services import Services
+from tests.support.polling import eventually_sync
 
 MODEL = "llama-gqa4-hd64"
 OTHER_MODEL = "qwen2-gqa1-hd64-tied"
@@ -248,12 +249,16 @@ def test_a_node_restarted_in_place_costs_a_recompute(
         services.close()
 
 
-def _restart_block_manager(services: Services, db: str, down_s: float) -> None:
+def _restart_block_manager(services: Services, db: str, down_s: float, down: Any = None) -> None:
+    """Stop the block manager, keep it down `down_s`, start it again on the same file and
+    address; `down` (a threading.Event), when given, is set once it has stopped."""
     from block_manager.service.server import BlockManagerServer
     from tests.support.configs import bm_test_config
 
     address = services.bm.address
     services._run(services.bm.stop(0))
+    if down is not None:
+        down.set()
     time.sleep(down_s)
     server = BlockManagerServer(bm_test_config(block_size=4, database_url=db, listen_address=address))
     services._run(server.start())
@@ -275,13 +280,16 @@ def test_a_block_manager_restart_mid_generation_is_ridden_out(
             engine = llm.engine
             prompts = _prompts(5, 6)
             restarter: threading.Thread | None = None
+            down = threading.Event()
 
             def restart_once_decoding() -> None:
                 nonlocal restarter
                 if restarter is None and any(s.num_output_tokens >= 3 for s in engine.running):
-                    restarter = threading.Thread(target=_restart_block_manager, args=(services, db, 1.5))
+                    restarter = threading.Thread(target=_restart_block_manager, args=(services, db, 1.5, down))
                     restarter.start()
-                    time.sleep(0.2)   # the next step finds the block manager gone
+                    # the next step finds the block manager gone: wait for the stop itself, not a
+                    # fixed sleep (a starved thread on a loaded machine stops it later)
+                    assert down.wait(30), "the block manager did not stop"
 
             outs = _drive(engine, prompts, 16, restart_once_decoding)
             assert restarter is not None
@@ -319,7 +327,9 @@ def test_the_api_server_rides_out_a_block_manager_restart(model_dirs: dict[str, 
                     askers = [threading.Thread(target=lambda i=i: replies.append(ask(i))) for i in range(4)]
                     for t in askers:
                         t.start()
-                    time.sleep(0.3)
+                    # in flight (admitted and decoding) when the block manager goes, not a fixed sleep
+                    eventually_sync(lambda: any(s.num_output_tokens > 0 for s in list(llm.engine.running)),
+                                    timeout_s=60, what="requests decoding")
                     _restart_block_manager(services, db, 2.5)   # longer than the client's own retries
                     for t in askers:
                         t.join(120)
