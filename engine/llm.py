@@ -40,7 +40,9 @@ class LLM:
     `max_num_batched_tokens` (per step; longer prompts are prefilled in chunks),
     `max_model_len`. With `block_manager`: `tls`, `token` (the scheduler's credentials).
     Host tier (docs/tiers.md): `host_kv_memory` (bytes) or `host_kv_blocks`, and `preemption_mode`
-    ("auto": swap where the node has a host tier, "swap", "recompute").
+    ("auto": swap where the node has a host tier, "swap", "recompute"). `async_scheduling`:
+    plan each step while the nodes run the previous one (default on; None: the
+    `PAGEDKV_ASYNC_SCHEDULING` environment variable, "0" turns it off).
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class LLM:
         preemption_mode: str = "auto",
         host_kv_memory: int | None = None,
         host_kv_blocks: int | None = None,
+        async_scheduling: bool | None = None,
     ) -> None:
         self.model_dir = Path(model)
         if not self.model_dir.is_dir():
@@ -107,7 +110,8 @@ class LLM:
         self.engine = LLMEngine(
             client, nodes,
             EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                         max_model_len=max_model_len, preemption_mode=preemption_mode),
+                         max_model_len=max_model_len, preemption_mode=preemption_mode,
+                         **({} if async_scheduling is None else {"async_scheduling": async_scheduling})),
             detokenize=self.tokenizer.decode, connect=connect,
         )
         if block_manager is not None and self.engine.model_name != self.model_dir.name:
