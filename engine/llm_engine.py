@@ -158,7 +158,11 @@ class LLMEngine(StepPlanner, NodePipeline, SwapPreemption):
         if self._discovery is not None:
             self._discovery.start()
         self._down: frozenset[str] = frozenset()   # nodes out of placement, read once per step
-        self._inflight: InFlight | None = None      # the step the nodes run (async scheduling)
+        # async scheduling (engine.pipeline): the step whose Step is committed and whose nodes
+        # run next, the nodes that failed the last step run, the thread that plans meanwhile
+        self._ready: tuple[dict[str, PoolStepInfo], dict[str, list[Work]]] | None = None
+        self._failed: set[str] = set()
+        self._planner: ThreadPoolExecutor | None = None
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(
@@ -232,23 +236,30 @@ class LLMEngine(StepPlanner, NodePipeline, SwapPreemption):
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; the outputs of the requests that changed.
 
-        Plan and commit this step's block-manager Step, complete the step in flight (if any),
-        launch this one on the nodes. With `async_scheduling` this step's Generates are left
-        running (completed by the next call, which plans over them: `engine.pipeline`), so
-        the outputs are those of the previous step; without, they are completed here."""
+        Without `async_scheduling`: plan and commit the step's block-manager Step, run it on
+        the nodes, accept its tokens. With it (`engine.pipeline`), the Step of the step run
+        here was committed by the previous call, and the next step's Step is planned and
+        committed on the planner thread while the nodes run this one."""
         started = time.perf_counter()
         if self._discovery is not None:
             self._adopt(self._discovery.take())
         self._down = self.health.down_nodes()
-        flight, self._inflight = self._inflight, None
-        steps, work = self._schedule(flight)
-        failed = self._complete(flight) if flight is not None else set()
-        launched = self._launch(work, steps, failed)
-        if launched is not None and not self.config.async_scheduling:
-            self._complete(launched)
-            launched = None
-        self._inflight = launched
-        if flight is None and launched is None and not self.running and self.waiting:
+        ready, self._ready = self._ready, None
+        failed, self._failed = self._failed, set()
+        if ready is None:   # planned now: the failures of the last run are in its Step already
+            ready, failed = self._schedule(None), set()
+        flight = self._prepare(*ready, failed)
+        if flight is not None:
+            if self.config.async_scheduling:
+                if self._planner is None:
+                    self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner")
+                planned = self._planner.submit(self._schedule, flight)
+                self._run(flight)
+                self._ready = planned.result()
+            else:
+                self._run(flight)
+            self._failed = self._complete(flight)
+        elif not self.running and self.waiting:
             # nothing could be admitted (no node admits sequences now: fenced, draining, full):
             # wait a little rather than spin on empty Steps
             time.sleep(NO_CAPACITY_WAIT_S)
@@ -409,11 +420,16 @@ class LLMEngine(StepPlanner, NodePipeline, SwapPreemption):
             log.warning("flush_failed", error=str(exc))
 
     def drain(self) -> None:
-        """Complete the step the nodes run (async scheduling); its outputs come with the next
-        `step()`. Its failures are acted on as in a step (a node taken out, sequences re-queued)."""
-        flight, self._inflight = self._inflight, None
-        if flight is not None:
-            self._complete(flight)
+        """Run the step whose Step is committed (async scheduling): its nodes must write what
+        the block manager gave them before anything is freed. Its outputs come with the next
+        `step()`; its failures are acted on as in a step."""
+        ready, self._ready = self._ready, None
+        failed, self._failed = self._failed, set()
+        if ready is not None:
+            flight = self._prepare(*ready, failed)
+            if flight is not None:
+                self._run(flight)
+                self._failed = self._complete(flight)
 
     def close(self) -> None:
         """Free what is left, hand the pools back (another scheduler may drive them at once)."""
@@ -428,8 +444,9 @@ class LLMEngine(StepPlanner, NodePipeline, SwapPreemption):
         self.health.close()
         if self._discovery is not None:
             self._discovery.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        for pool in (self._pool, self._planner):
+            if pool is not None:
+                pool.shutdown(wait=True)
 
 
 def generate_all(engine: LLMEngine, requests: Iterable[str]) -> None:

@@ -34,7 +34,7 @@ admission (`seq_id`) that computed it, and greedy outputs equal a run without ov
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from block_manager.client import PoolStepInfo
@@ -71,7 +71,8 @@ class NodeJob:
     node_id: str
     info: PoolStepInfo | None        # the block manager's step for the node's pool (reported after)
     items: list[Work]
-    future: Future | None = None     # None: not sent (reported failed)
+    step: NodeStep
+    answer: list[SampledToken] | NodeError | None = None
 
 
 @dataclass(slots=True)
@@ -86,12 +87,11 @@ class InFlight:
 class NodePipeline:
     """Launching steps on the nodes and completing them (mixed into `LLMEngine`)."""
 
-    def _launch(self, work: dict[str, list[Work]], steps: dict[str, PoolStepInfo],
-                failed: set[str]) -> InFlight | None:
-        """Send each node its Generate for the step just committed (no wait). Speculative work is
-        reconciled first (see the module docstring); a node that failed the step in flight
-        (`failed`) or is out of placement gets nothing: its pool step is reported failed and
-        its sequences recompute."""
+    def _prepare(self, steps: dict[str, PoolStepInfo], work: dict[str, list[Work]],
+                 failed: set[str]) -> InFlight | None:
+        """Each node's Generate for a committed step. Speculative work is reconciled first (see
+        the module docstring); a node that failed the previous step (`failed`) or is out of
+        placement gets nothing: its pool step is reported failed and its sequences recompute."""
         jobs: list[NodeJob] = []
         for node_id in sorted(set(work) | set(steps)):
             items = work.get(node_id, [])
@@ -106,27 +106,33 @@ class NodePipeline:
             kept = [w for w in items if self._reconcile(w)]
             if info is None and not kept:
                 continue
-            jobs.append(NodeJob(node_id, info, kept))
+            step = NodeStep(f"{node_id}-{self.stats.num_steps}-{id(self)}", [info] if info is not None else [],
+                            [SeqStep(w.seq_id, w.token_ids, w.context_len, w.seq.num_output_tokens,
+                                     _sampling(w.seq) if w.sample else None) for w in kept],
+                            profile=self.config.profile_nodes)
+            jobs.append(NodeJob(node_id, info, kept, step))
         if not jobs:
             return None
         flight = InFlight(self.stats.num_steps, jobs)
         for job in jobs:
-            step = NodeStep(f"{job.node_id}-{self.stats.num_steps}-{id(self)}",
-                            [job.info] if job.info is not None else [],
-                            [SeqStep(w.seq_id, w.token_ids, w.context_len, w.seq.num_output_tokens,
-                                     _sampling(w.seq) if w.sample else None) for w in job.items],
-                            profile=self.config.profile_nodes)
             for w in job.items:
                 flight.by_seq[w.seq] = w
-            if self.config.async_scheduling or len(jobs) > 1:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(max_workers=NODE_THREADS, thread_name_prefix="generate")
-                job.future = self._pool.submit(self._generate, job.node_id, step)
-            else:
-                done: Future = Future()
-                done.set_result(self._generate(job.node_id, step))
-                job.future = done
         return flight
+
+    def _run(self, flight: InFlight) -> None:
+        """Call the nodes: the first on this thread, the others on the pool, in parallel. The
+        engine thread itself waits in the node's call (its I/O or kernels let go of the GIL),
+        so the next step's planning, on the planner thread, runs meanwhile without a thread
+        hand-off on the node's path."""
+        t0 = time.perf_counter()
+        first, *others = flight.jobs
+        if others and self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=NODE_THREADS, thread_name_prefix="generate")
+        futures = [(job, self._pool.submit(self._generate, job.node_id, job.step)) for job in others]  # type: ignore[union-attr]
+        first.answer = self._generate(first.node_id, first.step)
+        for job, future in futures:
+            job.answer = future.result()
+        self.stats.node_s += time.perf_counter() - t0
 
     def _reconcile(self, w: Work) -> bool:
         """Whether `w` goes to its node: a speculative token takes the id its previous step
@@ -150,16 +156,13 @@ class NodePipeline:
         return True
 
     def _complete(self, flight: InFlight) -> set[str]:
-        """Wait for a launched step's answers; report each Forward, accept the tokens of the
-        sequences that still run as the admission that computed them, and act on failures by
-        the failure table. The nodes that failed."""
-        t0 = time.perf_counter()
-        answers = {job.node_id: job.future.result() for job in flight.jobs if job.future is not None}
-        self.stats.node_s += time.perf_counter() - t0
+        """A step's answers (`_run`): report each Forward, accept the tokens of the sequences
+        that still run as the admission that computed them, and act on failures by the failure
+        table. The nodes that failed."""
         now = time.perf_counter()
         failed: set[str] = set()
         for job in flight.jobs:
-            answer = answers.get(job.node_id)
+            answer = job.answer
             ok = answer is not None and not isinstance(answer, NodeError)
             action = self._node_action(job.node_id, answer) if isinstance(answer, NodeError) else None
             if job.info is not None:

@@ -203,7 +203,7 @@ def test_a_node_failing_under_a_committed_next_step_recomputes_and_leaks_nothing
             if fault == "dead":
                 victim.dead = True
             else:
-                victim.restart_next = True
+                victim.restart()
             for i in range(3000):
                 if not engine.has_unfinished_requests():
                     break

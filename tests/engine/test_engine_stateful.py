@@ -81,7 +81,7 @@ class EngineMachine(RuleBasedStateMachine):
 
     @rule(node=st.sampled_from(NODES))
     def restart_in_place(self, node: str) -> None:
-        self.nodes[node].restart_next = True
+        self.nodes[node].restart()
 
     @rule(node=st.sampled_from(NODES), slow=st.booleans())
     def slow(self, node: str, slow: bool) -> None:
