@@ -1,14 +1,15 @@
 """The nodes' half of a step, and the overlap of one step's Generate with the next step's plan.
 
-A step's work goes to the nodes as one `Generate` per node (`launch`), in parallel on a thread
-pool; `complete` waits for the answers, reports every Forward to the block manager (with the
-next Step), accepts the sampled tokens and applies the failure table to the nodes that failed.
+A committed step becomes one `Generate` per node (`_prepare`); `_run` calls the nodes (the
+first on the engine thread, the others on a pool, in parallel); `_complete` reports every
+Forward to the block manager (with a later Step), accepts the sampled tokens and applies the
+failure table to the nodes that failed.
 
-With `async_scheduling` (the default) the engine does not wait between the two: `step()` plans
-and commits step N+1's block-manager Step while the nodes still run step N, then completes N
-and launches N+1 (vLLM v1's async scheduling, with the block manager in the scheduler's
-place). What step N+1 needs from step N is only the token each sampling sequence draws there,
-so step N+1 is planned as if none of them stopped:
+With `async_scheduling` (the default) `step()` plans and commits step N+1's block-manager Step
+on a planner thread while the engine thread waits in step N's node calls (vLLM v1's async
+scheduling, with the block manager in the scheduler's place); the engine thread calls the node
+itself, so no thread hand-off sits on the node's path. What step N+1 needs from step N is only
+the token each sampling sequence draws there, so step N+1 is planned as if none of them stopped:
 
 - a sequence whose step-N work samples gets a *speculative* append of one token for N+1 whose
   id is not known yet (`PLACEHOLDER`). Only an append the block manager client answers in
@@ -22,7 +23,7 @@ so step N+1 is planned as if none of them stopped:
 - a sequence whose step-N work is a prompt chunk that does not sample plans its next chunk
   (its ids are known); a fork waits for its parent's prompt to be computed and reported.
 
-Reconciling, when step N's answers arrive (`launch`): a sequence that stopped at N (a stop
+Reconciling, when step N's answers arrive (`_prepare` of N+1): a sequence that stopped at N (a stop
 token, its length, an abort) or was preempted drops its speculative work (its slot sat in a
 partial block nobody else sees; its blocks go back with its free in the next Step); every other
 sequence's placeholder becomes its real token. A node whose step N failed does not get step
