@@ -218,3 +218,16 @@ def test_a_node_failing_under_a_committed_next_step_recomputes_and_leaks_nothing
             assert core.fsck() == [] and core.sequences() == []
         finally:
             engine.close()
+
+
+def test_async_scheduling_is_a_setting(monkeypatch: Any) -> None:
+    from engine.llm_engine import ASYNC_SCHEDULING_ENV, EngineConfig
+
+    monkeypatch.delenv(ASYNC_SCHEDULING_ENV, raising=False)
+    assert EngineConfig().async_scheduling is True
+    for off in ("0", "false", "OFF", " no "):
+        monkeypatch.setenv(ASYNC_SCHEDULING_ENV, off)
+        assert EngineConfig().async_scheduling is False
+    monkeypatch.setenv(ASYNC_SCHEDULING_ENV, "1")
+    assert EngineConfig().async_scheduling is True
+    assert EngineConfig(async_scheduling=False).async_scheduling is False
