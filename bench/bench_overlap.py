@@ -115,7 +115,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--requests", type=int, default=32, help="real-model part (0: skip it)")
     ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--steps-only", action="store_true", help="only the fixed-time node part")
+    ap.add_argument("--model-only", action="store_true", help="only the real-model part")
+    ap.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
     args = ap.parse_args()
+    if args.model_only:
+        return model_part(args)
     print(f"# bench_overlap  fixed-time node {args.node_ms:g} ms/step, {args.seqs} running sequences, "
           f"block size {args.block_size}, {args.steps} steady decode steps, alternating x{args.repeats}")
     runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}
@@ -133,14 +138,19 @@ def main() -> None:
               f"speculative {int(r['speculative'])}, sat out {int(r['waits'])}")
     print(f"overlapped / sequential: period {best[True]['period_ms'] / best[False]['period_ms']:.3f}x, "
           f"tokens/s {best[True]['tok_s'] / best[False]['tok_s']:.3f}x")
-    if args.requests <= 0:
-        return
+    if args.requests > 0 and not args.steps_only:
+        model_part(args)
+
+
+def model_part(args: argparse.Namespace) -> None:
     import torch
     from bench_model import make_workload
 
     from compute_node.model.tiny import build_tiny_model, count_parameters
     from engine.llm import LLM
 
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp) / "llama", "llama", seed=0)
         workload = make_workload(args.requests, 8192, 0)
