@@ -231,3 +231,24 @@ def test_async_scheduling_is_a_setting(monkeypatch: Any) -> None:
     monkeypatch.setenv(ASYNC_SCHEDULING_ENV, "1")
     assert EngineConfig().async_scheduling is True
     assert EngineConfig(async_scheduling=False).async_scheduling is False
+
+
+def test_llm_turns_overlap_on_where_the_nodes_do_not_share_its_cpu(monkeypatch: Any) -> None:
+    """`LLM(async_scheduling=None)`: the environment variable when set; otherwise on for remote
+    nodes or a GPU, off for the embedded CPU node (its model needs the planner's cores)."""
+    from types import SimpleNamespace
+
+    from engine.llm import _async_default
+    from engine.llm_engine import ASYNC_SCHEDULING_ENV
+
+    cpu = SimpleNamespace(runner=SimpleNamespace(device=SimpleNamespace(type="cpu")))
+    gpu = SimpleNamespace(runner=SimpleNamespace(device=SimpleNamespace(type="cuda")))
+    remote = SimpleNamespace()
+    monkeypatch.delenv(ASYNC_SCHEDULING_ENV, raising=False)
+    assert _async_default(None, {"a": cpu}) is False
+    assert _async_default(None, {"a": gpu}) is True and _async_default(None, {"a": remote}) is True
+    assert _async_default(True, {"a": cpu}) is True and _async_default(False, {"a": remote}) is False
+    monkeypatch.setenv(ASYNC_SCHEDULING_ENV, "1")
+    assert _async_default(None, {"a": cpu}) is True
+    monkeypatch.setenv(ASYNC_SCHEDULING_ENV, "0")
+    assert _async_default(None, {"a": remote}) is False
