@@ -39,7 +39,7 @@ class FakeNode:
         self.model = model
         self.dead = False
         self.moved_on = False          # refuse every step as moved on
-        self.restart_next = False      # the next step: restart in place (a new epoch), refusing it
+        self.restart_next = False      # set by `restart`: the next step is refused (the epoch it was for ended)
         self.refuse = False
         self.delay_s = 0.0
         self.num_calls = 0
@@ -54,6 +54,13 @@ class FakeNode:
         self.epoch = reg.epoch
         return reg.epoch
 
+    def restart(self) -> None:
+        """Restart in place: register again now (a new epoch, as a restarted node does before it
+        answers) and refuse the next step. Called between steps, never from a Generate: the
+        in-process block manager is the engine's, and the engine's planner may be using it."""
+        self.register()
+        self.restart_next = True
+
     def info(self, timeout_s: float | None = None) -> NodeInfo:
         if self.dead:
             raise NodeUnreachable(self.node_id, "connection refused", code="UNAVAILABLE")
@@ -67,7 +74,6 @@ class FakeNode:
             time.sleep(self.delay_s)
         if self.restart_next and not self.dead:
             self.restart_next = False
-            self.register()
             with self._lock:
                 self.num_failed += 1
             raise NodeMovedOn(self.node_id, "restarted: unknown epoch", code="FAILED_PRECONDITION")

@@ -41,7 +41,8 @@ def test_a_step_is_one_round_trip_and_kv_usage_comes_with_its_answer() -> None:
         assert len(calls) == routes_so_far          # reading the gauge called nothing
     assert max(usages) > 0.1 and 0.0 <= min(usages) and max(usages) <= 1.0
     assert calls == []                                # no Route: placement happens inside the Step
-    assert max(n for n, _ in per_step) == 1, per_step
+    # the first step also commits the second's Step (async scheduling fills its pipeline)
+    assert per_step[0][0] <= 2 and max(n for n, _ in per_step[1:]) == 1, per_step
     engine.flush()
     assert engine.kv_usage() == 0.0                   # everything freed, as the flush's answer says
 
@@ -67,7 +68,8 @@ def test_placement_inside_the_step_spreads_prompts_and_follows_prefix_hits() -> 
     (seq,) = engine.running
     assert seq.node_id == first[prompts[3][0]] and engine.requests[rid].num_cached_tokens == 48
     # a budget of 100 tokens admits one 64-token prompt and refuses nothing it cannot
-    small, _ = fake_engine(2, num_blocks=256, block_size=16, max_num_batched_tokens=100)
+    # (one Step's admissions: without async scheduling, whose first step also plans the second)
+    small, _ = fake_engine(2, num_blocks=256, block_size=16, max_num_batched_tokens=100, async_scheduling=False)
     for p in prompts[:4]:
         small.add_request(p, params)
     small.step()

@@ -4,7 +4,8 @@ A Hypothesis state machine drives an engine over the in-process block manager an
 nodes (`tests.engine.fakes`: a greedy token is a pure function of what the engine sent, so a
 run with faults must give every request exactly the tokens of a fault-free run). Faults: a node
 dies (unreachable) and comes back, restarts in place (a new epoch: its step is refused and its
-sequences are gone), or turns slow. After every rule:
+sequences are gone), or turns slow. It runs with async scheduling (the default: faults and aborts
+land while a step is in flight and the next one is committed) and without. After every rule:
 
 - the block manager's fsck is clean;
 - every sequence is where its state says (RUNNING: in `running`, with an id and a node;
@@ -33,10 +34,12 @@ SHARED = [random.Random(5).randrange(1, VOCAB) for _ in range(12)]   # a common 
 
 
 class EngineMachine(RuleBasedStateMachine):
+    ASYNC_SCHEDULING = True    # step N+1 planned while the nodes run step N (engine.pipeline)
+
     @initialize()
     def start(self) -> None:
         self.engine, self.nodes = fake_engine(2, num_blocks=20, block_size=4, max_num_batched_tokens=20,
-                                              max_num_seqs=8)
+                                              max_num_seqs=8, async_scheduling=self.ASYNC_SCHEDULING)
         self.engine.health.first_s, self.engine.health.max_s = 0.005, 0.02
         self.core = self.engine.client.state.core
         self.expected: dict[str, tuple[list[int], int]] = {}
@@ -78,7 +81,7 @@ class EngineMachine(RuleBasedStateMachine):
 
     @rule(node=st.sampled_from(NODES))
     def restart_in_place(self, node: str) -> None:
-        self.nodes[node].restart_next = True
+        self.nodes[node].restart()
 
     @rule(node=st.sampled_from(NODES), slow=st.booleans())
     def slow(self, node: str, slow: bool) -> None:
@@ -140,6 +143,12 @@ class EngineMachine(RuleBasedStateMachine):
             engine.close()
 
 
-EngineMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=40, deadline=None,
-                                           suppress_health_check=[HealthCheck.too_slow])
+class PlainEngineMachine(EngineMachine):
+    ASYNC_SCHEDULING = False   # one step after the other
+
+
+for _machine in (EngineMachine, PlainEngineMachine):
+    _machine.TestCase.settings = settings(max_examples=25, stateful_step_count=40, deadline=None,
+                                          suppress_health_check=[HealthCheck.too_slow])
 test_engine_state_machine = EngineMachine.TestCase
+test_engine_state_machine_without_overlap = PlainEngineMachine.TestCase

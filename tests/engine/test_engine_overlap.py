@@ -1,0 +1,254 @@
+"""Async scheduling (issue 21, item 2): step N+1's block-manager Step is planned and committed
+while the nodes run step N; running sequences are speculated not to stop and reconciled when
+step N's tokens arrive (`engine.pipeline`).
+
+Over the in-process block manager and fake nodes (a greedy token is a pure function of what
+the engine sent): the overlapped engine emits exactly the tokens, finish reasons and counts of
+the engine without overlap, including sequences that stop on a stop token mid-overlap (their
+speculative work is dropped), forks, chunked prefill and a node failing under a committed
+next Step; nothing is leaked (fsck, no sequence left), generated text is prefix-cached with
+the real token ids, and the next Step really is committed while a node is still generating.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from typing import Any
+
+from engine.params import SamplingParams
+from engine.pipeline import PLACEHOLDER
+from tests.engine.fakes import VOCAB, FakeNode, fake_completion, fake_engine
+
+STOPS = list(range(1, VOCAB, 23))    # ~4% of the tokens: stops nobody can foresee
+
+
+def _workload(seed: int) -> list[tuple[list[int], SamplingParams]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(1, VOCAB) for _ in range(20)]
+    work = []
+    for i in range(24):
+        prompt = (shared if i % 3 == 0 else []) + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(2, 70))]
+        params = SamplingParams(n=rng.choice((1, 1, 2, 3)), temperature=0, max_tokens=rng.randrange(1, 40),
+                                ignore_eos=True, stop_token_ids=STOPS if i % 2 else [])
+        work.append((prompt, params))
+    return work
+
+
+def _run(async_scheduling: bool, seed: int, **config: Any) -> tuple[dict[int, list[tuple[list[int], str]]], Any]:
+    engine, _ = fake_engine(2, num_blocks=96, block_size=4, max_num_batched_tokens=48, max_num_seqs=16,
+                            async_scheduling=async_scheduling, **config)
+    core = engine.client.state.core
+    try:
+        ids = {engine.add_request(p, params): i for i, (p, params) in enumerate(_workload(seed))}
+        outs: dict[int, list[tuple[list[int], str]]] = {}
+        for _ in range(5000):
+            if not engine.has_unfinished_requests():
+                break
+            for out in engine.step():
+                assert ids[out.request_id] not in outs, "a finished request came out twice"
+                if out.finished:
+                    outs[ids[out.request_id]] = [(list(c.token_ids), c.finish_reason or "") for c in out.outputs]
+            assert core.fsck() == []
+        engine.flush()
+        assert core.fsck() == [] and core.sequences() == []
+        return outs, engine.stats
+    finally:
+        engine.close()
+
+
+def test_overlap_emits_exactly_the_tokens_of_a_run_without_it() -> None:
+    for seed in (1, 2):
+        plain, plain_stats = _run(False, seed)
+        overlapped, stats = _run(True, seed)
+        assert overlapped == plain
+        assert len(plain) == 24
+        assert stats.generated_tokens == plain_stats.generated_tokens
+        # it did speculate, some of it on sequences that then stopped on a stop token
+        assert stats.speculative_tokens > 0 and stats.speculative_dropped > 0
+        assert plain_stats.speculative_tokens == 0
+
+
+def test_overlap_under_preemption_matches_too() -> None:
+    """A pool too small for the load: appends out of blocks preempt idle sequences (never one
+    with work in the step in flight) and everything recomputes to the same tokens."""
+    plain, _ = _run(False, 3, preemption_mode="recompute")
+    small, stats = _run(True, 3, preemption_mode="recompute")
+    assert small == plain
+    engine, _ = fake_engine(1, num_blocks=24, block_size=4, max_num_batched_tokens=32, async_scheduling=True)
+    try:
+        prompts = [[random.Random(i).randrange(1, VOCAB) for _ in range(9)] for i in range(10)]
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        rids = [engine.add_request(p, params) for p in prompts]
+        done: dict[str, Any] = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        assert engine.stats.num_preemptions > 0
+        for rid, p in zip(rids, prompts):
+            assert done[rid].outputs[0].token_ids == fake_completion(p, 30)
+        engine.flush()
+        assert engine.client.state.core.fsck() == [] and engine.client.state.core.sequences() == []
+    finally:
+        engine.close()
+
+
+class _GatedNode(FakeNode):
+    """The k-th Generate returns only once the engine committed k+1 Steps (or after `wait_s`): with
+    overlap that happens while it waits, without it never (the engine waits for the node)."""
+
+    def __init__(self, *args: Any, wait_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.wait_s = wait_s
+        self.commits = 0
+        self.cond = threading.Condition()
+        self.overlapped: list[bool] = []
+
+    def committed(self) -> None:
+        with self.cond:
+            self.commits += 1
+            self.cond.notify_all()
+
+    def generate(self, step: Any) -> Any:
+        with self.cond:
+            # the k-th Generate is step k's or later: Step k+1 is committed next
+            target = len(self.overlapped) + 2
+            self.overlapped.append(self.cond.wait_for(lambda: self.commits >= target, timeout=self.wait_s))
+        return super().generate(step)
+
+
+def _gated_engine(async_scheduling: bool) -> tuple[Any, _GatedNode]:
+    from block_manager.service.config import BlockManagerConfig
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.local_bm import LocalBlockManagerClient
+
+    client = LocalBlockManagerClient(BlockManagerConfig(database_url="memory://", block_size=16, watermark=0.0))
+    # generous when the commit must come (a loaded machine); short when it cannot
+    node = _GatedNode(client, "gated", 512, wait_s=30.0 if async_scheduling else 0.1)
+    engine = LLMEngine(client, {"gated": node}, EngineConfig(async_scheduling=async_scheduling))
+    commit = engine.sender.commit
+
+    def counted(batch: Any, **kw: Any) -> Any:
+        result = commit(batch, **kw)
+        node.committed()
+        return result
+
+    engine.sender.commit = counted   # type: ignore[method-assign]
+    return engine, node
+
+
+def test_the_next_step_is_committed_while_the_node_generates() -> None:
+    for async_scheduling in (True, False):
+        engine, node = _gated_engine(async_scheduling)
+        try:
+            rng = random.Random(7)
+            prompts = [[rng.randrange(1, VOCAB) for _ in range(20)] for _ in range(4)]
+            rids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+                    for p in prompts]
+            done: dict[str, Any] = {}
+            for _ in range(200):
+                if not engine.has_unfinished_requests():
+                    break
+                done.update({o.request_id: o for o in engine.step() if o.finished})
+            for rid, p in zip(rids, prompts):
+                assert done[rid].outputs[0].token_ids == fake_completion(p, 12)
+            # every Generate but the last saw the next Step committed while it ran (overlap);
+            # without overlap none did (each waited out its timeout)
+            if async_scheduling:
+                assert all(node.overlapped[:-1]) and len(node.overlapped) >= 12
+            else:
+                assert not any(node.overlapped)
+        finally:
+            engine.close()
+
+
+def test_generated_text_is_prefix_cached_with_its_real_token_ids() -> None:
+    """Speculative tokens reach the block manager only with their real ids (a placeholder never
+    does): a prompt that repeats a completion hits the cache over the generated blocks."""
+    engine, _ = fake_engine(1, num_blocks=256, block_size=4, async_scheduling=True)
+    try:
+        prompt = [random.Random(11).randrange(1, VOCAB) for _ in range(6)]
+        first = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+        done: dict[str, Any] = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        generated = done[first].outputs[0].token_ids
+        assert generated == fake_completion(prompt, 30) and engine.stats.speculative_tokens > 0
+        engine.flush()
+        again = engine.add_request(prompt + generated, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        # every full block of prompt + output but the last token's: (36 - 1) // 4 blocks
+        assert done[again].num_cached_tokens == (len(prompt) + 30 - 1) // 4 * 4
+        assert PLACEHOLDER not in done[again].outputs[0].token_ids
+    finally:
+        engine.close()
+
+
+def test_a_node_failing_under_a_committed_next_step_recomputes_and_leaks_nothing() -> None:
+    for fault in ("dead", "restart"):
+        engine, nodes = fake_engine(2, num_blocks=128, block_size=4, max_num_batched_tokens=64,
+                                    async_scheduling=True)
+        engine.health.first_s, engine.health.max_s = 0.005, 0.02
+        core = engine.client.state.core
+        try:
+            rng = random.Random(13)
+            prompts = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(3, 30))] for _ in range(12)]
+            params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
+            rids = [engine.add_request(p, params) for p in prompts]
+            done: dict[str, Any] = {}
+            for _ in range(6):
+                done.update({o.request_id: o for o in engine.step() if o.finished})
+            # the step in flight is followed by a committed Step for both nodes when this fails
+            victim = nodes["fake-1"]
+            if fault == "dead":
+                victim.dead = True
+            else:
+                victim.restart()
+            for i in range(3000):
+                if not engine.has_unfinished_requests():
+                    break
+                if i == 10:
+                    victim.dead = False
+                done.update({o.request_id: o for o in engine.step() if o.finished})
+                assert core.fsck() == []
+            assert victim.num_failed >= 1 and engine.stats.num_failed_steps >= 1
+            for rid, p in zip(rids, prompts):
+                assert done[rid].outputs[0].token_ids == fake_completion(p, 25)
+            engine.flush()
+            assert core.fsck() == [] and core.sequences() == []
+        finally:
+            engine.close()
+
+
+def test_async_scheduling_is_a_setting(monkeypatch: Any) -> None:
+    from engine.llm_engine import ASYNC_SCHEDULING_ENV, EngineConfig
+
+    monkeypatch.delenv(ASYNC_SCHEDULING_ENV, raising=False)
+    assert EngineConfig().async_scheduling is True
+    for off in ("0", "false", "OFF", " no "):
+        monkeypatch.setenv(ASYNC_SCHEDULING_ENV, off)
+        assert EngineConfig().async_scheduling is False
+    monkeypatch.setenv(ASYNC_SCHEDULING_ENV, "1")
+    assert EngineConfig().async_scheduling is True
+    assert EngineConfig(async_scheduling=False).async_scheduling is False
+
+
+def test_llm_turns_overlap_on_where_the_nodes_do_not_share_its_cpu(monkeypatch: Any) -> None:
+    """`LLM(async_scheduling=None)`: the environment variable when set; otherwise on for remote
+    nodes or a GPU, off for the embedded CPU node (its model needs the planner's cores)."""
+    from types import SimpleNamespace
+
+    from engine.llm import _async_default
+    from engine.llm_engine import ASYNC_SCHEDULING_ENV
+
+    cpu = SimpleNamespace(runner=SimpleNamespace(device=SimpleNamespace(type="cpu")))
+    gpu = SimpleNamespace(runner=SimpleNamespace(device=SimpleNamespace(type="cuda")))
+    remote = SimpleNamespace()
+    monkeypatch.delenv(ASYNC_SCHEDULING_ENV, raising=False)
+    assert _async_default(None, {"a": cpu}) is False
+    assert _async_default(None, {"a": gpu}) is True and _async_default(None, {"a": remote}) is True
+    assert _async_default(True, {"a": cpu}) is True and _async_default(False, {"a": remote}) is False
+    monkeypatch.setenv(ASYNC_SCHEDULING_ENV, "1")
+    assert _async_default(None, {"a": cpu}) is True
+    monkeypatch.setenv(ASYNC_SCHEDULING_ENV, "0")
+    assert _async_default(None, {"a": remote}) is False
