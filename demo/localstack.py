@@ -44,6 +44,8 @@ from pathlib import Path
 
 import yaml
 
+from pagedkv.cli import ctrl_c_deferred
+
 COMPOSE_FILE = Path(__file__).resolve().parents[1] / "docker-compose.yml"
 MTLS_COMPOSE_FILE = COMPOSE_FILE.with_name("docker-compose.mtls.yml")
 _INTERP = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
@@ -179,14 +181,14 @@ class ServiceProcess:
         port_file = workdir / f"{name}.port"
         port_file.unlink(missing_ok=True)
         log_path = workdir / f"{name}.log"
-        with open(log_path, "ab") as log:
+        with open(log_path, "ab") as log, ctrl_c_deferred():
             proc = subprocess.Popen(
                 [*argv, "--port-file", str(port_file)], env=dict(env) if env is not None else None, cwd=cwd,
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             )
         try:
             port = wait_port_file(port_file, proc, timeout_s)
-        except StackError:
+        except BaseException:   # a start-up failure, or Ctrl-C: nobody else knows this process
             _terminate(proc, signal.SIGKILL, 10)
             raise
         return cls(proc, port, log_path)
@@ -335,10 +337,10 @@ class LocalStack:
         port_file = self.port_file(service)
         port_file.unlink(missing_ok=True)
         log_path = self.workdir / f"{service}.log"
-        with open(log_path, "ab") as log:
+        with open(log_path, "ab") as log, ctrl_c_deferred():   # started and recorded (stopped by down())
             proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.workdir)
-        self.running[service] = _Running(self.specs[service], proc, log_path, env)
+            self.running[service] = _Running(self.specs[service], proc, log_path, env)
         try:
             port = wait_port_file(port_file, proc, timeout_s)
         except StackError as exc:

@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Iterator
 from types import FrameType
 
 EXIT_RUNTIME = 1
@@ -106,6 +107,25 @@ def catch_ctrl_c() -> None:
         signal.signal(signal.SIGINT, _raise_interrupted)
 
 
+@contextlib.contextmanager
+def ctrl_c_deferred() -> Iterator[None]:
+    """Hold Ctrl-C back for the duration (and deliver it right after): for steps that must not
+    be cut in two, e.g. starting a child process and recording it so it gets stopped again.
+    An interrupt inside `subprocess.Popen` (between fork and exec) would lose the child's pid
+    and leave it running."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if pending:
+            signal.raise_signal(signal.SIGINT)
+
+
 def quiet_broken_pipe() -> None:
     """After stdout's reader went away (`cmd | head`): point stdout at /dev/null so the
     interpreter's final flush does not raise again (Python's documented recipe)."""
@@ -115,6 +135,6 @@ def quiet_broken_pipe() -> None:
 
 
 __all__ = [
-    "ArgumentParser", "EXIT_RUNTIME", "EXIT_USAGE", "Interrupted", "catch_ctrl_c", "error_line", "fail", "port_number",
-    "port_problem", "quiet_broken_pipe", "split_host_port",
+    "ArgumentParser", "EXIT_RUNTIME", "EXIT_USAGE", "Interrupted", "catch_ctrl_c", "ctrl_c_deferred", "error_line",
+    "fail", "port_number", "port_problem", "quiet_broken_pipe", "split_host_port",
 ]

@@ -31,7 +31,7 @@ MAX_STEPS_PER_FORWARD = 64
 class ComputeNodeServicer(pb_grpc.ComputeNodeServicer):
     def __init__(self, node: ComputeNode, auth: Authenticator | None = None) -> None:
         self.node = node
-        self.auth = auth   # FetchBlocks checks identities itself (a stream: the edge guard wraps unary calls)
+        self.auth = auth   # the edge guard checks the role; FetchBlocks also ties the identity to the grant
 
     async def FetchBlocks(  # noqa: N802 (the gRPC method name)
         self, request: pb.FetchBlocksRequest, context: grpc.aio.ServicerContext,
