@@ -24,6 +24,10 @@ hashes of the slots it wrote.
 
 The node re-reports the slots its segment file holds when it registers (a new epoch after a
 restart): `seed` fills a new pool's disk index from them (the node validated every checksum).
+
+Every change of the disk index (a spill into a slot, `seed`, `drop_hash` — an overwritten LRU
+slot, a failed step's forgotten slot) tells the tier's `kv_log` when changes are recorded
+(core/kv_events.py): the KV events stream's tier "disk".
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ class DiskTier:
     """The disk slots of one pool (see the module docstring)."""
 
     __slots__ = ("num_blocks", "ref_cnt", "free_list", "cached_list", "meta", "prefix_index",
-                 "write_step", "holds", *_COUNTERS)
+                 "write_step", "holds", "kv_log", *_COUNTERS)
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -77,6 +81,7 @@ class DiskTier:
         self.prefix_index: dict[BlockHash, int] = {}
         self.write_step = [0] * num_blocks
         self.holds: list[tuple[int, int]] = []   # (step id, slot) read by that step
+        self.kv_log: Any = None   # a kv_events.KvChangeLog while changes are recorded
         for name in _COUNTERS:
             setattr(self, name, 0)
 
@@ -114,6 +119,15 @@ class DiskTier:
         if m is not None:
             del self.prefix_index[m.block_hash]
             self.meta[s] = None
+            if self.kv_log is not None:
+                self.kv_log.removed(m.block_hash)
+
+    def index(self, s: int, meta: BlockMeta) -> None:
+        """Slot `s` (free, taken by the caller) holds `meta`'s block: findable by its hash."""
+        self.meta[s] = meta
+        self.prefix_index[meta.block_hash] = s
+        if self.kv_log is not None:
+            self.kv_log.stored(meta)
 
     def hold(self, s: int, step_id: int) -> None:
         if self.ref_cnt[s] == 0:
@@ -274,8 +288,7 @@ def seed(disk: DiskTier, blocks: Sequence[SeedBlock], block_size: int, meta_cls:
         if blk.block_hash in disk.prefix_index:
             continue   # a duplicate copy stays a plain free slot
         disk.free_list.remove(blk.slot)
-        disk.meta[blk.slot] = meta_cls(blk.block_hash, blk.parent_hash, blk.salt, tuple(blk.token_ids))
-        disk.prefix_index[blk.block_hash] = blk.slot
+        disk.index(blk.slot, meta_cls(blk.block_hash, blk.parent_hash, blk.salt, tuple(blk.token_ids)))
         disk.cached_list.push_back(blk.slot)
     return skipped
 
@@ -303,8 +316,7 @@ def spill(pool: Pool, h: int) -> None:
     s = disk.take()
     if s is None:
         return
-    disk.meta[s] = meta
-    disk.prefix_index[meta.block_hash] = s
+    disk.index(s, meta)
     disk.cached_list.push_back(s)
     disk.write_step[s] = pool.step.step_id
     disk.disk_offloaded_blocks += 1
@@ -361,6 +373,8 @@ def stage(pool: Pool, slots: list[int]) -> list[int]:
         if meta is not None and meta.block_hash not in host.prefix_index:
             host.meta[h] = meta
             host.prefix_index[meta.block_hash] = h
+            if host.kv_log is not None:
+                host.kv_log.stored(meta)
         host.write_step[h] = step_id
         _queue(pool, "disk_onboard", s, h)
         out.append(h)

@@ -1,9 +1,10 @@
 """Changes of the prefix indexes, as the source of the KV events stream.
 
-A pool's device tier (`Pool`) and its host tier (`HostTier`) each own a prefix index
-(block hash -> block). Every change of one of them goes through a handful of methods —
-`register` / `drop_hash` / `reset_prefix_cache` on the device side, `offload` / `drop_hash` on
-the host side, `remove_pool` for a whole node — and each of those tells the tier's
+A pool's device tier (`Pool`), its host tier (`HostTier`) and its disk tier (`DiskTier`) each
+own a prefix index (block hash -> block or slot). Every change of one of them goes through a
+handful of methods — `register` / `drop_hash` / `reset_prefix_cache` on the device side,
+`offload` / `disk_tier.stage` / `drop_hash` on the host side, `disk_tier.spill` / `seed` /
+`drop_hash` on the disk side, `remove_pool` for a whole node — and each of those tells the tier's
 `KvChangeLog`, when it has one, in O(1): one tuple appended to a list. Nothing else happens on
 the hot path; the service turns the list into numbered events once the op's journal record is
 committed (`block_manager/service/kv_events.py`).
@@ -24,8 +25,8 @@ from typing import Any, Literal
 from block_manager.core.hashing import BlockHash
 from block_manager.core.types import PoolId
 
-KvTier = Literal["device", "host"]
-KV_TIERS: tuple[KvTier, ...] = ("device", "host")
+KvTier = Literal["device", "host", "disk"]
+KV_TIERS: tuple[KvTier, ...] = ("device", "host", "disk")
 
 # A change is a plain tuple (built on the append hot path); its first item is its kind:
 #   (STORED, pool_id, tier, block_hash, parent_hash | None, salt | None, num_tokens)
@@ -63,10 +64,12 @@ class KvChangeLog:
 
 
 def attach(pool: Any, out: list[KvChange] | None) -> None:
-    """Give `pool` (and its host tier) change logs writing into `out`; None detaches."""
+    """Give `pool` (and its host and disk tiers) change logs writing into `out`; None detaches."""
     pool.kv_log = None if out is None else KvChangeLog(pool.pool_id, "device", out)
     if pool.host is not None:
         pool.host.kv_log = None if out is None else KvChangeLog(pool.pool_id, "host", out)
+        if pool.host.disk is not None:
+            pool.host.disk.kv_log = None if out is None else KvChangeLog(pool.pool_id, "disk", out)
 
 
 def index_view(pools: dict[PoolId, Any]) -> IndexView:
@@ -76,6 +79,8 @@ def index_view(pools: dict[PoolId, Any]) -> IndexView:
         tiers: list[tuple[KvTier, Any]] = [("device", pool)]
         if pool.host is not None:
             tiers.append(("host", pool.host))
+            if pool.host.disk is not None:
+                tiers.append(("disk", pool.host.disk))
         for tier, t in tiers:
             entries: dict[BlockHash, BlockInfo] = {}
             for h, b in t.prefix_index.items():

@@ -197,12 +197,12 @@ class BlockManager:
         pool = Pool(pool_id, num_blocks, block_size)
         if host_num_blocks:
             pool.host = _tiers.HostTier(host_num_blocks)
+        if disk_num_blocks:
+            _disk.attach(pool, _disk.DiskTier(disk_num_blocks))
         if self._kv_changes is not None:
             _kv_events.attach(pool, self._kv_changes)
-        if disk_num_blocks:
-            disk = _disk.DiskTier(disk_num_blocks)
-            _disk.seed(disk, disk_blocks, block_size, BlockMeta)   # raises before the pool exists
-            _disk.attach(pool, disk)
+        if disk_num_blocks:   # seeds are disk-tier events; malformed ones raise before any change
+            _disk.seed(pool.host.disk, disk_blocks, block_size, BlockMeta)   # (the pool is not added)
         self._pools[pool_id] = pool
 
     def remove_pool(self, pool_id: PoolId) -> list[SeqId]:

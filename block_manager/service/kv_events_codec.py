@@ -12,7 +12,8 @@ from block_manager.core.kv_events import REMOVED, STORED
 from block_manager.service.kv_events import Event, Frame
 from pagedkv.v1 import block_manager_pb2 as pb
 
-TIER_PB = {"device": pb.KV_TIER_DEVICE, "host": pb.KV_TIER_HOST, None: pb.KV_TIER_UNSPECIFIED}
+TIER_PB = {"device": pb.KV_TIER_DEVICE, "host": pb.KV_TIER_HOST, "disk": pb.KV_TIER_DISK,
+           None: pb.KV_TIER_UNSPECIFIED}
 
 
 def event_pb(e: Event) -> pb.KvEvent:

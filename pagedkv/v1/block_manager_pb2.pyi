@@ -44,7 +44,7 @@ class _KvTierEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_KvTier.ValueTy
     KV_TIER_DEVICE: _KvTier.ValueType  # 1
     KV_TIER_HOST: _KvTier.ValueType  # 2
     KV_TIER_DISK: _KvTier.ValueType  # 3
-    """reserved for the disk tier"""
+    """the disk tier under the host tier (docs/tiers.md, docs/kv_events.md)"""
 
 class KvTier(_KvTier, metaclass=_KvTierEnumTypeWrapper):
     """---------------------------------------------------------------- KV events (docs/kv_events.md)
@@ -57,7 +57,7 @@ KV_TIER_UNSPECIFIED: KvTier.ValueType  # 0
 KV_TIER_DEVICE: KvTier.ValueType  # 1
 KV_TIER_HOST: KvTier.ValueType  # 2
 KV_TIER_DISK: KvTier.ValueType  # 3
-"""reserved for the disk tier"""
+"""the disk tier under the host tier (docs/tiers.md, docs/kv_events.md)"""
 Global___KvTier: _TypeAlias = KvTier  # noqa: Y015
 
 @_typing.final

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import rule, run_state_machine_as_test
+from hypothesis.stateful import invariant, rule, run_state_machine_as_test
 
 from block_manager.core import BlockManager, InvalidRequest, StepOutput, hash_prefix
 from block_manager.core.disk_tier import SeedBlock
+from block_manager.core.kv_events import apply_change
 from tests.block_manager.core import test_core_stateful as base
 from tests.block_manager.core import test_core_tiers_stateful as tiers
 
@@ -162,6 +163,28 @@ def test_seeded_blocks_are_hits_at_once_and_checked_against_their_hash() -> None
         BlockManager().add_pool("p", 4, BS, disk_num_blocks=4)
 
 
+def test_seeds_and_a_removed_pool_are_kv_changes_of_the_disk_tier() -> None:
+    """A recording manager (the KV events' source) reports a registration's seeds as disk-tier
+    stores, the hash that does not add up not at all, a refused registration nothing, and a
+    removed pool as one clear of every tier; the disk index is in `kv_index_view`."""
+    prompt = list(range(1, 10))
+    h = hash_prefix(prompt, BS, None)
+    m = BlockManager(watermark=0.0)
+    m.record_kv_changes()
+    with pytest.raises(InvalidRequest, match="outside"):
+        m.add_pool("p", 4, BS, host_num_blocks=2, disk_num_blocks=4, disk_blocks=(
+            SeedBlock(0, h[0], None, None, (1, 2, 3, 4)), SeedBlock(9, h[1], h[0], None, (5, 6, 7, 8))))
+    assert m.take_kv_changes() == [] and m.kv_index_view() == {}
+    m.add_pool("p", 4, BS, host_num_blocks=2, disk_num_blocks=4, disk_blocks=(
+        SeedBlock(3, h[0], None, None, (1, 2, 3, 4), 1), SeedBlock(0, h[1], h[0], None, (5, 6, 7, 8), 2),
+        SeedBlock(1, h[1], h[0], None, (5, 6, 7, 9), 3)))   # content that is not its hash: left out
+    assert m.take_kv_changes() == [("stored", "p", "disk", h[0], None, None, 4),
+                                   ("stored", "p", "disk", h[1], h[0], None, 4)]
+    assert m.kv_index_view() == {("p", "disk"): {h[0]: (None, None, 4), h[1]: (h[0], None, 4)}}
+    m.remove_pool("p")
+    assert m.take_kv_changes() == [("cleared", "p", None)] and m.kv_index_view() == {}
+
+
 def test_a_snapshot_keeps_the_disk_tier() -> None:
     m = _manager()
     _push_to_disk(m, list(range(1, 10)))
@@ -211,6 +234,23 @@ class DiskMachine(tiers.TierMachine):
         for pid, (n, bs) in base.POOLS.items():
             self.m.add_pool(pid, n, bs, host_num_blocks=tiers.HOST_BLOCKS[pid], disk_num_blocks=DISK_BLOCKS[pid])
         self.nodes = {pid: DiskNode(bs) for pid, (_, bs) in base.POOLS.items()}
+        self.kv_core: BlockManager | None = None   # the manager whose changes `kv_view` replays
+
+    @invariant()
+    def kv_changes_replay_to_every_tiers_index(self) -> None:
+        """The recorded prefix-index changes (the KV events' source, core/kv_events.py), replayed
+        in order, equal every tier's index (device, host, disk) after every rule. A manager
+        restored from a snapshot starts recording from its own index (a subscriber's Resync)."""
+        if self.m is not self.kv_core:
+            self.kv_core = self.m
+            self.m.record_kv_changes()
+            self.kv_view = {k: dict(v) for k, v in self.m.kv_index_view().items()}
+            return
+        changes = self.m.take_kv_changes()
+        for change in changes:
+            apply_change(self.kv_view, change)
+        EVENTS.update(f"kv {c[0]} {c[2]}" for c in changes)
+        assert self.kv_view == self.m.kv_index_view()
 
     @rule(pid=st.sampled_from(sorted(base.POOLS)), prefix=st.integers(0, 2), salt=st.sampled_from(base.SALTS),
           fill=st.integers(2, 5))
@@ -248,6 +288,8 @@ def run_disk_machine(max_examples: int, steps: int, derandomize: bool) -> None:
     )
     print(dict(EVENTS))
     assert EVENTS["disk_offload"] > 0 and EVENTS["disk_onboard"] > 0, dict(EVENTS)
+    for tier in ("device", "host", "disk"):
+        assert EVENTS[f"kv stored {tier}"] > 0 and EVENTS[f"kv removed {tier}"] > 0, dict(EVENTS)
 
 
 def test_three_tier_core_state_machine() -> None:

@@ -79,8 +79,10 @@ def expected_view(server: BlockManagerServer) -> dict:
 
 
 async def step(h: Harness, *, swap_out: list[str] = (), swap_in: list[str] = (),  # type: ignore[assignment]
-               fail: str | None = None, **kw: Any) -> pb.StepResponse:
-    """One Step carrying the pending reports (the pool `fail` reports its last step failed)."""
+               fail: str | None = None, place: list[str] | None = None, **kw: Any) -> pb.StepResponse:
+    """One Step carrying the pending reports (the pool `fail` reports its last step failed).
+    With `place`, every allocation is placed by the block manager among those pools (their
+    pool id is ignored): the placement that plans prefix fetches (docs/prefix_fetch.md)."""
     reports = dict(h.reports)
     if fail is not None and fail in reports:
         epoch, done, _ = reports[fail]
@@ -88,6 +90,9 @@ async def step(h: Harness, *, swap_out: list[str] = (), swap_in: list[str] = (),
     req = step_request(reports=reports, **kw)
     req.swap_out_seq_ids.extend(swap_out)
     req.swap_in_seq_ids.extend(swap_in)
+    if place is not None:
+        req.alloc_place.extend([True] * len(req.alloc_seq_ids))
+        req.place_pool_ids.extend(place)
     resp = await h.stub.Step(req, timeout=30)
     for pool in reports:
         h.reports.pop(pool, None)

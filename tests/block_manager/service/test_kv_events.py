@@ -1,11 +1,13 @@
 """The KV events stream through the real service over a real gRPC socket (docs/kv_events.md).
 
 The main check: a randomized workload — prompts sharing prefixes (two salts), appends that
-fill blocks, frees, evictions in small pools, offloads to a host tier, swaps, failed step
+fill blocks, frees, evictions in small pools, offloads to a host tier, host evictions spilling
+to a disk tier (which overwrites its LRU slots when full), disk onboards, disk blocks seeded at
+registration, prefix fetches between the pools (placed admissions), swaps, failed step
 reports, prefix-cache resets, defrag plans moving hashed blocks, a node re-registering —
 journaled in a real SQLite file, with a block-manager restart in the middle; after every op
 the subscriber's view (built only from the events) equals the block manager's prefix indexes
-per node and tier.
+per node and tier (device, host, disk).
 """
 
 from __future__ import annotations
@@ -18,14 +20,17 @@ from typing import Any
 import grpc
 import pytest
 
+from block_manager.core import hash_prefix
 from block_manager.service.server import BlockManagerServer
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
+from pagedkv.v1 import common_pb2
 from tests.block_manager.service.kv_events_helpers import Subscriber, expected_view, step
 from tests.block_manager.service.service_helpers import Harness, rid, service_config, step_request
 from tests.support.polling import eventually
 
 PREFIXES = [[7, 7, 7, 7, 1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9, 9, 9, 9, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+BLOCK_SIZE = 4   # the test config's
 
 
 async def start(db: Path, **overrides: Any) -> Harness:
@@ -40,6 +45,25 @@ async def stop(h: Harness) -> None:
     await h.server.stop(0)
 
 
+def disk_seeds(tokens: list[int], salt: str | None = None) -> list[common_pb2.DiskBlock]:
+    """What a node's segment file would hold for `tokens`' full blocks (slots 0, 1, ...)."""
+    hashes = hash_prefix(tokens, BLOCK_SIZE, salt)
+    return [common_pb2.DiskBlock(slot=i, block_hash=hh, parent_hash=hashes[i - 1] if i else b"", salt=salt,
+                                 token_ids=tokens[i * BLOCK_SIZE: (i + 1) * BLOCK_SIZE], last_used=i + 1)
+            for i, hh in enumerate(hashes)]
+
+
+async def register(h: Harness, node: str, num_blocks: int, host: int, disk: int, seeded: list[int]) -> None:
+    """A node with a host tier and a disk tier under it whose segment file holds `seeded`."""
+    await h.stub.RegisterNode(pb.RegisterNodeRequest(
+        request_id=rid("reg"), node_id=node, num_blocks=num_blocks, host_num_blocks=host, disk_num_blocks=disk,
+        disk_blocks=disk_seeds(seeded)))
+
+
+async def drain(h: Harness, node: str, draining: bool) -> None:
+    await h.admin.DrainNode(pb.DrainNodeRequest(request_id=rid("drain"), node_id=node, undrain=not draining))
+
+
 def prompt(rng: random.Random) -> list[int]:
     return list(rng.choice(PREFIXES)) + [rng.randrange(50, 54) for _ in range(rng.randrange(0, 10))]
 
@@ -51,11 +75,22 @@ async def random_op(h: Harness, rng: random.Random, n: int) -> str:
     live = sorted(s.seq_id for s in core.sequences())
     swapped = sorted(core.swapped_ids())
     r = rng.random()
-    if r < 0.35 or not live:
+    if r < 0.30 or not live:
         pool = rng.choice(["n1", "n1", "n2"])
         salt = rng.choice([None, None, "tenant-a"])
         await step(h, allocs=[(f"s{n}", pool, prompt(rng), 0, salt, 0)])
         return "alloc"
+    if r < 0.38:   # prefix fetch: a prompt computed on n1; n1 drains; placed again, it lands on n2
+        shared = rng.random() < 0.5     # one of the shared prefixes (n1 may lend host blocks), or a new one
+        tokens = prompt(rng) if shared else [1000 + n] * 12 + [rng.randrange(50, 54)]
+        await step(h, allocs=[(f"s{n}", "n1", tokens, 0, None, 0)])
+        await step(h)   # reports the step that computed it: n1's blocks are written, lendable
+        await drain(h, "n1", True)
+        try:
+            resp = await step(h, allocs=[(f"f{n}", "n1", tokens, 0, None, 0)], place=["n1", "n2"])
+        finally:
+            await drain(h, "n1", False)
+        return "fetch" if any(ps.fetches for ps in resp.steps) else "placed"
     if r < 0.55:
         sid = rng.choice(live)
         await step(h, appends=[(sid, k, [rng.randrange(50, 54) for _ in range(k)]) for k in [rng.randrange(1, 6)]])
@@ -84,7 +119,7 @@ async def random_op(h: Harness, rng: random.Random, n: int) -> str:
             return "defrag refused"
         return "defrag"
     h.reports.pop("n2", None)
-    await h.register("n2", num_blocks=12)
+    await register(h, "n2", num_blocks=12, host=4, disk=4, seeded=rng.choice(PREFIXES))
     return "reregister"
 
 
@@ -96,10 +131,12 @@ async def test_replayed_events_equal_the_prefix_indexes_through_a_restart(tmp_pa
     h = await start(db)
     sub = Subscriber()
     try:
-        await h.stub.RegisterNode(pb.RegisterNodeRequest(request_id=rid("reg"), node_id="n1", num_blocks=16,
-                                                         host_num_blocks=6))
-        await h.register("n2", num_blocks=12)
+        # n1's disk seeds are in the first Resync's snapshot; n2's re-registrations publish theirs
+        await register(h, "n1", num_blocks=16, host=6, disk=5, seeded=PREFIXES[2])
+        await register(h, "n2", num_blocks=12, host=4, disk=4, seeded=PREFIXES[1])
         sub.start(h.stub)
+        await sub.caught_up(h.server)
+        assert ("n1", "disk") in sub.view.blocks and sub.view.blocks == expected_view(h.server)
         ops: dict[str, int] = {}
         for n in range(160):
             if n == 80:   # restart on the same journal; the subscriber reconnects with its last id
@@ -120,12 +157,16 @@ async def test_replayed_events_equal_the_prefix_indexes_through_a_restart(tmp_pa
             ops[name] = ops.get(name, 0) + 1
             await sub.caught_up(h.server)
             assert sub.view.blocks == expected_view(h.server), f"after op {n} ({name})"
-        # the workload did reach every kind of change, in both tiers
+        # the workload did reach every kind of change, in all three tiers
         pool = h.server.runtime.state.core._pools["n1"]  # type: ignore[union-attr]
         assert pool.evictions > 0 and pool.host is not None and pool.host.offloaded_blocks > 0
-        for kind in (("block_stored", "device"), ("block_stored", "host"), ("block_removed", "device"),
-                     ("block_removed", "host"), ("all_blocks_cleared", "all"), ("all_blocks_cleared", "device")):
+        disk = pool.host.disk
+        assert disk.disk_offloaded_blocks > 0 and disk.disk_evictions > 0 and disk.disk_onboarded_blocks > 0
+        for kind in (("block_stored", "device"), ("block_stored", "host"), ("block_stored", "disk"),
+                     ("block_removed", "device"), ("block_removed", "host"), ("block_removed", "disk"),
+                     ("all_blocks_cleared", "all"), ("all_blocks_cleared", "device")):
             assert sub.kinds[kind] > 0, (kind, sub.kinds)
+        assert ops.get("fetch", 0), ops   # n2 pulled n1's blocks: BlockStored on n2's device tier
         assert ops.get("fail", 0) and ops.get("reregister", 0) and ops.get("swap_out", 0), ops
         assert pool.defrag_moves > 0, ops   # hashed blocks moved to other ids: no event, views still equal
         assert sub.error is None
