@@ -39,7 +39,7 @@ from block_manager.service.config import load_config as load_bm_config  # noqa: 
 from block_manager.service.server import BlockManagerServer  # noqa: E402
 from compute_node.model.tiny import build_tiny_model  # noqa: E402
 from compute_node.pool import KvPool, PoolGeometry  # noqa: E402
-from compute_node.transfer import BlockPuller  # noqa: E402
+from compute_node.transfer import DEFAULT_CHUNK_BYTES, BlockPuller  # noqa: E402
 from engine.executor import RemoteNode  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.params import SamplingParams  # noqa: E402
@@ -196,7 +196,8 @@ def transfer(num_blocks: int, repeats: int, chunk_bytes: int, tmp: Path) -> None
     port_file = tmp / "src.port"
     proc = subprocess.Popen([sys.executable, __file__, "--serve-source", str(port_file), "--grants", str(2 * repeats),
                              "--xfer-blocks", str(num_blocks), "--chunk-bytes", str(chunk_bytes)],
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=open(tmp / "src.log", "w"))  # noqa: SIM115
     try:
         port = _wait(lambda: port_file.exists() and port_file.read_text().strip(), "transfer source listening")
         address = f"127.0.0.1:{port}"
@@ -243,8 +244,10 @@ def transfer(num_blocks: int, repeats: int, chunk_bytes: int, tmp: Path) -> None
 
         print(f"## node->node transfer, {num_blocks} blocks x {XFER_GEOM.bytes_per_block // 1024} KiB = {mb:.1f} MB "
               f"({repeats} runs each, alternating, {chunk_bytes // 1024} KiB chunks, same server and channel options)")
-        print(f"FetchBlocks (grant, checksum, gather+scatter): p50 {1e3 * f:7.1f} ms = {mb / f:7.1f} MB/s  ({spread(f_s)})")
-        print(f"raw gRPC stream of the same bytes            : p50 {1e3 * r:7.1f} ms = {mb / r:7.1f} MB/s  ({spread(r_s)})")
+        print(f"FetchBlocks (grant, checksum, gather+scatter): p50 {1e3 * f:7.1f} ms = {mb / f:7.1f} MB/s "
+              f" ({spread(f_s)})")
+        print(f"raw gRPC stream of the same bytes            : p50 {1e3 * r:7.1f} ms = {mb / r:7.1f} MB/s "
+              f" ({spread(r_s)})")
         print(f"FetchBlocks / raw throughput: {r / f:.2f}x (p50s); per alternating pair: "
               f"{', '.join(f'{x:.2f}' for x in pairs)}")
         puller.close()
@@ -260,7 +263,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--xfer-blocks", type=int, default=128, help="blocks per transfer in part 2")
     ap.add_argument("--xfer-repeats", type=int, default=7, help="transfers of each kind in part 2")
-    ap.add_argument("--chunk-bytes", type=int, default=1 << 20, help="chunk size of both streams in part 2")
+    ap.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
+                    help="chunk size of both streams in part 2 (default: the node's, 4 MiB)")
     ap.add_argument("--transfer-only", action="store_true", help="part 2 only (no model, no TTFT)")
     ap.add_argument("--quick", action="store_true", help="512-token prefix, 2 rounds, 32 blocks")
     ap.add_argument("--serve-source", type=Path, help=argparse.SUPPRESS)

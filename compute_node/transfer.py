@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +37,12 @@ from pagedkv.tls import TlsSettings, open_channel
 from pagedkv.v1 import compute_node_pb2 as pb
 
 _CPU = torch.device("cpu")
-DEFAULT_CHUNK_BYTES = 1 << 20
+# 4 MiB: per-chunk costs (a thread hop each side, a message) dominate smaller chunks on a busy
+# host (measured, BENCHMARKS.md "round 2"); the serialized message is a few bytes more, under
+# every message limit of ours (a puller asks for no more than its own receive limit allows)
+DEFAULT_CHUNK_BYTES = 4 << 20
 MAX_CHUNK_BYTES = 4 << 20
+_MESSAGE_SLACK = 1 << 10   # a chunk message's bytes beyond its payload, at most
 FETCH_BLOCKS_METHOD = "/pagedkv.v1.ComputeNode/FetchBlocks"
 
 
@@ -364,10 +369,11 @@ class BlockPuller:
         self.tls = tls
         self.metadata = token_metadata(token)
         self.timeout_s = timeout_s
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes = max(1 << 12, min(chunk_bytes, max_message_bytes - _MESSAGE_SLACK))
         self.max_message_bytes = max_message_bytes
         self._stubs: dict[str, tuple[grpc.Channel, grpc.UnaryStreamMultiCallable]] = {}
         self._lock = threading.Lock()
+        self._scatter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetch-scatter")
 
     def _fetch_blocks(self, address: str) -> grpc.UnaryStreamMultiCallable:
         """`ComputeNode/FetchBlocks` on `address`, answering each `KvChunk` as its serialized
@@ -398,6 +404,9 @@ class BlockPuller:
         carry = b""               # the start of a block split across chunks
         req = pb.FetchBlocksRequest(fetch_id=op.fetch_id, dst_pool_id=self.node_id, blocks=op.src_blocks,
                                     max_chunk_bytes=self.chunk_bytes, host=getattr(op, "src_host", ()))
+        # a verified chunk's blocks are written on the scatter thread while the next chunk is
+        # received (one write in flight); every write has finished before this returns or raises
+        pending: Future[None] | None = None
         try:
             stream = self._fetch_blocks(op.src_address)(req, timeout=self.timeout_s, metadata=self.metadata)
             for message in stream:
@@ -416,12 +425,20 @@ class BlockPuller:
                 data = bytes(carry) + chunk.data if carry else chunk.data
                 whole = len(data) // block_bytes
                 if whole:
-                    unpack_into(pool, list(op.dst_blocks[done:done + whole]), memoryview(data)[:whole * block_bytes])
+                    if pending is not None:
+                        pending.result()
+                    pending = self._scatter.submit(unpack_into, pool, list(op.dst_blocks[done:done + whole]),
+                                                   memoryview(data)[:whole * block_bytes])
                     done += whole
                 carry = data[whole * block_bytes:]
+            if pending is not None:
+                pending.result()
         except grpc.RpcError as exc:
             raise FetchFailed(
                 f"fetch {op.fetch_id} from {op.src_pool_id!r}: {exc.code().name}: {exc.details()}") from None
+        finally:
+            if pending is not None:
+                wait([pending])
         if got != total or done != n:
             raise FetchFailed(f"fetch {op.fetch_id}: the stream ended after {got} of {total} bytes")
         return got
@@ -431,6 +448,7 @@ class BlockPuller:
             for ch, _ in self._stubs.values():
                 ch.close()
             self._stubs.clear()
+        self._scatter.shutdown(wait=True)
 
 
 def pull_all(puller: BlockPuller | None, pool: KvPool, ops: Sequence[Any],
