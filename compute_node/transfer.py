@@ -43,6 +43,7 @@ _CPU = torch.device("cpu")
 DEFAULT_CHUNK_BYTES = 4 << 20
 MAX_CHUNK_BYTES = 4 << 20
 _MESSAGE_SLACK = 1 << 10   # a chunk message's bytes beyond its payload, at most
+RAMP = 8   # a stream's first chunk is 1/RAMP of the chunk size (then doubling)
 FETCH_BLOCKS_METHOD = "/pagedkv.v1.ComputeNode/FetchBlocks"
 
 
@@ -329,13 +330,17 @@ def encoded_chunks(pool: KvPool, blocks: Sequence[int], chunk_bytes: int, host_p
     if any(flags) and host_pool is None:
         raise FetchFailed("host-tier blocks granted on a node without a host tier")
     buf = np.empty(min(per_chunk, len(blocks)) * block_bytes, dtype=np.uint8)
+    # the first chunks are smaller (1/8 of the size, doubling): the first byte leaves sooner
+    # and the destination starts scattering while the source gathers the next, larger chunks
+    limit = max(1, per_chunk // RAMP)
     i = 0
     while i < len(blocks):
         j = i + 1
-        while j < len(blocks) and j - i < per_chunk and flags[j] == flags[i]:
+        while j < len(blocks) and j - i < limit and flags[j] == flags[i]:
             j += 1
-        data = pack_blocks(host_pool if flags[i] else pool, blocks[i:j], buf)
-        base = i * block_bytes
+        limit = min(per_chunk, 2 * limit)
+        src, base = host_pool if flags[i] else pool, i * block_bytes
+        data = pack_blocks(src, blocks[i:j], buf)
         for off in range(0, len(data), chunk_bytes):
             first = base + off == 0
             yield encode_chunk(base + off, data[off:off + chunk_bytes],

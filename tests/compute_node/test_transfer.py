@@ -27,6 +27,7 @@ from compute_node.transfer import (
     BlockPuller,
     FetchFailed,
     GrantBook,
+    block_chunks,
     checksum,
     chunks,
     encode_chunk,
@@ -391,3 +392,19 @@ def test_a_puller_never_asks_for_chunks_beyond_its_own_message_limit() -> None:
         assert 4096 <= puller.chunk_bytes < 1 << 20
     finally:
         puller.close()
+
+
+def test_a_stream_starts_with_smaller_chunks_and_covers_every_byte_once() -> None:
+    """The first chunks ramp up (1/8 of the chunk size, doubling) so the destination starts
+    scattering early; every chunk is whole blocks, in order, within the chunk size."""
+    pool = _random_pool(4)
+    blocks = list(range(32))
+    per_chunk = 16
+    msgs = list(block_chunks(pool, blocks, per_chunk * GEOM.bytes_per_block))
+    sizes = [len(m.data) // GEOM.bytes_per_block for m in msgs]
+    assert sizes == [2, 4, 8, 16, 2]
+    assert [m.offset for m in msgs] == [sum(sizes[:k]) * GEOM.bytes_per_block for k in range(len(sizes))]
+    assert all(checksum(m.data) == m.checksum for m in msgs)
+    assert b"".join(m.data for m in msgs) == bytes(pack_blocks(pool, blocks))
+    assert (msgs[0].layout, msgs[0].block_bytes) == (layout_of(GEOM), GEOM.bytes_per_block)
+    assert all(m.layout == "" and m.block_bytes == 0 for m in msgs[1:])
