@@ -39,7 +39,7 @@ from block_manager.service.config import load_config as load_bm_config  # noqa: 
 from block_manager.service.server import BlockManagerServer  # noqa: E402
 from compute_node.model.tiny import build_tiny_model  # noqa: E402
 from compute_node.pool import KvPool, PoolGeometry  # noqa: E402
-from compute_node.transfer import BlockPuller  # noqa: E402
+from compute_node.transfer import DEFAULT_CHUNK_BYTES, BlockPuller  # noqa: E402
 from engine.executor import RemoteNode  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.params import SamplingParams  # noqa: E402
@@ -149,13 +149,17 @@ def ttft(model: Path, prefix_len: int, rounds: int, tmp: Path) -> None:
 
 
 # ---- transfer throughput ------------------------------------------------------------------------
-def serve_source(port_file: Path, num_grants: int, num_blocks: int) -> None:
+def serve_source(port_file: Path, num_grants: int, num_blocks: int, chunk_bytes: int) -> None:
     """The source process of part 2: a node's FetchBlocks with `num_grants` grants of
-    `num_blocks` blocks each, and a raw stream of the same bytes in the same chunks."""
+    `num_blocks` blocks each, and a raw stream of the same bytes in the same chunks, on one
+    server with the node's own interceptors (edge guard, error mapping) and channel options."""
     from compute_node.service.config import ComputeNodeConfig
+    from compute_node.service.interceptors import ErrorMappingInterceptor
     from compute_node.service.node import ComputeNode
+    from compute_node.service.server import edge_guard
     from compute_node.service.servicer import ComputeNodeServicer
-    from compute_node.transfer import DEFAULT_CHUNK_BYTES, pack_blocks
+    from compute_node.transfer import pack_blocks
+    from pagedkv.lifecycle import bind, new_server
     from pagedkv.v1 import compute_node_pb2_grpc as pb_grpc
 
     class _Serve:
@@ -168,19 +172,19 @@ def serve_source(port_file: Path, num_grants: int, num_blocks: int) -> None:
     payload = bytes(pack_blocks(pool, list(range(num_blocks))))
 
     async def raw(request: bytes, context: Any) -> Any:
-        for off in range(0, len(payload), DEFAULT_CHUNK_BYTES):
-            yield payload[off:off + DEFAULT_CHUNK_BYTES]
+        for off in range(0, len(payload), chunk_bytes):
+            yield payload[off:off + chunk_bytes]
 
     async def main() -> None:
-        node = ComputeNode(ComputeNodeConfig(node_id="src", block_manager_address="127.0.0.1:1",
-                                             fetch_grant_ttl_s=3600))
+        config = ComputeNodeConfig(node_id="src", block_manager_address="127.0.0.1:1", fetch_grant_ttl_s=3600)
+        node = ComputeNode(config)
         node.pool = pool
         node.grants.add([_Serve(f"f{i}") for i in range(num_grants)])
-        server = grpc.aio.server()
+        server = new_server([edge_guard(config), ErrorMappingInterceptor()])
         pb_grpc.add_ComputeNodeServicer_to_server(ComputeNodeServicer(node), server)
         server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Raw", {
             "Stream": grpc.unary_stream_rpc_method_handler(raw, lambda b: b, lambda b: b)})])
-        port = server.add_insecure_port("127.0.0.1:0")
+        port = bind(server, "127.0.0.1:0", None)
         await server.start()
         port_file.write_text(str(port))
         await server.wait_for_termination()
@@ -188,16 +192,17 @@ def serve_source(port_file: Path, num_grants: int, num_blocks: int) -> None:
     asyncio.run(main())
 
 
-def transfer(num_blocks: int, repeats: int, tmp: Path) -> None:
+def transfer(num_blocks: int, repeats: int, chunk_bytes: int, tmp: Path) -> None:
     port_file = tmp / "src.port"
     proc = subprocess.Popen([sys.executable, __file__, "--serve-source", str(port_file), "--grants", str(2 * repeats),
-                             "--xfer-blocks", str(num_blocks)], env={**os.environ, "PYTHONPATH": str(REPO)},
-                            stdin=subprocess.DEVNULL)
+                             "--xfer-blocks", str(num_blocks), "--chunk-bytes", str(chunk_bytes)],
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=open(tmp / "src.log", "w"))  # noqa: SIM115
     try:
         port = _wait(lambda: port_file.exists() and port_file.read_text().strip(), "transfer source listening")
         address = f"127.0.0.1:{port}"
         dst = KvPool(XFER_GEOM, torch.device("cpu"))
-        puller = BlockPuller("dst", tls=None, token=None, timeout_s=300)
+        puller = BlockPuller("dst", tls=None, token=None, timeout_s=300, chunk_bytes=chunk_bytes)
         channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
         raw = channel.unary_stream(RAW_METHOD, request_serializer=lambda b: b, response_deserializer=lambda b: b)
         nbytes = num_blocks * XFER_GEOM.bytes_per_block
@@ -232,11 +237,19 @@ def transfer(num_blocks: int, repeats: int, tmp: Path) -> None:
             r_s.append(raw_once())
         f, r = statistics.median(f_s), statistics.median(r_s)
         mb = nbytes / 1e6
+        pairs = sorted(rr / ff for ff, rr in zip(f_s, r_s))
+
+        def spread(xs: list[float]) -> str:
+            return f"min {1e3 * min(xs):.1f} / max {1e3 * max(xs):.1f} ms"
+
         print(f"## node->node transfer, {num_blocks} blocks x {XFER_GEOM.bytes_per_block // 1024} KiB = {mb:.1f} MB "
-              f"({repeats} runs each, alternating, 1 MiB chunks)")
-        print(f"FetchBlocks (grant, checksum, gather+scatter): p50 {1e3 * f:7.1f} ms = {mb / f:7.1f} MB/s")
-        print(f"raw gRPC stream of the same bytes            : p50 {1e3 * r:7.1f} ms = {mb / r:7.1f} MB/s")
-        print(f"FetchBlocks / raw throughput: {r / f:.2f}x")
+              f"({repeats} runs each, alternating, {chunk_bytes // 1024} KiB chunks, same server and channel options)")
+        print(f"FetchBlocks (grant, checksum, gather+scatter): p50 {1e3 * f:7.1f} ms = {mb / f:7.1f} MB/s "
+              f" ({spread(f_s)})")
+        print(f"raw gRPC stream of the same bytes            : p50 {1e3 * r:7.1f} ms = {mb / r:7.1f} MB/s "
+              f" ({spread(r_s)})")
+        print(f"FetchBlocks / raw throughput: {r / f:.2f}x (p50s); per alternating pair: "
+              f"{', '.join(f'{x:.2f}' for x in pairs)}")
         puller.close()
         channel.close()
     finally:
@@ -249,22 +262,27 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=2048, help="shared prefix tokens (default 2048)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--xfer-blocks", type=int, default=128, help="blocks per transfer in part 2")
+    ap.add_argument("--xfer-repeats", type=int, default=7, help="transfers of each kind in part 2")
+    ap.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
+                    help="chunk size of both streams in part 2 (default: the node's, 4 MiB)")
+    ap.add_argument("--transfer-only", action="store_true", help="part 2 only (no model, no TTFT)")
     ap.add_argument("--quick", action="store_true", help="512-token prefix, 2 rounds, 32 blocks")
     ap.add_argument("--serve-source", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--grants", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_source:
-        serve_source(args.serve_source, args.grants, args.xfer_blocks)
+        serve_source(args.serve_source, args.grants, args.xfer_blocks, args.chunk_bytes)
         return
     if args.quick:
-        args.prefix, args.rounds, args.xfer_blocks = 512, 2, 32
+        args.prefix, args.rounds, args.xfer_blocks, args.xfer_repeats = 512, 2, 32, 3
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        model = build_tiny_model(tmp / "model", max_position_embeddings=max(4096, args.prefix + 128))
         print(f"2-core shared VM, no GPU; torch {torch.__version__}; model: 12 layers, hidden 512, float32; "
-              f"block size {BS}")
-        transfer(args.xfer_blocks, 3 if args.quick else 7, tmp)
-        ttft(model, args.prefix, args.rounds, tmp)
+              f"block size {BS}; load {os.getloadavg()[0]:.1f}")
+        transfer(args.xfer_blocks, args.xfer_repeats, args.chunk_bytes, tmp)
+        if not args.transfer_only:
+            model = build_tiny_model(tmp / "model", max_position_embeddings=max(4096, args.prefix + 128))
+            ttft(model, args.prefix, args.rounds, tmp)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,11 +35,16 @@ from compute_node.pool import TORCH_DTYPES, KvPool, PoolGeometry
 from pagedkv.auth import token_metadata
 from pagedkv.tls import TlsSettings, open_channel
 from pagedkv.v1 import compute_node_pb2 as pb
-from pagedkv.v1 import compute_node_pb2_grpc as pb_grpc
 
 _CPU = torch.device("cpu")
-DEFAULT_CHUNK_BYTES = 1 << 20
+# 4 MiB: per-chunk costs (a thread hop each side, a message) dominate smaller chunks on a busy
+# host (measured, BENCHMARKS.md "round 2"); the serialized message is a few bytes more, under
+# every message limit of ours (a puller asks for no more than its own receive limit allows)
+DEFAULT_CHUNK_BYTES = 4 << 20
 MAX_CHUNK_BYTES = 4 << 20
+_MESSAGE_SLACK = 1 << 10   # a chunk message's bytes beyond its payload, at most
+RAMP = 8   # a stream's first chunk is 1/RAMP of the chunk size (then doubling)
+FETCH_BLOCKS_METHOD = "/pagedkv.v1.ComputeNode/FetchBlocks"
 
 
 class FetchFailed(Exception):
@@ -91,6 +97,12 @@ class GrantBook:
                                                  host_flags(s.host, len(s.blocks)), now + self.ttl_s)
             self._cond.notify_all()
 
+    def get(self, fetch_id: str) -> Grant | None:
+        """The live grant for `fetch_id` now, without waiting."""
+        with self._cond:
+            g = self._grants.get(fetch_id)
+            return g if g is not None and g.expires_at > self.clock() else None
+
     def wait_for(self, fetch_id: str, timeout_s: float) -> Grant | None:
         """The live grant for `fetch_id`, waiting up to `timeout_s` for it to arrive."""
         deadline = self.clock() + timeout_s
@@ -125,6 +137,20 @@ def _byte_views(caches: Sequence[torch.Tensor]) -> list[np.ndarray]:
     return [t.view(torch.uint8).numpy().reshape(t.shape[0], -1) for t in caches]
 
 
+def _runs(blocks: Sequence[int]) -> list[tuple[int, int, int]] | None:
+    """`blocks` as `(position, first block, count)` runs of consecutive ids, when they are few
+    (a fresh allocation or a prefix usually is a handful of runs): a run is one plain copy per
+    layer, where a fancy-indexed copy goes block by block. None when the ids are scattered."""
+    runs: list[tuple[int, int, int]] = []
+    for pos, b in enumerate(blocks):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            start, first, count = runs[-1]
+            runs[-1] = (start, first, count + 1)
+        else:
+            runs.append((pos, b, 1))
+    return runs if len(runs) * 4 <= len(blocks) else None
+
+
 def pack_blocks(pool: Any, blocks: Sequence[int], buf: np.ndarray | None = None) -> memoryview:
     """The blocks' K/V as one contiguous host buffer, in wire layout. On the CPU through numpy:
     a single-threaded gather (torch's intra-op threads only contend on a busy host; measured
@@ -138,9 +164,15 @@ def pack_blocks(pool: Any, blocks: Sequence[int], buf: np.ndarray | None = None)
         shape = (n, num_layers, 2, keys[0].shape[1])
         size = n * num_layers * 2 * keys[0].shape[1]
         out = np.empty(shape, dtype=np.uint8) if buf is None else buf[:size].reshape(shape)
+        runs = _runs(blocks)
         for layer in range(num_layers):
-            np.take(keys[layer], idx, axis=0, out=out[:, layer, 0])
-            np.take(values[layer], idx, axis=0, out=out[:, layer, 1])
+            if runs is None:
+                np.take(keys[layer], idx, axis=0, out=out[:, layer, 0])
+                np.take(values[layer], idx, axis=0, out=out[:, layer, 1])
+                continue
+            for pos, first, count in runs:
+                out[pos:pos + count, layer, 0] = keys[layer][first:first + count]
+                out[pos:pos + count, layer, 1] = values[layer][first:first + count]
         return memoryview(out).cast("B")
     tidx = torch.tensor(list(blocks), dtype=torch.int64, device=pool.device)
     parts = [torch.stack((k.index_select(0, tidx), v.index_select(0, tidx)))   # [2, n, H, B, D]
@@ -156,9 +188,15 @@ def unpack_into(pool: KvPool, blocks: Sequence[int], data: bytes | bytearray | m
     if pool.device.type == "cpu":
         src = np.frombuffer(data, dtype=np.uint8).reshape(n, g.num_layers, 2, -1)
         idx = np.asarray(blocks, dtype=np.int64)
+        runs = _runs(blocks)
         for layer, (k, v) in enumerate(zip(_byte_views(pool.key_caches), _byte_views(pool.value_caches))):
-            k[idx] = src[:, layer, 0]
-            v[idx] = src[:, layer, 1]
+            if runs is None:
+                k[idx] = src[:, layer, 0]
+                v[idx] = src[:, layer, 1]
+                continue
+            for pos, first, count in runs:
+                k[first:first + count] = src[pos:pos + count, layer, 0]
+                v[first:first + count] = src[pos:pos + count, layer, 1]
         return
     t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(TORCH_DTYPES[g.dtype])
     t = t.reshape(n, g.num_layers, 2, g.num_kv_heads, g.block_size, g.head_dim).to(pool.device)
@@ -169,8 +207,10 @@ def unpack_into(pool: KvPool, blocks: Sequence[int], data: bytes | bytearray | m
 
 
 def chunks(data: memoryview, chunk_bytes: int, block_bytes: int, layout: str, offset: int = 0) -> Iterator[pb.KvChunk]:
-    """The stream's messages for `data` (at stream `offset`): `chunk_bytes` at most each, with
-    their checksum; the stream's first message says the layout and the bytes per block."""
+    """The stream's messages for `data` (at stream `offset`) as protobuf objects: `chunk_bytes`
+    at most each, with their checksum; the stream's first message says the layout and the bytes
+    per block. (The server sends `encoded_chunks` instead: the same messages, serialized without
+    the protobuf copies; this form is for tests and tools.)"""
     for off in range(0, len(data), chunk_bytes):
         part = bytes(data[off:off + chunk_bytes])
         first = offset + off == 0
@@ -178,11 +218,110 @@ def chunks(data: memoryview, chunk_bytes: int, block_bytes: int, layout: str, of
                          block_bytes=block_bytes if first else 0, layout=layout if first else "")
 
 
-def block_chunks(pool: KvPool, blocks: Sequence[int], chunk_bytes: int, host_pool: Any = None,
-                 host: Sequence[bool] = ()) -> Iterator[pb.KvChunk]:
-    """The whole stream for `blocks` (those flagged in `host` from `host_pool`), gathered a
-    chunk's worth of whole blocks of one tier at a time (so the first chunk leaves before the
-    last block is gathered, and no full-size copy is held)."""
+# ---- KvChunk on the wire, by hand --------------------------------------------------------------
+# A chunk is ~1 MiB of payload and a handful of small fields. Through the protobuf runtime the
+# payload is copied three times on the source (slice, message field, serialization) and twice on
+# the destination (parse, field access): measured as much as the rest of the transfer. These
+# helpers write and read exactly the `KvChunk` encoding (proto3: zero fields omitted; a parser
+# accepts fields in any order and skips unknown ones), so the payload is copied once into the
+# outgoing message and read in place from the incoming one.
+_TAG_OFFSET, _TAG_DATA, _TAG_CHECKSUM, _TAG_BLOCK_BYTES, _TAG_LAYOUT = 0x08, 0x12, 0x18, 0x20, 0x2A
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def encode_chunk(offset: int, data: memoryview | bytes, block_bytes: int = 0, layout: str = "") -> bytes:
+    """The serialized `KvChunk` for `data` at stream `offset`, its checksum taken over `data`
+    itself (the very bytes copied into the message)."""
+    head = b"".join((_TAG_OFFSET.to_bytes(1, "little") + _varint(offset) if offset else b"",
+                     _TAG_CHECKSUM.to_bytes(1, "little") + _varint(checksum(data)),
+                     _TAG_BLOCK_BYTES.to_bytes(1, "little") + _varint(block_bytes) if block_bytes else b"",
+                     _layout_field(layout),
+                     _TAG_DATA.to_bytes(1, "little") + _varint(len(data))))
+    return b"".join((head, data))
+
+
+def _layout_field(layout: str) -> bytes:
+    if not layout:
+        return b""
+    raw = layout.encode()
+    return _TAG_LAYOUT.to_bytes(1, "little") + _varint(len(raw)) + raw
+
+
+@dataclass(slots=True)
+class ChunkView:
+    """A received `KvChunk`, its `data` a view into the received message (no copy)."""
+
+    offset: int = 0
+    data: memoryview = memoryview(b"")
+    checksum: int = 0
+    block_bytes: int = 0
+    layout: str = ""
+
+
+def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise FetchFailed("a malformed chunk (truncated or overlong varint)")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+
+
+def parse_chunk(buf: bytes) -> ChunkView:
+    """A serialized `KvChunk` read in place; `FetchFailed` when it is not well-formed."""
+    view = memoryview(buf)
+    out = ChunkView()
+    pos = 0
+    while pos < len(buf):
+        key, pos = _read_varint(buf, pos)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _read_varint(buf, pos)
+            if field == 1:
+                out.offset = value
+            elif field == 3:
+                out.checksum = value
+            elif field == 4:
+                out.block_bytes = value
+        elif wire == 2:
+            size, pos = _read_varint(buf, pos)
+            if pos + size > len(buf):
+                raise FetchFailed(f"a malformed chunk (field {field} runs past the message)")
+            if field == 2:
+                out.data = view[pos:pos + size]
+            elif field == 5:
+                try:
+                    out.layout = str(view[pos:pos + size], "utf-8")
+                except UnicodeDecodeError:
+                    raise FetchFailed("a malformed chunk (layout is not UTF-8)") from None
+            pos += size
+        elif wire in (1, 5):
+            pos += 8 if wire == 1 else 4
+            if pos > len(buf):
+                raise FetchFailed(f"a malformed chunk (field {field} runs past the message)")
+        else:
+            raise FetchFailed(f"a malformed chunk (wire type {wire} in field {field})")
+    return out
+
+
+def encoded_chunks(pool: KvPool, blocks: Sequence[int], chunk_bytes: int, host_pool: Any = None,
+                   host: Sequence[bool] = ()) -> Iterator[bytes]:
+    """The whole stream for `blocks` (those flagged in `host` from `host_pool`) as serialized
+    `KvChunk` messages, gathered a chunk's worth of whole blocks of one tier at a time into one
+    reused buffer (so the first chunk leaves before the last block is gathered, and no
+    full-size copy is held); each message is that buffer's bytes copied once, behind its fields."""
     g = pool.geometry
     block_bytes = g.bytes_per_block
     per_chunk = max(1, chunk_bytes // block_bytes)
@@ -191,14 +330,29 @@ def block_chunks(pool: KvPool, blocks: Sequence[int], chunk_bytes: int, host_poo
     if any(flags) and host_pool is None:
         raise FetchFailed("host-tier blocks granted on a node without a host tier")
     buf = np.empty(min(per_chunk, len(blocks)) * block_bytes, dtype=np.uint8)
+    # the first chunks are smaller (1/8 of the size, doubling): the first byte leaves sooner
+    # and the destination starts scattering while the source gathers the next, larger chunks
+    limit = max(1, per_chunk // RAMP)
     i = 0
     while i < len(blocks):
         j = i + 1
-        while j < len(blocks) and j - i < per_chunk and flags[j] == flags[i]:
+        while j < len(blocks) and j - i < limit and flags[j] == flags[i]:
             j += 1
-        src = host_pool if flags[i] else pool
-        yield from chunks(pack_blocks(src, blocks[i:j], buf), chunk_bytes, block_bytes, layout, i * block_bytes)
+        limit = min(per_chunk, 2 * limit)
+        src, base = host_pool if flags[i] else pool, i * block_bytes
+        data = pack_blocks(src, blocks[i:j], buf)
+        for off in range(0, len(data), chunk_bytes):
+            first = base + off == 0
+            yield encode_chunk(base + off, data[off:off + chunk_bytes],
+                               block_bytes if first else 0, layout if first else "")
         i = j
+
+
+def block_chunks(pool: KvPool, blocks: Sequence[int], chunk_bytes: int, host_pool: Any = None,
+                 host: Sequence[bool] = ()) -> Iterator[pb.KvChunk]:
+    """`encoded_chunks` as protobuf objects (tests and tools)."""
+    for message in encoded_chunks(pool, blocks, chunk_bytes, host_pool, host):
+        yield pb.KvChunk.FromString(message)
 
 
 # ---- the pull (destination side) -----------------------------------------------------------------
@@ -220,17 +374,22 @@ class BlockPuller:
         self.tls = tls
         self.metadata = token_metadata(token)
         self.timeout_s = timeout_s
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes = max(1 << 12, min(chunk_bytes, max_message_bytes - _MESSAGE_SLACK))
         self.max_message_bytes = max_message_bytes
-        self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.ComputeNodeStub]] = {}
+        self._stubs: dict[str, tuple[grpc.Channel, grpc.UnaryStreamMultiCallable]] = {}
         self._lock = threading.Lock()
+        self._scatter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetch-scatter")
 
-    def _stub(self, address: str) -> pb_grpc.ComputeNodeStub:
+    def _fetch_blocks(self, address: str) -> grpc.UnaryStreamMultiCallable:
+        """`ComputeNode/FetchBlocks` on `address`, answering each `KvChunk` as its serialized
+        bytes (read in place by `parse_chunk`, not copied by the protobuf runtime)."""
         with self._lock:
             entry = self._stubs.get(address)
             if entry is None:
                 ch = open_channel(address, self.tls, [("grpc.max_receive_message_length", self.max_message_bytes)])
-                entry = self._stubs[address] = (ch, pb_grpc.ComputeNodeStub(ch))
+                call = ch.unary_stream(FETCH_BLOCKS_METHOD, request_serializer=pb.FetchBlocksRequest.SerializeToString,
+                                       response_deserializer=None)
+                entry = self._stubs[address] = (ch, call)
             return entry[1]
 
     def pull(self, pool: KvPool, op: Any) -> int:
@@ -250,9 +409,13 @@ class BlockPuller:
         carry = b""               # the start of a block split across chunks
         req = pb.FetchBlocksRequest(fetch_id=op.fetch_id, dst_pool_id=self.node_id, blocks=op.src_blocks,
                                     max_chunk_bytes=self.chunk_bytes, host=getattr(op, "src_host", ()))
+        # a verified chunk's blocks are written on the scatter thread while the next chunk is
+        # received (one write in flight); every write has finished before this returns or raises
+        pending: Future[None] | None = None
         try:
-            stream = self._stub(op.src_address).FetchBlocks(req, timeout=self.timeout_s, metadata=self.metadata)
-            for chunk in stream:
+            stream = self._fetch_blocks(op.src_address)(req, timeout=self.timeout_s, metadata=self.metadata)
+            for message in stream:
+                chunk = parse_chunk(message)
                 if chunk.offset == 0 and (chunk.layout != layout or chunk.block_bytes != block_bytes):
                     raise FetchFailed(f"fetch {op.fetch_id}: source layout {chunk.layout!r} x {chunk.block_bytes} "
                                       f"bytes, this pool {layout!r} x {block_bytes}")
@@ -264,15 +427,23 @@ class BlockPuller:
                 got += size
                 # whole blocks are written as they arrive (the destination blocks are this
                 # sequence's alone: a pull that fails later is recomputed over all of them)
-                data = carry + chunk.data if carry else chunk.data
+                data = bytes(carry) + chunk.data if carry else chunk.data
                 whole = len(data) // block_bytes
                 if whole:
-                    unpack_into(pool, list(op.dst_blocks[done:done + whole]), memoryview(data)[:whole * block_bytes])
+                    if pending is not None:
+                        pending.result()
+                    pending = self._scatter.submit(unpack_into, pool, list(op.dst_blocks[done:done + whole]),
+                                                   memoryview(data)[:whole * block_bytes])
                     done += whole
                 carry = data[whole * block_bytes:]
+            if pending is not None:
+                pending.result()
         except grpc.RpcError as exc:
             raise FetchFailed(
                 f"fetch {op.fetch_id} from {op.src_pool_id!r}: {exc.code().name}: {exc.details()}") from None
+        finally:
+            if pending is not None:
+                wait([pending])
         if got != total or done != n:
             raise FetchFailed(f"fetch {op.fetch_id}: the stream ended after {got} of {total} bytes")
         return got
@@ -282,6 +453,7 @@ class BlockPuller:
             for ch, _ in self._stubs.values():
                 ch.close()
             self._stubs.clear()
+        self._scatter.shutdown(wait=True)
 
 
 def pull_all(puller: BlockPuller | None, pool: KvPool, ops: Sequence[Any],
@@ -302,6 +474,5 @@ def pull_all(puller: BlockPuller | None, pool: KvPool, ops: Sequence[Any],
     return stats
 
 
-__all__ = ["BlockPuller", "FetchFailed", "Grant", "GrantBook", "PullStats", "block_chunks", "chunks", "layout_of",
-           "pack_blocks",
-           "pull_all", "unpack_into"]
+__all__ = ["BlockPuller", "ChunkView", "FetchFailed", "Grant", "GrantBook", "PullStats", "block_chunks", "chunks",
+           "encode_chunk", "encoded_chunks", "layout_of", "pack_blocks", "parse_chunk", "pull_all", "unpack_into"]

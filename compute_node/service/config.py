@@ -111,7 +111,7 @@ class ComputeNodeConfig(YamlEnvSettings):
     fetch_timeout_s: float = Field(default=30.0, gt=0)
     fetch_grant_ttl_s: float = Field(default=60.0, gt=0)
     fetch_grant_wait_s: float = Field(default=10.0, gt=0)
-    fetch_chunk_bytes: int = Field(default=1 << 20, ge=1 << 12, le=4 << 20)
+    fetch_chunk_bytes: int = Field(default=4 << 20, ge=1 << 12, le=4 << 20)
     fetch_test_pause_file: str | None = None
 
     @field_validator("block_manager_token")

@@ -35,10 +35,11 @@ class ComputeNodeServicer(pb_grpc.ComputeNodeServicer):
 
     async def FetchBlocks(  # noqa: N802 (the gRPC method name)
         self, request: pb.FetchBlocksRequest, context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[pb.KvChunk]:
-        """Prefix fetch: serve granted blocks to another node (transfer_servicer.py)."""
-        async for chunk in serve_blocks(self.node, self.auth, request, context):
-            yield chunk
+    ) -> AsyncIterator[bytes]:
+        """Prefix fetch: serve granted blocks to another node (transfer_servicer.py), as
+        serialized `KvChunk` messages (the edge guard's stream wrapper sends bytes as they are)."""
+        async for message in serve_blocks(self.node, self.auth, request, context):
+            yield message
 
     async def Forward(self, request: pb.ForwardRequest, context: grpc.aio.ServicerContext) -> pb.ForwardResponse:
         node = self.node

@@ -14,12 +14,15 @@ INVALID_ARGUMENT (blocks differ from the grant), FAILED_PRECONDITION (no pool ye
 The blocks are read without the node's step lock: the block manager pinned them for the
 transfer, so no step of this node writes, moves or reuses them until the destination's step is
 reported. The grant is used up by a complete transfer.
+
+The chunks are yielded already serialized (`transfer.encoded_chunks`: the payload copied once,
+not three times through the protobuf runtime); the edge guard's stream wrapper
+(`pagedkv.rpc.wrap_unary_stream_handler`) sends `bytes` responses as they are.
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -28,7 +31,7 @@ import grpc
 
 from compute_node.service import access
 from compute_node.service.node import ComputeNode
-from compute_node.transfer import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, block_chunks, host_flags
+from compute_node.transfer import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, encoded_chunks, host_flags
 from pagedkv.auth import Authenticator, Refusal
 from pagedkv.v1 import compute_node_pb2 as pb
 
@@ -38,7 +41,8 @@ AHEAD = 4   # chunks gathered ahead of the one being sent
 
 async def serve_blocks(
     node: ComputeNode, auth: Authenticator | None, request: pb.FetchBlocksRequest, context: grpc.aio.ServicerContext,
-) -> AsyncIterator[pb.KvChunk]:
+) -> AsyncIterator[bytes]:
+    """The granted blocks as serialized `KvChunk` messages, once every check passed."""
     if auth is not None:
         found = auth.identify(context)
         if isinstance(found, Refusal):
@@ -51,7 +55,9 @@ async def serve_blocks(
     pool = node.pool
     if pool is None:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the node has no pool yet")
-    grant = await asyncio.to_thread(node.grants.wait_for, request.fetch_id, node.config.fetch_grant_wait_s)
+    grant = node.grants.get(request.fetch_id)   # usually there already: no thread hop then
+    if grant is None:
+        grant = await asyncio.to_thread(node.grants.wait_for, request.fetch_id, node.config.fetch_grant_wait_s)
     if grant is None:
         await context.abort(grpc.StatusCode.NOT_FOUND, f"no live grant for fetch {request.fetch_id!r} on this node")
     if grant.dst_pool != request.dst_pool_id:
@@ -62,10 +68,9 @@ async def serve_blocks(
                             f"fetch {request.fetch_id!r}: the requested blocks are not the granted ones")
     chunk_bytes = min(request.max_chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
     pause = node.config.fetch_test_pause_file
-    num_bytes = 0
-    async for i, chunk in _produced(node, list(grant.blocks), list(grant.host), chunk_bytes):
-        num_bytes += len(chunk.data)
-        yield chunk
+    num_bytes = len(grant.blocks) * pool.geometry.bytes_per_block   # type: ignore[union-attr]
+    async for i, message in _produced(node, list(grant.blocks), list(grant.host), chunk_bytes):
+        yield message
         if pause and i == 0:
             # TEST HOOK (config `fetch_test_pause_file`): hold the stream after the first chunk
             Path(pause).write_text(request.fetch_id)
@@ -78,50 +83,44 @@ async def serve_blocks(
 
 async def _produced(
     node: ComputeNode, blocks: list[int], host: list[bool], chunk_bytes: int,
-) -> AsyncIterator[tuple[int, pb.KvChunk]]:
-    """The stream's chunks, gathered and checksummed on a worker thread while the event loop
-    sends the ones before (a pipeline), at most `AHEAD` chunks
-    ahead; a consumer that stops early (a broken stream) stops the producer too."""
+) -> AsyncIterator[tuple[int, bytes]]:
+    """The stream's messages, gathered, checksummed and encoded on a worker thread while the
+    event loop sends the ones before (a pipeline), at most `AHEAD` messages ahead. One thread
+    hop per message: the worker hands each straight to the loop (`call_soon_threadsafe`); on a
+    loaded host every extra wake-up of another thread costs a scheduling delay per chunk. A
+    consumer that stops early (a broken stream) stops the producer too."""
     loop = asyncio.get_running_loop()
-    ready: queue.Queue[pb.KvChunk | BaseException | None] = queue.Queue(maxsize=AHEAD)
+    ready: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
+    room = threading.Semaphore(AHEAD)
     stop = threading.Event()
     pool = node.pool
 
-    def put(item: pb.KvChunk | BaseException | None) -> bool:
-        while not stop.is_set():
-            try:
-                ready.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def take() -> pb.KvChunk | BaseException | None:
-        while not stop.is_set():   # never blocks for good: a cancelled consumer sets `stop`
-            try:
-                return ready.get(timeout=0.1)
-            except queue.Empty:
-                continue
-        return None
+    def hand(item: bytes | BaseException | None) -> None:
+        loop.call_soon_threadsafe(ready.put_nowait, item)
 
     def produce() -> None:
         try:
-            for chunk in block_chunks(pool, blocks, chunk_bytes, node.host_pool, host):   # type: ignore[arg-type]
-                if not put(chunk):
+            for message in encoded_chunks(pool, blocks, chunk_bytes, node.host_pool, host):   # type: ignore[arg-type]
+                while not room.acquire(timeout=0.1):   # never blocks for good: a cancelled consumer sets `stop`
+                    if stop.is_set():
+                        return
+                if stop.is_set():
                     return
-            put(None)
+                hand(message)
+            hand(None)
         except BaseException as exc:   # noqa: BLE001 - handed to the event loop, raised there
-            put(exc)
+            hand(exc)
 
     producer = loop.run_in_executor(None, produce)
     try:
         i = 0
         while True:
-            item = await loop.run_in_executor(None, take)
+            item = await ready.get()
             if item is None:
                 break
             if isinstance(item, BaseException):
                 raise item
+            room.release()
             yield i, item
             i += 1
     finally:

@@ -23,7 +23,18 @@ from compute_node.service.config import ComputeNodeConfig
 from compute_node.service.node import ComputeNode
 from compute_node.service.server import edge_guard
 from compute_node.service.servicer import ComputeNodeServicer
-from compute_node.transfer import BlockPuller, FetchFailed, GrantBook, checksum, chunks, layout_of, pack_blocks
+from compute_node.transfer import (
+    BlockPuller,
+    FetchFailed,
+    GrantBook,
+    block_chunks,
+    checksum,
+    chunks,
+    encode_chunk,
+    layout_of,
+    pack_blocks,
+    parse_chunk,
+)
 from pagedkv.auth import Authenticator
 from pagedkv.lifecycle import bind, new_server
 from pagedkv.v1 import compute_node_pb2 as pb
@@ -312,3 +323,88 @@ def test_a_fetch_must_sit_right_before_its_sequences_new_tokens_and_a_failed_one
     gen._recompute(work[0], _op(), "source gone")
     assert work[0].token_ids == [*range(10, 18), 50, 51, 52] and work[0].num_computed_tokens == 4
     assert seen == ["source gone"]
+
+
+def test_chunks_encoded_by_hand_are_exactly_kvchunk_messages() -> None:
+    """The source serializes `KvChunk` itself (payload copied once) and the destination reads it
+    in place: both must agree with the protobuf runtime, field for field, either way round."""
+    payload = bytes(range(256)) * 300
+    for offset, block_bytes, layout in ((0, 1536, "float16:3:4:2:16"), (1 << 40, 0, ""), (7, 0, "")):
+        message = encode_chunk(offset, memoryview(payload), block_bytes, layout)
+        ref = pb.KvChunk.FromString(message)
+        assert (ref.offset, ref.data, ref.checksum, ref.block_bytes, ref.layout) == (
+            offset, payload, checksum(payload), block_bytes, layout)
+        view = parse_chunk(ref.SerializeToString())
+        assert (view.offset, bytes(view.data), view.checksum, view.block_bytes, view.layout) == (
+            offset, payload, checksum(payload), block_bytes, layout)
+    # a field this reader does not know (a newer source) is skipped, not misread
+    newer = pb.KvChunk(offset=5, data=b"abc", checksum=9).SerializeToString() + b"\xe8\x05\x01" + b"\xea\x05\x02hi"
+    view = parse_chunk(newer)
+    assert (view.offset, bytes(view.data), view.checksum) == (5, b"abc", 9)
+
+
+@pytest.mark.parametrize("message", [b"\x08", b"\x08\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", b"\x12\x05abc",
+                                     b"\x0b", b"\x2a\x02\xff\xfe", b"\x09\x00\x00"])
+def test_a_malformed_chunk_is_a_fetch_failure(message: bytes) -> None:
+    with pytest.raises(FetchFailed, match="malformed"):
+        parse_chunk(message)
+
+
+def test_runs_of_consecutive_blocks_and_scattered_ones_arrive_bit_exact(source: _Source) -> None:
+    """Gather and scatter copy runs of consecutive ids whole and scattered ids one by one: a
+    transfer is exact either way round."""
+    dst = KvPool(GEOM, torch.device("cpu"))
+    cases = [((2, 3, 4, 5, 6, 7, 8, 9), (20, 21, 22, 23, 24, 25, 26, 27)),      # runs both sides
+             ((12, 13, 14, 15, 16, 17, 18, 19), (31, 1, 29, 3, 27, 5, 25, 7)),  # runs -> scattered
+             ((30, 0, 28, 2, 26, 4, 24, 6), (8, 9, 10, 11, 12, 13, 14, 15))]    # scattered -> runs
+    puller = BlockPuller("b", tls=None, token=None, timeout_s=30, chunk_bytes=4096)
+    try:
+        for i, (src_blocks, dst_blocks) in enumerate(cases):
+            source.node.grants.add([_Serve(f"r{i}", "b", src_blocks)])
+            puller.pull(dst, _Fetch(f"r{i}", "a", source.address, src_blocks, dst_blocks))
+            assert _same(source.node.pool, src_blocks, dst, dst_blocks)
+    finally:
+        puller.close()
+
+
+def test_blocks_larger_than_a_chunk_arrive_split_across_chunks() -> None:
+    """A block of 12 KiB in 4 KiB chunks: each block arrives in three pieces, reassembled."""
+    geom = PoolGeometry(num_layers=3, num_kv_heads=2, head_dim=16, dtype="float32", block_size=16, num_blocks=8)
+    s = _Source(fetch_grant_wait_s=0.3)
+    src, dst = KvPool(geom, torch.device("cpu")), KvPool(geom, torch.device("cpu"))
+    for t in (*src.key_caches, *src.value_caches):
+        t.copy_(torch.randn(t.shape))
+    s.node.pool = src
+    s.node.grants.add([_Serve("big", "b", (5, 1, 2))])
+    puller = BlockPuller("b", tls=None, token=None, timeout_s=30, chunk_bytes=4096)
+    try:
+        assert geom.bytes_per_block > 2 * 4096
+        assert puller.pull(dst, _Fetch("big", "a", s.address, (5, 1, 2), (0, 6, 7))) == 3 * geom.bytes_per_block
+        assert _same(src, (5, 1, 2), dst, (0, 6, 7))
+    finally:
+        puller.close()
+        s.stop()
+
+
+def test_a_puller_never_asks_for_chunks_beyond_its_own_message_limit() -> None:
+    puller = BlockPuller("b", tls=None, token=None, timeout_s=1, chunk_bytes=4 << 20, max_message_bytes=1 << 20)
+    try:
+        assert 4096 <= puller.chunk_bytes < 1 << 20
+    finally:
+        puller.close()
+
+
+def test_a_stream_starts_with_smaller_chunks_and_covers_every_byte_once() -> None:
+    """The first chunks ramp up (1/8 of the chunk size, doubling) so the destination starts
+    scattering early; every chunk is whole blocks, in order, within the chunk size."""
+    pool = _random_pool(4)
+    blocks = list(range(32))
+    per_chunk = 16
+    msgs = list(block_chunks(pool, blocks, per_chunk * GEOM.bytes_per_block))
+    sizes = [len(m.data) // GEOM.bytes_per_block for m in msgs]
+    assert sizes == [2, 4, 8, 16, 2]
+    assert [m.offset for m in msgs] == [sum(sizes[:k]) * GEOM.bytes_per_block for k in range(len(sizes))]
+    assert all(checksum(m.data) == m.checksum for m in msgs)
+    assert b"".join(m.data for m in msgs) == bytes(pack_blocks(pool, blocks))
+    assert (msgs[0].layout, msgs[0].block_bytes) == (layout_of(GEOM), GEOM.bytes_per_block)
+    assert all(m.layout == "" and m.block_bytes == 0 for m in msgs[1:])

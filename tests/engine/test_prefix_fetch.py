@@ -117,7 +117,9 @@ def _start(stack: dict[str, Any], *, pause_a: bool,
         env_a["PAGEDKV_CN_FETCH_TEST_PAUSE_FILE"] = str(stack["tmp"] / "paused")
     a = NodeProcess("node-a", bm, stack["model"], stack["tmp"], **env_a)
     stack["nodes"].append(a)
-    b = NodeProcess("node-b", bm, stack["model"], stack["tmp"])
+    # small chunks when A pauses after its first one: the transfer is then surely half sent
+    env_b = {"PAGEDKV_CN_FETCH_CHUNK_BYTES": "4096"} if pause_a else {}
+    b = NodeProcess("node-b", bm, stack["model"], stack["tmp"], **env_b)
     stack["nodes"].append(b)
     engine = LLMEngine(BlockManagerClient(bm), {"node-a": a.remote, "node-b": b.remote},
                        EngineConfig(max_num_batched_tokens=256))
