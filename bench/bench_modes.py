@@ -81,31 +81,51 @@ def fresh_tokens(workload: list[tuple[list[int], int]], vocab: int, seed: int) -
 
 
 class NodeClock:
-    """A `RemoteNode`'s stub that also sums the node process's own time per Generate (its
-    reply's `stats.total_s`): the engine's `node_s` minus this is transport (gRPC, protobuf,
-    the node's event loop and thread hop)."""
+    """Wraps a node's Generate (a `RemoteNode`'s stub, or the embedded node's generator) and sums
+    the node's own phase times from each reply's `stats` (the engine asks for them with
+    `profile_nodes`; on CPU they cost a few `perf_counter` calls): total (the whole step on the
+    node: the engine's `node_s` minus this is transport, i.e. gRPC, protobuf, the node's event
+    loop and thread hop), dense and attention kernels."""
 
-    def __init__(self, stub: Any) -> None:
-        self.stub, self.node_s = stub, 0.0
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.seconds = {"total": 0.0, "dense": 0.0, "attention": 0.0}
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.stub, name)
+        return getattr(self.inner, name)
+
+    def _count(self, reply: Any) -> Any:
+        st = reply.stats
+        self.seconds["total"] += st.total_s
+        self.seconds["dense"] += st.dense_s
+        self.seconds["attention"] += st.attention_s
+        return reply
 
     def Generate(self, request: Any, **kwargs: Any) -> Any:   # noqa: N802 (the stub's method)
-        reply = self.stub.Generate(request, **kwargs)
-        self.node_s += reply.stats.total_s
-        return reply
+        return self._count(self.inner.Generate(request, **kwargs))
+
+    def generate(self, request: Any, *args: Any) -> Any:
+        return self._count(self.inner.generate(request, *args))
 
 
 def clock_nodes(llm: LLM) -> LLM:
+    llm.engine.config.profile_nodes = True
     for node in llm.engine.nodes.values():
         if isinstance(node, RemoteNode):
             node._stub = NodeClock(node._stub)   # type: ignore[assignment]
+        else:
+            node.generator = NodeClock(node.generator)   # type: ignore[attr-defined]
     return llm
 
 
-def node_process_s(llm: LLM) -> float:
-    return sum(n._stub.node_s for n in llm.engine.nodes.values() if isinstance(getattr(n, "_stub", None), NodeClock))
+def node_seconds(llm: LLM) -> dict[str, float]:
+    out = {"total": 0.0, "dense": 0.0, "attention": 0.0}
+    for n in llm.engine.nodes.values():
+        clock = getattr(n, "_stub", None) or getattr(n, "generator", None)
+        if isinstance(clock, NodeClock):
+            for k, v in clock.seconds.items():
+                out[k] += v
+    return out
 
 
 def run(llm: LLM, workload: list[tuple[list[int], int]], async_scheduling: bool | None = None) -> dict[str, float]:
@@ -114,7 +134,7 @@ def run(llm: LLM, workload: list[tuple[list[int], int]], async_scheduling: bool 
     if async_scheduling is not None:
         engine.config.async_scheduling = async_scheduling
     st = engine.stats
-    steps0, bm0, node0, rpcs0, proc0 = st.num_steps, st.bm_s, st.node_s, st.num_bm_rpcs, node_process_s(llm)
+    steps0, bm0, node0, rpcs0, clock0 = st.num_steps, st.bm_s, st.node_s, st.num_bm_rpcs, node_seconds(llm)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in workload]
     t0 = time.perf_counter()
     for (prompt, _), p in zip(workload, params):
@@ -127,7 +147,7 @@ def run(llm: LLM, workload: list[tuple[list[int], int]], async_scheduling: bool 
     return {"tok_s": sum(n for _, n in workload) / seconds, "seconds": seconds, "steps": steps,
             "step_ms": 1e3 * seconds / steps, "bm_ms": 1e3 * (st.bm_s - bm0) / steps,
             "node_ms": 1e3 * (st.node_s - node0) / steps, "rpcs": (st.num_bm_rpcs - rpcs0) / steps,
-            "proc_ms": 1e3 * (node_process_s(llm) - proc0) / steps}
+            **{f"{k}_ms": 1e3 * (v - clock0[k]) / steps for k, v in node_seconds(llm).items()}}
 
 
 @contextmanager
@@ -170,7 +190,7 @@ def modes_part(args: argparse.Namespace, model_dir: Path, workload: list[tuple[l
                num_blocks: int, tmp: Path) -> LLM:
     """The embedded engine and the services stacks, alternating; returns the embedded LLM."""
     opts = dict(block_size=BLOCK_SIZE, max_num_batched_tokens=args.budget, max_num_seqs=args.requests)
-    embedded = LLM(model_dir, num_kv_blocks=num_blocks, device="cpu", **opts)
+    embedded = clock_nodes(LLM(model_dir, num_kv_blocks=num_blocks, device="cpu", **opts))
     modes: dict[str, tuple[LLM, bool | None]] = {"embedded": (embedded, None)}
     with ExitStack() as stop:
         if "services" in args.parts or "nodes" in args.parts:
@@ -203,15 +223,15 @@ def modes_part(args: argparse.Namespace, model_dir: Path, workload: list[tuple[l
                 results[name].append(run(llm, work, mode))
         base = p50(results["embedded"], "tok_s")
         print(f"\n## modes (load average 1 min during the runs: {min(loads):.1f}-{max(loads):.1f})")
-        print("| mode | runs tok/s | p50 tok/s | / embedded | step ms | block manager ms | node ms (in the node "
-              "process, sum over nodes) | engine rest ms | steps | BM RPCs/step |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("| mode | runs tok/s | p50 tok/s | / embedded | step ms | block manager ms | node ms | on the node "
+              "(sum over nodes): total / dense / attention ms | engine rest ms | steps | BM RPCs/step |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for name, rs in results.items():
             step, bm, node = p50(rs, "step_ms"), p50(rs, "bm_ms"), p50(rs, "node_ms")
             runs = " ".join(f"{r['tok_s']:.1f}" for r in rs)
-            proc = f"{p50(rs, 'proc_ms'):.1f}" if name != "embedded" else "in-process"
+            on_node = " / ".join(f"{p50(rs, k):.1f}" for k in ("total_ms", "dense_ms", "attention_ms"))
             print(f"| {name} | {runs} | {p50(rs, 'tok_s'):.1f} | "
-                  f"**{p50(rs, 'tok_s') / base:.2f}x** | {step:.1f} | {bm:.2f} | {node:.1f} ({proc}) | "
+                  f"**{p50(rs, 'tok_s') / base:.2f}x** | {step:.1f} | {bm:.2f} | {node:.1f} | {on_node} | "
                   f"{step - bm - node:.2f} | {p50(rs, 'steps'):.0f} | {p50(rs, 'rpcs'):.2f} |")
         if "2 nodes (compose)" in results:
             one_node = max(p50(results["services async=1"], "tok_s"), 1e-9)
