@@ -1,0 +1,345 @@
+"""Engine modes side by side (issue 21, performance): embedded vs services, one node vs two,
+the engine vs transformers, on a SmolLM-135M-shaped random-weight Llama (hidden 576, 30 layers,
+9 query / 3 KV heads, head dim 64, MLP 1536, vocab 49152, tied embeddings; built in a temp dir
+with `build_tiny_model`, nothing downloaded), float32, CPU.
+
+Modes, each the same workload (`--requests` requests, prompts uniform in [16, --max-prompt],
+outputs uniform in [16, --max-output], greedy, EOS ignored), alternating `--repeats` times in
+one process so that the shared machine's load hits them alike; p50 of the runs and ratios of
+p50s are printed:
+
+- `embedded`: `LLM(model)`: block manager state machine and the model node in this process
+  (async scheduling off: `LLM`'s default for the embedded CPU node);
+- `services async=0|1`: `LLM(model, block_manager=ADDR)` over a block manager process and one
+  `compute-node serve --model` process (thread budget: its default, all cores), async
+  scheduling off / on (`PAGEDKV_ASYNC_SCHEDULING`; on is `LLM`'s default for remote nodes);
+- `2 nodes (compose)`: a second block manager with two node processes, each with
+  `PAGEDKV_CN_NODES_PER_HOST=2` as docker-compose.yml sets it (cores / 2 threads each), async on;
+  `--two-node-default-threads` adds two nodes left at all cores each (the pre-issue setup).
+
+Per mode the step is split with the engine's counters: block manager Step (`bm_s`), node
+Generate calls (`node_s`, wall; in services mode: gRPC + the node process's work) and the rest
+(engine bookkeeping in this process).
+
+`--parts hf` (on by default): the embedded engine vs transformers `generate` (one left-padded
+batch) on the same workload, batch-1 decode step time (after a `--b1-context`-token prompt),
+and where an embedded decode step at batch `--requests` goes (runner timers: dense, attention
+kernels, sampling, batch prep; engine counters: block manager, the rest).
+
+    .venv/bin/python bench/bench_modes.py [--requests 8] [--max-prompt 128] [--max-output 48] \
+        [--repeats 3] [--parts services,nodes,hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from bench_engine import batch1_itl, decode_split  # noqa: E402
+from bench_model import decode_latency_transformers, run_transformers  # noqa: E402
+
+from block_manager.client import BlockManagerClient  # noqa: E402
+from compute_node.model.tiny import build_tiny_model, count_parameters  # noqa: E402
+from demo.localstack import ServiceProcess  # noqa: E402
+from engine.executor import RemoteNode  # noqa: E402
+from engine.llm import LLM  # noqa: E402
+from engine.params import SamplingParams  # noqa: E402
+
+# SmolLM-135M's shape (its config.json), random weights.
+SMOL_135M: dict[str, Any] = dict(num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64,
+                                 intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
+                                 max_position_embeddings=2048, dtype="float32")
+BLOCK_SIZE = 16
+
+
+def make_workload(n: int, max_prompt: int, max_output: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(4, vocab) for _ in range(rng.randint(min(16, max_prompt), max_prompt))],
+             rng.randint(min(16, max_output), max_output)) for _ in range(n)]
+
+
+def fresh_tokens(workload: list[tuple[list[int], int]], vocab: int, seed: int) -> list[tuple[list[int], int]]:
+    """The same lengths with other token ids: every run is a prefix-cache miss (modes that share
+    a block manager, and repetitions, would otherwise hit each other's cached prompts)."""
+    rng = random.Random(seed)
+    return [([rng.randrange(4, vocab) for _ in p], n) for p, n in workload]
+
+
+class NodeClock:
+    """Wraps a node's Generate (a `RemoteNode`'s stub, or the embedded node's generator) and sums
+    the node's own phase times from each reply's `stats` (the engine asks for them with
+    `profile_nodes`; on CPU they cost a few `perf_counter` calls): total (the whole step on the
+    node: the engine's `node_s` minus this is transport, i.e. gRPC, protobuf, the node's event
+    loop and thread hop), dense and attention kernels."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.seconds = {"total": 0.0, "dense": 0.0, "attention": 0.0}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def _count(self, reply: Any) -> Any:
+        st = reply.stats
+        self.seconds["total"] += st.total_s
+        self.seconds["dense"] += st.dense_s
+        self.seconds["attention"] += st.attention_s
+        return reply
+
+    def Generate(self, request: Any, **kwargs: Any) -> Any:   # noqa: N802 (the stub's method)
+        return self._count(self.inner.Generate(request, **kwargs))
+
+    def generate(self, request: Any, *args: Any) -> Any:
+        return self._count(self.inner.generate(request, *args))
+
+
+def clock_nodes(llm: LLM) -> LLM:
+    llm.engine.config.profile_nodes = True
+    for node in llm.engine.nodes.values():
+        if isinstance(node, RemoteNode):
+            node._stub = NodeClock(node._stub)   # type: ignore[assignment]
+        else:
+            node.generator = NodeClock(node.generator)   # type: ignore[attr-defined]
+    return llm
+
+
+def node_seconds(llm: LLM) -> dict[str, float]:
+    out = {"total": 0.0, "dense": 0.0, "attention": 0.0}
+    for n in llm.engine.nodes.values():
+        clock = getattr(n, "_stub", None) or getattr(n, "generator", None)
+        if isinstance(clock, NodeClock):
+            for k, v in clock.seconds.items():
+                out[k] += v
+    return out
+
+
+def run(llm: LLM, workload: list[tuple[list[int], int]], async_scheduling: bool | None = None) -> dict[str, float]:
+    """Requested tokens/s of the workload through `llm`'s engine, and the step split."""
+    engine = llm.engine
+    if async_scheduling is not None:
+        engine.config.async_scheduling = async_scheduling
+    st = engine.stats
+    steps0, bm0, node0, rpcs0, clock0 = st.num_steps, st.bm_s, st.node_s, st.num_bm_rpcs, node_seconds(llm)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in workload]
+    t0 = time.perf_counter()
+    for (prompt, _), p in zip(workload, params):
+        engine.add_request(prompt, p)
+    while engine.has_unfinished_requests():
+        engine.step()
+    seconds = time.perf_counter() - t0
+    engine.flush()
+    steps = max(1, st.num_steps - steps0)
+    return {"tok_s": sum(n for _, n in workload) / seconds, "seconds": seconds, "steps": steps,
+            "step_ms": 1e3 * seconds / steps, "bm_ms": 1e3 * (st.bm_s - bm0) / steps,
+            "node_ms": 1e3 * (st.node_s - node0) / steps, "rpcs": (st.num_bm_rpcs - rpcs0) / steps,
+            **{f"{k}_ms": 1e3 * (v - clock0[k]) / steps for k, v in node_seconds(llm).items()}}
+
+
+@contextmanager
+def stack(model_dir: Path, workdir: Path, num_nodes: int, num_blocks: int,
+          node_env: dict[str, str]) -> Iterator[str]:
+    """A block manager process and `num_nodes` `compute-node serve --model` processes; yields
+    the block manager's address once every node is registered. Everything is stopped on exit."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PAGEDKV_LOG_LEVEL": "WARNING", "PAGEDKV_CN_LOG_LEVEL": "WARNING"}
+    env.pop("PAGEDKV_CN_THREADS", None)
+    env.pop("PAGEDKV_CN_NODES_PER_HOST", None)
+    with ExitStack() as stop:
+        bm = stop.enter_context(ServiceProcess.start(
+            [sys.executable, "-m", "block_manager.cli.main", "serve", "--listen", "127.0.0.1:0",
+             "--database-url", "memory://", "--metrics-port", "0"],
+            workdir=workdir, name="bm", cwd=REPO, env={**env, "PAGEDKV_BLOCK_SIZE": str(BLOCK_SIZE)}))
+        for i in range(num_nodes):
+            stop.enter_context(ServiceProcess.start(
+                [sys.executable, "-m", "compute_node.service.cli", "serve", "--listen", "127.0.0.1:0",
+                 "--block-manager", bm.address, "--node-id", f"node-{i}", "--model", str(model_dir),
+                 "--num-blocks", str(num_blocks), "--metrics-port", "0"],
+                workdir=workdir, name=f"node-{i}", cwd=REPO, timeout_s=300,
+                env={**env, "PAGEDKV_CN_DEVICE": "cpu", "PAGEDKV_CN_BLOCK_SIZE": str(BLOCK_SIZE), **node_env}))
+        client = BlockManagerClient(bm.address)
+        try:
+            deadline = time.monotonic() + 300
+            while len(client.route([0])) < num_nodes:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{num_nodes} nodes not registered after 300 s (logs in {workdir})")
+                time.sleep(0.2)
+        finally:
+            client.close()
+        yield bm.address
+
+
+def p50(runs: list[dict[str, float]], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def modes_part(args: argparse.Namespace, model_dir: Path, workload: list[tuple[list[int], int]],
+               num_blocks: int, tmp: Path) -> LLM:
+    """The embedded engine and the services stacks, alternating; returns the embedded LLM."""
+    opts = dict(block_size=BLOCK_SIZE, max_num_batched_tokens=args.budget, max_num_seqs=args.requests)
+    embedded = clock_nodes(LLM(model_dir, num_kv_blocks=num_blocks, device="cpu", **opts))
+    modes: dict[str, tuple[LLM, bool | None]] = {"embedded": (embedded, None)}
+    with ExitStack() as stop:
+        if "services" in args.parts or "nodes" in args.parts:
+            addr = stop.enter_context(stack(model_dir, tmp / "one", 1, num_blocks, {}))
+            one = clock_nodes(stop.enter_context(LLM(model_dir, block_manager=addr, **opts)))
+            modes["services async=0"] = (one, False)
+            modes["services async=1"] = (one, True)
+        if "nodes" in args.parts:
+            addr2 = stop.enter_context(stack(model_dir, tmp / "two", 2, num_blocks,
+                                             {"PAGEDKV_CN_NODES_PER_HOST": "2"}))
+            modes["2 nodes (compose)"] = (clock_nodes(stop.enter_context(LLM(model_dir, block_manager=addr2, **opts))),
+                                          True)
+            if args.two_node_default_threads:
+                addr3 = stop.enter_context(stack(model_dir, tmp / "two-default", 2, num_blocks, {}))
+                modes["2 nodes (all cores each)"] = (
+                    clock_nodes(stop.enter_context(LLM(model_dir, block_manager=addr3, **opts))), True)
+        warm = make_workload(2, 32, 8, SMOL_135M["vocab_size"], 99)
+        for llm, mode in modes.values():
+            run(llm, warm, mode)
+        if len(modes) == 1:
+            return embedded
+        results: dict[str, list[dict[str, float]]] = {name: [] for name in modes}
+        loads: list[float] = []
+        for rep in range(args.repeats):
+            order = list(modes) if rep % 2 == 0 else list(reversed(modes))
+            for name in order:
+                llm, mode = modes[name]
+                loads.append(os.getloadavg()[0])
+                work = fresh_tokens(workload, SMOL_135M["vocab_size"], 1000 * rep + list(modes).index(name))
+                results[name].append(run(llm, work, mode))
+        base = p50(results["embedded"], "tok_s")
+        print(f"\n## modes (load average 1 min during the runs: {min(loads):.1f}-{max(loads):.1f})")
+        print("| mode | runs tok/s | p50 tok/s | / embedded | step ms | block manager ms | node ms | on the node "
+              "(sum over nodes): total / dense / attention ms | engine rest ms | steps | BM RPCs/step |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for name, rs in results.items():
+            step, bm, node = p50(rs, "step_ms"), p50(rs, "bm_ms"), p50(rs, "node_ms")
+            runs = " ".join(f"{r['tok_s']:.1f}" for r in rs)
+            on_node = " / ".join(f"{p50(rs, k):.1f}" for k in ("total_ms", "dense_ms", "attention_ms"))
+            print(f"| {name} | {runs} | {p50(rs, 'tok_s'):.1f} | "
+                  f"**{p50(rs, 'tok_s') / base:.2f}x** | {step:.1f} | {bm:.2f} | {node:.1f} | {on_node} | "
+                  f"{step - bm - node:.2f} | {p50(rs, 'steps'):.0f} | {p50(rs, 'rpcs'):.2f} |")
+        if "2 nodes (compose)" in results:
+            one_node = max(p50(results["services async=1"], "tok_s"), 1e-9)
+            print(f"2 nodes (compose) / 1 node (async=1): "
+                  f"{p50(results['2 nodes (compose)'], 'tok_s') / one_node:.2f}x (goal >= 1.0x)")
+    return embedded
+
+
+def hf_part(args: argparse.Namespace, model_dir: Path, workload: list[tuple[list[int], int]], embedded: LLM) -> None:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    run_transformers(hf, make_workload(2, 32, 8, SMOL_135M["vocab_size"], 99), 1)
+    ours, theirs, b1_ours, b1_theirs, loads = [], [], [], [], []
+    for rep in range(args.repeats):
+        loads.append(os.getloadavg()[0])
+        work = fresh_tokens(workload, SMOL_135M["vocab_size"], 7000 + rep)
+        ours.append(run(embedded, work)["seconds"])
+        theirs.append(run_transformers(hf, work, 1).seconds)
+        b1_ours.append(batch1_itl(embedded, args.b1_context, args.b1_steps))
+        b1_theirs.append(decode_latency_transformers(hf, args.b1_context, args.b1_steps, repeats=1))
+    requested = sum(n for _, n in workload)
+    o, t = statistics.median(ours), statistics.median(theirs)
+    bo, bt = statistics.median(b1_ours), statistics.median(b1_theirs)
+    print(f"\n## engine (embedded) vs transformers (load average 1 min: {min(loads):.1f}-{max(loads):.1f})")
+    print(f"mixed batch: pagedkv {requested / o:.1f} tok/s | transformers {requested / t:.1f} tok/s | "
+          f"**{t / o:.2f}x** (goal >= 2x); runs s ours {[round(x, 2) for x in ours]} theirs "
+          f"{[round(x, 2) for x in theirs]}")
+    print(f"batch-1 decode step ({args.b1_context}-token context): pagedkv {1e3 * bo:.1f} ms | transformers "
+          f"{1e3 * bt:.1f} ms | **{bo / bt:.2f}x** (goal <= 1.0x); runs ms ours {[round(1e3 * x, 1) for x in b1_ours]} "
+          f"theirs {[round(1e3 * x, 1) for x in b1_theirs]}")
+    for batch in (1, args.requests):
+        s = decode_split(embedded, batch, 12)
+        share = aten_share(embedded, batch)
+        model = s["dense"] + s["sample"] + s["prepare"]
+        print(f"embedded decode step at batch {batch}: {1e3 * s['step']:.1f} ms = dense {1e3 * s['dense']:.1f} "
+              f"(torch ops {1e3 * share * s['dense']:.1f}, Python layer loop {1e3 * (1 - share) * s['dense']:.1f}) "
+              f"+ attention kernels {1e3 * s['attention']:.1f} + sampling {1e3 * s['sample']:.2f} + batch prep "
+              f"{1e3 * s['prepare']:.2f} + node rest {1e3 * (s['node'] - model - s['attention']):.2f} + block manager "
+              f"{1e3 * s['bm']:.2f} + engine {1e3 * (s['step'] - s['bm'] - s['node']):.2f} ms")
+
+
+def aten_share(llm: LLM, batch: int, steps: int = 3) -> float:
+    """The share of the dense phase spent inside aten ops (torch.profiler's self CPU time) over
+    `steps` decode steps at `batch` running sequences; the rest is the Python around them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    runner = next(iter(engine.nodes.values())).runner   # type: ignore[attr-defined]
+    for i in range(batch):
+        engine.add_request([7 + (i * 13 + j) % 4000 for j in range(64)],
+                           SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    dense = 0.0
+    runner.profile = True
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                engine.step()
+                dense += runner.last_timings.dense_s
+    finally:
+        runner.profile = False
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.flush()
+    ops = [e for e in prof.key_averages() if e.key.startswith("aten::") and e.key != "aten::argmax"]
+    return min(1.0, sum(e.self_cpu_time_total for e in ops) / 1e6 / dense) if dense else 1.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--max-prompt", type=int, default=128)
+    ap.add_argument("--max-output", type=int, default=48)
+    ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--b1-context", type=int, default=128)
+    ap.add_argument("--b1-steps", type=int, default=16)
+    ap.add_argument("--parts", default="services,nodes,hf", help="comma list of services, nodes, hf")
+    ap.add_argument("--two-node-default-threads", action="store_true",
+                    help="also two nodes at all cores each (PAGEDKV_CN_NODES_PER_HOST unset)")
+    ap.add_argument("--num-layers", type=int, default=SMOL_135M["num_layers"], help="fewer for a smoke run")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    args.parts = set(args.parts.split(","))
+    spec = {**SMOL_135M, "num_layers": args.num_layers}
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
+        model_dir = build_tiny_model(tmp / "smol", "llama", seed=args.seed, **spec)
+        workload = make_workload(args.requests, args.max_prompt, args.max_output, spec["vocab_size"], args.seed)
+        max_len = max(len(p) + n for p, n in workload)
+        num_blocks = max(args.requests, 8) * -(-max(max_len, args.b1_context + args.b1_steps + 80) // BLOCK_SIZE) + 64
+        print(f"# bench_modes  llama {count_parameters(model_dir) / 1e6:.1f}M ({spec['num_layers']} layers, hidden "
+              f"{spec['hidden_size']}, {spec['num_heads']}/{spec['num_kv_heads']} heads) fp32 cpu, {os.cpu_count()} "
+              f"cores, torch threads {torch.get_num_threads()}; {args.requests} requests, prompts "
+              f"{sum(len(p) for p, _ in workload)} tokens, requested {sum(n for _, n in workload)} tokens; "
+              f"{args.repeats} alternating repetitions, p50; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+        embedded = modes_part(args, model_dir, workload, num_blocks, tmp)
+        try:
+            if "hf" in args.parts:
+                hf_part(args, model_dir, workload, embedded)
+        finally:
+            embedded.close()
+
+
+if __name__ == "__main__":
+    main()
