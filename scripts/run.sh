@@ -15,6 +15,8 @@
 # demo and test venvs install with --no-compile: pip would otherwise write ~300 MB of .pyc for
 # every module of every package (a fifth of the demo venv), most never imported; Python writes
 # those a run imports, once. `setup` (the images) keeps them: a container may not write them.
+# So does any venv built under PYTHONDONTWRITEBYTECODE: Python writes no .pyc then, and every
+# process would compile torch & co. from source on every import (it cost CI ~40% more CPU).
 set -euo pipefail
 caller_dir=$PWD   # the demo writes its plot where it was started from, not into the repository
 cd "$(dirname "$0")/.."
@@ -40,7 +42,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   torch_index=()
   [ -n "${PAGEDKV_TORCH_INDEX:-}" ] && torch_index=(--extra-index-url "$PAGEDKV_TORCH_INDEX")
   no_compile=()
-  [ "$cmd" != setup ] && no_compile=(--no-compile)
+  [ "$cmd" != setup ] && [ -z "${PYTHONDONTWRITEBYTECODE:-}" ] && no_compile=(--no-compile)
   "$VENV/bin/pip" install --progress-bar on ${no_compile[@]+"${no_compile[@]}"} \
     ${torch_index[@]+"${torch_index[@]}"} "torch==2.13.0" 2>&1 \
     | grep -v "^Requirement already satisfied" || true
