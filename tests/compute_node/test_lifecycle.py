@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import grpc
@@ -53,6 +54,10 @@ async def test_block_manager_restart_mid_workload(tmp_path: Path) -> None:
         beats = _heartbeats(node)
         await eventually(lambda: _heartbeats(node) > beats, timeout_s=5.0)
         assert node.node.epoch == 1                       # same epoch: nothing was fenced
+        # The scheduler's channel saw the outage (the refused allocate) and may sit in gRPC's
+        # reconnect backoff longer than its client retries: the node's heartbeat getting through
+        # says nothing about it. Wait for its own connection, as a scheduler's health check would.
+        await asyncio.wait_for(s.client._channel.channel_ready(), timeout=30)
         # The recovered block manager has every acknowledged step; the pending reports and the
         # deferred in-block tokens go with the next step, and the workload goes on.
         for _ in range(6):
