@@ -33,8 +33,13 @@ def authorize(method: str, principal: Principal, request: Any) -> str | None:
     roles = _ALLOWED.get(method.rsplit("/", 1)[-1]) if method.startswith(PREFIX) else None
     if roles is None:
         return f"{principal} may not call {method}"
+    name = method.rsplit("/", 1)[-1]
     if principal.role not in roles:
-        return f"{method.rsplit('/', 1)[-1]} is for {' and '.join(sorted(roles))} principals; {principal} is not one"
+        return f"{name} is for {' and '.join(sorted(roles))} principals; {principal} is not one"
+    if name == "FetchBlocks" and principal.name != request.dst_pool_id:
+        # a node pulls only what was granted to it: the grant's destination is checked against
+        # the request's `dst_pool_id` by the handler, and that against the caller here
+        return f"{principal} may not pull blocks granted to node {request.dst_pool_id!r}"
     return None
 
 

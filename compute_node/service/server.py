@@ -88,8 +88,7 @@ class ComputeNodeServer:
         if advertise.endswith(":0"):  # "whatever port I bound": a listener on port 0 advertises the real one
             advertise = address_with_port(advertise, self.port)
         self.node = node = ComputeNode(cfg, advertise_address=advertise)
-        auth = Authenticator(cfg.auth) if cfg.auth_enabled else None
-        pb_grpc.add_ComputeNodeServicer_to_server(ComputeNodeServicer(node, auth), server)
+        pb_grpc.add_ComputeNodeServicer_to_server(ComputeNodeServicer(node), server)
         self.health = health = install_health_and_reflection(server, (SERVICE_NAME,), self.tasks)
         node.on_registration = health.set_soon
         await health.set(False)

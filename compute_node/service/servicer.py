@@ -19,7 +19,6 @@ from compute_node.model import ModelError
 from compute_node.service.node import ComputeNode
 from compute_node.service.transfer_servicer import serve_blocks
 from compute_node.wire import encode_tensor
-from pagedkv.auth import Authenticator
 from pagedkv.v1 import compute_node_pb2 as pb
 from pagedkv.v1 import compute_node_pb2_grpc as pb_grpc
 
@@ -29,16 +28,15 @@ MAX_STEPS_PER_FORWARD = 64
 
 
 class ComputeNodeServicer(pb_grpc.ComputeNodeServicer):
-    def __init__(self, node: ComputeNode, auth: Authenticator | None = None) -> None:
-        self.node = node
-        self.auth = auth   # the edge guard checks the role; FetchBlocks also ties the identity to the grant
+    def __init__(self, node: ComputeNode) -> None:
+        self.node = node   # who may call what (FetchBlocks: the grant's node only) is the edge guard's
 
     async def FetchBlocks(  # noqa: N802 (the gRPC method name)
         self, request: pb.FetchBlocksRequest, context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[bytes]:
         """Prefix fetch: serve granted blocks to another node (transfer_servicer.py), as
         serialized `KvChunk` messages (the edge guard's stream wrapper sends bytes as they are)."""
-        async for message in serve_blocks(self.node, self.auth, request, context):
+        async for message in serve_blocks(self.node, request, context):
             yield message
 
     async def Forward(self, request: pb.ForwardRequest, context: grpc.aio.ServicerContext) -> pb.ForwardResponse:

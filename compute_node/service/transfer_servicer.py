@@ -1,9 +1,9 @@
 """`ComputeNode/FetchBlocks`: serving granted prefix blocks to another node (docs/prefix_fetch.md).
 
 Served only when every check passes, in this order:
-1. the caller is authenticated as `node:<id>` (under TLS client certificates or bearer tokens,
-   as every call of ours; `access.authorize`) — done here, because the edge guard wraps unary
-   handlers only and this one streams;
+1. the caller is authenticated as `node:<id>` with `<id>` = the request's `dst_pool_id` (under
+   TLS client certificates or bearer tokens, by the edge guard before the first message, as
+   every call of ours: `access.authorize`);
 2. a grant for `fetch_id` arrived with one of this node's steps (waited for up to
    `fetch_grant_wait_s`: the scheduler calls the source and the destination at once), has not
    expired, names exactly the requested blocks, and its destination is the caller (`<id>` =
@@ -32,7 +32,6 @@ import grpc
 from compute_node.service import access
 from compute_node.service.node import ComputeNode
 from compute_node.transfer import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, encoded_chunks, host_flags
-from pagedkv.auth import Authenticator, Refusal
 from pagedkv.v1 import compute_node_pb2 as pb
 
 METHOD = f"{access.PREFIX}FetchBlocks"
@@ -40,18 +39,9 @@ AHEAD = 4   # chunks gathered ahead of the one being sent
 
 
 async def serve_blocks(
-    node: ComputeNode, auth: Authenticator | None, request: pb.FetchBlocksRequest, context: grpc.aio.ServicerContext,
+    node: ComputeNode, request: pb.FetchBlocksRequest, context: grpc.aio.ServicerContext,
 ) -> AsyncIterator[bytes]:
     """The granted blocks as serialized `KvChunk` messages, once every check passed."""
-    if auth is not None:
-        found = auth.identify(context)
-        if isinstance(found, Refusal):
-            await context.abort(found.code, found.message)
-        why = access.authorize(METHOD, found, request)  # type: ignore[arg-type]
-        if why is None and found.name != request.dst_pool_id:  # type: ignore[union-attr]
-            why = f"{found} may not pull blocks granted to node {request.dst_pool_id!r}"
-        if why is not None:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
     pool = node.pool
     if pool is None:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the node has no pool yet")

@@ -124,3 +124,16 @@ def test_compute_node_access_rules(method: str, allowed: set[str]) -> None:
     for who in ("scheduler", "scheduler:s1", "admin", "node:node-a"):
         refused = authorize(PREFIX + method, parse_principal(who), None)
         assert (refused is None) == (who in allowed), (method, who, refused)
+
+
+def test_fetch_blocks_is_for_the_granted_node_only() -> None:
+    """FetchBlocks: a node's principal, and only the node the request names as destination
+    (the handler then checks that name against the grant's)."""
+    from compute_node.service.access import PREFIX, authorize
+    from pagedkv.auth import parse_principal
+    from pagedkv.v1 import compute_node_pb2 as pb
+
+    request = pb.FetchBlocksRequest(fetch_id="f", dst_pool_id="node-b")
+    assert authorize(PREFIX + "FetchBlocks", parse_principal("node:node-b"), request) is None
+    for who in ("node:node-a", "scheduler", "scheduler:node-b", "admin"):
+        assert authorize(PREFIX + "FetchBlocks", parse_principal(who), request) is not None, who

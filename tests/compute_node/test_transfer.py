@@ -35,7 +35,6 @@ from compute_node.transfer import (
     pack_blocks,
     parse_chunk,
 )
-from pagedkv.auth import Authenticator
 from pagedkv.lifecycle import bind, new_server
 from pagedkv.v1 import compute_node_pb2 as pb
 from pagedkv.v1 import compute_node_pb2_grpc as pb_grpc
@@ -87,8 +86,7 @@ class _Source:
         self.node = ComputeNode(config)   # on the loop: its block manager channel is an aio one
         self.node.pool = _random_pool(1)
         self.server = new_server([edge_guard(config)])
-        pb_grpc.add_ComputeNodeServicer_to_server(
-            ComputeNodeServicer(self.node, Authenticator(config.auth) if config.auth_enabled else None), self.server)
+        pb_grpc.add_ComputeNodeServicer_to_server(ComputeNodeServicer(self.node), self.server)
         port = bind(self.server, "127.0.0.1:0", config.tls)
         await self.server.start()
         return port
