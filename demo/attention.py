@@ -7,8 +7,8 @@ client's step helper → Forward on the owning node carrying that node's PoolSte
 sequence's outputs checked against float64 every step), triggers one admin defrag midway
 (its moves ride in the next steps), with `--swap-every N` swaps a few running sequences out
 to the nodes' host tier every N steps and back at the next such step (docs/tiers.md), prints
-the report and writes the PNG plot (`args.plot`, already checked by `demo.check_plot_path`:
-the working directory's `pagedkv-demo.png` unless `--plot` says otherwise). Everything it
+the report and writes the SVG plot (`args.plot`, already checked by `demo.check_plot_path`:
+the working directory's `pagedkv-demo.svg` unless `--plot` says otherwise). Everything it
 started is stopped on the way out, also on Ctrl-C or an error.
 """
 

@@ -30,12 +30,12 @@ from block_manager.trace.generate import TraceConfig, write_trace
 from block_manager.trace.replay import ReplayReport, replay
 from pagedkv.cli import ArgumentParser, catch_ctrl_c, error_line
 
-DEFAULT_PLOT = "pagedkv-demo.png"
+DEFAULT_PLOT = "pagedkv-demo.svg"
 EXIT_INTERRUPTED = 130
 
 
 class PlotPathError(ValueError):
-    """`--plot` names a place the PNG cannot be written to."""
+    """`--plot` names a place the SVG cannot be written to."""
 
 
 @dataclass(slots=True)
@@ -170,13 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-checked", type=int, default=64,
                    help="services: compare at most this many greedy requests with transformers (default 64)")
     p.add_argument("--plot", default=DEFAULT_PLOT,
-                   help=f"services: where to write the PNG plot (default: {DEFAULT_PLOT} in the working directory)")
+                   help=f"services: where to write the SVG plot (default: {DEFAULT_PLOT} in the working directory)")
     return p
 
 
 def check_plot_path(text: str) -> Path:
     """The plot's path, checked before the run (not after minutes of serving): an existing,
-    writable directory, a file name matplotlib can write, and matplotlib itself installed.
+    writable directory and a file name ending in .svg.
     `PlotPathError` with a one-line reason otherwise."""
     path = Path(text).expanduser()
     if not path.is_absolute():
@@ -187,14 +187,8 @@ def check_plot_path(text: str) -> Path:
         raise PlotPathError(f"--plot {text}: directory {path.parent} does not exist")
     if not os.access(path.parent, os.W_OK):
         raise PlotPathError(f"--plot {text}: directory {path.parent} is not writable")
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise PlotPathError("the plot needs matplotlib: pip install 'pagedkv[demo]' (run.sh demo does)") from None
-    formats = Figure().canvas.get_supported_filetypes()
-    suffix = path.suffix.lower().lstrip(".")
-    if suffix not in formats:
-        raise PlotPathError(f"--plot {text}: unsupported image type {path.suffix or '(none)'!r}; use .png")
+    if path.suffix.lower() != ".svg":
+        raise PlotPathError(f"--plot {text}: unsupported image type {path.suffix or '(none)'!r}; use .svg")
     return path
 
 

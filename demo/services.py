@@ -33,6 +33,7 @@ from rich.table import Table
 
 from block_manager.client import AdminClient, BlockManagerClient
 from demo.localstack import LocalStack
+from demo.svg_chart import Chart, Series, write
 from engine.executor import RemoteNode
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.params import RequestOutput, SamplingParams
@@ -399,22 +400,12 @@ def check_summary(r: ModelDemoReport) -> str:
 
 
 def plot(r: ModelDemoReport, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4))
     ts = [x.t for x in r.samples]
-    ax.plot(ts, [x.used_blocks for x in r.samples], label="paged (blocks in use)")
-    ax.plot(ts, [x.contiguous_blocks for x in r.samples], label="contiguous preallocation", linestyle="--")
-    ax.set_xlabel("seconds")
-    ax.set_ylabel("KV blocks")
-    ax.set_title(f"{r.model}: KV memory while serving")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    write(Chart(
+        title=f"{r.model}: KV memory while serving", x_label="seconds", y_label="KV blocks",
+        series=[Series("paged (blocks in use)", ts, [x.used_blocks for x in r.samples]),
+                Series("contiguous preallocation", ts, [x.contiguous_blocks for x in r.samples], dashed=True)],
+    ), path)
 
 
 __all__ = ["ModelDemoReport", "build_workload", "check_summary", "run"]

@@ -1,4 +1,4 @@
-"""The services-mode demo report: a rich table on the console and a PNG of memory over time."""
+"""The services-mode demo report: a rich table on the console and an SVG of memory over time."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from demo.serving import ServingReport
+from demo.svg_chart import Chart, Marker, Series, write
 
 
 def _pct(x: float) -> str:
@@ -102,28 +103,19 @@ def render(r: ServingReport, console: Console, *, title: str) -> None:
 
 
 def plot(r: ServingReport, path: Path) -> Path:
-    """Blocks in use over time against the contiguous baseline, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [s.step for s in r.steps if s.used_blocks is not None]
-    paged = [s.used_blocks for s in r.steps if s.used_blocks is not None]
-    contiguous = [s.contiguous_blocks for s in r.steps if s.used_blocks is not None]
-    fig, ax = plt.subplots(figsize=(9, 4.5), dpi=110)
-    ax.plot(steps, contiguous, label="contiguous preallocation (prompt + max output)", color="tab:red")
-    ax.plot(steps, paged, label="pagedkv: blocks in use (block manager)", color="tab:blue")
+    """Blocks in use over time against the contiguous baseline, as an SVG."""
+    kept = [s for s in r.steps if s.used_blocks is not None]
+    steps = [s.step for s in kept]
+    chart = Chart(
+        title="KV memory in use: paged vs contiguous", x_label="scheduler step",
+        y_label=f"KV blocks ({r.block_size} tokens each)",
+        series=[Series("contiguous preallocation (prompt + max output)", steps,
+                       [s.contiguous_blocks for s in kept], color="#d62728"),
+                Series("pagedkv: blocks in use (block manager)", steps, [s.used_blocks for s in kept],
+                       color="#1f77b4")],
+    )
     if r.num_pool_blocks:
-        ax.axhline(r.num_pool_blocks, color="grey", linestyle="--", linewidth=1, label="pool capacity (all nodes)")
+        chart.markers.append(Marker("pool capacity (all nodes)", r.num_pool_blocks))
     if r.defrag:
-        ax.axvline(int(r.defrag["step"]), color="tab:green", linestyle=":", label="admin defrag")
-    ax.set_xlabel("scheduler step")
-    ax.set_ylabel(f"KV blocks ({r.block_size} tokens each)")
-    ax.set_title("KV memory in use: paged vs contiguous")
-    ax.legend(loc="upper left", fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+        chart.markers.append(Marker("admin defrag", int(r.defrag["step"]), vertical=True, color="#2ca02c"))
+    return write(chart, path)

@@ -4,7 +4,7 @@
 # (`test`); `setup` only installs (the Dockerfile uses it, so images install exactly as people do).
 #
 #   extras: test -> dev (pytest, ruff, the CUDA simulator's compiler pieces, transformers),
-#           demo -> demo (matplotlib, transformers), setup -> $PAGEDKV_EXTRAS (default: none;
+#           demo -> demo (transformers), setup -> $PAGEDKV_EXTRAS (default: none;
 #           the GPU image passes "cuda").
 #
 # torch: plain `pip install torch==2.13.0` takes whatever build pip's indexes offer first: on

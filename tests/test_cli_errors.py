@@ -185,6 +185,6 @@ def test_serve_shutdown_ends_open_streams_with_an_error_event(model_dir: Path, t
 
 def test_demo_with_a_missing_model_is_a_usage_error_before_anything_starts(tmp_path: Path) -> None:
     result = _run([sys.executable, "-m", "demo.cli", "--model", str(tmp_path / "nope"),
-                   "--plot", str(tmp_path / "p.png")])
+                   "--plot", str(tmp_path / "p.svg")])
     line = _one_error("pagedkv-demo", result, 2)
     assert "does not exist" in line and "--model" in line

@@ -29,7 +29,7 @@ def no_run(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("plot", "reason"),
     [
-        ("missing-dir/out.png", "does not exist"),
+        ("missing-dir/out.svg", "does not exist"),
         (".", "is a directory"),
         ("out.nosuchformat", "unsupported image type"),
     ],
@@ -49,12 +49,12 @@ def test_default_plot_goes_to_the_working_directory(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(demo_services, "run", lambda args: seen.append(args.plot) or 0)
     monkeypatch.chdir(tmp_path)
     assert demo.main(["--requests", "2"]) == 0
-    assert seen == [tmp_path / "pagedkv-demo.png"]
+    assert seen == [tmp_path / "pagedkv-demo.svg"]
 
 
 def test_run_sh_demo_starts_in_the_callers_directory(tmp_path: Path) -> None:
     """run.sh cds to the repository to install; the demo itself must run where it was called
-    from (its PNG landed in the repository root whatever the working directory)."""
+    from (its plot landed in the repository root whatever the working directory)."""
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").symlink_to(sys.executable)
@@ -97,7 +97,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
 def test_ctrl_c_is_one_line_and_stops_the_stack(tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "demo.cli", "--requests", "200", "--plot", str(tmp_path / "p.png")],
+        [sys.executable, "-m", "demo.cli", "--requests", "200", "--plot", str(tmp_path / "p.svg")],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize(
     "path", ["block_manager.db", "block_manager.db-wal", "block_manager.db-shm", "block_manager.db.lock",
-             "pagedkv-demo.png", "certs/dev/ca-key.pem", "certs/dev/admin.pem"],
+             "pagedkv-demo.svg", "certs/dev/ca-key.pem", "certs/dev/admin.pem"],
 )
 def test_run_artifacts_are_ignored(path: str) -> None:
     if shutil.which("git") is None or not (ROOT / ".git").exists():
