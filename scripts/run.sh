@@ -32,7 +32,7 @@ case "$cmd" in
 esac
 stamp="$VENV/.pagedkv-installed${extras:+-$extras}"
 if [ ! -x "$VENV/bin/python" ]; then
-  echo "run.sh: creating $VENV (first run: a few minutes; ~1.3 GB for the demo, ~2.2 GB with the test extras)" >&2
+  echo "run.sh: creating $VENV (first run: a few minutes; ~1.2 GB for the demo, ~2.2 GB with the test extras)" >&2
   python3 -m venv "$VENV"
 fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
