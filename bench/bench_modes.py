@@ -10,12 +10,26 @@ p50s are printed:
 
 - `embedded`: `LLM(model)`: block manager state machine and the model node in this process
   (async scheduling off: `LLM`'s default for the embedded CPU node);
-- `services async=0|1`: `LLM(model, block_manager=ADDR)` over a block manager process and one
+- `services`: `LLM(model, block_manager=ADDR)` over a block manager process and one
   `compute-node serve --model` process (thread budget: its default, all cores), async
-  scheduling off / on (`PAGEDKV_ASYNC_SCHEDULING`; on is `LLM`'s default for remote nodes);
+  scheduling as `LLM` chooses it (`engine.async_policy`: off, the node is a CPU node on
+  loopback); `services async=1`: the same stack with async scheduling forced on;
 - `2 nodes (compose)`: a second block manager with two node processes, each with
-  `PAGEDKV_CN_NODES_PER_HOST=2` as docker-compose.yml sets it (cores / 2 threads each), async on;
-  `--two-node-default-threads` adds two nodes left at all cores each (the pre-issue setup).
+  `PAGEDKV_CN_NODES_PER_HOST=2` as docker-compose.yml sets it (cores / 2 threads each), async
+  as `LLM` chooses it; `--two-node-default-threads` adds two nodes left at all cores each (the
+  pre-issue setup);
+- `--node-env K=V[,K2=V2]` (repeatable): also one node (and its block manager) with this extra
+  environment, e.g. `OMP_WAIT_POLICY=PASSIVE` (how libgomp's threads wait between parallel
+  regions: spinning pays on idle cores, costs on a host whose cores are taken);
+- `--node-tree DIR`: also one node (and its block manager) run from another checkout, e.g. the
+  commit before the node's step thread (`git archive COMMIT | tar -x -C DIR`), beside this one.
+
+Per services mode the node processes' CPU is read from /proc (per thread): CPU-s per run and how
+many threads burned more than 5% of it (the model's OpenMP team(s), the gRPC pollers, ...).
+
+`--shape demo54m --requests 64` is issue 21's two-nodes workload: 64 concurrent streams on the
+54M model (`build_tiny_model`'s defaults: 12 layers, hidden 512, 8/2 heads, vocab 8192); the
+`hf` part runs on the 135M shape only.
 
 Per mode the step is split with the engine's counters: block manager Step (`bm_s`), node
 Generate calls (`node_s`, wall; in services mode: gRPC + the node process's work) and the rest
@@ -64,7 +78,13 @@ from engine.params import SamplingParams  # noqa: E402
 SMOL_135M: dict[str, Any] = dict(num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64,
                                  intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
                                  max_position_embeddings=2048, dtype="float32")
+# `build_tiny_model`'s defaults: the 54.0M-parameter Llama of the earlier benchmarks.
+DEMO_54M: dict[str, Any] = dict(num_layers=12, hidden_size=512, num_heads=8, num_kv_heads=2, head_dim=64,
+                                intermediate_size=2048, vocab_size=8192, tie_word_embeddings=False,
+                                max_position_embeddings=2048, dtype="float32")
+SHAPES = {"smol135m": SMOL_135M, "demo54m": DEMO_54M}
 BLOCK_SIZE = 16
+TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 
 def make_workload(n: int, max_prompt: int, max_output: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
@@ -150,26 +170,50 @@ def run(llm: LLM, workload: list[tuple[list[int], int]], async_scheduling: bool 
             **{f"{k}_ms": 1e3 * (v - clock0[k]) / steps for k, v in node_seconds(llm).items()}}
 
 
+def thread_cpu(pids: list[int]) -> dict[tuple[int, int], float]:
+    """CPU seconds (user + system) of every thread of `pids`, by (pid, tid)."""
+    out: dict[tuple[int, int], float] = {}
+    for pid in pids:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except FileNotFoundError:   # the thread ended
+                continue
+            out[(pid, int(tid))] = (int(fields[11]) + int(fields[12])) * TICK_S
+    return out
+
+
+def busy_threads(before: dict[tuple[int, int], float], after: dict[tuple[int, int], float]) -> dict[str, float]:
+    """The nodes' CPU-s over a run and how many threads took more than 5% of it."""
+    used = [cpu - before.get(key, 0.0) for key, cpu in after.items()]
+    total = sum(used)
+    return {"cpu_s": total, "busy_threads": sum(1 for u in used if total and u > 0.05 * total)}
+
+
 @contextmanager
 def stack(model_dir: Path, workdir: Path, num_nodes: int, num_blocks: int,
-          node_env: dict[str, str]) -> Iterator[str]:
-    """A block manager process and `num_nodes` `compute-node serve --model` processes; yields
-    the block manager's address once every node is registered. Everything is stopped on exit."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PAGEDKV_LOG_LEVEL": "WARNING", "PAGEDKV_CN_LOG_LEVEL": "WARNING"}
+          node_env: dict[str, str], tree: Path = REPO) -> Iterator[tuple[str, list[int]]]:
+    """A block manager process and `num_nodes` `compute-node serve --model` processes (their code
+    from `tree`); yields the block manager's address and the nodes' pids once every node is
+    registered. Everything is stopped on exit."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "PAGEDKV_LOG_LEVEL": "WARNING", "PAGEDKV_CN_LOG_LEVEL": "WARNING"}
     env.pop("PAGEDKV_CN_THREADS", None)
     env.pop("PAGEDKV_CN_NODES_PER_HOST", None)
     with ExitStack() as stop:
         bm = stop.enter_context(ServiceProcess.start(
             [sys.executable, "-m", "block_manager.cli.main", "serve", "--listen", "127.0.0.1:0",
              "--database-url", "memory://", "--metrics-port", "0"],
-            workdir=workdir, name="bm", cwd=REPO, env={**env, "PAGEDKV_BLOCK_SIZE": str(BLOCK_SIZE)}))
+            workdir=workdir, name="bm", cwd=tree, env={**env, "PAGEDKV_BLOCK_SIZE": str(BLOCK_SIZE)}))
+        pids = []
         for i in range(num_nodes):
-            stop.enter_context(ServiceProcess.start(
+            node = stop.enter_context(ServiceProcess.start(
                 [sys.executable, "-m", "compute_node.service.cli", "serve", "--listen", "127.0.0.1:0",
                  "--block-manager", bm.address, "--node-id", f"node-{i}", "--model", str(model_dir),
                  "--num-blocks", str(num_blocks), "--metrics-port", "0"],
-                workdir=workdir, name=f"node-{i}", cwd=REPO, timeout_s=300,
+                workdir=workdir, name=f"node-{i}", cwd=tree, timeout_s=300,
                 env={**env, "PAGEDKV_CN_DEVICE": "cpu", "PAGEDKV_CN_BLOCK_SIZE": str(BLOCK_SIZE), **node_env}))
+            pids.append(node.proc.pid)
         client = BlockManagerClient(bm.address)
         try:
             deadline = time.monotonic() + 300
@@ -179,7 +223,7 @@ def stack(model_dir: Path, workdir: Path, num_nodes: int, num_blocks: int,
                 time.sleep(0.2)
         finally:
             client.close()
-        yield bm.address
+        yield bm.address, pids
 
 
 def p50(runs: list[dict[str, float]], key: str) -> float:
@@ -191,24 +235,33 @@ def modes_part(args: argparse.Namespace, model_dir: Path, workload: list[tuple[l
     """The embedded engine and the services stacks, alternating; returns the embedded LLM."""
     opts = dict(block_size=BLOCK_SIZE, max_num_batched_tokens=args.budget, max_num_seqs=args.requests)
     embedded = clock_nodes(LLM(model_dir, num_kv_blocks=num_blocks, device="cpu", **opts))
-    modes: dict[str, tuple[LLM, bool | None]] = {"embedded": (embedded, None)}
+    # name -> (LLM, its async scheduling for the runs, node pids)
+    modes: dict[str, tuple[LLM, bool, list[int]]] = {
+        "embedded": (embedded, embedded.engine.config.async_scheduling, [])}
     with ExitStack() as stop:
+        def services(name: str, workdir: str, num_nodes: int, env: dict[str, str], tree: Path = REPO,
+                     forced: tuple[bool | None, ...] = (None,)) -> None:
+            addr, pids = stop.enter_context(stack(model_dir, tmp / workdir, num_nodes, num_blocks, env, tree))
+            llm = clock_nodes(stop.enter_context(LLM(model_dir, block_manager=addr, **opts)))
+            chosen = llm.engine.config.async_scheduling   # LLM's choice, restored before its own runs
+            for mode in forced:
+                modes[name if mode is None else f"{name} async={int(mode)}"] = (llm, chosen if mode is None else mode,
+                                                                              pids)
+
         if "services" in args.parts or "nodes" in args.parts:
-            addr = stop.enter_context(stack(model_dir, tmp / "one", 1, num_blocks, {}))
-            one = clock_nodes(stop.enter_context(LLM(model_dir, block_manager=addr, **opts)))
-            modes["services async=0"] = (one, False)
-            modes["services async=1"] = (one, True)
+            services("services", "one", 1, {}, forced=(None, True))
+            chosen = modes["services"][0].engine.config.async_scheduling
+            print(f"LLM's async scheduling for CPU nodes on loopback: {'on' if chosen else 'off'}")
+        if args.node_tree is not None:
+            services(f"services, node from {args.node_tree.name}", "tree", 1, {}, tree=args.node_tree)
+        for i, extra in enumerate(args.node_env):
+            services(f"services, node with {extra}", f"env{i}", 1, dict(kv.split("=", 1) for kv in extra.split(",")))
         if "nodes" in args.parts:
-            addr2 = stop.enter_context(stack(model_dir, tmp / "two", 2, num_blocks,
-                                             {"PAGEDKV_CN_NODES_PER_HOST": "2"}))
-            modes["2 nodes (compose)"] = (clock_nodes(stop.enter_context(LLM(model_dir, block_manager=addr2, **opts))),
-                                          True)
+            services("2 nodes (compose)", "two", 2, {"PAGEDKV_CN_NODES_PER_HOST": "2"})
             if args.two_node_default_threads:
-                addr3 = stop.enter_context(stack(model_dir, tmp / "two-default", 2, num_blocks, {}))
-                modes["2 nodes (all cores each)"] = (
-                    clock_nodes(stop.enter_context(LLM(model_dir, block_manager=addr3, **opts))), True)
-        warm = make_workload(2, 32, 8, SMOL_135M["vocab_size"], 99)
-        for llm, mode in modes.values():
+                services("2 nodes (all cores each)", "two-default", 2, {})
+        warm = make_workload(2, 32, 8, args.vocab, 99)
+        for llm, mode, _ in modes.values():
             run(llm, warm, mode)
         if len(modes) == 1:
             return embedded
@@ -217,26 +270,37 @@ def modes_part(args: argparse.Namespace, model_dir: Path, workload: list[tuple[l
         for rep in range(args.repeats):
             order = list(modes) if rep % 2 == 0 else list(reversed(modes))
             for name in order:
-                llm, mode = modes[name]
+                llm, mode, pids = modes[name]
                 loads.append(os.getloadavg()[0])
-                work = fresh_tokens(workload, SMOL_135M["vocab_size"], 1000 * rep + list(modes).index(name))
-                results[name].append(run(llm, work, mode))
+                work = fresh_tokens(workload, args.vocab, 1000 * rep + list(modes).index(name))
+                cpu0 = thread_cpu(pids)
+                r = run(llm, work, mode)
+                results[name].append({**r, **busy_threads(cpu0, thread_cpu(pids))})
         base = p50(results["embedded"], "tok_s")
         print(f"\n## modes (load average 1 min during the runs: {min(loads):.1f}-{max(loads):.1f})")
         print("| mode | runs tok/s | p50 tok/s | / embedded | step ms | block manager ms | node ms | on the node "
-              "(sum over nodes): total / dense / attention ms | engine rest ms | steps | BM RPCs/step |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+              "(sum over nodes): total / dense / attention ms | engine rest ms | steps | BM RPCs/step | "
+              "node CPU-s per run (threads > 5%) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        per_rep = [" ".join(f"{x:.1f}" for x in loads[i:i + len(modes)]) for i in range(0, len(loads), len(modes))]
+        print(f"load average at each run's start, per repetition (run order): {' / '.join(per_rep)}")
         for name, rs in results.items():
             step, bm, node = p50(rs, "step_ms"), p50(rs, "bm_ms"), p50(rs, "node_ms")
             runs = " ".join(f"{r['tok_s']:.1f}" for r in rs)
             on_node = " / ".join(f"{p50(rs, k):.1f}" for k in ("total_ms", "dense_ms", "attention_ms"))
+            cpu = f"{p50(rs, 'cpu_s'):.1f} ({p50(rs, 'busy_threads'):.0f})" if modes[name][2] else "–"
             print(f"| {name} | {runs} | {p50(rs, 'tok_s'):.1f} | "
                   f"**{p50(rs, 'tok_s') / base:.2f}x** | {step:.1f} | {bm:.2f} | {node:.1f} | {on_node} | "
-                  f"{step - bm - node:.2f} | {p50(rs, 'steps'):.0f} | {p50(rs, 'rpcs'):.2f} |")
+                  f"{step - bm - node:.2f} | {p50(rs, 'steps'):.0f} | {p50(rs, 'rpcs'):.2f} | {cpu} |")
+        for name, rs in results.items():
+            if name != "embedded":
+                ratios = [r["tok_s"] / e["tok_s"] for r, e in zip(rs, results["embedded"])]
+                print(f"{name} / embedded per repetition: {' '.join(f'{x:.2f}' for x in ratios)}")
         if "2 nodes (compose)" in results:
-            one_node = max(p50(results["services async=1"], "tok_s"), 1e-9)
-            print(f"2 nodes (compose) / 1 node (async=1): "
-                  f"{p50(results['2 nodes (compose)'], 'tok_s') / one_node:.2f}x (goal >= 1.0x)")
+            one = results["services"]
+            ratios = [t["tok_s"] / o["tok_s"] for t, o in zip(results["2 nodes (compose)"], one)]
+            print(f"2 nodes (compose) / 1 node: {p50(results['2 nodes (compose)'], 'tok_s') / p50(one, 'tok_s'):.2f}x "
+                  f"(goal >= 1.0x; per repetition {' '.join(f'{x:.2f}' for x in ratios)})")
     return embedded
 
 
@@ -317,11 +381,20 @@ def main() -> None:
     ap.add_argument("--parts", default="services,nodes,hf", help="comma list of services, nodes, hf")
     ap.add_argument("--two-node-default-threads", action="store_true",
                     help="also two nodes at all cores each (PAGEDKV_CN_NODES_PER_HOST unset)")
-    ap.add_argument("--num-layers", type=int, default=SMOL_135M["num_layers"], help="fewer for a smoke run")
+    ap.add_argument("--node-tree", type=Path, default=None,
+                    help="also one node run from this checkout (another commit's code), beside this one")
+    ap.add_argument("--node-env", action="append", default=[], metavar="K=V[,K2=V2]",
+                    help="also one node with this extra environment (repeatable)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="smol135m",
+                    help="the model's shape (demo54m with --requests 64: issue 21's two-nodes workload)")
+    ap.add_argument("--num-layers", type=int, default=None, help="fewer for a smoke run")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     args.parts = set(args.parts.split(","))
-    spec = {**SMOL_135M, "num_layers": args.num_layers}
+    if args.shape != "smol135m" and "hf" in args.parts:
+        ap.error("the hf part runs on the 135M shape: pass --parts services,nodes with --shape " + args.shape)
+    spec = {**SHAPES[args.shape], "num_layers": args.num_layers or SHAPES[args.shape]["num_layers"]}
+    args.vocab = spec["vocab_size"]
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         model_dir = build_tiny_model(tmp / "smol", "llama", seed=args.seed, **spec)

@@ -69,7 +69,7 @@ def sampled_tokens(reply: pb.GenerateResponse) -> list[SampledToken]:
 
 def node_info(m: pb.GetNodeInfoResponse, address: str | None = None) -> NodeInfo:
     return NodeInfo(m.node_id, int(m.epoch), bool(m.registered), int(m.block_size), int(m.num_blocks), m.model,
-                    int(m.vocab_size), int(m.max_model_len), tuple(m.eos_token_ids), address)
+                    int(m.vocab_size), int(m.max_model_len), tuple(m.eos_token_ids), address, m.device)
 
 
 class RemoteNode:

@@ -17,20 +17,14 @@ that verifies the services, and the scheduler's client certificate for mutual TL
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from compute_node.model.config import ModelConfig
+from engine.async_policy import choose_async_scheduling
 from engine.executor import NodeExecutor, RemoteNode
-from engine.llm_engine import (
-    ASYNC_SCHEDULING_ENV,
-    EngineConfig,
-    EngineError,
-    LLMEngine,
-    async_scheduling_default,
-)
+from engine.llm_engine import EngineConfig, EngineError, LLMEngine
 from engine.params import InvalidParams, RequestOutput, SamplingParams
 from engine.tokenizer import Tokenizer
 from pagedkv.tls import TlsSettings
@@ -50,9 +44,9 @@ class LLM:
     ("auto": swap where the node has a host tier, "swap", "recompute"). Disk tier under it:
     `disk_kv_path` (a directory) and `disk_kv_bytes`; it outlives the process. `async_scheduling`:
     plan each step while the nodes run the previous one. None: `PAGEDKV_ASYNC_SCHEDULING` when
-    set ("0" off), else on for nodes that do not share this process's CPU (remote nodes, a GPU)
-    and off for the embedded CPU node, whose model needs the cores the planner would take
-    (BENCHMARKS.md, async scheduling).
+    set ("0" off), else on only when no node computes on this host's CPU (every node on a GPU
+    or on another host; `engine.async_policy`): the embedded CPU node and CPU nodes on loopback
+    need the cores the planner would take (BENCHMARKS.md, engine modes side by side).
     """
 
     def __init__(
@@ -131,7 +125,8 @@ class LLM:
             client, nodes,
             EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                          max_model_len=max_model_len, preemption_mode=preemption_mode,
-                         async_scheduling=_async_default(async_scheduling, nodes)),
+                         async_scheduling=choose_async_scheduling(
+                             async_scheduling, [node.info() for node in nodes.values()])),
             detokenize=self.tokenizer.decode, connect=connect,
         )
         if block_manager is not None and self.engine.model_name != self.model_dir.name:
@@ -221,15 +216,6 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _async_default(requested: bool | None, nodes: Mapping[str, NodeExecutor]) -> bool:
-    if requested is not None:
-        return requested
-    if os.environ.get(ASYNC_SCHEDULING_ENV) is not None:
-        return async_scheduling_default()
-    runners = [getattr(node, "runner", None) for node in nodes.values()]
-    return not all(r is not None and r.device.type == "cpu" for r in runners)
 
 
 __all__ = ["LLM"]

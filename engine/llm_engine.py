@@ -31,7 +31,6 @@ services; it imports neither grpc nor the node's protobuf.
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -41,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from block_manager.client import BlockManagerClient, PoolStepInfo
+from engine.async_policy import ASYNC_SCHEDULING_ENV, async_scheduling_from_env
 from engine.bm_steps import UNREACHABLE, StepSender
 from engine.discovery import BackgroundDiscovery, NodeDiscovery, node_problem
 from engine.errors import EngineError, EngineFailure
@@ -58,13 +58,13 @@ from pagedkv.seeds import derive_seed
 NO_CAPACITY_WAIT_S = 0.05    # a step that could run nothing sleeps this long before the next
 MAX_NUM_SEQS = 4096          # a Step's appends (one per running sequence) stay within its item limit
 PROBE_TIMEOUT_S = 2.0        # GetNodeInfo of a node out of placement (on the probing thread)
-ASYNC_SCHEDULING_ENV = "PAGEDKV_ASYNC_SCHEDULING"   # "0": plan each step after the previous one ran
 log = get_logger("engine.llm_engine")
 
 
 def async_scheduling_default() -> bool:
-    """Overlap is on unless `PAGEDKV_ASYNC_SCHEDULING` is 0/false/off/no."""
-    return os.environ.get(ASYNC_SCHEDULING_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    """Overlap is on unless `PAGEDKV_ASYNC_SCHEDULING` is 0/false/off/no (`LLM` decides by its
+    nodes instead, `engine.async_policy`)."""
+    return async_scheduling_from_env() is not False
 
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")
@@ -456,4 +456,4 @@ def generate_all(engine: LLMEngine, requests: Iterable[str]) -> None:
         engine.step()
 
 
-__all__ = ["EngineConfig", "EngineError", "EngineFailure", "EngineStats", "LLMEngine"]
+__all__ = ["ASYNC_SCHEDULING_ENV", "EngineConfig", "EngineError", "EngineFailure", "EngineStats", "LLMEngine"]

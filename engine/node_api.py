@@ -68,7 +68,8 @@ class NodeInfo:
     vocab_size: int
     max_model_len: int
     eos_token_ids: tuple[int, ...] = ()
-    address: str | None = None
+    address: str | None = None   # None: the node runs in this process
+    device: str = ""             # "cpu", "cuda:0", ... ("": not reported)
 
 
 class NodeExecutor(Protocol):

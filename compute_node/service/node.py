@@ -1,9 +1,10 @@
 """The compute node's state machine: registration, lease, table cache, forwards.
 
 Everything that touches the pool or the table cache runs under one asyncio lock, so a forward
-and a re-registration after fencing never interleave. The kernels run in a worker thread
-(`asyncio.to_thread`) so the event loop keeps answering health checks and sending heartbeats
-while a long forward computes.
+and a re-registration after fencing never interleave. The kernels run on the node's one step
+thread (`compute_node.service.step_thread`: always the same thread, where the thread budget is
+applied) so the event loop keeps answering health checks and sending heartbeats while a long
+forward computes.
 
 The scheduler is the one sequencer of the pool's memory: every change reaches the node inside a
 Forward, as the block manager's steps for this pool (copy ops, table deltas, drops) followed by
@@ -66,6 +67,7 @@ from compute_node.service.bm_link import (
 )
 from compute_node.service.config import DEFAULT_NUM_BLOCKS, ComputeNodeConfig
 from compute_node.service.metrics import NodeMetrics
+from compute_node.service.step_thread import StepThread
 from compute_node.tables import NodeTable, SeqId, StagedSteps, TableCache, stage
 from compute_node.threads import apply_thread_budget, thread_budget
 from compute_node.transfer import BlockPuller, FetchFailed, GrantBook
@@ -128,6 +130,8 @@ class ComputeNode:
         self.metrics = NodeMetrics()
         self.log = get_logger("compute_node", node_id=config.node_id)
         self.num_threads = thread_budget(config.threads, config.nodes_per_host)
+        # every model load, warm-up and step runs on this one thread (OpenMP teams, budgets)
+        self.step_thread = StepThread(f"step-{config.node_id}")
         self.link = BlockManagerLink(
             config.block_manager_address, config.node_id, config.rpc_timeout_s, tls=config.tls,
             token=config.block_manager_token,
@@ -163,7 +167,8 @@ class ComputeNode:
     # ---- lifecycle ------------------------------------------------------------------
     def load_model(self) -> None:
         """Load the configured model and size its KV pool (before registering; blocking: run
-        it in a thread). Block size: the configured one, else 16."""
+        it on `step_thread`, the thread the budget must hold on). Block size: the configured
+        one, else 16."""
         cfg = self.config
         applied = apply_thread_budget(self.num_threads)
         self.log.info("thread_budget", torch_threads=self.num_threads, numba_threads=applied,
@@ -230,6 +235,7 @@ class ComputeNode:
             async with self._lock:   # no step is moving blocks through it
                 self.runner.disk_store.close()
         self.puller.close()
+        self.step_thread.close()
 
     def _fetch_failed(self, op: object, why: str) -> None:
         """A pull failed: the step recomputes those positions (logged and counted)."""
@@ -377,7 +383,7 @@ class ComputeNode:
                 raise NotRegistered("the node is not registered with the block manager")
             epoch = self.registration.epoch
             try:
-                resp = await asyncio.to_thread(self.generator.generate, request, self.config.node_id, epoch)
+                resp = await self.step_thread.run(self.generator.generate, request, self.config.node_id, epoch)
             except (NodeFenced, DiskTierCorrupt) as exc:
                 # DiskTierCorrupt: the block manager's disk index names a slot whose bytes are bad;
                 # a new registration seeds the index from what the file really holds
@@ -425,12 +431,12 @@ class ComputeNode:
                 self.grants.add(staged.serves)
             if staged.fetches:
                 # before anything of the step is applied: a failed pull fails the Forward whole
-                await asyncio.to_thread(self._pull_for_forward, pool, staged.fetches)
+                await self.step_thread.run(self._pull_for_forward, pool, staged.fetches)
             t0 = time.perf_counter()
             if staged.tier_moves:   # host tier moves and copies, in step order (as Generate does)
-                await asyncio.to_thread(apply_moves, pool, self.host_pool, staged)
+                await self.step_thread.run(apply_moves, pool, self.host_pool, staged)
             elif staged.copy_pairs:
-                await asyncio.to_thread(pool.copy_blocks, staged.copy_pairs)
+                await self.step_thread.run(pool.copy_blocks, staged.copy_pairs)
             t1 = time.perf_counter()
             before = {s.seq_id: tables[s.seq_id].num_tokens for s in batch.seqs}
             self.tables.commit(staged)
@@ -439,7 +445,7 @@ class ComputeNode:
                 table.num_tokens = s.context_len
                 self.tables.put(s.seq_id, table)
             self._last_request_id, self._last_counts = batch.request_id, before
-            outputs, timings = await asyncio.to_thread(execute, pool, batch, plan)
+            outputs, timings = await self.step_thread.run(execute, pool, batch, plan)
             stats = ForwardStats(
                 table_fetch_s=fetch_s, copy_ops_s=t1 - t0, write_s=timings.write_s,
                 attention_s=timings.attention_s, total_s=time.perf_counter() - t_start,

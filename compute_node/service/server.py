@@ -12,7 +12,6 @@ left to expire: the block manager reclaims the pool's blocks when it does.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import grpc
@@ -101,10 +100,10 @@ class ComputeNodeServer:
         if cfg.metrics_port is not None:
             self._metrics_server, self.metrics_port = node.metrics.serve(cfg.metrics_address, cfg.metrics_port)
             log.info("metrics endpoint", address=cfg.metrics_address, port=self.metrics_port)
-        await asyncio.to_thread(node.load_model)
+        await node.step_thread.run(node.load_model)
         if node.device.type == "cpu":
             g = node.geometry or cfg.geometry
-            await asyncio.to_thread(warm_up_cpu_kernels, g.num_kv_heads, g.head_dim, g.dtype)
+            await node.step_thread.run(warm_up_cpu_kernels, g.num_kv_heads, g.head_dim, g.dtype)
         node.start()
 
     async def stop(self, grace: float | None = None) -> None:

@@ -31,3 +31,37 @@ def test_apply_caps_torch_and_numba() -> None:
     finally:
         torch.set_num_threads(torch_before)
         numba.set_num_threads(numba_before)
+
+
+async def test_the_step_thread_runs_every_call_on_one_thread_off_the_loop() -> None:
+    """Successive calls land on one long-lived thread (not the event loop's, not the default
+    pool's), in order, even while the loop's default pool is busy with other work; and the
+    thread's own settings (a Numba budget set there) hold for every later call."""
+    import asyncio
+    import threading
+
+    from compute_node.service.step_thread import StepThread
+
+    step = StepThread("step-test")
+    numba_before = numba.get_num_threads()
+    busy = threading.Event()
+    try:
+        loop_thread = threading.get_ident()
+        blocker = asyncio.get_running_loop().run_in_executor(None, busy.wait, 30)   # holds a default worker
+        await step.run(numba.set_num_threads, 1)
+        order: list[int] = []
+        seen = []
+        for i in range(8):
+            seen.append(await step.run(lambda i=i: (order.append(i), threading.get_ident(), numba.get_num_threads())))
+            await asyncio.to_thread(lambda: None)   # default-pool traffic in between
+        assert order == list(range(8))
+        assert {ident for _, ident, _ in seen} == {step.ident} and step.ident != loop_thread
+        assert all(n == 1 for _, _, n in seen)
+        assert numba.get_num_threads() == numba_before   # per-thread: the loop's thread is untouched
+        # calls submitted at once still run one at a time, in submission order
+        results = await asyncio.gather(*(step.run(order.append, 100 + i) for i in range(5)))
+        assert results == [None] * 5 and order[-5:] == [100, 101, 102, 103, 104]
+    finally:
+        busy.set()
+        await blocker
+        step.close()

@@ -233,22 +233,40 @@ def test_async_scheduling_is_a_setting(monkeypatch: Any) -> None:
     assert EngineConfig(async_scheduling=False).async_scheduling is False
 
 
-def test_llm_turns_overlap_on_where_the_nodes_do_not_share_its_cpu(monkeypatch: Any) -> None:
-    """`LLM(async_scheduling=None)`: the environment variable when set; otherwise on for remote
-    nodes or a GPU, off for the embedded CPU node (its model needs the planner's cores)."""
-    from types import SimpleNamespace
+def _info(address: str | None, device: str) -> Any:
+    from engine.node_api import NodeInfo
 
-    from engine.llm import _async_default
-    from engine.llm_engine import ASYNC_SCHEDULING_ENV
+    return NodeInfo("n", 1, True, 16, 64, "m", 100, 1024, (), address, device)
 
-    cpu = SimpleNamespace(runner=SimpleNamespace(device=SimpleNamespace(type="cpu")))
-    gpu = SimpleNamespace(runner=SimpleNamespace(device=SimpleNamespace(type="cuda")))
-    remote = SimpleNamespace()
+
+def test_overlap_is_on_only_where_no_node_computes_on_this_hosts_cpu(monkeypatch: Any) -> None:
+    """`LLM(async_scheduling=None)`: the argument, else the environment variable when set, else
+    on only when every node is on a GPU or is a CPU node on another host (engine.async_policy)."""
+    import socket
+
+    from engine.async_policy import ASYNC_SCHEDULING_ENV, choose_async_scheduling, overlap_pays
+
     monkeypatch.delenv(ASYNC_SCHEDULING_ENV, raising=False)
-    assert _async_default(None, {"a": cpu}) is False
-    assert _async_default(None, {"a": gpu}) is True and _async_default(None, {"a": remote}) is True
-    assert _async_default(True, {"a": cpu}) is True and _async_default(False, {"a": remote}) is False
+    embedded_cpu, embedded_gpu = _info(None, "cpu"), _info(None, "cuda:0")
+    local = [_info(a, "cpu") for a in ("127.0.0.1:50061", "127.3.2.1:1", "[::1]:50061", "localhost:7",
+                                       "LOCALHOST:7", "unix:/tmp/node.sock", "0.0.0.0:50061",
+                                       "ipv4:127.0.0.1:9", "dns:///localhost:9", f"{socket.gethostname()}:9")]
+    remote_cpu = [_info(a, "cpu") for a in ("10.0.0.7:50061", "node-1.cluster:50061", "[2001:db8::1]:5")]
+    remote_gpu = _info("127.0.0.1:50062", "cuda:1")
+    assert overlap_pays([embedded_gpu]) and overlap_pays([remote_gpu])   # a GPU leaves the CPU free
+    assert overlap_pays(remote_cpu) and overlap_pays([*remote_cpu, remote_gpu])
+    assert not overlap_pays([embedded_cpu])
+    for info in local:
+        assert not overlap_pays([info]), info.address
+        assert not overlap_pays([remote_cpu[0], info]), info.address   # one shares our cores: off
+    assert overlap_pays([_info("10.0.0.7:1", "")]) and not overlap_pays([_info("127.0.0.1:1", "")])
+    # the argument wins, then the environment variable, then the nodes
+    assert choose_async_scheduling(True, [embedded_cpu]) is True
+    assert choose_async_scheduling(False, remote_cpu) is False
+    assert choose_async_scheduling(None, [embedded_cpu]) is False
+    assert choose_async_scheduling(None, remote_cpu) is True
     monkeypatch.setenv(ASYNC_SCHEDULING_ENV, "1")
-    assert _async_default(None, {"a": cpu}) is True
-    monkeypatch.setenv(ASYNC_SCHEDULING_ENV, "0")
-    assert _async_default(None, {"a": remote}) is False
+    assert choose_async_scheduling(None, [embedded_cpu]) is True
+    monkeypatch.setenv(ASYNC_SCHEDULING_ENV, "off")
+    assert choose_async_scheduling(None, remote_cpu) is False
+    assert choose_async_scheduling(True, remote_cpu) is True

@@ -19,6 +19,7 @@ import pytest
 
 from block_manager.client import AdminClient
 from block_manager.client.errors import UnauthenticatedError
+from engine.async_policy import async_scheduling_from_env
 from engine.errors import NodeRefused
 from engine.executor import RemoteNode
 from engine.llm import LLM
@@ -127,6 +128,8 @@ def test_nodes_registering_later_are_adopted_and_other_models_skipped(
     services = Services(model_dirs[MODEL], num_nodes=1, bm={})
     try:
         with LLM(model_dirs[MODEL], block_manager=services.bm.address, max_num_batched_tokens=16) as llm:
+            # CPU nodes on loopback share this host's cores: no overlap by default (engine.async_policy)
+            assert llm.engine.config.async_scheduling is (async_scheduling_from_env() is True)
             first = _prompts(2, 2)
             _check_greedy(hf_models[MODEL], first, llm.generate(first, GREEDY))
             assert set(llm.engine.nodes) == {"node-0"}
@@ -200,7 +203,8 @@ def test_a_node_dying_mid_generation_loses_no_request(
     services = Services(model_dirs[MODEL], num_nodes=2, bm={"lease_ttl_s": 1.5})
     stop: _OnceNodeDecodes | None = None
     try:
-        with LLM(model_dirs[MODEL], block_manager=services.bm.address, max_num_batched_tokens=32) as llm:
+        with LLM(model_dirs[MODEL], block_manager=services.bm.address, max_num_batched_tokens=32,
+                 async_scheduling=True) as llm:   # overlap over services, as across hosts
             engine = llm.engine
             prompts = _prompts(4, 8)
             stop = _OnceNodeDecodes(engine, "node-1", lambda: services._run(services.nodes[1].stop(0)))
@@ -229,7 +233,8 @@ def test_a_node_restarted_in_place_costs_a_recompute(
     requests, on either node. Every request completes correctly, nothing is left held."""
     services = Services(model_dirs[MODEL], num_nodes=2, bm={})
     try:
-        with LLM(model_dirs[MODEL], block_manager=services.bm.address, max_num_batched_tokens=32) as llm:
+        with LLM(model_dirs[MODEL], block_manager=services.bm.address, max_num_batched_tokens=32,
+                 async_scheduling=True) as llm:   # overlap over services, as across hosts
             engine = llm.engine
             prompts = _prompts(12, 8)
 
