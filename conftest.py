@@ -1,5 +1,4 @@
 import resource
-import sys
 import time
 
 import pytest
@@ -12,9 +11,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # The Numba CUDA simulator runs one OS thread per GPU thread; a short switch
-    # interval makes those threads hand over quickly (several times faster).
-    sys.setswitchinterval(5e-4)
     if hasattr(config.option, "loadscopereorder"):   # pytest-xdist: see START_FIRST
         config.option.loadscopereorder = False
     # gRPC AsyncIO keeps one process-wide poller thread, reference-counted by live aio
