@@ -1,4 +1,6 @@
+import os
 import resource
+import subprocess
 import sys
 import time
 
@@ -12,9 +14,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # The Numba CUDA simulator runs one OS thread per GPU thread; a short switch
-    # interval makes those threads hand over quickly (several times faster).
-    sys.setswitchinterval(5e-4)
     if hasattr(config.option, "loadscopereorder"):   # pytest-xdist: see START_FIRST
         config.option.loadscopereorder = False
     # gRPC AsyncIO keeps one process-wide poller thread, reference-counted by live aio
@@ -26,6 +25,39 @@ def pytest_configure(config: pytest.Config) -> None:
     from grpc._cython import cygrpc
 
     cygrpc.init_grpc_aio()
+    _start_kernel_cache_warm_up(config)
+
+
+# Numba compiles the CPU kernels on first use (~20 CPU-s for all of them) and keeps them in
+# its on-disk cache (kernels/cpu/__pycache__), empty in a fresh clone. Every process that
+# needs a kernel before the cache holds it compiles it again: in an xdist run the workers and
+# the compute-node processes they start did so side by side (one admin-CLI test alone paid a
+# node's 20 s cold start). So the controller of an xdist run compiles them once, in a
+# subprocess, while the workers start and run the simulator groups (which do not use them);
+# with a warm cache this costs a process start (~3 CPU-s). Its failure changes nothing: each
+# process then compiles what it needs, as before.
+_WARM_UP = ("from compute_node.service.warmup import warm_up_cpu_kernels; "
+            "warm_up_cpu_kernels(num_kv_heads=2, head_dim=64, dtype='float16')")
+_warm_up: subprocess.Popen[bytes] | None = None
+
+
+def _start_kernel_cache_warm_up(config: pytest.Config) -> None:
+    global _warm_up
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return                                  # a worker, or not an xdist run
+    root = str(config.rootpath)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    _warm_up = subprocess.Popen([sys.executable, "-c", _WARM_UP], cwd=root, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _reap_kernel_cache_warm_up() -> None:
+    if _warm_up is not None and _warm_up.poll() is None:
+        try:
+            _warm_up.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            _warm_up.kill()
+            _warm_up.wait()
 
 
 # The longest single tests (each simulator group runs minutes in its own process) are handed
@@ -55,6 +87,7 @@ _WORKER_CPU_S: list[float] = []
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    _reap_kernel_cache_warm_up()     # before the suite-cost line, which counts its CPU
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:            # an xdist worker: hand its CPU time to the controller
         workeroutput["cpu_s"] = _cpu_s(resource.RUSAGE_SELF) + _cpu_s(resource.RUSAGE_CHILDREN)

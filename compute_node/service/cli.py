@@ -44,7 +44,6 @@ def _parser() -> ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from compute_node.service.config import load_config
-    from compute_node.service.server import serve
     from pagedkv.lifecycle import flag_overrides, run_service_main
     from pagedkv.settings import ConfigError
 
@@ -78,12 +77,13 @@ def main(argv: list[str] | None = None) -> int:
                                   f".venv/bin/python -m engine.model_init /tmp/tiny-llama)") from None
         return config
 
-    return run_service_main(
-        "compute-node",
-        load,
-        lambda config: serve(config, args.port_file),
-        lambda config: config.log_level,
-    )
+    def serve_node(config: Any) -> Any:
+        # torch, Numba and the model (~2.5 CPU-s) only once the config and ports are known good
+        from compute_node.service.server import serve
+
+        return serve(config, args.port_file)
+
+    return run_service_main("compute-node", load, serve_node, lambda config: config.log_level)
 
 
 if __name__ == "__main__":

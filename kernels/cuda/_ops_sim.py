@@ -139,10 +139,39 @@ def st_f32x4(ptr: SimPtr, a: Any, b: Any, c: Any, d: Any) -> None:
 # Warp exchange
 # --------------------------------------------------------------------------------------------
 
-class _WarpState:
+class _WarpBarrier:
+    """A barrier of a warp's 32 lanes: the last to arrive releases the others (a generation
+    count, so a lane already in the next collective cannot be confused with this one)."""
+
+    __slots__ = ("cond", "arrived", "generation")
+
     def __init__(self) -> None:
-        self.barrier = threading.Barrier(WARP, timeout=_BARRIER_TIMEOUT_S)
-        self.slots: list[Any] = [None] * WARP
+        self.cond = threading.Condition()
+        self.arrived = 0
+        self.generation = 0
+
+    def wait(self) -> None:
+        with self.cond:
+            generation = self.generation
+            self.arrived += 1
+            if self.arrived == WARP:
+                self.arrived = 0
+                self.generation += 1
+                self.cond.notify_all()
+            elif not self.cond.wait_for(lambda: self.generation != generation, _BARRIER_TIMEOUT_S):
+                raise threading.BrokenBarrierError(f"a warp collective waited {_BARRIER_TIMEOUT_S:.0f} s "
+                                                   "for its other lanes (one died or diverged)")
+
+
+class _WarpState:
+    """Two sets of slots, used by turns: a lane posts into one set, passes the barrier, reads
+    all 32; a lane that runs ahead posts its next value into the other set, and can come back
+    to this one only after the next barrier, which every lane reaches after reading. So one
+    barrier per collective suffices."""
+
+    def __init__(self) -> None:
+        self.barrier = _WarpBarrier()
+        self.slots: tuple[list[Any], list[Any]] = ([None] * WARP, [None] * WARP)
 
 
 def _all_gather(value: Any) -> list[Any]:
@@ -155,11 +184,12 @@ def _all_gather(value: Any) -> list[Any]:
         state = warps.get(warp)
         if state is None:
             state = warps[warp] = _WarpState()
-    state.slots[lane] = value
+    turn = thread.__dict__.get("_pagedkv_gather_turn", 0)  # the lanes' turns agree: collectives are warp-uniform
+    thread._pagedkv_gather_turn = turn ^ 1
+    slots = state.slots[turn]
+    slots[lane] = value
     state.barrier.wait()
-    values = list(state.slots)
-    state.barrier.wait()
-    return values
+    return list(slots)
 
 
 def _lane() -> int:
@@ -327,25 +357,35 @@ def _halves(word: int, kind: str) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
+def _halves_array(words: np.ndarray, kind: str) -> np.ndarray:
+    """`_halves` of every word at once: int64 [...] (32-bit words) -> float64 [..., 2], low half first."""
+    bits = np.stack([words & 0xFFFF, (words >> 16) & 0xFFFF], axis=-1).astype(np.uint16)
+    if kind == "f16":
+        return bits.view(np.float16).astype(np.float64)
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+# Where each lane's fragment halves sit in the m16n8k16 matrices (lane = 4 g + t):
+# A (row-major 16 x 16): register r holds row g + 8 (r % 2), columns 2t + 8 (r // 2) + (0, 1);
+# B (column-major 16 x 8): register r holds rows 2t + 8 r + (0, 1), column g;
+# C (16 x 8): c_i sits at row g + 8 (i // 2), column 2t + i % 2.
+_G, _T = np.divmod(np.arange(WARP), 4)
+_A_ROWS = (_G[:, None, None] + 8 * (np.arange(4) % 2)[None, :, None]).repeat(2, axis=2)
+_A_COLS = 2 * _T[:, None, None] + 8 * (np.arange(4) // 2)[None, :, None] + np.arange(2)[None, None, :]
+_B_ROWS = 2 * _T[:, None, None] + 8 * np.arange(2)[None, :, None] + np.arange(2)[None, None, :]
+_B_COLS = np.broadcast_to(_G[:, None, None], _B_ROWS.shape)
+_C_ROWS = _G[:, None] + 8 * (np.arange(4) // 2)[None, :]
+_C_COLS = 2 * _T[:, None] + (np.arange(4) % 2)[None, :]
+
+
 def _mma(kind: str, k: int, a: tuple[int, ...], b: tuple[int, ...], c: tuple[Any, ...]) -> Any:
     lanes = _all_gather((a, b, c))
     mat_a = np.zeros((16, k))
     mat_b = np.zeros((k, 8))
     mat_c = np.zeros((16, 8))
-    for lane, (la, lb, lc) in enumerate(lanes):
-        g, t = divmod(lane, 4)
-        # A (row-major 16 x k): registers {rows g, g+8} x {cols 2t, 2t+1 (, +8 for k=16)}.
-        for reg, word in enumerate(la):
-            row = g + 8 * (reg % 2)
-            col = 2 * t + 8 * (reg // 2)
-            mat_a[row, col], mat_a[row, col + 1] = _halves(word, kind)
-        # B (column-major k x 8): registers {rows 2t, 2t+1 (, +8)} x col g.
-        for reg, word in enumerate(lb):
-            row = 2 * t + 8 * reg
-            mat_b[row, g], mat_b[row + 1, g] = _halves(word, kind)
-        # C (16 x 8): c0, c1 row g, cols 2t, 2t+1; c2, c3 row g+8.
-        for i, value in enumerate(lc):
-            mat_c[g + 8 * (i // 2), 2 * t + i % 2] = float(value)
+    mat_a[_A_ROWS, _A_COLS] = _halves_array(np.array([la for la, _, _ in lanes], np.int64), kind)
+    mat_b[_B_ROWS, _B_COLS] = _halves_array(np.array([lb for _, lb, _ in lanes], np.int64), kind)
+    mat_c[_C_ROWS, _C_COLS] = np.array([[float(v) for v in lc] for _, _, lc in lanes])
     d = (mat_a @ mat_b + mat_c).astype(np.float32)
     g, t = divmod(_lane(), 4)
     return tuple(d[g + 8 * (i // 2), 2 * t + i % 2] for i in range(4))
