@@ -112,6 +112,10 @@ class ModelRunner:
         self.host_pool: HostKvPool | None = None   # the host tier, when attached (attach_host_tier)
         self.disk_store: Any = None   # the disk tier under it (compute_node.disk_tier.DiskKvStore), if any
         self.sampler = Sampler()
+        # CPU: a step's attention through one kernel call per layer (`KvPool.begin_cpu_step`);
+        # False runs the generic per-kernel calls instead (write, decode, prefill: what the
+        # attention-only Forward path runs), kept for side-by-side benchmarks.
+        self.fused_cpu_attention = True
         self.profile = False
         self.last_timings: StepTimings | None = None
 
@@ -192,7 +196,7 @@ class ModelRunner:
             head_dim=cfg.head_dim, device=self.device,
         )
         meta = inputs.meta
-        if self.pool.backend == "cpu":
+        if self.pool.backend == "cpu" and self.fused_cpu_attention:
             meta.cpu_step = self.pool.begin_cpu_step(
                 num_heads=cfg.num_heads, slot_mapping=meta.slot_mapping, num_decode_tokens=meta.num_decode_tokens,
                 decode_block_tables=meta.decode_block_tables, decode_seq_lens=meta.decode_seq_lens,
