@@ -270,8 +270,12 @@ def hf_part(args: argparse.Namespace, model_dir: Path, embedded: LLM) -> None:
             runner.fused_cpu_attention = variants[name]
             ours[name].append(run(embedded, work)["seconds"])
             b1[name].append(batch1_itl(embedded, args.b1_context, args.b1_steps))
+            print(f"  rep {rep} {name}: mixed {ours[name][-1]:.2f} s, batch-1 step {1e3 * b1[name][-1]:.1f} ms",
+                  flush=True)
         theirs.append(run_transformers(hf, work, 1).seconds)
         b1_theirs.append(decode_latency_transformers(hf, args.b1_context, args.b1_steps, repeats=1))
+        print(f"  rep {rep} transformers: mixed {theirs[-1]:.2f} s, batch-1 step {1e3 * b1_theirs[-1]:.1f} ms "
+              f"(load {os.getloadavg()[0]:.1f})", flush=True)
     runner.fused_cpu_attention = True
     requested = sum(n for _, n in workload)
     t, bt = statistics.median(theirs), statistics.median(b1_theirs)
