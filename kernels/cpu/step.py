@@ -59,6 +59,12 @@ def _step_item(item, num_prefill_items, query, key_cache, value_cache, kv_kind, 
                     item % num_kv_heads, scale, out)
 
 
+@njit_cached()
+def _write_rows(key, value, key_cache, value_cache, slot_mapping):
+    for t in range(key.shape[0]):
+        write_token(key, value, key_cache, value_cache, slot_mapping, t)
+
+
 @njit_cached(fastmath=FASTMATH)
 def _step_serial(query, key, value, key_cache, value_cache, kv_kind, slot_mapping, dec_tables,
                  dec_lens, num_dec_seqs, pre_tables, pre_lens, pre_starts, tile_seq, tile_row,
@@ -67,8 +73,7 @@ def _step_serial(query, key, value, key_cache, value_cache, kv_kind, slot_mappin
     # key/value: [num_tokens, num_kv_heads, row] bits; caches: [num_blocks, num_kv_heads,
     # block_size, row] bits (row = head_dim, x2 for fp32); pre_starts and tile_row count rows
     # of the whole step (the first prefill row is num_dec_seqs, or after them when split).
-    for t in range(key.shape[0]):
-        write_token(key, value, key_cache, value_cache, slot_mapping, t)
+    _write_rows(key, value, key_cache, value_cache, slot_mapping)
     num_prefill_items = tile_seq.shape[0] * key_cache.shape[1]
     for item in range(num_prefill_items + num_dec_seqs * key_cache.shape[1]):
         _step_item(item, num_prefill_items, query, key_cache, value_cache, kv_kind, dec_tables,
@@ -80,9 +85,13 @@ def _step_serial(query, key, value, key_cache, value_cache, kv_kind, slot_mappin
 def _step_parallel(query, key, value, key_cache, value_cache, kv_kind, slot_mapping,
                    dec_tables, dec_lens, num_dec_seqs, pre_tables, pre_lens, pre_starts,
                    tile_seq, tile_row, tile_len, scale, out):
-    # Same as _step_serial; writes finish before any item reads (two parallel regions).
-    for t in prange(key.shape[0]):
-        write_token(key, value, key_cache, value_cache, slot_mapping, t)
+    # Same as _step_serial. The writes stay on this thread, in a function compiled without
+    # `parallel` (here each row's slice assignment would become a parallel region of its own):
+    # a step's new K/V is a few MB at most (a 2048-token chunk of 3 fp32 KV heads of 64: 3 MB,
+    # ~1 ms to copy), and a parallel write loop costs a second wake-up of the worker threads,
+    # which on a loaded host can take a scheduler time slice (measured: the fused prefill
+    # step at 0.7x the per-kernel calls with one; see _parallel.py).
+    _write_rows(key, value, key_cache, value_cache, slot_mapping)
     num_prefill_items = tile_seq.shape[0] * key_cache.shape[1]
     for item in prange(num_prefill_items + num_dec_seqs * key_cache.shape[1]):
         _step_item(item, num_prefill_items, query, key_cache, value_cache, kv_kind, dec_tables,
