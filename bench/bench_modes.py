@@ -36,12 +36,16 @@ Generate calls (`node_s`, wall; in services mode: gRPC + the node process's work
 (engine bookkeeping in this process).
 
 `--parts hf` (on by default): the embedded engine vs transformers `generate` (one left-padded
-batch) on the same workload, batch-1 decode step time (after a `--b1-context`-token prompt),
-and where an embedded decode step at batch `--requests` goes (runner timers: dense, attention
-kernels, sampling, batch prep; engine counters: block manager, the rest).
+batch) on the issue's workload — `--requests` requests, prompts uniform in [16,
+`--hf-max-prompt` 512], outputs in [16, `--hf-max-output` 128], as `bench_engine.py`'s — then
+batch-1 decode step time (after a `--b1-context`-token prompt), and where an embedded decode
+step at batch 1 and `--requests` goes (runner timers: dense, attention kernels, sampling, batch
+prep; engine counters: block manager, the rest; torch.profiler for the dense phase's torch-op
+share). `--hf-per-op` adds the engine with the CPU step kernel off (the per-kernel attention
+calls it replaced) to the same rotation.
 
     .venv/bin/python bench/bench_modes.py [--requests 8] [--max-prompt 128] [--max-output 48] \
-        [--repeats 3] [--parts services,nodes,hf]
+        [--repeats 3] [--parts services,nodes,hf] [--hf-max-prompt 512] [--hf-max-output 128] [--hf-per-op]
 """
 
 from __future__ import annotations
@@ -304,7 +308,10 @@ def modes_part(args: argparse.Namespace, model_dir: Path, workload: list[tuple[l
     return embedded
 
 
-def hf_part(args: argparse.Namespace, model_dir: Path, workload: list[tuple[list[int], int]], embedded: LLM) -> None:
+def hf_part(args: argparse.Namespace, model_dir: Path, embedded: LLM) -> None:
+    """The embedded engine vs transformers on the hf workload (its own prompt/output ranges),
+    batch-1 decode and the decode step split; with `--hf-per-op` the engine also runs with the
+    CPU step kernel off (per-kernel attention calls: the path before it) in the same rotation."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -312,33 +319,52 @@ def hf_part(args: argparse.Namespace, model_dir: Path, workload: list[tuple[list
     hf_logging.disable_progress_bar()
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     run_transformers(hf, make_workload(2, 32, 8, SMOL_135M["vocab_size"], 99), 1)
-    ours, theirs, b1_ours, b1_theirs, loads = [], [], [], [], []
+    runner = next(iter(embedded.engine.nodes.values())).runner   # type: ignore[attr-defined]
+    variants = {"pagedkv": True, **({"pagedkv per-op": False} if args.hf_per_op else {})}
+    workload = make_workload(args.requests, args.hf_max_prompt, args.hf_max_output, SMOL_135M["vocab_size"],
+                             args.seed + 1)
+    ours: dict[str, list[float]] = {name: [] for name in variants}
+    b1: dict[str, list[float]] = {name: [] for name in variants}
+    theirs, b1_theirs, loads = [], [], []
     for rep in range(args.repeats):
         loads.append(os.getloadavg()[0])
         work = fresh_tokens(workload, SMOL_135M["vocab_size"], 7000 + rep)
-        ours.append(run(embedded, work)["seconds"])
+        order = list(variants) if rep % 2 == 0 else list(reversed(variants))
+        for name in order:
+            runner.fused_cpu_attention = variants[name]
+            ours[name].append(run(embedded, work)["seconds"])
+            b1[name].append(batch1_itl(embedded, args.b1_context, args.b1_steps))
+            print(f"  rep {rep} {name}: mixed {ours[name][-1]:.2f} s, batch-1 step {1e3 * b1[name][-1]:.1f} ms",
+                  flush=True)
         theirs.append(run_transformers(hf, work, 1).seconds)
-        b1_ours.append(batch1_itl(embedded, args.b1_context, args.b1_steps))
         b1_theirs.append(decode_latency_transformers(hf, args.b1_context, args.b1_steps, repeats=1))
+        print(f"  rep {rep} transformers: mixed {theirs[-1]:.2f} s, batch-1 step {1e3 * b1_theirs[-1]:.1f} ms "
+              f"(load {os.getloadavg()[0]:.1f})", flush=True)
+    runner.fused_cpu_attention = True
     requested = sum(n for _, n in workload)
-    o, t = statistics.median(ours), statistics.median(theirs)
-    bo, bt = statistics.median(b1_ours), statistics.median(b1_theirs)
-    print(f"\n## engine (embedded) vs transformers (load average 1 min: {min(loads):.1f}-{max(loads):.1f})")
-    print(f"mixed batch: pagedkv {requested / o:.1f} tok/s | transformers {requested / t:.1f} tok/s | "
-          f"**{t / o:.2f}x** (goal >= 2x); runs s ours {[round(x, 2) for x in ours]} theirs "
-          f"{[round(x, 2) for x in theirs]}")
-    print(f"batch-1 decode step ({args.b1_context}-token context): pagedkv {1e3 * bo:.1f} ms | transformers "
-          f"{1e3 * bt:.1f} ms | **{bo / bt:.2f}x** (goal <= 1.0x); runs ms ours {[round(1e3 * x, 1) for x in b1_ours]} "
-          f"theirs {[round(1e3 * x, 1) for x in b1_theirs]}")
-    for batch in (1, args.requests):
-        s = decode_split(embedded, batch, 12)
-        share = aten_share(embedded, batch)
-        model = s["dense"] + s["sample"] + s["prepare"]
-        print(f"embedded decode step at batch {batch}: {1e3 * s['step']:.1f} ms = dense {1e3 * s['dense']:.1f} "
-              f"(torch ops {1e3 * share * s['dense']:.1f}, Python layer loop {1e3 * (1 - share) * s['dense']:.1f}) "
-              f"+ attention kernels {1e3 * s['attention']:.1f} + sampling {1e3 * s['sample']:.2f} + batch prep "
-              f"{1e3 * s['prepare']:.2f} + node rest {1e3 * (s['node'] - model - s['attention']):.2f} + block manager "
-              f"{1e3 * s['bm']:.2f} + engine {1e3 * (s['step'] - s['bm'] - s['node']):.2f} ms")
+    t, bt = statistics.median(theirs), statistics.median(b1_theirs)
+    print(f"\n## engine (embedded) vs transformers (load average 1 min: {min(loads):.1f}-{max(loads):.1f}); "
+          f"{args.requests} requests, prompts 16-{args.hf_max_prompt} ({sum(len(p) for p, _ in workload)} tokens), "
+          f"outputs 16-{args.hf_max_output} ({requested} tokens)")
+    print(f"transformers: mixed {requested / t:.1f} tok/s, runs s {[round(x, 2) for x in theirs]}; batch-1 step "
+          f"{1e3 * bt:.1f} ms, runs ms {[round(1e3 * x, 1) for x in b1_theirs]}")
+    for name in variants:
+        o, bo = statistics.median(ours[name]), statistics.median(b1[name])
+        print(f"{name}: mixed {requested / o:.1f} tok/s **{t / o:.2f}x** transformers (goal >= 2x), runs s "
+              f"{[round(x, 2) for x in ours[name]]}; batch-1 step ({args.b1_context}-token context) {1e3 * bo:.1f} ms "
+              f"**{bo / bt:.2f}x** (goal <= 1.0x), runs ms {[round(1e3 * x, 1) for x in b1[name]]}")
+    for name, fused in variants.items():
+        runner.fused_cpu_attention = fused
+        for batch in (1, args.requests):
+            s = decode_split(embedded, batch, 12)
+            share = aten_share(embedded, batch)
+            model = s["dense"] + s["sample"] + s["prepare"]
+            print(f"{name} decode step at batch {batch}: {1e3 * s['step']:.1f} ms = dense {1e3 * s['dense']:.1f} "
+                  f"(torch ops {1e3 * share * s['dense']:.1f}, Python layer loop {1e3 * (1 - share) * s['dense']:.1f}) "
+                  f"+ attention kernels {1e3 * s['attention']:.1f} + sampling {1e3 * s['sample']:.2f} + batch prep "
+                  f"{1e3 * s['prepare']:.2f} + node rest {1e3 * (s['node'] - model - s['attention']):.2f} + block "
+                  f"manager {1e3 * s['bm']:.2f} + engine {1e3 * (s['step'] - s['bm'] - s['node']):.2f} ms")
+    runner.fused_cpu_attention = True
 
 
 def aten_share(llm: LLM, batch: int, steps: int = 3) -> float:
@@ -376,6 +402,11 @@ def main() -> None:
     ap.add_argument("--max-output", type=int, default=48)
     ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--hf-max-prompt", type=int, default=512,
+                    help="hf part: prompts uniform in [16, this] (the issue's / bench_engine's workload)")
+    ap.add_argument("--hf-max-output", type=int, default=128, help="hf part: outputs uniform in [16, this]")
+    ap.add_argument("--hf-per-op", action="store_true",
+                    help="hf part: also run the engine with the CPU step kernel off (per-kernel attention calls)")
     ap.add_argument("--b1-context", type=int, default=128)
     ap.add_argument("--b1-steps", type=int, default=16)
     ap.add_argument("--parts", default="services,nodes,hf", help="comma list of services, nodes, hf")
@@ -400,6 +431,8 @@ def main() -> None:
         model_dir = build_tiny_model(tmp / "smol", "llama", seed=args.seed, **spec)
         workload = make_workload(args.requests, args.max_prompt, args.max_output, spec["vocab_size"], args.seed)
         max_len = max(len(p) + n for p, n in workload)
+        if "hf" in args.parts:
+            max_len = max(max_len, args.hf_max_prompt + args.hf_max_output)
         num_blocks = max(args.requests, 8) * -(-max(max_len, args.b1_context + args.b1_steps + 80) // BLOCK_SIZE) + 64
         print(f"# bench_modes  llama {count_parameters(model_dir) / 1e6:.1f}M ({spec['num_layers']} layers, hidden "
               f"{spec['hidden_size']}, {spec['num_heads']}/{spec['num_kv_heads']} heads) fp32 cpu, {os.cpu_count()} "
@@ -409,7 +442,7 @@ def main() -> None:
         embedded = modes_part(args, model_dir, workload, num_blocks, tmp)
         try:
             if "hf" in args.parts:
-                hf_part(args, model_dir, workload, embedded)
+                hf_part(args, model_dir, embedded)
         finally:
             embedded.close()
 

@@ -5,20 +5,26 @@ GPU the tensors live in CUDA memory and the `kernels` dispatcher sends them to t
 kernels (zero copy through the CUDA array interface, on torch's current stream); on a host
 without one they are CPU tensors and the Numba CPU kernels read the same memory. The pool is
 the only object that holds those tensors, so every byte written to KV memory goes through the
-four methods below. Decode goes through `begin_decode`, once per step: on a GPU it may replay
-CUDA graphs instead of launching per layer (`decode_path.py`).
+methods below. Decode goes through `begin_decode`, once per step: on a GPU it may replay
+CUDA graphs instead of launching per layer (`decode_path.py`). On the CPU backend a model step
+goes through `begin_cpu_step` instead: one object per step, one kernel call per layer for the
+K/V write and all of the layer's attention (`kernels/cpu/step.py`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 import kernels
 from compute_node.decode_path import DEFAULT_GRAPH_CONTEXT, DecodePath, DecodeStep, StepShape
+
+if TYPE_CHECKING:
+    from kernels.cpu.step import KvBits, StepAttention
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -100,6 +106,7 @@ class KvPool:
         self.key_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(geometry.num_layers)]
         self.value_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(geometry.num_layers)]
         self.decode_path = DecodePath(self, cuda_graphs=cuda_graphs, max_context=max_context)
+        self._kv_bits: KvBits | None = None   # the caches as the CPU kernels' views, made at first use
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Apply copy ops (src → dst) in order, in every layer."""
@@ -120,6 +127,35 @@ class KvPool:
         """The decode group of one step (tables int32 `[num_seqs, width]`, lengths int32
         `[num_seqs]`, on the pool's device); call once per step, then `run` it per layer."""
         return self.decode_path.begin(block_tables, seq_lens, shape)
+
+    def begin_cpu_step(
+        self,
+        *,
+        num_heads: int,
+        slot_mapping: torch.Tensor,
+        num_decode_tokens: int,
+        decode_block_tables: torch.Tensor | None,
+        decode_seq_lens: torch.Tensor | None,
+        prefill_block_tables: torch.Tensor | None,
+        prefill_seq_lens: torch.Tensor | None,
+        prefill_query_start_loc: torch.Tensor | None,
+        scale: float,
+    ) -> StepAttention:
+        """CPU backend only: one step's attention, checked and prepared once; `run(layer, q,
+        k, v, out)` per layer writes the K/V and attends (decode rows first, then prefill rows,
+        as `write` + `decode` + `prefill` would, in one kernel call)."""
+        if self.backend != "cpu":
+            raise ValueError(f"begin_cpu_step needs the cpu backend, this pool runs {self.backend!r}")
+        from kernels.cpu.step import KvBits, StepAttention
+
+        if self._kv_bits is None:
+            self._kv_bits = KvBits(self.key_caches, self.value_caches)
+        return StepAttention(
+            self._kv_bits, num_heads=num_heads, slot_mapping=slot_mapping, num_decode_tokens=num_decode_tokens,
+            decode_block_tables=decode_block_tables, decode_seq_lens=decode_seq_lens,
+            prefill_block_tables=prefill_block_tables, prefill_seq_lens=prefill_seq_lens,
+            prefill_query_start_loc=prefill_query_start_loc, scale=scale,
+        )
 
     def decode(
         self,

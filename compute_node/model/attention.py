@@ -6,17 +6,26 @@ sequences (several tokens each), so the two groups are two contiguous row ranges
 output tensor, with no gather or scatter per layer. The decode group is launched through the
 `DecodeStep` the runner began once for the step (`KvPool.begin_decode`): CUDA graph replays on
 a GPU when they fit, the direct kernel launch otherwise.
+
+On the CPU the runner binds a `StepAttention` instead (`KvPool.begin_cpu_step`): the step's
+tables, lengths and slots checked and converted once, then one kernel call per layer for the
+K/V write and both groups' attention (`kernels/cpu/step.py`: per-call overhead, not math, was
+most of the CPU attention time).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from compute_node.decode_path import DecodeStep
 from compute_node.pool import KvPool
+
+if TYPE_CHECKING:
+    from kernels.cpu.step import StepAttention
 
 
 class UnboundDecode(RuntimeError):
@@ -39,6 +48,8 @@ class AttentionMetadata:
     prefill_max_query_len: int | None = None   # longest prefill chunk (host value: sizes the grid)
     decode: DecodeStep | None = None           # the decode group's launch, bound by the runner
                                                # (KvPool.begin_decode) once per step
+    cpu_step: StepAttention | None = None      # CPU: the whole step's attention, bound by the
+                                               # runner (KvPool.begin_cpu_step) once per step
 
 
 @dataclass(slots=True)
@@ -73,6 +84,11 @@ def paged_attention(
     (the cached prefix plus the tokens of this step, causally). Returns `[num_tokens, num_heads,
     head_dim]` in the query's dtype."""
     started = timer.start(pool.device) if timer is not None else 0.0
+    if meta.cpu_step is not None:
+        out = meta.cpu_step.run(layer, query, key, value)
+        if timer is not None:
+            timer.stop(pool.device, started)
+        return out
     pool.write(layer, key, value, meta.slot_mapping)
     out = torch.empty_like(query)
     split = meta.num_decode_tokens

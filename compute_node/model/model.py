@@ -58,6 +58,7 @@ class DecoderModel:
         self.inv_freq = config.rope.inv_freq(config.head_dim).to(self.device)   # float32 [head_dim // 2]
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_heads = (config.num_heads, config.num_kv_heads, config.num_kv_heads)
 
     @classmethod
     def load(cls, checkpoint: Checkpoint, config: ModelConfig, dtype: str, device: torch.device) -> DecoderModel:
@@ -88,11 +89,8 @@ class DecoderModel:
         for index, layer in enumerate(self.layers):
             residual = hidden
             x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
-            q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-            q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
-            k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias).view(num_tokens, -1, cfg.head_dim)
+            q, k, v = qkv.split(self.qkv_heads, dim=1)   # [num_tokens, heads, head_dim] views
             if layer.q_norm is not None and layer.k_norm is not None:
                 q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
                 k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)

@@ -112,6 +112,10 @@ class ModelRunner:
         self.host_pool: HostKvPool | None = None   # the host tier, when attached (attach_host_tier)
         self.disk_store: Any = None   # the disk tier under it (compute_node.disk_tier.DiskKvStore), if any
         self.sampler = Sampler()
+        # CPU: a step's attention through one kernel call per layer (`KvPool.begin_cpu_step`);
+        # False runs the generic per-kernel calls instead (write, decode, prefill: what the
+        # attention-only Forward path runs), kept for side-by-side benchmarks.
+        self.fused_cpu_attention = True
         self.profile = False
         self.last_timings: StepTimings | None = None
 
@@ -183,15 +187,23 @@ class ModelRunner:
         return DebugForward(self.model.final_hidden(hidden), self.model.logits(hidden))
 
     def _prepare(self, batch: Sequence[SeqWork]) -> StepInputs:
-        """The step's checked inputs, with its decode group bound to the pool once (graph
-        buffers loaded here, not per layer)."""
+        """The step's checked inputs, with its attention bound to the pool once (on the CPU the
+        whole step's `StepAttention`; on a GPU the decode group, graph buffers loaded here), not
+        per layer."""
         cfg = self.model_config
         inputs = prepare_step(
             batch, self.geometry, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len,
             head_dim=cfg.head_dim, device=self.device,
         )
         meta = inputs.meta
-        if meta.decode_block_tables is not None and meta.decode_seq_lens is not None:
+        if self.pool.backend == "cpu" and self.fused_cpu_attention:
+            meta.cpu_step = self.pool.begin_cpu_step(
+                num_heads=cfg.num_heads, slot_mapping=meta.slot_mapping, num_decode_tokens=meta.num_decode_tokens,
+                decode_block_tables=meta.decode_block_tables, decode_seq_lens=meta.decode_seq_lens,
+                prefill_block_tables=meta.prefill_block_tables, prefill_seq_lens=meta.prefill_seq_lens,
+                prefill_query_start_loc=meta.prefill_query_start_loc, scale=meta.scale,
+            )
+        elif meta.decode_block_tables is not None and meta.decode_seq_lens is not None:
             shape = StepShape(cfg.num_heads, self.model.dtype, meta.scale)
             meta.decode = self.pool.begin_decode(meta.decode_block_tables, meta.decode_seq_lens, shape)
         return inputs

@@ -4,7 +4,8 @@ Numba compiles a kernel on its first call and holds the GIL while it does (tens 
 on a cold cache, on a busy 2-core host even more). If that first call were a real Forward,
 the node's event loop could not heartbeat meanwhile and the block manager would fence it for
 an expired lease. So the server runs one tiny call of every CPU kernel (decode single-pass
-and split-K, prefill, write_slots, copy_blocks) in a worker thread before it starts
+and split-K, prefill, write_slots, copy_blocks, and the model step's fused kernel on one thread
+and on all) in a worker thread before it starts
 registering; health stays NOT_SERVING until then. With Numba's on-disk cache warm this takes
 well under a second. CUDA kernels are built per (head_dim, block_size, group, dtype) variant
 and compile in about a second each on the device, so the GPU path skips this.
@@ -19,6 +20,7 @@ import torch
 import kernels
 from compute_node.pool import TORCH_DTYPES
 from kernels.cpu.decode import paged_attention_decode as cpu_decode
+from kernels.cpu.step import KvBits, StepAttention
 from pagedkv.logging import get_logger
 
 log = get_logger(__name__)
@@ -43,6 +45,17 @@ def warm_up_cpu_kernels(num_kv_heads: int, head_dim: int, dtype: str, block_size
         torch.ones(2, num_kv_heads, head_dim, dtype=torch.float32), key_cache, value_cache, tables, lens,
         torch.tensor([0, 2], dtype=torch.int32), 1.0, backend="cpu",
     )
+    # The model path's per-step kernel (compute_node/model/attention.py): one decode and one
+    # prefill row, each variant.
+    caches = KvBits([key_cache], [value_cache])
+    for serial in (True, False):
+        step = StepAttention(
+            caches, num_heads=num_kv_heads, slot_mapping=torch.tensor([1, 2], dtype=torch.int64), num_decode_tokens=1,
+            decode_block_tables=tables, decode_seq_lens=lens, prefill_block_tables=tables,
+            prefill_seq_lens=torch.tensor([3], dtype=torch.int32),
+            prefill_query_start_loc=torch.tensor([0, 1], dtype=torch.int32), scale=1.0, serial=serial,
+        )
+        step.run(0, torch.ones(2, num_kv_heads, head_dim, dtype=kv_dtype), key, key)
     seconds = time.perf_counter() - start
     log.info("kernels warm", seconds=round(seconds, 3), dtype=dtype)
     return seconds

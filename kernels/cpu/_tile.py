@@ -1,7 +1,8 @@
 """Numba helpers shared by the CPU attention kernels: tile widening and one online-softmax step.
 
 The attention kernels walk a sequence's block table one block at a time. For each block they
-widen the K and V tiles of one KV head to float32 scratch tiles, score the K tile against every
+take the K and V tiles of one KV head as float32 (`kv_tile`: an fp32 cache's own memory, fp16 and
+bf16 widened into scratch tiles), score the K tile against every
 query head of the GQA group, and fold the scores into a running max / running sum /
 unnormalised accumulator (online softmax). Reading each K/V byte once per KV head — not once
 per query head — is what keeps the kernels memory-bound rather than compute-bound, as on the
@@ -16,7 +17,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from kernels.cpu._cache import njit_cached
-from kernels.cpu._host import KIND_BF16, KIND_F16
+from kernels.cpu._host import KIND_BF16, KIND_F16, KIND_F32
 
 # Fast-math without `nnan`/`ninf`: the running max starts at -inf and a NaN in a corrupted
 # cache must reach the output instead of being optimised into garbage.
@@ -38,6 +39,62 @@ def half_bits_to_f32(typingctx, bits):
         return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
 
     return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _pow2_of_shifted(typingctx, shifted):
+    """2**n as float32, from `shifted` = n + 1.5 * 2**23 (float32, n an integer in [-126, 127]).
+
+    Adding 1.5 * 2**23 to a float32 of magnitude below 2**22 rounds it to an integer and leaves
+    that integer in the low mantissa bits, so n is the bit pattern minus the shifter's; 2**n is
+    then the exponent field n + 127 alone.
+    """
+    if shifted != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        n = builder.sub(builder.bitcast(args[0], i32), ir.Constant(i32, 0x4B400000))
+        exponent = builder.shl(builder.add(n, ir.Constant(i32, 127)), ir.Constant(i32, 23))
+        return builder.bitcast(exponent, ir.FloatType())
+
+    return types.float32(types.float32), codegen
+
+
+_SHIFTER = np.float32(1.5 * 2**23)
+
+
+# No `reassoc`: the two-constant range reduction below must not be folded into one product.
+@njit_cached(fastmath={"contract"})
+def exp_f32(x):
+    """exp(x) in float32 with a relative error below 2**-23 (about one ulp) for x in [-87, 88]
+    (0 below, inf above; NaN stays NaN), branch-free so a loop over it vectorises.
+
+    Softmax spends one exp per (query head, key) pair: as a call to libm's scalar `expf` (Numba
+    has no vector math library here) that was most of a decode kernel's time (~15 ns each vs
+    ~0.5 here, measured in a loop). Cody-Waite reduction x = n ln2 + r with ln2 split in two
+    constants, then a degree-7 polynomial for exp(r) on |r| <= ln2 / 2 (the Cephes expf
+    coefficients), scaled by 2**n.
+    """
+    xc = min(max(x, np.float32(-87.0)), np.float32(88.0))
+    shifted = xc * np.float32(1.44269504088896341) + _SHIFTER
+    n = shifted - _SHIFTER
+    r = xc - n * np.float32(0.693359375)
+    r = r - n * np.float32(-2.12194440e-4)
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    y = (p * r * r + r + np.float32(1.0)) * _pow2_of_shifted(shifted)
+    if x < np.float32(-87.0):
+        y = np.float32(0.0)
+    if x > np.float32(88.0):
+        y = np.float32(np.inf)
+    if x != x:
+        y = x
+    return y
 
 
 @njit_cached(fastmath=FASTMATH)
@@ -63,6 +120,21 @@ def load_tile(cache, block, head, num_tokens, kv_kind, tile_f32, tile_u32):
             bits = tile_u32[t]
             for d in range(head_dim):
                 bits[d] = np.uint32(src[2 * d]) | (np.uint32(src[2 * d + 1]) << 16)
+
+
+@njit_cached(fastmath=FASTMATH)
+def kv_tile(cache, block, head, num_tokens, kv_kind, tile_f32, tile_u32):
+    """`cache[block, head]` as a float32 `[block_size, head_dim]` tile, valid for its first
+    `num_tokens` rows.
+
+    An fp32 cache already holds float32 rows (its uint16 view pairs the halves of each value),
+    so the tile is that memory itself, viewed as float32: no copy and no bit assembly. fp16 and
+    bf16 are widened into `tile_f32` (`load_tile`), which is returned.
+    """
+    if kv_kind == KIND_F32:
+        return cache[block, head].view(np.float32)
+    load_tile(cache, block, head, num_tokens, kv_kind, tile_f32, tile_u32)
+    return tile_f32
 
 
 @njit_cached(fastmath=FASTMATH)
@@ -95,10 +167,10 @@ def online_softmax_step(scores, row, num_tokens, v_tile, m, l, acc):
         block_max = max(block_max, p[t])
     m_old = m[row]
     m_new = max(block_max, m_old)
-    alpha = np.float32(np.exp(m_old - m_new))
+    alpha = exp_f32(m_old - m_new)
     total = np.float32(0.0)
     for t in range(num_tokens):
-        e = np.float32(np.exp(p[t] - m_new))
+        e = exp_f32(p[t] - m_new)
         p[t] = e
         total += e
     a = acc[row]
@@ -134,8 +206,8 @@ def attend_blocks(q_group, key_cache, value_cache, kv_kind, table_row, seq_len, 
     for i in range(first_block, end_block):
         block = table_row[i]
         num_tokens = min(block_size, seq_len - i * block_size)
-        load_tile(key_cache, block, kv_head, num_tokens, kv_kind, k_tile, k_bits)
-        load_tile(value_cache, block, kv_head, num_tokens, kv_kind, v_tile, v_bits)
+        keys = kv_tile(key_cache, block, kv_head, num_tokens, kv_kind, k_tile, k_bits)
+        values = kv_tile(value_cache, block, kv_head, num_tokens, kv_kind, v_tile, v_bits)
         for g in range(group):
-            score_tile(q_group, g, k_tile, num_tokens, scores)
-            online_softmax_step(scores, g, num_tokens, v_tile, m, l, acc)
+            score_tile(q_group, g, keys, num_tokens, scores)
+            online_softmax_step(scores, g, num_tokens, values, m, l, acc)

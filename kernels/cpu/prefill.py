@@ -16,70 +16,82 @@ from numba import prange
 
 from kernels.cpu import _host, _parallel
 from kernels.cpu._cache import njit_cached
-from kernels.cpu._tile import FASTMATH, load_tile, online_softmax_step, score_tile
+from kernels.cpu._tile import FASTMATH, kv_tile, online_softmax_step, score_tile
 
 # 16 query tokens × group rows share one K/V tile load; the scratch for 16 × 8 rows × 128 dims
 # (64 KB accumulator) still fits in L2.
 QUERY_TILE = 16
 
 
-@njit_cached(parallel=True, fastmath=FASTMATH)
-def _prefill_kernel(query, key_cache, value_cache, kv_kind, block_tables, seq_lens,
-                    query_start_loc, tile_seq, tile_row, tile_len, scale, out):
-    # query/out: [total_query_tokens, num_heads, head_dim] float32
-    # key_cache/value_cache: [num_blocks, num_kv_heads, block_size, head_dim(*2 for fp32)] bits
-    # tile_seq/tile_row/tile_len: [num_tiles] — sequence, first query row, query count
+@njit_cached(fastmath=FASTMATH)
+def prefill_tile(query, key_cache, value_cache, kv_kind, block_tables, seq_lens, query_start_loc,
+                 s, row0, num_q, kv_head, scale, out):
+    """Causal attention of query rows `row0 … row0 + num_q - 1` (all of sequence `s`) for the
+    query heads of `kv_head`'s GQA group, into the same rows of `out`.
+
+    query/out: [rows, num_heads, head_dim] float32; `query_start_loc[s]` is the row of the
+    sequence's first query token (in the same row numbering as `row0`).
+    key_cache/value_cache: [num_blocks, num_kv_heads, block_size, head_dim(*2 for fp32)] bits.
+    """
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
-    for item in prange(tile_seq.shape[0] * num_kv_heads):
-        tile = item // num_kv_heads
-        kv_head = item % num_kv_heads
-        s = tile_seq[tile]
-        row0 = tile_row[tile]
-        num_q = tile_len[tile]
-        h0 = kv_head * group
-        q_len = query_start_loc[s + 1] - query_start_loc[s]
-        pos0 = seq_lens[s] - q_len + (row0 - query_start_loc[s])  # absolute pos of row0
-        num_rows = num_q * group
-        q_rows = np.empty((num_rows, head_dim), np.float32)  # row r = j * group + g
+    h0 = kv_head * group
+    q_len = query_start_loc[s + 1] - query_start_loc[s]
+    pos0 = seq_lens[s] - q_len + (row0 - query_start_loc[s])  # absolute pos of row0
+    num_rows = num_q * group
+    q_rows = np.empty((num_rows, head_dim), np.float32)  # row r = j * group + g
+    for j in range(num_q):
+        for g in range(group):
+            for d in range(head_dim):
+                q_rows[j * group + g, d] = query[row0 + j, h0 + g, d] * scale
+    m = np.full(num_rows, -np.inf, np.float32)
+    l = np.zeros(num_rows, np.float32)
+    acc = np.zeros((num_rows, head_dim), np.float32)
+    scores = np.empty((num_rows, block_size), np.float32)
+    k_tile = np.empty((block_size, head_dim), np.float32)
+    v_tile = np.empty((block_size, head_dim), np.float32)
+    k_bits = k_tile.view(np.uint32)
+    v_bits = v_tile.view(np.uint32)
+    last_pos = pos0 + num_q - 1
+    for i in range(last_pos // block_size + 1):
+        block = block_tables[s, i]
+        start = i * block_size
+        num_tokens = min(block_size, last_pos - start + 1)
+        keys = kv_tile(key_cache, block, kv_head, num_tokens, kv_kind, k_tile, k_bits)
+        values = kv_tile(value_cache, block, kv_head, num_tokens, kv_kind, v_tile, v_bits)
         for j in range(num_q):
-            for g in range(group):
-                for d in range(head_dim):
-                    q_rows[j * group + g, d] = query[row0 + j, h0 + g, d] * scale
-        m = np.full(num_rows, -np.inf, np.float32)
-        l = np.zeros(num_rows, np.float32)
-        acc = np.zeros((num_rows, head_dim), np.float32)
-        scores = np.empty((num_rows, block_size), np.float32)
-        k_tile = np.empty((block_size, head_dim), np.float32)
-        v_tile = np.empty((block_size, head_dim), np.float32)
-        k_bits = k_tile.view(np.uint32)
-        v_bits = v_tile.view(np.uint32)
-        last_pos = pos0 + num_q - 1
-        for i in range(last_pos // block_size + 1):
-            block = block_tables[s, i]
-            start = i * block_size
-            num_tokens = min(block_size, last_pos - start + 1)
-            load_tile(key_cache, block, kv_head, num_tokens, kv_kind, k_tile, k_bits)
-            load_tile(value_cache, block, kv_head, num_tokens, kv_kind, v_tile, v_bits)
-            for j in range(num_q):
-                visible = min(num_tokens, pos0 + j - start + 1)  # causal mask
-                if visible <= 0:
-                    continue
-                for g in range(group):
-                    r = j * group + g
-                    score_tile(q_rows, r, k_tile, visible, scores)
-                    online_softmax_step(scores, r, visible, v_tile, m, l, acc)
-        for j in range(num_q):
+            visible = min(num_tokens, pos0 + j - start + 1)  # causal mask
+            if visible <= 0:
+                continue
             for g in range(group):
                 r = j * group + g
-                inv = np.float32(1.0) / l[r]
-                for d in range(head_dim):
-                    out[row0 + j, h0 + g, d] = acc[r, d] * inv
+                score_tile(q_rows, r, keys, visible, scores)
+                online_softmax_step(scores, r, visible, values, m, l, acc)
+    for j in range(num_q):
+        for g in range(group):
+            r = j * group + g
+            inv = np.float32(1.0) / l[r]
+            for d in range(head_dim):
+                out[row0 + j, h0 + g, d] = acc[r, d] * inv
 
 
-def _query_tiles(query_start_loc: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Split every sequence's query rows into tiles of at most QUERY_TILE rows."""
+@njit_cached(parallel=True, fastmath=FASTMATH)
+def _prefill_kernel(query, key_cache, value_cache, kv_kind, block_tables, seq_lens,
+                    query_start_loc, tile_seq, tile_row, tile_len, scale, out):
+    # tile_seq/tile_row/tile_len: [num_tiles] — sequence, first query row, query count
+    num_kv_heads = key_cache.shape[1]
+    for item in prange(tile_seq.shape[0] * num_kv_heads):
+        tile = item // num_kv_heads
+        prefill_tile(query, key_cache, value_cache, kv_kind, block_tables, seq_lens,
+                     query_start_loc, tile_seq[tile], tile_row[tile], tile_len[tile],
+                     item % num_kv_heads, scale, out)
+
+
+def query_tiles(query_start_loc: np.ndarray, seq_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every sequence's query rows split into tiles of at most QUERY_TILE rows: int32 (sequence,
+    first row, row count) per tile, latest-position (longest-context, heaviest) tiles first so
+    the dynamic scheduler starts the heavy items early instead of finishing on one straggler."""
     seqs, rows, lens = [], [], []
     for s in range(len(query_start_loc) - 1):
         begin, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
@@ -90,7 +102,14 @@ def _query_tiles(query_start_loc: np.ndarray) -> tuple[np.ndarray, np.ndarray, n
     tile_seq = np.array(seqs, np.int32)
     tile_row = np.array(rows, np.int32)
     tile_len = np.array(lens, np.int32)
-    return tile_seq, tile_row, tile_len
+    order = np.argsort(-(seq_lens[tile_seq] - (query_start_loc[tile_seq + 1] - tile_row)), kind="stable")
+    return tile_seq[order], tile_row[order], tile_len[order]
+
+
+def prefill_work(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_heads: int) -> int:
+    """Upper bound of (query, key) pairs x query heads: the attention work of a prefill call."""
+    q_lens = np.diff(query_start_loc.astype(np.int64))
+    return int((q_lens * seq_lens).sum()) * num_heads
 
 
 def paged_prefill_attention(
@@ -114,16 +133,10 @@ def paged_prefill_attention(
     starts = _host.index_array(query_start_loc, np.int32)
     if q.shape[0] == 0:
         return out
-    tile_seq, tile_row, tile_len = _query_tiles(starts)
-    # Latest-position (longest-context, heaviest) tiles first, so the dynamic scheduler starts
-    # the heavy items early instead of finishing on one straggler.
-    order = np.argsort(-(lens[tile_seq] - (starts[tile_seq + 1] - tile_row)), kind="stable")
-    tile_seq, tile_row, tile_len = tile_seq[order], tile_row[order], tile_len[order]
+    tile_seq, tile_row, tile_len = query_tiles(starts, lens)
     target = _host.f32_target(out)
     result = target if target is not None else np.empty(q.shape, np.float32)
-    # Upper bound of (query, key) pairs x query heads: the attention work of this call.
-    q_lens = np.diff(starts.astype(np.int64))
-    work = int((q_lens * lens).sum()) * q.shape[1]
+    work = prefill_work(starts, lens, q.shape[1])
     with _parallel.parallel_section(work <= _parallel.SERIAL_MAX_ATTENTION_WORK):
         _prefill_kernel(q, kc, vc, kv_kind, tables, lens, starts, tile_seq, tile_row,
                         tile_len, np.float32(scale), result)

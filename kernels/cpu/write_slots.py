@@ -12,7 +12,7 @@ from kernels.cpu._cache import njit_cached
 
 
 @njit_cached(inline="always")
-def _write_token(key, value, key_cache, value_cache, slot_mapping, t):
+def write_token(key, value, key_cache, value_cache, slot_mapping, t):
     # key/value: [num_tokens, num_kv_heads, row] uint16 bits (row = head_dim, x2 for fp32)
     # key_cache/value_cache: [num_blocks, num_kv_heads, block_size, row] uint16 bits
     slot = slot_mapping[t]
@@ -29,7 +29,7 @@ def _write_token(key, value, key_cache, value_cache, slot_mapping, t):
 @njit_cached(parallel=True)
 def _write_slots_kernel(key, value, key_cache, value_cache, slot_mapping):
     for t in prange(key.shape[0]):
-        _write_token(key, value, key_cache, value_cache, slot_mapping, t)
+        write_token(key, value, key_cache, value_cache, slot_mapping, t)
 
 
 def write_slots(

@@ -4,7 +4,8 @@ through a real Forward and starve its heartbeats into a fenced lease.
 Checked in a fresh interpreter (the compiled-signature sets are process-global, so in the test
 process another test may already have compiled everything): before the warm-up no kernel has a
 compiled signature, after it every kernel has one, and a real write / copy / decode / split-K /
-prefill through the node's `KvPool` adds none: the warm-up compiled exactly what a Forward runs.
+prefill / model step (both variants) through the node's `KvPool` adds none: the warm-up
+compiled exactly what a Forward or a Generate runs.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from kernels.cpu.decode import paged_attention_decode as cpu_decode
 dtype = sys.argv[1]
 KERNELS = [("decode", "_decode_kernel"), ("decode_split", "_partition_kernel"), ("decode_split", "_reduce_kernel"),
            ("prefill", "_prefill_kernel"), ("write_slots", "_write_slots_kernel"),
-           ("copy_blocks", "_copy_blocks_kernel")]
+           ("copy_blocks", "_copy_blocks_kernel"), ("step", "_step_serial"), ("step", "_step_parallel")]
 
 def compiled():
     return {f"{m}.{k}": len(getattr(importlib.import_module(f"kernels.cpu.{m}"), k).signatures) for m, k in KERNELS}
@@ -48,6 +49,14 @@ cpu_decode(torch.randn(2, 4, 32, generator=g), pool.key_caches[0], pool.value_ca
            torch.tensor([6, 5], dtype=torch.int32), 0.2, split=True)
 pool.prefill(0, torch.randn(5, 4, 32, generator=g), tables, torch.tensor([6, 3], dtype=torch.int32),
              torch.tensor([0, 3, 5], dtype=torch.int32), 0.2)
+for serial in (True, False):   # the model path's step kernel (what a model node's Generate runs)
+    step = pool.begin_cpu_step(num_heads=4, slot_mapping=torch.tensor([6, 1, 2], dtype=torch.int64),
+                               num_decode_tokens=1, decode_block_tables=tables[:1],
+                               decode_seq_lens=torch.tensor([7], dtype=torch.int32), prefill_block_tables=tables[1:],
+                               prefill_seq_lens=torch.tensor([3], dtype=torch.int32),
+                               prefill_query_start_loc=torch.tensor([0, 2], dtype=torch.int32), scale=0.2)
+    step.serial = serial
+    step.run(0, torch.randn(3, 4, 32, generator=g).to(pool.key_caches[0].dtype), kv(3), kv(3))
 print(json.dumps({"before": before, "after": after, "final": compiled(), "seconds": seconds}))
 """
 

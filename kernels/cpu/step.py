@@ -1,0 +1,302 @@
+"""CPU attention of one model step: per layer, one compiled call writes the step's new K/V and
+attends every decode and prefill query.
+
+Why a step object: a model step runs attention once per layer (30 times for a SmolLM-135M
+shape) with the same block tables, lengths and slots. Through the generic entry points
+(`kernels.write_slots`, `paged_attention_decode`, `paged_prefill_attention`) every layer paid,
+three calls over, for validating those index arrays, converting tensors to NumPy views,
+cutting prefill queries into tiles in Python and setting Numba's thread count: ~0.45 ms per
+layer at batch 1 (measured), some 20x the decode math. `StepAttention` does all of it once per
+step — the same `_validate` checks, the indices as contiguous NumPy, the tiles in their
+heaviest-first order, one serial-or-parallel choice — and `run(layer, ...)` is one call:
+scatter the new K/V into the layer's cache, then attend every prefill tile and decode item.
+
+Serial and parallel are two compilations of one body (`_step_serial`, `_step_parallel`): a
+small step runs on the calling thread without touching Numba's thread settings (why that
+matters: `_parallel.py`); a large one hands items out dynamically to every thread. When
+(decode sequence, KV head) items are too few for the threads and contexts are long, decode
+goes to the split-K kernel (`decode.use_split`) after the fused call has written the K/V.
+
+Arithmetic is the generic kernels' (`decode_item`, `prefill_tile`), so results are the same
+bits as `write_slots` followed by the two attention calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from numba import prange
+
+from kernels import _validate
+from kernels._validate import KernelInputError
+from kernels.cpu import _host, _parallel
+from kernels.cpu._cache import njit_cached
+from kernels.cpu._tile import FASTMATH
+from kernels.cpu.decode import decode_item, use_split
+from kernels.cpu.decode_split import decode_split
+from kernels.cpu.prefill import prefill_tile, prefill_work, query_tiles
+from kernels.cpu.write_slots import write_token
+
+
+@njit_cached(fastmath=FASTMATH)
+def _step_item(item, num_prefill_items, query, key_cache, value_cache, kv_kind, dec_tables,
+               dec_lens, pre_tables, pre_lens, pre_starts, tile_seq, tile_row, tile_len, scale,
+               out):
+    # Items [0, num_prefill_items): (prefill tile, KV head); then (decode sequence, KV head),
+    # decode sequence s owning row s.
+    num_kv_heads = key_cache.shape[1]
+    if item < num_prefill_items:
+        tile = item // num_kv_heads
+        prefill_tile(query, key_cache, value_cache, kv_kind, pre_tables, pre_lens, pre_starts,
+                     tile_seq[tile], tile_row[tile], tile_len[tile], item % num_kv_heads, scale,
+                     out)
+    else:
+        item -= num_prefill_items
+        s = item // num_kv_heads
+        decode_item(query, key_cache, value_cache, kv_kind, dec_tables, dec_lens, s, s,
+                    item % num_kv_heads, scale, out)
+
+
+@njit_cached()
+def _write_rows(key, value, key_cache, value_cache, slot_mapping):
+    for t in range(key.shape[0]):
+        write_token(key, value, key_cache, value_cache, slot_mapping, t)
+
+
+@njit_cached(fastmath=FASTMATH)
+def _step_serial(query, key, value, key_cache, value_cache, kv_kind, slot_mapping, dec_tables,
+                 dec_lens, num_dec_seqs, pre_tables, pre_lens, pre_starts, tile_seq, tile_row,
+                 tile_len, scale, out):
+    # query/out: [num_tokens, num_heads, head_dim] float32, decode rows first;
+    # key/value: [num_tokens, num_kv_heads, row] bits; caches: [num_blocks, num_kv_heads,
+    # block_size, row] bits (row = head_dim, x2 for fp32); pre_starts and tile_row count rows
+    # of the whole step (the first prefill row is num_dec_seqs, or after them when split).
+    _write_rows(key, value, key_cache, value_cache, slot_mapping)
+    num_prefill_items = tile_seq.shape[0] * key_cache.shape[1]
+    for item in range(num_prefill_items + num_dec_seqs * key_cache.shape[1]):
+        _step_item(item, num_prefill_items, query, key_cache, value_cache, kv_kind, dec_tables,
+                   dec_lens, pre_tables, pre_lens, pre_starts, tile_seq, tile_row, tile_len,
+                   scale, out)
+
+
+@njit_cached(parallel=True, fastmath=FASTMATH)
+def _step_parallel(query, key, value, key_cache, value_cache, kv_kind, slot_mapping,
+                   dec_tables, dec_lens, num_dec_seqs, pre_tables, pre_lens, pre_starts,
+                   tile_seq, tile_row, tile_len, scale, out):
+    # Same as _step_serial. The writes stay on this thread, in a function compiled without
+    # `parallel` (here each row's slice assignment would become a parallel region of its own):
+    # a step's new K/V is a few MB at most (a 2048-token chunk of 3 fp32 KV heads of 64: 3 MB,
+    # ~1 ms to copy), and a parallel write loop costs a second wake-up of the worker threads,
+    # which on a loaded host can take a scheduler time slice (measured: the fused prefill
+    # step at 0.7x the per-kernel calls with one; see _parallel.py).
+    _write_rows(key, value, key_cache, value_cache, slot_mapping)
+    num_prefill_items = tile_seq.shape[0] * key_cache.shape[1]
+    for item in prange(num_prefill_items + num_dec_seqs * key_cache.shape[1]):
+        _step_item(item, num_prefill_items, query, key_cache, value_cache, kv_kind, dec_tables,
+                   dec_lens, pre_tables, pre_lens, pre_starts, tile_seq, tile_row, tile_len,
+                   scale, out)
+
+
+class KvBits:
+    """Every layer's K and V cache as the uint16 views the kernels take, made once per pool
+    (each view costs a few µs of torch calls; a step would make 2 per layer)."""
+
+    def __init__(self, key_caches: Sequence[Any], value_caches: Sequence[Any]) -> None:
+        if not key_caches or len(key_caches) != len(value_caches):
+            raise KernelInputError(
+                f"need one value cache per key cache, got {len(key_caches)} and {len(value_caches)}")
+        first = _validate._check_caches(key_caches[0], value_caches[0])
+        self.dtype = _validate.dtype_name(key_caches[0])
+        for layer, (kc, vc) in enumerate(zip(key_caches, value_caches)):
+            if _validate._check_caches(kc, vc) != first or _validate.dtype_name(kc) != self.dtype:
+                raise KernelInputError(f"layer {layer}'s caches differ from layer 0's in shape or dtype")
+            if _validate.is_device_array(kc) or _validate.is_device_array(vc):
+                raise KernelInputError("the CPU step kernel was given GPU-resident caches")
+        self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim = first
+        self.keys = [_host.kv_bits(kc)[0] for kc in key_caches]
+        self.values = [_host.kv_bits(vc)[0] for vc in value_caches]
+        self.kv_kind = _host.kv_bits(key_caches[0])[1]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+
+_NO_TABLES = np.zeros((0, 1), np.int32)
+_NO_INDEX = np.zeros(0, np.int32)
+
+
+class StepAttention:
+    """One step's attention on the CPU, validated and prepared once, run once per layer.
+
+    Rows `[0, num_decode_tokens)` are decode sequences (one query token each, sequence i on
+    row i); the rest are prefill rows, sequence s owning rows `num_decode_tokens +
+    prefill_query_start_loc[s] …` (the layout of `compute_node.model.attention`). Index
+    arrays are host NumPy arrays or CPU tensors (read once here; not kept as tensors).
+    Raises `KernelInputError` for anything a kernel would read or write out of bounds with.
+    `serial` forces the one-thread (True) or all-threads (False) kernel; None decides by the
+    step's attention work (`_parallel.SERIAL_MAX_ATTENTION_WORK`).
+    """
+
+    def __init__(
+        self,
+        caches: KvBits,
+        *,
+        num_heads: int,
+        slot_mapping: Any,
+        num_decode_tokens: int,
+        decode_block_tables: Any | None,
+        decode_seq_lens: Any | None,
+        prefill_block_tables: Any | None,
+        prefill_seq_lens: Any | None,
+        prefill_query_start_loc: Any | None,
+        scale: float,
+        serial: bool | None = None,
+    ) -> None:
+        self.caches = caches
+        self.scale = np.float32(_validate.require_scale(scale))
+        _validate._check_heads(num_heads, caches.head_dim, caches.num_kv_heads, caches.head_dim)
+        self.slot_mapping = self._check_slots(slot_mapping)
+        num_tokens = self.slot_mapping.shape[0]
+        if not isinstance(num_decode_tokens, (int, np.integer)) or not 0 <= num_decode_tokens <= num_tokens:
+            raise KernelInputError(f"num_decode_tokens must be in [0, {num_tokens}], got {num_decode_tokens!r}")
+        num_dec = int(num_decode_tokens)
+        self.q_shape = (num_tokens, num_heads, caches.head_dim)
+        self.kv_shape = (num_tokens, caches.num_kv_heads, caches.head_dim)
+
+        self.dec_tables, self.dec_lens = _NO_TABLES, _NO_INDEX
+        if num_dec:
+            if decode_block_tables is None or decode_seq_lens is None:
+                raise KernelInputError(f"{num_dec} decode rows but no decode block tables or lengths")
+            self.dec_tables, self.dec_lens = self._check_tables(decode_block_tables, decode_seq_lens, num_dec)
+        num_prefill_rows = num_tokens - num_dec
+        self.pre_tables, self.pre_lens, pre_starts = _NO_TABLES, _NO_INDEX, np.zeros(1, np.int32)
+        if num_prefill_rows:
+            if prefill_block_tables is None or prefill_seq_lens is None or prefill_query_start_loc is None:
+                raise KernelInputError(f"{num_prefill_rows} prefill rows but no prefill tables, lengths or starts")
+            num_seqs = _validate.require("prefill_block_tables", prefill_block_tables, ndim=2,
+                                         dtypes=("int32",))[0]
+            self.pre_tables, self.pre_lens = self._check_tables(prefill_block_tables, prefill_seq_lens, num_seqs)
+            pre_starts = self._check_starts(prefill_query_start_loc, num_seqs, num_prefill_rows)
+        # Prefill rows numbered in the whole step, as the kernel reads them.
+        self.pre_starts = np.ascontiguousarray(pre_starts + np.int32(num_dec))
+        self.tile_seq, self.tile_row, self.tile_len = query_tiles(self.pre_starts, self.pre_lens)
+
+        work = int(self.dec_lens.astype(np.int64).sum()) * num_heads
+        work += prefill_work(self.pre_starts, self.pre_lens, num_heads)
+        self.serial = work <= _parallel.SERIAL_MAX_ATTENTION_WORK if serial is None else serial
+        self.split = bool(num_dec) and not self.serial and use_split(
+            num_dec, caches.num_kv_heads, int(self.dec_lens.max()), caches.block_size)
+        self.num_decode_tokens = num_dec
+        # Sequences the fused call attends; split-K decodes run after it.
+        self._fused_dec_seqs = 0 if self.split else num_dec
+
+    def run(self, layer: int, query: Any, key: Any, value: Any, out: Any | None = None) -> Any:
+        """Write `key`/`value` `[num_tokens, num_kv_heads, head_dim]` (the caches' dtype) into
+        `layer`'s cache at the step's slots, then attend every query `[num_tokens, num_heads,
+        head_dim]`; returns `out` (a new array of the query's type and dtype when None)."""
+        caches = self.caches
+        if not 0 <= layer < caches.num_layers:
+            raise KernelInputError(f"layer {layer} outside [0, {caches.num_layers})")
+        k, v = self._kv_rows("key", key), self._kv_rows("value", value)
+        q = self._host_rows("query", query, self.q_shape)
+        if q.dtype != np.float32:
+            q = q.astype(np.float32)
+        if out is None:
+            out = _host.new_like(query)
+        result = self._host_rows("out", out, self.q_shape)
+        if result.dtype != np.float32:
+            result = np.empty(self.q_shape, np.float32)
+        kc, vc = caches.keys[layer], caches.values[layer]
+        args = (q, k, v, kc, vc, caches.kv_kind, self.slot_mapping, self.dec_tables, self.dec_lens,
+                self._fused_dec_seqs, self.pre_tables, self.pre_lens, self.pre_starts, self.tile_seq,
+                self.tile_row, self.tile_len, self.scale, result)
+        if self.serial:
+            _step_serial(*args)
+        else:
+            with _parallel.parallel_section(False):
+                _step_parallel(*args)
+                if self.split:
+                    n = self.num_decode_tokens
+                    decode_split(q[:n], kc, vc, caches.kv_kind, self.dec_tables, self.dec_lens, self.scale,
+                                 result[:n])
+        if result.dtype != _host_dtype(out):
+            _host.store(out, result)
+        return out
+
+    def _host_rows(self, name: str, x: Any, shape: tuple[int, int, int]) -> np.ndarray:
+        """A checked NumPy view of a query-like array (bfloat16 as float32: a copy)."""
+        if tuple(x.shape) != shape:
+            raise KernelInputError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
+        if _validate.is_device_array(x) or not _validate.is_contiguous(x):
+            raise KernelInputError(f"{name} must be a C-contiguous host array")
+        dtype = _validate.dtype_name(x)
+        if dtype not in _validate.QUERY_DTYPES:
+            raise KernelInputError(f"{name} must have dtype in {_validate.QUERY_DTYPES}, got {dtype}")
+        if _validate.is_torch(x):
+            return x.detach().numpy() if dtype != "bfloat16" else x.detach().float().numpy()
+        return np.asarray(x)
+
+    def _kv_rows(self, name: str, x: Any) -> np.ndarray:
+        """New K or V rows, checked, as the uint16 bits the kernel stores (`_host.kv_bits`; for
+        fp32 tensors through a NumPy view, cheaper than torch's)."""
+        if tuple(x.shape) != self.kv_shape:
+            raise KernelInputError(f"{name} must have shape {self.kv_shape}, got {tuple(x.shape)}")
+        if _validate.is_device_array(x) or not _validate.is_contiguous(x):
+            raise KernelInputError(f"{name} must be a C-contiguous host array")
+        dtype = _validate.dtype_name(x)
+        if dtype != self.caches.dtype:
+            raise KernelInputError(f"{name} must have the caches' dtype {self.caches.dtype}, got {dtype}")
+        if dtype == "float32" and _validate.is_torch(x):
+            return x.detach().numpy().view(np.uint16)
+        return _host.kv_bits(x)[0]
+
+    # -- validation (once per step; per layer only the shapes) --------------------------------
+
+    def _check_slots(self, slot_mapping: Any) -> np.ndarray:
+        _validate.require("slot_mapping", slot_mapping, ndim=1, dtypes=("int64",))
+        slots = _validate.to_host_numpy(slot_mapping)
+        if slots is None:
+            raise KernelInputError("the CPU step kernel was given a GPU-resident slot_mapping")
+        num_slots = self.caches.num_blocks * self.caches.block_size
+        if slots.size and int(slots.max()) >= num_slots:
+            bad = int(np.flatnonzero(slots >= num_slots)[0])
+            raise KernelInputError(f"slot_mapping[{bad}]={int(slots[bad])} >= num_blocks*block_size={num_slots}")
+        live = slots[slots >= 0]
+        if live.size != np.unique(live).size:
+            raise KernelInputError("slot_mapping has duplicate non-negative slots")
+        return np.ascontiguousarray(slots)
+
+    def _check_tables(self, block_tables: Any, seq_lens: Any, num_seqs: int) -> tuple[np.ndarray, np.ndarray]:
+        for name, array in (("block_tables", block_tables), ("seq_lens", seq_lens)):
+            if _validate.is_device_array(array):
+                raise KernelInputError(f"the CPU step kernel was given a GPU-resident {name}")
+        _validate._check_tables(block_tables, seq_lens, num_seqs, self.caches.num_blocks, self.caches.block_size)
+        return _host.index_array(block_tables, np.int32), _host.index_array(seq_lens, np.int32)
+
+    def _check_starts(self, query_start_loc: Any, num_seqs: int, num_rows: int) -> np.ndarray:
+        shape = _validate.require("prefill_query_start_loc", query_start_loc, ndim=1, dtypes=("int32",))
+        if shape != (num_seqs + 1,):
+            raise KernelInputError(f"prefill_query_start_loc must have shape ({num_seqs + 1},), got {shape}")
+        starts = _validate.to_host_numpy(query_start_loc)
+        if starts is None:
+            raise KernelInputError("the CPU step kernel was given a GPU-resident prefill_query_start_loc")
+        if int(starts[0]) != 0 or int(starts[-1]) != num_rows:
+            raise KernelInputError(f"prefill_query_start_loc must run from 0 to the {num_rows} prefill rows, "
+                                   f"got {int(starts[0])} … {int(starts[-1])}")
+        q_lens = np.diff(starts.astype(np.int64))
+        if (q_lens < 0).any():
+            raise KernelInputError("prefill_query_start_loc must be non-decreasing")
+        if (q_lens > self.pre_lens).any():
+            s = int(np.flatnonzero(q_lens > self.pre_lens)[0])
+            raise KernelInputError(f"prefill sequence {s} has {int(q_lens[s])} query tokens but seq_len "
+                                   f"{int(self.pre_lens[s])}")
+        return np.ascontiguousarray(starts, dtype=np.int32)
+
+
+def _host_dtype(x: Any) -> np.dtype | None:
+    """The NumPy dtype an output array stores (None for bfloat16, which NumPy lacks)."""
+    name = _validate.dtype_name(x)
+    return None if name == "bfloat16" else np.dtype(name)
