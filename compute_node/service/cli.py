@@ -10,7 +10,9 @@ failures (a port in use, TLS files) exit 1.
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +43,24 @@ def _parser() -> ArgumentParser:
     return parser
 
 
+def passive_omp_wait(environ: MutableMapping[str, str]) -> bool:
+    """Unless the environment already says how OpenMP threads wait (`OMP_WAIT_POLICY` or
+    `GOMP_SPINCOUNT`), make them sleep at once (`OMP_WAIT_POLICY=PASSIVE`); True when set here.
+
+    libgomp's default spins a few ms at every barrier when a process has one thread team no
+    larger than the cores: on a host whose cores other processes keep busy, the node's 2 threads
+    then ran ~5x slower (docs/compute_node.md, BENCHMARKS.md "Services mode, round 2"). Must run
+    before torch loads (libgomp reads it once). A dedicated host may set `GOMP_SPINCOUNT=300000`
+    (libgomp's own default) or `OMP_WAIT_POLICY=ACTIVE` instead."""
+    if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
+        return False
+    environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    passive_omp_wait(os.environ)   # before anything imports torch
     from compute_node.service.config import load_config
     from pagedkv.lifecycle import flag_overrides, run_service_main
     from pagedkv.settings import ConfigError

@@ -65,3 +65,28 @@ async def test_the_step_thread_runs_every_call_on_one_thread_off_the_loop() -> N
         busy.set()
         await blocker
         step.close()
+
+
+def test_the_node_waits_passively_unless_the_environment_says_otherwise() -> None:
+    from compute_node.service.cli import passive_omp_wait
+
+    env: dict[str, str] = {}
+    assert passive_omp_wait(env) is True and env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    for own in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "300000"}):
+        env = dict(own)
+        assert passive_omp_wait(env) is False and env == own
+
+
+def test_a_node_process_sets_the_passive_wait_before_torch_loads(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`compute-node serve` sets it in main(), and nothing imported before main() loads torch."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    missing = tmp_path / "missing.yaml"
+    code = ("import os, sys\nfrom compute_node.service import cli\nbefore = 'torch' in sys.modules\n"
+            f"rc = cli.main(['serve', '--config', {str(missing)!r}])\n"
+            "print(before, rc, os.environ.get('OMP_WAIT_POLICY'))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.split()[-3:] == ["False", "2", "PASSIVE"], (out.stdout, out.stderr)
