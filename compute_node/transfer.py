@@ -35,6 +35,7 @@ from compute_node.pool import TORCH_DTYPES, KvPool, PoolGeometry
 from pagedkv.auth import token_metadata
 from pagedkv.tls import TlsSettings, open_channel
 from pagedkv.v1 import compute_node_pb2 as pb
+from pagedkv.wire import varint
 
 _CPU = torch.device("cpu")
 # 4 MiB: per-chunk costs (a thread hop each side, a message) dominate smaller chunks on a busy
@@ -228,23 +229,14 @@ def chunks(data: memoryview, chunk_bytes: int, block_bytes: int, layout: str, of
 _TAG_OFFSET, _TAG_DATA, _TAG_CHECKSUM, _TAG_BLOCK_BYTES, _TAG_LAYOUT = 0x08, 0x12, 0x18, 0x20, 0x2A
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 def encode_chunk(offset: int, data: memoryview | bytes, block_bytes: int = 0, layout: str = "") -> bytes:
     """The serialized `KvChunk` for `data` at stream `offset`, its checksum taken over `data`
     itself (the very bytes copied into the message)."""
-    head = b"".join((_TAG_OFFSET.to_bytes(1, "little") + _varint(offset) if offset else b"",
-                     _TAG_CHECKSUM.to_bytes(1, "little") + _varint(checksum(data)),
-                     _TAG_BLOCK_BYTES.to_bytes(1, "little") + _varint(block_bytes) if block_bytes else b"",
+    head = b"".join((_TAG_OFFSET.to_bytes(1, "little") + varint(offset) if offset else b"",
+                     _TAG_CHECKSUM.to_bytes(1, "little") + varint(checksum(data)),
+                     _TAG_BLOCK_BYTES.to_bytes(1, "little") + varint(block_bytes) if block_bytes else b"",
                      _layout_field(layout),
-                     _TAG_DATA.to_bytes(1, "little") + _varint(len(data))))
+                     _TAG_DATA.to_bytes(1, "little") + varint(len(data))))
     return b"".join((head, data))
 
 
@@ -252,7 +244,7 @@ def _layout_field(layout: str) -> bytes:
     if not layout:
         return b""
     raw = layout.encode()
-    return _TAG_LAYOUT.to_bytes(1, "little") + _varint(len(raw)) + raw
+    return _TAG_LAYOUT.to_bytes(1, "little") + varint(len(raw)) + raw
 
 
 @dataclass(slots=True)

@@ -232,7 +232,6 @@ def wrap_unary_handler(
     )
 
 
-
 def wrap_unary_stream_handler(
     handler: grpc.RpcMethodHandler | None, fn: Callable[[Any], Any], *, tolerant: bool = False
 ) -> grpc.RpcMethodHandler | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from block_manager.core.kv_events import REMOVED, STORED
 from block_manager.service.kv_events import Event, Frame
 from pagedkv.v1 import block_manager_pb2 as pb
+from pagedkv.wire import varint
 
 TIER_PB = {"device": pb.KV_TIER_DEVICE, "host": pb.KV_TIER_HOST, "disk": pb.KV_TIER_DISK,
            None: pb.KV_TIER_UNSPECIFIED}
@@ -29,21 +30,12 @@ def event_pb(e: Event) -> pb.KvEvent:
     return m
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 def event_entry(e: Event) -> bytes:
     """`e` as one serialized `events` entry (field 1, length-delimited), built once."""
     entry = e.encoded
     if entry is None:
         data = event_pb(e).SerializeToString()
-        entry = e.encoded = b"\x0a" + _varint(len(data)) + data
+        entry = e.encoded = b"\x0a" + varint(len(data)) + data
     return entry
 
 
