@@ -19,7 +19,7 @@ calls; the cost of the gather included). Per row: median wall and process CPU ti
 `--repeats` runs in each of `--rounds` processes per tree, and the attention multiply-adds per
 second of CPU.
 
-    .venv/bin/python bench/bench_cpu_step.py [--repeats 15] [--compare-tree DIR [--rounds 3]]
+    .venv/bin/python bench/bench_cpu_step.py [--repeats 15] [--compare-tree DIR [--rounds 3] [--threads N]]
 """
 
 from __future__ import annotations
@@ -124,11 +124,17 @@ def sdpa_step(pool: KvPool, prefill: list[tuple[int, int]], q: torch.Tensor, met
                                                          enable_gqa=True)
 
 
-def child(repeats: int) -> None:
+def child(repeats: int, threads: int | None) -> None:
     """One process's measurements of PREFILL_SHAPES (JSON on stdout): this tree's step kernel
     and, per shape, torch SDPA, alternating; (wall s, process CPU s) per run of 30 layers (the
     process does nothing else, so its CPU time is what the attention cost on all its threads;
-    the metadata build of a run is included, ~1 ms)."""
+    the metadata build of a run is included, ~1 ms). `threads`: Numba's and torch's thread
+    counts (one thread: CPU time without any spin-waiting of idle workers)."""
+    if threads:
+        import numba
+
+        numba.set_num_threads(threads)
+        torch.set_num_threads(threads)
     pool = KvPool(PoolGeometry(LAYERS, KV_HEADS, HEAD_DIM, "float32", BLOCK, 600), torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     out = {}
@@ -161,13 +167,14 @@ def compare_trees(args: argparse.Namespace) -> None:
         for name in (list(trees) if rnd % 2 == 0 else list(reversed(trees))):
             loads.append(os.getloadavg()[0])
             env = dict(os.environ, BENCH_TREE=str(trees[name]))
-            done = subprocess.run([sys.executable, __file__, "--child", "--repeats", str(args.repeats)], env=env,
-                                  check=True, capture_output=True, text=True)
+            command = [sys.executable, __file__, "--child", "--repeats", str(args.repeats)]
+            command += ["--threads", str(args.threads)] if args.threads else []
+            done = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
             results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"# bench_cpu_step --compare-tree: {LAYERS} layers, {HEADS}/{KV_HEADS} heads, head dim {HEAD_DIM}, fp32, "
           f"block {BLOCK}; {os.cpu_count()} cores, load {min(loads):.1f}-{max(loads):.1f}; {args.rounds} rounds x "
-          f"{args.repeats} repeats; {when}")
+          f"{args.repeats} repeats; threads {args.threads or 'all'}; {when}")
     print("| step | attention | wall ms/layer | process CPU ms/layer | G multiply-adds per CPU-s | vs before (CPU) |")
     print("|---|---|---|---|---|---|")
     for shape, (_, prefill) in PREFILL_SHAPES.items():
@@ -188,10 +195,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--compare-tree", type=Path, default=None, help="another checkout's step kernel, side by side")
     ap.add_argument("--rounds", type=int, default=3, help="child processes per tree (--compare-tree)")
+    ap.add_argument("--threads", type=int, default=None, help="Numba and torch threads (--compare-tree children)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.repeats)
+        child(args.repeats, args.threads)
         return
     if args.compare_tree is not None:
         compare_trees(args)
