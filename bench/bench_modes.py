@@ -39,7 +39,8 @@ Generate calls (`node_s`, wall; in services mode: gRPC + the node process's work
 batch) on the issue's workload — `--requests` requests, prompts uniform in [16,
 `--hf-max-prompt` 512], outputs in [16, `--hf-max-output` 128], as `bench_engine.py`'s — then
 batch-1 decode step time (after a `--b1-context`-token prompt), one more profiled mixed run split
-into prefill-carrying and decode-only steps (runner timers), and where an embedded decode
+into prefill-carrying and decode-only steps (runner timers) beside transformers' prefill alone
+(`generate` of one token), and where an embedded decode
 step at batch 1 and `--requests` goes (runner timers: dense, attention kernels, sampling, batch
 prep; engine counters: block manager, the rest; torch.profiler for the dense phase's torch-op
 share). `--hf-per-op` adds the engine with the CPU step kernel off (the per-kernel attention
@@ -343,6 +344,9 @@ def hf_part(args: argparse.Namespace, model_dir: Path, embedded: LLM) -> None:
               f"(load {os.getloadavg()[0]:.1f})", flush=True)
     runner.fused_cpu_attention = True
     split = mixed_split(embedded, fresh_tokens(workload, SMOL_135M["vocab_size"], 7999))
+    # transformers' prefill alone: the same padded batch, one new token each.
+    hf_prefill = run_transformers(hf, [(p, 1) for p, _ in fresh_tokens(workload, SMOL_135M["vocab_size"], 7998)],
+                                  1).seconds
     requested = sum(n for _, n in workload)
     t, bt = statistics.median(theirs), statistics.median(b1_theirs)
     print(f"\n## engine (embedded) vs transformers (load average 1 min: {min(loads):.1f}-{max(loads):.1f}); "
@@ -355,6 +359,7 @@ def hf_part(args: argparse.Namespace, model_dir: Path, embedded: LLM) -> None:
         print(f"{name}: mixed {requested / o:.1f} tok/s **{t / o:.2f}x** transformers (goal >= 2x), runs s "
               f"{[round(x, 2) for x in ours[name]]}; batch-1 step ({args.b1_context}-token context) {1e3 * bo:.1f} ms "
               f"**{bo / bt:.2f}x** (goal <= 1.0x), runs ms {[round(1e3 * x, 1) for x in b1[name]]}")
+    print(f"transformers prefill alone (the padded batch, max_new_tokens=1): {hf_prefill:.2f} s")
     for kind, t in split.items():
         print(f"pagedkv mixed run (one more, profiled), {kind} steps: {t['steps']:.0f} steps, "
               f"{t['tokens']:.0f} tokens, "
