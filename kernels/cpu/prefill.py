@@ -11,9 +11,13 @@ per-row key count (query j sees positions `0 … seq_len - q_len + j`), so only 
 do partial rows and no masked key is ever read.
 
 Why tiles: the previous kernel scored one row against one 16-key block at a time (a dot
-product per key, an online-softmax rescale per block); the products were ~5–10 G multiply-adds
-per second per core. Four rows per loaded K/V vector and a rescale per 64 keys doubled that
-(BENCHMARKS.md, "CPU prefill attention: key tiles").
+product per key, an online-softmax rescale per block): ~9–11 G multiply-adds per CPU-second on
+this project's 2-core VM. Four rows per loaded K/V vector and a rescale per 64 keys: ~12.5–13.5,
+1.3x less CPU per layer (BENCHMARKS.md, "CPU prefill attention: key tiles"). What is left is
+LLVM's horizontal sum per dot product; register-blocked products need control over vector
+registers that Numba does not give (torch's SDPA, with its own micro-kernels, measured from
+1.4x faster to 2.5x slower than this on these shapes, K/V gathered from the pages: no case for
+splitting the per-layer call in two).
 """
 
 from __future__ import annotations
