@@ -10,14 +10,25 @@ over all layers; printed: median per layer of wall time and of this thread's CPU
 small steps run on this thread, so its CPU time is what they cost even when other processes
 share the cores), and the step's one-off `begin_cpu_step` cost.
 
-    .venv/bin/python bench/bench_cpu_step.py [--repeats 15]
+`--compare-tree DIR` (issue 21, prefill kernel): instead, the step kernel of this checkout vs
+the one of another checkout (e.g. `git archive main | tar -x -C DIR`: the kernel before a
+change) on the prefill-carrying steps, in child processes that alternate (one process cannot
+import two versions of `kernels`), plus torch's `scaled_dot_product_attention` on the same
+queries and K/V gathered from the pages into contiguous tensors (what transformers' prefill
+calls; the cost of the gather included). Per row: median wall and process CPU time per layer over
+`--repeats` runs in each of `--rounds` processes per tree, and the attention multiply-adds per
+second of CPU.
+
+    .venv/bin/python bench/bench_cpu_step.py [--repeats 15] [--compare-tree DIR [--rounds 3] [--threads N]]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,7 +36,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+# A `--child` process imports the checkout named by BENCH_TREE (see --compare-tree).
+sys.path.insert(0, os.environ.get("BENCH_TREE", str(REPO)))
 
 from compute_node.decode_path import StepShape  # noqa: E402
 from compute_node.model.attention import AttentionMetadata, paged_attention  # noqa: E402
@@ -78,10 +91,119 @@ def one_step(pool: KvPool, decode_lens: list[int], prefill: list[tuple[int, int]
     return time.perf_counter() - wall, time.thread_time() - cpu, begin
 
 
+# Prefill-carrying steps of the engine vs transformers workload (bench_modes' hf part: the first
+# step is a 2,048-token batch of whole prompts; chunks onto cached prefixes follow) and the
+# mixed step above. (decode lens, [(seq_len, q_len)]).
+PREFILL_SHAPES: dict[str, tuple[list[int], list[tuple[int, int]]]] = {
+    "prefill 256 onto 256": ([], [(512, 256)]),
+    "prefill 8 prompts 84-467 (2,048 tokens)": ([], [(84, 84), (467, 467), (148, 148), (454, 454), (176, 176),
+                                                     (449, 449), (261, 261), (9, 9)]),
+    "decode b=8 ctx 16-512 + prefill 256 onto 256": ([17, 60, 129, 200, 260, 330, 400, 513], [(512, 256)]),
+}
+
+
+def prefill_macs(prefill: list[tuple[int, int]]) -> int:
+    """Multiply-adds of causal attention (scores and values) over the prefill chunks."""
+    keys = sum(q * (s - q) + q * (q + 1) // 2 for s, q in prefill)
+    return 2 * keys * HEADS * HEAD_DIM
+
+
+def sdpa_step(pool: KvPool, prefill: list[tuple[int, int]], q: torch.Tensor, meta: AttentionMetadata) -> None:
+    """torch SDPA over every prefill chunk of one layer: K/V gathered from the pages (layer 0's),
+    a bottom-right-aligned causal mask (chunk onto a cached prefix), GQA by expansion."""
+    tables, starts = meta.prefill_block_tables, meta.prefill_query_start_loc
+    kc, vc = pool.key_caches[0], pool.value_caches[0]
+    nd = meta.num_decode_tokens
+    for i, (seq_len, q_len) in enumerate(prefill):
+        blocks = tables[i, :-(-seq_len // BLOCK)].long()
+        k = kc[blocks].transpose(0, 1).reshape(KV_HEADS, -1, HEAD_DIM)[:, :seq_len]
+        v = vc[blocks].transpose(0, 1).reshape(KV_HEADS, -1, HEAD_DIM)[:, :seq_len]
+        rows = q[nd + int(starts[i]):nd + int(starts[i + 1])].transpose(0, 1)
+        mask = torch.ones(q_len, seq_len, dtype=torch.bool).tril(seq_len - q_len)
+        torch.nn.functional.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=meta.scale,
+                                                         enable_gqa=True)
+
+
+def child(repeats: int, threads: int | None) -> None:
+    """One process's measurements of PREFILL_SHAPES (JSON on stdout): this tree's step kernel
+    and, per shape, torch SDPA, alternating; (wall s, process CPU s) per run of 30 layers (the
+    process does nothing else, so its CPU time is what the attention cost on all its threads;
+    the metadata build of a run is included, ~1 ms). `threads`: Numba's and torch's thread
+    counts (one thread: CPU time without any spin-waiting of idle workers)."""
+    if threads:
+        import numba
+
+        numba.set_num_threads(threads)
+        torch.set_num_threads(threads)
+    pool = KvPool(PoolGeometry(LAYERS, KV_HEADS, HEAD_DIM, "float32", BLOCK, 600), torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for name, (decode_lens, prefill) in PREFILL_SHAPES.items():
+        num_tokens = len(decode_lens) + sum(q for _, q in prefill)
+        q = torch.randn(num_tokens, HEADS, HEAD_DIM, generator=g)
+        kv = torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=g)
+        meta = metadata(pool, decode_lens, prefill, False)
+        sdpa_step(pool, prefill, q, meta)
+        one_step(pool, decode_lens, prefill, True, q, kv)   # warm-up
+        runs, sdpa = [], []
+        for _ in range(repeats):
+            wall, cpu = time.perf_counter(), time.process_time()
+            one_step(pool, decode_lens, prefill, True, q, kv)
+            runs.append((time.perf_counter() - wall, time.process_time() - cpu))
+            wall, cpu = time.perf_counter(), time.process_time()
+            for _layer in range(LAYERS):
+                sdpa_step(pool, prefill, q, meta)
+            sdpa.append((time.perf_counter() - wall, time.process_time() - cpu))
+        out[name] = {"step": runs, "sdpa": sdpa}
+    print(json.dumps(out))
+
+
+def compare_trees(args: argparse.Namespace) -> None:
+    """This checkout's step kernel vs `--compare-tree`'s, alternating child processes."""
+    trees = {"this checkout": REPO, f"{args.compare_tree}": args.compare_tree.resolve()}
+    results: dict[str, list[dict]] = {name: [] for name in trees}
+    loads = []
+    for rnd in range(args.rounds):
+        for name in (list(trees) if rnd % 2 == 0 else list(reversed(trees))):
+            loads.append(os.getloadavg()[0])
+            env = dict(os.environ, BENCH_TREE=str(trees[name]))
+            command = [sys.executable, __file__, "--child", "--repeats", str(args.repeats)]
+            command += ["--threads", str(args.threads)] if args.threads else []
+            done = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
+            results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    print(f"# bench_cpu_step --compare-tree: {LAYERS} layers, {HEADS}/{KV_HEADS} heads, head dim {HEAD_DIM}, fp32, "
+          f"block {BLOCK}; {os.cpu_count()} cores, load {min(loads):.1f}-{max(loads):.1f}; {args.rounds} rounds x "
+          f"{args.repeats} repeats; threads {args.threads or 'all'}; {when}")
+    print("| step | attention | wall ms/layer | process CPU ms/layer | G multiply-adds per CPU-s | vs before (CPU) |")
+    print("|---|---|---|---|---|---|")
+    for shape, (_, prefill) in PREFILL_SHAPES.items():
+        rows = {}
+        for name in trees:
+            rows[f"step kernel, {name}"] = [r for res in results[name] for r in res[shape]["step"]]
+        rows["torch SDPA (gathered K/V)"] = [r for res in results["this checkout"] for r in res[shape]["sdpa"]]
+        before = statistics.median(r[1] for r in rows[f"step kernel, {args.compare_tree}"])
+        for label, runs in rows.items():
+            wall = 1e3 * statistics.median(r[0] for r in runs) / LAYERS
+            cpu = statistics.median(r[1] for r in runs)
+            rate = prefill_macs(prefill) * LAYERS / cpu / 1e9
+            print(f"| {shape} | {label} | {wall:.2f} | {1e3 * cpu / LAYERS:.2f} | {rate:.1f} | {before / cpu:.2f}x |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--compare-tree", type=Path, default=None, help="another checkout's step kernel, side by side")
+    ap.add_argument("--rounds", type=int, default=3, help="child processes per tree (--compare-tree)")
+    ap.add_argument("--threads", type=int, default=None, help="Numba and torch threads (--compare-tree children)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        child(args.repeats, args.threads)
+        return
+    if args.compare_tree is not None:
+        compare_trees(args)
+        return
     shapes = {
         "decode b=1, ctx 128": ([129], []),
         "decode b=8, ctx 128": ([129] * 8, []),

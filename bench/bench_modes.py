@@ -38,7 +38,9 @@ Generate calls (`node_s`, wall; in services mode: gRPC + the node process's work
 `--parts hf` (on by default): the embedded engine vs transformers `generate` (one left-padded
 batch) on the issue's workload — `--requests` requests, prompts uniform in [16,
 `--hf-max-prompt` 512], outputs in [16, `--hf-max-output` 128], as `bench_engine.py`'s — then
-batch-1 decode step time (after a `--b1-context`-token prompt), and where an embedded decode
+batch-1 decode step time (after a `--b1-context`-token prompt), one more profiled mixed run split
+into prefill-carrying and decode-only steps (runner timers) beside transformers' prefill alone
+(`generate` of one token), and where an embedded decode
 step at batch 1 and `--requests` goes (runner timers: dense, attention kernels, sampling, batch
 prep; engine counters: block manager, the rest; torch.profiler for the dense phase's torch-op
 share). `--hf-per-op` adds the engine with the CPU step kernel off (the per-kernel attention
@@ -341,6 +343,10 @@ def hf_part(args: argparse.Namespace, model_dir: Path, embedded: LLM) -> None:
         print(f"  rep {rep} transformers: mixed {theirs[-1]:.2f} s, batch-1 step {1e3 * b1_theirs[-1]:.1f} ms "
               f"(load {os.getloadavg()[0]:.1f})", flush=True)
     runner.fused_cpu_attention = True
+    split = mixed_split(embedded, fresh_tokens(workload, SMOL_135M["vocab_size"], 7999))
+    # transformers' prefill alone: the same padded batch, one new token each.
+    hf_prefill = run_transformers(hf, [(p, 1) for p, _ in fresh_tokens(workload, SMOL_135M["vocab_size"], 7998)],
+                                  1).seconds
     requested = sum(n for _, n in workload)
     t, bt = statistics.median(theirs), statistics.median(b1_theirs)
     print(f"\n## engine (embedded) vs transformers (load average 1 min: {min(loads):.1f}-{max(loads):.1f}); "
@@ -353,6 +359,13 @@ def hf_part(args: argparse.Namespace, model_dir: Path, embedded: LLM) -> None:
         print(f"{name}: mixed {requested / o:.1f} tok/s **{t / o:.2f}x** transformers (goal >= 2x), runs s "
               f"{[round(x, 2) for x in ours[name]]}; batch-1 step ({args.b1_context}-token context) {1e3 * bo:.1f} ms "
               f"**{bo / bt:.2f}x** (goal <= 1.0x), runs ms {[round(1e3 * x, 1) for x in b1[name]]}")
+    print(f"transformers prefill alone (the padded batch, max_new_tokens=1): {hf_prefill:.2f} s")
+    for kind, t in split.items():
+        print(f"pagedkv mixed run (one more, profiled), {kind} steps: {t['steps']:.0f} steps, "
+              f"{t['tokens']:.0f} tokens, "
+              f"{t['wall']:.2f} s = dense {t['dense']:.2f} + attention kernels {t['attention']:.2f} + sampling "
+              f"{t['sample']:.2f} + batch prep {t['prepare']:.2f} + the rest (node, block manager, engine) "
+              f"{t['wall'] - t['dense'] - t['attention'] - t['sample'] - t['prepare']:.2f} s")
     for name, fused in variants.items():
         runner.fused_cpu_attention = fused
         for batch in (1, args.requests):
@@ -365,6 +378,46 @@ def hf_part(args: argparse.Namespace, model_dir: Path, embedded: LLM) -> None:
                   f"{1e3 * s['prepare']:.2f} + node rest {1e3 * (s['node'] - model - s['attention']):.2f} + block "
                   f"manager {1e3 * s['bm']:.2f} + engine {1e3 * (s['step'] - s['bm'] - s['node']):.2f} ms")
     runner.fused_cpu_attention = True
+
+
+def mixed_split(llm: LLM, workload: list[tuple[list[int], int]]) -> dict[str, dict[str, float]]:
+    """One profiled run of the mixed workload, its steps split into those that carry prefill
+    tokens and decode-only ones: seconds of wall (engine.step), dense, attention kernels,
+    sampling and batch preparation (runner timers), steps and tokens per kind."""
+    engine = llm.engine
+    runner = next(iter(engine.nodes.values())).runner   # type: ignore[attr-defined]
+    kinds = ("prefill-carrying", "decode-only")
+    out = {k: dict.fromkeys(("steps", "tokens", "wall", "dense", "attention", "sample", "prepare"), 0.0)
+           for k in kinds}
+    seen: dict[str, int] = {}
+    execute = runner.execute
+
+    def counted(batch: Any) -> Any:
+        seen["prefill"] = sum(len(w.token_ids) > 1 for w in batch)
+        seen["tokens"] = sum(len(w.token_ids) for w in batch)
+        return execute(batch)
+
+    runner.execute = counted
+    runner.profile = True
+    try:
+        for prompt, n in workload:
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            seen.clear()
+            t0 = time.perf_counter()
+            engine.step()
+            wall = time.perf_counter() - t0
+            if not seen:
+                continue
+            t, row = runner.last_timings, out[kinds[0] if seen["prefill"] else kinds[1]]
+            for key, value in (("steps", 1), ("tokens", seen["tokens"]), ("wall", wall), ("dense", t.dense_s),
+                               ("attention", t.attention_s), ("sample", t.sample_s), ("prepare", t.prepare_s)):
+                row[key] += value
+    finally:
+        runner.profile = False
+        del runner.execute   # the instance attribute; the class's method again
+    engine.flush()
+    return out
 
 
 def aten_share(llm: LLM, batch: int, steps: int = 3) -> float:

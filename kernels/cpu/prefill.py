@@ -1,10 +1,23 @@
 """CPU prefill attention: many query tokens per sequence, causal over the paged context.
 
 Work item = (query tile, KV head), where a query tile is up to `QUERY_TILE` consecutive query
-tokens of one sequence. The item walks the blocks up to its last query's position once,
-widening each K/V tile once for all `QUERY_TILE × group` query rows (the reuse that keeps
-prefill compute-bound instead of re-reading K/V per query token), and masks per row so query j
-sees positions `0 … seq_len - q_len + j` only.
+tokens of one sequence: `QUERY_TILE x group` query rows that share every K/V byte the item
+reads. The item walks the context in key tiles of `KEY_TILE` keys (whole blocks), gathers each
+tile's K and V once into contiguous float32 scratch (`_kv_block.gather_kv`: the paged layout,
+fp16/bf16 widening and the transposes the two products want, paid once per tile for all rows),
+then per four rows: scores (`score_rows`), one online-softmax update per key tile
+(`softmax_rows`) and the probabilities times V (`accumulate_rows`). The causal mask is a
+per-row key count (query j sees positions `0 … seq_len - q_len + j`), so only diagonal tiles
+do partial rows and no masked key is ever read.
+
+Why tiles: the previous kernel scored one row against one 16-key block at a time (a dot
+product per key, an online-softmax rescale per block): ~9–11 G multiply-adds per CPU-second on
+this project's 2-core VM. Four rows per loaded K/V vector and a rescale per 64 keys: ~12.5–13.5,
+1.3x less CPU per layer (BENCHMARKS.md, "CPU prefill attention: key tiles"). What is left is
+LLVM's horizontal sum per dot product; register-blocked products need control over vector
+registers that Numba does not give (torch's SDPA, with its own micro-kernels, measured from
+1.4x faster to 2.5x slower than this on these shapes, K/V gathered from the pages: no case for
+splitting the per-layer call in two).
 """
 
 from __future__ import annotations
@@ -16,11 +29,14 @@ from numba import prange
 
 from kernels.cpu import _host, _parallel
 from kernels.cpu._cache import njit_cached
-from kernels.cpu._tile import FASTMATH, kv_tile, online_softmax_step, score_tile
+from kernels.cpu._kv_block import accumulate_rows, gather_kv, score_rows, softmax_rows
+from kernels.cpu._tile import FASTMATH
 
 # 16 query tokens × group rows share one K/V tile load; the scratch for 16 × 8 rows × 128 dims
 # (64 KB accumulator) still fits in L2.
 QUERY_TILE = 16
+# Keys per online-softmax step (whole blocks: max(1, KEY_TILE // block_size) of them).
+KEY_TILE = 64
 
 
 @njit_cached(fastmath=FASTMATH)
@@ -45,29 +61,39 @@ def prefill_tile(query, key_cache, value_cache, kv_kind, block_tables, seq_lens,
         for g in range(group):
             for d in range(head_dim):
                 q_rows[j * group + g, d] = query[row0 + j, h0 + g, d] * scale
+    blocks_per_tile = max(1, KEY_TILE // block_size)
+    key_tile = blocks_per_tile * block_size
     m = np.full(num_rows, -np.inf, np.float32)
     l = np.zeros(num_rows, np.float32)
     acc = np.zeros((num_rows, head_dim), np.float32)
-    scores = np.empty((num_rows, block_size), np.float32)
-    k_tile = np.empty((block_size, head_dim), np.float32)
-    v_tile = np.empty((block_size, head_dim), np.float32)
-    k_bits = k_tile.view(np.uint32)
-    v_bits = v_tile.view(np.uint32)
-    last_pos = pos0 + num_q - 1
-    for i in range(last_pos // block_size + 1):
-        block = block_tables[s, i]
-        start = i * block_size
-        num_tokens = min(block_size, last_pos - start + 1)
-        keys = kv_tile(key_cache, block, kv_head, num_tokens, kv_kind, k_tile, k_bits)
-        values = kv_tile(value_cache, block, kv_head, num_tokens, kv_kind, v_tile, v_bits)
-        for j in range(num_q):
-            visible = min(num_tokens, pos0 + j - start + 1)  # causal mask
-            if visible <= 0:
-                continue
-            for g in range(group):
-                r = j * group + g
-                score_tile(q_rows, r, keys, visible, scores)
-                online_softmax_step(scores, r, visible, values, m, l, acc)
+    scores = np.empty((num_rows + 4, key_tile), np.float32)  # + 4 rows: score_rows' spares
+    visible = np.empty(num_rows, np.int64)
+    k = np.empty((key_tile, head_dim), np.float32)
+    vt = np.empty((head_dim, key_tile), np.float32)
+    k_scratch = np.empty((block_size, head_dim), np.float32)
+    v_scratch = np.empty((block_size, head_dim), np.float32)
+    k_bits = k_scratch.view(np.uint32)
+    v_bits = v_scratch.view(np.uint32)
+    num_keys_total = pos0 + num_q  # keys the last query row sees
+    for start in range(0, num_keys_total, key_tile):
+        num_keys = min(key_tile, num_keys_total - start)
+        gather_kv(key_cache, value_cache, kv_kind, block_tables[s], kv_head, start // block_size,
+                  num_keys, k, vt, k_scratch, k_bits, v_scratch, v_bits)
+        # Rows whose query sits before this tile's last key see a prefix of it (causal mask);
+        # the first tile starts at key 0, so every row sees at least one key of it.
+        first = 0  # first row that sees any key of this tile
+        while first < num_rows and pos0 + first // group < start:
+            first += 1
+        for r in range(num_rows):
+            visible[r] = min(num_keys, pos0 + r // group - start + 1)
+        for r0 in range(first, num_rows, 4):
+            nr = min(4, num_rows - r0)
+            score_rows(q_rows, r0, nr, k, visible[r0 + nr - 1], scores, num_rows)
+        for r0 in range(first, num_rows, 4):
+            nr = min(4, num_rows - r0)
+            for r in range(r0, r0 + nr):
+                softmax_rows(scores, r, visible[r], m, l, acc)
+            accumulate_rows(scores, r0, nr, visible, vt, acc)
     for j in range(num_q):
         for g in range(group):
             r = j * group + g

@@ -173,6 +173,47 @@ def test_prefill_torch_fp16_and_empty_sequences() -> None:
     assert_close_rel(out, expected_prefill(case), REL["float16"])
 
 
+# The tiled prefill kernel's geometry (`kernels/cpu/prefill.py`): key tiles of
+# max(1, KEY_TILE // block_size) whole blocks (block 1: 64 blocks a tile; 48: one; 128: one block
+# wider than KEY_TILE), query tiles of QUERY_TILE tokens x group rows handled four rows at a time
+# (group 3 and 5: row groups straddle query tokens; MHA: four tokens with four causal limits),
+# chunks that start mid-block and mid-tile onto a cached prefix, and diagonal key tiles.
+@pytest.mark.parametrize("block_size", [1, 5, 16, 48, 128])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "kv_dtype"),
+    [(9, 3, "float32"), (5, 5, "bfloat16"), (10, 2, "float16"), (6, 1, "float32")],
+    ids=["smol-gqa3-f32", "mha-bf16", "gqa5-f16", "mqa6-f32"],
+)
+def test_prefill_key_tiles_and_row_groups(block_size: int, num_heads: int, num_kv_heads: int,
+                                          kv_dtype: str) -> None:
+    rng = np.random.default_rng(zlib.crc32(f"tiles{block_size}{num_heads}{kv_dtype}".encode()))
+    shapes = [(130, 130), (200, 67), (65, 1), (129, 64), (7, 3), (300, 290)]
+    case = make_case(rng, [s for s, _ in shapes], num_heads=num_heads, num_kv_heads=num_kv_heads,
+                     head_dim=32, block_size=block_size, query_lens=[q for _, q in shapes],
+                     kv_dtype=kv_dtype)
+    out = np.full(case.query.shape, np.nan, np.float32)
+    kernels.paged_prefill_attention(case.query, case.key_cache, case.value_cache, case.block_tables,
+                                    case.seq_lens, case.query_start_loc, case.scale, out=out)
+    assert_close_rel(out, expected_prefill(case), REL["float32"])
+
+
+@pytest.mark.parametrize("num_heads", [1, 3])
+def test_prefill_nan_reaches_only_the_rows_that_see_it(num_heads: int) -> None:
+    """A NaN value at position p poisons the queries at p and after, never an earlier one: the
+    causal mask is not a multiplication by zero (0 * NaN is NaN), also where rows that see
+    different numbers of keys share a product (`_kv_block.accumulate_rows`)."""
+    rng = np.random.default_rng(15)
+    case = make_case(rng, [100], num_heads=num_heads, num_kv_heads=1, head_dim=16,
+                     query_lens=[100], kv_dtype="float32")
+    p = 37
+    case.value_cache[case.block_tables[0, p // 16], 0, p % 16, 3] = np.nan
+    out = kernels.paged_prefill_attention(case.query, case.key_cache, case.value_cache,
+                                          case.block_tables, case.seq_lens, case.query_start_loc,
+                                          case.scale)
+    assert np.isfinite(out[:p]).all()
+    assert np.isnan(out[p:, :, 3]).all()
+
+
 def test_prefill_last_token_equals_decode() -> None:
     """A prefill query at the last position sees the same context as a decode query."""
     rng = np.random.default_rng(14)
