@@ -7,9 +7,10 @@ run the block manager and the nodes (`CORE_SERVICES`, with the one-shot `model-i
 on); the API server's tests start the whole file (`test_api_stack.py`). `StackSlot` lets a
 module's last, killing test take over the stack its other tests used (one start fewer: model-init,
 the services and their health checks, ~10 CPU-s); test_api_stack.py does. The SIGKILL tests of
-test_stack.py keep fresh stacks: on a stack that already served other schedulers their steps
-were refused ("step N builds on step N-1, but the node has applied up to step N-2"), which a
-fresh stack does not show (BENCHMARKS.md, "Test-suite cost, round 5").
+test_stack.py keep fresh stacks: after its README client test (examples/embed_client.py skips
+the node's Forward by design, so the pools' step sequence runs ahead of what the nodes applied)
+a later scheduler's steps are refused ("step 3 builds on step 1, but the node has applied up to
+step 0"); it passes there only because it comes last (BENCHMARKS.md, "Test-suite cost, round 5").
 
 The nodes serve a model, as in compose: a tiny one built once per session (`stack_env`: its
 directory as PAGEDKV_MODEL_DIR, so model-init finds it present). The synthetic workloads drive
