@@ -1,8 +1,12 @@
 import os
 import resource
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -36,9 +40,22 @@ def pytest_configure(config: pytest.Config) -> None:
 # subprocess, while the workers start and run the simulator groups (which do not use them);
 # with a warm cache this costs a process start (~3 CPU-s). Its failure changes nothing: each
 # process then compiles what it needs, as before.
-_WARM_UP = ("from compute_node.service.warmup import warm_up_cpu_kernels; "
-            "warm_up_cpu_kernels(num_kv_heads=2, head_dim=64, dtype='float16')")
+#
+# The workers wait for it (`_wait_for_kernel_cache`) before their first test outside
+# START_FIRST: those run ~1-1.5 min, about what the cold compile takes next to them, and a
+# node process started before the cache holds its kernels compiled them again (the admin CLI's
+# compute-node test paid 10.5 instead of 3 CPU-s for starting ahead of it). The warm-up writes
+# a marker when it ends, whether it compiled or failed, so the wait is bounded either way.
+_WARM_UP = ("import sys\n"
+            "try:\n"
+            "    from compute_node.service.warmup import warm_up_cpu_kernels\n"
+            "    warm_up_cpu_kernels(num_kv_heads=2, head_dim=64, dtype='float16')\n"
+            "finally:\n"
+            "    open(sys.argv[1], 'w').close()\n")
+_WARM_UP_DONE_ENV = "PAGEDKV_TEST_KERNEL_CACHE_DONE"
+_WARM_UP_WAIT_S = 120.0
 _warm_up: subprocess.Popen[bytes] | None = None
+_waited_for_warm_up = False
 
 
 def _start_kernel_cache_warm_up(config: pytest.Config) -> None:
@@ -47,8 +64,29 @@ def _start_kernel_cache_warm_up(config: pytest.Config) -> None:
         return                                  # a worker, or not an xdist run
     root = str(config.rootpath)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    _warm_up = subprocess.Popen([sys.executable, "-c", _WARM_UP], cwd=root, env=env,
+    done = Path(tempfile.mkdtemp(prefix="pagedkv-kernel-cache-")) / "done"
+    _warm_up = subprocess.Popen([sys.executable, "-c", _WARM_UP, str(done)], cwd=root, env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.environ[_WARM_UP_DONE_ENV] = str(done)     # inherited by the workers, started after this
+
+
+def _wait_for_kernel_cache(item: pytest.Item) -> None:
+    global _waited_for_warm_up
+    done = os.environ.get(_WARM_UP_DONE_ENV)
+    if _waited_for_warm_up or not done or item.nodeid.startswith(START_FIRST):
+        return
+    _waited_for_warm_up = True
+    deadline = time.monotonic() + _WARM_UP_WAIT_S
+    while not os.path.exists(done) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+# Outside pytest-timeout's per-test timer (its wrapper runs inside this one), so a test with a
+# short timeout is not charged for the wait; nor does the wait show in its --durations.
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    _wait_for_kernel_cache(item)
+    yield
 
 
 def _reap_kernel_cache_warm_up() -> None:
@@ -58,6 +96,9 @@ def _reap_kernel_cache_warm_up() -> None:
         except subprocess.TimeoutExpired:
             _warm_up.kill()
             _warm_up.wait()
+    done = os.environ.pop(_WARM_UP_DONE_ENV, None)
+    if _warm_up is not None and done:
+        shutil.rmtree(Path(done).parent, ignore_errors=True)
 
 
 # The longest single tests (each simulator group runs minutes in its own process) are handed

@@ -353,6 +353,7 @@ class LocalStack:
         """Start services (default: all without a profile) in `depends_on` order."""
         wanted = services or [n for n, s in self.specs.items() if not s.profiles]
         started: set[str] = set()
+        healthy: set[str] = set()     # probed once: each probe is a process (~0.3 CPU-s)
 
         def visit(name: str) -> None:
             if name in started or name not in self.specs:
@@ -367,11 +368,12 @@ class LocalStack:
             # dependants need this one healthy first (condition: service_healthy)
             if not self.specs[name].oneshot and any(name in s.depends_on for s in self.specs.values()):
                 self.wait_healthy(name, timeout_s)
+                healthy.add(name)
 
         for name in wanted:
             visit(name)
         for name in wanted:
-            if not self.specs[name].oneshot:
+            if not self.specs[name].oneshot and name not in healthy:
                 self.wait_healthy(name, timeout_s)
 
     def is_healthy(self, service: str) -> bool:

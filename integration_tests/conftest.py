@@ -4,7 +4,13 @@ Two fixtures: `stack`, shared by the tests of a module that only drive it and le
 found it (every sequence freed), and `fresh_stack`, a stack of its own for a test that kills or
 restarts a service. So no test depends on another having run before it, or on its order. Both
 run the block manager and the nodes (`CORE_SERVICES`, with the one-shot `model-init` they depend
-on); the API server's tests start the whole file (`test_api_stack.py`).
+on); the API server's tests start the whole file (`test_api_stack.py`). `StackSlot` lets a
+module's last, killing test take over the stack its other tests used (one start fewer: model-init,
+the services and their health checks, ~10 CPU-s); test_api_stack.py does. The SIGKILL tests of
+test_stack.py keep fresh stacks: after its README client test (examples/embed_client.py skips
+the node's Forward by design, so the pools' step sequence runs ahead of what the nodes applied)
+a later scheduler's steps are refused ("step 3 builds on step 1, but the node has applied up to
+step 0"); it passes there only because it comes last (BENCHMARKS.md, "Test-suite cost, round 5").
 
 The nodes serve a model, as in compose: a tiny one built once per session (`stack_env`: its
 directory as PAGEDKV_MODEL_DIR, so model-init finds it present). The synthetic workloads drive
@@ -14,7 +20,8 @@ the nodes' `Forward` with the pools' geometry, whatever model shaped them.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -63,6 +70,30 @@ def _up(workdir: Path, env: dict[str, str]) -> LocalStack:
         stack.down()
         raise
     return stack
+
+
+@dataclass(slots=True)
+class StackSlot:
+    """A module's stack, started on first use: `shared()` lends it to the tests that only drive
+    it; `take()` hands it to a test that kills or restarts a service (which stops it when done),
+    or starts one when none is up, and the slot starts a new one for the next `shared()`."""
+
+    start: Callable[[], LocalStack]
+    current: LocalStack | None = None
+
+    def shared(self) -> LocalStack:
+        if self.current is None:
+            self.current = self.start()
+        return self.current
+
+    def take(self) -> LocalStack:
+        stack, self.current = self.current, None
+        return stack if stack is not None else self.start()
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current.down()
+            self.current = None
 
 
 @pytest.fixture(scope="module")

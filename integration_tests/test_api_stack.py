@@ -15,17 +15,33 @@ import pytest
 
 from block_manager.client.admin import AdminClient
 from demo.localstack import LocalStack
-from integration_tests.conftest import TEST_MODEL_NAME
+from integration_tests.conftest import TEST_MODEL_NAME, StackSlot
+
+
+def _up_all(workdir: Path, env: dict[str, str]) -> LocalStack:
+    stack = LocalStack(workdir, interp_env=env)
+    try:
+        stack.up()          # every service of the file (postgres has its profile)
+    except BaseException:
+        stack.down()
+        raise
+    return stack
 
 
 @pytest.fixture(scope="module")
-def api_stack(tmp_path_factory: pytest.TempPathFactory, stack_env: dict[str, str]) -> Iterator[LocalStack]:
-    stack = LocalStack(Path(tmp_path_factory.mktemp("api-stack")), interp_env=stack_env)
+def api_slot(tmp_path_factory: pytest.TempPathFactory, stack_env: dict[str, str]) -> Iterator[StackSlot]:
+    """The whole file as processes; the node-killing test (last) takes over the stack the others
+    used (see integration_tests/conftest.py)."""
+    slot = StackSlot(lambda: _up_all(Path(tmp_path_factory.mktemp("api-stack")), stack_env))
     try:
-        stack.up()          # every service of the file (postgres has its profile)
-        yield stack
+        yield slot
     finally:
-        stack.down()
+        slot.close()
+
+
+@pytest.fixture
+def api_stack(api_slot: StackSlot) -> LocalStack:
+    return api_slot.shared()
 
 
 def test_chat_completion_through_the_stack(api_stack: LocalStack) -> None:
@@ -67,7 +83,7 @@ def test_health_check_probes_the_nodes_and_the_block_manager(api_stack: LocalSta
     assert not ok and "node node-9 UNREACHABLE" in detail
 
 
-def test_requests_survive_a_node_killed_mid_generation(tmp_path: Path, stack_env: dict[str, str]) -> None:
+def test_requests_survive_a_node_killed_mid_generation(api_slot: StackSlot) -> None:
     """SIGKILL a node while the API server's requests decode on both: the engine reports the
     failed steps, the block manager fences the node when its lease lapses, and every request is
     recomputed on the survivor and answered in full; the server stays healthy."""
@@ -75,9 +91,8 @@ def test_requests_survive_a_node_killed_mid_generation(tmp_path: Path, stack_env
 
     from integration_tests.helpers import LEASE_TTL_S
 
-    stack = LocalStack(tmp_path / "stack", interp_env=stack_env)
+    stack = api_slot.take()
     try:
-        stack.up()
         url = "http://" + stack.address("api-server")
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
@@ -85,20 +100,20 @@ def test_requests_survive_a_node_killed_mid_generation(tmp_path: Path, stack_env
             return client.completions.create(model=TEST_MODEL_NAME, prompt=f"request {i}: " + "tok " * (i % 7),
                                              max_tokens=160, temperature=0, extra_body={"ignore_eos": True})
 
-        def generated() -> float:
-            m = re.search(r"^pagedkv_generation_tokens_total\S* (\S+)$", httpx.get(url + "/metrics").text, re.M)
+        def counter(name: str) -> float:
+            m = re.search(rf"^pagedkv_{name}_total\S* (\S+)$", httpx.get(url + "/metrics").text, re.M)
             return float(m.group(1)) if m else 0.0
 
+        # the stack may have served the module's other tests: count from here
+        generated_before, failed_before = counter("generation_tokens"), counter("failed_node_steps")
         with ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(complete, i) for i in range(8)]
             deadline = time.monotonic() + 60
-            while generated() < 16 and time.monotonic() < deadline:   # admitted on both nodes, decoding
-                time.sleep(0.02)
+            while counter("generation_tokens") < generated_before + 16 and time.monotonic() < deadline:
+                time.sleep(0.02)                                      # admitted on both nodes, decoding
             stack.kill("compute-node-1")
             outs = [f.result() for f in futures]
-        metrics = httpx.get(url + "/metrics").text
-        failed = re.search(r"^pagedkv_failed_node_steps_total\S* (\S+)$", metrics, re.M)
-        assert failed is not None and float(failed.group(1)) > 0     # the kill hit steps in flight
+        assert counter("failed_node_steps") > failed_before          # the kill hit steps in flight
         assert all(o.choices[0].finish_reason == "length" for o in outs)
         assert all(o.usage is not None and o.usage.completion_tokens == 160 for o in outs)
         assert httpx.get(url + "/health", timeout=30).status_code in (200, 503)   # 503: node-1 is down

@@ -1,1 +1,1 @@
-"""Developer tooling (not shipped at run time): protobuf code generation."""
+"""Developer tooling (not shipped at run time): protobuf code generation, the test suite's CPU report."""

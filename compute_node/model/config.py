@@ -21,19 +21,29 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from compute_node.model.errors import InvalidModelConfig, ModelNotFound, UnsupportedModel
 
+if TYPE_CHECKING:
+    import torch
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+
+
+def __getattr__(name: str) -> Any:
+    """`DTYPES` (name -> torch dtype) is built on first use: reading a config.json must not
+    import torch, so a process that only checks a model directory (a CLI refusing a missing or
+    unsupported model) exits without paying torch's ~2 CPU-s import."""
+    if name == "DTYPES":
+        import torch
+
+        table: dict[str, torch.dtype] = {n: getattr(torch, n) for n in DTYPE_NAMES}
+        globals()["DTYPES"] = table
+        return table
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 # generation_config.json keys that are sampling defaults the engine may apply to requests.
 _GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "do_sample")
 
@@ -51,6 +61,8 @@ class RopeConfig:
     def inv_freq(self, head_dim: int) -> torch.Tensor:
         """float32 `[head_dim // 2]` inverse frequencies, computed as transformers does (same
         operations in the same precision) so positions rotate bit-identically."""
+        import torch
+
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
         inv_freq = 1.0 / (self.theta**exponents)
         if self.rope_type == "default":
@@ -169,11 +181,11 @@ def resolve_dtype(dtype: str | torch.dtype | None, default: str) -> str:
     """The dtype name to run in: an explicit override, else the checkpoint's."""
     if dtype is None:
         return default
-    name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
     aliases = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
     name = aliases.get(name, name)
-    if name not in DTYPES:
-        raise InvalidModelConfig(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
+    if name not in DTYPE_NAMES:
+        raise InvalidModelConfig(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPE_NAMES)}")
     return name
 
 
@@ -212,8 +224,8 @@ def _positive_int(raw: dict[str, Any], key: str) -> int:
 def _checkpoint_dtype(raw: dict[str, Any]) -> str:
     # transformers 4.x writes `torch_dtype`, 5.x writes `dtype`; absent means float32.
     name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
-    if name not in DTYPES:
-        raise UnsupportedModel(f"checkpoint dtype {name!r} is not supported; use one of {sorted(DTYPES)}")
+    if name not in DTYPE_NAMES:
+        raise UnsupportedModel(f"checkpoint dtype {name!r} is not supported; use one of {sorted(DTYPE_NAMES)}")
     return name
 
 

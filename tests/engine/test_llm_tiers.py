@@ -20,7 +20,9 @@ def _host(llm: LLM) -> Any:
     return llm.client.state.core.host_metrics("local-0")   # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("name", ["qwen3-gqa8-hd128", "llama-gqa4-hd64"])
+# qwen3 (head_dim 128) behind --slow (~5 CPU-s): by default its pool still swaps a sequence out
+# and back, tokens checked, in test_a_full_host_tier_falls_back_to_recompute (same scenario)
+@pytest.mark.parametrize("name", [pytest.param("qwen3-gqa8-hd128", marks=pytest.mark.slow), "llama-gqa4-hd64"])
 def test_swap_preemption_gives_the_same_tokens(name: str, model_dirs: dict[str, Path],
                                                hf_models: dict[str, Any]) -> None:
     prompts = _prompts(4, [10, 14, 6, 11, 9, 13])
@@ -62,6 +64,7 @@ def test_a_full_host_tier_falls_back_to_recompute(model_dirs: dict[str, Path], h
         _check_greedy(llm, hf_models[name], prompts, "fallback", params)
         stats = llm.stats()
         assert stats["recompute_fallbacks"] > 0 and stats["recomputed_tokens"] > 0
+        assert stats["swap_outs"] > 0 and stats["swap_ins"] == stats["swap_outs"]   # what fits still swaps
         _assert_all_freed(llm)
 
 
