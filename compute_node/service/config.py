@@ -76,6 +76,11 @@ class ComputeNodeConfig(YamlEnvSettings):
     # host's cores divided by `nodes_per_host` (how many nodes share this host's cores).
     threads: int | None = Field(default=None, ge=1, le=1024)
     nodes_per_host: int = Field(default=1, ge=1, le=1024)
+    # A CPU model node whose OpenMP threads wait passively (the default) runs steps of at most
+    # this many tokens (decode-sized) on one torch thread, larger ones on all `threads`: a
+    # sleeping thread costs a wake-up per parallel region (compute_node/service/dense_threads.py).
+    # 0: every step on all `threads`.
+    serial_dense_tokens: int = Field(default=32, ge=0)
     # On a GPU, decode attention replays CUDA graphs (one per layer and batch-size bucket,
     # captured at first use) where a step fits them, instead of one launch per layer.
     cuda_graphs: bool = True

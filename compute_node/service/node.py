@@ -31,6 +31,7 @@ attention from the state before it: its steps are already applied and are not ap
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ from compute_node.service.bm_link import (
     Registration,
 )
 from compute_node.service.config import DEFAULT_NUM_BLOCKS, ComputeNodeConfig
+from compute_node.service.dense_threads import DenseThreads, step_tokens, waits_passively
 from compute_node.service.metrics import NodeMetrics
 from compute_node.service.step_thread import StepThread
 from compute_node.tables import NodeTable, SeqId, StagedSteps, TableCache, stage
@@ -150,6 +152,8 @@ class ComputeNode:
         self.host_pool: HostKvPool | None = None
         self.runner: ModelRunner | None = None     # set by `load_model` when a model is served
         self.generator: Generator | None = None
+        # per-step torch threads of a CPU model node that waits passively (dense_threads.py)
+        self.dense_threads: DenseThreads | None = None
         self.registration: Registration | None = None
         # The last successful Forward: a retry with its request id re-runs it from before it.
         self._last_request_id: str | None = None
@@ -192,6 +196,10 @@ class ComputeNode:
             self.log.info("disk_tier", path=cfg.disk_kv_path, num_blocks=runner.disk_store.num_blocks,
                           blocks_held=len(runner.disk_store.index), discarded=runner.disk_store.num_discarded)
         self.generator = gen = Generator(runner, self.tables, max_batch=cfg.max_batch)
+        if self.device.type == "cpu" and self.num_threads > 1 and cfg.serial_dense_tokens > 0 and waits_passively(
+                os.environ):
+            self.dense_threads = DenseThreads(self.num_threads, cfg.serial_dense_tokens, current=self.num_threads)
+            self.log.info("dense_threads", serial_up_to_tokens=cfg.serial_dense_tokens, threads=self.num_threads)
         gen.puller, gen.on_serves, gen.on_fetch_failed = self.puller, self.grants.add, self._fetch_failed
         self.metrics.set_pool(runner.geometry, str(self.device))
         self.log.info("model_loaded", model=cfg.model, architecture=runner.model_config.architecture,
@@ -383,7 +391,7 @@ class ComputeNode:
                 raise NotRegistered("the node is not registered with the block manager")
             epoch = self.registration.epoch
             try:
-                resp = await self.step_thread.run(self.generator.generate, request, self.config.node_id, epoch)
+                resp = await self.step_thread.run(self._generate_step, request, epoch)
             except (NodeFenced, DiskTierCorrupt) as exc:
                 # DiskTierCorrupt: the block manager's disk index names a slot whose bytes are bad;
                 # a new registration seeds the index from what the file really holds
@@ -393,6 +401,13 @@ class ComputeNode:
         self.metrics.cached_tables.set(len(self.tables))
         self.observe_generate(resp)
         return resp
+
+    def _generate_step(self, request: pb.GenerateRequest, epoch: int) -> pb.GenerateResponse:
+        """On the step thread: this step's torch threads (decode-sized steps on one, when the
+        node waits passively), then the step."""
+        if self.dense_threads is not None:
+            self.dense_threads.apply(step_tokens(request))
+        return self.generator.generate(request, self.config.node_id, epoch)   # type: ignore[union-attr]
 
     # ---- forward --------------------------------------------------------------------
     async def forward(self, batch: ForwardBatch) -> ForwardResult:
