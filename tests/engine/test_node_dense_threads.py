@@ -4,16 +4,14 @@ decode step of the 135M model; BENCHMARKS.md "Services mode, round 3")."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from compute_node.service.dense_threads import DenseThreads, step_tokens, waits_passively
-from engine.params import SamplingParams
 from pagedkv.v1 import compute_node_pb2 as pb
-from tests.engine.services import Services
+from tests.engine.node_steps import StepCall, run_node_steps
 
 MODEL = "llama-gqa4-hd64"
 
@@ -46,42 +44,11 @@ def test_step_tokens_counts_every_sequences_new_tokens() -> None:
     assert step_tokens(req) == 4
 
 
-class _Spy:
-    """The node's Generator, recording each step's tokens and its thread's torch threads."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.calls: list[tuple[int, int, int]] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def generate(self, request: pb.GenerateRequest, *args: Any) -> Any:
-        self.calls.append((threading.get_ident(), step_tokens(request), torch.get_num_threads()))
-        return self.inner.generate(request, *args)
-
-
-def _run(model_dir: Path, node: dict[str, Any]) -> tuple[Any, list[tuple[int, int, int]]]:
-    torch_before = torch.get_num_threads()
-    services = Services(model_dir, num_nodes=1, bm={}, node=node)
-    engine = None
-    try:
-        cn = services.nodes[0].node
-        assert cn is not None
-        spy = cn.generator = _Spy(cn.generator)   # type: ignore[assignment]
-        engine = services.engine(async_scheduling=False)
-        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-        for i in range(3):   # 3 prompts of 6 tokens: an 18-token prefill step, then 3-token decodes
-            engine.add_request([3 + i, 5, 7, 11 + i, 13, 17], params)
-        while engine.has_unfinished_requests():
-            engine.step()
-        engine.flush()
-        return cn, spy.calls
-    finally:
-        if engine is not None:
-            engine.close()
-        services.close()
-        torch.set_num_threads(torch_before)
+def _run(model_dir: Path, node: dict[str, Any]) -> tuple[Any, list[StepCall]]:
+    # 3 prompts of 6 tokens: an 18-token prefill step, then 3-token decodes
+    prompts = [[3 + i, 5, 7, 11 + i, 13, 17] for i in range(3)]
+    cn, calls, _ = run_node_steps(model_dir, node, prompts, max_tokens=5)
+    return cn, calls
 
 
 def test_a_passive_node_runs_decode_steps_on_one_thread_and_prefill_on_its_budget(
@@ -90,9 +57,9 @@ def test_a_passive_node_runs_decode_steps_on_one_thread_and_prefill_on_its_budge
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     node, calls = _run(model_dirs[MODEL], {"threads": 2, "serial_dense_tokens": 4})
     assert node.dense_threads is not None
-    assert {ident for ident, _, _ in calls} == {node.step_thread.ident}
-    assert any(n > 4 for _, n, _ in calls) and any(n <= 4 for _, n, _ in calls), calls
-    assert all(t == (1 if n <= 4 else 2) for _, n, t in calls), calls
+    assert {c.thread for c in calls} == {node.step_thread.ident}
+    assert any(c.num_tokens > 4 for c in calls) and any(c.num_tokens <= 4 for c in calls), calls
+    assert all(c.torch_threads == (1 if c.num_tokens <= 4 else 2) for c in calls), calls
 
 
 def test_a_spinning_node_or_a_zero_threshold_keeps_the_budget_for_every_step(
@@ -100,7 +67,7 @@ def test_a_spinning_node_or_a_zero_threshold_keeps_the_budget_for_every_step(
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     node, calls = _run(model_dirs[MODEL], {"threads": 2, "serial_dense_tokens": 0})
-    assert node.dense_threads is None and calls and all(t == 2 for _, _, t in calls), calls
+    assert node.dense_threads is None and calls and all(c.torch_threads == 2 for c in calls), calls
     monkeypatch.setenv("GOMP_SPINCOUNT", "300000")
     node, calls = _run(model_dirs[MODEL], {"threads": 2})
-    assert node.dense_threads is None and calls and all(t == 2 for _, _, t in calls), calls
+    assert node.dense_threads is None and calls and all(c.torch_threads == 2 for c in calls), calls
