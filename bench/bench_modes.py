@@ -19,8 +19,8 @@ p50s are printed:
   as `LLM` chooses it; `--two-node-default-threads` adds two nodes left at all cores each (the
   pre-issue setup);
 - `--node-env K=V[,K2=V2]` (repeatable): also one node (and its block manager) with this extra
-  environment, e.g. `GOMP_SPINCOUNT=300000` (libgomp's own spin-wait; a node waits passively
-  unless told: spinning pays on idle cores, costs on a host whose cores are taken);
+  environment, e.g. `GOMP_SPINCOUNT=300000` (libgomp's own spin-wait) or `OMP_WAIT_POLICY=PASSIVE`
+  (a node spins briefly, `GOMP_SPINCOUNT=10000`, unless told: docs/compute_node.md);
 - `--node-tree DIR`: also one node (and its block manager) run from another checkout, e.g. the
   commit before the node's step thread (`git archive COMMIT | tar -x -C DIR`), beside this one.
 

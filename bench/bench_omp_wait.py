@@ -2,9 +2,10 @@
 
 torch's matmuls run as OpenMP (libgomp) parallel regions. With libgomp's default its workers spin
 a few ms after a region, so the next one starts at once (the embedded engine: torch is loaded in
-the user's process with the default); with `OMP_WAIT_POLICY=PASSIVE` (what `compute-node serve`
-sets, for shared hosts) they sleep, and every region pays a wake-up. This measures, each mode in
-a fresh process (libgomp reads the policy once), alternating `--repeats` times:
+the user's process with the default); with `OMP_WAIT_POLICY=PASSIVE` (for crowded hosts;
+`compute-node serve` spins briefly by default, `GOMP_SPINCOUNT=10000`) they sleep, and every
+region pays a wake-up. This measures, each mode in a fresh process (libgomp reads the policy
+once), alternating `--repeats` times:
 
 - one GEMM of a decode step of the SmolLM-135M shape (`--rows` x 576 @ 576 x 960: the fused QKV
   projection at batch 8), median µs per call over `--calls` calls;

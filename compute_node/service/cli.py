@@ -43,24 +43,36 @@ def _parser() -> ArgumentParser:
     return parser
 
 
-def passive_omp_wait(environ: MutableMapping[str, str]) -> bool:
-    """Unless the environment already says how OpenMP threads wait (`OMP_WAIT_POLICY` or
-    `GOMP_SPINCOUNT`), make them sleep at once (`OMP_WAIT_POLICY=PASSIVE`); True when set here.
+# libgomp's spin before a waiting thread sleeps, in its own units (iterations of a pause loop):
+# long enough to bridge the gaps between a step's back-to-back parallel regions, far shorter than
+# libgomp's default (300,000), which keeps spinning between steps (BENCHMARKS.md "Services
+# mode, round 4").
+NODE_SPINCOUNT = "10000"
 
-    libgomp's default spins a few ms at every barrier when a process has one thread team no
-    larger than the cores: on a host whose cores other processes keep busy, the node's 2 threads
-    then ran ~5x slower (docs/compute_node.md, BENCHMARKS.md "Services mode, round 2"). Must run
-    before torch loads (libgomp reads it once). A dedicated host may set `GOMP_SPINCOUNT=300000`
-    (libgomp's own default) or `OMP_WAIT_POLICY=ACTIVE` instead."""
+
+def short_omp_spin(environ: MutableMapping[str, str]) -> bool:
+    """Unless the environment already says how OpenMP threads wait (`OMP_WAIT_POLICY` or
+    `GOMP_SPINCOUNT`), make them spin briefly, then sleep (`GOMP_SPINCOUNT=NODE_SPINCOUNT`);
+    True when set here. Must run before torch loads (libgomp reads it once).
+
+    Why neither of libgomp's own choices: its default spins a few ms at every barrier, and on a
+    host whose cores other processes keep busy the node's 2 threads then ran ~5x slower; sleeping
+    at once (`OMP_WAIT_POLICY=PASSIVE`, this function's earlier choice) costs a wake-up of
+    ~100 µs in each of a decode step's ~120 parallel regions, which left the node 8–20% behind
+    the embedded engine on idle cores. The short spin beat both there (1.14x the embedded
+    engine, 1.24x the passive node) and stayed 3.5x the default spin under load (BENCHMARKS.md,
+    "Services mode, round 2" and "round 4"). A dedicated host may set `GOMP_SPINCOUNT=300000`
+    (libgomp's default); a crowded one `OMP_WAIT_POLICY=PASSIVE` (then decode steps run on one
+    torch thread: `dense_threads.py`)."""
     if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
         return False
-    environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    environ["GOMP_SPINCOUNT"] = NODE_SPINCOUNT
     return True
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    passive_omp_wait(os.environ)   # before anything imports torch
+    short_omp_spin(os.environ)   # before anything imports torch
     from compute_node.service.config import load_config
     from pagedkv.lifecycle import flag_overrides, run_service_main
     from pagedkv.settings import ConfigError

@@ -1,7 +1,7 @@
 """How many torch threads a CPU node's step uses for its dense layers, chosen per step.
 
-A node's OpenMP threads wait passively between parallel regions (`cli.passive_omp_wait`: on a
-host whose cores other processes hold, spinning made the node ~5x slower). The price of the
+A node told to wait passively (`OMP_WAIT_POLICY=PASSIVE`, for a host whose cores other
+processes hold; the node's default is a short spin, `cli.short_omp_spin`). The price of the
 passive wait is one wake-up per parallel region: the worker sleeps, the region's caller wakes
 it (a futex, on a VM an IPI to a halted vCPU) and then waits for it at the region's end. On the
 2-core VM of BENCHMARKS.md that costs ~100-120 us per region (an 8-row matmul of the 135M

@@ -67,17 +67,17 @@ async def test_the_step_thread_runs_every_call_on_one_thread_off_the_loop() -> N
         step.close()
 
 
-def test_the_node_waits_passively_unless_the_environment_says_otherwise() -> None:
-    from compute_node.service.cli import passive_omp_wait
+def test_the_node_spins_briefly_unless_the_environment_says_otherwise() -> None:
+    from compute_node.service.cli import NODE_SPINCOUNT, short_omp_spin
 
     env: dict[str, str] = {}
-    assert passive_omp_wait(env) is True and env == {"OMP_WAIT_POLICY": "PASSIVE"}
-    for own in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "300000"}):
+    assert short_omp_spin(env) is True and env == {"GOMP_SPINCOUNT": NODE_SPINCOUNT}
+    for own in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "300000"}):
         env = dict(own)
-        assert passive_omp_wait(env) is False and env == own
+        assert short_omp_spin(env) is False and env == own
 
 
-def test_a_node_process_sets_the_passive_wait_before_torch_loads(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_node_process_sets_its_spin_before_torch_loads(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """`compute-node serve` sets it in main(), and nothing imported before main() loads torch."""
     import os
     import subprocess
@@ -87,6 +87,6 @@ def test_a_node_process_sets_the_passive_wait_before_torch_loads(tmp_path) -> No
     missing = tmp_path / "missing.yaml"
     code = ("import os, sys\nfrom compute_node.service import cli\nbefore = 'torch' in sys.modules\n"
             f"rc = cli.main(['serve', '--config', {str(missing)!r}])\n"
-            "print(before, rc, os.environ.get('OMP_WAIT_POLICY'))")
+            "print(before, rc, os.environ.get('GOMP_SPINCOUNT'))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.stdout.split()[-3:] == ["False", "2", "PASSIVE"], (out.stdout, out.stderr)
+    assert out.stdout.split()[-3:] == ["False", "2", "10000"], (out.stdout, out.stderr)
