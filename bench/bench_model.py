@@ -159,7 +159,7 @@ def decode_split(runner: ModelRunner, workload: list[tuple[list[int], int]], ste
             profiled_dense += runner.last_timings.dense_s if runner.last_timings is not None else 0.0
     runner.profile = False
     # aten ops of the dense phase: everything but the sampler's argmax and the index building.
-    dense_ops = [e for e in prof.key_averages() if e.key.startswith("aten::") and e.key != "aten::argmax"]
+    dense_ops = [e for e in prof.key_averages() if e.key.startswith(("aten::", "mkldnn::")) and e.key != "aten::argmax"]
     aten_s = sum(e.self_cpu_time_total for e in dense_ops) / 1e6
     # The torch-op share of the dense phase, from the same (profiled) steps.
     return DecodeSplit(timings, min(1.0, aten_s / profiled_dense) if profiled_dense else 1.0)

@@ -43,8 +43,10 @@ into prefill-carrying and decode-only steps (runner timers) beside transformers'
 (`generate` of one token), and where an embedded decode
 step at batch 1 and `--requests` goes (runner timers: dense, attention kernels, sampling, batch
 prep; engine counters: block manager, the rest; torch.profiler for the dense phase's torch-op
-share). `--hf-per-op` adds the engine with the CPU step kernel off (the per-kernel attention
-calls it replaced) to the same rotation.
+share). The rotation runs the engine twice, with its matmul weights packed for oneDNN (the
+default) and with plain weights and `F.linear` (what transformers runs: "pagedkv F.linear");
+`--hf-per-op` adds the engine with the CPU step kernel off (the per-kernel attention calls it
+replaced).
 
     .venv/bin/python bench/bench_modes.py [--requests 8] [--max-prompt 128] [--max-output 48] \
         [--repeats 3] [--parts services,nodes,hf] [--hf-max-prompt 512] [--hf-max-output 128] [--hf-per-op]
@@ -322,7 +324,16 @@ def hf_part(args: argparse.Namespace, model_dir: Path, embedded: LLM) -> None:
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     run_transformers(hf, make_workload(2, 32, 8, SMOL_135M["vocab_size"], 99), 1)
     runner = next(iter(embedded.engine.nodes.values())).runner   # type: ignore[attr-defined]
-    variants = {"pagedkv": True, **({"pagedkv per-op": False} if args.hf_per_op else {})}
+    # name -> (CPU step kernel on, matmul weights packed for oneDNN)
+    variants = {"pagedkv": (True, True), "pagedkv F.linear": (True, False),
+                **({"pagedkv per-op": (False, True)} if args.hf_per_op else {})}
+
+    def configure(fused: bool, packed: bool) -> None:
+        runner.fused_cpu_attention = fused
+        if packed:
+            runner.model.pack_linear_weights()
+        else:
+            runner.model.unpack_linear_weights()
     workload = make_workload(args.requests, args.hf_max_prompt, args.hf_max_output, SMOL_135M["vocab_size"],
                              args.seed + 1)
     ours: dict[str, list[float]] = {name: [] for name in variants}
@@ -333,7 +344,7 @@ def hf_part(args: argparse.Namespace, model_dir: Path, embedded: LLM) -> None:
         work = fresh_tokens(workload, SMOL_135M["vocab_size"], 7000 + rep)
         order = list(variants) if rep % 2 == 0 else list(reversed(variants))
         for name in order:
-            runner.fused_cpu_attention = variants[name]
+            configure(*variants[name])
             ours[name].append(run(embedded, work)["seconds"])
             b1[name].append(batch1_itl(embedded, args.b1_context, args.b1_steps))
             print(f"  rep {rep} {name}: mixed {ours[name][-1]:.2f} s, batch-1 step {1e3 * b1[name][-1]:.1f} ms",
@@ -342,7 +353,7 @@ def hf_part(args: argparse.Namespace, model_dir: Path, embedded: LLM) -> None:
         b1_theirs.append(decode_latency_transformers(hf, args.b1_context, args.b1_steps, repeats=1))
         print(f"  rep {rep} transformers: mixed {theirs[-1]:.2f} s, batch-1 step {1e3 * b1_theirs[-1]:.1f} ms "
               f"(load {os.getloadavg()[0]:.1f})", flush=True)
-    runner.fused_cpu_attention = True
+    configure(True, True)
     split = mixed_split(embedded, fresh_tokens(workload, SMOL_135M["vocab_size"], 7999))
     # transformers' prefill alone: the same padded batch, one new token each.
     hf_prefill = run_transformers(hf, [(p, 1) for p, _ in fresh_tokens(workload, SMOL_135M["vocab_size"], 7998)],
@@ -366,8 +377,8 @@ def hf_part(args: argparse.Namespace, model_dir: Path, embedded: LLM) -> None:
               f"{t['wall']:.2f} s = dense {t['dense']:.2f} + attention kernels {t['attention']:.2f} + sampling "
               f"{t['sample']:.2f} + batch prep {t['prepare']:.2f} + the rest (node, block manager, engine) "
               f"{t['wall'] - t['dense'] - t['attention'] - t['sample'] - t['prepare']:.2f} s")
-    for name, fused in variants.items():
-        runner.fused_cpu_attention = fused
+    for name, variant in variants.items():
+        configure(*variant)
         for batch in (1, args.requests):
             s = decode_split(embedded, batch, 12)
             share = aten_share(embedded, batch)
@@ -377,7 +388,7 @@ def hf_part(args: argparse.Namespace, model_dir: Path, embedded: LLM) -> None:
                   f"+ attention kernels {1e3 * s['attention']:.1f} + sampling {1e3 * s['sample']:.2f} + batch prep "
                   f"{1e3 * s['prepare']:.2f} + node rest {1e3 * (s['node'] - model - s['attention']):.2f} + block "
                   f"manager {1e3 * s['bm']:.2f} + engine {1e3 * (s['step'] - s['bm'] - s['node']):.2f} ms")
-    runner.fused_cpu_attention = True
+    configure(True, True)
 
 
 def mixed_split(llm: LLM, workload: list[tuple[list[int], int]]) -> dict[str, dict[str, float]]:
@@ -444,7 +455,7 @@ def aten_share(llm: LLM, batch: int, steps: int = 3) -> float:
     while engine.has_unfinished_requests():
         engine.step()
     engine.flush()
-    ops = [e for e in prof.key_averages() if e.key.startswith("aten::") and e.key != "aten::argmax"]
+    ops = [e for e in prof.key_averages() if e.key.startswith(("aten::", "mkldnn::")) and e.key != "aten::argmax"]
     return min(1.0, sum(e.self_cpu_time_total for e in ops) / 1e6 / dense) if dense else 1.0
 
 

@@ -47,6 +47,8 @@ class LLM:
     set ("0" off), else on only when no node computes on this host's CPU (every node on a GPU
     or on another host; `engine.async_policy`): the embedded CPU node and CPU nodes on loopback
     need the cores the planner would take (BENCHMARKS.md, engine modes side by side).
+    `prepack_linear`: the embedded CPU node packs its matmul weights for oneDNN (float32 /
+    bfloat16; `compute_node.model.linear`); False keeps plain weights and `F.linear`.
     """
 
     def __init__(
@@ -72,6 +74,7 @@ class LLM:
         disk_kv_path: str | Path | None = None,
         disk_kv_bytes: int | None = None,
         async_scheduling: bool | None = None,
+        prepack_linear: bool = True,
     ) -> None:
         self.model_dir = Path(model)
         if not self.model_dir.is_dir():
@@ -88,6 +91,9 @@ class LLM:
         if block_manager is not None and disk_kv_path is not None:
             raise EngineError("disk_kv_path sizes the embedded node's disk tier; with block_manager= each node's "
                               "own config sets it (compute-node serve --disk-kv-path --disk-kv-bytes)")
+        if block_manager is not None and not prepack_linear:
+            raise EngineError("prepack_linear is the embedded node's setting; with block_manager= each node's own "
+                              "config sets it (PAGEDKV_CN_PREPACK_LINEAR=false)")
         if (disk_kv_path is None) != (disk_kv_bytes is None):
             raise EngineError("give both disk_kv_path and disk_kv_bytes, or neither")
         if disk_kv_path is not None and not (host_kv_memory or host_kv_blocks):
@@ -107,7 +113,8 @@ class LLM:
                                    num_blocks=num_kv_blocks, kv_memory_bytes=None if num_kv_blocks else kv_cache_memory,
                                    dtype=dtype, device=device, max_model_len=max_model_len,
                                    host_num_blocks=host_kv_blocks, host_memory_bytes=host_kv_memory,
-                                   disk_kv_path=disk_kv_path, disk_kv_bytes=disk_kv_bytes)
+                                   disk_kv_path=disk_kv_path, disk_kv_bytes=disk_kv_bytes,
+                                   prepack_linear=prepack_linear)
             nodes = {node.node_id: node}
         else:
             from block_manager.client import BlockManagerClient

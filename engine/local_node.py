@@ -50,11 +50,12 @@ class LocalNode:
         host_memory_bytes: int | None = None,
         disk_kv_path: str | Path | None = None,
         disk_kv_bytes: int | None = None,
+        prepack_linear: bool = True,
     ) -> LocalNode:
         """Load the model, size the KV pool, register it with `client`'s block manager."""
         runner = ModelRunner(model_dir, block_size=block_size, num_blocks=num_blocks,
                              kv_memory_bytes=kv_memory_bytes, dtype=dtype, device=device,
-                             max_model_len=max_model_len)
+                             max_model_len=max_model_len, prepack_linear=prepack_linear)
         g = runner.geometry
         num_host = runner.attach_host_tier(host_num_blocks, host_memory_bytes) if (
             host_num_blocks or host_memory_bytes) else 0

@@ -1,7 +1,9 @@
 """The dense building blocks, as plain functions over flat token batches `[num_tokens, ...]`.
 
 Each one computes what the transformers implementation of Llama / Qwen2 / Qwen3 computes, in
-the same order and precision, because the runner is tested token for token against it: RMSNorm
+the same order and precision, because the runner is tested token for token against it (the
+matmuls too, with plain weights; packed for oneDNN they sum in another order, which moves the
+float rounding and nothing else: `compute_node.model.linear`): RMSNorm
 normalises in float32 and casts back before the weight multiply; RoPE builds cos/sin in float32
 from `position * inv_freq` and rotates in the activation dtype. Each torch call costs a few µs
 of dispatch whatever its size (a decode step makes ~1,500 of them on a 30-layer model), so the
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from compute_node.model.linear import linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -55,5 +59,5 @@ def swiglu_mlp(
     down_bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """`down(silu(gate(x)) * up(x))`, with gate and up fused in one matmul."""
-    gate, up = F.linear(x, gate_up_weight, gate_up_bias).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down_weight, down_bias)
+    gate, up = linear(x, gate_up_weight, gate_up_bias).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, down_weight, down_bias)

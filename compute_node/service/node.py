@@ -184,7 +184,7 @@ class ComputeNode:
         self.runner = runner = ModelRunner(
             cfg.model, block_size=cfg.block_size or DEFAULT_MODEL_BLOCK_SIZE, num_blocks=num_blocks,
             kv_memory_bytes=budget, dtype=cfg.model_dtype, device=str(self.device), max_model_len=cfg.max_model_len,
-            cuda_graphs=cfg.cuda_graphs,
+            cuda_graphs=cfg.cuda_graphs, prepack_linear=cfg.prepack_linear,
         )
         self.pool = runner.pool
         if cfg.host_kv_blocks or cfg.host_kv_memory:
@@ -203,7 +203,8 @@ class ComputeNode:
         gen.puller, gen.on_serves, gen.on_fetch_failed = self.puller, self.grants.add, self._fetch_failed
         self.metrics.set_pool(runner.geometry, str(self.device))
         self.log.info("model_loaded", model=cfg.model, architecture=runner.model_config.architecture,
-                      dtype=runner.geometry.dtype, num_blocks=runner.geometry.num_blocks)
+                      dtype=runner.geometry.dtype, num_blocks=runner.geometry.num_blocks,
+                      packed_linear=runner.model.packed_linear)
 
     def _decode_paths(self) -> tuple[dict[str, int], int]:
         """Decode steps by path and the graphs' static bytes (read at each metrics scrape)."""

@@ -127,6 +127,8 @@ def test_chat_takes_a_conversation_or_a_list_and_returns_a_list(model_dirs: dict
 def test_bad_input_is_refused_and_frees_everything(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(EngineError, match="does not exist"):
         LLM(tmp_path / "nope")
+    with pytest.raises(EngineError, match="PAGEDKV_CN_PREPACK_LINEAR"):   # a node setting, not the engine's
+        LLM(model_dirs["llama-gqa4-hd64"], block_manager="127.0.0.1:1", prepack_linear=False)
     with LLM(model_dirs["llama-gqa4-hd64"], block_size=4, num_kv_blocks=64, device="cpu", max_model_len=64) as llm:
         with pytest.raises(EngineError, match="context"):
             llm.generate({"prompt_token_ids": [1] * 64})

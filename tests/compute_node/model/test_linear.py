@@ -1,0 +1,138 @@
+"""The CPU matmuls with weights packed for oneDNN (`compute_node.model.linear`): against a
+float64 reference on random shapes (ragged row counts, odd feature sizes, bias, strided and 3-D
+inputs), a model that packs and unpacks its weights unchanged, and a runner whose packed and
+plain paths agree to float rounding and give the same greedy tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from compute_node.model import ModelRunner, SamplingParams
+from compute_node.model import linear as dense
+from tests.compute_node.model.model_helpers import Request, run_schedule, tiny_model_dir
+
+pytestmark = pytest.mark.skipif(not dense.onednn_available(), reason="this torch build has no oneDNN")
+
+SPEC = {"num_layers": 2, "hidden_size": 96, "num_heads": 6, "num_kv_heads": 2, "head_dim": 16,
+        "intermediate_size": 200, "vocab_size": 333, "max_position_embeddings": 96}
+# float32 accumulates in float32 either way; bfloat16 rounds each output to 8 bits of mantissa.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.double() @ weight.double().T
+    return out if bias is None else out + bias.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "in_features", "out_features"),
+                         [(1, 576, 960), (3, 70, 33), (8, 576, 3072), (37, 1536, 576), (300, 64, 129)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_matches_float64(dtype: torch.dtype, rows: int, in_features: int, out_features: int,
+                                       with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(rows * 1000 + in_features)
+    weight = (torch.randn(out_features, in_features, generator=g) / in_features ** 0.5).to(dtype)
+    bias = torch.randn(out_features, generator=g).to(dtype) if with_bias else None
+    # a strided input, as the model's chunked gate/up and split q/k/v views are
+    x = torch.randn(rows, 2 * in_features, generator=g).to(dtype)[:, ::2]
+    packed = dense.pack(weight)
+    assert packed.is_mkldnn and packed.to_dense().equal(weight)   # a reorder: the values are kept
+    got = dense.linear(x, packed, bias)
+    want = _reference(x, weight, bias)
+    scale = (x.double().abs() @ weight.double().abs().T).clamp_min(1.0)   # the sum's own size
+    assert got.dtype == dtype and got.shape == (rows, out_features)
+    assert ((got.double() - want).abs() / scale).max() <= TOLERANCE[dtype]
+    # and it is as close as F.linear on the plain weight is
+    plain = ((F.linear(x, weight, bias).double() - want).abs() / scale).max()
+    assert ((got.double() - want).abs() / scale).max() <= max(4 * plain, TOLERANCE[dtype] / 4)
+
+
+def test_packed_linear_takes_batched_inputs() -> None:
+    g = torch.Generator().manual_seed(7)
+    weight, x = torch.randn(40, 24, generator=g), torch.randn(3, 5, 24, generator=g)
+    got = dense.linear(x, dense.pack(weight))
+    assert got.shape == (3, 5, 40)
+    assert torch.allclose(got.double(), x.double() @ weight.double().T, atol=1e-5)
+
+
+def test_what_is_packed() -> None:
+    cpu = torch.device("cpu")
+    assert dense.can_pack(cpu, torch.float32) and dense.can_pack(cpu, torch.bfloat16)
+    assert not dense.can_pack(cpu, torch.float16)                    # stays on F.linear
+    assert not dense.can_pack(torch.device("cuda"), torch.float32)   # GPUs run cuBLAS
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("linear"), "llama", seed=5, **SPEC)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_model_packs_and_unpacks_its_weights_unchanged(tmp_path: Path, tied: bool) -> None:
+    directory = tiny_model_dir(tmp_path, "llama", seed=2, tie_word_embeddings=tied, **SPEC)
+    plain = ModelRunner(directory, block_size=4, num_blocks=8, device="cpu", prepack_linear=False).model
+    model = ModelRunner(directory, block_size=4, num_blocks=8, device="cpu").model
+    assert model.packed_linear and not plain.packed_linear
+    assert all(layer.qkv_weight.is_mkldnn and layer.down_weight.is_mkldnn for layer in model.layers)
+    assert model.lm_head.is_mkldnn and not model.embed.is_mkldnn   # the lookup keeps its plain table
+    model.unpack_linear_weights()
+    for ours, theirs in zip(model.layers, plain.layers):
+        for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
+            assert torch.equal(getattr(ours, name), getattr(theirs, name))
+    assert torch.equal(model.lm_head, plain.lm_head)
+    assert (model.lm_head is model.embed) == tied                   # tied again, not a copy
+    model.pack_linear_weights()
+    assert model.packed_linear and model.lm_head.is_mkldnn
+
+
+def test_float16_and_opt_out_keep_plain_weights(model_dir: Path) -> None:
+    for options in ({"dtype": "float16"}, {"prepack_linear": False}):
+        runner = ModelRunner(model_dir, block_size=4, num_blocks=8, device="cpu", **options)  # type: ignore[arg-type]
+        assert not runner.model.packed_linear
+
+
+def test_without_onednn_the_model_runs_on_plain_weights(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    dense.onednn_available.cache_clear()
+    try:
+        runner = ModelRunner(model_dir, block_size=4, num_blocks=8, device="cpu")
+        assert not runner.model.packed_linear
+        run_schedule(runner, [Request([5, 6, 7, 8, 9], 3)], seed=0)   # and it computes
+    finally:
+        monkeypatch.undo()
+        dense.onednn_available.cache_clear()
+    assert dense.onednn_available()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_and_plain_runners_agree(model_dir: Path, dtype: str) -> None:
+    """A mixed schedule (chunked prefill, a shared prefix, decodes joining mid-way) on packed
+    and plain weights: the same greedy tokens, logprobs equal to float rounding."""
+    with_logprobs = SamplingParams(temperature=0.0, logprobs=4)
+    results = []
+    for packed in (True, False):
+        runner = ModelRunner(model_dir, block_size=4, num_blocks=80, device="cpu", dtype=dtype, prepack_linear=packed)
+        assert runner.model.packed_linear == packed
+        requests = [
+            Request(list(range(10, 33)), 9, chunk_size=7, sample=with_logprobs),
+            Request(list(range(10, 26)) + [90, 91, 92], 6, admit_step=3, share_from=0, shared_blocks=4),
+            Request([7, 8, 9], 12, admit_step=1, sample=with_logprobs),
+        ]
+        results.append((run_schedule(runner, requests, seed=1), [r.logprobs for r in requests]))
+    (tokens_a, logprobs_a), (tokens_b, logprobs_b) = results
+    assert tokens_a == tokens_b
+    tol = 1e-4 if dtype == "float32" else 5e-2
+    for seq_a, seq_b in zip(logprobs_a, logprobs_b, strict=True):
+        assert len(seq_a) == len(seq_b)
+        for (chosen_a, top_a), (chosen_b, top_b) in zip(seq_a, seq_b):
+            if chosen_a is None:   # the request asked for none
+                assert chosen_b is None and top_a is None and top_b is None
+                continue
+            assert chosen_a == pytest.approx(chosen_b, abs=tol)
+            values_a, values_b = dict(top_a), dict(top_b)
+            for token in values_a.keys() & values_b.keys():   # a near-tie may swap the last of the top k
+                assert values_a[token] == pytest.approx(values_b[token], abs=tol)
