@@ -62,7 +62,10 @@ case "$cmd" in
   # keeps a module's tests on one worker so its module-scoped stack or server is built once.
   # Later arguments win: `./scripts/run.sh test -n 0` runs serially. One torch thread per
   # process (unless set): the workers and the services they start already fill the cores, and
-  # torch's spinning intra-op threads only add CPU time there.
+  # torch's spinning intra-op threads only add CPU time there. Bytecode is written (even under
+  # PYTHONDONTWRITEBYTECODE; __pycache__ is git-ignored): otherwise every worker's collection
+  # rewrites and compiles every test module again (17.7 instead of 12.3 CPU-s per collection).
   test) export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+        unset PYTHONDONTWRITEBYTECODE
         exec "$VENV/bin/python" -m pytest -n auto --dist loadscope "$@" ;;
 esac
