@@ -58,7 +58,7 @@ class DecoderModel:
         self.layers = layers
         self.final_norm = final_norm       # [hidden]
         self.lm_head = lm_head             # [vocab, hidden]; the embedding itself when tied
-        self.packed_linear = False         # whether the matmul weights are packed for oneDNN
+        self.packed_linear = False         # whether the (large) matmul weights are packed for oneDNN
         self.dtype = embed.dtype
         self.device = embed.device
         self.inv_freq = config.rope.inv_freq(config.head_dim).to(self.device)   # float32 [head_dim // 2]
@@ -85,15 +85,16 @@ class DecoderModel:
         return model
 
     def pack_linear_weights(self) -> None:
-        """Reorder every matmul weight for oneDNN, in place (each plain weight is dropped once
-        its packed copy exists, so the model's memory stays the same, except for a tied LM
-        head: the embedding stays for the lookup and the head is packed as a copy)."""
+        """Reorder the matmul weights for oneDNN, in place: those of at least
+        `dense.MIN_PACKED_ELEMENTS` (a tiny model keeps F.linear). Each plain weight is dropped
+        once its packed copy exists, so the model's memory stays the same, except for a tied LM
+        head: the embedding stays for the lookup and the head is packed as a copy."""
         if self.packed_linear:
             return
         for layer in self.layers:
             for name in _MATMUL_WEIGHTS:
-                setattr(layer, name, dense.pack(getattr(layer, name)))
-        self.lm_head = dense.pack(self.lm_head)
+                setattr(layer, name, dense.pack_if_large(getattr(layer, name)))
+        self.lm_head = dense.pack_if_large(self.lm_head)
         self.packed_linear = True
 
     def unpack_linear_weights(self) -> None:
@@ -103,8 +104,12 @@ class DecoderModel:
             return
         for layer in self.layers:
             for name in _MATMUL_WEIGHTS:
-                setattr(layer, name, getattr(layer, name).to_dense())
-        self.lm_head = self.embed if self.config.tie_word_embeddings else self.lm_head.to_dense()
+                weight = getattr(layer, name)
+                setattr(layer, name, weight.to_dense() if weight.is_mkldnn else weight)
+        if self.config.tie_word_embeddings:
+            self.lm_head = self.embed
+        elif self.lm_head.is_mkldnn:
+            self.lm_head = self.lm_head.to_dense()
         self.packed_linear = False
 
     def forward(

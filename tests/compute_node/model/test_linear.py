@@ -66,12 +66,26 @@ def test_what_is_packed() -> None:
     assert not dense.can_pack(torch.device("cuda"), torch.float32)   # GPUs run cuBLAS
 
 
+def test_only_large_weights_are_packed() -> None:
+    """Below `MIN_PACKED_ELEMENTS` oneDNN's fixed cost per call exceeds what it saves."""
+    small, large = torch.randn(64, 128), torch.randn(512, 512)
+    assert dense.pack_if_large(small) is small
+    assert dense.pack_if_large(large).is_mkldnn and large.numel() == dense.MIN_PACKED_ELEMENTS
+
+
+@pytest.fixture
+def pack_every_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test model is tiny: pack its weights anyway, to test the packed model."""
+    monkeypatch.setattr(dense, "MIN_PACKED_ELEMENTS", 0)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model_dir(tmp_path_factory.mktemp("linear"), "llama", seed=5, **SPEC)
 
 
 @pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.usefixtures("pack_every_weight")
 def test_a_model_packs_and_unpacks_its_weights_unchanged(tmp_path: Path, tied: bool) -> None:
     directory = tiny_model_dir(tmp_path, "llama", seed=2, tie_word_embeddings=tied, **SPEC)
     plain = ModelRunner(directory, block_size=4, num_blocks=8, device="cpu", prepack_linear=False).model
@@ -109,6 +123,7 @@ def test_without_onednn_the_model_runs_on_plain_weights(model_dir: Path, monkeyp
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.usefixtures("pack_every_weight")
 def test_packed_and_plain_runners_agree(model_dir: Path, dtype: str) -> None:
     """A mixed schedule (chunked prefill, a shared prefix, decodes joining mid-way) on packed
     and plain weights: the same greedy tokens, logprobs equal to float rounding."""
@@ -116,7 +131,7 @@ def test_packed_and_plain_runners_agree(model_dir: Path, dtype: str) -> None:
     results = []
     for packed in (True, False):
         runner = ModelRunner(model_dir, block_size=4, num_blocks=80, device="cpu", dtype=dtype, prepack_linear=packed)
-        assert runner.model.packed_linear == packed
+        assert runner.model.packed_linear == packed and runner.model.layers[0].qkv_weight.is_mkldnn == packed
         requests = [
             Request(list(range(10, 33)), 9, chunk_size=7, sample=with_logprobs),
             Request(list(range(10, 26)) + [90, 91, 92], 6, admit_step=3, share_from=0, shared_blocks=4),
