@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     if not dense.onednn_available():
-        raise SystemExit("bench_linear: this torch build has no oneDNN")
+        raise SystemExit("bench_linear: packed matmuls need x86-64 and a torch build with oneDNN")
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"# bench_linear: 30 layers of the 135M shape + LM head, torch threads {torch.get_num_threads()}, "
           f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, {when}")

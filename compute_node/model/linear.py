@@ -25,6 +25,7 @@ so a tied LM head is packed as a copy beside the embedding it shares values with
 from __future__ import annotations
 
 import functools
+import platform
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +42,9 @@ MIN_PACKED_ELEMENTS = 1 << 18   # 512 x 512: smaller weights keep F.linear (modu
 @functools.cache
 def onednn_available() -> bool:
     """Whether this torch build can reorder and run packed linear weights (it has oneDNN and
-    the ops work on this CPU): checked once on a tiny weight."""
-    if not torch.backends.mkldnn.is_available():
+    the ops work on this CPU): checked once on a tiny weight. x86-64 only: that is where the
+    gain was measured; Arm builds route oneDNN through other libraries and keep `F.linear`."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or not torch.backends.mkldnn.is_available():
         return False
     try:
         w = torch.ones(4, 4)

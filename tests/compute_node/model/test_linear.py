@@ -15,7 +15,8 @@ from compute_node.model import ModelRunner, SamplingParams
 from compute_node.model import linear as dense
 from tests.compute_node.model.model_helpers import Request, run_schedule, tiny_model_dir
 
-pytestmark = pytest.mark.skipif(not dense.onednn_available(), reason="this torch build has no oneDNN")
+pytestmark = pytest.mark.skipif(not dense.onednn_available(),
+                                reason="packed matmuls need x86-64 and a torch build with oneDNN")
 
 SPEC = {"num_layers": 2, "hidden_size": 96, "num_heads": 6, "num_kv_heads": 2, "head_dim": 16,
         "intermediate_size": 200, "vocab_size": 333, "max_position_embeddings": 96}
@@ -109,8 +110,13 @@ def test_float16_and_opt_out_keep_plain_weights(model_dir: Path) -> None:
         assert not runner.model.packed_linear
 
 
-def test_without_onednn_the_model_runs_on_plain_weights(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+@pytest.mark.parametrize("lacking", ["onednn", "x86"])
+def test_without_onednn_the_model_runs_on_plain_weights(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        lacking: str) -> None:
+    if lacking == "onednn":
+        monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    else:
+        monkeypatch.setattr(dense.platform, "machine", lambda: "aarch64")
     dense.onednn_available.cache_clear()
     try:
         runner = ModelRunner(model_dir, block_size=4, num_blocks=8, device="cpu")
