@@ -3,9 +3,9 @@
 Weights are held as plain tensors, loaded once from the checkpoint and fused where one matmul
 can replace several (q/k/v → one `qkv` weight, gate/up → one `gate_up` weight): fewer, larger
 matmuls are what a CPU or GPU runs fastest, and a fused weight's output rows are exactly the
-separate ones' (the same dot products), so the numbers do not change. On the CPU the matmul
-weights are then reordered once for oneDNN (`compute_node.model.linear`: 2–3x faster decode
-steps than `F.linear`'s MKL path); `prepack_linear=False` keeps plain weights and `F.linear`.
+separate ones' (the same dot products), so the numbers do not change. On an x86-64 CPU the
+large matmul weights are then reordered once for oneDNN (`compute_node.model.linear`: ~2x faster
+decode steps than `F.linear`'s MKL path); `prepack_linear=False` keeps plain weights and `F.linear`.
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ class DecoderModel:
         self.layers = layers
         self.final_norm = final_norm       # [hidden]
         self.lm_head = lm_head             # [vocab, hidden]; the embedding itself when tied
-        self.packed_linear = False         # whether the (large) matmul weights are packed for oneDNN
         self.dtype = embed.dtype
         self.device = embed.device
         self.inv_freq = config.rope.inv_freq(config.head_dim).to(self.device)   # float32 [head_dim // 2]
@@ -84,24 +83,25 @@ class DecoderModel:
             model.pack_linear_weights()
         return model
 
+    @property
+    def packed_linear(self) -> bool:
+        """Whether any matmul weight is packed for oneDNN (the LM head is the largest one)."""
+        return self.lm_head.is_mkldnn or any(
+            getattr(layer, name).is_mkldnn for layer in self.layers for name in _MATMUL_WEIGHTS)
+
     def pack_linear_weights(self) -> None:
         """Reorder the matmul weights for oneDNN, in place: those of at least
         `dense.MIN_PACKED_ELEMENTS` (a tiny model keeps F.linear). Each plain weight is dropped
         once its packed copy exists, so the model's memory stays the same, except for a tied LM
         head: the embedding stays for the lookup and the head is packed as a copy."""
-        if self.packed_linear:
-            return
         for layer in self.layers:
             for name in _MATMUL_WEIGHTS:
                 setattr(layer, name, dense.pack_if_large(getattr(layer, name)))
         self.lm_head = dense.pack_if_large(self.lm_head)
-        self.packed_linear = True
 
     def unpack_linear_weights(self) -> None:
         """Back to plain weights and `F.linear` (the values are unchanged by a pack: benchmarks
         switch one model both ways)."""
-        if not self.packed_linear:
-            return
         for layer in self.layers:
             for name in _MATMUL_WEIGHTS:
                 weight = getattr(layer, name)
@@ -110,7 +110,6 @@ class DecoderModel:
             self.lm_head = self.embed
         elif self.lm_head.is_mkldnn:
             self.lm_head = self.lm_head.to_dense()
-        self.packed_linear = False
 
     def forward(
         self,

@@ -66,7 +66,7 @@ class ModelRunner:
     `cuda_graphs`: on a GPU, decode attention replays CUDA graphs (one per layer and batch-size
     bucket, sized for `max_model_len`) where a step fits them (`compute_node/decode_path.py`);
     ignored on the CPU. `prepack_linear`: on the CPU (float32 / bfloat16), the matmul weights are
-    packed once for oneDNN (`compute_node.model.linear`: 2–3x faster decode steps than plain
+    packed once for oneDNN (`compute_node.model.linear`: ~2x faster decode steps than plain
     `F.linear`); False keeps plain weights and `F.linear` (what transformers runs).
 
     One step at a time: the runner is not thread-safe (the scheduler is the one sequencer of a

@@ -61,7 +61,8 @@ def short_omp_spin(environ: MutableMapping[str, str]) -> bool:
     ~100 µs in each of a decode step's ~120 parallel regions, which left the node 8–20% behind
     the embedded engine on idle cores. The short spin beat both there (1.14x the embedded
     engine, 1.24x the passive node) and stayed 3.5x the default spin under load (BENCHMARKS.md,
-    "Services mode, round 2" and "round 4"). A dedicated host may set `GOMP_SPINCOUNT=300000`
+    "Services mode, round 2" and "round 4"; with oneDNN-packed weights 0.90x the embedded engine,
+    1.01x with libgomp's default spin). A dedicated host may set `GOMP_SPINCOUNT=300000`
     (libgomp's default); a crowded one `OMP_WAIT_POLICY=PASSIVE` (then decode steps run on one
     torch thread: `dense_threads.py`)."""
     if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:

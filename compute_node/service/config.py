@@ -82,7 +82,7 @@ class ComputeNodeConfig(YamlEnvSettings):
     # 0: every step on all `threads`.
     serial_dense_tokens: int = Field(default=32, ge=0)
     # On the CPU (float32 / bfloat16), the model's matmul weights are packed once for oneDNN
-    # (`compute_node/model/linear.py`: 2-3x faster decode steps than plain F.linear); false keeps
+    # (`compute_node/model/linear.py`: ~2x faster decode steps than plain F.linear); false keeps
     # plain weights and F.linear (what transformers runs).
     prepack_linear: bool = True
     # On a GPU, decode attention replays CUDA graphs (one per layer and batch-size bucket,
