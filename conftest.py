@@ -108,9 +108,31 @@ def _reap_kernel_cache_warm_up() -> None:
 # reordering is switched off in `pytest_configure`: the queue follows the collection order.
 START_FIRST = ("tests/kernels/test_cuda_simulator.py::",)
 
+# Then the modules that take >= ~10 s of wall in all (service stacks, subprocess suites),
+# longest first, so the many short modules fill in at the end (longest-processing-time-first).
+# In collection order integration_tests/ came last: one worker ran test_stack.py and the defrag
+# stress (~80 s) at the end while the other sat idle for ~70 s (a fresh clone's run, 2 workers).
+# From the wall column of `python -m tools.suite_cpu DIR --files 20`; an entry that is out of
+# date costs only balance, and tests/test_suite_kinds.py checks that each still names a file.
+HEAVY_FIRST = (
+    "integration_tests/test_stack.py", "integration_tests/test_defrag_stress.py", "tests/test_readme.py",
+    "tests/engine/test_prefix_fetch.py", "tests/engine/test_engine_remote.py", "tests/engine/test_api_server.py",
+    "integration_tests/test_stack_mtls.py", "integration_tests/test_api_stack.py", "tests/kernels/test_kernel_sass.py",
+    "tests/block_manager/service/test_service_sessions.py", "tests/kernels/test_cuda_compile_ptx.py",
+    "tests/test_demo_attention_swaps.py", "tests/engine/test_disk_tier_process.py", "tests/test_cli_errors.py",
+    "tests/test_service_processes.py", "tests/engine/test_llm.py",
+)
+_HEAVY_RANK = {path: rank for rank, path in enumerate(HEAVY_FIRST, start=1)}
+
+
+def _schedule_rank(item: pytest.Item) -> int:
+    if item.nodeid.startswith(START_FIRST):
+        return 0
+    return _HEAVY_RANK.get(item.nodeid.split("::", 1)[0], len(HEAVY_FIRST) + 1)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda i: not i.nodeid.startswith(START_FIRST))   # stable: else unchanged
+    items.sort(key=_schedule_rank)   # stable: within a rank, the collection order
     if config.getoption("--slow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --slow")

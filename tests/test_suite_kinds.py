@@ -56,3 +56,14 @@ def test_every_kind_of_check_runs_by_default(request: pytest.FixtureRequest) -> 
     print("\n".join(f"{n:5d}  {kind}" for kind, n in counts.items()) + f"\n{len(items):5d}  tests in the default run")
     missing = [kind for kind, n in counts.items() if n == 0]
     assert not missing, f"no test of these kinds runs by default (moved behind --slow?): {missing}; counts {counts}"
+
+
+def test_the_heavy_first_schedule_names_existing_modules(request: pytest.FixtureRequest) -> None:
+    """The root conftest hands these modules to the xdist workers first; a renamed or deleted
+    module would silently drop out of that schedule."""
+    [root_conftest] = [p for p in request.config.pluginmanager.get_plugins()
+                       if getattr(p, "__file__", None) == str(ROOT / "conftest.py")]
+    HEAVY_FIRST = root_conftest.HEAVY_FIRST
+    missing = [path for path in HEAVY_FIRST if not (ROOT / path).is_file()]
+    assert not missing, f"HEAVY_FIRST (conftest.py) names modules that do not exist: {missing}"
+    assert len(set(HEAVY_FIRST)) == len(HEAVY_FIRST), "HEAVY_FIRST lists a module twice"
