@@ -146,6 +146,13 @@ def _cpu_s(who: int) -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+# The CPU of the children this process had reaped before pytest loaded this file: `scripts/run.sh
+# test` execs pytest from the shell that built the venv, and the counter survives exec. Without
+# it a fresh clone's suite-cost line counted pip's CPU as the suite's. (The shell's own CPU, in
+# RUSAGE_SELF, is a few ms.)
+_CHILDREN_CPU_AT_START = _cpu_s(resource.RUSAGE_CHILDREN)
+
+
 _WORKER_CPU_S: list[float] = []
 
 
@@ -167,7 +174,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
     figure is what a shared 2-core machine notices; compare runs by it, not by wall time alone."""
     if hasattr(config, "workerinput"):
         return
-    children = max(_cpu_s(resource.RUSAGE_CHILDREN), sum(_WORKER_CPU_S))
+    children = max(_cpu_s(resource.RUSAGE_CHILDREN) - _CHILDREN_CPU_AT_START, sum(_WORKER_CPU_S))
     cpu = _cpu_s(resource.RUSAGE_SELF) + children
     workers = len(_WORKER_CPU_S)
     terminalreporter.write_sep("-", f"suite cost: {time.monotonic() - _STARTED:.0f} s wall, {cpu:.0f} CPU-s "
