@@ -63,7 +63,7 @@ def test_the_heavy_first_schedule_names_existing_modules(request: pytest.Fixture
     module would silently drop out of that schedule."""
     [root_conftest] = [p for p in request.config.pluginmanager.get_plugins()
                        if getattr(p, "__file__", None) == str(ROOT / "conftest.py")]
-    HEAVY_FIRST = root_conftest.HEAVY_FIRST
-    missing = [path for path in HEAVY_FIRST if not (ROOT / path).is_file()]
+    heavy_first = root_conftest.HEAVY_FIRST
+    missing = [path for path in heavy_first if not (ROOT / path).is_file()]
     assert not missing, f"HEAVY_FIRST (conftest.py) names modules that do not exist: {missing}"
-    assert len(set(HEAVY_FIRST)) == len(HEAVY_FIRST), "HEAVY_FIRST lists a module twice"
+    assert len(set(heavy_first)) == len(heavy_first), "HEAVY_FIRST lists a module twice"

@@ -32,16 +32,19 @@ ENV_DIR = "PAGEDKV_TEST_CPU_DIR"
 _out: IO[str] | None = None
 
 
+def _cpu_s(who: int) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
+# Children are counted from when this plugin loads: `scripts/run.sh test` execs pytest from the
+# shell that built the venv, and pip's CPU is not the suite's.
+_CHILDREN_AT_LOAD = _cpu_s(resource.RUSAGE_CHILDREN)
+
+
 def _cpu() -> tuple[float, float]:
-    """(own, reaped children's) CPU-s; the children's counted from when this plugin loaded
-    (`scripts/run.sh test` execs pytest from the shell that built the venv: pip's CPU is not
-    the suite's)."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime - _CHILDREN_AT_LOAD
-
-
-_CHILDREN_AT_LOAD = 0.0
-_CHILDREN_AT_LOAD = _cpu()[1]
+    """(own, reaped children's) CPU-s."""
+    return _cpu_s(resource.RUSAGE_SELF), _cpu_s(resource.RUSAGE_CHILDREN) - _CHILDREN_AT_LOAD
 
 
 def _write(record: dict[str, Any]) -> None:
