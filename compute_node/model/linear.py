@@ -30,8 +30,9 @@ import platform
 import torch
 import torch.nn.functional as F
 
-# The dtypes oneDNN runs natively on x86 CPUs with AVX-512 (bfloat16 via AVX512_BF16 where
-# present, emulated otherwise). float16 is left on F.linear.
+# The dtypes oneDNN runs on x86 CPUs: float32 everywhere; bfloat16 only with AVX-512 (BW, VL,
+# DQ; AVX512_BF16 natively) or AVX-NE-CONVERT; on a plain AVX2 CPU its reorder refuses bfloat16,
+# so `onednn_available` is asked per dtype. float16 is left on F.linear.
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # The batch the weight layout is chosen for: decode-sized steps are where the gain is largest;
 # the packed weight serves any number of rows (a 512-token prefill step is still 1.4x faster).
@@ -40,23 +41,25 @@ MIN_PACKED_ELEMENTS = 1 << 18   # 512 x 512: smaller weights keep F.linear (modu
 
 
 @functools.cache
-def onednn_available() -> bool:
-    """Whether this torch build can reorder and run packed linear weights (it has oneDNN and
-    the ops work on this CPU): checked once on a tiny weight. x86-64 only: that is where the
-    gain was measured; Arm builds route oneDNN through other libraries and keep `F.linear`."""
+def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build can reorder and run packed linear weights of `dtype` (it has
+    oneDNN and the ops work on this CPU for that dtype): checked once per dtype on a tiny
+    weight. x86-64 only: that is where the gain was measured; Arm builds route oneDNN through
+    other libraries and keep `F.linear`."""
     if platform.machine().lower() not in ("x86_64", "amd64") or not torch.backends.mkldnn.is_available():
         return False
     try:
-        w = torch.ones(4, 4)
-        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 4), pack(w), None, "none", [], "")
+        w = torch.ones(4, 4, dtype=dtype)
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 4, dtype=dtype), pack(w), None, "none", [], "")
     except (RuntimeError, AttributeError, NotImplementedError):
         return False
-    return bool(torch.equal(out, torch.full((1, 4), 4.0)))
+    return bool(torch.equal(out.float(), torch.full((1, 4), 4.0)))
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether weights of `dtype` on `device` are worth packing: the CPU, float32/bfloat16."""
-    return device.type == "cpu" and dtype in PACKED_DTYPES and onednn_available()
+    """Whether weights of `dtype` on `device` are worth packing: the CPU, float32/bfloat16 (the
+    latter where this CPU has oneDNN's bfloat16 path)."""
+    return device.type == "cpu" and dtype in PACKED_DTYPES and onednn_available(dtype)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -93,7 +93,10 @@ class DecoderModel:
         """Reorder the matmul weights for oneDNN, in place: those of at least
         `dense.MIN_PACKED_ELEMENTS` (a tiny model keeps F.linear). Each plain weight is dropped
         once its packed copy exists, so the model's memory stays the same, except for a tied LM
-        head: the embedding stays for the lookup and the head is packed as a copy."""
+        head: the embedding stays for the lookup and the head is packed as a copy. Nothing
+        changes where this CPU cannot run packed weights of the model's dtype (`dense.can_pack`)."""
+        if not dense.can_pack(self.lm_head.device, self.lm_head.dtype):
+            return
         for layer in self.layers:
             for name in _MATMUL_WEIGHTS:
                 setattr(layer, name, dense.pack_if_large(getattr(layer, name)))

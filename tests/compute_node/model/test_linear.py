@@ -22,6 +22,10 @@ SPEC = {"num_layers": 2, "hidden_size": 96, "num_heads": 6, "num_kv_heads": 2, "
         "intermediate_size": 200, "vocab_size": 333, "max_position_embeddings": 96}
 # float32 accumulates in float32 either way; bfloat16 rounds each output to 8 bits of mantissa.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+BF16_PACKS = dense.onednn_available(torch.bfloat16)
+needs_bf16_path = pytest.mark.skipif(
+    not BF16_PACKS, reason="this CPU lacks oneDNN's bfloat16 path (AVX-512 BW/VL/DQ or AVX-NE-CONVERT); "
+    "test_bfloat16_stays_plain_where_the_cpu_cannot_pack_it covers it here")
 
 
 def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -29,7 +33,7 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return out if bias is None else out + bias.double()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_path)])
 @pytest.mark.parametrize(("rows", "in_features", "out_features"),
                          [(1, 576, 960), (3, 70, 33), (8, 576, 3072), (37, 1536, 576), (300, 64, 129)])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -62,7 +66,7 @@ def test_packed_linear_takes_batched_inputs() -> None:
 
 def test_what_is_packed() -> None:
     cpu = torch.device("cpu")
-    assert dense.can_pack(cpu, torch.float32) and dense.can_pack(cpu, torch.bfloat16)
+    assert dense.can_pack(cpu, torch.float32) and dense.can_pack(cpu, torch.bfloat16) == BF16_PACKS
     assert not dense.can_pack(cpu, torch.float16)                    # stays on F.linear
     assert not dense.can_pack(torch.device("cuda"), torch.float32)   # GPUs run cuBLAS
 
@@ -110,6 +114,33 @@ def test_float16_and_opt_out_keep_plain_weights(model_dir: Path) -> None:
         assert not runner.model.packed_linear
 
 
+@pytest.mark.usefixtures("pack_every_weight")
+def test_bfloat16_stays_plain_where_the_cpu_cannot_pack_it(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU without oneDNN's bfloat16 path (a plain AVX2 one: its reorder raises) a
+    bfloat16 model keeps F.linear and computes, and float32 still packs. Simulated where the
+    CPU has the path: the bfloat16 probe is made to fail as it does there."""
+    real = dense.pack
+
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        if weight.dtype == torch.bfloat16:
+            raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert")
+        return real(weight)
+
+    monkeypatch.setattr(dense, "pack", pack)
+    dense.onednn_available.cache_clear()
+    try:
+        assert not dense.onednn_available(torch.bfloat16) and dense.onednn_available(torch.float32)
+        runner = ModelRunner(model_dir, block_size=4, num_blocks=8, device="cpu", dtype="bfloat16")
+        assert not runner.model.packed_linear
+        runner.model.pack_linear_weights()   # asked anyway: nothing changes
+        assert not runner.model.packed_linear
+        run_schedule(runner, [Request([5, 6, 7, 8, 9], 3)], seed=0)
+        assert ModelRunner(model_dir, block_size=4, num_blocks=8, device="cpu").model.packed_linear
+    finally:
+        monkeypatch.undo()
+        dense.onednn_available.cache_clear()
+
+
 @pytest.mark.parametrize("lacking", ["onednn", "x86"])
 def test_without_onednn_the_model_runs_on_plain_weights(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                                         lacking: str) -> None:
@@ -137,7 +168,8 @@ def test_packed_and_plain_runners_agree(model_dir: Path, dtype: str) -> None:
     results = []
     for packed in (True, False):
         runner = ModelRunner(model_dir, block_size=4, num_blocks=80, device="cpu", dtype=dtype, prepack_linear=packed)
-        assert runner.model.packed_linear == packed and runner.model.layers[0].qkv_weight.is_mkldnn == packed
+        packs = packed and (dtype == "float32" or BF16_PACKS)
+        assert runner.model.packed_linear == packs and runner.model.layers[0].qkv_weight.is_mkldnn == packs
         requests = [
             Request(list(range(10, 33)), 9, chunk_size=7, sample=with_logprobs),
             Request(list(range(10, 26)) + [90, 91, 92], 6, admit_step=3, share_from=0, shared_blocks=4),
