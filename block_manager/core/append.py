@@ -16,7 +16,8 @@ get `write_step` = the open step, tables that gain or replace a block are noted 
 deltas. `already_written=True` reports tokens a scheduler wrote before telling the block
 manager (in-block decode appends it answered locally): they get slots like any append, but
 they were written by Forwards that are already complete, so nothing of the step changes and
-no block may be added or filled by them.
+no block may be added or filled by them. `num_late` (appends only) says, per item, how many
+of its last tokens' ids come with a later Step (late ids: append_item.py).
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ from collections.abc import Sequence as Seq
 import numpy as np
 
 from block_manager.core.append_batch import append_pool, decode_arrays
-from block_manager.core.append_item import AppendOutcome, append_items
+from block_manager.core.append_item import AppendOutcome, append_items, late_error
 from block_manager.core.errors import CoreError, InvalidRequest, UnknownSequence
 from block_manager.core.pool import Pool
 from block_manager.core.sequence import Sequence
 from block_manager.core.types import PoolId, SeqId
 
-_INT64_MIN = -(1 << 63)
-_INT64_MAX = (1 << 63) - 1
+INT64_MIN = -(1 << 63)
+INT64_MAX = (1 << 63) - 1
 
 
 def _screen(
@@ -127,10 +128,12 @@ def item_error(
                 value = operator.index(t)
             except TypeError:
                 value = None
-            if value is None or isinstance(t, bool) or not _INT64_MIN <= value <= _INT64_MAX:
+            if value is None or isinstance(t, bool) or not INT64_MIN <= value <= INT64_MAX:
                 return InvalidRequest(f"token id {t!r} is not an int64 integer")
     if already_written:
         pool = pools[seq.pool_id]
+        if seq.num_late:
+            return late_error(pool, seq, n, 0)
         bs = pool.block_size
         off = seq.num_tokens % bs
         if off == 0 or off + n >= bs or pool.ref_cnt[seq.block_table[-1]] > 1:
@@ -149,12 +152,15 @@ def append_columns(
     token_ids: Seq[int] | None = None,
     *,
     already_written: bool = False,
+    num_late: Seq[int] | None = None,
 ) -> AppendOutcome:
     """Append `counts[i]` tokens to `seq_ids[i]`; `token_ids` (flat, all or none) let full
-    blocks be hashed. See `BlockManager.append_tokens`."""
+    blocks be hashed; the last `num_late[i]` of item i's ids come later. See
+    `BlockManager.append_tokens`."""
+    late = _late_counts(num_late, len(seq_ids), token_ids is not None, already_written)
     toks, bad = _screen(seqs, pools, seq_ids, counts, token_ids, already_written)
     if not bad:
-        return _append_valid(pools, seqs, seq_ids, counts, toks, already_written)
+        return _append_valid(pools, seqs, seq_ids, counts, toks, already_written, late)
     # Some items are invalid on their own: run the valid ones, then put the answers back in
     # request order (an invalid item's token ids are skipped in the flat list).
     keep = [i for i in range(len(seq_ids)) if i not in bad]
@@ -168,13 +174,30 @@ def append_columns(
         for i in keep:
             sub_toks.extend(toks[starts[i] : starts[i + 1]])
     sub = _append_valid(pools, seqs, [seq_ids[i] for i in keep], [counts[i] for i in keep], sub_toks,
-                        already_written)
+                        already_written, None if late is None else [late[i] for i in keep])
     out = AppendOutcome([0] * len(seq_ids))
     for j, i in enumerate(keep):
         out.num_tokens[i] = sub.num_tokens[j]
     out.failures = sorted([*bad.items(), *((keep[j], e) for j, e in sub.failures)], key=lambda f: f[0])
     out.copy_ops = {keep[j]: op for j, op in sub.copy_ops.items()}
     return out
+
+
+def _late_counts(num_late: Seq[int] | None, n: int, with_ids: bool, already_written: bool) -> list[int] | None:
+    """The per-item late-id counts as a list, None when there are none (or no ids at all:
+    a batch without ids hashes nothing, so it has no ids to send later)."""
+    if num_late is None or not len(num_late):
+        return None
+    late = list(num_late)
+    if len(late) != n:
+        raise InvalidRequest(f"{len(late)} late-id counts for {n} appends")
+    if not set(map(type, late)) <= {int} or min(late) < 0:
+        raise InvalidRequest("late-id counts must be integers >= 0")
+    if not any(late) or not with_ids:
+        return None
+    if already_written:
+        raise InvalidRequest("already-written tokens have known ids: they cannot have late ids")
+    return late
 
 
 # Below this many items a batch runs item by item: numpy's fixed cost per call (about a µs
@@ -188,6 +211,7 @@ def _append_valid(
     counts: Seq[int],
     toks: array | None,
     already_written: bool,
+    late: list[int] | None = None,
 ) -> AppendOutcome:
     """The screened items (every sequence exists once, counts are positive ints, `toks` has
     exactly their ids), in request order as far as anyone can observe: per pool, the in-block
@@ -198,7 +222,7 @@ def _append_valid(
     n = len(seq_ids)
     mark = not already_written
     if n < VECTOR_MIN_ITEMS:
-        return append_items(pools, seqs, seq_ids, counts, toks, mark)
+        return append_items(pools, seqs, seq_ids, counts, toks, mark, late)
     out = AppendOutcome([0] * n)
     ok_pools: set[PoolId] = set()
     ones = counts.count(1) == n if isinstance(counts, (list, tuple)) else False
@@ -207,6 +231,7 @@ def _append_valid(
     else:
         cnt = np.fromiter(counts, np.int64, n)
         starts = np.cumsum(cnt) - cnt
+    lt = None if late is None else np.array(late, np.int64)
     tk = None if toks is None else np.frombuffer(toks, dtype=np.int64) if len(toks) else np.zeros(0, np.int64)
     pool = pools[seqs[seq_ids[0]].pool_id]  # type: ignore[index]
     try:
@@ -222,7 +247,7 @@ def _append_valid(
         if sel is not None:
             rows = np.fromiter(map(pool.cols.row_of.__getitem__, [seq_ids[i] for i in sel.tolist()]),
                                np.intp, len(sel))
-        if append_pool(pool, seqs, seq_ids, sel, rows, cnt, starts, toks, tk, mark, ones, out):
+        if append_pool(pool, seqs, seq_ids, sel, rows, cnt, starts, toks, tk, mark, ones, out, lt):
             ok_pools.add(pid)
     if len(groups) > 1:
         out.failures.sort(key=lambda f: f[0])
@@ -235,4 +260,4 @@ def _append_valid(
     return out
 
 
-__all__ = ["AppendOutcome", "append_columns", "item_error"]
+__all__ = ["INT64_MAX", "INT64_MIN", "AppendOutcome", "append_columns", "item_error"]

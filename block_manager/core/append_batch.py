@@ -51,6 +51,7 @@ def append_pool(
     mark: bool,
     ones: bool,
     out: AppendOutcome,
+    late: np.ndarray | None = None,
 ) -> bool:
     """The items `sel` (all when None; their rows `rows`) of one pool, answered into `out`;
     whether any of them succeeded.
@@ -60,7 +61,8 @@ def append_pool(
     fit one new block: no copy). Crossings take their blocks in request order, so they run
     as arrays only when no other item of the batch takes blocks and the pool has a plain free
     block for each (no eviction, which would drop a hash out of order with the batch's
-    registrations); otherwise they go item by item with the rest."""
+    registrations); otherwise they go item by item with the rest. So do items with late ids
+    (`late`, per item of the whole batch) and items of sequences whose late ids are pending."""
     cols = pool.cols
     bs = pool.block_size
     num = len(rows)
@@ -74,6 +76,14 @@ def append_pool(
     else:
         end = off + c
         fast = (off != 0) & (end <= bs) & (pool.ref_np[last] == 1)
+    odd = cols.num_late_np[rows] != 0
+    if late is not None:
+        lt = late if sel is None else late[sel]
+        odd |= lt != 0
+    if odd.any():
+        fast &= ~odd
+    else:
+        odd = None
     nt1 = nt0 + c
     step_id = pool.step.step_id
     num_fast = int(np.count_nonzero(fast))
@@ -81,6 +91,8 @@ def append_pool(
     cross: list[int] = []
     if num_fast < num:
         crossing = (off == 0) if ones else (off == 0) & (c <= bs)
+        if odd is not None:
+            crossing &= ~odd
         num_cross = int(np.count_nonzero(crossing))
         # Only from plain free blocks: an eviction drops a hash, which must happen in request
         # order relative to the registrations of blocks that fill in this batch.
@@ -132,6 +144,7 @@ def append_pool(
         if filled is not None:
             todo = (per_item | filled).nonzero()[0].tolist()
         cl, sl, fl = c.tolist(), st.tolist(), simple.tolist()
+        ll = lt.tolist() if late is not None else None
         for j in todo:
             i = j if req is None else req[j]
             seq = seqs[seq_ids[i]]  # type: ignore[index]
@@ -143,7 +156,8 @@ def append_pool(
                 continue
             k, p = cl[j], sl[j]
             try:
-                _, op = append_one(pool, seq, k, None if toks is None else toks[p : p + k], mark)
+                _, op = append_one(pool, seq, k, None if toks is None else toks[p : p + k], mark,
+                                   0 if ll is None else ll[j])
             except CoreError as exc:
                 out.failures.append((i, exc))
                 num_tokens[j] = 0

@@ -1,7 +1,19 @@
 """The batched append, item by item: what a small batch runs for every item and a large one
 for the items the arrays do not cover (copy-on-write, several new blocks at once, blocks that
-fill and get hashed). Reads and writes the pool's sequence columns through their stdlib
-arrays, whose per-item indexing is as cheap as a list's (see sequence.py)."""
+fill and get hashed, late ids). Reads and writes the pool's sequence columns through their
+stdlib arrays, whose per-item indexing is as cheap as a list's (see sequence.py).
+
+Late ids (why): a scheduler that plans step N+1 while step N runs (async scheduling) appends
+the token step N samples before it knows that token's id. Inside a partial block the id is
+not needed yet, but an append that starts or fills a block must reach the block manager, and
+a block can only be hashed once all its ids are known. So an append may say that its last
+`num_late` tokens' ids come later: they must all lie in the sequence's last block, their
+slots are assigned as usual, and the block that holds them is not hashed. The scheduler
+sends the ids with its next Step (`resolve_late`, before any other section touches the
+sequence); a full block is hashed then, its registration recorded in the step that wrote it
+(a failure of that step unregisters it, as for a block hashed at once). Until then the
+sequence takes no other append, fork, swap-out or already-written report.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +21,7 @@ from array import array
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from block_manager.core.errors import CoreError, OutOfBlocks, PendingWrite
+from block_manager.core.errors import CoreError, InvalidRequest, LateIdsPending, OutOfBlocks, PendingWrite
 from block_manager.core.hashing import hash_block_bytes, salt_bytes
 from block_manager.core.pool import Pool
 from block_manager.core.sequence import Sequence
@@ -35,22 +47,26 @@ def _pending(seq: Sequence, block: int, pool: Pool) -> PendingWrite:
     )
 
 
-def _hash_tail(pool: Pool, seq: Sequence, tail: list[int]) -> list[int]:
+def _hash_tail(pool: Pool, seq: Sequence, tail: list[int], late: int = 0,
+               registrations: list[tuple[int, bytes]] | None = None) -> list[int]:
     """Hash and register every full block at the front of `tail` (each chained on the
-    previous one); returns the tokens left over (the new partial block)."""
+    previous one) but a last one that holds `late` tokens; returns the tokens left over (the
+    new partial block, or that full block). Registrations go to the open step unless
+    `registrations` names the record of the step that wrote the blocks."""
     bs = pool.block_size
     salt_enc = salt_bytes(seq.salt)
     hashes = seq.block_hashes
     table = seq.block_table
+    regs = pool.step.registrations if registrations is None else registrations
     start = 0
-    while len(tail) - start >= bs:
+    while len(tail) - start > bs or (len(tail) - start == bs and not late):
         block_tokens = tuple(tail[start : start + bs])
         start += bs
         parent = hashes[-1] if hashes else None
         h = hash_block_bytes(parent, array("q", block_tokens), salt_enc)
         b = table[len(hashes)]
         if pool.register(b, h, parent, seq.salt, block_tokens):
-            pool.step.registrations.append((b, h))
+            regs.append((b, h))
         hashes.append(h)
     return tail[start:]
 
@@ -60,7 +76,61 @@ def stop_hashing(seq: Sequence) -> None:
     cols = seq.cols
     cols.hashing[seq.row] = 0
     cols.tail_len[seq.row] = 0
+    cols.num_late[seq.row] = 0
     seq.block_hashes = []
+
+
+def late_error(pool: Pool, seq: Sequence, n: int, late: int) -> CoreError | None:
+    """Why an append of `n` tokens, the last `late` of them without ids, may not run now."""
+    pending = pool.cols.num_late[seq.row]
+    if pending:
+        return LateIdsPending(
+            f"sequence {seq.seq_id!r}: the ids of its last {pending} tokens are still to come; send them "
+            "(the Step's late ids) before anything else touches it"
+        )
+    if late:
+        bs = pool.block_size
+        in_last = (seq.num_tokens + n - 1) % bs + 1
+        if late > n or late > in_last:
+            return InvalidRequest(
+                f"sequence {seq.seq_id!r}: {late} late ids for {n} new tokens; they must all lie in its "
+                f"last block ({in_last} of its tokens there after the append)"
+            )
+    return None
+
+
+def _registrations_of(pool: Pool, step_id: int) -> list[tuple[int, bytes]]:
+    """Where a hash of a block written in `step_id` is recorded: that step's, so a failure
+    report of it unregisters the hash (the open step's once it is settled)."""
+    for record in pool.unsettled:
+        if record.step_id == step_id:
+            return record.registrations
+    return pool.step.registrations
+
+
+def resolve_late(pool: Pool, seq: Sequence, token_ids: Seq[int]) -> None:
+    """The ids of the sequence's late tokens (module docstring): written into its tail, and
+    its last block hashed if full. Raises `InvalidRequest` with nothing changed. A sequence
+    that no longer hashes needs no ids: they are accepted and dropped."""
+    cols = pool.cols
+    row = seq.row
+    if not cols.hashing[row]:
+        return
+    k = cols.num_late[row]
+    if len(token_ids) != k:
+        raise InvalidRequest(f"sequence {seq.seq_id!r}: {len(token_ids)} late ids, {k} tokens await theirs")
+    if not k:
+        return
+    bs = pool.block_size
+    base = row * bs
+    tl = cols.tail_len[row]
+    cols.tail[base + tl - k : base + tl] = array("q", token_ids)
+    cols.num_late[row] = 0
+    if tl == bs:
+        block = seq.block_table[len(seq.block_hashes)]
+        _hash_tail(pool, seq, cols.tail[base : base + bs].tolist(),
+                   registrations=_registrations_of(pool, pool.write_step[block]))
+        cols.tail_len[row] = 0
 
 
 def _grow(pool: Pool, seq: Sequence, n: int) -> CopyOp | None:
@@ -109,13 +179,18 @@ def _grow(pool: Pool, seq: Sequence, n: int) -> CopyOp | None:
     return op
 
 
-def append_one(pool: Pool, seq: Sequence, n: int, toks: Seq[int] | None, mark: bool) -> tuple[int, CopyOp | None]:
+def append_one(pool: Pool, seq: Sequence, n: int, toks: Seq[int] | None, mark: bool,
+               late: int = 0) -> tuple[int, CopyOp | None]:
     """One item of a batch, alone: the sequence's token count after it and its copy-on-write
-    op. Raises a `CoreError` with nothing changed. Reads and writes the columns' stdlib
-    arrays (per-item indexing of those is as cheap as a list's)."""
+    op; its last `late` tokens' ids come later (module docstring; their entries in `toks` are
+    placeholders). Raises a `CoreError` with nothing changed. Reads and writes the columns'
+    stdlib arrays (per-item indexing of those is as cheap as a list's)."""
     cols = pool.cols
     row = seq.row
     bs = pool.block_size
+    err = late_error(pool, seq, n, late) if late or cols.num_late[row] else None
+    if err is not None:
+        raise err
     nt = cols.num_tokens[row]
     off = nt % bs
     op = None
@@ -143,8 +218,9 @@ def append_one(pool: Pool, seq: Sequence, n: int, toks: Seq[int] | None, mark: b
                     cols.tail[base + k : base + k + n] = array("q", toks)
                 cols.tail_len[row] = k + n
             else:
-                rest = _hash_tail(pool, seq, [*cols.tail[base : base + k], *toks])
+                rest = _hash_tail(pool, seq, [*cols.tail[base : base + k], *toks], late)
                 seq.tail_token_ids = rest
+            cols.num_late[row] = late
     return nt, op
 
 
@@ -155,9 +231,10 @@ def append_items(
     counts: Seq[int],
     toks: array | None,
     mark: bool,
+    late: Seq[int] | None = None,
 ) -> AppendOutcome:
     """A small batch, item by item (the loop is kept flat: it is the per-token cost of a
-    Step that carries only the sequences crossing a block)."""
+    Step that carries only the sequences crossing a block). `late[i]`: item i's late ids."""
     out = AppendOutcome([])
     push = out.num_tokens.append
     get = seqs.__getitem__
@@ -179,10 +256,12 @@ def append_items(
             step_id = pool.step.step_id
             cols = pool.cols
             ntc, lbc, lwc, hc, tail = cols.num_tokens, cols.last_block, cols.last_write_step, cols.hashing, cols.tail
+            lc = cols.num_late
         row = seq.row
         nt = ntc[row]
         off = nt % bs
-        if off and off + n <= bs and ref[last := lbc[row]] == 1:
+        k_late = 0 if late is None else late[i]
+        if off and off + n <= bs and ref[last := lbc[row]] == 1 and not (k_late or lc[row]):
             # Inside (or exactly filling) an exclusive partial block: same table, no copy.
             nt += n
             ntc[row] = nt
@@ -204,7 +283,7 @@ def append_items(
                         cols.tail_len[row] = off + n
         else:
             try:
-                nt, op = append_one(pool, seq, n, None if toks is None else toks[pos : pos + n], mark)
+                nt, op = append_one(pool, seq, n, None if toks is None else toks[pos : pos + n], mark, k_late)
             except CoreError as exc:
                 out.failures.append((i, exc))
                 push(0)
@@ -233,4 +312,5 @@ def hash_full_row(pool: Pool, seq: Sequence) -> None:
     cols.tail_len[seq.row] = 0
 
 
-__all__ = ["AppendOutcome", "append_items", "append_one", "hash_full_row", "stop_hashing"]
+__all__ = ["AppendOutcome", "append_items", "append_one", "hash_full_row", "late_error", "resolve_late",
+           "stop_hashing"]

@@ -62,6 +62,11 @@ class PendingWrite(FailedPrecondition):
     (e.g. a copy-on-write of a partial block filled in the current, unreported step)."""
 
 
+class LateIdsPending(FailedPrecondition):
+    """A sequence's last tokens still await their ids (late ids of an earlier append): it
+    takes nothing else until the scheduler sends them."""
+
+
 class PoolLeased(FailedPrecondition):
     """Another scheduler drives the pool and its lease has not lapsed."""
 
@@ -88,6 +93,7 @@ __all__ = [
     "StaleEpoch",
     "NodeFenced",
     "DoubleFree",
+    "LateIdsPending",
     "PendingWrite",
     "PoolLeased",
     "StepsUnsettled",

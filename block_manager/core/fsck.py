@@ -101,13 +101,19 @@ def _check_pool(pool: Pool) -> list[str]:
                 out.append(s + f"block id {b} out of range")
             else:
                 holders[b] += 1
+        late = seq.num_late
         if seq.hashing:
-            if len(seq.block_hashes) != seq.num_tokens // bs:
-                out.append(s + f"{len(seq.block_hashes)} block hashes for {seq.num_tokens} tokens")
-            if len(seq.tail_token_ids) != seq.num_tokens % bs:
+            # a full last block is hashed once its late ids (if any) arrived
+            full = seq.num_tokens // bs - (1 if late and seq.num_tokens % bs == 0 else 0)
+            if len(seq.block_hashes) != full:
+                out.append(s + f"{len(seq.block_hashes)} block hashes for {seq.num_tokens} tokens"
+                           + (f" ({late} late ids)" if late else ""))
+            if len(seq.tail_token_ids) != seq.num_tokens - full * bs:
                 out.append(s + f"{len(seq.tail_token_ids)} tail tokens for {seq.num_tokens} tokens")
-        elif seq.block_hashes or seq.tail_token_ids:
-            out.append(s + "hashing is off but hashes/tail tokens are kept")
+            if not 0 <= late <= len(seq.tail_token_ids):
+                out.append(s + f"{late} late ids for {len(seq.tail_token_ids)} tail tokens")
+        elif seq.block_hashes or seq.tail_token_ids or late:
+            out.append(s + "hashing is off but hashes/tail tokens/late ids are kept")
 
     for b, n_loans in loan_holders(pool).items():   # blocks lent to other pools' fetches
         holders[b] += n_loans

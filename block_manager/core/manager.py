@@ -31,7 +31,8 @@ from block_manager.core import disk_tier as _disk
 from block_manager.core import fetch as _fetch
 from block_manager.core import kv_events as _kv_events
 from block_manager.core import tiers as _tiers
-from block_manager.core.append import AppendOutcome, append_columns, item_error
+from block_manager.core.append import INT64_MAX, INT64_MIN, AppendOutcome, append_columns, item_error
+from block_manager.core.append_item import late_error, resolve_late
 from block_manager.core.errors import (
     CoreError,
     FailedPrecondition,
@@ -429,10 +430,14 @@ class BlockManager:
         token_ids: Seq[int] | None = None,
         *,
         already_written: bool = False,
+        num_late: Seq[int] | None = None,
     ) -> AppendOutcome:
         """Add tokens to a batch of sequences (one scheduler step), columnar: sequence i gets
         `num_new_tokens[i]` tokens; `token_ids` holds all their ids back to back (or is None:
         hashing then stops for those sequences, the chain cannot continue without content).
+        With `num_late`, the last `num_late[i]` ids of item i are placeholders: the real ones
+        come with `resolve_late` before the sequence takes anything else (late ids, for a
+        scheduler that plans a step before the previous one sampled; see append_item.py).
 
         Per sequence: blocks added at block boundaries, and a copy-on-write op when the
         partial last block is shared (ref_cnt > 1: the sequence gets a fresh block, the node
@@ -446,7 +451,38 @@ class BlockManager:
         sequence's exclusive partial last block without asking (see append.py).
         """
         return append_columns(self._pools, self._seqs, seq_ids, num_new_tokens, token_ids,
-                              already_written=already_written)
+                              already_written=already_written, num_late=num_late)
+
+    def resolve_late(
+        self, seq_ids: Seq[SeqId], num_token_ids: Seq[int], token_ids: Seq[int]
+    ) -> list[tuple[int, CoreError]]:
+        """The late ids of earlier appends: sequence i gets the next `num_token_ids[i]` of
+        `token_ids` for its tokens that await theirs (all of them at once); a full last block
+        is hashed then. Per item: a failed item (unknown sequence, wrong count, a bad id)
+        changes nothing and is listed; the others apply in order."""
+        if len(num_token_ids) != len(seq_ids):
+            raise InvalidRequest(f"{len(num_token_ids)} late-id counts for {len(seq_ids)} sequences")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise InvalidRequest("a sequence appears twice among the late ids")
+        if sum(num_token_ids) != len(token_ids):
+            raise InvalidRequest(f"{len(token_ids)} late ids for counts summing to {sum(num_token_ids)}")
+        failures: list[tuple[int, CoreError]] = []
+        pos = 0
+        for i, (sid, k) in enumerate(zip(seq_ids, num_token_ids)):
+            ids = token_ids[pos : pos + k]
+            pos += k
+            seq = self._seqs.get(sid)
+            if seq is None:
+                failures.append((i, UnknownSequence(f"unknown sequence {sid!r}")))
+                continue
+            bad = next((t for t in ids if type(t) is not int or not INT64_MIN <= t <= INT64_MAX), None)
+            try:
+                if bad is not None:
+                    raise InvalidRequest(f"token id {bad!r} is not an int64 integer")
+                resolve_late(self._pools[seq.pool_id], seq, ids)
+            except CoreError as exc:
+                failures.append((i, exc))
+        return failures
 
     def append_slots(
         self, requests: Seq[AppendRequest], *, already_written: bool = False
@@ -583,6 +619,8 @@ class BlockManager:
         pool = self._pools[src.pool_id]
         if pool.draining:
             raise PoolDraining(f"pool {src.pool_id!r} is draining")
+        if src.num_late:   # the children would inherit placeholders nobody resolves
+            raise late_error(pool, src, 1, 0)  # type: ignore[misc]
         views: list[SequenceView] = []
         step = pool.step
         for cid in children:

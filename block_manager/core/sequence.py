@@ -20,7 +20,7 @@ from block_manager.core.hashing import BlockHash
 from block_manager.core.types import PoolId, SeqId, SequenceView
 
 _INITIAL_ROWS = 64
-_COLUMNS = ("num_tokens", "last_block", "last_write_step", "hashing", "tail_len", "tail")
+_COLUMNS = ("num_tokens", "last_block", "last_write_step", "hashing", "tail_len", "tail", "num_late")
 
 
 class SeqColumns:
@@ -29,8 +29,10 @@ class SeqColumns:
 
     Each column is a flat stdlib int64 `array` (what per-item code indexes: as cheap as a
     list) with a numpy view over the same memory (`*_np`, what the batched append uses).
-    `tail[row * block_size :][: tail_len[row]]` holds the tokens of the partial last block
-    while the sequence hashes (`tail_len == num_tokens % block_size` then; fsck checks it)."""
+    `tail[row * block_size :][: tail_len[row]]` holds the tokens of the last block not hashed
+    yet while the sequence hashes: the partial last block (`tail_len == num_tokens %
+    block_size`), or a full one whose last `num_late[row]` ids are still to come (late ids,
+    see append_item.py; `tail_len == block_size` then). fsck checks both."""
 
     __slots__ = ("block_size", "capacity", "row_of", "_free_rows", "_next_row",
                  *_COLUMNS, *(f"{name}_np" for name in _COLUMNS))
@@ -71,6 +73,7 @@ class SeqColumns:
         self.num_tokens[row] = 0
         self.hashing[row] = 0
         self.tail_len[row] = 0
+        self.num_late[row] = 0
         self._free_rows.append(row)
 
 
@@ -80,9 +83,10 @@ class Sequence:
 
     `block_hashes[i]` is the chained hash of logical block i; it is kept for every full
     block while `hashing` is on (even when another physical block owns that hash in the
-    prefix index) because the next block's hash chains from it. `tail_token_ids` are the
-    tokens of the partial last block, the only content still needed to hash it once it
-    fills up. `hashing` turns off for good when an append arrives without token ids.
+    prefix index) because the next block's hash chains from it (but a full last block whose
+    `num_late` ids are still to come). `tail_token_ids` are the tokens of the last block not
+    hashed yet, the only content still needed to hash it. `hashing` turns off for good when an
+    append arrives without token ids.
     `last_write_step` is the last step that gave it tokens to write; while that step is still
     open the sequence cannot be freed (its writes, which forks and prefix hits of this step may
     share, would never happen). `last_step` is the last step that created it or changed its
@@ -106,6 +110,7 @@ class Sequence:
         block_hashes: list[BlockHash] | None = None,
         last_step: int = 0,
         last_write_step: int = 0,
+        num_late: int = 0,
         *,
         cols: SeqColumns,
     ) -> None:
@@ -124,6 +129,7 @@ class Sequence:
         cols.last_write_step[row] = last_write_step
         cols.hashing[row] = 1 if hashing else 0
         self.tail_token_ids = tail_token_ids
+        cols.num_late[row] = num_late
 
     def release(self) -> None:
         """The sequence is gone: its row may be reused."""
@@ -177,6 +183,15 @@ class Sequence:
             except OverflowError:
                 raise ValueError(f"sequence {self.seq_id!r}: a tail token is not an int64") from None
         cols.tail_len[self.row] = k
+
+    @property
+    def num_late(self) -> int:
+        """Tokens at the end of the tail whose ids the scheduler has not sent yet (late ids)."""
+        return self.cols.num_late[self.row]
+
+    @num_late.setter
+    def num_late(self, value: int) -> None:
+        self.cols.num_late[self.row] = value
 
     @property
     def last_touched_step(self) -> int:

@@ -104,6 +104,7 @@ def _pool_to_dict(pool: Pool) -> dict[str, Any]:
                 "block_hashes": [h.hex() for h in s.block_hashes],
                 "last_step": s.last_step,
                 "last_write_step": s.last_write_step,
+                **({"num_late": s.num_late} if s.num_late else {}),
             }
             for s in pool.seqs.values()
         ],
@@ -272,6 +273,7 @@ def _pool_from_dict(d: dict[str, Any]) -> Pool:
             [int(t) for t in s["tail_token_ids"]], [bytes.fromhex(h) for h in s["block_hashes"]],
             int(s["last_step"]),
             int(s["last_write_step"]),
+            int(s.get("num_late", 0)),
             cols=pool.cols,
         )
         pool.seqs[seq.seq_id] = seq

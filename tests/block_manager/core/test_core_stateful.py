@@ -9,6 +9,11 @@ writes every pending token at the tail of the sequence's node-side table — and
 settles the step as complete (or, sometimes, as failed: the node did nothing, and the core
 must drop what that step wrote).
 
+Late ids (async scheduling's appends whose last ids come with the next Step) are mixed in:
+some appends leave their last ids late, the ids arrive while the step's Forward runs or after
+it was reported (`resolve`), and a sequence awaiting ids is refused anything else. The node
+always writes the real tokens.
+
 Checked after every rule, for every live sequence that has no pending writes: its tokens,
 read back through the *node's* table from the node's memory, equal what the sequence was
 given, and after every Forward the node's tables equal the core's. That covers prefix hits
@@ -42,6 +47,8 @@ from block_manager.core import (
     StepOutput,
     UnknownSequence,
 )
+from block_manager.core.errors import LateIdsPending
+from block_manager.core.hashing import hash_prefix
 
 POOLS = {"p": (40, 4), "q": (24, 2)}  # pool id → (num_blocks, block_size)
 PREFIXES = [list(range(100, 124)), list(range(200, 224)), [7] * 24]
@@ -116,6 +123,8 @@ class CoreMachine(RuleBasedStateMachine):
         self.expected: dict[str, list[int]] = {}  # live seq → its tokens
         self.pool_of: dict[str, str] = {}
         self.pending: dict[str, list[int]] = {}   # seq → tokens to write in the open step
+        self.late: dict[str, list[int]] = {}      # seq → the real ids of its tokens appended late
+        self.salt_of: dict[str, str | None] = {}
         self.nodes = {pid: ShadowNode(bs) for pid, (_, bs) in POOLS.items()}
         self.next_seq = 0
         self.next_synthetic = -1
@@ -143,6 +152,7 @@ class CoreMachine(RuleBasedStateMachine):
         del self.expected[sid]
         del self.pool_of[sid]
         self.pending.pop(sid, None)
+        self.late.pop(sid, None)
 
     # ---- rules: the scheduler -------------------------------------------------------
     @rule(
@@ -184,6 +194,7 @@ class CoreMachine(RuleBasedStateMachine):
         # the node reads them after this step's writes.
         self.expected[sid] = list(tokens)
         self.pool_of[sid] = pid
+        self.salt_of[sid] = salt
         self.pending[sid] = list(tokens[r.num_cached_tokens :])
 
     @rule(
@@ -199,11 +210,15 @@ class CoreMachine(RuleBasedStateMachine):
         self.allocate(pid, prefix, bs * (2 + extra_blocks), [1], salt, True)
 
     @has_live
-    @rule(data=st.data(), decode_only=st.booleans())
-    def append(self, data, decode_only) -> None:
-        chosen = data.draw(
-            st.lists(st.sampled_from(sorted(self.expected)), min_size=1, max_size=6, unique=True)
-        )
+    @rule(data=st.data(), decode_only=st.booleans(), late=st.sampled_from([False, False, True]))
+    def append(self, data, decode_only, late) -> None:
+        if late:
+            self.append_late(data)
+            return
+        ready = sorted(s for s in self.expected if s not in self.late)
+        if not ready:
+            return
+        chosen = data.draw(st.lists(st.sampled_from(ready), min_size=1, max_size=6, unique=True))
         requests = []
         new_tokens: dict[str, list[int]] = {}
         for sid in chosen:
@@ -248,18 +263,72 @@ class CoreMachine(RuleBasedStateMachine):
         # `can_append` is exact for the first sequence of the batch.
         assert can[chosen[0]] == isinstance(results[0], AppendResult)
 
+    def append_late(self, data) -> None:
+        """Appends whose last ids are placeholders (the scheduler planned this step before
+        the previous one sampled); one item names a sequence already awaiting ids."""
+        ready = sorted(s for s in self.expected if s not in self.late)
+        waiting = sorted(self.late)
+        if not ready:
+            return
+        chosen = data.draw(st.lists(st.sampled_from(ready), min_size=1, max_size=5, unique=True))
+        ids, counts, flat, lates, real = [], [], [], [], {}
+        for sid in chosen:
+            pid = self.pool_of[sid]
+            bs = POOLS[pid][1]
+            n = data.draw(st.integers(1, 3))
+            toks = data.draw(st.lists(st.integers(0, 50), min_size=n, max_size=n))
+            in_last = (len(self.expected[sid]) + n - 1) % bs + 1
+            k = data.draw(st.integers(1, min(n, in_last)))
+            ids.append(sid)
+            counts.append(n)
+            flat.extend([*toks[: n - k], *[0] * k])
+            lates.append(k)
+            real[sid] = toks
+        refused = waiting[0] if waiting and data.draw(st.booleans()) else None
+        if refused is not None:
+            ids.append(refused)
+            counts.append(1)
+            flat.append(5)
+            lates.append(0)
+        views_before = {sid: self.m.get_sequence(sid) for sid in ids}
+        out = self.m.append_tokens(ids, counts, flat, num_late=lates)
+        failed = dict(out.failures)
+        for i, sid in enumerate(ids):
+            if sid == refused:
+                assert isinstance(failed.get(i), LateIdsPending)
+                EVENTS["late_refused"] += 1
+            if i in failed:
+                if sid != refused:
+                    assert isinstance(failed[i], (OutOfBlocks, PendingWrite)), failed[i]
+                assert self.m.get_sequence(sid) == views_before[sid]
+                continue
+            toks, k = real[sid], lates[i]
+            bs = POOLS[self.pool_of[sid]][1]
+            EVENTS["late_append"] += 1
+            EVENTS["late_fill"] += out.num_tokens[i] % bs == 0
+            self.expected[sid].extend(toks)
+            self.pending.setdefault(sid, []).extend(toks)   # the node writes the real tokens
+            if self.m._seqs[sid].hashing:   # one that hashes nothing needs no ids (nor waits for them)
+                self.late[sid] = toks[len(toks) - k :]
+
     @has_live
     @rule(data=st.data(), num_children=st.integers(1, 3))
     def fork(self, data, num_children) -> None:
         parent = self.live(data)
         assert parent is not None
         children = [self.new_id() for _ in range(num_children)]
+        if parent in self.late:   # the children would inherit placeholders
+            before = self.m.to_snapshot()
+            self.expect_unchanged(before, lambda: self.m.fork(parent, children), LateIdsPending)
+            EVENTS["late_refused"] += 1
+            return
         views = self.m.fork(parent, children)
         EVENTS["fork"] += 1
         assert [v.block_table for v in views] == [self.m.get_sequence(parent).block_table] * num_children
         for c in children:
             self.expected[c] = list(self.expected[parent])
             self.pool_of[c] = self.pool_of[parent]
+            self.salt_of[c] = self.salt_of[parent]
         before = self.m.to_snapshot()
         self.expect_unchanged(before, lambda: self.m.fork(parent, [children[0]]), SequenceExists)
 
@@ -351,13 +420,19 @@ class CoreMachine(RuleBasedStateMachine):
             assert plan.moves and (max_moves is None or len(plan.moves) <= max_moves)
 
     # ---- rules: one step end to end -------------------------------------------------
-    @rule(pid=st.sampled_from(sorted(POOLS)), fail=st.sampled_from([False] * 9 + [True]))
-    def forward(self, pid, fail) -> None:
+    @rule(pid=st.sampled_from(sorted(POOLS)), fail=st.sampled_from([False] * 9 + [True]),
+          resolve=st.booleans())
+    def forward(self, pid, fail, resolve=False) -> None:
         out = self.m.close_step(pid)
         if out is None:
             assert not any(self.pool_of[s] == pid for s in self.pending)
             return
         writers = sorted(s for s in self.pending if self.pool_of[s] == pid)
+        late = sorted(s for s in self.late if self.pool_of[s] == pid)
+        if resolve and late:   # the ids arrive (with the next Step) while this Forward runs
+            self.resolve(late)
+            EVENTS["late_resolve_unsettled"] += 1
+            EVENTS["late_resolve_then_fail"] += fail
         if fail:
             # The Forward never ran: nothing reached the node; the core drops what it wrote.
             result = self.m.settle_steps(pid, out.step_id - 1, failed_from=out.step_id)
@@ -371,12 +446,23 @@ class CoreMachine(RuleBasedStateMachine):
         for sid in writers:
             node.write_tail(sid, self.pending.pop(sid))
         result = self.m.settle_steps(pid, out.step_id)
+        if late and not resolve:   # the ids arrive after the step was reported
+            self.resolve(late)
         EVENTS["commit"] += len(result.committed_plan_ids)
         assert result.dropped_seq_ids == ()
         if not result.committed_plan_ids:
             for v in self.m.sequences(pid):  # the deltas rebuilt exactly the core's tables
                 assert tuple(node.tables[v.seq_id]) == v.block_table
                 assert node.versions[v.seq_id] == v.version
+
+    def resolve(self, ids: list[str]) -> None:
+        """The late ids of `ids` arrive (one unknown sequence among them is refused alone)."""
+        fails = self.m.resolve_late([*ids, "nobody"], [*(len(self.late[s]) for s in ids), 1],
+                                    [t for s in ids for t in self.late[s]] + [3])
+        assert [(i, type(e)) for i, e in fails] == [(len(ids), UnknownSequence)]
+        for sid in ids:
+            del self.late[sid]
+        EVENTS["late_resolve"] += 1
 
     def free_everything(self) -> None:
         for pid in POOLS:
@@ -397,6 +483,16 @@ class CoreMachine(RuleBasedStateMachine):
     @invariant()
     def healthy(self) -> None:
         assert self.m.fsck() == []
+
+    @invariant()
+    def hashes_follow_the_real_tokens(self) -> None:
+        """Every hashing sequence awaiting no ids hashes exactly its tokens' full blocks (a
+        late id hashed as its placeholder would show here)."""
+        for sid, tokens in self.expected.items():
+            seq = self.m._seqs[sid]
+            if seq.hashing and sid not in self.late:
+                bs = POOLS[self.pool_of[sid]][1]
+                assert seq.block_hashes == hash_prefix(tokens, bs, self.salt_of[sid]), sid
 
     @invariant()
     def counts_and_ref_counts(self) -> None:
@@ -445,7 +541,8 @@ def run_machine(max_examples: int, steps: int, derandomize: bool) -> None:
     print(dict(EVENTS))
     # The generator must keep reaching the interesting paths, or the test proves little.
     for event in ("prefix_hit", "cow", "append_new_block", "allocate_out_of_blocks", "fork",
-                  "plan_compaction", "plan_contiguity", "commit", "abort", "pending_write", "step_failed"):
+                  "plan_compaction", "plan_contiguity", "commit", "abort", "pending_write", "step_failed",
+                  "late_append", "late_fill", "late_resolve", "late_refused", "late_resolve_unsettled"):
         assert EVENTS[event] > 0, f"the state machine never exercised {event}: {dict(EVENTS)}"
 
 
