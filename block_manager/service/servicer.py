@@ -86,6 +86,14 @@ def step_payload(request: pb.StepRequest) -> dict[str, Any]:
             "num_tokens": list(request.append_num_tokens),
             "token_ids": list(request.append_token_ids),
         }
+        if request.append_num_late:
+            payload["append"]["num_late"] = list(request.append_num_late)
+    if request.late_seq_ids:
+        payload["late"] = {
+            "seq_ids": list(request.late_seq_ids),
+            "num_tokens": list(request.late_num_tokens),
+            "token_ids": list(request.late_token_ids),
+        }
     return payload
 
 

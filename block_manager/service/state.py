@@ -12,7 +12,8 @@ deadlines, which are not durable (they restart at recovery), so replay stays det
 `Applied(result, mutated)`, and only mutated results are journaled.
 
 The hot operation is `step` (one scheduler step, `step_codec.py`): reports of earlier
-Forwards, frees, admissions, already-written reports, forks and appends, then the open step of
+Forwards, frees, late ids of earlier appends, admissions, already-written reports, swaps, forks
+and appends, then the open step of
 every pool the scheduler drives is closed and returned as that pool's `PoolStep`.
 """
 
@@ -234,7 +235,8 @@ class ServiceState:
         pools: set[str] = {r.pool_id for r in step.reports if r.pool_id in live}
         pools.update(a.pool_id for a in step.allocs if a.pool_id in live)
         pools.update(src for a in step.allocs for src in a.fetch_sources if src in live)
-        pools |= self.core.pools_of([*step.free_ids, *self._item_seq_ids(step), *step.swap_ids])
+        pools |= self.core.pools_of([*step.free_ids, *self._item_seq_ids(step), *step.swap_ids,
+                                     *step.late.seq_ids])  # type: ignore[list-item]
         return sorted(PoolId(p) for p in pools)
 
     def _swap(self, key: str, ids: list[SeqId], errors: list[list[Any]]) -> list[SeqId]:
@@ -261,6 +263,26 @@ class ServiceState:
     def _item_seq_ids(step: StepInput) -> list[SeqId]:
         """The existing sequences a step's items name (forks, appends, already-written)."""
         return [*(SeqId(f[0]) for f in step.forks), *step.appends.seq_ids, *step.written.seq_ids]  # type: ignore[list-item]
+
+    def _resolve_late(self, late: AppendColumns, dropped: set[SeqId], errors: list[list[Any]]) -> None:
+        """The late ids of earlier appends (before every section that may touch their
+        sequences). Ids for a sequence this Step's reports just dropped are moot: skipped."""
+        if not late:
+            return
+        keep = [i for i, sid in enumerate(late.seq_ids) if SeqId(sid) not in dropped]
+        starts = [0]
+        for n in late.counts:
+            starts.append(starts[-1] + n)
+        ids = late.token_ids or []
+        failures = self.core.resolve_late(
+            [SeqId(late.seq_ids[i]) for i in keep], [late.counts[i] for i in keep],
+            [t for i in keep for t in ids[starts[i] : starts[i + 1]]],
+        )
+        for j, err in failures:
+            i = keep[j]
+            if isinstance(err, UnknownSequence):
+                err = self._missing_seq_error(SeqId(late.seq_ids[i]))
+            errors.append(item_error("late", i, err))
 
     def _step(self, p: dict[str, Any], now: float) -> Applied:
         sched = check_scheduler_id(p.get("scheduler_id"))
@@ -311,6 +333,7 @@ class ServiceState:
             self._forget(sid)
             self._remember(self.freed_ids, sid, None)
         errors: list[list[Any]] = []
+        self._resolve_late(step.late, dropped, errors)
         alloc_cached, alloc_tokens = self._allocate(step, errors, not_placed)
         self._append(step.written, "written", errors, already_written=True)
         # after the written reports: a swapped-out sequence's true length is known by then
@@ -339,7 +362,7 @@ class ServiceState:
                         self._remember(self.fenced_ids, sid, pid)
                 self.leases.release(pid)
             lease_epochs = {}
-        num_items = len(step.allocs) + len(step.written) + len(step.forks) + len(step.appends)
+        num_items = len(step.allocs) + len(step.written) + len(step.forks) + len(step.appends) + len(step.late)
         # a step whose every item failed and that settled, freed, closed and took nothing is
         # answered but not journaled (replaying it would change nothing)
         mutated = bool(
@@ -523,7 +546,7 @@ class ServiceState:
         if not items:
             return []
         out = self.core.append_tokens(items.seq_ids, items.counts, items.token_ids,  # type: ignore[arg-type]
-                                      already_written=already_written)
+                                      already_written=already_written, num_late=items.num_late)
         for i, err in out.failures:
             if isinstance(err, UnknownSequence):
                 err = self._missing_seq_error(SeqId(items.seq_ids[i]))

@@ -18,7 +18,7 @@ from block_manager.core.types import SeqId, StepOutput
 from block_manager.service.disk_codec import disk_step_blocks
 from block_manager.service.state_codec import MAX_ID_LEN
 
-SECTIONS = ("alloc", "written", "fork", "append")
+SECTIONS = ("alloc", "written", "fork", "append", "late")
 
 
 # The checks below run once per Step on lists of hundreds of entries: they use C-level
@@ -96,6 +96,7 @@ class AppendColumns:
     seq_ids: list[str]
     counts: list[int]
     token_ids: list[int] | None
+    num_late: list[int] | None = None   # appends only: per item, its last tokens whose ids come later
 
     def __len__(self) -> int:
         return len(self.seq_ids)
@@ -114,6 +115,7 @@ class StepInput:
     forks: list[tuple[str, list[str]]]
     appends: AppendColumns
     placement: Placement
+    late: AppendColumns = field(default_factory=lambda: AppendColumns([], [], None))  # late ids of earlier appends
     swap_ids: list[SeqId] = field(default_factory=list)   # swap-outs and swap-ins (state._step fills it)
 
     @classmethod
@@ -132,18 +134,19 @@ class StepInput:
         _distinct("allocation seq_ids", [a.seq_id for a in allocs])
         written = _decode_appends("written", p.get("written") or {})
         appends = _decode_appends("append", p.get("append") or {})
+        late = _decode_late(p.get("late") or {})
         forks = _decode_forks(p.get("fork") or {})
         children = [c for _, cs in forks for c in cs]
         _distinct("fork child ids", children)
         for name, n in (("frees", len(free_ids)), ("allocations", len(allocs)), ("written reports", len(written)),
-                        ("forks", len(children)), ("appends", len(appends))):
+                        ("forks", len(children)), ("appends", len(appends)), ("late-id items", len(late))):
             if n > max_batch:
                 raise InvalidRequest(f"a step may carry at most {max_batch} {name}, got {n}")
         epochs = p.get("pool_epochs") or {}
         if not isinstance(epochs, dict):
             raise InvalidRequest("pool_epochs must be a mapping")
         return cls(str(p["scheduler_id"]), dict(epochs), reports, free_ids, allocs, written, forks, appends,
-                   placement)
+                   placement, late)
 
 
 def _decode_allocs(a: Mapping[str, Any]) -> tuple[list[Alloc], Placement]:
@@ -201,7 +204,23 @@ def _decode_appends(section: str, a: Mapping[str, Any]) -> AppendColumns:
     token_ids = _ints(f"{section}_token_ids", a.get("token_ids", []))
     if token_ids and len(token_ids) != sum(counts):
         raise InvalidRequest(f"{section}: {len(token_ids)} token ids for {sum(counts)} tokens (give all or none)")
-    return AppendColumns(seq_ids, counts, token_ids or None)
+    num_late = _ints(f"{section}_num_late", a.get("num_late", []))
+    if num_late and len(num_late) != len(seq_ids):
+        raise InvalidRequest(f"{section}_num_late has {len(num_late)} entries for {len(seq_ids)} sequences")
+    return AppendColumns(seq_ids, counts, token_ids or None, num_late or None)
+
+
+def _decode_late(a: Mapping[str, Any]) -> AppendColumns:
+    """The late-ids section: per sequence, all the ids it awaits (at least one)."""
+    seq_ids = _ids("late_seq_ids", a.get("seq_ids", []))
+    counts = _ints("late_num_tokens", a.get("num_tokens", []), minimum=1)
+    if len(counts) != len(seq_ids):
+        raise InvalidRequest(f"late_num_tokens has {len(counts)} entries for {len(seq_ids)} sequences")
+    _distinct("late seq_ids", seq_ids)
+    token_ids = _ints("late_token_ids", a.get("token_ids", []))
+    if len(token_ids) != sum(counts):
+        raise InvalidRequest(f"late: {len(token_ids)} token ids for {sum(counts)} tokens")
+    return AppendColumns(seq_ids, counts, token_ids)
 
 
 def _decode_forks(f: Mapping[str, Any]) -> list[tuple[str, list[str]]]:

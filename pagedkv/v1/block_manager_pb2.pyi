@@ -466,8 +466,9 @@ Global___StepReport: _TypeAlias = StepReport  # noqa: Y015
 
 @_typing.final
 class StepRequest(_message.Message):
-    """One scheduler step. Sections apply in this order: reports, frees, allocations, already-written
-    reports, forks, appends; then a defrag plan where the policy (or an admin) asks for one.
+    """One scheduler step. Sections apply in this order: reports, frees, late ids, allocations,
+    already-written reports, forks, appends; then a defrag plan where the policy (or an admin)
+    asks for one.
     Columnar: item i of a section is the i-th entry of its parallel lists; token ids are
     flattened per section with a per-item count.
     """
@@ -517,6 +518,7 @@ class StepRequest(_message.Message):
     APPEND_SEQ_IDS_FIELD_NUMBER: _builtins.int
     APPEND_NUM_TOKENS_FIELD_NUMBER: _builtins.int
     APPEND_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    APPEND_NUM_LATE_FIELD_NUMBER: _builtins.int
     RELEASE_LEASES_FIELD_NUMBER: _builtins.int
     SESSION_FIELD_NUMBER: _builtins.int
     ALLOC_PLACE_FIELD_NUMBER: _builtins.int
@@ -524,6 +526,9 @@ class StepRequest(_message.Message):
     ADMIT_BUDGET_FIELD_NUMBER: _builtins.int
     SWAP_OUT_SEQ_IDS_FIELD_NUMBER: _builtins.int
     SWAP_IN_SEQ_IDS_FIELD_NUMBER: _builtins.int
+    LATE_SEQ_IDS_FIELD_NUMBER: _builtins.int
+    LATE_NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    LATE_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     scheduler_id: _builtins.str
     """the pools' lease holder (one scheduler drives a pool)"""
@@ -601,6 +606,15 @@ class StepRequest(_message.Message):
     @_builtins.property
     def append_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
+    def append_num_late(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Late ids (a scheduler that plans this step before the previous one sampled): the last
+        append_num_late[i] tokens of append i (all in the sequence's last block) get their ids
+        with a later Step; their entries in append_token_ids are placeholders (0). Empty: none.
+        Until they arrive the block holding them is not hashed and the sequence takes no other
+        append, fork, swap-out or already-written report (FAILED_PRECONDITION, "LateIdsPending").
+        """
+
+    @_builtins.property
     def session(self) -> Global___ClientSession: ...
     @_builtins.property
     def alloc_place(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
@@ -627,6 +641,16 @@ class StepRequest(_message.Message):
 
     @_builtins.property
     def swap_in_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def late_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The late ids of earlier appends, right after the frees: sequence i gets the next
+        late_num_tokens[i] of late_token_ids, all the ids it awaits at once (section "late").
+        """
+
+    @_builtins.property
+    def late_num_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def late_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -653,6 +677,7 @@ class StepRequest(_message.Message):
         append_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
         append_num_tokens: _abc.Iterable[_builtins.int] | None = ...,
         append_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        append_num_late: _abc.Iterable[_builtins.int] | None = ...,
         release_leases: _builtins.bool = ...,
         session: Global___ClientSession | None = ...,
         alloc_place: _abc.Iterable[_builtins.bool] | None = ...,
@@ -660,10 +685,13 @@ class StepRequest(_message.Message):
         admit_budget: _builtins.int = ...,
         swap_out_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
         swap_in_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
+        late_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
+        late_num_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        late_token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["session", b"session"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admit_budget", b"admit_budget", "alloc_num_compute", b"alloc_num_compute", "alloc_num_token_ids", b"alloc_num_token_ids", "alloc_num_tokens", b"alloc_num_tokens", "alloc_place", b"alloc_place", "alloc_pool_index", b"alloc_pool_index", "alloc_salt_index", b"alloc_salt_index", "alloc_seq_ids", b"alloc_seq_ids", "alloc_token_ids", b"alloc_token_ids", "append_num_tokens", b"append_num_tokens", "append_seq_ids", b"append_seq_ids", "append_token_ids", b"append_token_ids", "fork_child_ids", b"fork_child_ids", "fork_num_children", b"fork_num_children", "fork_parent_ids", b"fork_parent_ids", "free_seq_ids", b"free_seq_ids", "place_pool_ids", b"place_pool_ids", "pool_epochs", b"pool_epochs", "pool_ids", b"pool_ids", "release_leases", b"release_leases", "reports", b"reports", "request_id", b"request_id", "salts", b"salts", "scheduler_id", b"scheduler_id", "session", b"session", "swap_in_seq_ids", b"swap_in_seq_ids", "swap_out_seq_ids", b"swap_out_seq_ids", "written_num_tokens", b"written_num_tokens", "written_seq_ids", b"written_seq_ids", "written_token_ids", b"written_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admit_budget", b"admit_budget", "alloc_num_compute", b"alloc_num_compute", "alloc_num_token_ids", b"alloc_num_token_ids", "alloc_num_tokens", b"alloc_num_tokens", "alloc_place", b"alloc_place", "alloc_pool_index", b"alloc_pool_index", "alloc_salt_index", b"alloc_salt_index", "alloc_seq_ids", b"alloc_seq_ids", "alloc_token_ids", b"alloc_token_ids", "append_num_late", b"append_num_late", "append_num_tokens", b"append_num_tokens", "append_seq_ids", b"append_seq_ids", "append_token_ids", b"append_token_ids", "fork_child_ids", b"fork_child_ids", "fork_num_children", b"fork_num_children", "fork_parent_ids", b"fork_parent_ids", "free_seq_ids", b"free_seq_ids", "late_num_tokens", b"late_num_tokens", "late_seq_ids", b"late_seq_ids", "late_token_ids", b"late_token_ids", "place_pool_ids", b"place_pool_ids", "pool_epochs", b"pool_epochs", "pool_ids", b"pool_ids", "release_leases", b"release_leases", "reports", b"reports", "request_id", b"request_id", "salts", b"salts", "scheduler_id", b"scheduler_id", "session", b"session", "swap_in_seq_ids", b"swap_in_seq_ids", "swap_out_seq_ids", b"swap_out_seq_ids", "written_num_tokens", b"written_num_tokens", "written_seq_ids", b"written_seq_ids", "written_token_ids", b"written_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -687,7 +715,7 @@ class ItemError(_message.Message):
     """machine-readable class name, e.g. "OutOfBlocks", "PendingWrite" """
     message: _builtins.str
     section: _builtins.str
-    """"alloc", "written", "fork", "append" """
+    """"alloc", "written", "fork", "append", "swap_out", "swap_in", "late" """
     index: _builtins.int
     """index of the item in its section"""
     def __init__(
