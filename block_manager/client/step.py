@@ -35,6 +35,16 @@ a sequence with deferred tokens loses nothing (a partial block is never cached).
 manager crashes before the report, its recovered state simply lacks the deferred tokens and the
 next report re-appends them into the same partial block at the same slots.
 
+Late ids (async scheduling)
+---------------------------
+A scheduler that plans step N+1 while step N runs appends the token N samples before it knows
+its id. In-block, that is a deferred append whose id is filled in later
+(`TrackedSequence.deferred_token_ids`). An append that starts or fills a block goes to the
+server with `num_late`: its last tokens' ids are placeholders, and the server hashes nothing
+that holds them. Once the scheduler knows the ids it gives them to `SequenceTracker.resolve_late`;
+every Step built from then on carries them (the request's late section, applied before every
+other section that may touch the sequence) until one is answered.
+
 When a whole Step RPC fails after the client's retries (its outcome is unknown), the client
 stops answering locally for every sequence the request named (they go to the server from then
 on); `resend()` repeats the request under its request id, which the server applies at most once.
@@ -120,6 +130,13 @@ class SequenceTracker:
     def __init__(self, block_sizes: Mapping[str, int] | None = None) -> None:
         self.block_sizes: dict[str, int] = dict(block_sizes or {})
         self._seqs: dict[SeqId, TrackedSequence] = {}
+        # late ids to send (module docstring), kept apart from the mirrors: a sequence whose
+        # Step outcome was unknown is forgotten here, but its late ids are still owed
+        self.late_ids: dict[SeqId, list[int]] = {}
+
+    def resolve_late(self, seq_id: str, token_ids: Sequence[int]) -> None:
+        """The ids of a sequence's tokens appended with `num_late`: sent with the next Step."""
+        self.late_ids.setdefault(SeqId(seq_id), []).extend(token_ids)
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -147,8 +164,10 @@ class SequenceTracker:
         if step.reset:
             for sid in [s for s, t in self._seqs.items() if t.pool_id == step.pool_id]:
                 del self._seqs[sid]
+                self.late_ids.pop(sid, None)
         for sid in step.dropped_seq_ids:
             self._seqs.pop(sid, None)
+            self.late_ids.pop(sid, None)
         for d in step.deltas:
             t = self._seqs.get(d.seq_id)
             if t is not None:
@@ -181,6 +200,7 @@ class StepResult:
     # host tier (docs/tiers.md): swap-outs done, and swap-ins done with the tokens each holds
     swapped_out: dict[SeqId, None | ItemFailure] = field(default_factory=dict)
     swapped_in: dict[SeqId, int | ItemFailure] = field(default_factory=dict)
+    late_failures: dict[SeqId, ItemFailure] = field(default_factory=dict)   # late ids refused (dropped)
     host_usable: dict[PoolId, int] = field(default_factory=dict)   # host blocks free or evictable
     num_freed: int = 0
     num_rpcs: int = 0
@@ -188,7 +208,8 @@ class StepResult:
     @property
     def failures(self) -> list[ItemFailure]:
         """Every item of the step that failed (admissions, forks, appends)."""
-        items = [*self.allocations.values(), *self.forks.values(), *self.appends.values()]
+        items = [*self.allocations.values(), *self.forks.values(), *self.appends.values(),
+                 *self.late_failures.values()]
         return [x for x in items if isinstance(x, ItemFailure)]
 
 
@@ -208,7 +229,8 @@ class StepBatch:
         self._free_ids: list[SeqId] = []
         self._allocs: list[tuple[SeqId, PoolId, tuple[int, ...] | None, int | None, str | None, int | None]] = []
         self._forks: list[tuple[SeqId, tuple[SeqId, ...]]] = []
-        self._appends: dict[SeqId, tuple[int, tuple[int, ...] | None]] = {}
+        self._appends: dict[SeqId, tuple[int, tuple[int, ...] | None, int]] = {}
+        self._late: list[SeqId] = []   # the sequences whose late ids this step carries
         self._swap_out: list[SeqId] = []
         self._swap_in: list[SeqId] = []
         self._committed = False
@@ -261,9 +283,12 @@ class StepBatch:
         """Resume swapped-out sequences on device (their swap-out's step must be reported)."""
         self._swap_in.extend(SeqId(s) for s in seq_ids)
 
-    def append(self, seq_id: str, token_ids: Sequence[int] | None = None, *, num_new_tokens: int | None = None) -> None:
+    def append(self, seq_id: str, token_ids: Sequence[int] | None = None, *, num_new_tokens: int | None = None,
+               num_late: int = 0) -> None:
         """Add new tokens to a sequence: `token_ids` (preferred: enables prefix caching of
-        the blocks they fill) or a bare `num_new_tokens`."""
+        the blocks they fill) or a bare `num_new_tokens`. `num_late`: the last ids in
+        `token_ids` are placeholders, their real ids come later (`SequenceTracker.resolve_late`;
+        module docstring)."""
         sid = SeqId(seq_id)
         if sid in self._appends:
             raise InvalidArgumentError(f"sequence {seq_id!r} appended twice in one step", method="Step")
@@ -273,7 +298,9 @@ class StepBatch:
             raise InvalidArgumentError(
                 f"sequence {seq_id!r}: need >= 1 new token (token_ids or num_new_tokens)", method="Step"
             )
-        self._appends[sid] = (n, ids)
+        if not 0 <= num_late <= n:
+            raise InvalidArgumentError(f"sequence {seq_id!r}: {num_late} late ids for {n} new tokens", method="Step")
+        self._appends[sid] = (n, ids, num_late if ids is not None else 0)
 
     # ---- request --------------------------------------------------------------------
     def build(
@@ -295,6 +322,15 @@ class StepBatch:
         for sid in self._free_ids:
             tracker.forget(sid)
         m.free_seq_ids.extend(self._free_ids)
+        freed = set(self._free_ids)
+        for sid, late_ids in list(tracker.late_ids.items()):
+            if sid in freed:
+                del tracker.late_ids[sid]   # a freed sequence needs no ids
+                continue
+            self._late.append(sid)
+            m.late_seq_ids.append(sid)
+            m.late_num_tokens.append(len(late_ids))
+            m.late_token_ids.extend(late_ids)
         self._build_allocs(m)
         # Parents with deferred tokens report them first: the children inherit the true length.
         flushed: set[SeqId] = set()
@@ -325,14 +361,14 @@ class StepBatch:
         m.swap_in_seq_ids.extend(self._swap_in)
         if len(m.written_token_ids) not in (0, sum(m.written_num_tokens)):
             del m.written_token_ids[:]  # ids for all or none
-        self._pending: list[tuple[SeqId, int]] = []
+        self._pending: list[tuple[SeqId, int, int]] = []
         deferred = 0
         with_ids = True
-        server: list[tuple[SeqId, int, list[int] | None]] = []
+        server: list[tuple[SeqId, int, list[int] | None, int]] = []
         # A fork shares the parent's tail: this step's appends to the parent (and children)
         # need the server's copy-on-write.
         forked = {p for p, _ in self._forks} | {c for _, cs in self._forks for c in cs}
-        for sid, (n, ids) in self._appends.items():
+        for sid, (n, ids, late) in self._appends.items():
             t = tracker.get(sid)
             if t is not None and sid not in forked and t.can_append_locally(n):
                 t.append_locally(n, ids)
@@ -343,16 +379,22 @@ class StepBatch:
                 total, all_ids = t.server_request(n, ids)
             else:
                 total, all_ids = n, (list(ids) if ids is not None else None)
+            if late and all_ids is not None:
+                all_ids[len(all_ids) - late :] = [0] * late   # placeholders on the wire
             with_ids = with_ids and all_ids is not None
-            server.append((sid, total, all_ids))
-            self._pending.append((sid, n))
-        for sid, total, all_ids in server:
+            server.append((sid, total, all_ids, late))
+            self._pending.append((sid, n, late))
+        any_late = with_ids and any(late for *_, late in server)
+        for sid, total, all_ids, late in server:
             m.append_seq_ids.append(sid)
             m.append_num_tokens.append(total)
             if with_ids and all_ids is not None:
                 m.append_token_ids.extend(all_ids)
+            if any_late:
+                m.append_num_late.append(late)
         self._client.stats.deferred_tokens += deferred
         # Reports alone do not justify a round trip: they ride with the next step that needs one.
+        # Late ids alone wait too: nothing can touch their sequences before a Step that needs a trip.
         needed = (m.free_seq_ids or m.alloc_seq_ids or m.fork_parent_ids or m.append_seq_ids
                   or m.swap_out_seq_ids or m.swap_in_seq_ids)
         if self.flush and m.reports:
@@ -425,7 +467,12 @@ class StepBatch:
                 t.tail_exclusive = False
                 for c in children:
                     tracker.track(c, t.pool_id, t.num_tokens, tail_exclusive=False)
-        for i, (sid, n) in enumerate(self._pending):
+        for i, sid in enumerate(self._late):
+            err = errors.get(("late", i))
+            tracker.late_ids.pop(sid, None)   # sent: answered, or refused (its sequence is gone or out of step)
+            if err is not None:   # the mirror stays: it may hold deferred tokens the server still needs
+                res.late_failures[sid] = wire.item_failure(sid, err, "Step")
+        for i, (sid, n, _late) in enumerate(self._pending):
             err = errors.get(("append", i))
             t = tracker.get(sid)
             if err is not None:
@@ -474,7 +521,7 @@ class StepBatch:
         never heard of). `request` is kept for `resend`."""
         self._unanswered = request
         for ids in (request.append_seq_ids, request.written_seq_ids, request.fork_parent_ids,
-                    request.fork_child_ids, request.alloc_seq_ids):
+                    request.fork_child_ids, request.alloc_seq_ids, request.late_seq_ids):
             for sid in ids:
                 self._tracker.forget(SeqId(sid))
 

@@ -224,3 +224,50 @@ def test_ambiguous_failures_stop_local_answers(bm):
         res = step.commit()
         assert res.num_rpcs == 1 and res.appends["s"].context_len == 10
     assert bm.fsck() == []
+
+
+def test_late_ids_ride_the_next_step_and_survive_a_restart(tmp_path):
+    """Async scheduling's late ids over the wire: a token that fills a block goes to the block
+    manager before its id (`num_late`); the block is hashed only when the id arrives with the
+    next Step, also when the block manager restarted in between (the pending ids are in its
+    journal); ids nobody awaits are refused item by item."""
+    db = f"sqlite:///{tmp_path / 'bm.db'}"
+    first = ServerThread(database_url=db)
+    try:
+        with BlockManagerClient(first.address, scheduler_id="sched") as c:
+            c.register_node("n1", 32, block_size=BS)
+            admit(c, {"a": list(range(7))})
+            step = c.step()
+            step.append("a", [-1], num_late=1)    # token 7 fills block 0; its id is not known yet
+            res = forwarded(c, step.commit())
+            assert not res.appends["a"].deferred and res.appends["a"].context_len == 8
+            assert first.state.core.num_prefix_hashes("n1") == 0   # no hash on a placeholder
+            tracker, reports = c.tracker, c.pending_reports
+    finally:
+        first.stop()
+    second = ServerThread(database_url=db)
+    try:
+        core = second.state.core
+        assert core.num_prefix_hashes("n1") == 0 and core.fsck() == []
+        with BlockManagerClient(second.address, scheduler_id="sched") as c:
+            c.tracker = tracker
+            c._reports.update(reports)
+            c.tracker.resolve_late("a", [7])
+            step = c.step()
+            step.append("a", [8])                 # starts block 1: the id of 7 goes first, same Step
+            res = forwarded(c, step.commit())
+            assert res.num_rpcs == 1 and not res.failures and res.appends["a"].context_len == 9
+            assert core.num_prefix_hashes("n1") == 1 and c.tracker.late_ids == {}
+            c.tracker.resolve_late("a", [9])      # nobody awaits it: refused, nothing else changes
+            step = c.step()
+            step.append("a", [9])                 # in-block: answered here ...
+            step.allocate("b", "n1", [50, 51])    # ... and a Step that needs the trip
+            res = forwarded(c, step.commit())
+            assert list(res.late_failures) == ["a"] and res.late_failures["a"].error.reason == "InvalidRequest"
+            assert res.appends["a"].deferred and c.tracker.get("a").num_tokens == 10
+            assert not isinstance(res.allocations["b"], ItemFailure) and c.tracker.late_ids == {}
+            c.free(["a", "b"])
+            assert c.route(list(range(9)))[0].num_cached_tokens == 8
+        assert second.fsck() == []
+    finally:
+        second.stop()
