@@ -87,7 +87,7 @@ def fixed_node_run(async_scheduling: bool, seqs: int, node_ms: float, steps: int
         "bm_ms": 1e3 * (st.bm_s - bm0) / steps,
         "tok_s": (st.generated_tokens - generated0) / wall,
         "tokens_per_step": (st.generated_tokens - generated0) / steps,
-        "speculative": st.speculative_tokens, "waits": st.speculation_waits,
+        "speculative": st.speculative_tokens, "waits": st.speculation_waits, "late": st.late_tokens,
     }
     engine.close()
     return out
@@ -135,7 +135,7 @@ def main() -> None:
               f"{r['period_ms'] / r['node_ms']:.3f}x the node's measured time ({r['node_ms']:.2f} ms a call: the "
               f"sleep overshoots on a loaded host; {r['period_ms'] / args.node_ms:.3f}x of {args.node_ms:g} ms), block "
               f"manager Step {r['bm_ms']:.2f} ms | {r['tok_s']:8.0f} tok/s, {r['tokens_per_step']:.1f} tokens/step | "
-              f"speculative {int(r['speculative'])}, sat out {int(r['waits'])}")
+              f"speculative {int(r['speculative'])} (late ids {int(r['late'])}), sat out {int(r['waits'])}")
     print(f"overlapped / sequential: period {best[True]['period_ms'] / best[False]['period_ms']:.3f}x, "
           f"tokens/s {best[True]['tok_s'] / best[False]['tok_s']:.3f}x")
     if args.requests > 0 and not args.steps_only:

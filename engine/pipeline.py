@@ -12,14 +12,15 @@ itself, so no thread hand-off sits on the node's path. What step N+1 needs from 
 the token each sampling sequence draws there, so step N+1 is planned as if none of them stopped:
 
 - a sequence whose step-N work samples gets a *speculative* append of one token for N+1 whose
-  id is not known yet (`PLACEHOLDER`). Only an append the block manager client answers in
-  place qualifies (inside the sequence's exclusive, partial last block: no block, no hash, no
-  round trip; `TrackedSequence.can_append_locally`), so the placeholder never reaches the
-  block manager: when step N's token arrives it replaces the placeholder both in the work and
-  in the client's deferred token ids, which go to the block manager with a later append. An
-  append that would start or fill a block needs the id at once (the block manager hashes a
-  block when an append fills it), so that sequence sits step N+1 out and appends its known
-  token in N+2; so does a sequence that is sure to stop at N (its length limit);
+  id is not known yet (`PLACEHOLDER`). Inside the sequence's exclusive, partial last block the
+  block manager client answers it in place (no block, no hash, no round trip;
+  `TrackedSequence.can_append_locally`): when step N's token arrives it replaces the
+  placeholder both in the work and in the client's deferred token ids, which go to the block
+  manager with a later append. An append that starts or fills a block goes to the block
+  manager with a *late id* (`num_late=1`): its slot is assigned now, the block holding it is
+  hashed only once the id arrives, which it does with step N+2's Step
+  (`SequenceTracker.resolve_late`). Only a sequence that is sure to stop at N (its length
+  limit) sits step N+1 out;
 - a sequence whose step-N work is a prompt chunk that does not sample plans its next chunk
   (its ids are known); a fork waits for its parent's prompt to be computed and reported.
 
@@ -60,6 +61,7 @@ class Work:
     context_len: int
     sample: bool
     speculative: bool = False    # its one token is the one the step in flight samples
+    late: bool = False           # speculative, and the block manager took it awaiting its id
 
     @property
     def live(self) -> bool:
@@ -148,6 +150,9 @@ class NodePipeline:
             return False
         token = seq.token_ids[-1]
         w.token_ids = [token]
+        if w.late:
+            self.client.tracker.resolve_late(w.seq_id, [token])   # goes with the next Step
+            return True
         tracked = self.client.tracker.get(w.seq_id)
         if tracked is not None and tracked.deferred_token_ids is not None:
             ids = tracked.deferred_token_ids

@@ -5,7 +5,8 @@ running sequences first (a decode token each, or the next chunk of a long prompt
 prefill), forks of `n > 1` requests whose shared prompt is computed, then new requests in
 arrival order as placed allocations (the block manager picks each one's node inside the same
 Step, within the budget). With a step in flight (`engine.pipeline`), a sequence's plan starts
-where that step leaves it: a speculative decode token, the next prompt chunk, or nothing yet.
+where that step leaves it: a speculative decode token (its id sent later), the next prompt
+chunk, or nothing yet.
 
 The answer, item by item, by the failure table (`engine.failure_policy`): an admission that
 does not fit waits; an append that does not fit preempts the most recently admitted running
@@ -68,7 +69,7 @@ class StepPlanner:
                                              start + n >= seq.num_prompt)
             if w is None:
                 continue
-            batch.append(w.seq_id, w.token_ids)
+            batch.append(w.seq_id, w.token_ids, num_late=1 if w.speculative else 0)
             plan.appends.append(w)
             budget -= len(w.token_ids)
         for parent in forks:
@@ -84,8 +85,9 @@ class StepPlanner:
 
     def _plan_after(self, seq: Sequence, prev: Work, budget: int) -> Work | None:
         """The work of a sequence whose previous step is still running (`prev`): its next
-        prompt chunk, a speculative decode token (inside its partial last block, and only when
-        it cannot stop by length at `prev`), or nothing this step."""
+        prompt chunk, a speculative decode token (when it cannot stop by length at `prev`), or
+        nothing this step. The speculative token's id comes later: inside its partial last
+        block the client defers the append, else the block manager takes it with a late id."""
         start = prev.context_len
         if not prev.sample:
             if start >= seq.prefill_target:
@@ -95,10 +97,9 @@ class StepPlanner:
         p = seq.request.params
         if seq.num_output_tokens + 1 >= p.max_tokens or start + 1 >= self.max_model_len:
             return None              # its token in flight is its last
-        tracked = self.client.tracker.get(prev.seq_id)
-        if tracked is None or not tracked.can_append_locally(1):
+        if self.client.tracker.get(prev.seq_id) is None:
             self.stats.speculation_waits += 1
-            return None              # its next token starts or fills a block: the block manager needs its id
+            return None              # not mirrored (its Step's outcome was unknown): wait for its id
         self.stats.speculative_tokens += 1
         return Work(seq, prev.seq_id, [PLACEHOLDER], start + 1, True, speculative=True)
 
@@ -141,6 +142,8 @@ class StepPlanner:
             item = Work(seq, seq.seq_id or "", seq.token_ids[start:end], end, end >= seq.num_prompt)
             work.setdefault(seq.node_id or "", []).append(item)
 
+        for sid, failure in result.late_failures.items():   # a bug or a race with a drop: say so
+            log.warning("late_ids_refused", seq_id=sid, error=str(failure.error))
         dropped = set(result.dropped)
         for seq in list(self.running):
             if seq.seq_id in dropped:
@@ -153,8 +156,8 @@ class StepPlanner:
             if isinstance(out, ItemFailure):
                 self._append_failed(w.seq, out, starved)
             elif out is not None:
-                if w.speculative and not out.deferred:
-                    raise EngineFailure(f"the speculative append of {w.seq_id} went to the block manager")
+                w.late = w.speculative and not out.deferred   # the block manager awaits its id
+                self.stats.late_tokens += w.late
                 work.setdefault(w.seq.node_id or "", []).append(w)
         for parent, kids in plan.children_of.items():
             if parent.status is not SeqStatus.RUNNING:

@@ -47,10 +47,12 @@ class EngineStats:
     # prefix fetch (docs/prefix_fetch.md): prompt tokens admitted as blocks pulled from another node
     fetched_tokens: int = 0
     # async scheduling (engine.pipeline): decode tokens planned before their id was known,
-    # those dropped because their sequence stopped, and sequences that sat a step out (their
-    # next token starts or fills a block, whose hash needs the id)
+    # those dropped because their sequence stopped, those of them the block manager took
+    # before their id (they start or fill a block: late ids), and sequences that sat a step
+    # out (not mirrored by the client: their Step's outcome was unknown)
     speculative_tokens: int = 0
     speculative_dropped: int = 0
+    late_tokens: int = 0
     speculation_waits: int = 0
 
     def summary(self) -> dict[str, float]:
@@ -73,6 +75,7 @@ class EngineStats:
             "recomputed_tokens": self.recomputed_tokens, "recompute_fallbacks": self.recompute_fallbacks,
             "swap_outs": self.num_swap_outs, "swap_ins": self.num_swap_ins,
             "speculative_tokens": self.speculative_tokens, "speculative_dropped": self.speculative_dropped,
+            "late_tokens": self.late_tokens,
             "speculation_waits": self.speculation_waits,
             "ttft_p50_ms": p(self.ttft_s, 50), "ttft_p99_ms": p(self.ttft_s, 99),
             "itl_p50_ms": p(self.itl_s, 50), "itl_p99_ms": p(self.itl_s, 99),
