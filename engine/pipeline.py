@@ -139,7 +139,7 @@ class NodePipeline:
 
     def _reconcile(self, w: Work) -> bool:
         """Whether `w` goes to its node: a speculative token takes the id its previous step
-        drew (here and in the block manager client's deferred ids), or is dropped when its
+        drew (here and in the block manager client: `resolve_late`), or is dropped when its
         sequence stopped or moved on. Work of known tokens always runs: its slots are the
         step's (a filled block may be hashed), so its Forward must write them."""
         if not w.speculative:
@@ -150,15 +150,8 @@ class NodePipeline:
             return False
         token = seq.token_ids[-1]
         w.token_ids = [token]
-        if w.late:
-            self.client.tracker.resolve_late(w.seq_id, [token])   # goes with the next Step
-            return True
-        tracked = self.client.tracker.get(w.seq_id)
-        if tracked is not None and tracked.deferred_token_ids is not None:
-            ids = tracked.deferred_token_ids
-            if not ids or ids[-1] != PLACEHOLDER:
-                raise EngineFailure(f"sequence {w.seq_id}: its speculative token is not the last deferred one")
-            ids[-1] = token
+        # into the client's deferred ids (answered in place) or the next Step's late ids
+        self.client.tracker.resolve_late(w.seq_id, [token])
         return True
 
     def _complete(self, flight: InFlight) -> set[str]:

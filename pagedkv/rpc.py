@@ -30,7 +30,12 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
-RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# Codes after which a call's outcome is unknown and the same call may succeed later. CANCELLED
+# is one: these clients never cancel a unary call themselves, so it is the server stopping
+# mid-call (a block manager shut down without grace, or past it), which may or may not have
+# applied the call; the request id makes the retry safe.
+RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                             grpc.StatusCode.CANCELLED})
 
 T = TypeVar("T")
 

@@ -9,6 +9,7 @@ from block_manager.client.errors import (
     AbortedError,
     AlreadyExistsError,
     BlockManagerError,
+    CancelledError,
     DeadlineExceededError,
     FailedPreconditionError,
     InternalError,
@@ -72,5 +73,6 @@ __all__ = [
     "TablesUpdate",
     "UnauthenticatedError",
     "UnavailableError",
+    "CancelledError",
     "new_request_id",
 ]

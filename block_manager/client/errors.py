@@ -73,6 +73,13 @@ class UnavailableError(BlockManagerError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class CancelledError(UnavailableError):
+    """The server cancelled the call (it stopped mid-call) after the client's retries: as
+    with UNAVAILABLE, the outcome is unknown and a resend under the same request id is safe."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
 class DeadlineExceededError(BlockManagerError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
@@ -113,6 +120,7 @@ _BY_CODE: dict[grpc.StatusCode, type[BlockManagerError]] = {
         FailedPreconditionError,
         AbortedError,
         UnavailableError,
+        CancelledError,
         DeadlineExceededError,
         UnauthenticatedError,
         PermissionDeniedError,
@@ -173,6 +181,7 @@ __all__ = [
     "StepStateError",
     "UnauthenticatedError",
     "UnavailableError",
+    "CancelledError",
     "error_for",
     "error_from_rpc",
     "status_code_from_int",

@@ -38,12 +38,14 @@ next report re-appends them into the same partial block at the same slots.
 Late ids (async scheduling)
 ---------------------------
 A scheduler that plans step N+1 while step N runs appends the token N samples before it knows
-its id. In-block, that is a deferred append whose id is filled in later
-(`TrackedSequence.deferred_token_ids`). An append that starts or fills a block goes to the
-server with `num_late`: its last tokens' ids are placeholders, and the server hashes nothing
-that holds them. Once the scheduler knows the ids it gives them to `SequenceTracker.resolve_late`;
-every Step built from then on carries them (the request's late section, applied before every
-other section that may touch the sequence) until one is answered.
+its id: `append(..., num_late=k)`, the last k ids placeholders. Once it knows them it gives
+them to `SequenceTracker.resolve_late`, whichever way the append went. Answered in place (in
+the block), the ids replace the placeholders among the deferred ids, which reach the server
+with a later append; until then no append of the sequence may go to the server. Sent to the
+server (it starts or fills a block), the append carries `num_late`: the server hashes nothing
+that holds placeholders, and every Step built once the ids are known carries them (the
+request's late section, applied before every other section that may touch the sequence) until
+one is answered.
 
 When a whole Step RPC fails after the client's retries (its outcome is unknown), the client
 stops answering locally for every sequence the request named (they go to the server from then
@@ -76,6 +78,7 @@ class TrackedSequence:
     version: int = 0
     num_deferred: int = 0
     deferred_token_ids: list[int] | None = field(default_factory=list)  # None: some came without ids
+    late_at: list[int] = field(default_factory=list)   # positions in deferred_token_ids awaiting ids
 
     def can_append_locally(self, num_new_tokens: int) -> bool:
         """Whether `num_new_tokens` stay strictly inside the exclusive, partial last block."""
@@ -87,17 +90,25 @@ class TrackedSequence:
             and len(self.block_table) * self.block_size >= self.num_tokens
         )
 
-    def append_locally(self, num_new_tokens: int, token_ids: Sequence[int] | None) -> None:
-        """Answer an in-block append here (deferred: reported to the server later)."""
+    def append_locally(self, num_new_tokens: int, token_ids: Sequence[int] | None, num_late: int = 0) -> None:
+        """Answer an in-block append here (deferred: reported to the server later); its last
+        `num_late` ids are placeholders until `SequenceTracker.resolve_late`."""
         self.num_tokens += num_new_tokens
         self.num_deferred += num_new_tokens
         if token_ids is None or self.deferred_token_ids is None:
             self.deferred_token_ids = None
+            self.late_at = []
         else:
             self.deferred_token_ids.extend(token_ids)
+            end = len(self.deferred_token_ids)
+            self.late_at.extend(range(end - num_late, end))
 
     def server_request(self, num_new_tokens: int, token_ids: Sequence[int] | None) -> tuple[int, list[int] | None]:
         """The deferred tokens followed by the step's new ones, as one append item."""
+        if self.late_at:
+            raise InvalidArgumentError(
+                f"sequence {self.seq_id!r}: {len(self.late_at)} deferred token ids are still to come "
+                "(resolve_late them before the sequence's next append to the server)", method="Step")
         ids: list[int] | None = None
         if token_ids is not None and self.deferred_token_ids is not None:
             ids = [*self.deferred_token_ids, *token_ids]
@@ -135,7 +146,19 @@ class SequenceTracker:
         self.late_ids: dict[SeqId, list[int]] = {}
 
     def resolve_late(self, seq_id: str, token_ids: Sequence[int]) -> None:
-        """The ids of a sequence's tokens appended with `num_late`: sent with the next Step."""
+        """The ids of a sequence's tokens appended with `num_late` (module docstring): into its
+        deferred ids if the append was answered here, else sent with the next Step."""
+        t = self._seqs.get(SeqId(seq_id))
+        if t is not None and t.late_at:
+            if len(token_ids) != len(t.late_at):
+                raise InvalidArgumentError(
+                    f"sequence {seq_id!r}: {len(token_ids)} ids for {len(t.late_at)} deferred placeholders",
+                    method="Step")
+            if t.deferred_token_ids is not None:
+                for pos, token in zip(t.late_at, token_ids):
+                    t.deferred_token_ids[pos] = token
+            t.late_at = []
+            return
         self.late_ids.setdefault(SeqId(seq_id), []).extend(token_ids)
 
     def __len__(self) -> int:
@@ -371,7 +394,7 @@ class StepBatch:
         for sid, (n, ids, late) in self._appends.items():
             t = tracker.get(sid)
             if t is not None and sid not in forked and t.can_append_locally(n):
-                t.append_locally(n, ids)
+                t.append_locally(n, ids, late)
                 deferred += n
                 res.appends[sid] = SeqSlots(sid, n, t.num_tokens, deferred=True)
                 continue

@@ -46,14 +46,17 @@ class FaultProxy:
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream
-        self.faults: dict[str, deque[tuple[str, float]]] = defaultdict(deque)
+        self.faults: dict[str, deque[tuple[str, Any]]] = defaultdict(deque)
         self.calls: list[str] = []
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._channel: grpc.aio.Channel | None = None
 
-    def fail_after_forward(self, method: str, times: int = 1) -> None:
-        self.faults[method].extend([("unavailable", 0.0)] * times)
+    def fail_after_forward(self, method: str, times: int = 1,
+                           code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
+        """The next `times` calls reach the server, and the client gets `code` instead of
+        the answer (UNAVAILABLE: the connection broke; CANCELLED: the server stopped mid-call)."""
+        self.faults[method].extend([("fail", code)] * times)
 
     def delay(self, method: str, seconds: float, times: int = 1) -> None:
         self.faults[method].extend([("delay", seconds)] * times)
@@ -85,8 +88,8 @@ class FaultProxy:
                 response = await self._channel.unary_unary(method)(request, metadata=md, timeout=30)
             except grpc.aio.AioRpcError as exc:
                 await context.abort(exc.code(), exc.details() or "")
-            if fault is not None and fault[0] == "unavailable":
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "injected: connection lost after the server acted")
+            if fault is not None and fault[0] == "fail":
+                await context.abort(fault[1], "injected: the answer was lost after the server acted")
             return response
 
         return behavior

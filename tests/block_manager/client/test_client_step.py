@@ -271,3 +271,56 @@ def test_late_ids_ride_the_next_step_and_survive_a_restart(tmp_path):
         assert second.fsck() == []
     finally:
         second.stop()
+
+
+def test_a_late_id_answered_in_place_joins_the_deferred_ids(client, bm):
+    """In-block, an append with a late id is answered here: `resolve_late` puts the id among
+    the deferred ids (the server later hashes the real one); before that the sequence may not
+    go to the server."""
+    client.register_node("n1", 64, block_size=BS)
+    admit(client, {"a": list(range(6))})
+    step = client.step()
+    step.append("a", [-1], num_late=1)       # token 6: in block 0, answered here
+    assert step.commit().appends["a"].deferred
+    assert client.tracker.get("a").deferred_token_ids == [-1]
+    step = client.step()
+    step.append("a", [7])                    # fills block 0: the server would need token 6's id
+    with pytest.raises(InvalidArgumentError, match="still to come"):
+        step.commit()
+    client.tracker.resolve_late("a", [6])
+    assert client.tracker.get("a").deferred_token_ids == [6] and client.tracker.late_ids == {}
+    step = client.step()
+    step.append("a", [7])
+    res = forwarded(client, step.commit())
+    assert res.appends["a"].context_len == 8 and not res.failures
+    client.free(["a"])
+    assert client.route(list(range(9)))[0].num_cached_tokens == 8
+    assert bm.fsck() == []
+
+
+def test_a_step_cancelled_by_a_stopping_server_is_retried_under_its_request_id(bm):
+    """A server stopping mid-call cancels it (CANCELLED): the outcome is unknown, as with
+    UNAVAILABLE, so the client retries the same request id and the step applies once; after
+    the retries, the error is an `UnavailableError` (a `CancelledError`) a scheduler resends."""
+    import grpc
+
+    from block_manager.client import CancelledError
+
+    proxy = bm.start_proxy()
+    retry = RetryPolicy(max_attempts=3, initial_backoff_s=0.01)
+    with BlockManagerClient(f"127.0.0.1:{proxy.port}", retry=retry) as c:
+        c.register_node("n1", 32, block_size=BS)
+        proxy.fail_after_forward("Step", times=2, code=grpc.StatusCode.CANCELLED)
+        step = c.step()
+        step.allocate("s", "n1", num_tokens=3)
+        res = forwarded(c, step.commit())                       # third attempt: the recorded answer
+        assert res.allocations["s"].num_tokens == 3 and c.stats.retries == 2
+        proxy.fail_after_forward("Step", times=3, code=grpc.StatusCode.CANCELLED)
+        step = c.step()
+        step.allocate("t", "n1", num_tokens=3)
+        with pytest.raises(UnavailableError) as info:
+            step.commit()
+        assert isinstance(info.value, CancelledError)
+        assert step.resend().allocations["t"].num_tokens == 3
+        assert bm.state.core.metrics("n1").num_used_blocks == 2  # each allocated once
+    assert bm.fsck() == []
