@@ -5,11 +5,13 @@
    over the embedded block manager: the step period in steady decode vs the node's time, and
    generated tokens/s, overlapped (`async_scheduling=True`) vs not, alternating in one run.
    Without overlap the period is node + engine (plan, Step, output processing); with it the
-   plan and the Step run while the node sleeps.
+   plan and the Step run while the node sleeps. Prompt lengths are staggered over a block
+   (1/block_size of the sequences start or fill a block each step, as in a running batch);
+   `--aligned` gives them all one length, so they all cross a block in the same step.
 2. The real model on CPU (`LLM`, embedded, the demo's ~54M random-weight Llama, float32):
    requested tokens/s on `bench_model`'s workload, overlapped vs not, alternating.
 
-    .venv/bin/python bench/bench_overlap.py [--seqs 256] [--node-ms 20] [--steps 120] [--requests 32]
+    .venv/bin/python bench/bench_overlap.py [--seqs 256] [--node-ms 20] [--steps 120] [--aligned] [--requests 32]
 """
 
 from __future__ import annotations
@@ -61,17 +63,19 @@ class FixedTimeNode:
         pass
 
 
-def fixed_node_run(async_scheduling: bool, seqs: int, node_ms: float, steps: int, block_size: int) -> dict[str, float]:
+def fixed_node_run(async_scheduling: bool, seqs: int, node_ms: float, steps: int, block_size: int,
+                   aligned: bool = False) -> dict[str, float]:
     """Steady decode of `seqs` sequences: the period of `steps` steps after all are running."""
     client = LocalBlockManagerClient(BlockManagerConfig(database_url="memory://", block_size=block_size))
     max_tokens = steps + 64
-    num_blocks = seqs * -(-(32 + max_tokens + 2) // block_size) + 64
+    num_blocks = seqs * -(-(32 + block_size + max_tokens + 2) // block_size) + 64
     node = FixedTimeNode(client, "fixed-0", num_blocks, block_size, node_ms / 1e3)
     engine = LLMEngine(client, {"fixed-0": node}, EngineConfig(
         max_num_seqs=seqs, max_num_batched_tokens=max(8192, 32 * seqs), async_scheduling=async_scheduling))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(seqs):
-        engine.add_request([1 + (i * 7 + j) % (VOCAB - 1) for j in range(32)], params)
+        length = 32 if aligned else 32 + i % block_size
+        engine.add_request([1 + (i * 7 + j) % (VOCAB - 1) for j in range(length)], params)
     for _ in range(4):   # admission, prefill, the pipeline filled
         engine.step()
     generated0, bm0, node0, calls0 = engine.stats.generated_tokens, engine.stats.bm_s, node.busy_s, node.calls
@@ -112,6 +116,7 @@ def main() -> None:
     ap.add_argument("--node-ms", type=float, default=20.0)
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--aligned", action="store_true", help="every prompt one length (all cross blocks together)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--requests", type=int, default=32, help="real-model part (0: skip it)")
     ap.add_argument("--budget", type=int, default=2048)
@@ -122,11 +127,13 @@ def main() -> None:
     if args.model_only:
         return model_part(args)
     print(f"# bench_overlap  fixed-time node {args.node_ms:g} ms/step, {args.seqs} running sequences, "
-          f"block size {args.block_size}, {args.steps} steady decode steps, alternating x{args.repeats}")
+          f"block size {args.block_size}, {'aligned' if args.aligned else 'staggered'} prompts, {args.steps} steady "
+          f"decode steps, alternating x{args.repeats}")
     runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}
     for _ in range(args.repeats):
         for mode in (False, True):
-            runs[mode].append(fixed_node_run(mode, args.seqs, args.node_ms, args.steps, args.block_size))
+            runs[mode].append(fixed_node_run(mode, args.seqs, args.node_ms, args.steps, args.block_size,
+                                             args.aligned))
     best = {mode: min(rs, key=lambda r: r["period_ms"]) for mode, rs in runs.items()}
     for mode in (False, True):
         r = best[mode]

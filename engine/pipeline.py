@@ -221,8 +221,13 @@ class NodePipeline:
 
 
 def _sampling(seq: Sequence) -> SamplingSpec:
-    p = seq.request.params
-    return SamplingSpec(p.temperature, p.top_p, p.top_k or 0, p.min_p, seq.seed, p.logprobs)
+    """The sequence's sampling for its node: the same every step, so built once (it is on the
+    engine thread's path between two node calls)."""
+    spec = seq.sampling_spec
+    if spec is None:
+        p = seq.request.params
+        spec = seq.sampling_spec = SamplingSpec(p.temperature, p.top_p, p.top_k or 0, p.min_p, seq.seed, p.logprobs)
+    return spec
 
 
 __all__ = ["PLACEHOLDER", "InFlight", "NodeJob", "NodePipeline", "Work"]

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
+from engine.node_api import SamplingSpec
 from engine.params import CompletionOutput, SamplingParams
 
 
@@ -98,6 +99,7 @@ class Sequence:
     num_computed: int = 0          # tokens whose K/V the node holds (after the last Forward)
     fork_parent: bool = False      # n > 1: prefill the prompt but its last token, then fork
     last_token_s: float | None = None
+    sampling_spec: SamplingSpec | None = None   # what its node samples with, built once (engine.pipeline)
     _admissions: itertools.count = field(default_factory=itertools.count)
 
     def new_admission_id(self) -> str:
