@@ -100,8 +100,9 @@ class TrackedSequence:
             self.late_at = []
         else:
             self.deferred_token_ids.extend(token_ids)
-            end = len(self.deferred_token_ids)
-            self.late_at.extend(range(end - num_late, end))
+            if num_late:
+                end = len(self.deferred_token_ids)
+                self.late_at.extend(range(end - num_late, end))
 
     def server_request(self, num_new_tokens: int, token_ids: Sequence[int] | None) -> tuple[int, list[int] | None]:
         """The deferred tokens followed by the step's new ones, as one append item."""
