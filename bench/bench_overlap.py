@@ -79,6 +79,7 @@ def fixed_node_run(async_scheduling: bool, seqs: int, node_ms: float, steps: int
     for _ in range(4):   # admission, prefill, the pipeline filled
         engine.step()
     generated0, bm0, node0, calls0 = engine.stats.generated_tokens, engine.stats.bm_s, node.busy_s, node.calls
+    serial0 = (engine.stats.prepare_s, engine.stats.complete_s, engine.stats.outputs_s)
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
@@ -92,6 +93,8 @@ def fixed_node_run(async_scheduling: bool, seqs: int, node_ms: float, steps: int
         "tok_s": (st.generated_tokens - generated0) / wall,
         "tokens_per_step": (st.generated_tokens - generated0) / steps,
         "speculative": st.speculative_tokens, "waits": st.speculation_waits, "late": st.late_tokens,
+        **{f"{name}_ms": 1e3 * (now - before) / steps for name, now, before in
+           zip(("prepare", "complete", "outputs"), (st.prepare_s, st.complete_s, st.outputs_s), serial0)},
     }
     engine.close()
     return out
@@ -142,7 +145,9 @@ def main() -> None:
               f"{r['period_ms'] / r['node_ms']:.3f}x the node's measured time ({r['node_ms']:.2f} ms a call: the "
               f"sleep overshoots on a loaded host; {r['period_ms'] / args.node_ms:.3f}x of {args.node_ms:g} ms), block "
               f"manager Step {r['bm_ms']:.2f} ms | {r['tok_s']:8.0f} tok/s, {r['tokens_per_step']:.1f} tokens/step | "
-              f"speculative {int(r['speculative'])} (late ids {int(r['late'])}), sat out {int(r['waits'])}")
+              f"speculative {int(r['speculative'])} (late ids {int(r['late'])}), sat out {int(r['waits'])} | "
+              f"engine thread: prepare {r['prepare_ms']:.2f}, complete {r['complete_ms']:.2f}, "
+              f"outputs {r['outputs_ms']:.2f} ms a step")
     print(f"overlapped / sequential: period {best[True]['period_ms'] / best[False]['period_ms']:.3f}x, "
           f"tokens/s {best[True]['tok_s'] / best[False]['tok_s']:.3f}x")
     if args.requests > 0 and not args.steps_only:

@@ -248,7 +248,10 @@ class LLMEngine(StepPlanner, NodePipeline, SwapPreemption):
         failed, self._failed = self._failed, set()
         if ready is None:   # planned now: the failures of the last run are in its Step already
             ready, failed = self._schedule(None), set()
+        t0 = time.perf_counter()
         flight = self._prepare(*ready, failed)
+        stats = self.stats
+        stats.prepare_s += time.perf_counter() - t0
         if flight is not None:
             if self.config.async_scheduling:
                 if self._planner is None:
@@ -258,14 +261,19 @@ class LLMEngine(StepPlanner, NodePipeline, SwapPreemption):
                 self._ready = planned.result()
             else:
                 self._run(flight)
+            t0 = time.perf_counter()
             self._failed = self._complete(flight)
+            stats.complete_s += time.perf_counter() - t0
         elif not self.running and self.waiting:
             # nothing could be admitted (no node admits sequences now: fenced, draining, full):
             # wait a little rather than spin on empty Steps
             time.sleep(NO_CAPACITY_WAIT_S)
-        self.stats.num_steps += 1
-        self.stats.step_s.append(time.perf_counter() - started)
-        return self._collect_outputs()
+        stats.num_steps += 1
+        t0 = time.perf_counter()
+        stats.step_s.append(t0 - started)
+        outputs = self._collect_outputs()
+        stats.outputs_s += time.perf_counter() - t0
+        return outputs
 
     def _schedule(self, flight: InFlight | None) -> tuple[dict[str, PoolStepInfo], dict[str, list[Work]]]:
         """Plan this step (over the step in flight, if any), send its one Step, read the

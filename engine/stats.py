@@ -28,6 +28,12 @@ class EngineStats:
     bm_s: float = 0.0          # time in block manager calls (the Step)
     num_bm_rpcs: int = 0       # block manager round trips made by steps
     node_s: float = 0.0        # time in Generate calls (wall, nodes in parallel)
+    # the engine thread's own work around the node calls (with async scheduling, what the
+    # step period adds to the nodes' time): building the Generates, accepting the tokens,
+    # the outputs
+    prepare_s: float = 0.0
+    complete_s: float = 0.0
+    outputs_s: float = 0.0
     # host tier (docs/tiers.md): sequences swapped out / in, swap-outs that fell back to
     # recompute, tokens recomputed by recompute preemption, and the tier moves the nodes ran
     num_swap_outs: int = 0
