@@ -63,11 +63,8 @@ def step_payload(request: pb.StepRequest) -> dict[str, Any]:
             payload["alloc"]["place_pools"] = list(request.place_pool_ids)
             payload["alloc"]["admit_budget"] = int(request.admit_budget)
     if request.written_seq_ids:
-        payload["written"] = {
-            "seq_ids": list(request.written_seq_ids),
-            "num_tokens": list(request.written_num_tokens),
-            "token_ids": list(request.written_token_ids),
-        }
+        payload["written"] = _token_section(request.written_seq_ids, request.written_num_tokens,
+                                            request.written_token_ids)
     if request.fork_parent_ids:
         payload["fork"] = {
             "parents": list(request.fork_parent_ids),
@@ -81,20 +78,18 @@ def step_payload(request: pb.StepRequest) -> dict[str, Any]:
     if request.swap_in_seq_ids:
         payload["swap_in"] = list(request.swap_in_seq_ids)
     if request.append_seq_ids:
-        payload["append"] = {
-            "seq_ids": list(request.append_seq_ids),
-            "num_tokens": list(request.append_num_tokens),
-            "token_ids": list(request.append_token_ids),
-        }
+        payload["append"] = _token_section(request.append_seq_ids, request.append_num_tokens,
+                                           request.append_token_ids)
         if request.append_num_late:
             payload["append"]["num_late"] = list(request.append_num_late)
     if request.late_seq_ids:
-        payload["late"] = {
-            "seq_ids": list(request.late_seq_ids),
-            "num_tokens": list(request.late_num_tokens),
-            "token_ids": list(request.late_token_ids),
-        }
+        payload["late"] = _token_section(request.late_seq_ids, request.late_num_tokens, request.late_token_ids)
     return payload
+
+
+def _token_section(seq_ids: Any, num_tokens: Any, token_ids: Any) -> dict[str, list[Any]]:
+    """A section of per-sequence token counts with their ids back to back, as journaled."""
+    return {"seq_ids": list(seq_ids), "num_tokens": list(num_tokens), "token_ids": list(token_ids)}
 
 
 def fill_pool_step(msg: common_pb2.PoolStep, d: dict[str, Any]) -> None:

@@ -14,21 +14,14 @@ import pytest
 from block_manager.core import BlockManager, FailedPrecondition, InvalidRequest
 from block_manager.core.append import VECTOR_MIN_ITEMS
 from block_manager.core.errors import LateIdsPending, UnknownSequence
-
-BS = 4
+from tests.block_manager.core.one_pool import BS, one_pool, run_step
 
 
 def _manager(num_blocks: int = 64, host: int = 0) -> BlockManager:
-    m = BlockManager(watermark=0.0)
-    m.add_pool("p", num_blocks, BS, host_num_blocks=host)
-    return m
+    return one_pool(num_blocks, host)
 
 
-def _run(m: BlockManager) -> int:
-    out = m.close_step("p")
-    assert out is not None
-    m.settle_steps("p", out.step_id)
-    return out.step_id
+_run = run_step
 
 
 def _normal(m: BlockManager) -> dict:

@@ -9,21 +9,14 @@ from __future__ import annotations
 import pytest
 
 from block_manager.core import BlockManager, FailedPrecondition, OutOfBlocks, PendingWrite
-
-BS = 4
+from tests.block_manager.core.one_pool import BS, one_pool, run_step
 
 
 def _manager(num_blocks: int = 8, host: int = 8) -> BlockManager:
-    m = BlockManager(watermark=0.0)
-    m.add_pool("p", num_blocks, BS, host_num_blocks=host)
-    return m
+    return one_pool(num_blocks, host)
 
 
-def _run(m: BlockManager) -> int:
-    out = m.close_step("p")
-    assert out is not None
-    m.settle_steps("p", out.step_id)
-    return out.step_id
+_run = run_step
 
 
 def test_a_failed_step_drops_the_swapped_out_sequences_it_carried() -> None:
