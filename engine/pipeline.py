@@ -106,7 +106,7 @@ class NodePipeline:
                     if w.live:
                         self._preempt(w.seq, free=True)
                 continue
-            kept = [w for w in items if self._reconcile(w)]
+            kept = [w for w in items if not w.speculative or self._reconcile(w)]
             if info is None and not kept:
                 continue
             step = NodeStep(f"{node_id}-{self.stats.num_steps}-{id(self)}", [info] if info is not None else [],

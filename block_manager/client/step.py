@@ -149,16 +149,17 @@ class SequenceTracker:
     def resolve_late(self, seq_id: str, token_ids: Sequence[int]) -> None:
         """The ids of a sequence's tokens appended with `num_late` (module docstring): into its
         deferred ids if the append was answered here, else sent with the next Step."""
-        t = self._seqs.get(SeqId(seq_id))
+        t = self._seqs.get(seq_id)   # type: ignore[call-overload]  (a SeqId is a str: no call per token)
         if t is not None and t.late_at:
-            if len(token_ids) != len(t.late_at):
+            late_at, ids = t.late_at, t.deferred_token_ids
+            if len(token_ids) != len(late_at):
                 raise InvalidArgumentError(
-                    f"sequence {seq_id!r}: {len(token_ids)} ids for {len(t.late_at)} deferred placeholders",
+                    f"sequence {seq_id!r}: {len(token_ids)} ids for {len(late_at)} deferred placeholders",
                     method="Step")
-            if t.deferred_token_ids is not None:
-                for pos, token in zip(t.late_at, token_ids):
-                    t.deferred_token_ids[pos] = token
-            t.late_at = []
+            if ids is not None:
+                for pos, token in zip(late_at, token_ids):
+                    ids[pos] = token
+            late_at.clear()
             return
         self.late_ids.setdefault(SeqId(seq_id), []).extend(token_ids)
 
