@@ -61,7 +61,6 @@ class Work:
     context_len: int
     sample: bool
     speculative: bool = False    # its one token is the one the step in flight samples
-    late: bool = False           # speculative, and the block manager took it awaiting its id
 
     @property
     def live(self) -> bool:

@@ -156,8 +156,7 @@ class StepPlanner:
             if isinstance(out, ItemFailure):
                 self._append_failed(w.seq, out, starved)
             elif out is not None:
-                w.late = w.speculative and not out.deferred   # the block manager awaits its id
-                self.stats.late_tokens += w.late
+                self.stats.late_tokens += w.speculative and not out.deferred   # the block manager awaits its id
                 work.setdefault(w.seq.node_id or "", []).append(w)
         for parent, kids in plan.children_of.items():
             if parent.status is not SeqStatus.RUNNING:

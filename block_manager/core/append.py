@@ -29,10 +29,10 @@ from collections.abc import Sequence as Seq
 import numpy as np
 
 from block_manager.core.append_batch import append_pool, decode_arrays
-from block_manager.core.append_item import AppendOutcome, append_items, late_error
+from block_manager.core.append_item import AppendOutcome, append_items
 from block_manager.core.errors import CoreError, InvalidRequest, UnknownSequence
 from block_manager.core.pool import Pool
-from block_manager.core.sequence import Sequence
+from block_manager.core.sequence import Sequence, late_pending
 from block_manager.core.types import PoolId, SeqId
 
 INT64_MIN = -(1 << 63)
@@ -132,8 +132,8 @@ def item_error(
                 return InvalidRequest(f"token id {t!r} is not an int64 integer")
     if already_written:
         pool = pools[seq.pool_id]
-        if seq.num_late:
-            return late_error(pool, seq, n, 0)
+        if (pending := late_pending(seq)) is not None:
+            return pending
         bs = pool.block_size
         off = seq.num_tokens % bs
         if off == 0 or off + n >= bs or pool.ref_cnt[seq.block_table[-1]] > 1:

@@ -21,10 +21,10 @@ from array import array
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from block_manager.core.errors import CoreError, InvalidRequest, LateIdsPending, OutOfBlocks, PendingWrite
+from block_manager.core.errors import CoreError, InvalidRequest, OutOfBlocks, PendingWrite
 from block_manager.core.hashing import hash_block_bytes, salt_bytes
 from block_manager.core.pool import Pool
-from block_manager.core.sequence import Sequence
+from block_manager.core.sequence import Sequence, late_pending
 from block_manager.core.steps import touch
 from block_manager.core.types import CopyOp, PoolId, SeqId
 
@@ -82,12 +82,9 @@ def stop_hashing(seq: Sequence) -> None:
 
 def late_error(pool: Pool, seq: Sequence, n: int, late: int) -> CoreError | None:
     """Why an append of `n` tokens, the last `late` of them without ids, may not run now."""
-    pending = pool.cols.num_late[seq.row]
-    if pending:
-        return LateIdsPending(
-            f"sequence {seq.seq_id!r}: the ids of its last {pending} tokens are still to come; send them "
-            "(the Step's late ids) before anything else touches it"
-        )
+    pending = late_pending(seq)
+    if pending is not None:
+        return pending
     if late:
         bs = pool.block_size
         in_last = (seq.num_tokens + n - 1) % bs + 1
@@ -128,9 +125,7 @@ def resolve_late(pool: Pool, seq: Sequence, token_ids: Seq[int]) -> None:
     cols.num_late[row] = 0
     if tl == bs:
         block = seq.block_table[len(seq.block_hashes)]
-        _hash_tail(pool, seq, cols.tail[base : base + bs].tolist(),
-                   registrations=_registrations_of(pool, pool.write_step[block]))
-        cols.tail_len[row] = 0
+        hash_full_row(pool, seq, _registrations_of(pool, pool.write_step[block]))
 
 
 def _grow(pool: Pool, seq: Sequence, n: int) -> CopyOp | None:
@@ -304,11 +299,12 @@ def append_items(
     return out
 
 
-def hash_full_row(pool: Pool, seq: Sequence) -> None:
-    """The sequence's tail just filled its last block: hash and register that block."""
+def hash_full_row(pool: Pool, seq: Sequence, registrations: list[tuple[int, bytes]] | None = None) -> None:
+    """The sequence's tail fills its last block: hash and register that block (in the open
+    step, or in `registrations`: see `_hash_tail`)."""
     cols = pool.cols
     base = seq.row * pool.block_size
-    _hash_tail(pool, seq, cols.tail[base : base + pool.block_size].tolist())
+    _hash_tail(pool, seq, cols.tail[base : base + pool.block_size].tolist(), registrations=registrations)
     cols.tail_len[seq.row] = 0
 
 

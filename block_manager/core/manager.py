@@ -32,7 +32,7 @@ from block_manager.core import fetch as _fetch
 from block_manager.core import kv_events as _kv_events
 from block_manager.core import tiers as _tiers
 from block_manager.core.append import INT64_MAX, INT64_MIN, AppendOutcome, append_columns, item_error
-from block_manager.core.append_item import late_error, resolve_late
+from block_manager.core.append_item import resolve_late
 from block_manager.core.errors import (
     CoreError,
     FailedPrecondition,
@@ -51,7 +51,7 @@ from block_manager.core.fsck import fsck
 from block_manager.core.hashing import hash_prefix, token_array
 from block_manager.core.kv_events import IndexView, KvChange
 from block_manager.core.pool import MAX_POOL_BLOCKS, BlockMeta, Pool
-from block_manager.core.sequence import Sequence
+from block_manager.core.sequence import Sequence, late_pending
 from block_manager.core.slots import slot_range
 from block_manager.core.snapshot import CoreParts, from_snapshot, to_snapshot
 from block_manager.core.steps import StepRecord, StepWork, base_step, build_output, note_created, note_dropped
@@ -619,8 +619,8 @@ class BlockManager:
         pool = self._pools[src.pool_id]
         if pool.draining:
             raise PoolDraining(f"pool {src.pool_id!r} is draining")
-        if src.num_late:   # the children would inherit placeholders nobody resolves
-            raise late_error(pool, src, 1, 0)  # type: ignore[misc]
+        if (pending := late_pending(src)) is not None:   # the children would inherit placeholders
+            raise pending
         views: list[SequenceView] = []
         step = pool.step
         for cid in children:

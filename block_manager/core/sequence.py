@@ -16,6 +16,7 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
+from block_manager.core.errors import LateIdsPending
 from block_manager.core.hashing import BlockHash
 from block_manager.core.types import PoolId, SeqId, SequenceView
 
@@ -202,3 +203,15 @@ class Sequence:
         return SequenceView(
             self.seq_id, self.pool_id, tuple(self.block_table), self.num_tokens, self.version
         )
+
+
+def late_pending(seq: Sequence) -> LateIdsPending | None:
+    """The refusal of anything but a free for a sequence whose late ids are still to come
+    (append_item.py): an append, a fork, a swap-out, an already-written report."""
+    pending = seq.num_late
+    if not pending:
+        return None
+    return LateIdsPending(
+        f"sequence {seq.seq_id!r}: the ids of its last {pending} tokens are still to come; send them "
+        "(the Step's late ids) before anything else touches it"
+    )

@@ -32,9 +32,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from block_manager.core.block_list import BlockList
-from block_manager.core.errors import FailedPrecondition, InvalidRequest, LateIdsPending, OutOfBlocks, PendingWrite
+from block_manager.core.errors import FailedPrecondition, InvalidRequest, OutOfBlocks, PendingWrite
 from block_manager.core.fetch import host_loan_holders
 from block_manager.core.hashing import BlockHash
+from block_manager.core.sequence import late_pending
 from block_manager.core.types import BlockId, SeqId
 
 # pool.py imports this module (a pool owns its host tier), so the pool and its BlockMeta are
@@ -286,11 +287,8 @@ def check_swap_out(pool: Pool, seqs: list[Any]) -> int:
     open_id = pool.step.step_id
     distinct: set[int] = set()
     for seq in seqs:
-        if seq.num_late:
-            raise LateIdsPending(
-                f"sequence {seq.seq_id!r}: the ids of its last {seq.num_late} tokens are still to come; "
-                "send them before swapping it out"
-            )
+        if (pending := late_pending(seq)) is not None:
+            raise pending
         if seq.last_write_step == open_id or any(pool.write_step[b] == open_id for b in seq.block_table):
             raise PendingWrite(
                 f"sequence {seq.seq_id!r} has blocks written in open step {open_id} of pool {pool.pool_id!r}; "

@@ -211,16 +211,14 @@ def _decode_appends(section: str, a: Mapping[str, Any]) -> AppendColumns:
 
 
 def _decode_late(a: Mapping[str, Any]) -> AppendColumns:
-    """The late-ids section: per sequence, all the ids it awaits (at least one)."""
-    seq_ids = _ids("late_seq_ids", a.get("seq_ids", []))
-    counts = _ints("late_num_tokens", a.get("num_tokens", []), minimum=1)
-    if len(counts) != len(seq_ids):
-        raise InvalidRequest(f"late_num_tokens has {len(counts)} entries for {len(seq_ids)} sequences")
-    _distinct("late seq_ids", seq_ids)
-    token_ids = _ints("late_token_ids", a.get("token_ids", []))
-    if len(token_ids) != sum(counts):
-        raise InvalidRequest(f"late: {len(token_ids)} token ids for {sum(counts)} tokens")
-    return AppendColumns(seq_ids, counts, token_ids)
+    """The late-ids section: per sequence, all the ids it awaits (at least one): shaped like
+    an append section whose ids are required."""
+    late = _decode_appends("late", a)
+    if late.seq_ids and late.token_ids is None:
+        raise InvalidRequest(f"late: no token ids for {sum(late.counts)} tokens")
+    if late.num_late:
+        raise InvalidRequest("late ids cannot themselves be late")
+    return late
 
 
 def _decode_forks(f: Mapping[str, Any]) -> list[tuple[str, list[str]]]:
