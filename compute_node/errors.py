@@ -53,6 +53,14 @@ class NotRegistered(ComputeNodeError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class ModelLoading(ComputeNodeError):
+    """The node listens (health, node info) while it loads its model: a Generate now is early,
+    not wrong (a node restarted in place at its old address gets the calls meant for the old
+    one), so it is refused as unavailable, never as a bad request."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
 class BlockManagerRefused(ComputeNodeError):
     """The block manager refused a call the node made for a Forward (a cold table fetch) with
     a status the other classes do not name (RESOURCE_EXHAUSTED, INTERNAL, ...): the Forward is

@@ -19,7 +19,10 @@ from pagedkv.v1 import compute_node_pb2 as pb
 from pagedkv.v1 import compute_node_pb2_grpc as pb_grpc
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
-UNREACHABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# the node is gone or going: CANCELLED is a node stopping with the call in flight (the engine
+# never cancels its own calls)
+UNREACHABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                               grpc.StatusCode.CANCELLED})
 # the node restarted (new epoch: it knows neither the epoch nor the sequences), or its tables
 # disagree with the step
 MOVED_ON_CODES = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,

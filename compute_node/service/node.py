@@ -47,6 +47,7 @@ from compute_node.errors import (
     BlockManagerUnavailable,
     ComputeNodeError,
     InvalidForward,
+    ModelLoading,
     NodeFenced,
     NotRegistered,
     PeerFetchFailed,
@@ -387,6 +388,8 @@ class ComputeNode:
         """One model step (see `compute_node.generate`), under the node's lock."""
         async with self._lock:
             if self.generator is None:
+                if self.config.model is not None:
+                    raise ModelLoading("the node is starting: its model is still loading")
                 raise InvalidForward("this node serves no model (start it with --model DIR); use Forward")
             if self.registration is None:
                 raise NotRegistered("the node is not registered with the block manager")

@@ -55,6 +55,7 @@ def test_node_status_codes_become_typed_node_errors() -> None:
 
     assert isinstance(node_error("n", grpc.StatusCode.UNAVAILABLE, ""), NodeUnreachable)
     assert isinstance(node_error("n", grpc.StatusCode.DEADLINE_EXCEEDED, ""), NodeUnreachable)
+    assert isinstance(node_error("n", grpc.StatusCode.CANCELLED, ""), NodeUnreachable)   # it stopped mid-call
     for code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED):
         assert isinstance(node_error("n", code, ""), NodeMovedOn)
     for code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT, None):
