@@ -1,11 +1,11 @@
 """When `LLM` turns async scheduling on by itself.
 
-Async scheduling (`engine.pipeline`) plans and commits step N+1 on a planner thread while the
-nodes compute step N. That pays when the node's compute does not need this host's CPU: a GPU
-node (the CPU only launches work), or a CPU node on another host. It costs when a CPU node
-computes on this host's cores: the planner thread takes a core (and the GIL) from the model's
-threads. Measured on a 2-core host with the node as a local process: 4-16% fewer tokens/s with
-overlap (BENCHMARKS.md, "Engine modes side by side"; then 10-13% more steps also ran, a sequence
+Async scheduling (`engine.pipeline`) plans and commits step N+1, and hands out step N's
+outputs, while the nodes compute step N. That pays when the node's compute does not need this
+host's CPU: a GPU node (the CPU only launches work), or a CPU node on another host. It costs
+when a CPU node computes on this host's cores: the engine's work meanwhile takes a core (and
+the GIL) from the model's threads. Measured on a 2-core host with the node as a local
+process: 4-16% fewer tokens/s with overlap (BENCHMARKS.md, "Engine modes side by side"; then 10-13% more steps also ran, a sequence
 whose next token started or filled a KV block sitting a step out, which late ids removed).
 
 So, unless told (`LLM(async_scheduling=...)`, else `PAGEDKV_ASYNC_SCHEDULING`), overlap is on

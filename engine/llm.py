@@ -46,7 +46,7 @@ class LLM:
     plan each step while the nodes run the previous one. None: `PAGEDKV_ASYNC_SCHEDULING` when
     set ("0" off), else on only when no node computes on this host's CPU (every node on a GPU
     or on another host; `engine.async_policy`): the embedded CPU node and CPU nodes on loopback
-    need the cores the planner would take (BENCHMARKS.md, engine modes side by side).
+    need the cores the engine plans on meanwhile (BENCHMARKS.md, engine modes side by side).
     `prepack_linear`: the embedded CPU node packs its matmul weights for oneDNN (float32 /
     bfloat16; `compute_node.model.linear`); False keeps plain weights and `F.linear`.
     """

@@ -9,11 +9,12 @@ Each `step()`:
    reports of earlier Forwards, swaps, admissions, forks, appends with their token ids so
    generated text is prefix-cached too; in-block decode appends are answered by the client
    library without a round trip);
-3. completes the step in flight and sends each node one `Generate` with its `PoolStep` and
-   its sequences' tokens (`engine.pipeline`); nodes run in parallel (data parallel). With
-   `async_scheduling` (the default) the Generates are left running while the next `step()`
-   plans and commits its Step: the step period approaches max(node time, engine time), not
-   their sum; sequences are speculated not to stop and reconciled when the tokens arrive;
+3. sends each node one `Generate` with its `PoolStepInfo` and its sequences' tokens
+   (`engine.pipeline`); nodes run in parallel (data parallel). With `async_scheduling` (the
+   default) a step's Generates are launched on the nodes' threads and left running: the next `step()`
+   plans and commits its Step meanwhile, and returns its outputs with the step after it
+   already running, so the step period approaches max(node time, engine time), not their
+   sum; sequences are speculated not to stop and reconciled when the tokens arrive;
 4. accepts the sampled tokens, applies stop rules and returns what changed.
 
 What happens when part of a step fails is one table, `engine.failure_policy` (item kind x
@@ -151,18 +152,16 @@ class LLMEngine(StepPlanner, NodePipeline, SwapPreemption):
         self._changed: set[str] = set()   # requests with news since the last outputs
         self._pool_free: dict[str, tuple[int, int]] = {}   # pool -> (free, usable) blocks, from the last Step
         self._ids = itertools.count()
-        self._pool: ThreadPoolExecutor | None = None   # made when a step first spans two nodes
+        self._node_threads: dict[str, ThreadPoolExecutor] = {}   # node -> the thread that calls it (pipeline)
         self.sender = StepSender(self.config.bm_unavailable_timeout_s)
         self._refusals: dict[str, int] = {}   # node -> steps it refused in a row (one thread per node)
         self.health = NodeHealth(self._probe)
         if self._discovery is not None:
             self._discovery.start()
         self._down: frozenset[str] = frozenset()   # nodes out of placement, read once per step
-        # async scheduling (engine.pipeline): the step whose Step is committed and whose nodes
-        # run next, the nodes that failed the last step run, the thread that plans meanwhile
-        self._ready: tuple[dict[str, PoolStepInfo], dict[str, list[Work]]] | None = None
-        self._failed: set[str] = set()
-        self._planner: ThreadPoolExecutor | None = None
+        # async scheduling (engine.pipeline): the step running on the nodes between two calls
+        self._flight: InFlight | None = None
+        self._launches = itertools.count()   # a unique id for every node step
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(
@@ -237,33 +236,29 @@ class LLMEngine(StepPlanner, NodePipeline, SwapPreemption):
         """Run one scheduler step; the outputs of the requests that changed.
 
         Without `async_scheduling`: plan and commit the step's block-manager Step, run it on
-        the nodes, accept its tokens. With it (`engine.pipeline`), the Step of the step run
-        here was committed by the previous call, and the next step's Step is planned and
-        committed on the planner thread while the nodes run this one."""
+        the nodes, accept its tokens. With it (`engine.pipeline`), step N is still running on
+        the nodes when this call starts (the previous call launched it): step N+1 is planned
+        and committed meanwhile, then N's tokens are accepted, N+1 is launched, and N's
+        outputs are returned while the nodes run N+1, so neither the output processing nor
+        the caller's own time between two calls sits between two runs of a node."""
         started = time.perf_counter()
-        if self._discovery is not None:
-            self._adopt(self._discovery.take())
-        self._down = self.health.down_nodes()
-        ready, self._ready = self._ready, None
-        failed, self._failed = self._failed, set()
-        if ready is None:   # planned now: the failures of the last run are in its Step already
-            ready, failed = self._schedule(None), set()
-        t0 = time.perf_counter()
-        flight = self._prepare(*ready, failed)
         stats = self.stats
-        stats.prepare_s += time.perf_counter() - t0
-        if flight is not None:
-            if self.config.async_scheduling:
-                if self._planner is None:
-                    self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner")
-                planned = self._planner.submit(self._schedule, flight)
-                self._run(flight)
-                self._ready = planned.result()
-            else:
-                self._run(flight)
-            t0 = time.perf_counter()
-            self._failed = self._complete(flight)
-            stats.complete_s += time.perf_counter() - t0
+        self._down = self.health.down_nodes()
+        flight = self._flight
+        if flight is None:   # nothing on the nodes: this step is planned now
+            self._adopt_found()
+            flight = self._prepare(*self._schedule(None), self._down)
+            if flight is not None and self.config.async_scheduling:
+                self._launch(flight)
+        if flight is not None and self.config.async_scheduling:
+            # step N+1's Step and Generates, while the nodes run step N (`flight`)
+            following = self._prepare(*self._schedule(flight), self._down)
+            self._wait(flight)
+            self._adopt_found()   # between two runs of the nodes, never during one
+            self._advance(flight, following)
+        elif flight is not None:
+            self._run(flight)
+            self._complete(flight)
         elif not self.running and self.waiting:
             # nothing could be admitted (no node admits sequences now: fenced, draining, full):
             # wait a little rather than spin on empty Steps
@@ -335,10 +330,13 @@ class LLMEngine(StepPlanner, NodePipeline, SwapPreemption):
             batch.free(freeing)
         return bool(freeing)
 
-    def _adopt(self, found: Iterable[tuple[str, NodeExecutor, Any]]) -> None:
+    def _adopt_found(self) -> None:
         """Adopt the nodes the background discovery found (one registered after the engine
-        started, or a known pool at a new address): between steps, never in the middle."""
-        for pool_id, node, info in found:
+        started, or a known pool at a new address): between two runs of the nodes, never
+        while a node it replaces is running a step."""
+        if self._discovery is None:
+            return
+        for pool_id, node, info in self._discovery.take():
             self.client.tracker.set_block_size(pool_id, info.block_size)
             self.pool_blocks[pool_id] = (info.num_blocks, info.block_size)
             self.max_model_len = min(self.max_model_len, info.max_model_len)
@@ -428,16 +426,13 @@ class LLMEngine(StepPlanner, NodePipeline, SwapPreemption):
             log.warning("flush_failed", error=str(exc))
 
     def drain(self) -> None:
-        """Run the step whose Step is committed (async scheduling): its nodes must write what
-        the block manager gave them before anything is freed. Its outputs come with the next
-        `step()`; its failures are acted on as in a step."""
-        ready, self._ready = self._ready, None
-        failed, self._failed = self._failed, set()
-        if ready is not None:
-            flight = self._prepare(*ready, failed)
-            if flight is not None:
-                self._run(flight)
-                self._failed = self._complete(flight)
+        """Wait for the step running on the nodes (async scheduling) and accept its tokens:
+        its nodes must write what the block manager gave them before anything is freed. Its
+        outputs come with the next `step()`; its failures are acted on as in a step."""
+        flight = self._flight
+        if flight is not None:
+            self._wait(flight)
+            self._complete(flight)
 
     def close(self) -> None:
         """Free what is left, hand the pools back (another scheduler may drive them at once)."""
@@ -452,9 +447,8 @@ class LLMEngine(StepPlanner, NodePipeline, SwapPreemption):
         self.health.close()
         if self._discovery is not None:
             self._discovery.close()
-        for pool in (self._pool, self._planner):
-            if pool is not None:
-                pool.shutdown(wait=True)
+        for thread in self._node_threads.values():
+            thread.shutdown(wait=True)
 
 
 def generate_all(engine: LLMEngine, requests: Iterable[str]) -> None:

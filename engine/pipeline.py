@@ -1,42 +1,50 @@
-"""The nodes' half of a step, and the overlap of one step's Generate with the next step's plan.
+"""The nodes' half of a step, and the overlap of the nodes' run of one step with the rest.
 
 A committed step becomes one `Generate` per node (`_prepare`); `_run` calls the nodes (the
-first on the engine thread, the others on a pool, in parallel); `_complete` reports every
+first on the engine thread, the others on their own threads, in parallel); `_complete` reports every
 Forward to the block manager (with a later Step), accepts the sampled tokens and applies the
 failure table to the nodes that failed.
 
-With `async_scheduling` (the default) `step()` plans and commits step N+1's block-manager Step
-on a planner thread while the engine thread waits in step N's node calls (vLLM v1's async
-scheduling, with the block manager in the scheduler's place); the engine thread calls the node
-itself, so no thread hand-off sits on the node's path. What step N+1 needs from step N is only
-the token each sampling sequence draws there, so step N+1 is planned as if none of them stopped:
+With `async_scheduling` (the default) the nodes are never idle waiting for the engine (vLLM
+v1's async scheduling, with the block manager in the scheduler's place). The node calls run on
+a thread per node (`_launch`, `_wait`), and step N is still running there when `step()` is called:
+
+    step():  plan N+1 + its Step + its Generates | wait for N | fill N+1, launch it | accept N,
+             reconcile N+1 | return N's outputs   (the caller's time: N+1 runs meanwhile)
+
+So between two runs of a node there is only the hand-over of the answers and the filling of
+N+1's speculative tokens. What step N+1 needs from step N is only the token each sampling
+sequence draws there, so step N+1 is planned as if none of them stopped:
 
 - a sequence whose step-N work samples gets a *speculative* append of one token for N+1 whose
   id is not known yet (`PLACEHOLDER`). Inside the sequence's exclusive, partial last block the
   block manager client answers it in place (no block, no hash, no round trip;
-  `TrackedSequence.can_append_locally`): when step N's token arrives it replaces the
-  placeholder both in the work and in the client's deferred token ids, which go to the block
-  manager with a later append. An append that starts or fills a block goes to the block
-  manager with a *late id* (`num_late=1`): its slot is assigned now, the block holding it is
-  hashed only once the id arrives, which it does with step N+2's Step
-  (`SequenceTracker.resolve_late`). Only a sequence that is sure to stop at N (its length
+  `TrackedSequence.can_append_locally`). An append that starts or fills a block goes to the
+  block manager with a *late id* (`num_late=1`): its slot is assigned now, the block holding
+  it is hashed only once the id arrives. Only a sequence that is sure to stop at N (its length
   limit) sits step N+1 out;
 - a sequence whose step-N work is a prompt chunk that does not sample plans its next chunk
   (its ids are known); a fork waits for its parent's prompt to be computed and reported.
 
-Reconciling, when step N's answers arrive (`_prepare` of N+1): a sequence that stopped at N (a stop
-token, its length, an abort) or was preempted drops its speculative work (its slot sat in a
-partial block nobody else sees; its blocks go back with its free in the next Step); every other
-sequence's placeholder becomes its real token. A node whose step N failed does not get step
-N+1 either: that step is reported failed with N (the block manager drops what both wrote) and
-its sequences recompute. No token is emitted twice or lost: a token is accepted only for the
-admission (`seq_id`) that computed it, and greedy outputs equal a run without overlap.
+Filling (`_fill`, N answered): each speculative token takes the id N's answer drew for its
+sequence, and N+1 is launched before N's tokens are accepted. Reconciling (`_reconcile`, once
+they are): the id goes to the block manager client (into the deferred ids of an append answered
+in place, or as the late id of the next Step: `SequenceTracker.resolve_late`); a sequence that
+stopped at N (a stop token) has its speculative token computed for nothing, and it is not
+accepted (its slot sat in a partial block nobody else sees, or in a block never hashed; its
+blocks go back with its free in the next Step). Speculative work whose sequence stopped or moved
+on before N+1 was prepared (an abort, a preemption) is left out. When a node failed step N, N's answers
+are acted on first and N+1 leaves that node out: its step is reported failed after N's (the
+block manager drops what both wrote) and its sequences recompute. No token is emitted twice or
+lost: a token is accepted only for the admission (`seq_id`) that computed it, and greedy
+outputs equal a run without overlap.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from block_manager.client import PoolStepInfo
@@ -47,7 +55,6 @@ from engine.sequence import SeqStatus, Sequence
 from pagedkv.logging import get_logger
 
 PLACEHOLDER = -1             # the id of a speculative token until its step's answer arrives
-NODE_THREADS = 64            # most nodes generating at once (threads start only as needed)
 log = get_logger("engine.pipeline")
 
 
@@ -61,11 +68,12 @@ class Work:
     context_len: int
     sample: bool
     speculative: bool = False    # its one token is the one the step in flight samples
+    dropped: bool = False        # speculative, and its sequence did not go on as speculated
 
     @property
     def live(self) -> bool:
         """Whether its sequence still runs as the admission that planned it."""
-        return self.seq.status is SeqStatus.RUNNING and self.seq.seq_id == self.seq_id
+        return not self.dropped and self.seq.status is SeqStatus.RUNNING and self.seq.seq_id == self.seq_id
 
 
 @dataclass(slots=True)
@@ -84,74 +92,176 @@ class InFlight:
     step_no: int
     jobs: list[NodeJob]
     by_seq: dict[Sequence, Work] = field(default_factory=dict)
+    speculative: list[tuple[Work, SeqStep]] = field(default_factory=list)
+    futures: list[Future] = field(default_factory=list)   # the node calls, while launched
+    started_s: float = 0.0
 
 
 class NodePipeline:
     """Launching steps on the nodes and completing them (mixed into `LLMEngine`)."""
 
     def _prepare(self, steps: dict[str, PoolStepInfo], work: dict[str, list[Work]],
-                 failed: set[str]) -> InFlight | None:
-        """Each node's Generate for a committed step. Speculative work is reconciled first (see
-        the module docstring); a node that failed the previous step (`failed`) or is out of
-        placement gets nothing: its pool step is reported failed and its sequences recompute."""
+                 leave_out: set[str]) -> InFlight | None:
+        """Each node's Generate for a committed step (None: nothing to run). A speculative
+        token is a placeholder in its `SeqStep` until `_fill` (see the module docstring);
+        speculative work whose sequence stopped or moved on since it was planned is dropped.
+        The nodes in `leave_out` get nothing (`_leave_out`)."""
+        t0 = time.perf_counter()
         jobs: list[NodeJob] = []
+        speculative: list[tuple[Work, SeqStep]] = []
+        launch_no = next(self._launches)
         for node_id in sorted(set(work) | set(steps)):
-            items = work.get(node_id, [])
             info = steps.get(node_id)
-            if node_id in failed or node_id in self._down:
-                if info is not None:
-                    self.client.report(info, False)
-                for w in items:
-                    if w.live:
-                        self._preempt(w.seq, free=True)
-                continue
-            kept = [w for w in items if not w.speculative or self._reconcile(w)]
+            kept: list[Work] = []
+            seq_steps: list[SeqStep] = []
+            for w in work.get(node_id, ()):
+                seq = w.seq
+                if not w.speculative:
+                    seq_steps.append(SeqStep(w.seq_id, w.token_ids, w.context_len, seq.num_output_tokens,
+                                             _sampling(seq) if w.sample else None))
+                elif w.live:
+                    # its index counts the token in flight, accepted or not yet
+                    ss = SeqStep(w.seq_id, w.token_ids, w.context_len,
+                                 seq.num_output_tokens + w.context_len - len(seq.token_ids), _sampling(seq))
+                    seq_steps.append(ss)
+                    speculative.append((w, ss))
+                else:
+                    self.stats.speculative_dropped += 1
+                    continue
+                kept.append(w)
             if info is None and not kept:
                 continue
-            step = NodeStep(f"{node_id}-{self.stats.num_steps}-{id(self)}", [info] if info is not None else [],
-                            [SeqStep(w.seq_id, w.token_ids, w.context_len, w.seq.num_output_tokens,
-                                     _sampling(w.seq) if w.sample else None) for w in kept],
+            step = NodeStep(f"{node_id}-{launch_no}-{id(self)}", [info] if info is not None else [], seq_steps,
                             profile=self.config.profile_nodes)
             jobs.append(NodeJob(node_id, info, kept, step))
-        if not jobs:
-            return None
-        flight = InFlight(self.stats.num_steps, jobs)
+        flight = InFlight(launch_no, jobs, speculative=speculative)
         for job in jobs:
             for w in job.items:
                 flight.by_seq[w.seq] = w
-        return flight
+        self._leave_out(flight, leave_out)
+        self.stats.prepare_s += time.perf_counter() - t0
+        return flight if flight.jobs else None
+
+    def _leave_out(self, flight: InFlight, node_ids: set[str]) -> None:
+        """Take the nodes in `node_ids` (they failed the step before, or are out of placement)
+        out of a step not launched yet: each one's pool step is reported failed (the block
+        manager drops what it would have written) and its sequences recompute."""
+        if not node_ids.intersection(job.node_id for job in flight.jobs):
+            return
+        kept: list[NodeJob] = []
+        for job in flight.jobs:
+            if job.node_id not in node_ids:
+                kept.append(job)
+                continue
+            if job.info is not None:
+                self.client.report(job.info, False)
+            for w in job.items:
+                flight.by_seq.pop(w.seq, None)
+                if w.live:
+                    self._preempt(w.seq, free=True)
+        flight.jobs = kept
+        flight.speculative = [(w, ss) for w, ss in flight.speculative if flight.by_seq.get(w.seq) is w]
+
+    def _fill(self, following: InFlight, flight: InFlight) -> None:
+        """Give each speculative token of `following` the id its sequence drew in `flight`
+        (its step before; the nodes that failed it are left out of `following`). Done before `flight`'s tokens are accepted,
+        so the nodes start at once; `_reconcile` checks them against the acceptance after."""
+        if not following.speculative:
+            return
+        drawn: dict[str, int] = {}
+        for job in flight.jobs:
+            if _answered(job):
+                drawn.update((t.seq_id, t.token_id) for t in job.answer)   # type: ignore[union-attr]
+        for w, ss in following.speculative:
+            token = drawn.get(w.seq_id)
+            if token is None:
+                raise EngineFailure(f"node {w.seq.node_id!r} drew no token for {w.seq_id} (it sampled there)")
+            ss.token_ids = w.token_ids = [token]
 
     def _run(self, flight: InFlight) -> None:
-        """Call the nodes: the first on this thread, the others on the pool, in parallel. The
-        engine thread itself waits in the node's call (its I/O or kernels let go of the GIL),
-        so the next step's planning, on the planner thread, runs meanwhile without a thread
-        hand-off on the node's path."""
+        """Call the nodes and wait for their answers (no overlap): the first on this thread, the
+        others on their threads, in parallel."""
         t0 = time.perf_counter()
         first, *others = flight.jobs
-        if others and self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=NODE_THREADS, thread_name_prefix="generate")
-        futures = [(job, self._pool.submit(self._generate, job.node_id, job.step)) for job in others]  # type: ignore[union-attr]
+        futures = [(job, self._node_thread(job.node_id).submit(self._generate, job.node_id, job.step))
+                   for job in others]
         first.answer = self._generate(first.node_id, first.step)
         for job, future in futures:
             job.answer = future.result()
         self.stats.node_s += time.perf_counter() - t0
 
-    def _reconcile(self, w: Work) -> bool:
-        """Whether `w` goes to its node: a speculative token takes the id its previous step
-        drew (here and in the block manager client: `resolve_late`), or is dropped when its
-        sequence stopped or moved on. Work of known tokens always runs: its slots are the
-        step's (a filled block may be hashed), so its Forward must write them."""
-        if not w.speculative:
-            return True
-        seq = w.seq
-        if not w.live or len(seq.token_ids) != w.context_len:
-            self.stats.speculative_dropped += 1
-            return False
-        token = seq.token_ids[-1]
-        w.token_ids = [token]
-        # into the client's deferred ids (answered in place) or the next Step's late ids
-        self.client.tracker.resolve_late(w.seq_id, [token])
-        return True
+    def _launch(self, flight: InFlight) -> None:
+        """Start the nodes on their threads and return once each has started (async scheduling).
+
+        Why wait for the start: a thread woken while another holds the GIL waits up to the
+        interpreter's switch interval (5 ms) to run, unless the holder blocks. The engine
+        thread goes on to the caller and the next plan, pure Python that seldom blocks, so
+        without this the node's call could start milliseconds late. Blocked here instead, it
+        hands the GIL over; each node's call takes it until its I/O or kernels let it go."""
+        self._flight = flight   # waited for by the next step(), or by `drain`
+        flight.started_s = time.perf_counter()
+        started = threading.Semaphore(0)
+        flight.futures = [self._node_thread(job.node_id).submit(self._start_generate, started, job.node_id, job.step)
+                          for job in flight.jobs]
+        for _ in flight.jobs:
+            started.acquire()
+
+    def _wait(self, flight: InFlight) -> None:
+        """The answers of a launched step (`_launch`)."""
+        for job, future in zip(flight.jobs, flight.futures):
+            job.answer = future.result()
+        flight.futures = []
+        self._flight = None
+        self.stats.node_s += time.perf_counter() - flight.started_s
+
+    def _start_generate(self, started: threading.Semaphore, node_id: str, step: NodeStep) -> list[SampledToken] | NodeError:
+        started.release()
+        return self._generate(node_id, step)
+
+    def _node_thread(self, node_id: str) -> ThreadPoolExecutor:
+        """The thread that calls `node_id` (made on first use). One per node, always the same:
+        an in-process node's per-thread state (the CUDA device and stream, Numba's and
+        OpenMP's thread pools) is set up once, and calls to one node never overlap."""
+        thread = self._node_threads.get(node_id)
+        if thread is None:
+            thread = self._node_threads[node_id] = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"generate-{node_id}")
+        return thread
+
+    def _advance(self, flight: InFlight, following: InFlight | None) -> None:
+        """Accept answered step N (`flight`) and launch step N+1 (`following`, prepared while
+        N ran). When every node answered N, N+1 starts first (its
+        speculative tokens take their ids from N's answers) and N's tokens are accepted while
+        it runs, then N+1 is reconciled with them. A node that failed N is acted on first and
+        left out of N+1."""
+        failed = {job.node_id for job in flight.jobs if not _answered(job)}
+        if failed:
+            failed = self._complete(flight)
+            if following is not None:
+                self._leave_out(following, failed)
+        launched = following if following is not None and following.jobs else None
+        if launched is not None:
+            self._fill(launched, flight)
+            self._launch(launched)
+        if not failed:
+            self._complete(flight)
+        if launched is not None:
+            self._reconcile(launched)
+
+    def _reconcile(self, flight: InFlight) -> None:
+        """After the step before was accepted: each speculative token of launched `flight`
+        whose sequence went on as speculated has its id sent to the block manager client
+        (answered in place into its deferred ids, or as a late id with the next Step). One whose
+        sequence stopped there (a stop token), was aborted or preempted is dropped: the node
+        computes it anyway, its token is not accepted, its slot goes with the sequence's free."""
+        for w, _ in flight.speculative:
+            seq = w.seq
+            if w.live and len(seq.token_ids) == w.context_len and seq.token_ids[-1] == w.token_ids[0]:
+                self.client.tracker.resolve_late(w.seq_id, w.token_ids)
+            else:
+                w.dropped = True
+                flight.by_seq.pop(seq, None)
+                self.stats.speculative_dropped += 1
 
     def _complete(self, flight: InFlight) -> set[str]:
         """A step's answers (`_run`): report each Forward, accept the tokens of the sequences
@@ -161,7 +271,7 @@ class NodePipeline:
         failed: set[str] = set()
         for job in flight.jobs:
             answer = job.answer
-            ok = answer is not None and not isinstance(answer, NodeError)
+            ok = _answered(job)
             action = self._node_action(job.node_id, answer) if isinstance(answer, NodeError) else None
             if job.info is not None:
                 self.client.report(job.info, ok)
@@ -184,6 +294,7 @@ class NodePipeline:
                 w.seq.num_computed = w.context_len
                 if tok is not None:
                     self._accept(w.seq, tok, now)
+        self.stats.complete_s += time.perf_counter() - now
         return failed
 
     def _node_action(self, node_id: str, error: NodeError) -> Action:
@@ -217,6 +328,10 @@ class NodePipeline:
             return exc
         self._refusals[node_id] = 0
         return tokens
+
+
+def _answered(job: NodeJob) -> bool:
+    return job.answer is not None and not isinstance(job.answer, NodeError)
 
 
 def _sampling(seq: Sequence) -> SamplingSpec:

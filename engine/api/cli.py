@@ -177,6 +177,9 @@ def _build_and_serve(args: argparse.Namespace, sock: socket.socket) -> int:
             return _fail(EXIT_START_FAILED, f"cannot reach the block manager at {args.block_manager}",
                          "is `block-manager serve` running there? check --block-manager and the TLS flags")
         return _fail(EXIT_START_FAILED, _one_line(exc))
+    from pagedkv.lifecycle import tune_gc
+
+    tune_gc()   # a server process with its engine built, as the services do (full collections pause every stream)
     try:
         return asyncio.run(_serve(llm, args, sock))
     except OSError as exc:                     # the address is not ours after all

@@ -2,7 +2,8 @@
 
 `FakeNode` registers a real pool with the engine's block manager client and answers `Generate`
 like a node would, except that the sampled token is a pure function of what the engine sent
-(the sequence's last token and its context length): a greedy request's tokens are then the
+(the sequence's last token, its context length and the index of the token it samples, which a
+real node's seeded draw depends on): a greedy request's tokens are then the
 same however its steps were cut, preempted, recomputed or moved to another node, which is
 exactly what a fault-free run and a faulty one must agree on. Faults are switches raising the
 typed errors a real executor raises: `dead` (NodeUnreachable, as a SIGKILLed process),
@@ -23,9 +24,10 @@ VOCAB = 512
 EOS = 0
 
 
-def fake_token(last_token: int, context_len: int) -> int:
-    """Never EOS (0): requests end by length."""
-    return 1 + (last_token * 31 + context_len * 7) % (VOCAB - 1)
+def fake_token(last_token: int, context_len: int, index: int) -> int:
+    """The `index`-th output token after `last_token` at `context_len`. Never EOS (0):
+    requests end by length."""
+    return 1 + (last_token * 31 + context_len * 7 + index * 13) % (VOCAB - 1)
 
 
 class FakeNode:
@@ -57,7 +59,7 @@ class FakeNode:
     def restart(self) -> None:
         """Restart in place: register again now (a new epoch, as a restarted node does before it
         answers) and refuse the next step. Called between steps, never from a Generate: the
-        in-process block manager is the engine's, and the engine's planner may be using it."""
+        in-process block manager is the engine's, which may be planning with it while a Generate runs."""
         self.register()
         self.restart_next = True
 
@@ -84,7 +86,7 @@ class FakeNode:
                 with self._lock:
                     self.num_failed += 1
                 raise error(self.node_id, "fake fault", code=code)
-        tokens = [SampledToken(s.seq_id, fake_token(s.token_ids[-1], s.context_len))
+        tokens = [SampledToken(s.seq_id, fake_token(s.token_ids[-1], s.context_len, s.num_output_tokens))
                   for s in step.sequences if s.sampling is not None]
         with self._lock:
             self.num_tokens += sum(len(s.token_ids) for s in step.sequences)
@@ -112,8 +114,8 @@ def fake_completion(prompt: list[int], num_tokens: int) -> list[int]:
     """The tokens a greedy request for `prompt` gets from fake nodes, however it was run."""
     out: list[int] = []
     last, context_len = prompt[-1], len(prompt)
-    for _ in range(num_tokens):
-        last = fake_token(last, context_len)
+    for index in range(num_tokens):
+        last = fake_token(last, context_len, index)
         out.append(last)
         context_len += 1
     return out

@@ -54,8 +54,8 @@ def test_three_prompts_of_50k_tokens_complete() -> None:
                 done[out.request_id] = out
     assert set(done) == set(ids)
     for rid, p in zip(ids, prompts):
-        first = fake_token(p[-1], len(p))
-        assert done[rid].outputs[0].token_ids == [first, fake_token(first, len(p) + 1)]
+        first = fake_token(p[-1], len(p), 0)
+        assert done[rid].outputs[0].token_ids == [first, fake_token(first, len(p) + 1, 1)]
     engine.flush()
     assert engine.client.state.core.sequences() == []
 

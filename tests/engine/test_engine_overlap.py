@@ -166,6 +166,83 @@ def test_the_next_step_is_committed_while_the_node_generates() -> None:
             engine.close()
 
 
+class _CallerGatedNode(FakeNode):
+    """Every Generate but the first waits until the engine's caller saw it running (or
+    `wait_s`): the caller looks each time `step()` returned."""
+
+    def __init__(self, *args: Any, wait_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.wait_s = wait_s
+        self.cond = threading.Condition()
+        self.running = self.seen = False
+        self.first = True
+
+    def generate(self, step: Any) -> Any:
+        with self.cond:
+            if not self.first:
+                self.running = True
+                self.cond.notify_all()
+                self.cond.wait_for(lambda: self.seen, timeout=self.wait_s)
+            self.first = self.running = self.seen = False
+        return super().generate(step)
+
+    def look(self, timeout_s: float) -> bool:
+        """Whether a Generate is running now, while the caller has control."""
+        with self.cond:
+            self.seen = self.cond.wait_for(lambda: self.running, timeout=timeout_s)
+            self.cond.notify_all()
+            return self.seen
+
+
+def test_the_nodes_run_the_next_step_while_the_caller_has_the_outputs() -> None:
+    """With overlap, `step()` returns step N's outputs with step N+1 already running on the
+    nodes: the caller's own time (streaming the outputs, adding requests) is off the nodes'
+    path, and N's tokens were accepted while N+1 ran. Without overlap nothing runs then."""
+    from block_manager.service.config import BlockManagerConfig
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.local_bm import LocalBlockManagerClient
+
+    for async_scheduling in (True, False):
+        client = LocalBlockManagerClient(BlockManagerConfig(database_url="memory://", block_size=4, watermark=0.0))
+        node = _CallerGatedNode(client, "gated", 256, block_size=4, wait_s=30.0 if async_scheduling else 0.05)
+        engine = LLMEngine(client, {"gated": node}, EngineConfig(async_scheduling=async_scheduling))
+        try:
+            rng = random.Random(5)
+            prompts = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(3, 12))] for _ in range(4)]
+            rids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
+                    for p in prompts]
+            done: dict[str, Any] = {}
+            seen: list[bool] = []
+            # (call, whether a step was launched on the nodes) at each token accepted
+            accepted: list[tuple[int, bool]] = []
+            accept = engine._accept
+
+            def watched(seq: Any, tok: Any, now: float, accept: Any = accept) -> None:
+                accepted.append((len(seen), engine._flight is not None))
+                accept(seq, tok, now)
+
+            engine._accept = watched   # type: ignore[method-assign]
+            for _ in range(200):
+                if not engine.has_unfinished_requests():
+                    break
+                done.update({o.request_id: o for o in engine.step() if o.finished})
+                if engine.has_unfinished_requests():
+                    seen.append(node.look(30.0 if async_scheduling else 0.05))
+            for rid, p in zip(rids, prompts):
+                assert done[rid].outputs[0].token_ids == fake_completion(p, 14)
+            if async_scheduling:
+                # every call with requests left left the next step running, and had launched
+                # it before accepting the tokens of the step before (the last has none to launch)
+                assert all(seen) and len(seen) >= 12, seen
+                assert all(launched for call, launched in accepted if call < len(seen)), accepted
+            else:
+                assert not any(seen) and not any(launched for _, launched in accepted)
+            engine.flush()
+            assert client.state.core.fsck() == [] and client.state.core.sequences() == []
+        finally:
+            engine.close()
+
+
 def test_generated_text_is_prefix_cached_with_its_real_token_ids() -> None:
     """Speculative tokens are hashed only with their real ids (a placeholder never is): a
     prompt that repeats a completion hits the cache over the generated blocks, each filled by
