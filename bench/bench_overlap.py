@@ -5,13 +5,17 @@
    over the embedded block manager: the step period in steady decode vs the node's time, and
    generated tokens/s, overlapped (`async_scheduling=True`) vs not, alternating in one run.
    Without overlap the period is node + engine (plan, Step, output processing); with it the
-   plan and the Step run while the node sleeps. Prompt lengths are staggered over a block
+   plan, the Step, the acceptance of the tokens and the outputs run while the node sleeps, and
+   the node waits between two calls (printed: "node idle") only for the hand-over of the
+   answers. The collector is set as `pagedkv-serve` sets it (`--gc default`: Python's
+   defaults, whose full collections pause the engine ~65 ms now and then). Prompt lengths are staggered over a block
    (1/block_size of the sequences start or fill a block each step, as in a running batch);
    `--aligned` gives them all one length, so they all cross a block in the same step.
 2. The real model on CPU (`LLM`, embedded, the demo's ~54M random-weight Llama, float32):
    requested tokens/s on `bench_model`'s workload, overlapped vs not, alternating.
 
     .venv/bin/python bench/bench_overlap.py [--seqs 256] [--node-ms 20] [--steps 120] [--aligned] [--requests 32]
+                                            [--gc tuned|default]
 """
 
 from __future__ import annotations
@@ -46,16 +50,21 @@ class FixedTimeNode:
             "num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "dtype": "float32", "device": "cpu"})
         self.busy_s = 0.0
         self.calls = 0
+        self.idle_s = 0.0                 # between the end of one call and the start of the next
+        self.last_end: float | None = None
 
     def info(self, timeout_s: float | None = None) -> NodeInfo:
         return NodeInfo(self.node_id, 1, True, self.block_size, self.num_blocks, "fixed", VOCAB, 1 << 20, ())
 
     def generate(self, step: NodeStep) -> list[SampledToken]:
         t0 = time.perf_counter()
+        if self.last_end is not None:
+            self.idle_s += t0 - self.last_end
         time.sleep(self.step_s)
         out = [SampledToken(s.seq_id, 1 + (s.token_ids[-1] * 31 + s.context_len) % (VOCAB - 1))
                for s in step.sequences if s.sampling is not None]
-        self.busy_s += time.perf_counter() - t0
+        self.last_end = time.perf_counter()
+        self.busy_s += self.last_end - t0
         self.calls += 1
         return out
 
@@ -79,6 +88,7 @@ def fixed_node_run(async_scheduling: bool, seqs: int, node_ms: float, steps: int
     for _ in range(4):   # admission, prefill, the pipeline filled
         engine.step()
     generated0, bm0, node0, calls0 = engine.stats.generated_tokens, engine.stats.bm_s, node.busy_s, node.calls
+    idle0 = node.idle_s
     serial0 = (engine.stats.prepare_s, engine.stats.complete_s, engine.stats.outputs_s)
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -89,6 +99,7 @@ def fixed_node_run(async_scheduling: bool, seqs: int, node_ms: float, steps: int
     out = {
         "period_ms": 1e3 * wall / steps, "median_ms": 1e3 * statistics.median(periods),
         "node_ms": 1e3 * (node.busy_s - node0) / max(1, node.calls - calls0),   # per call
+        "idle_ms": 1e3 * (node.idle_s - idle0) / max(1, node.calls - calls0),   # the node waiting, per call
         "bm_ms": 1e3 * (st.bm_s - bm0) / steps,
         "tok_s": (st.generated_tokens - generated0) / wall,
         "tokens_per_step": (st.generated_tokens - generated0) / steps,
@@ -126,12 +137,18 @@ def main() -> None:
     ap.add_argument("--steps-only", action="store_true", help="only the fixed-time node part")
     ap.add_argument("--model-only", action="store_true", help="only the real-model part")
     ap.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
+    ap.add_argument("--gc", choices=("tuned", "default"), default="tuned",
+                    help="tuned: the collector as pagedkv-serve sets it once started (pagedkv.lifecycle.tune_gc)")
     args = ap.parse_args()
+    if args.gc == "tuned":
+        from pagedkv.lifecycle import tune_gc
+
+        tune_gc()
     if args.model_only:
         return model_part(args)
     print(f"# bench_overlap  fixed-time node {args.node_ms:g} ms/step, {args.seqs} running sequences, "
           f"block size {args.block_size}, {'aligned' if args.aligned else 'staggered'} prompts, {args.steps} steady "
-          f"decode steps, alternating x{args.repeats}")
+          f"decode steps, alternating x{args.repeats}, {args.gc} gc")
     runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}
     for _ in range(args.repeats):
         for mode in (False, True):
@@ -144,7 +161,7 @@ def main() -> None:
         print(f"{name}  period {r['period_ms']:6.2f} ms (median {r['median_ms']:6.2f}) = "
               f"{r['period_ms'] / r['node_ms']:.3f}x the node's measured time ({r['node_ms']:.2f} ms a call: the "
               f"sleep overshoots on a loaded host; {r['period_ms'] / args.node_ms:.3f}x of {args.node_ms:g} ms), block "
-              f"manager Step {r['bm_ms']:.2f} ms | {r['tok_s']:8.0f} tok/s, {r['tokens_per_step']:.1f} tokens/step | "
+              f"manager Step {r['bm_ms']:.2f} ms, node idle {r['idle_ms']:.2f} ms between calls | {r['tok_s']:8.0f} tok/s, {r['tokens_per_step']:.1f} tokens/step | "
               f"speculative {int(r['speculative'])} (late ids {int(r['late'])}), sat out {int(r['waits'])} | "
               f"engine thread: prepare {r['prepare_ms']:.2f}, complete {r['complete_ms']:.2f}, "
               f"outputs {r['outputs_ms']:.2f} ms a step")
