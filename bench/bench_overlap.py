@@ -161,7 +161,8 @@ def main() -> None:
         print(f"{name}  period {r['period_ms']:6.2f} ms (median {r['median_ms']:6.2f}) = "
               f"{r['period_ms'] / r['node_ms']:.3f}x the node's measured time ({r['node_ms']:.2f} ms a call: the "
               f"sleep overshoots on a loaded host; {r['period_ms'] / args.node_ms:.3f}x of {args.node_ms:g} ms), block "
-              f"manager Step {r['bm_ms']:.2f} ms, node idle {r['idle_ms']:.2f} ms between calls | {r['tok_s']:8.0f} tok/s, {r['tokens_per_step']:.1f} tokens/step | "
+              f"manager Step {r['bm_ms']:.2f} ms, node idle {r['idle_ms']:.2f} ms between calls | "
+              f"{r['tok_s']:8.0f} tok/s, {r['tokens_per_step']:.1f} tokens/step | "
               f"speculative {int(r['speculative'])} (late ids {int(r['late'])}), sat out {int(r['waits'])} | "
               f"engine thread: prepare {r['prepare_ms']:.2f}, complete {r['complete_ms']:.2f}, "
               f"outputs {r['outputs_ms']:.2f} ms a step")

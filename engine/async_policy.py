@@ -5,8 +5,9 @@ outputs, while the nodes compute step N. That pays when the node's compute does 
 host's CPU: a GPU node (the CPU only launches work), or a CPU node on another host. It costs
 when a CPU node computes on this host's cores: the engine's work meanwhile takes a core (and
 the GIL) from the model's threads. Measured on a 2-core host with the node as a local
-process: 4-16% fewer tokens/s with overlap (BENCHMARKS.md, "Engine modes side by side"; then 10-13% more steps also ran, a sequence
-whose next token started or filled a KV block sitting a step out, which late ids removed).
+process: 4-16% fewer tokens/s with overlap (BENCHMARKS.md, "Engine modes side by side"; then
+10-13% more steps also ran, a sequence whose next token started or filled a KV block sitting a
+step out, which late ids removed).
 
 So, unless told (`LLM(async_scheduling=...)`, else `PAGEDKV_ASYNC_SCHEDULING`), overlap is on
 only when EVERY node either runs on a GPU or is a CPU node whose address is not this host: an

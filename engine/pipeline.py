@@ -164,8 +164,9 @@ class NodePipeline:
 
     def _fill(self, following: InFlight, flight: InFlight) -> None:
         """Give each speculative token of `following` the id its sequence drew in `flight`
-        (its step before; the nodes that failed it are left out of `following`). Done before `flight`'s tokens are accepted,
-        so the nodes start at once; `_reconcile` checks them against the acceptance after."""
+        (its step before; the nodes that failed it are left out of `following`). Done before
+        `flight`'s tokens are accepted, so the nodes start at once; `_reconcile` checks them
+        against the acceptance after."""
         if not following.speculative:
             return
         drawn: dict[str, int] = {}
@@ -214,7 +215,8 @@ class NodePipeline:
         self._flight = None
         self.stats.node_s += time.perf_counter() - flight.started_s
 
-    def _start_generate(self, started: threading.Semaphore, node_id: str, step: NodeStep) -> list[SampledToken] | NodeError:
+    def _start_generate(self, started: threading.Semaphore, node_id: str,
+                        step: NodeStep) -> list[SampledToken] | NodeError:
         started.release()
         return self._generate(node_id, step)
 
