@@ -244,6 +244,8 @@ class LLMEngine(StepPlanner, NodePipeline, SwapPreemption):
         started = time.perf_counter()
         stats = self.stats
         self._down = self.health.down_nodes()
+        if self._flight is not None and not self.config.async_scheduling:
+            self.drain()   # overlap switched off with a step still running: that one ends first
         flight = self._flight
         if flight is None:   # nothing on the nodes: this step is planned now
             self._adopt_found()

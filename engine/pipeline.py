@@ -232,10 +232,9 @@ class NodePipeline:
 
     def _advance(self, flight: InFlight, following: InFlight | None) -> None:
         """Accept answered step N (`flight`) and launch step N+1 (`following`, prepared while
-        N ran). When every node answered N, N+1 starts first (its
-        speculative tokens take their ids from N's answers) and N's tokens are accepted while
-        it runs, then N+1 is reconciled with them. A node that failed N is acted on first and
-        left out of N+1."""
+        N ran). When every node answered N, N+1 starts first (its speculative tokens take their
+        ids from N's answers) and N's tokens are accepted while it runs, then N+1 is reconciled
+        with them. A node that failed N is acted on first and left out of N+1."""
         failed = {job.node_id for job in flight.jobs if not _answered(job)}
         if failed:
             failed = self._complete(flight)

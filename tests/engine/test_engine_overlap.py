@@ -355,3 +355,31 @@ def test_overlap_is_on_only_where_no_node_computes_on_this_hosts_cpu(monkeypatch
     monkeypatch.setenv(ASYNC_SCHEDULING_ENV, "off")
     assert choose_async_scheduling(None, remote_cpu) is False
     assert choose_async_scheduling(True, remote_cpu) is True
+
+
+def test_overlap_switched_off_mid_run_finishes_the_running_step_first() -> None:
+    """`config.async_scheduling` turned off between two calls (as the benchmarks do): the step
+    still running on the nodes is waited for and accepted once, then steps run one by one."""
+    engine, _ = fake_engine(1, num_blocks=128, block_size=4, async_scheduling=True)
+    core = engine.client.state.core
+    try:
+        rng = random.Random(17)
+        prompts = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(3, 15))] for _ in range(5)]
+        rids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+                for p in prompts]
+        done: dict[str, Any] = {}
+        for _ in range(5):
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        assert engine._flight is not None   # a step is running on the node now
+        engine.config.async_scheduling = False
+        for _ in range(200):
+            if not engine.has_unfinished_requests():
+                break
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+            assert engine._flight is None and core.fsck() == []
+        for rid, p in zip(rids, prompts):
+            assert done[rid].outputs[0].token_ids == fake_completion(p, 16)
+        engine.flush()
+        assert core.fsck() == [] and core.sequences() == []
+    finally:
+        engine.close()
