@@ -35,6 +35,15 @@ def _workload(seed: int) -> list[tuple[list[int], SamplingParams]]:
     return work
 
 
+def _add_greedy(engine: Any, seed: int, num: int, lengths: tuple[int, int],
+                max_tokens: int) -> tuple[list[str], list[list[int]]]:
+    """`num` greedy requests of random prompts (lengths in `[lo, hi)`): their ids and prompts."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(*lengths))] for _ in range(num)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [engine.add_request(p, params) for p in prompts], prompts
+
+
 def _run(async_scheduling: bool, seed: int, **config: Any) -> tuple[dict[int, list[tuple[list[int], str]]], Any]:
     engine, _ = fake_engine(2, num_blocks=96, block_size=4, max_num_batched_tokens=48, max_num_seqs=16,
                             async_scheduling=async_scheduling, **config)
@@ -145,10 +154,7 @@ def test_the_next_step_is_committed_while_the_node_generates() -> None:
     for async_scheduling in (True, False):
         engine, node = _gated_engine(async_scheduling)
         try:
-            rng = random.Random(7)
-            prompts = [[rng.randrange(1, VOCAB) for _ in range(20)] for _ in range(4)]
-            rids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-                    for p in prompts]
+            rids, prompts = _add_greedy(engine, 7, 4, (20, 21), 12)
             done: dict[str, Any] = {}
             for _ in range(200):
                 if not engine.has_unfinished_requests():
@@ -207,10 +213,7 @@ def test_the_nodes_run_the_next_step_while_the_caller_has_the_outputs() -> None:
         node = _CallerGatedNode(client, "gated", 256, block_size=4, wait_s=30.0 if async_scheduling else 0.05)
         engine = LLMEngine(client, {"gated": node}, EngineConfig(async_scheduling=async_scheduling))
         try:
-            rng = random.Random(5)
-            prompts = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(3, 12))] for _ in range(4)]
-            rids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
-                    for p in prompts]
+            rids, prompts = _add_greedy(engine, 5, 4, (3, 12), 14)
             done: dict[str, Any] = {}
             seen: list[bool] = []
             # (call, whether a step was launched on the nodes) at each token accepted
@@ -363,10 +366,7 @@ def test_overlap_switched_off_mid_run_finishes_the_running_step_first() -> None:
     engine, _ = fake_engine(1, num_blocks=128, block_size=4, async_scheduling=True)
     core = engine.client.state.core
     try:
-        rng = random.Random(17)
-        prompts = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(3, 15))] for _ in range(5)]
-        rids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-                for p in prompts]
+        rids, prompts = _add_greedy(engine, 17, 5, (3, 15), 16)
         done: dict[str, Any] = {}
         for _ in range(5):
             done.update({o.request_id: o for o in engine.step() if o.finished})
