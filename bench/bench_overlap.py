@@ -8,9 +8,10 @@
    plan, the Step, the acceptance of the tokens and the outputs run while the node sleeps, and
    the node waits between two calls (printed: "node idle") only for the hand-over of the
    answers. The collector is set as `pagedkv-serve` sets it (`--gc default`: Python's
-   defaults, whose full collections pause the engine ~65 ms now and then). Prompt lengths are staggered over a block
-   (1/block_size of the sequences start or fill a block each step, as in a running batch);
-   `--aligned` gives them all one length, so they all cross a block in the same step.
+   defaults, whose full collections pause the engine ~65 ms now and then). Prompt lengths
+   are staggered over a block (1/block_size of the sequences start or fill a block each step,
+   as in a running batch); `--aligned` gives them all one length, so they all cross a block in
+   the same step.
 2. The real model on CPU (`LLM`, embedded, the demo's ~54M random-weight Llama, float32):
    requested tokens/s on `bench_model`'s workload, overlapped vs not, alternating.
 

@@ -89,7 +89,6 @@ class NodeJob:
 class InFlight:
     """A launched step: its Generates, and each sequence's work in it."""
 
-    step_no: int
     jobs: list[NodeJob]
     by_seq: dict[Sequence, Work] = field(default_factory=dict)
     speculative: list[tuple[Work, SeqStep]] = field(default_factory=list)
@@ -134,7 +133,7 @@ class NodePipeline:
             step = NodeStep(f"{node_id}-{launch_no}-{id(self)}", [info] if info is not None else [], seq_steps,
                             profile=self.config.profile_nodes)
             jobs.append(NodeJob(node_id, info, kept, step))
-        flight = InFlight(launch_no, jobs, speculative=speculative)
+        flight = InFlight(jobs, speculative=speculative)
         for job in jobs:
             for w in job.items:
                 flight.by_seq[w.seq] = w

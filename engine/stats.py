@@ -28,9 +28,9 @@ class EngineStats:
     bm_s: float = 0.0          # time in block manager calls (the Step)
     num_bm_rpcs: int = 0       # block manager round trips made by steps
     node_s: float = 0.0        # time in Generate calls (wall, nodes in parallel)
-    # the engine thread's own work around the node calls (with async scheduling, what the
-    # step period adds to the nodes' time): building the Generates, accepting the tokens,
-    # the outputs
+    # the engine thread's own work around the node calls: building the Generates, accepting
+    # the tokens, the outputs (without async scheduling it adds to the nodes' time; with it,
+    # it runs while the nodes compute the next step)
     prepare_s: float = 0.0
     complete_s: float = 0.0
     outputs_s: float = 0.0

@@ -386,7 +386,7 @@ class StepBatch:
         m.swap_in_seq_ids.extend(self._swap_in)
         if len(m.written_token_ids) not in (0, sum(m.written_num_tokens)):
             del m.written_token_ids[:]  # ids for all or none
-        self._pending: list[tuple[SeqId, int, int]] = []
+        self._pending: list[tuple[SeqId, int]] = []
         deferred = 0
         with_ids = True
         server: list[tuple[SeqId, int, list[int] | None, int]] = []
@@ -408,7 +408,7 @@ class StepBatch:
                 all_ids[len(all_ids) - late :] = [0] * late   # placeholders on the wire
             with_ids = with_ids and all_ids is not None
             server.append((sid, total, all_ids, late))
-            self._pending.append((sid, n, late))
+            self._pending.append((sid, n))
         any_late = with_ids and any(late for *_, late in server)
         for sid, total, all_ids, late in server:
             m.append_seq_ids.append(sid)
@@ -497,7 +497,7 @@ class StepBatch:
             tracker.late_ids.pop(sid, None)   # sent: answered, or refused (its sequence is gone or out of step)
             if err is not None:   # the mirror stays: it may hold deferred tokens the server still needs
                 res.late_failures[sid] = wire.item_failure(sid, err, "Step")
-        for i, (sid, n, _late) in enumerate(self._pending):
+        for i, (sid, n) in enumerate(self._pending):
             err = errors.get(("append", i))
             t = tracker.get(sid)
             if err is not None:

@@ -44,6 +44,18 @@ def _add_greedy(engine: Any, seed: int, num: int, lengths: tuple[int, int],
     return [engine.add_request(p, params) for p in prompts], prompts
 
 
+def _check_greedy(done: dict[str, Any], rids: list[str], prompts: list[list[int]], max_tokens: int) -> None:
+    for rid, p in zip(rids, prompts):
+        assert done[rid].outputs[0].token_ids == fake_completion(p, max_tokens)
+
+
+def _check_drained(engine: Any) -> None:
+    """The last frees sent: nothing held, nothing inconsistent."""
+    engine.flush()
+    core = engine.client.state.core
+    assert core.fsck() == [] and core.sequences() == []
+
+
 def _run(async_scheduling: bool, seed: int, **config: Any) -> tuple[dict[int, list[tuple[list[int], str]]], Any]:
     engine, _ = fake_engine(2, num_blocks=96, block_size=4, max_num_batched_tokens=48, max_num_seqs=16,
                             async_scheduling=async_scheduling, **config)
@@ -59,8 +71,7 @@ def _run(async_scheduling: bool, seed: int, **config: Any) -> tuple[dict[int, li
                 if out.finished:
                     outs[ids[out.request_id]] = [(list(c.token_ids), c.finish_reason or "") for c in out.outputs]
             assert core.fsck() == []
-        engine.flush()
-        assert core.fsck() == [] and core.sequences() == []
+        _check_drained(engine)
         return outs, engine.stats
     finally:
         engine.close()
@@ -98,10 +109,8 @@ def test_overlap_under_preemption_matches_too() -> None:
         while engine.has_unfinished_requests():
             done.update({o.request_id: o for o in engine.step() if o.finished})
         assert engine.stats.num_preemptions > 0
-        for rid, p in zip(rids, prompts):
-            assert done[rid].outputs[0].token_ids == fake_completion(p, 30)
-        engine.flush()
-        assert engine.client.state.core.fsck() == [] and engine.client.state.core.sequences() == []
+        _check_greedy(done, rids, prompts, 30)
+        _check_drained(engine)
     finally:
         engine.close()
 
@@ -160,8 +169,7 @@ def test_the_next_step_is_committed_while_the_node_generates() -> None:
                 if not engine.has_unfinished_requests():
                     break
                 done.update({o.request_id: o for o in engine.step() if o.finished})
-            for rid, p in zip(rids, prompts):
-                assert done[rid].outputs[0].token_ids == fake_completion(p, 12)
+            _check_greedy(done, rids, prompts, 12)
             # every Generate but the last saw the next Step committed while it ran (overlap);
             # without overlap none did (each waited out its timeout)
             if async_scheduling:
@@ -231,8 +239,7 @@ def test_the_nodes_run_the_next_step_while_the_caller_has_the_outputs() -> None:
                 done.update({o.request_id: o for o in engine.step() if o.finished})
                 if engine.has_unfinished_requests():
                     seen.append(node.look(30.0 if async_scheduling else 0.05))
-            for rid, p in zip(rids, prompts):
-                assert done[rid].outputs[0].token_ids == fake_completion(p, 14)
+            _check_greedy(done, rids, prompts, 14)
             if async_scheduling:
                 # every call with requests left left the next step running, and had launched
                 # it before accepting the tokens of the step before (the last has none to launch)
@@ -240,8 +247,7 @@ def test_the_nodes_run_the_next_step_while_the_caller_has_the_outputs() -> None:
                 assert all(launched for call, launched in accepted if call < len(seen)), accepted
             else:
                 assert not any(seen) and not any(launched for _, launched in accepted)
-            engine.flush()
-            assert client.state.core.fsck() == [] and client.state.core.sequences() == []
+            _check_drained(engine)
         finally:
             engine.close()
 
@@ -300,10 +306,8 @@ def test_a_node_failing_under_a_committed_next_step_recomputes_and_leaks_nothing
                 assert core.fsck() == []
             assert victim.num_failed >= 1 and engine.stats.num_failed_steps >= 1
             assert engine.stats.late_tokens > 0   # blocks filled with ids still to come, faults among them
-            for rid, p in zip(rids, prompts):
-                assert done[rid].outputs[0].token_ids == fake_completion(p, 25)
-            engine.flush()
-            assert core.fsck() == [] and core.sequences() == []
+            _check_greedy(done, rids, prompts, 25)
+            _check_drained(engine)
         finally:
             engine.close()
 
@@ -377,9 +381,7 @@ def test_overlap_switched_off_mid_run_finishes_the_running_step_first() -> None:
                 break
             done.update({o.request_id: o for o in engine.step() if o.finished})
             assert engine._flight is None and core.fsck() == []
-        for rid, p in zip(rids, prompts):
-            assert done[rid].outputs[0].token_ids == fake_completion(p, 16)
-        engine.flush()
-        assert core.fsck() == [] and core.sequences() == []
+        _check_greedy(done, rids, prompts, 16)
+        _check_drained(engine)
     finally:
         engine.close()
