@@ -7,6 +7,7 @@ after each test against the block manager's own counters)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -277,7 +278,7 @@ def test_disconnect_mid_stream_frees_everything(server: ServerThread, llm: LLM, 
     body = {"model": model_dir.name, "messages": [{"role": "user", "content": "tell me everything"}],
             "max_tokens": 100, "n": 2, "stream": True, "ignore_eos": True}
     gone = _disconnects(server)
-    _pace_steps(llm, monkeypatch)
+    client_left = _hold_steps(llm, monkeypatch)
     with httpx.Client(timeout=30) as http, http.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
         seen = 0
@@ -287,32 +288,39 @@ def test_disconnect_mid_stream_frees_everything(server: ServerThread, llm: LLM, 
             if seen >= 3:
                 break
         assert llm.engine.requests         # still generating when the client leaves
+    client_left.set()
     wait_all_freed(llm)
     assert _disconnects(server) == gone + 1
 
 
 def test_disconnect_before_a_non_stream_answer_frees_everything(server: ServerThread, llm: LLM, model_dir: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    _pace_steps(llm, monkeypatch)
+    client_left = _hold_steps(llm, monkeypatch)
     body = {"model": model_dir.name, "prompt": _long(20), "max_tokens": 230, "ignore_eos": True}
     gone, generated = _disconnects(server), llm.engine.stats.generated_tokens
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.1))
+    client_left.set()
     wait_all_freed(llm)
     assert _disconnects(server) == gone + 1
     assert llm.engine.stats.generated_tokens - generated < 230      # aborted, not run to the end
 
 
-def _pace_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch, seconds: float = 0.02) -> None:
+def _hold_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch, free_steps: int = 10) -> threading.Event:
     """A loaded CI machine can starve the test's client thread until the tiny model has run a
-    request to its end; a paced engine step keeps it running while the client reads and leaves."""
+    request to its end (a 20 ms pace per step was not enough: CI failed on it twice). So after
+    `free_steps` steps the engine waits until the test says the client has left: the request is
+    then certainly still running when the disconnect arrives, however slow the client is."""
     engine, step = llm.engine, llm.engine.step
+    client_left, num_steps = threading.Event(), itertools.count()
 
-    def paced_step() -> Any:
-        time.sleep(seconds)
+    def held_step() -> Any:
+        if next(num_steps) >= free_steps:
+            client_left.wait(timeout=60)
         return step()
 
-    monkeypatch.setattr(engine, "step", paced_step)
+    monkeypatch.setattr(engine, "step", held_step)
+    return client_left
 
 
 def _disconnects(server: ServerThread) -> float:
