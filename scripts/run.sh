@@ -32,7 +32,7 @@ case "$cmd" in
 esac
 stamp="$VENV/.pagedkv-installed${extras:+-$extras}"
 if [ ! -x "$VENV/bin/python" ]; then
-  echo "run.sh: creating $VENV (first run: a few minutes; ~1.2 GB for the demo, ~2.2 GB with the test extras)" >&2
+  echo "run.sh: creating $VENV (first run: a few minutes; ~1 GB for the demo, ~2 GB with the test extras)" >&2
   python3 -m venv "$VENV"
 fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
@@ -51,6 +51,25 @@ print("run.sh: torch", torch.__version__, f"(CUDA {c} build)" if c else "(CPU bu
   "$VENV/bin/pip" install --progress-bar on ${no_compile[@]+"${no_compile[@]}"} -e ".${extras:+[$extras]}" 2>&1 \
     | grep -E "^(Collecting|Successfully|ERROR)" || true
   "$VENV/bin/python" -c "import pagedkv" 2>/dev/null || { echo "run.sh: install failed" >&2; exit 1; }
+  # Trimmed for size (the demo venv stays under 1 GB): torch's C++ side for building extensions
+  # and its own tests (headers, gtest binaries, protoc: ~195 MB of the CPU build; nothing here
+  # compiles against torch), and the static symbol tables of the three largest libraries
+  # (~110 MB; the dynamic symbols stay). Only those: strip breaks libraries that auditwheel
+  # rewrote (numpy's openblas). `pip install --force-reinstall --no-deps torch==2.13.0 llvmlite`
+  # undoes it all; so does run.sh itself if the trimmed libraries fail to load.
+  if [ "$cmd" != setup ]; then
+    site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    rm -rf "$site/torch/test" "$site/torch/include"
+    find "$site/torch/bin" -mindepth 1 -maxdepth 1 ! -name torch_shm_manager -exec rm -rf {} + 2>/dev/null || true
+    if [ "$(uname -s)" = Linux ] && command -v strip >/dev/null; then
+      for so in "$site"/torch/lib/libtorch_{cpu,python}.so "$site"/llvmlite/binding/libllvmlite.so; do
+        [ -f "$so" ] && strip --strip-unneeded "$so" || true
+      done
+      "$VENV/bin/python" -c 'import torch, llvmlite.binding as b; b.initialize_native_target()' 2>/dev/null \
+        || "$VENV/bin/pip" install -q --force-reinstall --no-deps ${torch_index[@]+"${torch_index[@]}"} \
+             "torch==2.13.0" "llvmlite==$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("llvmlite"))')"
+    fi
+  fi
   touch "$stamp"
   echo "run.sh: $VENV ready ($(du -sh "$VENV" 2>/dev/null | cut -f1))" >&2
 fi
