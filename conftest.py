@@ -30,6 +30,21 @@ def pytest_configure(config: pytest.Config) -> None:
 
     cygrpc.init_grpc_aio()
     _start_kernel_cache_warm_up(config)
+    _use_fork_server(config)
+
+
+# Service processes (block manager, compute nodes, API server) started through
+# demo.localstack.start_process are forked from one interpreter per test process that has torch
+# & co. imported, instead of each paying Python's start-up (tests/support/fork_server.py).
+# PAGEDKV_TEST_FORK_SERVER=0: plain subprocess.Popen.
+def _use_fork_server(config: pytest.Config) -> None:
+    runs_tests = hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)
+    if not runs_tests or os.environ.get("PAGEDKV_TEST_FORK_SERVER") == "0":
+        return
+    import demo.localstack
+    from tests.support import fork_server
+
+    demo.localstack.start_process = fork_server.shared().popen
 
 
 # Numba compiles the CPU kernels on first use (~20 CPU-s for all of them) and keeps them in
@@ -158,6 +173,9 @@ _WORKER_CPU_S: list[float] = []
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     _reap_kernel_cache_warm_up()     # before the suite-cost line, which counts its CPU
+    from tests.support import fork_server  # so does the fork server's, with its children's
+
+    fork_server.shared().close()
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:            # an xdist worker: hand its CPU time to the controller
         workeroutput["cpu_s"] = _cpu_s(resource.RUSAGE_SELF) + _cpu_s(resource.RUSAGE_CHILDREN)

@@ -38,7 +38,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +48,10 @@ from pagedkv.cli import ctrl_c_deferred
 
 COMPOSE_FILE = Path(__file__).resolve().parents[1] / "docker-compose.yml"
 MTLS_COMPOSE_FILE = COMPOSE_FILE.with_name("docker-compose.mtls.yml")
+# How every service process here starts (subprocess.Popen's signature and handle). The test
+# suite puts a fork server's in its place (tests/support/fork_server.py): its processes skip
+# Python's ~2.7 CPU-s start-up with torch, and the suite starts ~100 of them.
+start_process: Callable[..., subprocess.Popen[bytes]] = subprocess.Popen
 _INTERP = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
 
 
@@ -182,7 +186,7 @@ class ServiceProcess:
         port_file.unlink(missing_ok=True)
         log_path = workdir / f"{name}.log"
         with open(log_path, "ab") as log, ctrl_c_deferred():
-            proc = subprocess.Popen(
+            proc = start_process(
                 [*argv, "--port-file", str(port_file)], env=dict(env) if env is not None else None, cwd=cwd,
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             )
@@ -338,7 +342,7 @@ class LocalStack:
         port_file.unlink(missing_ok=True)
         log_path = self.workdir / f"{service}.log"
         with open(log_path, "ab") as log, ctrl_c_deferred():   # started and recorded (stopped by down())
-            proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+            proc = start_process(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.workdir)
             self.running[service] = _Running(self.specs[service], proc, log_path, env)
         try:

@@ -26,6 +26,7 @@ import pytest
 from block_manager.client import AdminClient, BlockManagerClient
 from block_manager.service.server import BlockManagerServer
 from compute_node.disk_tier import FILE_NAME, HEADER_BYTES
+from demo import localstack
 from engine.executor import RemoteNode
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.params import SamplingParams
@@ -75,7 +76,7 @@ class NodeProcess:
                "PAGEDKV_CN_BLOCK_SIZE": "4", "PAGEDKV_CN_DEVICE": "cpu", "PAGEDKV_CN_THREADS": "1",
                "PAGEDKV_CN_SHUTDOWN_GRACE_S": "0.2"}
         self.log = (workdir / "node.log").open("ab")
-        self.proc = subprocess.Popen(
+        self.proc = localstack.start_process(
             [sys.executable, "-c", "import sys; from compute_node.service.cli import main; sys.exit(main())",
              "serve", "--listen", "127.0.0.1:0", "--block-manager", bm_address, "--node-id", NODE,
              "--model", str(model_dir), "--num-blocks", "12", "--host-kv-blocks", "6",

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from block_manager.client import AdminClient, BlockManagerClient
+from demo import localstack
 from engine.executor import RemoteNode
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.params import SamplingParams
@@ -56,7 +57,7 @@ class NodeProcess:
                    "PAGEDKV_CN_DEVICE": "cpu", "PAGEDKV_CN_THREADS": "1", "PAGEDKV_CN_SHUTDOWN_GRACE_S": "0.2",
                    "PAGEDKV_CN_METRICS_PORT": str(self.metrics_port), **env}
         self.log = open(tmp / f"{node_id}.log", "w")   # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(
+        self.proc = localstack.start_process(
             [sys.executable, "-c", "import sys; from compute_node.service.cli import main; sys.exit(main())",
              "serve", "--port-file", str(self.port_file)],
             env=environ, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,

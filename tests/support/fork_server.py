@@ -1,0 +1,390 @@
+"""Start the suite's service processes by forking an interpreter that has torch & co. imported.
+
+Why: most of the CPU the test suite's service processes cost is Python start-up, not service
+work: `import torch` alone is ~2 CPU-s on the 2-core CI VM, and a compute node costs ~2.7 CPU-s
+before it serves a request; the suite starts ~100 service processes. A fork server (one per
+test process, started on first use) imports the third-party libraries once; each service is
+then a `fork()` of it that runs the command as `python` would: a real, separate process with
+its own pid, session, working directory, environment, log file and exit status, killed and
+stopped by signals like any other. Only the project's own modules are imported in the child,
+after the fork, so each service sees this checkout's code and its own environment.
+
+Commands it cannot run exactly as `exec` would are started with `subprocess.Popen` instead:
+anything that is not this interpreter running `-m module`, `-c code` or a console script of
+this venv; Python options (`-u`, `-X ...`); pipes; and an environment that differs from the
+server's in a variable the pre-imported libraries read at import time (NUMBA_*, OMP_*, ...).
+The CLI tests that check what a user's shell runs call `subprocess` themselves and never come
+here. `PAGEDKV_TEST_FORK_SERVER=0` turns it off.
+
+Protocol (a Unix socket per process started): the client sends one JSON line (argv, env,
+cwd, new session) with its stdout/stderr descriptors attached (SCM_RIGHTS); the server answers
+`{"pid": N}` at once and `{"status": S}` (a wait status) when the child ends. The server is
+single-threaded (a select loop), so forking it is safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+# What the services import from outside the project (the rest costs little).
+PRE_IMPORTS = (
+    "torch", "numpy", "numba", "llvmlite.binding", "grpc", "grpc.aio", "grpc_health.v1.health",
+    "grpc_reflection.v1alpha.reflection", "google.protobuf.json_format", "sqlalchemy", "sqlalchemy.orm",
+    "sqlalchemy.dialects.sqlite", "sqlalchemy.dialects.postgresql", "alembic.command", "alembic.runtime.migration",
+    "structlog", "pydantic", "pydantic_settings", "prometheus_client", "safetensors.torch", "tokenizers",
+    "fastapi", "uvicorn", "yaml", "xxhash",
+)
+# Read once, at import, by a pre-imported library: a child must see the server's values.
+IMPORT_TIME_ENV_PREFIXES = ("NUMBA_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "TORCH_", "PYTORCH_", "CUDA_", "GRPC_",
+                            "LD_", "PYTHON")
+CHILD_SET_ENV = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE")     # applied in the child
+
+
+# ---- server (runs as `python fork_server.py SOCKET`) ------------------------------------------
+def serve(socket_path: str) -> None:
+    for name in PRE_IMPORTS:
+        with contextlib.suppress(ImportError):
+            __import__(name)
+    base_path = [p for p in sys.path[1:] if p not in _pythonpath(os.environ)]
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_path)
+    listener.listen(64)
+    print("ready", flush=True)
+    children: dict[int, socket.socket] = {}
+    while True:
+        readable, _, _ = select.select([listener, sys.stdin], [], [], 0.05)
+        if sys.stdin in readable and not os.read(sys.stdin.fileno(), 1):
+            return                        # the test process closed the pipe: done
+        if listener in readable:
+            conn, _ = listener.accept()
+            pid = _fork_one(conn, listener, children, base_path)
+            if pid is None:
+                conn.close()
+            else:
+                children[pid] = conn
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            conn = children.pop(pid, None)
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    conn.sendall(json.dumps({"status": status}).encode() + b"\n")
+                conn.close()
+
+
+def _fork_one(conn: socket.socket, listener: socket.socket, children: Mapping[int, socket.socket],
+              base_path: list[str]) -> int | None:
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
+    request = json.loads(data)
+    # The pid goes back once the child is set up (its own session, its fds), as Popen returns
+    # after the exec: a caller may signal the process group at once.
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(ready_w)
+        for fd in fds:
+            os.close(fd)
+        os.read(ready_r, 1)                               # b"" if it died first: its status follows
+        os.close(ready_r)
+        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        return pid
+    try:                                                  # the child: never returns
+        os.close(ready_r)
+        listener.close()
+        conn.close()
+        for other in children.values():
+            other.close()
+        _become(request, fds, base_path)
+        os.write(ready_w, b"1")
+        os.close(ready_w)
+    except BaseException:                                 # noqa: BLE001 (reported, then the exit)
+        import traceback
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(_run(request))
+
+
+def _become(request: dict[str, Any], fds: list[int], base_path: list[str]) -> None:
+    """Turn the forked server into the process `exec` would have started."""
+    if request["new_session"]:
+        os.setsid()
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    out, err = fds
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    for fd in (null, out, err):
+        if fd > 2:
+            os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    # sys.stdin/stdout/stderr already write to fds 0-2, now /dev/null and the log; a fresh
+    # interpreter would line-buffer stderr always and stdout under PYTHONUNBUFFERED.
+    sys.stdout.reconfigure(line_buffering=bool(os.environ.get("PYTHONUNBUFFERED")))
+    sys.stderr.reconfigure(line_buffering=True)
+    sys.dont_write_bytecode = bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))
+    sys.path[:] = [request["path0"], *_pythonpath(os.environ), *base_path]
+    with contextlib.suppress(ImportError):
+        import numpy
+        numpy.random.seed()              # as a fresh interpreter would: not the server's state
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _run(request: dict[str, Any]) -> int:
+    """Run the command in this process as `python` would, ending as Python ends."""
+    import runpy
+    import types
+
+    kind, target, args = request["kind"], request["target"], request["args"]
+    code = 0
+    try:
+        if kind == "module":
+            sys.argv = [target, *args]                    # run_module puts the file in argv[0]
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        elif kind == "code":
+            sys.argv = ["-c", *args]
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            exec(compile(target, "<string>", "exec"), main.__dict__)   # noqa: S102 (what `python -c` does)
+        else:
+            sys.argv = [target, *args]
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as exit_:
+        code = _exit_code(exit_.code)
+    except KeyboardInterrupt:
+        _finish()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)               # as Python does: killed by SIGINT
+    except BaseException:                                 # noqa: BLE001 (an uncaught error: traceback, 1)
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    _finish()
+    return code
+
+
+def _finish() -> None:
+    """Python's shutdown, in its order: join non-daemon threads, atexit, flush."""
+    import atexit
+    threading._shutdown()                                 # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _pythonpath(env: Mapping[str, str]) -> list[str]:
+    return [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+# ---- client (in the test process) -------------------------------------------------------------
+class ForkedProcess:
+    """The parts of `subprocess.Popen` the suite uses, for a child of the fork server."""
+
+    def __init__(self, args: Sequence[str], conn: socket.socket) -> None:
+        self.args = list(args)
+        self.stdin = self.stdout = self.stderr = None
+        self.returncode: int | None = None
+        self._conn = conn
+        self._buffer = b""
+        self._lock = threading.Lock()
+        started = self._message(timeout=60)
+        if "pid" not in started:
+            raise OSError(f"the fork server could not start {self.args}")
+        self.pid = int(started["pid"])
+
+    def _message(self, timeout: float | None) -> dict[str, Any]:
+        while b"\n" not in self._buffer:
+            ready, _, _ = select.select([self._conn], [], [], timeout)
+            if not ready:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            chunk = self._conn.recv(4096)
+            if not chunk:                 # the server went away: the child's status is lost
+                return {"status": signal.SIGKILL}
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def poll(self) -> int | None:
+        if not self._lock.acquire(blocking=False):     # another thread is waiting: it will know
+            return self.returncode
+        try:
+            return self._wait(timeout=0)
+        except subprocess.TimeoutExpired:
+            return None
+        finally:
+            self._lock.release()
+
+    def wait(self, timeout: float | None = None) -> int:
+        with self._lock:
+            return self._wait(timeout)
+
+    def _wait(self, timeout: float | None) -> int:
+        if self.returncode is None:
+            status = int(self._message(timeout)["status"])
+            self.returncode = os.waitstatus_to_exitcode(status)
+            self._conn.close()
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def __enter__(self) -> ForkedProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wait()
+
+
+class ForkServer:
+    """One per test process; `popen` is a drop-in for `subprocess.Popen` (see the module doc)."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir: str | None = None
+        self._env = dict(os.environ)     # the server's: what its pre-imported libraries read
+        self._lock = threading.Lock()
+
+    def popen(self, args: Sequence[str], *, env: Mapping[str, str] | None = None,
+              cwd: str | os.PathLike[str] | None = None, stdin: Any = None, stdout: Any = None, stderr: Any = None,
+              start_new_session: bool = False, **kwargs: Any) -> Any:
+        env = dict(os.environ if env is None else env)
+        command = None if kwargs or stdin not in (None, subprocess.DEVNULL) else _command(list(map(str, args)), env)
+        fds = _out_fds(stdout, stderr)
+        if command is None or fds is None or not self._env_compatible(env):
+            return subprocess.Popen(args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr,
+                                    start_new_session=start_new_session, **kwargs)
+        cwd = os.path.abspath(cwd if cwd is not None else os.getcwd())
+        kind, target, rest = command
+        path0 = {"module": cwd, "code": "", "script": os.path.dirname(target)}[kind]
+        request = {"kind": kind, "target": target, "args": rest, "env": env, "cwd": cwd, "path0": path0,
+                   "new_session": start_new_session}
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(self._socket_path())
+        socket.send_fds(conn, [json.dumps(request).encode()], fds)
+        return ForkedProcess(args, conn)
+
+    def _env_compatible(self, env: Mapping[str, str]) -> bool:
+        keys = {k for k in (*env, *self._env) if k.startswith(IMPORT_TIME_ENV_PREFIXES) and k not in CHILD_SET_ENV}
+        return all(env.get(k) == self._env.get(k) for k in keys)
+
+    def _socket_path(self) -> str:
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._dir = tempfile.mkdtemp(prefix="pagedkv-fork-")
+                path = os.path.join(self._dir, "s")
+                self._proc = subprocess.Popen([sys.executable, __file__, path], stdin=subprocess.PIPE,
+                                              stdout=subprocess.PIPE, env=self._env)
+                if self._proc.stdout is None or self._proc.stdout.readline() != b"ready\n":
+                    raise RuntimeError("the fork server did not start")
+            return os.path.join(self._dir or "", "s")
+
+    def close(self) -> None:
+        """Stop the server and reap it (its children's CPU then counts as this process's)."""
+        with self._lock:
+            if self._proc is not None:
+                if self._proc.stdin is not None:
+                    self._proc.stdin.close()
+                self._proc.wait(timeout=30)
+                if self._proc.stdout is not None:
+                    self._proc.stdout.close()
+                self._proc = None
+            if self._dir is not None:
+                shutil.rmtree(self._dir, ignore_errors=True)
+                self._dir = None
+
+
+_shared: ForkServer | None = None
+
+
+def shared() -> ForkServer:
+    """This test process's fork server (one per process: it starts on first use)."""
+    global _shared
+    if _shared is None:
+        _shared = ForkServer()
+    return _shared
+
+
+def _command(argv: list[str], env: Mapping[str, str]) -> tuple[str, str, list[str]] | None:
+    """(kind, target, args) for a command this interpreter runs without options, else None."""
+    if not argv:
+        return None
+    if _same_interpreter(argv[0], env):
+        if len(argv) >= 3 and argv[1] == "-m":
+            return "module", argv[2], argv[3:]
+        if len(argv) >= 3 and argv[1] == "-c":
+            return "code", argv[2], argv[3:]
+        return None
+    script = shutil.which(argv[0], path=env.get("PATH"))
+    if script is None:
+        return None
+    try:
+        with open(script, "rb") as f:
+            first = f.readline(4096)
+    except OSError:
+        return None
+    if not first.startswith(b"#!") or not _same_interpreter(first[2:].decode(errors="replace").strip(), env):
+        return None
+    return "script", os.path.abspath(script), argv[1:]
+
+
+def _same_interpreter(path: str, env: Mapping[str, str]) -> bool:
+    """`path` is this interpreter: the same file, or a link to it in the same venv (python3)."""
+    found = shutil.which(path, path=env.get("PATH")) if os.sep not in path else path
+    if found is None:
+        return False
+    found, ours = os.path.abspath(found), os.path.abspath(sys.executable)
+    return found == ours or (os.path.dirname(found) == os.path.dirname(ours)
+                             and os.path.realpath(found) == os.path.realpath(ours))
+
+
+def _out_fds(stdout: Any, stderr: Any) -> list[int] | None:
+    """The descriptors for the child's stdout and stderr, or None for what it cannot pass (pipes)."""
+    def fd(stream: Any, inherit: int) -> int | None:
+        if stream is None:
+            return inherit
+        if isinstance(stream, int) and stream >= 0:
+            return stream
+        if hasattr(stream, "fileno"):
+            return stream.fileno()
+        return None
+
+    out = fd(stdout, 1)
+    if out is None:
+        return None
+    err = out if stderr == subprocess.STDOUT else fd(stderr, 2)
+    return None if err is None else [out, err]
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])

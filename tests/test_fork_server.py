@@ -1,0 +1,100 @@
+"""The fork server the suite starts its service processes with (tests/support/fork_server.py)
+must start what `exec` would: the same argv, environment, working directory, session, output,
+exit status and signals; and hand anything it cannot do exactly to subprocess.Popen."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import fork_server
+from tests.support.fork_server import ForkedProcess
+
+REPO = Path(__file__).resolve().parents[1]
+PROBE = """
+import atexit, json, os, sys, numpy
+atexit.register(lambda: print("atexit ran", flush=True))
+print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "pid": os.getpid(), "sid": os.getsid(0),
+                  "marker": os.environ.get("FORK_TEST_MARKER"), "path0": sys.path[0],
+                  "draw": int(numpy.random.randint(1 << 30)), "main": __name__}))
+sys.stderr.write("to stderr\\n")
+sys.exit(int(os.environ.get("FORK_TEST_EXIT", "0")))
+"""
+
+
+def _start(tmp_path: Path, argv: list[str], name: str = "out", **env: str) -> tuple[object, Path]:
+    log = tmp_path / f"{name}.log"
+    with open(log, "wb") as out:
+        proc = fork_server.shared().popen(argv, env={**os.environ, **env}, cwd=tmp_path, stdout=out,
+                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          start_new_session=True)
+    return proc, log
+
+
+def _report(log: Path) -> dict[str, object]:
+    return json.loads(next(line for line in log.read_text().splitlines() if line.startswith("{")))
+
+
+def test_a_forked_child_is_the_process_exec_would_start(tmp_path: Path) -> None:
+    proc, log = _start(tmp_path, [sys.executable, "-c", PROBE, "a", "b"], FORK_TEST_MARKER="x", FORK_TEST_EXIT="3")
+    assert isinstance(proc, ForkedProcess)
+    assert proc.wait(timeout=60) == 3
+    report = _report(log)
+    assert report["argv"] == ["-c", "a", "b"] and report["marker"] == "x" and report["main"] == "__main__"
+    assert report["cwd"] == str(tmp_path) and report["path0"] == ""
+    assert report["pid"] == proc.pid and report["sid"] == proc.pid      # its own session, as start_new_session
+    text = log.read_text()
+    assert "to stderr" in text and "atexit ran" in text
+
+
+def test_modules_and_console_scripts_run_with_their_argv(tmp_path: Path) -> None:
+    proc, log = _start(tmp_path, [sys.executable, "-m", "block_manager.cli.main", "--help"])
+    assert isinstance(proc, ForkedProcess) and proc.wait(timeout=60) == 0
+    assert "usage: block-manager" in log.read_text()
+    script = Path(sys.executable).parent / "block-manager"
+    if not script.exists():
+        pytest.skip("no block-manager console script in this venv")
+    proc, log = _start(tmp_path, ["block-manager", "--help"], name="script",
+                       PATH=f"{script.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    assert isinstance(proc, ForkedProcess) and proc.wait(timeout=60) == 0
+    assert "usage: block-manager" in log.read_text()
+
+
+def test_signals_and_uncaught_errors_end_it_as_they_end_python(tmp_path: Path) -> None:
+    sleeper, _ = _start(tmp_path, [sys.executable, "-c", "import time; time.sleep(60)"], name="sleep")
+    assert sleeper.poll() is None
+    os.killpg(sleeper.pid, signal.SIGKILL)
+    assert sleeper.wait(timeout=60) == -signal.SIGKILL
+    failing, log = _start(tmp_path, [sys.executable, "-c", "raise ValueError('boom')"], name="fail")
+    assert failing.wait(timeout=60) == 1
+    assert "Traceback" in log.read_text() and "ValueError: boom" in log.read_text()
+    with pytest.raises(subprocess.TimeoutExpired):
+        _start(tmp_path, [sys.executable, "-c", "import time; time.sleep(60)"], name="slow")[0].wait(timeout=0.1)
+
+
+def test_children_do_not_share_the_servers_random_state(tmp_path: Path) -> None:
+    draws = set()
+    for i in range(3):
+        proc, log = _start(tmp_path, [sys.executable, "-c", PROBE], name=f"draw{i}")
+        assert proc.wait(timeout=60) == 0
+        draws.add(_report(log)["draw"])
+    assert len(draws) == 3
+
+
+def test_what_it_cannot_do_exactly_goes_to_popen(tmp_path: Path) -> None:
+    server = fork_server.shared()
+    piped = server.popen([sys.executable, "-c", "print('hi')"], stdout=subprocess.PIPE)
+    assert isinstance(piped, subprocess.Popen) and piped.communicate(timeout=60)[0].strip() == b"hi"
+    with open(tmp_path / "log", "wb") as out:
+        for argv, env in (([sys.executable, "-u", "-c", "pass"], {}),                 # an interpreter option
+                          (["true"], {}),                                           # not Python
+                          ([sys.executable, "-c", "pass"], {"NUMBA_FORK_TEST": "1"})):  # NUMBA_*: read at import
+            proc = server.popen(argv, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT)
+            assert isinstance(proc, subprocess.Popen), argv
+            assert proc.wait(timeout=60) == 0
