@@ -38,7 +38,9 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-# What the services import from outside the project (the rest costs little).
+# What the services import from outside the project (the rest costs little; the project's own
+# modules are imported after the fork, and nothing here may start OpenMP or threads: fork()
+# after either is unsafe).
 PRE_IMPORTS = (
     "torch", "numpy", "numba", "llvmlite.binding", "grpc", "grpc.aio", "grpc_health.v1.health",
     "grpc_reflection.v1alpha.reflection", "google.protobuf.json_format", "sqlalchemy", "sqlalchemy.orm",
@@ -47,13 +49,17 @@ PRE_IMPORTS = (
     "fastapi", "uvicorn", "yaml", "xxhash",
 )
 # Read once, at import, by a pre-imported library: a child must see the server's values.
-IMPORT_TIME_ENV_PREFIXES = ("NUMBA_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "TORCH_", "PYTORCH_", "CUDA_", "GRPC_",
-                            "LD_", "PYTHON")
+IMPORT_TIME_ENV_PREFIXES = ("NUMBA_", "OMP_", "GOMP_", "MKL_", "OPENBLAS_", "KMP_", "TORCH_", "PYTORCH_",
+                            "CUDA_", "GRPC_", "LD_", "PYTHON")
 CHILD_SET_ENV = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE")     # applied in the child
 
 
 # ---- server (runs as `python fork_server.py SOCKET`) ------------------------------------------
 def serve(socket_path: str) -> None:
+    # libgomp reads its settings once, when torch loads it: do before that what every compute
+    # node's CLI does (a short spin), or forked nodes would spin as libgomp's default does.
+    from compute_node.service.cli import short_omp_spin
+    short_omp_spin(os.environ)
     for name in PRE_IMPORTS:
         with contextlib.suppress(ImportError):
             __import__(name)
