@@ -11,8 +11,9 @@ session-scoped fixture counts in the first test that uses it. Processes a test n
 (a daemon left running) are not counted, nor are the service processes started through the
 fork server (tests/support/fork_server.py: the server reaps them, and its CPU reaches the test
 process when it ends, after the last test); run with PAGEDKV_TEST_FORK_SERVER=0 to count them
-per test. The suite-cost line of the root conftest covers the whole run. The figures are CPU time, so they move with the machine's load: compare changes side
-by side (BENCHMARKS.md, "Test-suite cost").
+per test. The suite-cost line of the root conftest covers the whole run. The figures are CPU
+time, so they move with the machine's load: compare changes side by side (BENCHMARKS.md,
+"Test-suite cost").
 """
 
 from __future__ import annotations
