@@ -36,10 +36,11 @@ def pytest_configure(config: pytest.Config) -> None:
 # Service processes (block manager, compute nodes, API server) started through
 # demo.localstack.start_process are forked from one interpreter per test process that has torch
 # & co. imported, instead of each paying Python's start-up (tests/support/fork_server.py).
-# PAGEDKV_TEST_FORK_SERVER=0: plain subprocess.Popen.
+# PAGEDKV_TEST_FORK_SERVER=0: plain subprocess.Popen; so on macOS, where fork() without exec
+# is unsafe once system frameworks are loaded.
 def _use_fork_server(config: pytest.Config) -> None:
     runs_tests = hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)
-    if not runs_tests or os.environ.get("PAGEDKV_TEST_FORK_SERVER") == "0":
+    if not runs_tests or os.environ.get("PAGEDKV_TEST_FORK_SERVER") == "0" or sys.platform != "linux":
         return
     import demo.localstack
     from tests.support import fork_server
