@@ -4,6 +4,7 @@ exit status and signals; and hand anything it cannot do exactly to subprocess.Po
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -100,3 +101,13 @@ def test_what_it_cannot_do_exactly_goes_to_popen(tmp_path: Path) -> None:
             proc = server.popen(argv, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT)
             assert isinstance(proc, subprocess.Popen), argv
             assert proc.wait(timeout=60) == 0
+
+
+def test_a_large_environment_arrives_whole(tmp_path: Path) -> None:
+    """A request bigger than one socket read (the environment is sent with the command)."""
+    big = "".join(chr(ord("a") + i % 26) for i in range(300_000))
+    proc, log = _start(tmp_path, [sys.executable, "-c", "import os, hashlib; "
+                                  "print(hashlib.sha256(os.environ['FORK_TEST_BIG'].encode()).hexdigest())"],
+                       FORK_TEST_BIG=big)
+    assert isinstance(proc, ForkedProcess) and proc.wait(timeout=60) == 0
+    assert log.read_text().strip() == hashlib.sha256(big.encode()).hexdigest()

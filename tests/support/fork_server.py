@@ -75,11 +75,10 @@ def serve(socket_path: str) -> None:
             return                        # the test process closed the pipe: done
         if listener in readable:
             conn, _ = listener.accept()
-            pid = _fork_one(conn, listener, children, base_path)
-            if pid is None:
+            try:
+                children[_fork_one(conn, listener, children, base_path)] = conn
+            except (OSError, ValueError, KeyError):    # a bad or half-sent request: the client sees EOF
                 conn.close()
-            else:
-                children[pid] = conn
         while children:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
@@ -92,8 +91,17 @@ def serve(socket_path: str) -> None:
 
 
 def _fork_one(conn: socket.socket, listener: socket.socket, children: Mapping[int, socket.socket],
-              base_path: list[str]) -> int | None:
-    data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
+              base_path: list[str]) -> int:
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 2)
+    while not data.endswith(b"\n"):                    # the rest of a long request (a big env)
+        chunk = conn.recv(1 << 16)
+        if not chunk:
+            for fd in fds:
+                os.close(fd)
+            raise ValueError("the request ended early")
+        data += chunk
+    if len(fds) != 2:
+        raise ValueError("a request carries stdout and stderr")
     request = json.loads(data)
     # The pid goes back once the child is set up (its own session, its fds), as Popen returns
     # after the exec: a caller may signal the process group at once.
@@ -105,7 +113,8 @@ def _fork_one(conn: socket.socket, listener: socket.socket, children: Mapping[in
             os.close(fd)
         os.read(ready_r, 1)                               # b"" if it died first: its status follows
         os.close(ready_r)
-        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        with contextlib.suppress(OSError):                # a client gone: the child runs on, reaped later
+            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
         return pid
     try:                                                  # the child: never returns
         os.close(ready_r)
@@ -297,7 +306,9 @@ class ForkServer:
                    "new_session": start_new_session}
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(self._socket_path())
-        socket.send_fds(conn, [json.dumps(request).encode()], fds)
+        payload = json.dumps(request).encode() + b"\n"
+        sent = socket.send_fds(conn, [payload], fds)
+        conn.sendall(payload[sent:])                      # a stream socket may take part of it
         return ForkedProcess(args, conn)
 
     def _env_compatible(self, env: Mapping[str, str]) -> bool:
