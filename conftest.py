@@ -198,22 +198,3 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
     workers = len(_WORKER_CPU_S)
     terminalreporter.write_sep("-", f"suite cost: {time.monotonic() - _STARTED:.0f} s wall, {cpu:.0f} CPU-s "
                                     f"(with {workers or 'no'} xdist workers and the processes the tests started)")
-    if workers:
-        gauge = _host_gauge()
-        if gauge is not None:
-            terminalreporter.write_sep("-", f"host gauge: `python -c 'import torch'` took {gauge:.2f} CPU-s "
-                                            f"(2.24 on 2026-12-03 07:12 UTC, BENCHMARKS.md round 10)")
-
-
-def _host_gauge() -> float | None:
-    """How fast this shared host is right now, after the suite: the CPU seconds of a Python start
-    with torch, which is most of what a service process costs. The same tree's suite cost moved
-    1.5x within one morning with it (BENCHMARKS.md, "Test-suite cost, round 10"), so a cost is
-    only comparable next to its gauge. Not counted in the suite's cost."""
-    before = _cpu_s(resource.RUSAGE_CHILDREN)
-    try:
-        subprocess.run([sys.executable, "-c", "import torch"], check=True, timeout=120,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return _cpu_s(resource.RUSAGE_CHILDREN) - before
