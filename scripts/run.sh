@@ -32,7 +32,7 @@ case "$cmd" in
 esac
 stamp="$VENV/.pagedkv-installed${extras:+-$extras}"
 if [ ! -x "$VENV/bin/python" ]; then
-  echo "run.sh: creating $VENV (first run: a few minutes; ~1 GB for the demo, ~2 GB with the test extras)" >&2
+  echo "run.sh: creating $VENV (first run: a few minutes; ~950 MB for the demo, ~1.8 GB with the test extras)" >&2
   python3 -m venv "$VENV"
 fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then

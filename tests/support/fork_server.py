@@ -6,8 +6,9 @@ before it serves a request; the suite starts ~100 service processes. A fork serv
 test process, started on first use) imports the third-party libraries once; each service is
 then a `fork()` of it that runs the command as `python` would: a real, separate process with
 its own pid, session, working directory, environment, log file and exit status, killed and
-stopped by signals like any other. Only the project's own modules are imported in the child,
-after the fork, so each service sees this checkout's code and its own environment.
+stopped by signals like any other. The project's own modules are imported in the child, after
+the fork (all but `compute_node.service.cli`, whose libgomp setting must precede torch), so each
+service runs this checkout's code in its own environment; its stdin is /dev/null.
 
 Commands it cannot run exactly as `exec` would are started with `subprocess.Popen` instead:
 anything that is not this interpreter running `-m module`, `-c code` or a console script of
@@ -18,8 +19,9 @@ here. `PAGEDKV_TEST_FORK_SERVER=0` turns it off.
 
 Protocol (a Unix socket per process started): the client sends one JSON line (argv, env,
 cwd, new session) with its stdout/stderr descriptors attached (SCM_RIGHTS); the server answers
-`{"pid": N}` at once and `{"status": S}` (a wait status) when the child ends. The server is
-single-threaded (a select loop), so forking it is safe.
+`{"pid": N}` once the child has its session and descriptors, and `{"status": S}` (a wait
+status) when the child ends. The server is single-threaded (a select loop), so forking it is
+safe.
 """
 
 from __future__ import annotations
@@ -38,9 +40,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-# What the services import from outside the project (the rest costs little; the project's own
-# modules are imported after the fork, and nothing here may start OpenMP or threads: fork()
-# after either is unsafe).
+# What the services import from outside the project (the rest costs little). Nothing here may
+# start OpenMP or threads: fork() after either is unsafe.
 PRE_IMPORTS = (
     "torch", "numpy", "numba", "llvmlite.binding", "grpc", "grpc.aio", "grpc_health.v1.health",
     "grpc_reflection.v1alpha.reflection", "google.protobuf.json_format", "sqlalchemy", "sqlalchemy.orm",
