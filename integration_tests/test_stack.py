@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from block_manager.client import BlockManagerClient
@@ -19,6 +20,7 @@ from compute_node.client import ComputeNodeClient
 from demo.localstack import LocalStack
 from demo.serving import ServingDriver
 from integration_tests.helpers import LEASE_TTL_S, node_addresses, small_trace
+from tests.support import fork_server
 from tests.support.polling import eventually_sync
 
 NUM_HEADS = 4
@@ -177,16 +179,14 @@ def test_concurrent_schedulers_each_driving_its_own_node(stack: LocalStack) -> N
     drives a pool at a time); a third one trying to drive a held pool is refused."""
     root = Path(__file__).resolve().parents[1]
     nodes = node_addresses(stack)
-    procs = [
-        subprocess.Popen([sys.executable, "-c", _LOAD_CHILD, stack.address("block-manager"), node_id, address,
-                          f"c{i}-", str(10 + i)], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for i, (node_id, address) in enumerate(sorted(nodes.items()))
-    ]
+    argvs = [[sys.executable, "-c", _LOAD_CHILD, stack.address("block-manager"), node_id, address, f"c{i}-",
+              str(10 + i)] for i, (node_id, address) in enumerate(sorted(nodes.items()))]
+    with ThreadPoolExecutor(len(argvs)) as pool:   # side by side: each its own process
+        runs = list(pool.map(lambda argv: fork_server.run(argv, cwd=root, text=True, timeout=300), argvs))
     results = []
-    for p in procs:
-        out, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err[-2000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+        results.append(json.loads(run.stdout.strip().splitlines()[-1]))
     assert all(r["failures"] == 0 and r["checks"] > 0 for r in results), results
     with _admin(stack) as admin:
         assert admin.fsck()["ok"] is True

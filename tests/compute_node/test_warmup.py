@@ -1,8 +1,9 @@
 """The node compiles every CPU kernel before registering, so a cold compile cannot hold the GIL
 through a real Forward and starve its heartbeats into a fenced lease.
 
-Checked in a fresh interpreter (the compiled-signature sets are process-global, so in the test
-process another test may already have compiled everything): before the warm-up no kernel has a
+Checked in a fresh process (the compiled-signature sets are process-global, so in the test
+process another test may already have compiled everything; a child of the suite's fork server
+has imported Numba but compiled nothing): before the warm-up no kernel has a
 compiled signature, after it every kernel has one, and a real write / copy / decode / split-K /
 prefill / model step (both variants) through the node's `KvPool` adds none: the warm-up
 compiled exactly what a Forward or a Generate runs.
@@ -11,11 +12,12 @@ compiled exactly what a Forward or a Generate runs.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support import fork_server
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -63,9 +65,7 @@ print(json.dumps({"before": before, "after": after, "final": compiled(), "second
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_warm_up_compiles_what_a_forward_runs(dtype: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, dtype], cwd=REPO, capture_output=True, text=True, timeout=600
-    )
+    proc = fork_server.run([sys.executable, "-c", _SCRIPT, dtype], cwd=REPO, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(out["before"].values()) == {0}, f"kernels compiled before the warm-up: {out['before']}"
