@@ -94,7 +94,8 @@ def _step_parallel(query, key, value, key_cache, value_cache, kv_kind, slot_mapp
     _write_rows(key, value, key_cache, value_cache, slot_mapping)
     num_prefill_items = tile_seq.shape[0] * key_cache.shape[1]
     for item in prange(num_prefill_items + num_dec_seqs * key_cache.shape[1]):
-        _step_item(item, num_prefill_items, query, key_cache, value_cache, kv_kind, dec_tables,
+        # int64 as in _step_serial (prange's index is unsigned): one compilation of _step_item
+        _step_item(np.int64(item), num_prefill_items, query, key_cache, value_cache, kv_kind, dec_tables,
                    dec_lens, pre_tables, pre_lens, pre_starts, tile_seq, tile_row, tile_len,
                    scale, out)
 

@@ -21,9 +21,14 @@ def write_token(key, value, key_cache, value_cache, slot_mapping, t):
     block_size = key_cache.shape[2]
     block = slot // block_size
     offset = slot % block_size
+    # Element loops rather than `key_cache[block, h, offset, :] = key[t, h, :]`: the same copy
+    # (LLVM vectorises both), without the slice assignment's shape check, whose error message
+    # path alone is ~2.5 CPU-s of every cold compile (shapes are validated by the wrapper).
     for h in range(key.shape[1]):
-        key_cache[block, h, offset, :] = key[t, h, :]
-        value_cache[block, h, offset, :] = value[t, h, :]
+        for d in range(key.shape[2]):
+            key_cache[block, h, offset, d] = key[t, h, d]
+        for d in range(value.shape[2]):
+            value_cache[block, h, offset, d] = value[t, h, d]
 
 
 @njit_cached(parallel=True)
