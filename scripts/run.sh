@@ -70,6 +70,17 @@ print("run.sh: torch", torch.__version__, f"(CUDA {c} build)" if c else "(CPU bu
              "torch==2.13.0" "llvmlite==$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("llvmlite"))')"
     fi
   fi
+  # Bytecode for what runs, written once: installed with --no-compile, the venv has no .pyc, and
+  # a first test run starts ~8 processes (workers, simulator groups, fork servers, the kernel
+  # warm-up) that each compile torch & co. to bytecode side by side before any has written it
+  # (~5 CPU-s more per process). One import of the services, the engine and the reference model
+  # here writes the .pyc of just those modules (~80 MB for the test venv; a demo run writes the
+  # same ones itself).
+  if [ ${#no_compile[@]} -gt 0 ]; then
+    prime="import compute_node.service.server, block_manager.service.server, demo.cli, transformers.models.llama.modeling_llama"
+    [ "$cmd" = test ] && prime="$prime, engine.api.server, kernels.cuda"
+    "$VENV/bin/python" -c "$prime" >/dev/null 2>&1 || true
+  fi
   touch "$stamp"
   echo "run.sh: $VENV ready ($(du -sh "$VENV" 2>/dev/null | cut -f1))" >&2
 fi
