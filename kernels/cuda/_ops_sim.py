@@ -6,9 +6,11 @@ each GPU intrinsic has a Python twin here with the documented semantics:
 - addresses are `SimPtr` (a flat byte view of a host array plus an offset) instead of int64;
   loads and stores check bounds and alignment, so an out-of-range or misaligned access that
   would fault or mis-read on the GPU raises here;
-- warp-collective operations (shuffles, `mma.sync`) exchange values through a per-warp
-  all-gather: every lane posts its operand, a barrier of the warp's 32 threads, every lane
-  reads all 32, a second barrier. The kernels call them warp-uniformly, as on the GPU;
+- warp-collective operations (shuffles, `ldmatrix`, `mma.sync`) exchange values through a
+  per-warp all-gather: every lane posts its operand, a barrier of the warp's 32 threads, every
+  lane reads all 32. The kernels call them warp-uniformly, as on the GPU. What the warp
+  computes from the 32 operands (the matrices of `ldmatrix` and `mma.sync`) is computed once,
+  by the last lane to arrive, and each lane takes its own part of it;
 - `mma.sync` rebuilds the A/B/C matrices from the 32 lanes' fragments with the PTX ISA's
   fragment layouts (groupID = lane >> 2, threadID_in_group = lane % 4) and multiplies in
   float64 before rounding the accumulators to float32;
@@ -21,6 +23,7 @@ each GPU intrinsic has a Python twin here with the documented semantics:
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -140,56 +143,106 @@ def st_f32x4(ptr: SimPtr, a: Any, b: Any, c: Any, d: Any) -> None:
 # --------------------------------------------------------------------------------------------
 
 class _WarpBarrier:
-    """A barrier of a warp's 32 lanes: the last to arrive releases the others (a generation
-    count, so a lane already in the next collective cannot be confused with this one)."""
+    """A barrier of a warp's 32 lanes: the last to arrive releases the others.
 
-    __slots__ = ("cond", "arrived", "generation")
+    Each lane waits on a gate of its own (a lock held while closed, released by the last
+    lane to arrive), not on a shared condition variable: woken lanes then need nothing but the
+    GIL, instead of queueing again for the condition's lock (31 more hand-offs per collective;
+    this barrier is most of the simulator's time). A lane already in the next collective waits
+    on its gate again, which the last arrival of this one has opened exactly once for it."""
+
+    __slots__ = ("lock", "arrived", "gates")
 
     def __init__(self) -> None:
-        self.cond = threading.Condition()
+        self.lock = threading.Lock()
         self.arrived = 0
-        self.generation = 0
+        self.gates = [threading.Lock() for _ in range(WARP)]
+        for gate in self.gates:
+            gate.acquire()
 
-    def wait(self) -> None:
-        with self.cond:
-            generation = self.generation
+    def wait(self, lane: int, on_complete: Callable[[], None] | None = None) -> None:
+        """Wait for all 32 lanes; the last to arrive runs `on_complete` before releasing them."""
+        with self.lock:
             self.arrived += 1
-            if self.arrived == WARP:
+            last = self.arrived == WARP
+            if last:
                 self.arrived = 0
-                self.generation += 1
-                self.cond.notify_all()
-            elif not self.cond.wait_for(lambda: self.generation != generation, _BARRIER_TIMEOUT_S):
-                raise threading.BrokenBarrierError(f"a warp collective waited {_BARRIER_TIMEOUT_S:.0f} s "
-                                                   "for its other lanes (one died or diverged)")
+                if on_complete is not None:
+                    on_complete()
+        if last:
+            for other, gate in enumerate(self.gates):
+                if other != lane:
+                    gate.release()
+        elif not self.gates[lane].acquire(timeout=_BARRIER_TIMEOUT_S):
+            raise threading.BrokenBarrierError(f"a warp collective waited {_BARRIER_TIMEOUT_S:.0f} s "
+                                               "for its other lanes (one died or diverged)")
 
 
 class _WarpState:
-    """Two sets of slots, used by turns: a lane posts into one set, passes the barrier, reads
-    all 32; a lane that runs ahead posts its next value into the other set, and can come back
-    to this one only after the next barrier, which every lane reaches after reading. So one
-    barrier per collective suffices."""
+    """Two sets of slots (and of results), used by turns: a lane posts into one set, passes the
+    barrier, reads all 32; a lane that runs ahead posts its next value into the other set, and
+    can come back to this one only after the next barrier, which every lane reaches after
+    reading. So one barrier per collective suffices."""
 
     def __init__(self) -> None:
         self.barrier = _WarpBarrier()
         self.slots: tuple[list[Any], list[Any]] = ([None] * WARP, [None] * WARP)
+        self.results: list[Any] = [None, None]
 
 
 def _all_gather(value: Any) -> list[Any]:
     """Every lane's `value`, in lane order (a collective: all 32 lanes must call it)."""
+    return list(_warp_collective(value, None))
+
+
+def _warp_combine(value: Any, combine: Callable[[list[Any]], Any]) -> Any:
+    """`combine` of every lane's `value` (in lane order), computed once for the warp (a
+    collective). Why once: a lane's `mma.sync` or `ldmatrix` result is a slice of one warp-wide
+    matrix; built by each of the 32 lanes, it cost the simulator 32 times the work."""
+    return _warp_collective(value, combine)
+
+
+def _warp_collective(value: Any, combine: Callable[[list[Any]], Any] | None) -> Any:
     thread = threading.current_thread()
-    manager = thread._manager  # the simulator's per-thread-block manager
-    warp, lane = divmod(thread.thread_id, WARP)
-    with _registry_lock:
-        warps = manager.__dict__.setdefault("_pagedkv_warps", {})
-        state = warps.get(warp)
-        if state is None:
-            state = warps[warp] = _WarpState()
+    lane = thread.thread_id % WARP
+    state = thread.__dict__.get("_pagedkv_warp")
+    if state is None:                    # the lane's first collective: find its warp's state
+        manager = thread._manager  # the simulator's per-thread-block manager
+        with _registry_lock:
+            warps = manager.__dict__.setdefault("_pagedkv_warps", {})
+            state = warps.get(thread.thread_id // WARP)
+            if state is None:
+                state = warps[thread.thread_id // WARP] = _WarpState()
+        thread._pagedkv_warp = state
     turn = thread.__dict__.get("_pagedkv_gather_turn", 0)  # the lanes' turns agree: collectives are warp-uniform
     thread._pagedkv_gather_turn = turn ^ 1
     slots = state.slots[turn]
     slots[lane] = value
-    state.barrier.wait()
-    return list(slots)
+    if combine is None:
+        state.barrier.wait(lane)
+        return slots
+
+    def finish() -> None:
+        try:
+            state.results[turn] = combine(slots)
+        except Exception as error:   # noqa: BLE001 (every lane raises it, as each would have)
+            state.results[turn] = _Failed(error)
+
+    state.barrier.wait(lane, finish)
+    result = state.results[turn]
+    if isinstance(result, _Failed):
+        raise result.error
+    return result
+
+
+class _Failed:
+    """A warp-wide result that raised (say, an out-of-bounds `ldmatrix` row): every lane
+    raises it, instead of the other 31 waiting at the next barrier for the one that died."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
 
 
 def _lane() -> int:
@@ -323,8 +376,12 @@ def lds_u32(addr: SimPtr) -> Any:
     return _words(addr, 1)
 
 
+def _matrix_rows(addrs: list[SimPtr]) -> np.ndarray:
+    return np.stack([a.view(16, 16).view(np.uint16) for a in addrs])    # [32 rows, 8 halves]
+
+
 def _ldmatrix(addr: SimPtr, trans: bool) -> tuple[int, ...]:
-    rows = [a.view(16, 16).view(np.uint16).copy() for a in _all_gather(addr)]
+    rows = _warp_combine(addr, _matrix_rows)
     g, t = divmod(_lane(), 4)
     out = []
     for i in range(4):
@@ -379,16 +436,20 @@ _C_COLS = 2 * _T[:, None] + (np.arange(4) % 2)[None, :]
 
 
 def _mma(kind: str, k: int, a: tuple[int, ...], b: tuple[int, ...], c: tuple[Any, ...]) -> Any:
-    lanes = _all_gather((a, b, c))
+    d = _warp_combine((a, b, c), lambda lanes: _mma_product(kind, k, lanes))
+    g, t = divmod(_lane(), 4)
+    return tuple(d[g + 8 * (i // 2), 2 * t + i % 2] for i in range(4))
+
+
+def _mma_product(kind: str, k: int, lanes: list[Any]) -> np.ndarray:
+    """D = A B + C of the warp's m16n8k(k) tile, from the 32 lanes' fragments."""
     mat_a = np.zeros((16, k))
     mat_b = np.zeros((k, 8))
     mat_c = np.zeros((16, 8))
     mat_a[_A_ROWS, _A_COLS] = _halves_array(np.array([la for la, _, _ in lanes], np.int64), kind)
     mat_b[_B_ROWS, _B_COLS] = _halves_array(np.array([lb for _, lb, _ in lanes], np.int64), kind)
     mat_c[_C_ROWS, _C_COLS] = np.array([[float(v) for v in lc] for _, _, lc in lanes])
-    d = (mat_a @ mat_b + mat_c).astype(np.float32)
-    g, t = divmod(_lane(), 4)
-    return tuple(d[g + 8 * (i // 2), 2 * t + i % 2] for i in range(4))
+    return (mat_a @ mat_b + mat_c).astype(np.float32)
 
 
 def mma16816_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):

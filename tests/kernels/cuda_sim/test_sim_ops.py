@@ -97,6 +97,26 @@ def test_ldmatrix_and_movmatrix(trans: bool) -> None:
         assert out[lane, 4] == int(m0[g, 2 * t]) | (int(m0[g, 2 * t + 1]) << 16)
 
 
+def test_an_out_of_bounds_ldmatrix_row_fails_the_launch_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One lane's bad address: the warp-wide load raises it in every lane (each would have
+    read all 32 rows), not a barrier timeout in the other 31 (shortened here, so that a hang
+    shows as BrokenBarrierError instead of the IndexError)."""
+    monkeypatch.setattr(ops, "_BARRIER_TIMEOUT_S", 5.0)
+    smem = np.zeros((32, 8), np.uint16)
+    base = sim_ptr(smem)
+    reached = np.zeros(32, np.int64)
+
+    @cuda.jit
+    def kernel(reached):
+        lane = cuda.threadIdx.x
+        ops.ldmatrix_x4(base + lane * 16 + (16 if lane == 31 else 0))   # lane 31: one row past the end
+        reached[lane] = 1
+
+    with pytest.raises(IndexError):
+        kernel[1, 32](reached)
+    assert not reached.any()
+
+
 def test_shuffles() -> None:
     out = np.zeros((32, 2), np.int64)
 
