@@ -22,7 +22,7 @@ With the simulator twins of the warp collectives in `kernels/cuda/_ops_sim.py` (
 per collective, the mma fragments decoded with array operations) the simulator folder went
 from 183 to ~60 CPU-s serially (BENCHMARKS.md, "Test-suite cost, round 4"); with each warp's
 `mma`/`ldmatrix` matrices built once instead of by all 32 lanes, and a gate per lane in the
-warp barrier, to ~35 (0.63x side by side, round 11).
+warp barrier, to ~35 (0.64x side by side, round 11).
 """
 
 import os
