@@ -148,8 +148,9 @@ class _WarpBarrier:
     Each lane waits on a gate of its own (a lock held while closed, released by the last
     lane to arrive), not on a shared condition variable: woken lanes then need nothing but the
     GIL, instead of queueing again for the condition's lock (31 more hand-offs per collective;
-    this barrier is most of the simulator's time). A lane already in the next collective waits
-    on its gate again, which the last arrival of this one has opened exactly once for it."""
+    the simulator folder took 44 and 35 CPU-s with gates vs 47 and 52 with the condition,
+    alternating). A lane already in the next collective waits on its gate again, which the last
+    arrival of this one has opened exactly once for it."""
 
     __slots__ = ("lock", "arrived", "gates")
 
