@@ -46,7 +46,6 @@ def _use_fork_server(config: pytest.Config) -> None:
     from tests.support import fork_server
 
     demo.localstack.start_process = fork_server.shared().popen
-    fork_server.use(True)
 
 
 # Numba compiles the CPU kernels on first use (~20 CPU-s for all of them) and keeps them in

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from demo import localstack
 from tests.support import fork_server
 from tests.support.fork_server import ForkedProcess
 
@@ -115,21 +116,19 @@ def test_a_large_environment_arrives_whole(tmp_path: Path) -> None:
 
 def test_run_captures_like_subprocess_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`fork_server.run`: the same CompletedProcess as `subprocess.run(capture_output=True)`,
-    forked when the suite uses the server and exec'd otherwise."""
+    forked when the suite starts its services through the server and exec'd otherwise."""
     argv = [sys.executable, "-c", PROBE, "x"]
     env = {**os.environ, "FORK_TEST_EXIT": "4", "FORK_TEST_MARKER": "m"}
     forked_pids = []
-    popen = fork_server.ForkServer.popen
 
-    def spy(self: fork_server.ForkServer, *args: object, **kwargs: object) -> object:
-        proc = popen(self, *args, **kwargs)
+    def through_server(*args: object, **kwargs: object) -> object:
+        proc = fork_server.shared().popen(*args, **kwargs)
         forked_pids.append(isinstance(proc, ForkedProcess))
         return proc
 
-    monkeypatch.setattr(fork_server.ForkServer, "popen", spy)
     runs = []
-    for in_use in (True, False):
-        monkeypatch.setattr(fork_server, "_in_use", in_use)
+    for start in (through_server, subprocess.Popen):
+        monkeypatch.setattr(localstack, "start_process", start)
         runs.append(fork_server.run(argv, env=env, cwd=tmp_path, text=True, timeout=60))
     assert forked_pids == [True]                   # only the first went through the server
     for run in runs:
@@ -137,8 +136,9 @@ def test_run_captures_like_subprocess_run(tmp_path: Path, monkeypatch: pytest.Mo
         report = json.loads(run.stdout.splitlines()[0])
         assert report["argv"] == ["-c", "x"] and report["marker"] == "m" and report["cwd"] == str(tmp_path)
         assert run.stdout.splitlines()[1] == "atexit ran"
+    monkeypatch.setattr(localstack, "start_process", fork_server.shared().popen)
     with pytest.raises(subprocess.CalledProcessError):
-        fork_server.shared().run(argv, env=env, check=True, timeout=60)
-    assert fork_server.shared().run([sys.executable, "-c", "print('b')"], timeout=60).stdout == b"b\n"
+        fork_server.run(argv, env=env, check=True, timeout=60)
+    assert fork_server.run([sys.executable, "-c", "print('b')"], timeout=60).stdout == b"b\n"
     with pytest.raises(subprocess.TimeoutExpired):
-        fork_server.shared().run([sys.executable, "-c", "import time; time.sleep(60)"], timeout=0.5)
+        fork_server.run([sys.executable, "-c", "import time; time.sleep(60)"], timeout=0.5)

@@ -193,17 +193,14 @@ class _WarpState:
 
 def _all_gather(value: Any) -> list[Any]:
     """Every lane's `value`, in lane order (a collective: all 32 lanes must call it)."""
-    return list(_warp_collective(value, None))
+    return list(_warp_combine(value, None))
 
 
-def _warp_combine(value: Any, combine: Callable[[list[Any]], Any]) -> Any:
+def _warp_combine(value: Any, combine: Callable[[list[Any]], Any] | None) -> Any:
     """`combine` of every lane's `value` (in lane order), computed once for the warp (a
-    collective). Why once: a lane's `mma.sync` or `ldmatrix` result is a slice of one warp-wide
-    matrix; built by each of the 32 lanes, it cost the simulator 32 times the work."""
-    return _warp_collective(value, combine)
-
-
-def _warp_collective(value: Any, combine: Callable[[list[Any]], Any] | None) -> Any:
+    collective); without `combine`, the lanes' values themselves. Why once: a lane's `mma.sync`
+    or `ldmatrix` result is a slice of one warp-wide matrix; built by each of the 32 lanes, it
+    cost the simulator 32 times the work."""
     thread = threading.current_thread()
     lane = thread.thread_id % WARP
     state = thread.__dict__.get("_pagedkv_warp")

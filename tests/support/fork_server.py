@@ -312,29 +312,6 @@ class ForkServer:
         conn.sendall(payload[sent:])                      # a stream socket may take part of it
         return ForkedProcess(args, conn)
 
-    def run(self, args: Sequence[str], *, env: Mapping[str, str] | None = None,
-            cwd: str | os.PathLike[str] | None = None, timeout: float | None = None, text: bool = False,
-            check: bool = False) -> subprocess.CompletedProcess[Any]:
-        """`subprocess.run(args, capture_output=True, ...)` through `popen`: a forked child gets
-        descriptors, not pipes, so its output is captured in files and read back when it ends."""
-        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-            proc = self.popen(args, env=env, cwd=cwd, stdout=out, stderr=err)
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                raise
-            captured = []
-            for f in (out, err):
-                f.seek(0)
-                data = f.read()
-                captured.append(data.decode(errors="replace") if text else data)
-        result = subprocess.CompletedProcess(list(args), proc.returncode, *captured)
-        if check:
-            result.check_returncode()
-        return result
-
     def _env_compatible(self, env: Mapping[str, str]) -> bool:
         keys = {k for k in (*env, *self._env) if k.startswith(IMPORT_TIME_ENV_PREFIXES) and k not in CHILD_SET_ENV}
         return all(env.get(k) == self._env.get(k) for k in keys)
@@ -366,7 +343,6 @@ class ForkServer:
 
 
 _shared: ForkServer | None = None
-_in_use = False
 
 
 def shared() -> ForkServer:
@@ -377,19 +353,31 @@ def shared() -> ForkServer:
     return _shared
 
 
-def use(enabled: bool) -> None:
-    """Whether `run` goes through the fork server (the suite's conftest decides, once)."""
-    global _in_use
-    _in_use = enabled
+def run(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
+        timeout: float | None = None, text: bool = False, check: bool = False) -> subprocess.CompletedProcess[Any]:
+    """`subprocess.run(args, capture_output=True, ...)` for a test's helper process whose point is
+    what it computes, not how a user's shell starts it: started as the suite starts its services
+    (`demo.localstack.start_process`, this process's fork server when the suite uses one). A
+    forked child gets descriptors, not pipes, so the output is captured in files and read back."""
+    from demo import localstack
 
-
-def run(args: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess[Any]:
-    """`subprocess.run(args, capture_output=True, **kwargs)` (env, cwd, timeout, text, check), forked
-    from this process's server when the suite uses one: for a test's helper process whose point is
-    what it computes, not how a user's shell starts it."""
-    if _in_use:
-        return shared().run(args, **kwargs)
-    return subprocess.run(args, capture_output=True, **kwargs)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = localstack.start_process(list(args), env=env, cwd=cwd, stdout=out, stderr=err)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        captured = []
+        for f in (out, err):
+            f.seek(0)
+            data = f.read()
+            captured.append(data.decode(errors="replace") if text else data)
+    result = subprocess.CompletedProcess(list(args), proc.returncode, *captured)
+    if check:
+        result.check_returncode()
+    return result
 
 
 def _command(argv: list[str], env: Mapping[str, str]) -> tuple[str, str, list[str]] | None:
