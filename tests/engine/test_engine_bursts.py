@@ -8,6 +8,8 @@ import random
 import time
 from pathlib import Path
 
+import pytest
+
 from compute_node.model.tiny import build_tiny_model
 from engine.llm import LLM
 from engine.params import SamplingParams
@@ -28,6 +30,7 @@ def _micro_model(root: Path) -> Path:
                             seed=3)
 
 
+@pytest.mark.slow   # the admission bound is crossed by default with fake nodes (the two tests below)
 def test_a_burst_of_256_prompts_of_600_tokens_completes(tmp_path: Path) -> None:
     """256 x 600 = 153,600 queued prompt tokens, the real model in process, `LLM.generate`."""
     prompts = _prompts(1, 256, 600)

@@ -206,7 +206,8 @@ class Trace:
 
 
 @pytest.mark.parametrize("vector_min", [1, new_append.VECTOR_MIN_ITEMS])
-@pytest.mark.parametrize("seed", range(12))
+# 4 seeds by default (each 250 random calls, every state compared after each); 12 with --slow.
+@pytest.mark.parametrize("seed", [*range(4), *(pytest.param(s, marks=pytest.mark.slow) for s in range(4, 12))])
 def test_array_core_matches_object_core(seed: int, vector_min: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(new_append, "VECTOR_MIN_ITEMS", vector_min)
     Trace(seed).run(250)

@@ -296,7 +296,7 @@ def test_three_tier_core_state_machine() -> None:
     """Everything the two-tier machine checks (tokens read back through the node's tables after
     every rule, fsck of every tier, failed calls change nothing, snapshots round-trip), with
     host evictions spilling to disk and prefixes coming back from it."""
-    run_disk_machine(max_examples=30, steps=40, derandomize=True)   # --slow: 300 x 60, random seeds
+    run_disk_machine(max_examples=15, steps=40, derandomize=True)   # --slow: 300 x 60, random seeds
 
 
 @pytest.mark.slow

@@ -192,7 +192,7 @@ def run_tier_machine(max_examples: int, steps: int, derandomize: bool) -> None:
 
 
 def test_two_tier_core_state_machine() -> None:
-    run_tier_machine(max_examples=50, steps=40, derandomize=True)  # --slow: 600 x 60, random seeds
+    run_tier_machine(max_examples=25, steps=40, derandomize=True)  # --slow: 600 x 60, random seeds
 
 
 @pytest.mark.slow
