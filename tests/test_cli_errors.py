@@ -143,23 +143,28 @@ def test_api_healthcheck_against_a_grpc_port_says_so(busy_port: int, tmp_path: P
 def test_serve_shutdown_ends_open_streams_with_an_error_event(model_dir: Path, tmp_path: Path, sig: int) -> None:
     """SIGTERM / Ctrl-C with a stream open and a whole answer pending: the stream gets a final
     `server_shutdown` error event and `[DONE]`, the other request a 503, the server exits 0
-    within its grace period, and stderr stays free of tracebacks."""
+    within its grace period, and stderr stays free of tracebacks. On the way: the API key from
+    the environment (PAGEDKV_API_KEY) guards `/v1/*` and not `/health`."""
     port_file = tmp_path / "port"
+    key = {"Authorization": "Bearer " + "k" * 16}
     proc = subprocess.Popen([*SERVE, "--model", str(model_dir), "--port", "0", "--port-file", str(port_file),
                              "--device", "cpu", "--num-kv-blocks", "512", "--block-size", "16",
                              "--log-level", "WARNING", "--shutdown-grace-s", "10"],
-                            env=_env(), stderr=subprocess.PIPE, text=True)
+                            env={**_env(), "PAGEDKV_API_KEY": "k" * 16}, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while not port_file.exists():
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()  # type: ignore[union-attr]
             time.sleep(0.05)
-        url = f"http://127.0.0.1:{port_file.read_text()}/v1/completions"
+        base = f"http://127.0.0.1:{port_file.read_text()}"
+        url = f"{base}/v1/completions"
         body = {"prompt": "the cache", "max_tokens": 4000, "ignore_eos": True}
+        assert httpx.get(f"{base}/health").status_code == 200
+        assert httpx.post(url, json={**body, "max_tokens": 1}).status_code == 401
         whole: list[httpx.Response] = []
-        waiting = threading.Thread(target=lambda: whole.append(httpx.post(url, json=body, timeout=60)))
+        waiting = threading.Thread(target=lambda: whole.append(httpx.post(url, json=body, headers=key, timeout=60)))
         waiting.start()
-        with httpx.Client(timeout=60) as client:
+        with httpx.Client(timeout=60, headers=key) as client:
             with client.stream("POST", url, json={**body, "stream": True}) as stream:
                 events = []
                 for line in stream.iter_lines():

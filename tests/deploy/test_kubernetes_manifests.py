@@ -23,6 +23,7 @@ from block_manager.service.config import load_config as load_bm_config
 from block_manager.service.server import REPLICA_HEALTH
 from compute_node.service.config import ComputeNodeConfig
 from compute_node.service.config import load_config as load_cn_config
+from tests.support import fork_server
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "kubernetes"
@@ -163,7 +164,7 @@ def _entry_point(command: str) -> str:
 def _flags(command: str, subcommands: list[str]) -> set[str]:
     module, func = _entry_point(command).split(":")
     code = f"import sys, {module} as m; sys.exit(m.{func}({[*subcommands, '--help']!r}))"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = fork_server.run([sys.executable, "-c", code], text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     return set(re.findall(r"(--[a-z][a-z0-9-]*)", proc.stdout))
 

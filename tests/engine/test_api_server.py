@@ -9,11 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -493,32 +489,6 @@ def test_cli_refuses_a_missing_model_dir_and_an_unsupported_architecture(
         assert main(["--model", str(model_dir), "--port", str(port), "--device", "cpu", "--num-kv-blocks", "8",
                      "--log-level", "WARNING"]) == 1
     assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
-
-
-def test_cli_serves_and_stops_on_sigterm(tmp_path: Path, model_dir: Path) -> None:
-    port_file = tmp_path / "port"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PAGEDKV_API_KEY": "k" * 16, "PAGEDKV_LOG_LEVEL": "WARNING"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.api.cli", "--model", str(model_dir), "--port", "0", "--port-file",
-         str(port_file), "--device", "cpu", "--num-kv-blocks", "64", "--block-size", "8",
-         "--served-model-name", "tiny"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while not port_file.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()  # type: ignore
-            time.sleep(0.05)
-        url = f"http://127.0.0.1:{port_file.read_text()}"
-        assert httpx.get(url + "/health").status_code == 200
-        client = openai.OpenAI(base_url=url + "/v1", api_key="k" * 16, max_retries=0)
-        out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                             max_tokens=4, temperature=0)
-        assert out.choices[0].finish_reason in ("stop", "length")
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_a_request_the_engine_refused_is_a_400_with_its_reason(
