@@ -14,7 +14,8 @@
 #
 # demo and test venvs install with --no-compile: pip would otherwise write ~300 MB of .pyc for
 # every module of every package (a fifth of the demo venv), most never imported; run.sh writes
-# those the services, engine and reference model import, once, right after (below). `setup` (the images) keeps them: a container may not write them.
+# those the services, engine and reference model import, once, right after (below). `setup`
+# (the images) lets pip write them all: a container may not write them later.
 # So does any venv built under PYTHONDONTWRITEBYTECODE: Python writes no .pyc then, and every
 # process would compile torch & co. from source on every import (it cost CI ~40% more CPU).
 set -euo pipefail
