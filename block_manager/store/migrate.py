@@ -21,15 +21,21 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, inspect, select, text
+# Alembic's own INFO lines are noise in a service log and in a user's script that builds an
+# `LLM` (our events say what happened): "Context impl ..." at each migration, and, since
+# Alembic 1.18, one "setup plugin ..." line per built-in plugin while `alembic.command` is
+# imported, below. So the level is set before that import.
+logging.getLogger("alembic").setLevel(logging.WARNING)
 
-from block_manager.store.errors import SchemaOutdated, SchemaVersionError
-from block_manager.store.schema import SCHEMA_VERSION, meta
-from pagedkv.logging import get_logger
+from alembic import command  # noqa: E402
+from alembic.config import Config  # noqa: E402
+from alembic.runtime.migration import MigrationContext  # noqa: E402
+from alembic.script import ScriptDirectory  # noqa: E402
+from sqlalchemy import Connection, inspect, select, text  # noqa: E402
+
+from block_manager.store.errors import SchemaOutdated, SchemaVersionError  # noqa: E402
+from block_manager.store.schema import SCHEMA_VERSION, meta  # noqa: E402
+from pagedkv.logging import get_logger  # noqa: E402
 
 log = get_logger(__name__)
 
@@ -53,8 +59,6 @@ class SchemaState:
 
 
 def _config(conn: Connection) -> Config:
-    # Alembic's own INFO lines ("Context impl ...") are noise in a service log: our events say it.
-    logging.getLogger("alembic").setLevel(logging.WARNING)
     cfg = Config()
     cfg.set_main_option("script_location", str(_MIGRATIONS_DIR))
     cfg.attributes["connection"] = conn

@@ -175,3 +175,16 @@ def test_serve_on_old_schema_names_the_command_and_migrate_flag_starts(tmp_path:
             assert migrations.schema_state(conn).is_current
     finally:
         engine.dispose()
+
+
+def test_importing_migrations_after_logging_is_configured_prints_nothing() -> None:
+    """Alembic logs one INFO line per built-in plugin while `alembic.command` is imported (1.18+):
+    with our logging configured first (an `LLM` in a user's script, a server) they reached
+    stderr. A fresh interpreter, since this one has imported Alembic already."""
+    code = ("from pagedkv.logging import configure_logging\n"
+            "configure_logging()\n"
+            "import block_manager.store.migrate\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PAGEDKV_LOG_LEVEL": "INFO"}, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "" and proc.stdout == ""
