@@ -59,7 +59,8 @@ def _use_fork_server(config: pytest.Config) -> None:
 # process then compiles what it needs, as before.
 #
 # The workers wait for it (`_wait_for_kernel_cache`) before their first test outside
-# START_FIRST: those run ~1-1.5 min, about what the cold compile takes next to them, and a
+# START_FIRST: those (~45 s of work on each worker) use no CPU kernel and overlap the cold
+# compile, and a
 # node process started before the cache holds its kernels compiled them again (the admin CLI's
 # compute-node test paid 10.5 instead of 3 CPU-s for starting ahead of it). The warm-up writes
 # a marker when it ends, whether it compiled or failed, so the wait is bounded either way.
@@ -118,12 +119,14 @@ def _reap_kernel_cache_warm_up() -> None:
         shutil.rmtree(Path(done).parent, ignore_errors=True)
 
 
-# The longest single tests (each simulator group runs minutes in its own process) are handed
-# out first, one to each worker: the workers then share the many short modules, instead of one
-# long group starting last and running alone at the end. pytest-xdist's loadscope would
-# otherwise hand out the scopes with the most tests first (these are one test each), so its
-# reordering is switched off in `pytest_configure`: the queue follows the collection order.
-START_FIRST = ("tests/kernels/test_cuda_simulator.py::",)
+# The CUDA-side kernel checks are handed out first: the simulator (~25 s in one process) and the
+# sm_90 compiles (PTX, then SASS: ~10 and ~17 s), split between the two workers. None of them
+# uses a CPU kernel, so they run while the kernel-cache warm-up compiles (above), instead of a
+# worker waiting for it. pytest-xdist's loadscope would otherwise hand out the scopes with the
+# most tests first, so its reordering is switched off in `pytest_configure`: the queue follows
+# the collection order (these three, in that order, then HEAVY_FIRST).
+START_FIRST = ("tests/kernels/test_cuda_simulator.py::", "tests/kernels/test_cuda_compile_ptx.py::",
+               "tests/kernels/test_kernel_sass.py::")
 
 # Then the modules that take >= ~10 s of wall in all (service stacks, subprocess suites),
 # longest first, so the many short modules fill in at the end (longest-processing-time-first).
@@ -134,8 +137,8 @@ START_FIRST = ("tests/kernels/test_cuda_simulator.py::",)
 HEAVY_FIRST = (
     "integration_tests/test_stack.py", "integration_tests/test_defrag_stress.py", "tests/test_readme.py",
     "tests/engine/test_prefix_fetch.py", "tests/engine/test_engine_remote.py", "tests/engine/test_api_server.py",
-    "integration_tests/test_stack_mtls.py", "integration_tests/test_api_stack.py", "tests/kernels/test_kernel_sass.py",
-    "tests/block_manager/service/test_service_sessions.py", "tests/kernels/test_cuda_compile_ptx.py",
+    "integration_tests/test_stack_mtls.py", "integration_tests/test_api_stack.py",
+    "tests/block_manager/service/test_service_sessions.py",
     "tests/test_demo_attention_swaps.py", "tests/engine/test_disk_tier_process.py", "tests/test_cli_errors.py",
     "tests/test_service_processes.py", "tests/engine/test_llm.py",
 )
@@ -143,8 +146,9 @@ _HEAVY_RANK = {path: rank for rank, path in enumerate(HEAVY_FIRST, start=1)}
 
 
 def _schedule_rank(item: pytest.Item) -> int:
-    if item.nodeid.startswith(START_FIRST):
-        return 0
+    for rank, prefix in enumerate(START_FIRST):
+        if item.nodeid.startswith(prefix):
+            return rank - len(START_FIRST)
     return _HEAVY_RANK.get(item.nodeid.split("::", 1)[0], len(HEAVY_FIRST) + 1)
 
 
