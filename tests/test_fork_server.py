@@ -104,6 +104,27 @@ def test_what_it_cannot_do_exactly_goes_to_popen(tmp_path: Path) -> None:
             assert proc.wait(timeout=60) == 0
 
 
+def test_the_project_s_modules_come_from_the_child_s_path_and_log_by_its_environment(tmp_path: Path) -> None:
+    """The server has the services' modules imported. A child logs at its own PAGEDKV_LOG_LEVEL
+    (set up again, as its first import would); a `-m` entry module runs without runpy's
+    "found in sys.modules" warning; and a child whose path finds another `pagedkv` (here one in
+    its working directory) execs, and so imports that one."""
+    code = ("from pagedkv.logging import get_logger; log = get_logger('probe'); "
+            "log.info('hidden-info'); log.warning('shown-warning')")
+    proc, log = _start(tmp_path, [sys.executable, "-c", code], name="levels", PAGEDKV_LOG_LEVEL="WARNING")
+    assert isinstance(proc, ForkedProcess) and proc.wait(timeout=60) == 0
+    assert "shown-warning" in log.read_text() and "hidden-info" not in log.read_text()
+    proc, log = _start(tmp_path, [sys.executable, "-m", "engine.api.cli", "--help"], name="module")
+    assert isinstance(proc, ForkedProcess) and proc.wait(timeout=60) == 0
+    assert "usage: pagedkv-serve" in log.read_text() and "Warning" not in log.read_text()
+    other = tmp_path / "pagedkv"
+    other.mkdir()
+    (other / "__init__.py").write_text("")
+    proc, log = _start(tmp_path, [sys.executable, "-c", "import pagedkv; print(pagedkv.__file__)"], name="other")
+    assert isinstance(proc, ForkedProcess) and proc.wait(timeout=60) == 0
+    assert log.read_text().strip() == str(other / "__init__.py")
+
+
 def test_a_large_environment_arrives_whole(tmp_path: Path) -> None:
     """A request bigger than one socket read (the environment is sent with the command)."""
     big = "".join(chr(ord("a") + i % 26) for i in range(300_000))
