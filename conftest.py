@@ -60,9 +60,8 @@ def _use_fork_server(config: pytest.Config) -> None:
 #
 # The workers wait for it (`_wait_for_kernel_cache`) before their first test outside
 # START_FIRST: those (~45 s of work on each worker) use no CPU kernel and overlap the cold
-# compile, and a
-# node process started before the cache holds its kernels compiled them again (the admin CLI's
-# compute-node test paid 10.5 instead of 3 CPU-s for starting ahead of it). The warm-up writes
+# compile, and a node process started before the cache holds its kernels compiled them again
+# (the admin CLI's compute-node test paid 10.5 instead of 3 CPU-s for starting ahead of it). The warm-up writes
 # a marker when it ends, whether it compiled or failed, so the wait is bounded either way.
 _WARM_UP = ("import sys\n"
             "try:\n"

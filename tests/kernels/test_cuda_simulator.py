@@ -23,7 +23,7 @@ if importlib.util.find_spec("numba_cuda") is None:   # [dev] installs Numba CUDA
 
 REPO = Path(__file__).resolve().parents[2]
 SIM_TESTS = "tests/kernels/cuda_sim"
-TIMEOUT_S = 600  # ~20 s on the 2-core CI machine (~50 s with --slow); generous for a loaded host
+TIMEOUT_S = 600  # ~20 s on the 2-core CI machine (~35 s with --slow); generous for a loaded host
 
 
 @pytest.mark.timeout(TIMEOUT_S + 60)  # the project default (300 s) could be short on a loaded host

@@ -95,8 +95,6 @@ class SimThread(greenlet.greenlet):
 class _Block:
     """The scheduler of one thread block's threads: a queue of ready threads, run in turn."""
 
-    POISON = 0xFF  # a fresh block's shared memory: NaN as fp16 / bf16 / float32
-
     def __init__(self) -> None:
         self.ready: deque[SimThread] = deque()
         self.at_syncthreads: list[SimThread] = []
@@ -107,7 +105,7 @@ class _Block:
         res = self.shared.get(caller)
         if res is None:
             res = self.shared[caller] = np.empty(shape, dtype)
-            res.reshape(-1).view(np.uint8)[:] = self.POISON
+            res.reshape(-1).view(np.uint8)[:] = _ops_sim.POISON   # NaN, as a cp.async in flight reads
         return res
 
     def syncthreads(self, thread: SimThread) -> None:
