@@ -12,6 +12,10 @@
 # e.g. PAGEDKV_TORCH_INDEX=https://download.pytorch.org/whl/cpu for the CPU build (~750 MB) on
 # a host without a GPU. The build installed is printed either way.
 #
+# Versions: every pip install here takes scripts/constraints.txt (-c), the environment the
+# suite last passed with, so a fresh clone installs what was tested; PAGEDKV_CONSTRAINTS names
+# another file, or, set empty, lets pip take the newest releases within pyproject.toml's ranges.
+#
 # demo and test venvs install with --no-compile: pip would otherwise write ~300 MB of .pyc for
 # every module of every package (a fifth of the demo venv), most never imported; run.sh writes
 # those the services, engine and reference model import, once, right after (below). `setup`
@@ -32,11 +36,18 @@ case "$cmd" in
   *) echo "usage: scripts/run.sh setup|demo|test [args...]" >&2; exit 2 ;;
 esac
 stamp="$VENV/.pagedkv-installed${extras:+-$extras}"
+constraints=${PAGEDKV_CONSTRAINTS-$PWD/scripts/constraints.txt}
+case "$constraints" in ""|/*) ;; *) constraints="$caller_dir/$constraints" ;; esac
+pins=()
+if [ -n "$constraints" ]; then
+  [ -f "$constraints" ] || { echo "run.sh: error: constraints file $constraints not found (PAGEDKV_CONSTRAINTS)" >&2; exit 2; }
+  pins=(-c "$constraints")
+fi
 if [ ! -x "$VENV/bin/python" ]; then
   echo "run.sh: creating $VENV (first run: a few minutes; ~950 MB for the demo, ~1.8 GB with the test extras)" >&2
   python3 -m venv "$VENV"
 fi
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || { [ -n "$constraints" ] && [ "$constraints" -nt "$stamp" ]; }; then
   echo "run.sh: installing torch==2.13.0 and pagedkv${extras:+[$extras]} into $VENV" >&2
   "$VENV/bin/pip" install -q --upgrade pip
   # torch first, pinned: the project's range would otherwise let pip pick any build.
@@ -44,12 +55,13 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   [ -n "${PAGEDKV_TORCH_INDEX:-}" ] && torch_index=(--extra-index-url "$PAGEDKV_TORCH_INDEX")
   no_compile=()
   [ "$cmd" != setup ] && [ -z "${PYTHONDONTWRITEBYTECODE:-}" ] && no_compile=(--no-compile)
-  "$VENV/bin/pip" install --progress-bar on ${no_compile[@]+"${no_compile[@]}"} \
+  "$VENV/bin/pip" install --progress-bar on ${no_compile[@]+"${no_compile[@]}"} ${pins[@]+"${pins[@]}"} \
     ${torch_index[@]+"${torch_index[@]}"} "torch==2.13.0" 2>&1 \
     | grep -v "^Requirement already satisfied" || true
   "$VENV/bin/python" -c 'import torch; c = torch.version.cuda
 print("run.sh: torch", torch.__version__, f"(CUDA {c} build)" if c else "(CPU build)")' >&2 || true
-  "$VENV/bin/pip" install --progress-bar on ${no_compile[@]+"${no_compile[@]}"} -e ".${extras:+[$extras]}" 2>&1 \
+  "$VENV/bin/pip" install --progress-bar on ${no_compile[@]+"${no_compile[@]}"} ${pins[@]+"${pins[@]}"} \
+    -e ".${extras:+[$extras]}" 2>&1 \
     | grep -E "^(Collecting|Successfully|ERROR)" || true
   "$VENV/bin/python" -c "import pagedkv" 2>/dev/null || { echo "run.sh: install failed" >&2; exit 1; }
   # Trimmed for size (the demo venv stays under 1 GB): torch's C++ side for building extensions

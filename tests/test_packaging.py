@@ -1,6 +1,7 @@
-"""No other installed distribution brings one of our top-level import names.
+"""What gets installed: no other distribution brings one of our top-level import names, and
+scripts/constraints.txt (the versions run.sh installs) stays inside pyproject.toml's ranges.
 
-Why: our top level is fixed (`kernels/`, `engine/`, `demo/`, ...) and two of those names are
+Why: our top level is fixed (`kernels/`, `engine/`, `demo/`, ...) and three of those names are
 common words. transformers 5.25 began to require Hugging Face's `kernels` distribution: in the
 test venv, transformers then imported *our* `kernels` package and 51 tests failed with an
 ImportError deep inside transformers; in a wheel install the two packages would overwrite each
@@ -11,10 +12,15 @@ clash in one line instead, whichever dependency brings it next time.
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import re
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 TOP_LEVEL_PACKAGES = ("block_manager", "compute_node", "demo", "engine", "kernels", "pagedkv")
@@ -66,3 +72,43 @@ def test_the_demo_extra_keeps_transformers_below_the_kernels_requirement() -> No
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     transformers = [req for req in extras["demo"] if req.startswith("transformers")]
     assert transformers == ["transformers>=4.45,<5.25"], extras["demo"]
+
+
+def _pins() -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "scripts" / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, sep, version = line.partition("==")
+            assert sep and version, f"not a name==version pin: {line!r}"
+            pins[canonicalize_name(name)] = version
+    return pins
+
+
+def test_every_pin_of_the_lock_is_within_pyproject_ranges() -> None:
+    """scripts/constraints.txt (run.sh's `pip -c`) may only choose inside pyproject.toml's
+    ranges, or the venv run.sh builds would differ from what `pip install pagedkv` allows."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = [Requirement(r) for r in project["dependencies"]]
+    requirements += [Requirement(r) for extra in project["optional-dependencies"].values() for r in extra]
+    pins = _pins()
+    outside = [f"{req} vs {pins[canonicalize_name(req.name)]}" for req in requirements
+               if canonicalize_name(req.name) in pins
+               and not req.specifier.contains(pins[canonicalize_name(req.name)], prereleases=True)]
+    assert outside == []
+    assert canonicalize_name(OUR_DISTRIBUTION) not in pins
+    # torch is installed first, by itself: the same version as run.sh's own pin
+    torch_pin = re.search(r'"torch==([0-9.]+)"', (ROOT / "scripts" / "run.sh").read_text())
+    assert torch_pin and pins["torch"] == torch_pin.group(1)
+    # torch's CUDA build pins these itself (cuda-toolkit==13.0.3 for 2.13.0): a pin here conflicts
+    assert not [name for name in pins if name.startswith("nvidia-") or name == "cuda-toolkit"]
+
+
+def test_run_sh_refuses_a_missing_constraints_file_before_creating_anything(tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "run.sh"), "setup"], cwd=tmp_path, capture_output=True, text=True,
+        timeout=60, env={**os.environ, "PAGEDKV_VENV": str(venv), "PAGEDKV_CONSTRAINTS": "pins.txt"},
+    )
+    assert result.returncode == 2
+    assert result.stderr == f"run.sh: error: constraints file {tmp_path}/pins.txt not found (PAGEDKV_CONSTRAINTS)\n"
+    assert not venv.exists()
