@@ -23,7 +23,9 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
-TOP_LEVEL_PACKAGES = ("block_manager", "compute_node", "demo", "engine", "kernels", "pagedkv")
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+# what the wheel installs at top level (`block_manager*` -> block_manager), so a new package is checked too
+TOP_LEVEL_PACKAGES = tuple(p.removesuffix("*") for p in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"])
 OUR_DISTRIBUTION = "pagedkv"
 
 
@@ -69,7 +71,7 @@ def test_a_foreign_kernels_distribution_is_reported(tmp_path: Path) -> None:
 def test_the_demo_extra_keeps_transformers_below_the_kernels_requirement() -> None:
     """Without the cap a fresh venv resolves the newest transformers and the first test fails
     only there (CI), not in a developer's older venv."""
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = PYPROJECT["project"]["optional-dependencies"]
     transformers = [req for req in extras["demo"] if req.startswith("transformers")]
     assert transformers == ["transformers>=4.45,<5.25"], extras["demo"]
 
@@ -87,7 +89,7 @@ def _pins() -> dict[str, str]:
 def test_every_pin_of_the_lock_is_within_pyproject_ranges() -> None:
     """scripts/constraints.txt (run.sh's `pip -c`) may only choose inside pyproject.toml's
     ranges, or the venv run.sh builds would differ from what `pip install pagedkv` allows."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    project = PYPROJECT["project"]
     requirements = [Requirement(r) for r in project["dependencies"]]
     requirements += [Requirement(r) for extra in project["optional-dependencies"].values() for r in extra]
     pins = _pins()
