@@ -1,5 +1,8 @@
 """CPU prefill attention: many query tokens per sequence, causal over the paged context.
 
+The entry point and the query tiling live here; the work item (`attend.prefill_tile`) and the
+loop that runs it are `attend.py`'s, shared with decode and the model step.
+
 Work item = (query tile, KV head), where a query tile is up to `QUERY_TILE` consecutive query
 tokens of one sequence: `QUERY_TILE x group` query rows that share every K/V byte the item
 reads. The item walks the context in key tiles of `KEY_TILE` keys (whole blocks), gathers each
@@ -25,93 +28,13 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import prange
 
 from kernels.cpu import _host, _parallel
-from kernels.cpu._cache import njit_cached
-from kernels.cpu._kv_block import accumulate_rows, gather_kv, score_rows, softmax_rows
-from kernels.cpu._tile import FASTMATH
+from kernels.cpu.attend import attend_prefill
 
 # 16 query tokens × group rows share one K/V tile load; the scratch for 16 × 8 rows × 128 dims
 # (64 KB accumulator) still fits in L2.
 QUERY_TILE = 16
-# Keys per online-softmax step (whole blocks: max(1, KEY_TILE // block_size) of them).
-KEY_TILE = 64
-
-
-@njit_cached(fastmath=FASTMATH)
-def prefill_tile(query, key_cache, value_cache, kv_kind, block_tables, seq_lens, query_start_loc,
-                 s, row0, num_q, kv_head, scale, out):
-    """Causal attention of query rows `row0 … row0 + num_q - 1` (all of sequence `s`) for the
-    query heads of `kv_head`'s GQA group, into the same rows of `out`.
-
-    query/out: [rows, num_heads, head_dim] float32; `query_start_loc[s]` is the row of the
-    sequence's first query token (in the same row numbering as `row0`).
-    key_cache/value_cache: [num_blocks, num_kv_heads, block_size, head_dim(*2 for fp32)] bits.
-    """
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    h0 = kv_head * group
-    q_len = query_start_loc[s + 1] - query_start_loc[s]
-    pos0 = seq_lens[s] - q_len + (row0 - query_start_loc[s])  # absolute pos of row0
-    num_rows = num_q * group
-    q_rows = np.empty((num_rows, head_dim), np.float32)  # row r = j * group + g
-    for j in range(num_q):
-        for g in range(group):
-            for d in range(head_dim):
-                q_rows[j * group + g, d] = query[row0 + j, h0 + g, d] * scale
-    blocks_per_tile = max(1, KEY_TILE // block_size)
-    key_tile = blocks_per_tile * block_size
-    m = np.full(num_rows, -np.inf, np.float32)
-    l = np.zeros(num_rows, np.float32)
-    acc = np.zeros((num_rows, head_dim), np.float32)
-    scores = np.empty((num_rows + 4, key_tile), np.float32)  # + 4 rows: score_rows' spares
-    visible = np.empty(num_rows, np.int64)
-    k = np.empty((key_tile, head_dim), np.float32)
-    vt = np.empty((head_dim, key_tile), np.float32)
-    k_scratch = np.empty((block_size, head_dim), np.float32)
-    v_scratch = np.empty((block_size, head_dim), np.float32)
-    k_bits = k_scratch.view(np.uint32)
-    v_bits = v_scratch.view(np.uint32)
-    num_keys_total = pos0 + num_q  # keys the last query row sees
-    for start in range(0, num_keys_total, key_tile):
-        num_keys = min(key_tile, num_keys_total - start)
-        gather_kv(key_cache, value_cache, kv_kind, block_tables[s], kv_head, start // block_size,
-                  num_keys, k, vt, k_scratch, k_bits, v_scratch, v_bits)
-        # Rows whose query sits before this tile's last key see a prefix of it (causal mask);
-        # the first tile starts at key 0, so every row sees at least one key of it.
-        first = 0  # first row that sees any key of this tile
-        while first < num_rows and pos0 + first // group < start:
-            first += 1
-        for r in range(num_rows):
-            visible[r] = min(num_keys, pos0 + r // group - start + 1)
-        for r0 in range(first, num_rows, 4):
-            nr = min(4, num_rows - r0)
-            score_rows(q_rows, r0, nr, k, visible[r0 + nr - 1], scores, num_rows)
-        for r0 in range(first, num_rows, 4):
-            nr = min(4, num_rows - r0)
-            for r in range(r0, r0 + nr):
-                softmax_rows(scores, r, visible[r], m, l, acc)
-            accumulate_rows(scores, r0, nr, visible, vt, acc)
-    for j in range(num_q):
-        for g in range(group):
-            r = j * group + g
-            inv = np.float32(1.0) / l[r]
-            for d in range(head_dim):
-                out[row0 + j, h0 + g, d] = acc[r, d] * inv
-
-
-@njit_cached(parallel=True, fastmath=FASTMATH)
-def _prefill_kernel(query, key_cache, value_cache, kv_kind, block_tables, seq_lens,
-                    query_start_loc, tile_seq, tile_row, tile_len, scale, out):
-    # tile_seq/tile_row/tile_len: [num_tiles] — sequence, first query row, query count
-    num_kv_heads = key_cache.shape[1]
-    for item in prange(tile_seq.shape[0] * num_kv_heads):
-        tile = item // num_kv_heads
-        prefill_tile(query, key_cache, value_cache, kv_kind, block_tables, seq_lens,
-                     query_start_loc, tile_seq[tile], tile_row[tile], tile_len[tile],
-                     item % num_kv_heads, scale, out)
 
 
 def query_tiles(query_start_loc: np.ndarray, seq_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -163,9 +86,10 @@ def paged_prefill_attention(
     target = _host.f32_target(out)
     result = target if target is not None else np.empty(q.shape, np.float32)
     work = prefill_work(starts, lens, q.shape[1])
-    with _parallel.parallel_section(work <= _parallel.SERIAL_MAX_ATTENTION_WORK):
-        _prefill_kernel(q, kc, vc, kv_kind, tables, lens, starts, tile_seq, tile_row,
-                        tile_len, np.float32(scale), result)
+    serial = work <= _parallel.SERIAL_MAX_ATTENTION_WORK
+    with _parallel.parallel_section(serial):
+        attend_prefill(serial, q, kc, vc, kv_kind, tables, lens, starts, tile_seq, tile_row,
+                       tile_len, np.float32(scale), result)
     if target is None:
         _host.store(out, result)
     return out

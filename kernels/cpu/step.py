@@ -11,14 +11,16 @@ step — the same `_validate` checks, the indices as contiguous NumPy, the tiles
 heaviest-first order, one serial-or-parallel choice — and `run(layer, ...)` is one call:
 scatter the new K/V into the layer's cache, then attend every prefill tile and decode item.
 
-Serial and parallel are two compilations of one body (`_step_serial`, `_step_parallel`): a
+The compiled loop is `attend.py`'s, which the generic decode and prefill entry points run
+too. Serial and parallel are two compilations of it (`attend_serial`, `attend_parallel`): a
 small step runs on the calling thread without touching Numba's thread settings (why that
 matters: `_parallel.py`); a large one hands items out dynamically to every thread. When
 (decode sequence, KV head) items are too few for the threads and contexts are long, decode
 goes to the split-K kernel (`decode.use_split`) after the fused call has written the K/V.
 
-Arithmetic is the generic kernels' (`decode_item`, `prefill_tile`), so results are the same
-bits as `write_slots` followed by the two attention calls.
+Arithmetic is the generic kernels' (the same items, `attend.decode_item` and
+`attend.prefill_tile`), so results are the same bits as `write_slots` followed by the two
+attention calls.
 """
 
 from __future__ import annotations
@@ -27,77 +29,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from numba import prange
 
 from kernels import _validate
 from kernels._validate import KernelInputError
 from kernels.cpu import _host, _parallel
-from kernels.cpu._cache import njit_cached
-from kernels.cpu._tile import FASTMATH
-from kernels.cpu.decode import decode_item, use_split
+from kernels.cpu.attend import NO_INDEX, NO_STARTS, NO_TABLES, attend_parallel, attend_serial
+from kernels.cpu.decode import use_split
 from kernels.cpu.decode_split import decode_split
-from kernels.cpu.prefill import prefill_tile, prefill_work, query_tiles
-from kernels.cpu.write_slots import write_token
-
-
-@njit_cached(fastmath=FASTMATH)
-def _step_item(item, num_prefill_items, query, key_cache, value_cache, kv_kind, dec_tables,
-               dec_lens, pre_tables, pre_lens, pre_starts, tile_seq, tile_row, tile_len, scale,
-               out):
-    # Items [0, num_prefill_items): (prefill tile, KV head); then (decode sequence, KV head),
-    # decode sequence s owning row s.
-    num_kv_heads = key_cache.shape[1]
-    if item < num_prefill_items:
-        tile = item // num_kv_heads
-        prefill_tile(query, key_cache, value_cache, kv_kind, pre_tables, pre_lens, pre_starts,
-                     tile_seq[tile], tile_row[tile], tile_len[tile], item % num_kv_heads, scale,
-                     out)
-    else:
-        item -= num_prefill_items
-        s = item // num_kv_heads
-        decode_item(query, key_cache, value_cache, kv_kind, dec_tables, dec_lens, s, s,
-                    item % num_kv_heads, scale, out)
-
-
-@njit_cached()
-def _write_rows(key, value, key_cache, value_cache, slot_mapping):
-    for t in range(key.shape[0]):
-        write_token(key, value, key_cache, value_cache, slot_mapping, t)
-
-
-@njit_cached(fastmath=FASTMATH)
-def _step_serial(query, key, value, key_cache, value_cache, kv_kind, slot_mapping, dec_tables,
-                 dec_lens, num_dec_seqs, pre_tables, pre_lens, pre_starts, tile_seq, tile_row,
-                 tile_len, scale, out):
-    # query/out: [num_tokens, num_heads, head_dim] float32, decode rows first;
-    # key/value: [num_tokens, num_kv_heads, row] bits; caches: [num_blocks, num_kv_heads,
-    # block_size, row] bits (row = head_dim, x2 for fp32); pre_starts and tile_row count rows
-    # of the whole step (the first prefill row is num_dec_seqs, or after them when split).
-    _write_rows(key, value, key_cache, value_cache, slot_mapping)
-    num_prefill_items = tile_seq.shape[0] * key_cache.shape[1]
-    for item in range(num_prefill_items + num_dec_seqs * key_cache.shape[1]):
-        _step_item(item, num_prefill_items, query, key_cache, value_cache, kv_kind, dec_tables,
-                   dec_lens, pre_tables, pre_lens, pre_starts, tile_seq, tile_row, tile_len,
-                   scale, out)
-
-
-@njit_cached(parallel=True, fastmath=FASTMATH)
-def _step_parallel(query, key, value, key_cache, value_cache, kv_kind, slot_mapping,
-                   dec_tables, dec_lens, num_dec_seqs, pre_tables, pre_lens, pre_starts,
-                   tile_seq, tile_row, tile_len, scale, out):
-    # Same as _step_serial. The writes stay on this thread, in a function compiled without
-    # `parallel` (here each row's slice assignment would become a parallel region of its own):
-    # a step's new K/V is a few MB at most (a 2048-token chunk of 3 fp32 KV heads of 64: 3 MB,
-    # ~1 ms to copy), and a parallel write loop costs a second wake-up of the worker threads,
-    # which on a loaded host can take a scheduler time slice (measured: the fused prefill
-    # step at 0.7x the per-kernel calls with one; see _parallel.py).
-    _write_rows(key, value, key_cache, value_cache, slot_mapping)
-    num_prefill_items = tile_seq.shape[0] * key_cache.shape[1]
-    for item in prange(num_prefill_items + num_dec_seqs * key_cache.shape[1]):
-        # int64 as in _step_serial (prange's index is unsigned): one compilation of _step_item
-        _step_item(np.int64(item), num_prefill_items, query, key_cache, value_cache, kv_kind, dec_tables,
-                   dec_lens, pre_tables, pre_lens, pre_starts, tile_seq, tile_row, tile_len,
-                   scale, out)
+from kernels.cpu.prefill import prefill_work, query_tiles
 
 
 class KvBits:
@@ -123,10 +62,6 @@ class KvBits:
     @property
     def num_layers(self) -> int:
         return len(self.keys)
-
-
-_NO_TABLES = np.zeros((0, 1), np.int32)
-_NO_INDEX = np.zeros(0, np.int32)
 
 
 class StepAttention:
@@ -167,13 +102,13 @@ class StepAttention:
         self.q_shape = (num_tokens, num_heads, caches.head_dim)
         self.kv_shape = (num_tokens, caches.num_kv_heads, caches.head_dim)
 
-        self.dec_tables, self.dec_lens = _NO_TABLES, _NO_INDEX
+        self.dec_tables, self.dec_lens = NO_TABLES, NO_INDEX
         if num_dec:
             if decode_block_tables is None or decode_seq_lens is None:
                 raise KernelInputError(f"{num_dec} decode rows but no decode block tables or lengths")
             self.dec_tables, self.dec_lens = self._check_tables(decode_block_tables, decode_seq_lens, num_dec)
         num_prefill_rows = num_tokens - num_dec
-        self.pre_tables, self.pre_lens, pre_starts = _NO_TABLES, _NO_INDEX, np.zeros(1, np.int32)
+        self.pre_tables, self.pre_lens, pre_starts = NO_TABLES, NO_INDEX, NO_STARTS
         if num_prefill_rows:
             if prefill_block_tables is None or prefill_seq_lens is None or prefill_query_start_loc is None:
                 raise KernelInputError(f"{num_prefill_rows} prefill rows but no prefill tables, lengths or starts")
@@ -215,10 +150,10 @@ class StepAttention:
                 self._fused_dec_seqs, self.pre_tables, self.pre_lens, self.pre_starts, self.tile_seq,
                 self.tile_row, self.tile_len, self.scale, result)
         if self.serial:
-            _step_serial(*args)
+            attend_serial(*args)
         else:
             with _parallel.parallel_section(False):
-                _step_parallel(*args)
+                attend_parallel(*args)
                 if self.split:
                     n = self.num_decode_tokens
                     decode_split(q[:n], kc, vc, caches.kv_kind, self.dec_tables, self.dec_lens, self.scale,

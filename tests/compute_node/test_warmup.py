@@ -29,9 +29,9 @@ from compute_node.service.warmup import warm_up_cpu_kernels
 from kernels.cpu.decode import paged_attention_decode as cpu_decode
 
 dtype = sys.argv[1]
-KERNELS = [("decode", "_decode_kernel"), ("decode_split", "_partition_kernel"), ("decode_split", "_reduce_kernel"),
-           ("prefill", "_prefill_kernel"), ("write_slots", "_write_slots_kernel"),
-           ("copy_blocks", "_copy_blocks_kernel"), ("step", "_step_serial"), ("step", "_step_parallel")]
+KERNELS = [("attend", "attend_serial"), ("attend", "attend_parallel"), ("decode_split", "_partition_kernel"),
+           ("decode_split", "_reduce_kernel"), ("write_slots", "_write_slots_kernel"),
+           ("copy_blocks", "_copy_blocks_kernel")]
 
 def compiled():
     return {f"{m}.{k}": len(getattr(importlib.import_module(f"kernels.cpu.{m}"), k).signatures) for m, k in KERNELS}
