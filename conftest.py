@@ -35,16 +35,21 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 # Service processes (block manager, compute nodes, API server) started through
-# demo.localstack.start_process are forked from one interpreter per test process that has torch
-# & co. imported, instead of each paying Python's start-up (tests/support/fork_server.py).
+# demo.localstack.start_process are forked from an interpreter that has torch & co. imported,
+# instead of each paying Python's start-up (tests/support/fork_server.py). In an xdist run the
+# controller starts that interpreter while the workers start and collect, and both workers use
+# it (one per worker cost ~3.5 CPU-s more); a serial run starts its own on first use.
 # PAGEDKV_TEST_FORK_SERVER=0: plain subprocess.Popen; so on macOS, where fork() without exec
 # is unsafe once system frameworks are loaded.
 def _use_fork_server(config: pytest.Config) -> None:
-    runs_tests = hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)
-    if not runs_tests or os.environ.get("PAGEDKV_TEST_FORK_SERVER") == "0" or sys.platform != "linux":
+    if os.environ.get("PAGEDKV_TEST_FORK_SERVER") == "0" or sys.platform != "linux":
+        return
+    from tests.support import fork_server
+
+    if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None):
+        fork_server.start_shared()
         return
     import demo.localstack
-    from tests.support import fork_server
 
     demo.localstack.start_process = fork_server.shared().popen
 

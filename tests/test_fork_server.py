@@ -78,8 +78,11 @@ def test_signals_and_uncaught_errors_end_it_as_they_end_python(tmp_path: Path) -
     failing, log = _start(tmp_path, [sys.executable, "-c", "raise ValueError('boom')"], name="fail")
     assert failing.wait(timeout=60) == 1
     assert "Traceback" in log.read_text() and "ValueError: boom" in log.read_text()
+    slow = _start(tmp_path, [sys.executable, "-c", "import time; time.sleep(60)"], name="slow")[0]
     with pytest.raises(subprocess.TimeoutExpired):
-        _start(tmp_path, [sys.executable, "-c", "import time; time.sleep(60)"], name="slow")[0].wait(timeout=0.1)
+        slow.wait(timeout=0.1)
+    slow.kill()                                    # not left sleeping after the test
+    assert slow.wait(timeout=60) == -signal.SIGKILL
 
 
 def test_children_do_not_share_the_servers_random_state(tmp_path: Path) -> None:
@@ -163,3 +166,35 @@ def test_run_captures_like_subprocess_run(tmp_path: Path, monkeypatch: pytest.Mo
     assert fork_server.run([sys.executable, "-c", "print('b')"], timeout=60).stdout == b"b\n"
     with pytest.raises(subprocess.TimeoutExpired):
         fork_server.run([sys.executable, "-c", "import time; time.sleep(60)"], timeout=0.5)
+
+
+def test_a_client_in_another_process_forks_from_the_shared_server(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """What an xdist worker does with the controller's server (`start_shared`): a `ForkServer`
+    made from a running server's directory forks its children from that server; and when no
+    server comes up there in time, it starts its own instead of failing."""
+    own = fork_server.shared()
+    server_dir = os.path.dirname(own._socket_path())
+    ppid = [sys.executable, "-c", "import os; print(os.getppid())"]
+    parents = set()
+    for server in (own, fork_server.ForkServer(server_dir)):
+        with open(tmp_path / "ppid", "wb") as out:
+            proc = server.popen(ppid, stdout=out, stderr=subprocess.STDOUT)
+            assert isinstance(proc, ForkedProcess) and proc.wait(timeout=60) == 0
+        parents.add(int((tmp_path / "ppid").read_text()))
+    assert len(parents) == 1 and parents != {os.getpid()}
+
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    (gone / "env.json").write_text(json.dumps(dict(os.environ)))
+    started = []
+
+    def start_own(env: dict[str, str]) -> tuple[str, subprocess.Popen[bytes]]:
+        started.append(env)          # where a real server would start (~3.5 CPU-s): stop here
+        raise OSError("own server")
+
+    monkeypatch.setattr(fork_server, "SHARED_WAIT_S", 0.2)
+    monkeypatch.setattr(fork_server, "_start", start_own)
+    with pytest.raises(OSError, match="own server"):
+        fork_server.ForkServer(str(gone))._socket_path()
+    assert started == [dict(os.environ)]   # with this process's environment, not the absent one's

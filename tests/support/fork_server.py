@@ -3,8 +3,9 @@
 Why: most of the CPU the test suite's service processes cost is Python start-up, not service
 work: `import torch` alone is ~2 CPU-s on the 2-core CI VM, and a compute node costs ~2.7 CPU-s
 before it serves a request; the suite starts ~100 service processes. A fork server (one per
-test process, started on first use) imports the third-party libraries and the services' own
-modules once; each service is then a `fork()` of it that runs the command as `python` would: a
+test process, started on first use; in an xdist run one for the whole run, started by the
+controller while the workers collect, `start_shared`) imports the third-party libraries and the
+services' own modules once; each service is then a `fork()` of it that runs the command as `python` would: a
 real, separate process with its own pid, session, working directory, environment, log file and
 exit status, killed and stopped by signals like any other; its stdin is /dev/null.
 
@@ -42,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -79,8 +81,10 @@ def serve(socket_path: str) -> None:
     _prepare_for_children()
     base_path = [p for p in sys.path[1:] if p not in _pythonpath(os.environ)]
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(socket_path)
+    listener.bind(socket_path + ".bound")
     listener.listen(64)
+    # Under its name once it accepts: a client that finds the path can connect (see `_wait_for`).
+    os.rename(socket_path + ".bound", socket_path)
     print("ready", flush=True)
     children: dict[int, socket.socket] = {}
     while True:
@@ -346,13 +350,23 @@ class ForkedProcess:
 
 
 class ForkServer:
-    """One per test process; `popen` is a drop-in for `subprocess.Popen` (see the module doc)."""
+    """One per test process, or one per xdist run shared by its workers (`start_shared`);
+    `popen` is a drop-in for `subprocess.Popen` (see the module doc).
 
-    def __init__(self) -> None:
+    `shared_dir`: the directory of a server another process started (its socket and the
+    environment it was started with); if that server is not up within `SHARED_WAIT_S`, this
+    one starts its own on first use, as without it.
+    """
+
+    def __init__(self, shared_dir: str | None = None) -> None:
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: str | None = None
         self._env = dict(os.environ)     # the server's: what its pre-imported libraries read
         self._lock = threading.Lock()
+        self._shared_dir = shared_dir
+        if shared_dir is not None:
+            with open(os.path.join(shared_dir, "env.json")) as f:
+                self._env = json.load(f)
 
     def popen(self, args: Sequence[str], *, env: Mapping[str, str] | None = None,
               cwd: str | os.PathLike[str] | None = None, stdin: Any = None, stdout: Any = None, stderr: Any = None,
@@ -381,11 +395,13 @@ class ForkServer:
 
     def _socket_path(self) -> str:
         with self._lock:
+            if self._shared_dir is not None:
+                shared = os.path.join(self._shared_dir, "s")
+                if _wait_for(shared, SHARED_WAIT_S):
+                    return shared
+                self._shared_dir, self._env = None, dict(os.environ)    # not up: run our own
             if self._proc is None or self._proc.poll() is not None:
-                self._dir = tempfile.mkdtemp(prefix="pagedkv-fork-")
-                path = os.path.join(self._dir, "s")
-                self._proc = subprocess.Popen([sys.executable, __file__, path], stdin=subprocess.PIPE,
-                                              stdout=subprocess.PIPE, env=self._env)
+                self._dir, self._proc = _start(self._env)
                 if self._proc.stdout is None or self._proc.stdout.readline() != b"ready\n":
                     raise RuntimeError("the fork server did not start")
             return os.path.join(self._dir or "", "s")
@@ -405,15 +421,57 @@ class ForkServer:
                 self._dir = None
 
 
+# The directory of the xdist controller's server, for its workers (set before they start).
+SHARED_DIR_ENV = "PAGEDKV_TEST_FORK_SERVER_DIR"
+# How long a worker waits for the controller's server to come up: it starts with the run and
+# is up in a few seconds, long before a worker's first service (after collection).
+SHARED_WAIT_S = 60.0
 _shared: ForkServer | None = None
 
 
 def shared() -> ForkServer:
-    """This test process's fork server (one per process: it starts on first use)."""
+    """This test process's fork server: the run's shared one in an xdist worker (one
+    interpreter's imports instead of one per worker: ~3.5 CPU-s each), else its own, started on
+    first use."""
     global _shared
     if _shared is None:
-        _shared = ForkServer()
+        shared_dir = os.environ.get(SHARED_DIR_ENV)
+        _shared = ForkServer(shared_dir if shared_dir and os.path.isdir(shared_dir) else None)
     return _shared
+
+
+def start_shared() -> ForkServer:
+    """Start a server for the processes this one starts next (the xdist controller's workers:
+    `SHARED_DIR_ENV` is set in this process's environment, which they inherit) without waiting
+    for it to be ready. The caller closes it after they are done; its children's CPU then
+    counts as the caller's (`shared().close()`)."""
+    global _shared
+    server = ForkServer()
+    with server._lock:
+        server._dir, server._proc = _start(server._env)
+    os.environ[SHARED_DIR_ENV] = server._dir
+    _shared = server
+    return server
+
+
+def _start(env: dict[str, str]) -> tuple[str, subprocess.Popen[bytes]]:
+    """A new server's directory (its socket, once up, and the environment it started with, for
+    a client in another process) and its process."""
+    directory = tempfile.mkdtemp(prefix="pagedkv-fork-")
+    with open(os.path.join(directory, "env.json"), "w") as f:
+        json.dump(env, f)
+    proc = subprocess.Popen([sys.executable, __file__, os.path.join(directory, "s")], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env=env)
+    return directory, proc
+
+
+def _wait_for(path: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def run(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
