@@ -125,8 +125,8 @@ def prefill_tile(query, key_cache, value_cache, kv_kind, block_tables, seq_lens,
 
 @njit_cached(fastmath=FASTMATH)
 def attend_item(item, num_prefill_items, query, key_cache, value_cache, kv_kind, dec_tables,
-               dec_lens, pre_tables, pre_lens, pre_starts, tile_seq, tile_row, tile_len, scale,
-               out):
+                dec_lens, pre_tables, pre_lens, pre_starts, tile_seq, tile_row, tile_len, scale,
+                out):
     # Items [0, num_prefill_items): (prefill tile, KV head); then (decode sequence, KV head),
     # decode sequence s owning row s.
     num_kv_heads = key_cache.shape[1]
@@ -150,8 +150,8 @@ def write_rows(key, value, key_cache, value_cache, slot_mapping):
 
 @njit_cached(fastmath=FASTMATH)
 def attend_serial(query, key, value, key_cache, value_cache, kv_kind, slot_mapping, dec_tables,
-                 dec_lens, num_dec_seqs, pre_tables, pre_lens, pre_starts, tile_seq, tile_row,
-                 tile_len, scale, out):
+                  dec_lens, num_dec_seqs, pre_tables, pre_lens, pre_starts, tile_seq, tile_row,
+                  tile_len, scale, out):
     # query/out: [num_tokens, num_heads, head_dim] float32, decode rows first;
     # key/value: [num_tokens, num_kv_heads, row] bits; caches: [num_blocks, num_kv_heads,
     # block_size, row] bits (row = head_dim, x2 for fp32); pre_starts and tile_row count rows
@@ -160,14 +160,14 @@ def attend_serial(query, key, value, key_cache, value_cache, kv_kind, slot_mappi
     num_prefill_items = tile_seq.shape[0] * key_cache.shape[1]
     for item in range(num_prefill_items + num_dec_seqs * key_cache.shape[1]):
         attend_item(item, num_prefill_items, query, key_cache, value_cache, kv_kind, dec_tables,
-                   dec_lens, pre_tables, pre_lens, pre_starts, tile_seq, tile_row, tile_len,
-                   scale, out)
+                    dec_lens, pre_tables, pre_lens, pre_starts, tile_seq, tile_row, tile_len,
+                    scale, out)
 
 
 @njit_cached(parallel=True, fastmath=FASTMATH)
 def attend_parallel(query, key, value, key_cache, value_cache, kv_kind, slot_mapping,
-                   dec_tables, dec_lens, num_dec_seqs, pre_tables, pre_lens, pre_starts,
-                   tile_seq, tile_row, tile_len, scale, out):
+                    dec_tables, dec_lens, num_dec_seqs, pre_tables, pre_lens, pre_starts,
+                    tile_seq, tile_row, tile_len, scale, out):
     # Same as attend_serial. The writes stay on this thread, in a function compiled without
     # `parallel` (here each row's slice assignment would become a parallel region of its own):
     # a step's new K/V is a few MB at most (a 2048-token chunk of 3 fp32 KV heads of 64: 3 MB,
@@ -179,8 +179,8 @@ def attend_parallel(query, key, value, key_cache, value_cache, kv_kind, slot_map
     for item in prange(num_prefill_items + num_dec_seqs * key_cache.shape[1]):
         # int64 as in attend_serial (prange's index is unsigned): one compilation of attend_item
         attend_item(np.int64(item), num_prefill_items, query, key_cache, value_cache, kv_kind, dec_tables,
-                   dec_lens, pre_tables, pre_lens, pre_starts, tile_seq, tile_row, tile_len,
-                   scale, out)
+                    dec_lens, pre_tables, pre_lens, pre_starts, tile_seq, tile_row, tile_len,
+                    scale, out)
 
 
 # What the loops take for an absent kind of row (uint16 K/V and int64 slots as a step passes
