@@ -24,6 +24,7 @@ from numba import prange
 from kernels.cpu._cache import njit_cached
 from kernels.cpu._kv_block import accumulate_rows, gather_kv, score_rows, softmax_rows
 from kernels.cpu._tile import FASTMATH, attend_blocks
+from kernels.cpu.decode_split import NO_PARTIALS, Partials, partition_item
 from kernels.cpu.write_slots import write_token
 
 # Keys per online-softmax step (whole blocks: max(1, KEY_TILE // block_size) of them).
@@ -124,22 +125,27 @@ def prefill_tile(query, key_cache, value_cache, kv_kind, block_tables, seq_lens,
 
 
 @njit_cached(fastmath=FASTMATH)
-def attend_item(item, num_prefill_items, query, key_cache, value_cache, kv_kind, dec_tables,
-                dec_lens, pre_tables, pre_lens, pre_starts, tile_seq, tile_row, tile_len, scale,
-                out):
-    # Items [0, num_prefill_items): (prefill tile, KV head); then (decode sequence, KV head),
-    # decode sequence s owning row s.
+def attend_item(item, num_prefill_items, num_decode_items, query, key_cache, value_cache, kv_kind,
+                dec_tables, dec_lens, pre_tables, pre_lens, pre_starts, tile_seq, tile_row, tile_len,
+                blocks_per_partition, part_m, part_l, part_acc, scale, out):
+    # Items [0, num_prefill_items): (prefill tile, KV head); then num_decode_items (decode
+    # sequence, KV head), decode sequence s owning row s; then the split sequences' (sequence,
+    # KV head, partition), split sequence s owning row s too (a step splits all or none).
     num_kv_heads = key_cache.shape[1]
     if item < num_prefill_items:
         tile = item // num_kv_heads
         prefill_tile(query, key_cache, value_cache, kv_kind, pre_tables, pre_lens, pre_starts,
                      tile_seq[tile], tile_row[tile], tile_len[tile], item % num_kv_heads, scale,
                      out)
-    else:
+    elif item < num_prefill_items + num_decode_items:
         item -= num_prefill_items
         s = item // num_kv_heads
         decode_item(query, key_cache, value_cache, kv_kind, dec_tables, dec_lens, s, s,
                     item % num_kv_heads, scale, out)
+    else:
+        partition_item(item - num_prefill_items - num_decode_items, query, key_cache, value_cache,
+                       kv_kind, dec_tables, dec_lens, scale, blocks_per_partition, part_m, part_l,
+                       part_acc)
 
 
 @njit_cached()
@@ -151,23 +157,28 @@ def write_rows(key, value, key_cache, value_cache, slot_mapping):
 @njit_cached(fastmath=FASTMATH)
 def attend_serial(query, key, value, key_cache, value_cache, kv_kind, slot_mapping, dec_tables,
                   dec_lens, num_dec_seqs, pre_tables, pre_lens, pre_starts, tile_seq, tile_row,
-                  tile_len, scale, out):
+                  tile_len, blocks_per_partition, part_m, part_l, part_acc, scale, out):
     # query/out: [num_tokens, num_heads, head_dim] float32, decode rows first;
     # key/value: [num_tokens, num_kv_heads, row] bits; caches: [num_blocks, num_kv_heads,
     # block_size, row] bits (row = head_dim, x2 for fp32); pre_starts and tile_row count rows
-    # of the whole step (the first prefill row is num_dec_seqs, or after them when split).
+    # of the whole step (the first prefill row is after the decode rows, split or not);
+    # part_*: decode_split.Partials of the split sequences (none: num_dec_seqs decode items).
     write_rows(key, value, key_cache, value_cache, slot_mapping)
-    num_prefill_items = tile_seq.shape[0] * key_cache.shape[1]
-    for item in range(num_prefill_items + num_dec_seqs * key_cache.shape[1]):
-        attend_item(item, num_prefill_items, query, key_cache, value_cache, kv_kind, dec_tables,
-                    dec_lens, pre_tables, pre_lens, pre_starts, tile_seq, tile_row, tile_len,
-                    scale, out)
+    num_kv_heads = key_cache.shape[1]
+    num_prefill_items = tile_seq.shape[0] * num_kv_heads
+    num_decode_items = num_dec_seqs * num_kv_heads
+    num_items = num_prefill_items + num_decode_items + part_m.shape[0] * num_kv_heads * part_m.shape[2]
+    for item in range(num_items):
+        attend_item(item, num_prefill_items, num_decode_items, query, key_cache, value_cache, kv_kind,
+                    dec_tables, dec_lens, pre_tables, pre_lens, pre_starts, tile_seq, tile_row,
+                    tile_len, blocks_per_partition, part_m, part_l, part_acc, scale, out)
 
 
 @njit_cached(parallel=True, fastmath=FASTMATH)
 def attend_parallel(query, key, value, key_cache, value_cache, kv_kind, slot_mapping,
                     dec_tables, dec_lens, num_dec_seqs, pre_tables, pre_lens, pre_starts,
-                    tile_seq, tile_row, tile_len, scale, out):
+                    tile_seq, tile_row, tile_len, blocks_per_partition, part_m, part_l, part_acc,
+                    scale, out):
     # Same as attend_serial. The writes stay on this thread, in a function compiled without
     # `parallel` (here each row's slice assignment would become a parallel region of its own):
     # a step's new K/V is a few MB at most (a 2048-token chunk of 3 fp32 KV heads of 64: 3 MB,
@@ -175,12 +186,15 @@ def attend_parallel(query, key, value, key_cache, value_cache, kv_kind, slot_map
     # which on a loaded host can take a scheduler time slice (measured: the fused prefill
     # step at 0.7x the per-kernel calls with one; see _parallel.py).
     write_rows(key, value, key_cache, value_cache, slot_mapping)
-    num_prefill_items = tile_seq.shape[0] * key_cache.shape[1]
-    for item in prange(num_prefill_items + num_dec_seqs * key_cache.shape[1]):
+    num_kv_heads = key_cache.shape[1]
+    num_prefill_items = tile_seq.shape[0] * num_kv_heads
+    num_decode_items = num_dec_seqs * num_kv_heads
+    num_items = num_prefill_items + num_decode_items + part_m.shape[0] * num_kv_heads * part_m.shape[2]
+    for item in prange(num_items):
         # int64 as in attend_serial (prange's index is unsigned): one compilation of attend_item
-        attend_item(np.int64(item), num_prefill_items, query, key_cache, value_cache, kv_kind, dec_tables,
-                    dec_lens, pre_tables, pre_lens, pre_starts, tile_seq, tile_row, tile_len,
-                    scale, out)
+        attend_item(np.int64(item), num_prefill_items, num_decode_items, query, key_cache, value_cache,
+                    kv_kind, dec_tables, dec_lens, pre_tables, pre_lens, pre_starts, tile_seq,
+                    tile_row, tile_len, blocks_per_partition, part_m, part_l, part_acc, scale, out)
 
 
 # What the loops take for an absent kind of row (uint16 K/V and int64 slots as a step passes
@@ -196,12 +210,19 @@ def _no_rows(key_cache: np.ndarray) -> np.ndarray:
     return np.empty((0, key_cache.shape[1], key_cache.shape[3]), key_cache.dtype)
 
 
-def attend_decode(serial, query, key_cache, value_cache, kv_kind, block_tables, seq_lens, scale, out):
-    """Decode attention of one query row per sequence (`query[s]` for sequence s) into `out`."""
+def attend_decode(serial, split, query, key_cache, value_cache, kv_kind, block_tables, seq_lens, scale, out):
+    """Decode attention of one query row per sequence (`query[s]` for sequence s) into `out`:
+    single-pass, or `split` into partitions and merged (`decode_split`)."""
     loop = attend_serial if serial else attend_parallel
     no_rows = _no_rows(key_cache)
+    num_seqs, num_heads, head_dim = query.shape
+    partials = (Partials.new(num_seqs, num_heads, head_dim, int(seq_lens.max()), key_cache.shape[2])
+                if split else NO_PARTIALS)
     loop(query, no_rows, no_rows, key_cache, value_cache, kv_kind, NO_SLOTS, block_tables, seq_lens,
-         query.shape[0], NO_TABLES, NO_INDEX, NO_STARTS, NO_INDEX, NO_INDEX, NO_INDEX, scale, out)
+         0 if split else num_seqs, NO_TABLES, NO_INDEX, NO_STARTS, NO_INDEX, NO_INDEX, NO_INDEX,
+         *partials.args(), scale, out)
+    if split:
+        partials.reduce(out)
 
 
 def attend_prefill(serial, query, key_cache, value_cache, kv_kind, block_tables, seq_lens, query_start_loc,
@@ -210,4 +231,4 @@ def attend_prefill(serial, query, key_cache, value_cache, kv_kind, block_tables,
     loop = attend_serial if serial else attend_parallel
     no_rows = _no_rows(key_cache)
     loop(query, no_rows, no_rows, key_cache, value_cache, kv_kind, NO_SLOTS, NO_TABLES, NO_INDEX, 0,
-         block_tables, seq_lens, query_start_loc, tile_seq, tile_row, tile_len, scale, out)
+         block_tables, seq_lens, query_start_loc, tile_seq, tile_row, tile_len, *NO_PARTIALS.args(), scale, out)

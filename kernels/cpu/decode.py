@@ -17,7 +17,7 @@ import numpy as np
 
 from kernels.cpu import _host, _parallel
 from kernels.cpu.attend import attend_decode
-from kernels.cpu.decode_split import decode_split, num_partitions
+from kernels.cpu.decode_split import num_partitions
 
 
 def use_split(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_size: int) -> bool:
@@ -62,10 +62,7 @@ def paged_attention_decode(
     target = _host.f32_target(out)
     result = target if target is not None else np.empty(q.shape, np.float32)
     with _parallel.parallel_section(serial):
-        if split:
-            decode_split(q, kc, vc, kv_kind, tables, lens, np.float32(scale), result)
-        else:
-            attend_decode(serial, q, kc, vc, kv_kind, tables, lens, np.float32(scale), result)
+        attend_decode(serial, split, q, kc, vc, kv_kind, tables, lens, np.float32(scale), result)
     if target is None:
         _host.store(out, result)
     return out

@@ -5,9 +5,14 @@ For few sequences × long contexts (e.g. one sequence with an MQA cache) there a
 partition of `PARTITION_TOKENS` tokens); it leaves an unnormalised partial result (running max,
 running sum, accumulator), and `_reduce_kernel` merges the partials of each head with the usual
 log-sum-exp rescaling. Same arithmetic as `decode.py`, so results agree to float32 rounding.
+The partition items (`partition_item`) run in `attend.py`'s loop, next to a step's prefill
+items: a split step is two parallel regions (the loop, the reduce), and the loop's machine code
+is compiled once for all kinds of item.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 from numba import prange
@@ -26,40 +31,42 @@ def num_partitions(max_seq_len: int, block_size: int) -> int:
     return -(-num_blocks // blocks_per_partition)
 
 
-@njit_cached(parallel=True, fastmath=FASTMATH)
-def _partition_kernel(query, key_cache, value_cache, kv_kind, block_tables, seq_lens, scale,
-                      blocks_per_partition, part_m, part_l, part_acc):
-    # query: [num_seqs, num_heads, head_dim] float32
-    # part_m/part_l: [num_seqs, num_heads, num_parts]; part_acc: [..., num_parts, head_dim]
-    num_seqs, num_heads, head_dim = query.shape
+@njit_cached(fastmath=FASTMATH)
+def partition_item(item, query, key_cache, value_cache, kv_kind, block_tables, seq_lens, scale,
+                   blocks_per_partition, part_m, part_l, part_acc):
+    """Work item `item` of the partitions: (sequence, KV head, partition), in that nesting.
+
+    query: [num_seqs, num_heads, head_dim] float32 (sequence s on row s);
+    part_m/part_l: [num_split_seqs, num_heads, num_parts]; part_acc: [..., num_parts, head_dim].
+    """
+    num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     num_parts = part_m.shape[2]
     group = num_heads // num_kv_heads
-    for item in prange(num_seqs * num_kv_heads * num_parts):
-        part = item % num_parts
-        kv_head = (item // num_parts) % num_kv_heads
-        s = item // (num_parts * num_kv_heads)
-        h0 = kv_head * group
-        seq_len = seq_lens[s]
-        num_blocks = (seq_len + block_size - 1) // block_size
-        first = part * blocks_per_partition
-        end = min(first + blocks_per_partition, num_blocks)
-        m = np.full(group, -np.inf, np.float32)
-        l = np.zeros(group, np.float32)
-        acc = np.zeros((group, head_dim), np.float32)
-        if first < end:
-            q_group = np.empty((group, head_dim), np.float32)
-            for g in range(group):
-                for d in range(head_dim):
-                    q_group[g, d] = query[s, h0 + g, d] * scale
-            attend_blocks(q_group, key_cache, value_cache, kv_kind, block_tables[s], seq_len,
-                          kv_head, first, end, m, l, acc)
-        # Empty partitions (past a short sequence's end) keep m=-inf, l=0: weight 0 in reduce.
+    part = item % num_parts
+    kv_head = (item // num_parts) % num_kv_heads
+    s = item // (num_parts * num_kv_heads)
+    h0 = kv_head * group
+    seq_len = seq_lens[s]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    first = part * blocks_per_partition
+    end = min(first + blocks_per_partition, num_blocks)
+    m = np.full(group, -np.inf, np.float32)
+    l = np.zeros(group, np.float32)
+    acc = np.zeros((group, head_dim), np.float32)
+    if first < end:
+        q_group = np.empty((group, head_dim), np.float32)
         for g in range(group):
-            part_m[s, h0 + g, part] = m[g]
-            part_l[s, h0 + g, part] = l[g]
             for d in range(head_dim):
-                part_acc[s, h0 + g, part, d] = acc[g, d]
+                q_group[g, d] = query[s, h0 + g, d] * scale
+        attend_blocks(q_group, key_cache, value_cache, kv_kind, block_tables[s], seq_len,
+                      kv_head, first, end, m, l, acc)
+    # Empty partitions (past a short sequence's end) keep m=-inf, l=0: weight 0 in reduce.
+    for g in range(group):
+        part_m[s, h0 + g, part] = m[g]
+        part_l[s, h0 + g, part] = l[g]
+        for d in range(head_dim):
+            part_acc[s, h0 + g, part, d] = acc[g, d]
 
 
 @njit_cached(parallel=True, fastmath=FASTMATH)
@@ -88,15 +95,34 @@ def _reduce_kernel(part_m, part_l, part_acc, out):
             out[s, h, d] *= inv
 
 
-def decode_split(query, key_cache, value_cache, kv_kind, block_tables, seq_lens, scale, out):
-    """Run the partition kernel then the reduce into `out` (float32, written in full)."""
-    num_seqs, num_heads, head_dim = query.shape
-    block_size = key_cache.shape[2]
-    num_parts = num_partitions(int(seq_lens.max()), block_size)
-    blocks_per_partition = max(1, PARTITION_TOKENS // block_size)
-    part_m = np.empty((num_seqs, num_heads, num_parts), np.float32)
-    part_l = np.empty((num_seqs, num_heads, num_parts), np.float32)
-    part_acc = np.empty((num_seqs, num_heads, num_parts, head_dim), np.float32)
-    _partition_kernel(query, key_cache, value_cache, kv_kind, block_tables, seq_lens, scale,
-                      blocks_per_partition, part_m, part_l, part_acc)
-    _reduce_kernel(part_m, part_l, part_acc, out)
+@dataclass(slots=True, frozen=True)
+class Partials:
+    """The split-K partials of `num_seqs` sequences (the first rows of the query), filled in
+    full by the partition items of `attend.py`'s loop and merged by `reduce`. A step reuses one
+    for all its layers: every call overwrites every entry."""
+
+    blocks_per_partition: int
+    part_m: np.ndarray  # [num_seqs, num_heads, num_parts] float32
+    part_l: np.ndarray  # [num_seqs, num_heads, num_parts] float32
+    part_acc: np.ndarray  # [num_seqs, num_heads, num_parts, head_dim] float32
+
+    @classmethod
+    def new(cls, num_seqs: int, num_heads: int, head_dim: int, max_seq_len: int, block_size: int) -> Partials:
+        num_parts = num_partitions(max_seq_len, block_size)
+        return cls(max(1, PARTITION_TOKENS // block_size),
+                   np.empty((num_seqs, num_heads, num_parts), np.float32),
+                   np.empty((num_seqs, num_heads, num_parts), np.float32),
+                   np.empty((num_seqs, num_heads, num_parts, head_dim), np.float32))
+
+    def args(self) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+        """What `attend.py`'s loop takes for them."""
+        return self.blocks_per_partition, self.part_m, self.part_l, self.part_acc
+
+    def reduce(self, out: np.ndarray) -> None:
+        """Merge into `out` [num_seqs, num_heads, head_dim] float32 (written in full)."""
+        _reduce_kernel(self.part_m, self.part_l, self.part_acc, out)
+
+
+# No sequence split (what the loop takes then: one compiled signature for every caller).
+NO_PARTIALS = Partials(1, np.zeros((0, 1, 1), np.float32), np.zeros((0, 1, 1), np.float32),
+                       np.zeros((0, 1, 1, 1), np.float32))

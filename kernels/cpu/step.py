@@ -15,8 +15,9 @@ The compiled loop is `attend.py`'s, which the generic decode and prefill entry p
 too. Serial and parallel are two compilations of it (`attend_serial`, `attend_parallel`): a
 small step runs on the calling thread without touching Numba's thread settings (why that
 matters: `_parallel.py`); a large one hands items out dynamically to every thread. When
-(decode sequence, KV head) items are too few for the threads and contexts are long, decode
-goes to the split-K kernel (`decode.use_split`) after the fused call has written the K/V.
+(decode sequence, KV head) items are too few for the threads and contexts are long
+(`decode.use_split`), the decode sequences are attended in partitions by the same call, after
+it has written the K/V, and merged by the split-K reduce (`decode_split.py`).
 
 Arithmetic is the generic kernels' (the same items, `attend.decode_item` and
 `attend.prefill_tile`), so results are the same bits as `write_slots` followed by the two
@@ -35,7 +36,7 @@ from kernels._validate import KernelInputError
 from kernels.cpu import _host, _parallel
 from kernels.cpu.attend import NO_INDEX, NO_STARTS, NO_TABLES, attend_parallel, attend_serial
 from kernels.cpu.decode import use_split
-from kernels.cpu.decode_split import decode_split
+from kernels.cpu.decode_split import NO_PARTIALS, Partials
 from kernels.cpu.prefill import prefill_work, query_tiles
 
 
@@ -126,8 +127,13 @@ class StepAttention:
         self.split = bool(num_dec) and not self.serial and use_split(
             num_dec, caches.num_kv_heads, int(self.dec_lens.max()), caches.block_size)
         self.num_decode_tokens = num_dec
-        # Sequences the fused call attends; split-K decodes run after it.
+        # Sequences the fused call attends in one item per KV head; split ones in partitions
+        # (the same call), merged after it. One set of partials serves every layer.
         self._fused_dec_seqs = 0 if self.split else num_dec
+        self.partials = NO_PARTIALS
+        if self.split:
+            self.partials = Partials.new(num_dec, num_heads, caches.head_dim, int(self.dec_lens.max()),
+                                         caches.block_size)
 
     def run(self, layer: int, query: Any, key: Any, value: Any, out: Any | None = None) -> Any:
         """Write `key`/`value` `[num_tokens, num_kv_heads, head_dim]` (the caches' dtype) into
@@ -148,16 +154,14 @@ class StepAttention:
         kc, vc = caches.keys[layer], caches.values[layer]
         args = (q, k, v, kc, vc, caches.kv_kind, self.slot_mapping, self.dec_tables, self.dec_lens,
                 self._fused_dec_seqs, self.pre_tables, self.pre_lens, self.pre_starts, self.tile_seq,
-                self.tile_row, self.tile_len, self.scale, result)
+                self.tile_row, self.tile_len, *self.partials.args(), self.scale, result)
         if self.serial:
             attend_serial(*args)
         else:
             with _parallel.parallel_section(False):
                 attend_parallel(*args)
                 if self.split:
-                    n = self.num_decode_tokens
-                    decode_split(q[:n], kc, vc, caches.kv_kind, self.dec_tables, self.dec_lens, self.scale,
-                                 result[:n])
+                    self.partials.reduce(result[:self.num_decode_tokens])
         if result.dtype != _host_dtype(out):
             _host.store(out, result)
         return out

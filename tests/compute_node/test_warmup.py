@@ -29,7 +29,7 @@ from compute_node.service.warmup import warm_up_cpu_kernels
 from kernels.cpu.decode import paged_attention_decode as cpu_decode
 
 dtype = sys.argv[1]
-KERNELS = [("attend", "attend_serial"), ("attend", "attend_parallel"), ("decode_split", "_partition_kernel"),
+KERNELS = [("attend", "attend_serial"), ("attend", "attend_parallel"),
            ("decode_split", "_reduce_kernel"), ("write_slots", "_write_slots_kernel"),
            ("copy_blocks", "_copy_blocks_kernel")]
 
