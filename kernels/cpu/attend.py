@@ -1,19 +1,21 @@
-"""The CPU attention kernel: its two work items and the one loop that runs them.
+"""The CPU attention kernel: its work items and the one loop that runs them.
 
 A work item is a decode (sequence, KV head) — `decode_item`, one query token over the whole
-paged context — or a prefill (query tile, KV head) — `prefill_tile`, up to `prefill.QUERY_TILE` causal
-query tokens of one sequence (prefill.py says how the tile is computed). `attend_serial` and
-`attend_parallel` are two compilations of one loop: write a step's new K/V rows into the
-caches (none for the generic entry points), then run every prefill item and every decode item,
-on the calling thread or handed out to all threads.
+paged context —, a prefill (query tile, KV head) — `prefill_tile`, up to `prefill.QUERY_TILE`
+causal query tokens of one sequence (prefill.py says how the tile is computed) — or a split-K
+partition (sequence, KV head, partition) — `decode_split.partition_item`, merged afterwards by
+the split-K reduce. `attend_serial` and `attend_parallel` are two compilations of one loop:
+write a step's new K/V rows into the caches (none for the generic entry points), then run every
+item, on the calling thread or handed out to all threads.
 
-Why one loop for all three callers (`paged_attention_decode`, `paged_prefill_attention` and a
-model step's `StepAttention`): Numba builds a `prange` loop as four libraries (the body as a
-gufunc, two wrappers, the caller), and each one optimises and emits machine code for the whole
-inlined body again. Decode and prefill used to have a parallel loop each next to the step's
-loop over both bodies: the same machine code compiled three times over, ~9 of the 39 CPU-s a
-cold compile of every CPU kernel took (BENCHMARKS.md, "CPU kernels: one attention loop").
-The results are the same bits: the items are the same functions, each item writes its own rows.
+Why one loop for every caller (`paged_attention_decode`, single-pass or split,
+`paged_prefill_attention` and a model step's `StepAttention`): Numba builds a `prange` loop as
+four code libraries (the body as a gufunc, two wrappers, the caller), and each one optimises
+and emits machine code for the whole inlined body again. Decode, split-K partitions and prefill
+used to have a parallel loop each next to the step's loop over decode and prefill: the same
+machine code compiled over and over, ~40% of the CPU a cold compile of every CPU kernel took
+(BENCHMARKS.md, "Test-suite cost, round 15"). The results are the same bits: the items are
+the same functions, each item writes its own rows.
 """
 
 from __future__ import annotations
