@@ -150,6 +150,16 @@ def attend_item(item, num_prefill_items, num_decode_items, query, key_cache, val
                        part_acc)
 
 
+@njit_cached(inline="always")
+def _item_counts(key_cache, num_dec_seqs, tile_seq, part_m):
+    # (prefill items, decode items, all items): the ranges attend_item tells apart
+    num_kv_heads = key_cache.shape[1]
+    num_prefill_items = tile_seq.shape[0] * num_kv_heads
+    num_decode_items = num_dec_seqs * num_kv_heads
+    num_items = num_prefill_items + num_decode_items + part_m.shape[0] * num_kv_heads * part_m.shape[2]
+    return num_prefill_items, num_decode_items, num_items
+
+
 @njit_cached()
 def write_rows(key, value, key_cache, value_cache, slot_mapping):
     for t in range(key.shape[0]):
@@ -166,10 +176,7 @@ def attend_serial(query, key, value, key_cache, value_cache, kv_kind, slot_mappi
     # of the whole step (the first prefill row is after the decode rows, split or not);
     # part_*: decode_split.Partials of the split sequences (none: num_dec_seqs decode items).
     write_rows(key, value, key_cache, value_cache, slot_mapping)
-    num_kv_heads = key_cache.shape[1]
-    num_prefill_items = tile_seq.shape[0] * num_kv_heads
-    num_decode_items = num_dec_seqs * num_kv_heads
-    num_items = num_prefill_items + num_decode_items + part_m.shape[0] * num_kv_heads * part_m.shape[2]
+    num_prefill_items, num_decode_items, num_items = _item_counts(key_cache, num_dec_seqs, tile_seq, part_m)
     for item in range(num_items):
         attend_item(item, num_prefill_items, num_decode_items, query, key_cache, value_cache, kv_kind,
                     dec_tables, dec_lens, pre_tables, pre_lens, pre_starts, tile_seq, tile_row,
@@ -188,10 +195,7 @@ def attend_parallel(query, key, value, key_cache, value_cache, kv_kind, slot_map
     # which on a loaded host can take a scheduler time slice (measured: the fused prefill
     # step at 0.7x the per-kernel calls with one; see _parallel.py).
     write_rows(key, value, key_cache, value_cache, slot_mapping)
-    num_kv_heads = key_cache.shape[1]
-    num_prefill_items = tile_seq.shape[0] * num_kv_heads
-    num_decode_items = num_dec_seqs * num_kv_heads
-    num_items = num_prefill_items + num_decode_items + part_m.shape[0] * num_kv_heads * part_m.shape[2]
+    num_prefill_items, num_decode_items, num_items = _item_counts(key_cache, num_dec_seqs, tile_seq, part_m)
     for item in prange(num_items):
         # int64 as in attend_serial (prange's index is unsigned): one compilation of attend_item
         attend_item(np.int64(item), num_prefill_items, num_decode_items, query, key_cache, value_cache,

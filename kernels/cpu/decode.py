@@ -2,10 +2,10 @@
 
 Each work item walks the sequence's block table once and scores every query head of its GQA
 group against each K/V tile, so K/V bytes are read once per KV head. When there are too few
-(sequence, KV head) items to keep every core busy and the context is long, the wrapper hands
-off to the partitioned split-K kernel in `decode_split.py` instead. The work item
-(`attend.decode_item`) and the loop that runs it are `attend.py`'s, shared with prefill and the
-model step.
+(sequence, KV head) items to keep every core busy and the context is long, the wrapper
+attends in partitions of the context instead and merges them (split-K: `decode_split.py`).
+The work items (`attend.decode_item`, `decode_split.partition_item`) and the loop that runs
+them are `attend.py`'s, shared with prefill and the model step.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ loop that runs it are `attend.py`'s, shared with decode and the model step.
 
 Work item = (query tile, KV head), where a query tile is up to `QUERY_TILE` consecutive query
 tokens of one sequence: `QUERY_TILE x group` query rows that share every K/V byte the item
-reads. The item walks the context in key tiles of `KEY_TILE` keys (whole blocks), gathers each
+reads. The item walks the context in key tiles of `attend.KEY_TILE` keys (whole blocks), gathers each
 tile's K and V once into contiguous float32 scratch (`_kv_block.gather_kv`: the paged layout,
 fp16/bf16 widening and the transposes the two products want, paid once per tile for all rows),
 then per four rows: scores (`score_rows`), one online-softmax update per key tile
