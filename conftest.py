@@ -6,7 +6,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -171,8 +171,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # worker. Nearly all of them live until the process exits, so after collection they are moved
 # out of the collector's sight (`gc.freeze`); what the tests create is collected as usual.
 def pytest_collection_finish(session: pytest.Session) -> None:
+    global _collect_cpu_s
     gc.collect()
     gc.freeze()
+    _collect_cpu_s = _cpu_s(resource.RUSAGE_SELF) + _cpu_s(resource.RUSAGE_CHILDREN)
 
 
 def _cpu_s(who: int) -> float:
@@ -188,31 +190,54 @@ _CHILDREN_CPU_AT_START = _cpu_s(resource.RUSAGE_CHILDREN)
 
 
 _WORKER_CPU_S: list[float] = []
+_WORKER_COLLECT_CPU_S: list[float] = []
+_PARTS_CPU_S: dict[str, float] = {}      # the controller's: processes it reaped itself
+_collect_cpu_s = 0.0
+
+
+def _reaped(part: str, reap: Callable[[], None]) -> None:
+    before = _cpu_s(resource.RUSAGE_CHILDREN)
+    reap()
+    _PARTS_CPU_S[part] = _cpu_s(resource.RUSAGE_CHILDREN) - before
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    _reap_kernel_cache_warm_up()     # before the suite-cost line, which counts its CPU
-    from tests.support import fork_server  # so does the fork server's, with its children's
+    from tests.support import fork_server
 
-    fork_server.shared().close()
+    # Before the suite-cost line, which counts the warm-up's CPU and the fork server's, with its
+    # children's (the services the tests started through it).
+    _reaped("kernel warm-up", _reap_kernel_cache_warm_up)
+    _reaped("fork server + its services", fork_server.shared().close)
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:            # an xdist worker: hand its CPU time to the controller
         workeroutput["cpu_s"] = _cpu_s(resource.RUSAGE_SELF) + _cpu_s(resource.RUSAGE_CHILDREN)
+        workeroutput["collect_cpu_s"] = _collect_cpu_s
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: object, error: object) -> None:
-    _WORKER_CPU_S.append(float(getattr(node, "workeroutput", {}).get("cpu_s", 0.0)))
+    output = getattr(node, "workeroutput", {})
+    _WORKER_CPU_S.append(float(output.get("cpu_s", 0.0)))
+    _WORKER_COLLECT_CPU_S.append(float(output.get("collect_cpu_s", 0.0)))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
     """The suite's cost, printed (never asserted): wall time and the CPU seconds of this process,
-    its xdist workers and every process they waited for (the services tests start). The CPU
-    figure is what a shared 2-core machine notices; compare runs by it, not by wall time alone."""
+    its xdist workers and every process they waited for (the services tests start), then where
+    they went. The CPU figure is what a shared 2-core machine notices; compare runs by it, not by
+    wall time alone (and side by side: it moves with the host's load)."""
     if hasattr(config, "workerinput"):
         return
     children = max(_cpu_s(resource.RUSAGE_CHILDREN) - _CHILDREN_CPU_AT_START, sum(_WORKER_CPU_S))
-    cpu = _cpu_s(resource.RUSAGE_SELF) + children
+    own = _cpu_s(resource.RUSAGE_SELF)
+    cpu = own + children
     workers = len(_WORKER_CPU_S)
     terminalreporter.write_sep("-", f"suite cost: {time.monotonic() - _STARTED:.0f} s wall, {cpu:.0f} CPU-s "
                                     f"(with {workers or 'no'} xdist workers and the processes the tests started)")
+    if workers:
+        parts = [f"workers {' + '.join(f'{c:.0f}' for c in _WORKER_CPU_S)} (collection "
+                 f"{' + '.join(f'{c:.0f}' for c in _WORKER_COLLECT_CPU_S)}; the rest: tests and the processes "
+                 f"they waited for)"]
+        parts += [f"{name} {c:.0f}" for name, c in _PARTS_CPU_S.items() if c >= 0.5]
+        parts.append(f"controller {own:.0f}")
+        terminalreporter.write_line("suite cost by process: " + ", ".join(parts))
