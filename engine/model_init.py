@@ -12,13 +12,14 @@ Any other missing name is an error (exit 2): nothing is downloaded.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from pagedkv.cli import ArgumentParser, summary
 
 # The demo model: ~4M parameters in float16, fast on a CPU; its KV pool has the compose file's
 # model-less geometry (2 layers x 2 KV heads x 64, float16), so the synthetic workloads that drive
@@ -63,7 +64,7 @@ def ensure_model(path: str | Path, spec: dict[str, Any] | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.model_init", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m engine.model_init", description=summary(__doc__))
     parser.add_argument("model_dir", help="the model directory the stack serves")
     args = parser.parse_args(argv)
     try:

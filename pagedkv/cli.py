@@ -19,6 +19,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from types import FrameType
+from typing import Any
 
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
@@ -38,10 +39,24 @@ def fail(prog: str, code: int, what: str, hint: str | None = None) -> int:
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose usage errors are the one line too (`prog: error: ... (see prog --help)`),
-    exit 2, instead of a usage block followed by the message."""
+    exit 2, instead of a usage block followed by the message; its subcommands' parsers are of
+    this class too. A flag must be spelled out: argparse's default takes any unique prefix, so
+    `block-manager serve --port 50051` was `--port-file 50051` (a file named 50051, the service
+    on its default port)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(EXIT_USAGE, error_line(self.prog, message, f"see {self.prog} --help") + "\n")
+
+
+def summary(doc: str | None) -> str:
+    """A module docstring's first paragraph as a `--help` description: one sentence, so a
+    colon that led into an example there ends it instead."""
+    first = " ".join((doc or "").strip().split("\n\n", 1)[0].split())
+    return first[:-1] + "." if first.endswith(":") else first
 
 
 def port_number(text: str) -> int:

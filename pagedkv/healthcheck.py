@@ -14,12 +14,12 @@ plaintext when the service has no TLS configured. The health service needs no to
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedkv.cli import ArgumentParser, summary
 from pagedkv.tls import TlsSettings, add_tls_arguments, open_channel, tls_from_args, tls_from_env
 
 
@@ -40,7 +40,7 @@ def check(target: str, service: str = "", timeout_s: float = 2.0, tls: TlsSettin
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pagedkv.healthcheck", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m pagedkv.healthcheck", description=summary(__doc__))
     parser.add_argument("target", help="HOST:PORT of a pagedkv service")
     parser.add_argument("--service", default="", help="health service name ('' = the whole server)")
     parser.add_argument("--timeout", type=float, default=2.0)

@@ -195,3 +195,42 @@ def test_demo_with_a_missing_model_is_a_usage_error_before_anything_starts(tmp_p
                    "--plot", str(tmp_path / "p.svg")])
     line = _one_error("pagedkv-demo", result, 2)
     assert "does not exist" in line and "--model" in line
+
+
+# Every command's usage errors, in this process (argparse's SystemExit, or its code returned): one line,
+# exit 2, and a flag must be spelled out. argparse takes any unique prefix by default, so
+# `block-manager serve --port 50051` quietly meant `--port-file 50051`: a file named 50051, the
+# service on its default port.
+USAGE_CASES = [
+    ("block_manager.cli.main", ["serve", "--bogus"], "block-manager serve"),
+    ("block_manager.cli.main", ["serve", "--port", "50051"], "block-manager serve"),
+    ("block_manager.cli.main", ["serve", "--metrics-port", "x"], "block-manager serve"),
+    ("block_manager.cli.main", ["db", "current", "--database"], "block-manager db"),
+    ("block_manager.cli.main", ["admin", "--js", "status"], "block-manager admin"),
+    ("block_manager.cli.main", ["admin", "status", "--bogus"], "block-manager admin"),
+    ("block_manager.cli.main", ["replay", "--bogus"], "block-manager replay"),
+    ("block_manager.cli.main", ["bogus"], "block-manager"),
+    ("compute_node.service.cli", ["serve", "--mod", "x"], "compute-node"),
+    ("engine.api.cli", ["--por", "80"], "pagedkv-serve"),
+    ("demo.cli", ["--bogus"], "pagedkv-demo"),
+    ("engine.model_init", [], "python -m engine.model_init"),
+    ("pagedkv.healthcheck", ["--time", "1", "127.0.0.1:1"], "python -m pagedkv.healthcheck"),
+    ("engine.api.healthcheck", ["--time", "1", "127.0.0.1:1"], "python -m engine.api.healthcheck"),
+]
+
+
+@pytest.mark.parametrize(("module", "argv", "prog"), USAGE_CASES, ids=[" ".join(c[1]) or c[0] for c in USAGE_CASES])
+def test_usage_errors_are_one_line_and_flags_are_not_abbreviated(module: str, argv: list[str], prog: str,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib
+
+    try:
+        code = importlib.import_module(module).main(argv)
+    except SystemExit as exc:    # argparse's exit; some commands return its code instead
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: ") and "--help)" in lines[0], err
+    if argv and argv[-1] != "--bogus" and argv != ["bogus"] and "--metrics-port" not in argv:
+        assert "unrecognized arguments" in lines[0], err      # the prefix was not taken for a flag

@@ -32,6 +32,7 @@ from block_manager.cli import events
 from block_manager.client.admin import AdminClient, served_services
 from block_manager.client.errors import BlockManagerError
 from block_manager.client.retry import RetryPolicy
+from pagedkv.cli import ArgumentParser
 from pagedkv.tls import add_tls_arguments, tls_from_args
 
 EXIT_OK = 0
@@ -71,7 +72,7 @@ def _global_options(p: argparse.ArgumentParser, *, defaults: bool) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="Inspect and operate a running block manager.")
+    p = ArgumentParser(prog=PROG, description="Inspect and operate a running block manager.")
     _global_options(p, defaults=True)
     common = argparse.ArgumentParser(add_help=False)
     _global_options(common, defaults=False)

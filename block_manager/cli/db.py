@@ -27,6 +27,7 @@ from block_manager.store import StoreError, StoreOptions
 from block_manager.store import migrate as migrations
 from block_manager.store.backends import connect_locked
 from block_manager.store.locks import release_pg_advisory_lock
+from pagedkv.cli import ArgumentParser
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -38,7 +39,7 @@ def _fail(message: str, code: int = EXIT_ERROR) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="block-manager db", description="Schema revisions of the block manager's store."
     )
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)

@@ -20,7 +20,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
-from pagedkv.cli import catch_ctrl_c, quiet_broken_pipe
+from pagedkv.cli import ArgumentParser, catch_ctrl_c, quiet_broken_pipe
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -159,7 +159,7 @@ def _run_gen_trace(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="block-manager", description="pagedkv block manager tools")
+    parser = ArgumentParser(prog="block-manager", description="pagedkv block manager tools")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (_, help_text) in _PASSTHROUGH.items():
         # Listed for --help only; main() dispatches these before argparse sees their flags.

@@ -18,7 +18,6 @@ See service/leadership.py for the fencing argument.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import sys
@@ -45,6 +44,7 @@ from block_manager.store import StoreError, StoreOptions, open_store
 from block_manager.store.base import Store
 from block_manager.store.reader import JournalReader
 from pagedkv.auth import Authenticator
+from pagedkv.cli import ArgumentParser
 from pagedkv.guard import EdgeGuard
 from pagedkv.lifecycle import (
     EXIT_START_FAILED,
@@ -341,7 +341,7 @@ def _sqlite_files(database_url: str) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="block-manager serve", description="Run the block manager gRPC service.")
+    parser = ArgumentParser(prog="block-manager serve", description="Run the block manager gRPC service.")
     parser.add_argument("--config", type=Path, help="YAML config file (PAGEDKV_* environment variables override it)")
     parser.add_argument("--listen", help="listen address HOST:PORT (overrides config)")
     parser.add_argument("--database-url", help="store URL: sqlite:///FILE, postgresql+psycopg://..., memory://")

@@ -7,11 +7,12 @@ It prints the answer's status line, or why there was none; exit 1 otherwise.
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import sys
 import urllib.error
 import urllib.request
+
+from pagedkv.cli import ArgumentParser, summary
 
 
 def check(target: str, timeout_s: float = 3.0) -> tuple[bool, str]:
@@ -30,7 +31,7 @@ def check(target: str, timeout_s: float = 3.0) -> tuple[bool, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.api.healthcheck", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m engine.api.healthcheck", description=summary(__doc__))
     parser.add_argument("target", help="HOST:PORT of the API server (or its base URL)")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds (default 3)")
     args = parser.parse_args(argv)
