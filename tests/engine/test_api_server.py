@@ -308,9 +308,11 @@ def test_disconnect_before_a_non_stream_answer_frees_everything(server: ServerTh
 
 def _hold_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch, free_steps: int = 10) -> threading.Event:
     """A loaded CI machine can starve the test's client thread until the tiny model has run a
-    request to its end (a 20 ms pace per step was not enough: CI failed on it twice). So after
-    `free_steps` steps the engine waits until the test says the client has left: the request is
-    then certainly still running when the disconnect arrives, however slow the client is."""
+    request to its end. So after `free_steps` steps the engine waits until the test says the
+    client has left: the request is then certainly still running when the disconnect arrives,
+    however slow the client is. (CI failed twice with a 20 ms pace per step instead, and once
+    with this hold. That last failure was the mid-stream test's check running after the client
+    had left; see the test.)"""
     engine, step = llm.engine, llm.engine.step
     client_left, num_steps = threading.Event(), itertools.count()
 
