@@ -85,10 +85,18 @@ def load_settings(cls: type[S], path: str | Path | None, overrides: dict[str, An
     try:
         return cls(**kwargs)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(_problem(e) for e in exc.errors())
         raise ConfigError(f"invalid configuration: {problems}") from None
     except (OSError, ValueError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read configuration: {exc}") from None
+
+
+def _problem(error: Any) -> str:
+    """`field: message` for one of pydantic's errors, without the "Value error, " it puts in
+    front of our validators' own messages (a model-wide check has no field)."""
+    message = str(error["msg"]).removeprefix("Value error, ")
+    loc = ".".join(map(str, error["loc"]))
+    return f"{loc}: {message}" if loc else message
 
 
 __all__ = ["LEVELS", "ConfigError", "YamlEnvSettings", "checked_log_level", "load_settings"]

@@ -234,3 +234,19 @@ def test_usage_errors_are_one_line_and_flags_are_not_abbreviated(module: str, ar
     assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: ") and "--help)" in lines[0], err
     if argv and argv[-1] != "--bogus" and argv != ["bogus"] and "--metrics-port" not in argv:
         assert "unrecognized arguments" in lines[0], err      # the prefix was not taken for a flag
+
+
+@pytest.mark.parametrize("url", ["foo://x", "sqlite://", "sqlite:///:memory:", "not a url"])
+def test_block_manager_bad_store_url_is_a_usage_error_before_anything_starts(
+        url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checked with the rest of the configuration: exit 2, no log line first, nothing written
+    (it used to fail at run time, exit 1, between JSON log lines)."""
+    from block_manager.service import server
+
+    monkeypatch.chdir(tmp_path)
+    code = server.main(["--database-url", url, "--listen", "127.0.0.1:0"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("block-manager: error: invalid configuration: database_url: ") and err.count("\n") == 1, err
+    assert "Value error" not in err      # pydantic's prefix of a validator's message
+    assert list(tmp_path.iterdir()) == []

@@ -18,6 +18,8 @@ from pydantic_settings import SettingsConfigDict
 
 from block_manager.core.types import DefragPolicy
 from block_manager.service.state import StateConfig
+from block_manager.store.backends import parse_store_url
+from block_manager.store.errors import StoreError
 from pagedkv.auth import AuthSettings
 from pagedkv.settings import ConfigError, YamlEnvSettings, checked_log_level, load_settings
 from pagedkv.tls import TlsSettings
@@ -135,6 +137,15 @@ class BlockManagerConfig(YamlEnvSettings):
         if self.session_ttl_s < self.session_window_s:
             raise ValueError("session_ttl_s must be >= session_window_s (a session outlives its answers)")
         return self
+
+    @field_validator("database_url")
+    @classmethod
+    def _a_store_url(cls, v: str) -> str:
+        try:
+            parse_store_url(v)
+        except StoreError as exc:
+            raise ValueError(str(exc)) from None
+        return v
 
     @field_validator("admin_token")
     @classmethod

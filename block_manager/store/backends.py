@@ -37,23 +37,33 @@ def open_store(url: str, options: StoreOptions | None = None) -> MemoryStore | S
     for a bad URL or unreachable database.
     """
     options = options or StoreOptions()
-    if url == "memory://" or url == "memory:":
+    parsed = parse_store_url(url)
+    if parsed is None:
         return MemoryStore(options)
+    try:
+        if parsed.get_backend_name() == "sqlite":
+            return _open_sqlite(parsed, options)
+        return _open_postgres(parsed, options)
+    except SchemaOutdated as exc:
+        raise exc.with_command(upgrade_command(parsed)) from None
+
+
+def parse_store_url(url: str) -> URL | None:
+    """`url` parsed (None for `memory://`); `StoreError` for a malformed URL, a scheme no store
+    has, or an SQLite URL without a file. Opens nothing: the service's config checks its URL
+    with it, so a typo is a usage error before anything starts or logs."""
+    if url in ("memory://", "memory:"):
+        return None
     try:
         parsed = make_url(url)
     except ArgumentError as exc:
         raise StoreError(f"bad store URL {url!r}: {exc}") from exc
     backend = parsed.get_backend_name()
-    try:
-        if backend == "sqlite":
-            return _open_sqlite(parsed, options)
-        if backend in ("postgresql", "postgres"):
-            return _open_postgres(parsed, options)
-    except SchemaOutdated as exc:
-        raise exc.with_command(upgrade_command(parsed)) from None
-    raise StoreError(
-        f"unsupported store URL scheme {parsed.drivername!r} (sqlite, postgresql, memory)"
-    )
+    if backend not in ("sqlite", "postgresql", "postgres"):
+        raise StoreError(f"unsupported store URL scheme {parsed.drivername!r} (sqlite, postgresql, memory)")
+    if backend == "sqlite" and (not parsed.database or parsed.database == ":memory:"):
+        raise StoreError("an SQLite store needs a file path, sqlite:///FILE (use memory:// for no durability)")
+    return parsed
 
 
 def upgrade_command(url: URL) -> str:
@@ -69,16 +79,12 @@ def connect_locked(url: str, options: StoreOptions | None = None) -> tuple[str, 
     `block-manager db` commands migrate through `writer`; `open_store` builds a `SqlStore`).
     """
     options = options or StoreOptions()
-    try:
-        parsed = make_url(url)
-    except ArgumentError as exc:
-        raise StoreError(f"bad store URL {url!r}: {exc}") from exc
-    backend = parsed.get_backend_name()
-    if backend == "sqlite":
+    parsed = parse_store_url(url)
+    if parsed is None:
+        raise StoreError(f"{url!r} is not an SQL store (sqlite, postgresql)")
+    if parsed.get_backend_name() == "sqlite":
         return ("sqlite", *_connect_sqlite(parsed, options))
-    if backend in ("postgresql", "postgres"):
-        return ("postgresql", *_connect_postgres(parsed, options))
-    raise StoreError(f"unsupported SQL store URL scheme {parsed.drivername!r} (sqlite, postgresql)")
+    return ("postgresql", *_connect_postgres(parsed, options))
 
 
 def _open_sqlite(url: URL, options: StoreOptions) -> SqlStore:
@@ -95,9 +101,7 @@ def _open_sqlite(url: URL, options: StoreOptions) -> SqlStore:
 
 
 def _connect_sqlite(url: URL, options: StoreOptions) -> tuple[Engine, Connection, Callable[[], None]]:
-    if not url.database or url.database == ":memory:":
-        raise StoreError("an SQLite store needs a file path (use memory:// for no durability)")
-    path = Path(url.database).expanduser().resolve()
+    path = Path(url.database or "").expanduser().resolve()     # a file: parse_store_url checked
     # A missing directory is refused, not created: it is far more often a typo or a volume that
     # is not mounted (the journal would then live, and vanish, inside the container).
     if not path.parent.is_dir():
