@@ -99,11 +99,12 @@ class LLM:
         if disk_kv_path is not None and not (host_kv_memory or host_kv_blocks):
             raise EngineError("disk_kv_path needs a host tier above it (host_kv_memory or host_kv_blocks)")
         if block_manager is None:
-            from block_manager.service.config import BlockManagerConfig
+            from block_manager.service.config import load_config
             from engine.local_bm import LocalBlockManagerClient
             from engine.local_node import LocalNode
 
-            client = LocalBlockManagerClient(BlockManagerConfig(
+            # load_config, not the class: its errors are one readable line (`ConfigError`)
+            client = LocalBlockManagerClient(load_config(
                 database_url="memory://", block_size=block_size, watermark=watermark,
                 enable_prefix_caching=enable_prefix_caching,
             ))

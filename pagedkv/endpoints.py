@@ -36,7 +36,8 @@ def split_targets(target: str) -> list[str]:
         raise ValueError(f"bad address list {target!r}: empty entry")
     for p in parts:
         if "://" not in p and (":" not in p or not p.rsplit(":", 1)[1].isdigit()):
-            raise ValueError(f"bad address {p!r} in {target!r}: expected HOST:PORT")
+            where = f" in {target!r}" if len(parts) > 1 else ""
+            raise ValueError(f"bad address {p!r}{where}: expected HOST:PORT")
     return parts
 
 

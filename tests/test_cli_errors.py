@@ -250,3 +250,26 @@ def test_block_manager_bad_store_url_is_a_usage_error_before_anything_starts(
     assert err.startswith("block-manager: error: invalid configuration: database_url: ") and err.count("\n") == 1, err
     assert "Value error" not in err      # pydantic's prefix of a validator's message
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--block-size", "0"], "block_size: Input should be greater than or equal to 1"),
+    (["--device", "bogus"], "device 'bogus'"),
+])
+def test_serve_bad_option_values_get_the_help_hint_not_the_model_one(model_dir: Path, flags: list[str],
+                                                                     said: str) -> None:
+    """A value the engine refuses is the flag's problem: no "make a tiny demo model" hint, no
+    pydantic "1 validation error for ..." block."""
+    line = _one_error("pagedkv-serve", _run([*SERVE, "--model", str(model_dir), "--port", "0", *flags]), 2)
+    assert said in line and line.endswith("(see pagedkv-serve --help)") and "model_init" not in line
+
+
+def test_compute_node_bad_block_manager_address_is_a_usage_error(model_dir: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Checked with the configuration (it was a run-time failure, exit 1, between log lines)."""
+    from compute_node.service import cli
+
+    code = cli.main(["serve", "--model", str(model_dir), "--block-manager", "notanaddress", "--listen", "127.0.0.1:0"])
+    err = capsys.readouterr().err
+    assert code == 2 and err == ("compute-node: error: invalid configuration: block_manager_address: "
+                                 "bad address 'notanaddress': expected HOST:PORT\n"), err

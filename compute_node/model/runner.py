@@ -93,7 +93,8 @@ class ModelRunner:
         try:
             self.device = resolve_device(device)
         except (ValueError, RuntimeError) as exc:
-            raise ModelLoadError(f"device {device!r}: {exc}") from None
+            reason = str(exc)
+            raise ModelLoadError(reason if repr(device) in reason else f"device {device!r}: {reason}") from None
         if block_size < 1:
             raise ModelLoadError(f"block_size must be >= 1, got {block_size}")
         if (num_blocks is None) == (kv_memory_bytes is None):

@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from pagedkv.auth import AuthSettings
+from pagedkv.endpoints import split_targets
 from pagedkv.settings import ConfigError, YamlEnvSettings, checked_log_level, load_settings
 from pagedkv.tls import TlsSettings
 
@@ -122,6 +123,12 @@ class ComputeNodeConfig(YamlEnvSettings):
     fetch_grant_wait_s: float = Field(default=10.0, gt=0)
     fetch_chunk_bytes: int = Field(default=4 << 20, ge=1 << 12, le=4 << 20)
     fetch_test_pause_file: str | None = None
+
+    @field_validator("block_manager_address")
+    @classmethod
+    def _host_ports(cls, v: str) -> str:
+        split_targets(v)          # HOST:PORT, or several comma-separated: a typo is a config error
+        return v
 
     @field_validator("block_manager_token")
     @classmethod

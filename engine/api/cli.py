@@ -158,14 +158,22 @@ def _os_reason(exc: OSError) -> str:
 
 
 def _build_and_serve(args: argparse.Namespace, sock: socket.socket) -> int:
-    from compute_node.model.errors import ModelLoadError
+    from compute_node.model.errors import (
+        InvalidModelConfig,
+        ModelLoadError,
+        ModelNotFound,
+        UnsupportedModel,
+        WeightsError,
+    )
     from engine.errors import EngineError
     from engine.tokenizer import TokenizerError
 
     try:
         llm = _build_llm(args)
-    except (ModelLoadError, TokenizerError, ValueError) as exc:
-        return _fail(EXIT_USAGE, str(exc), MODEL_HINT)
+    except (ModelNotFound, InvalidModelConfig, UnsupportedModel, WeightsError, TokenizerError) as exc:
+        return _fail(EXIT_USAGE, str(exc), MODEL_HINT)              # the directory's contents
+    except (ModelLoadError, ValueError) as exc:                      # a flag's value: its size, device, ...
+        return _fail(EXIT_USAGE, str(exc), "see pagedkv-serve --help")
     except EngineError as exc:              # no node registered, or nodes serving another model
         hint = None
         if args.block_manager and "no compute node" in str(exc):
