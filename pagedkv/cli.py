@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import math
 import os
 import signal
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -57,6 +58,33 @@ def summary(doc: str | None) -> str:
     colon that led into an example there ends it instead."""
     first = " ".join((doc or "").strip().split("\n\n", 1)[0].split())
     return first[:-1] + "." if first.endswith(":") else first
+
+
+def int_in(lo: int, hi: int) -> Callable[[str], int]:
+    """An argparse type: an integer in [lo, hi] (what the flag's protobuf field holds: out of
+    range, the request could not even be built)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], got {value}")
+        return value
+
+    return parse
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a duration in seconds, finite and > 0 (a deadline gRPC or urllib takes)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
 
 
 def port_number(text: str) -> int:

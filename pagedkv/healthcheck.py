@@ -19,7 +19,7 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedkv.cli import ArgumentParser, summary
+from pagedkv.cli import ArgumentParser, seconds, summary
 from pagedkv.tls import TlsSettings, add_tls_arguments, open_channel, tls_from_args, tls_from_env
 
 
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m pagedkv.healthcheck", description=summary(__doc__))
     parser.add_argument("target", help="HOST:PORT of a pagedkv service")
     parser.add_argument("--service", default="", help="health service name ('' = the whole server)")
-    parser.add_argument("--timeout", type=float, default=2.0)
+    parser.add_argument("--timeout", type=seconds, default=2.0, help="seconds (default 2)")
     parser.add_argument("--tls-env", metavar="PREFIX", help="TLS settings from the environment: PREFIXCA_FILE, ...")
     add_tls_arguments(parser, "PAGEDKV_HEALTHCHECK_")
     args = parser.parse_args(argv)

@@ -32,7 +32,7 @@ from block_manager.cli import events
 from block_manager.client.admin import AdminClient, served_services
 from block_manager.client.errors import BlockManagerError
 from block_manager.client.retry import RetryPolicy
-from pagedkv.cli import ArgumentParser
+from pagedkv.cli import ArgumentParser, int_in, seconds
 from pagedkv.tls import add_tls_arguments, tls_from_args
 
 EXIT_OK = 0
@@ -41,6 +41,7 @@ EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 DEFAULT_TARGET = "127.0.0.1:50051"
 PROG = "block-manager admin"
+UINT32_MAX = (1 << 32) - 1     # ListSequencesRequest.limit
 CLI_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0.05, max_backoff_s=0.2)
 
 Result = dict[str, Any]
@@ -66,7 +67,7 @@ def _global_options(p: argparse.ArgumentParser, *, defaults: bool) -> None:
     )
     p.add_argument("--json", action="store_true", default=default(False), help="print the raw response as JSON")
     p.add_argument(
-        "--timeout", type=float, default=default(5.0), help="per-call deadline in seconds (default 5)"
+        "--timeout", type=seconds, default=default(5.0), help="per-call deadline in seconds (default 5)"
     )
     add_tls_arguments(p, "PAGEDKV_ADMIN_", defaults=defaults)
 
@@ -85,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     command("nodes", "registered compute nodes")
     s = command("seqs", "live sequences")
     s.add_argument("--pool", default="", help="only this pool")
-    s.add_argument("--limit", type=int, default=0, help="at most this many (0: server maximum)")
+    s.add_argument("--limit", type=int_in(0, UINT32_MAX), default=0, help="at most this many (0: server maximum)")
     s = command("table", "one sequence's block table")
     s.add_argument("seq", help="sequence id")
     s = command("defrag", "start defragmentation plans")
@@ -337,9 +338,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse printed its usage line already
         return int(exc.code or 0) if exc.code in (0, None) else EXIT_USAGE
-    if args.timeout <= 0:
-        print(f"{PROG}: error: --timeout must be > 0", file=sys.stderr)
-        return EXIT_USAGE
     try:
         tls = tls_from_args(args)
         client = AdminClient(args.target, token=args.token, timeout_s=args.timeout, retry=CLI_RETRY, tls=tls)

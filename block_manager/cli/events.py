@@ -21,7 +21,7 @@ from typing import Any
 
 from block_manager.client.admin import AdminClient
 from block_manager.client.kv_events import event_dict, event_line
-from pagedkv.cli import quiet_broken_pipe
+from pagedkv.cli import int_in, quiet_broken_pipe
 
 EXIT_OK = 0
 EXIT_INTERRUPTED = 130
@@ -29,19 +29,16 @@ EXIT_INTERRUPTED = 130
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--follow", "-f", action="store_true", help="keep streaming live events (until Ctrl-C)")
-    p.add_argument("--from", dest="from_id", type=int, default=None, metavar="ID",
+    p.add_argument("--from", dest="from_id", type=int_in(0, (1 << 64) - 1), default=None, metavar="ID",
                    help="with --follow: resume after event ID (0: start with a snapshot)")
-    p.add_argument("--max-events", type=int, default=0, metavar="N", help="stop after N events (0: no limit)")
+    p.add_argument("--max-events", type=int_in(0, sys.maxsize), default=0, metavar="N",
+                   help="stop after N events (0: no limit)")
 
 
 def check_arguments(args: argparse.Namespace) -> str | None:
     """Why the arguments cannot work, or None."""
     if args.from_id is not None and not args.follow:
         return "--from needs --follow (without it the command prints the current snapshot and exits)"
-    if args.from_id is not None and args.from_id < 0:
-        return "--from must be >= 0"
-    if args.max_events < 0:
-        return "--max-events must be >= 0"
     return None
 
 

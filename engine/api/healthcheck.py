@@ -12,7 +12,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from pagedkv.cli import ArgumentParser, summary
+from pagedkv.cli import ArgumentParser, seconds, summary
 
 
 def check(target: str, timeout_s: float = 3.0) -> tuple[bool, str]:
@@ -33,7 +33,7 @@ def check(target: str, timeout_s: float = 3.0) -> tuple[bool, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m engine.api.healthcheck", description=summary(__doc__))
     parser.add_argument("target", help="HOST:PORT of the API server (or its base URL)")
-    parser.add_argument("--timeout", type=float, default=3.0, help="seconds (default 3)")
+    parser.add_argument("--timeout", type=seconds, default=3.0, help="seconds (default 3)")
     args = parser.parse_args(argv)
     ok, detail = check(args.target, args.timeout)
     print(detail)
