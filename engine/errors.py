@@ -10,6 +10,12 @@ class EngineError(Exception):
     engine that cannot start (no model node)."""
 
 
+class InvalidEngineArgs(EngineError, ValueError):
+    """Arguments of `LLM` that cannot go together (a node's setting given with
+    `block_manager=`, half of the disk tier's pair): the caller's mistake, so also a
+    `ValueError` (`pagedkv-serve` answers it as a usage error, exit 2)."""
+
+
 class EngineFailure(Exception):
     """A step the engine cannot complete: the block manager refused an item it planned, a node
     refused a step for a reason recovery cannot fix (credentials, a malformed request; or 20

@@ -23,6 +23,7 @@ from typing import Any
 
 from compute_node.model.config import ModelConfig
 from engine.async_policy import choose_async_scheduling
+from engine.errors import InvalidEngineArgs
 from engine.executor import NodeExecutor, RemoteNode
 from engine.llm_engine import EngineConfig, EngineError, LLMEngine
 from engine.params import InvalidParams, RequestOutput, SamplingParams
@@ -86,18 +87,21 @@ class LLM:
         nodes: dict[str, NodeExecutor]
         connect: Callable[[str, str], NodeExecutor] | None = None
         if block_manager is not None and (host_kv_memory or host_kv_blocks):
-            raise EngineError("host_kv_memory / host_kv_blocks size the embedded node's host tier; with "
-                              "block_manager= each node's own config sets it (compute-node serve --host-kv-memory)")
+            raise InvalidEngineArgs(
+                "host_kv_memory / host_kv_blocks size the embedded node's host tier; with block_manager= each "
+                "node's own config sets it (compute-node serve --host-kv-memory)")
         if block_manager is not None and disk_kv_path is not None:
-            raise EngineError("disk_kv_path sizes the embedded node's disk tier; with block_manager= each node's "
-                              "own config sets it (compute-node serve --disk-kv-path --disk-kv-bytes)")
+            raise InvalidEngineArgs(
+                "disk_kv_path sizes the embedded node's disk tier; with block_manager= each node's own config "
+                "sets it (compute-node serve --disk-kv-path --disk-kv-bytes)")
         if block_manager is not None and not prepack_linear:
-            raise EngineError("prepack_linear is the embedded node's setting; with block_manager= each node's own "
-                              "config sets it (PAGEDKV_CN_PREPACK_LINEAR=false)")
+            raise InvalidEngineArgs(
+                "prepack_linear is the embedded node's setting; with block_manager= each node's own config sets "
+                "it (PAGEDKV_CN_PREPACK_LINEAR=false)")
         if (disk_kv_path is None) != (disk_kv_bytes is None):
-            raise EngineError("give both disk_kv_path and disk_kv_bytes, or neither")
+            raise InvalidEngineArgs("give both disk_kv_path and disk_kv_bytes, or neither")
         if disk_kv_path is not None and not (host_kv_memory or host_kv_blocks):
-            raise EngineError("disk_kv_path needs a host tier above it (host_kv_memory or host_kv_blocks)")
+            raise InvalidEngineArgs("disk_kv_path needs a host tier above it (host_kv_memory or host_kv_blocks)")
         if block_manager is None:
             from block_manager.service.config import load_config
             from engine.local_bm import LocalBlockManagerClient

@@ -78,12 +78,21 @@ def int_in(lo: int, hi: int) -> Callable[[str], int]:
 
 def seconds(text: str) -> float:
     """An argparse type: a duration in seconds, finite and > 0 (a deadline gRPC or urllib takes)."""
+    return _seconds(text, zero_ok=False)
+
+
+def seconds_or_zero(text: str) -> float:
+    """An argparse type: a duration in seconds, finite and >= 0 (a grace period: 0 is none)."""
+    return _seconds(text, zero_ok=True)
+
+
+def _seconds(text: str, *, zero_ok: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    if not (math.isfinite(value) and (value > 0 or zero_ok and value == 0)):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds {'>=' if zero_ok else '>'} 0, got {text}")
     return value
 
 

@@ -222,6 +222,7 @@ USAGE_CASES = [
     ("block_manager.cli.main", ["bogus"], "block-manager", "invalid choice"),
     ("compute_node.service.cli", ["serve", "--mod", "x"], "compute-node", UNKNOWN),
     ("engine.api.cli", ["--por", "80"], "pagedkv-serve", UNKNOWN),
+    ("engine.api.cli", ["--shutdown-grace-s", "-1"], "pagedkv-serve", "seconds >= 0"),
     ("demo.cli", ["--bogus"], "pagedkv-demo", UNKNOWN),
     ("engine.model_init", [], "python -m engine.model_init", "required"),
     ("pagedkv.healthcheck", ["--time", "1", "127.0.0.1:1"], "python -m pagedkv.healthcheck", UNKNOWN),
@@ -265,6 +266,7 @@ def test_block_manager_bad_store_url_is_a_usage_error_before_anything_starts(
 @pytest.mark.parametrize(("flags", "said"), [
     (["--block-size", "0"], "block_size: Input should be greater than or equal to 1"),
     (["--device", "bogus"], "device 'bogus'"),
+    (["--disk-kv-bytes", "1000000"], "give both disk_kv_path and disk_kv_bytes"),    # was exit 1
 ])
 def test_serve_bad_option_values_get_the_help_hint_not_the_model_one(model_dir: Path, flags: list[str],
                                                                      said: str) -> None:

@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pagedkv.cli import ArgumentParser, fail, port_number
+from pagedkv.cli import ArgumentParser, fail, port_number, seconds_or_zero
 
 EXIT_START_FAILED = 1
 EXIT_USAGE = 2
@@ -81,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks (embedded)")
     p.add_argument("--watermark", type=float, default=0.01,
                    help="fraction of KV blocks kept free for running sequences (embedded; default 0.01)")
-    p.add_argument("--shutdown-grace-s", type=float, default=5.0,
+    p.add_argument("--shutdown-grace-s", type=seconds_or_zero, default=5.0,
                    help="open requests get this long after SIGTERM (default 5)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
     p.add_argument("--scheduler-token", help="this server's scheduler bearer token at the block manager and the "
