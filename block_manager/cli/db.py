@@ -20,12 +20,12 @@ import sys
 from pathlib import Path
 
 from sqlalchemy import create_engine
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import SQLAlchemyError
 
 from block_manager.store import StoreError, StoreOptions
 from block_manager.store import migrate as migrations
-from block_manager.store.backends import connect_locked
+from block_manager.store.backends import connect_locked, parse_store_url
 from block_manager.store.locks import release_pg_advisory_lock
 from pagedkv.cli import ArgumentParser
 
@@ -71,11 +71,16 @@ def _database_url(args: argparse.Namespace) -> str:
     return load_config(args.config).database_url
 
 
-def _current(url: str) -> int:
-    try:
-        parsed = make_url(url)
-    except ArgumentError as exc:
-        return _fail(f"bad store URL {url!r}: {exc}", EXIT_USAGE)
+def _missing_sqlite_file(url: URL) -> Path | None:
+    """The SQLite file `url` names when it does not exist (reading or downgrading it would only
+    create an empty one), else None."""
+    if url.get_backend_name() != "sqlite":
+        return None
+    path = Path(url.database or "").expanduser()
+    return None if path.exists() else path
+
+
+def _current(parsed: URL) -> int:
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
     engine = create_engine(parsed)
@@ -122,8 +127,15 @@ def main(argv: list[str] | None = None) -> int:
         url = _database_url(args)
         if url.startswith("memory:"):
             return _fail("memory:// has no schema", EXIT_USAGE)
-        if args.action == "current":
-            return _current(url)
+        try:
+            parsed = parse_store_url(url)
+        except StoreError as exc:             # a URL no store can have
+            return _fail(str(exc), EXIT_USAGE)
+        missing = None if parsed is None or args.action == "upgrade" else _missing_sqlite_file(parsed)
+        if missing is not None:
+            return _fail(f"no database at {missing} (`block-manager serve` or `block-manager db upgrade` creates one)")
+        if args.action == "current" and parsed is not None:
+            return _current(parsed)
         return _migrate(url, args)
     except StoreError as exc:
         return _fail(f"{type(exc).__name__}: {exc}")

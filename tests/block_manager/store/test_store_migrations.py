@@ -147,6 +147,18 @@ def test_unknown_revision_is_one_line_error(tmp_path: Path, capsys) -> None:  # 
     assert err.startswith("block-manager db: error:") and err.count("\n") == 1
 
 
+def test_reading_or_downgrading_a_missing_sqlite_file_creates_nothing(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`db current` on a mistyped path used to create an empty database and report "none"."""
+    url = f"sqlite:///{tmp_path / 'typo.db'}"
+    for argv in (["current"], ["downgrade", "0001"]):
+        assert db_cli.main([*argv, "--database-url", url]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("block-manager db: error: no database at ") and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []
+    assert db_cli.main(["current", "--database-url", "foo://x"]) == 2      # a usage error, said as such
+    assert "unsupported store URL scheme 'foo'" in capsys.readouterr().err
+
+
 def test_serve_on_old_schema_names_the_command_and_migrate_flag_starts(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'legacy.db'}"
     write_legacy_database(url, [], None)  # a real server replays what it finds: no fake records here
