@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pagedkv.cli import ArgumentParser, summary
+from pagedkv.cli import EXIT_RUNTIME, EXIT_USAGE, ArgumentParser, fail, summary
 
 # The demo model: ~4M parameters in float16, fast on a CPU; its KV pool has the compose file's
 # model-less geometry (2 layers x 2 KV heads x 64, float16), so the synthetic workloads that drive
@@ -70,8 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         outcome = ensure_model(args.model_dir)
     except ModelInitError as exc:
-        print(f"model-init: error: {exc}", file=sys.stderr)
-        return 2
+        return fail(parser.prog, EXIT_USAGE, str(exc))
+    except OSError as exc:       # a parent that cannot be created, a file where the directory goes
+        where = exc.filename or args.model_dir
+        return fail(parser.prog, EXIT_RUNTIME, f"cannot build {args.model_dir}: {where}: {exc.strerror or exc}")
     print(f"model-init: {args.model_dir}: {outcome}")
     return 0
 

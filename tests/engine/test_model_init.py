@@ -37,3 +37,13 @@ def test_never_invents_a_real_model(tmp_path: Path, capsys: pytest.CaptureFixtur
     real.mkdir()
     (real / "config.json").write_text("{}")
     assert main([str(real)]) == 0 and "present" in capsys.readouterr().out
+
+
+def test_an_unbuildable_place_is_one_line_not_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "file").write_text("")
+    assert main([str(tmp_path / "file" / "tiny-llama")]) == 1      # its parent is a file
+    err = capsys.readouterr().err
+    assert err.startswith("python -m engine.model_init: error: cannot build ") and err.count("\n") == 1, err
+    (tmp_path / "tiny-qwen3").write_text("")                        # a file where the directory goes
+    assert main([str(tmp_path / "tiny-qwen3")]) == 1
+    assert "cannot build" in capsys.readouterr().err
