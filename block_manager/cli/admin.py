@@ -316,6 +316,9 @@ def _tls_hint(exc: BlockManagerError, args: argparse.Namespace) -> str:
 
 def _error_line(exc: BlockManagerError, args: argparse.Namespace) -> tuple[str, int]:
     name = exc.code.name
+    if "http1.x server" in exc.message:     # gRPC's words for an HTTP/1 answer: the API server's port?
+        return (f"{args.target} answers plain HTTP, not gRPC: not a block manager (the OpenAI server? "
+                f"the block manager listens on {DEFAULT_TARGET} unless its --listen says otherwise)"), EXIT_UNREACHABLE
     if name == "UNIMPLEMENTED":
         return _not_a_block_manager(args.target, args.timeout, args), EXIT_UNREACHABLE
     if name == "UNAVAILABLE" and ("connect" in exc.message.lower() or not exc.message):
