@@ -19,18 +19,23 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedkv.cli import ArgumentParser, seconds, summary
+from pagedkv.cli import EXIT_USAGE, ArgumentParser, fail, seconds, summary
 from pagedkv.tls import TlsSettings, add_tls_arguments, open_channel, tls_from_args, tls_from_env
 
 
 def check(target: str, service: str = "", timeout_s: float = 2.0, tls: TlsSettings | None = None) -> str:
-    """The health status name (`SERVING`, `NOT_SERVING`, ...) or `UNREACHABLE`."""
+    """The health status name (`SERVING`, `NOT_SERVING`, ...), `UNREACHABLE`, or `NOT_GRPC`
+    when the port answers plain HTTP (the OpenAI server's: its probe is
+    `python -m engine.api.healthcheck`)."""
     with open_channel(target, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else None
+            details = exc.details() if hasattr(exc, "details") else None
+            if "http1.x server" in (details or ""):
+                return "NOT_GRPC"
             return (
                 "UNREACHABLE"
                 if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -51,8 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         tls = tls_from_args(args) or (tls_from_env(args.tls_env) if args.tls_env else None)
         status = check(args.target, args.service, args.timeout, tls)
     except (OSError, ValueError) as exc:   # unreadable or non-PEM certificate files
-        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
-        return 2
+        return fail(parser.prog, EXIT_USAGE, str(exc))
+    if status == "NOT_GRPC":
+        print(f"{status} (the port answers plain HTTP; the OpenAI server's probe is python -m engine.api.healthcheck)")
+        return 1
     print(status)
     return 0 if status == "SERVING" else 1
 

@@ -285,3 +285,17 @@ def test_compute_node_bad_block_manager_address_is_a_usage_error(model_dir: Path
     err = capsys.readouterr().err
     assert code == 2 and err == ("compute-node: error: invalid configuration: block_manager_address: "
                                  "bad address 'notanaddress': expected HOST:PORT\n"), err
+
+
+def test_grpc_health_check_against_an_http_port_says_so(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The inverse of the API health check's gRPC-port case above."""
+    from pagedkv import healthcheck
+    from tests.support.http1 import http1_port
+
+    with http1_port() as port:
+        code = healthcheck.main([f"127.0.0.1:{port}", "--timeout", "5"])
+    out = capsys.readouterr().out
+    assert code == 1 and out.startswith("NOT_GRPC (the port answers plain HTTP") and "engine.api.healthcheck" in out
+    code = healthcheck.main(["127.0.0.1:1", "--ca-file", str(tmp_path / "nope.pem")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("python -m pagedkv.healthcheck: error: ") and err.count("\n") == 1, err

@@ -14,6 +14,7 @@ from block_manager.cli.admin import EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE, 
 from block_manager.client import BlockManagerClient, ItemFailure
 from demo.localstack import ServiceProcess
 from tests.block_manager.client.step_workload import forwarded
+from tests.support.http1 import http1_port
 
 SCHEDULER = "admin-cli-test"
 
@@ -119,22 +120,8 @@ def test_auth_unreachable_usage(capsys, populated, monkeypatch):
 
 def test_an_http_port_is_named_as_such(capsys):
     """`admin --target` at the OpenAI server's port (plain HTTP/1): said so, not "cannot reach"."""
-    import socket
-    import threading
-
-    def answer_http(listener: socket.socket) -> None:     # what uvicorn answers a gRPC client
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            with conn:
-                conn.recv(1024)
-                conn.sendall(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
-
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        threading.Thread(target=answer_http, args=(listener,), daemon=True).start()
-        code = main(["--target", f"127.0.0.1:{listener.getsockname()[1]}", "--timeout", "5", "status"])
+    with http1_port() as port:
+        code = main(["--target", f"127.0.0.1:{port}", "--timeout", "5", "status"])
     err = capsys.readouterr().err
     assert code == EXIT_UNREACHABLE and err.count("\n") == 1, err
     assert "answers plain HTTP, not gRPC: not a block manager" in err, err
