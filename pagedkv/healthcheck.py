@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedkv.cli import EXIT_USAGE, ArgumentParser, fail, seconds, summary
+from pagedkv.rpc import answered_plain_http
 from pagedkv.tls import TlsSettings, add_tls_arguments, open_channel, tls_from_args, tls_from_env
 
 
@@ -34,7 +35,7 @@ def check(target: str, service: str = "", timeout_s: float = 2.0, tls: TlsSettin
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else None
             details = exc.details() if hasattr(exc, "details") else None
-            if "http1.x server" in (details or ""):
+            if answered_plain_http(details):
                 return "NOT_GRPC"
             return (
                 "UNREACHABLE"

@@ -40,6 +40,12 @@ RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLI
 T = TypeVar("T")
 
 
+def answered_plain_http(details: str | None) -> bool:
+    """Whether a failed call's details say the port answered HTTP/1.x, not gRPC (the OpenAI
+    server's port given where a gRPC service's belongs: a slip worth naming)."""
+    return "http1.x server" in (details or "")
+
+
 def new_request_id() -> str:
     """A fresh id for one logical mutating call (reused verbatim by its retries)."""
     return uuid.uuid4().hex
@@ -278,6 +284,7 @@ async def run_stream(behavior: Any, request: Any, context: Any) -> None:
 
 
 __all__ = [
+    "answered_plain_http",
     "MAX_DETAIL_CHARS",
     "NO_RETRY",
     "RETRYABLE_CODES",

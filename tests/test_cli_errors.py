@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.compute_node.model.model_helpers import tiny_model_dir
+from tests.support.http1 import http1_port
 
 ROOT = Path(__file__).resolve().parents[1]
 NOISE = ("Traceback", "Exception ignored", "Event loop is closed", "never awaited", "add_port.cc", "CancelledError")
@@ -86,6 +87,10 @@ def test_serve_dead_block_manager_is_one_plain_line(model_dir: Path) -> None:
     line = _one_error("pagedkv-serve", _run([*SERVE, "--model", str(model_dir), "--block-manager",
                                              f"127.0.0.1:{port}"]), 1)
     assert f"cannot reach the block manager at 127.0.0.1:{port}" in line and "UNAVAILABLE" not in line
+    with http1_port() as port:                   # the OpenAI server's port given instead
+        line = _one_error("pagedkv-serve", _run([*SERVE, "--model", str(model_dir), "--port", "0", "--block-manager",
+                                                 f"127.0.0.1:{port}"]), 1)
+    assert f"127.0.0.1:{port} answers plain HTTP, not gRPC: not a block manager" in line
 
 
 def test_compute_node_missing_model_is_exit_2_before_listening(tmp_path: Path) -> None:
@@ -290,7 +295,6 @@ def test_compute_node_bad_block_manager_address_is_a_usage_error(model_dir: Path
 def test_grpc_health_check_against_an_http_port_says_so(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """The inverse of the API health check's gRPC-port case above."""
     from pagedkv import healthcheck
-    from tests.support.http1 import http1_port
 
     with http1_port() as port:
         code = healthcheck.main([f"127.0.0.1:{port}", "--timeout", "5"])

@@ -33,6 +33,7 @@ from block_manager.client.admin import AdminClient, served_services
 from block_manager.client.errors import BlockManagerError
 from block_manager.client.retry import RetryPolicy
 from pagedkv.cli import ArgumentParser, int_in, seconds
+from pagedkv.rpc import answered_plain_http
 from pagedkv.tls import add_tls_arguments, tls_from_args
 
 EXIT_OK = 0
@@ -316,7 +317,7 @@ def _tls_hint(exc: BlockManagerError, args: argparse.Namespace) -> str:
 
 def _error_line(exc: BlockManagerError, args: argparse.Namespace) -> tuple[str, int]:
     name = exc.code.name
-    if "http1.x server" in exc.message:     # gRPC's words for an HTTP/1 answer: the API server's port?
+    if answered_plain_http(exc.message):
         return (f"{args.target} answers plain HTTP, not gRPC: not a block manager (the OpenAI server? "
                 f"the block manager listens on {DEFAULT_TARGET} unless its --listen says otherwise)"), EXIT_UNREACHABLE
     if name == "UNIMPLEMENTED":

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.cli import ArgumentParser, fail, port_number, seconds_or_zero
+from pagedkv.rpc import answered_plain_http
 
 EXIT_START_FAILED = 1
 EXIT_USAGE = 2
@@ -181,6 +182,10 @@ def _build_and_serve(args: argparse.Namespace, sock: socket.socket) -> int:
         return _fail(EXIT_START_FAILED, str(exc), hint)
     except Exception as exc:  # noqa: BLE001 - one line, not a traceback: the block manager, the nodes
         code = getattr(exc, "code", None)
+        details = getattr(exc, "message", None) or str(exc)
+        if args.block_manager and answered_plain_http(details):
+            return _fail(EXIT_START_FAILED, f"{args.block_manager} answers plain HTTP, not gRPC: not a block manager",
+                         "the block manager listens on its --listen address, 127.0.0.1:50051 by default")
         if args.block_manager and getattr(code, "name", "") in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
             return _fail(EXIT_START_FAILED, f"cannot reach the block manager at {args.block_manager}",
                          "is `block-manager serve` running there? check --block-manager and the TLS flags")
