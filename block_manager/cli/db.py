@@ -28,6 +28,7 @@ from block_manager.store import migrate as migrations
 from block_manager.store.backends import connect_locked, parse_store_url
 from block_manager.store.locks import release_pg_advisory_lock
 from pagedkv.cli import ArgumentParser
+from pagedkv.settings import ConfigError
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -141,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"{type(exc).__name__}: {exc}")
     except SQLAlchemyError as exc:
         return _fail(f"database error: {exc.__class__.__name__}: {str(exc).splitlines()[0]}")
-    except ValueError as exc:  # config errors (pydantic) and bad revisions
+    except ConfigError as exc:  # --config's file or the environment: the caller's to fix
+        return _fail(str(exc), EXIT_USAGE)
+    except ValueError as exc:  # bad revisions
         return _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     except Exception as exc:  # noqa: BLE001 - alembic's CommandError etc.: one line, no traceback
         if type(exc).__module__.startswith("alembic"):

@@ -157,6 +157,9 @@ def test_reading_or_downgrading_a_missing_sqlite_file_creates_nothing(tmp_path: 
     assert list(tmp_path.iterdir()) == []
     assert db_cli.main(["current", "--database-url", "foo://x"]) == 2      # a usage error, said as such
     assert "unsupported store URL scheme 'foo'" in capsys.readouterr().err
+    (tmp_path / "bm.yaml").write_text("bogus_key: 1\n")
+    assert db_cli.main(["current", "--config", str(tmp_path / "bm.yaml")]) == 2
+    assert "invalid configuration: bogus_key" in capsys.readouterr().err
 
 
 def test_serve_on_old_schema_names_the_command_and_migrate_flag_starts(tmp_path: Path) -> None:
