@@ -33,6 +33,10 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 
 
+class PoolAllocationError(MemoryError):
+    """The device cannot hold a pool of this size (torch's own message is its allocator's)."""
+
+
 @dataclass(slots=True, frozen=True)
 class PoolGeometry:
     num_layers: int
@@ -103,8 +107,13 @@ class KvPool:
         dtype = TORCH_DTYPES[geometry.dtype]
         # Zero-filled rather than empty: a block is never read before it is written, but a
         # deterministic pool makes a bug that breaks that rule visible instead of random.
-        self.key_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(geometry.num_layers)]
-        self.value_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(geometry.num_layers)]
+        try:
+            self.key_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(geometry.num_layers)]
+            self.value_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(geometry.num_layers)]
+        except RuntimeError as exc:      # torch.OutOfMemoryError (CUDA) is one too
+            raise PoolAllocationError(
+                f"cannot allocate the KV pool on {device}: {geometry.num_blocks} blocks take "
+                f"{geometry.num_bytes / (1 << 30):.1f} GiB") from exc
         self.decode_path = DecodePath(self, cuda_graphs=cuda_graphs, max_context=max_context)
         self._kv_bits: KvBits | None = None   # the caches as the CPU kernels' views, made at first use
 

@@ -303,3 +303,10 @@ def test_grpc_health_check_against_an_http_port_says_so(capsys: pytest.CaptureFi
     code = healthcheck.main(["127.0.0.1:1", "--ca-file", str(tmp_path / "nope.pem")])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("python -m pagedkv.healthcheck: error: ") and err.count("\n") == 1, err
+
+
+def test_serve_kv_pool_too_big_is_one_line_with_the_flags_to_change(model_dir: Path) -> None:
+    """torch's allocator message was the whole line before."""
+    line = _one_error("pagedkv-serve", _run([*SERVE, "--model", str(model_dir), "--port", "0",
+                                             "--num-kv-blocks", str(1 << 40)]), 1)
+    assert "cannot allocate the KV pool on cpu" in line and "GiB" in line and "--num-kv-blocks" in line

@@ -175,6 +175,8 @@ def _build_and_serve(args: argparse.Namespace, sock: socket.socket) -> int:
         return _fail(EXIT_USAGE, str(exc), MODEL_HINT)              # the directory's contents
     except (ModelLoadError, ValueError) as exc:                      # a flag's value: its size, device, ...
         return _fail(EXIT_USAGE, str(exc), "see pagedkv-serve --help")
+    except MemoryError as exc:               # the KV pool (compute_node.pool.PoolAllocationError)
+        return _fail(EXIT_START_FAILED, str(exc), "a smaller --num-kv-blocks or --kv-cache-memory")
     except EngineError as exc:              # no node registered, or nodes serving another model
         hint = None
         if args.block_manager and "no compute node" in str(exc):

@@ -10,7 +10,7 @@ import torch
 
 from compute_node.errors import InvalidForward, NodeFenced, StaleStep, StaleTable, UnknownSequence
 from compute_node.forward import ForwardBatch, parse_forward, resolve_sequences
-from compute_node.pool import KvPool, PoolGeometry, blocks_for_budget
+from compute_node.pool import KvPool, PoolAllocationError, PoolGeometry, blocks_for_budget
 from compute_node.service.config import ConfigError, load_config
 from compute_node.tables import NodeTable, SeqId, TableCache, stage
 from compute_node.wire import WireError, decode_tensor, encode_tensor, tensor_to_numpy
@@ -181,3 +181,10 @@ def test_pool_write_copy_read_back() -> None:
     np.testing.assert_array_equal(rk, k.float().numpy())
     np.testing.assert_array_equal(rv, v.float().numpy())
     assert not pool.key_caches[0].any()                 # layer 0 untouched by the write
+
+
+def test_a_pool_too_big_for_the_device_is_named_in_one_line() -> None:
+    geometry = PoolGeometry(num_layers=2, num_kv_heads=8, head_dim=128, dtype="float16", block_size=16,
+                            num_blocks=1 << 36)            # 64 PiB
+    with pytest.raises(PoolAllocationError, match=r"cannot allocate the KV pool on cpu: \d+ blocks take \d"):
+        KvPool(geometry, torch.device("cpu"))
