@@ -33,6 +33,19 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                           num_heads=2, num_kv_heads=1, head_dim=32, intermediate_size=128, vocab_size=512, seed=3)
 
 
+@pytest.fixture(autouse=True)
+def _environment_unchanged() -> Iterator[None]:
+    """Some cases call a command's `main` in this process: none may leave the environment
+    changed (a compute node's GOMP_SPINCOUNT did: this worker then no longer matched the shared
+    fork server's environment, and every later service start fell back to a plain exec)."""
+    def environment() -> dict[str, str]:
+        return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}    # pytest's own
+
+    before = environment()
+    yield
+    assert environment() == before
+
+
 @pytest.fixture
 def busy_port() -> Iterator[int]:
     with socket.socket() as sock:
@@ -281,11 +294,14 @@ def test_serve_bad_option_values_get_the_help_hint_not_the_model_one(model_dir: 
     assert said in line and line.endswith("(see pagedkv-serve --help)") and "model_init" not in line
 
 
-def test_compute_node_bad_block_manager_address_is_a_usage_error(model_dir: Path,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_compute_node_bad_block_manager_address_is_a_usage_error(model_dir: Path, capsys: pytest.CaptureFixture[str],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Checked with the configuration (it was a run-time failure, exit 1, between log lines)."""
     from compute_node.service import cli
 
+    # The CLI sets GOMP_SPINCOUNT when it is unset; set here, it is undone after the test
+    # (see `_environment_unchanged`).
+    monkeypatch.setenv("GOMP_SPINCOUNT", cli.NODE_SPINCOUNT)
     code = cli.main(["serve", "--model", str(model_dir), "--block-manager", "notanaddress", "--listen", "127.0.0.1:0"])
     err = capsys.readouterr().err
     assert code == 2 and err == ("compute-node: error: invalid configuration: block_manager_address: "
