@@ -126,16 +126,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         url = _database_url(args)
-        if url.startswith("memory:"):
-            return _fail("memory:// has no schema", EXIT_USAGE)
         try:
             parsed = parse_store_url(url)
         except StoreError as exc:             # a URL no store can have
             return _fail(str(exc), EXIT_USAGE)
-        missing = None if parsed is None or args.action == "upgrade" else _missing_sqlite_file(parsed)
+        if parsed is None:
+            return _fail("memory:// has no schema", EXIT_USAGE)
+        missing = None if args.action == "upgrade" else _missing_sqlite_file(parsed)
         if missing is not None:
             return _fail(f"no database at {missing} (`block-manager serve` or `block-manager db upgrade` creates one)")
-        if args.action == "current" and parsed is not None:
+        if args.action == "current":
             return _current(parsed)
         return _migrate(url, args)
     except StoreError as exc:
