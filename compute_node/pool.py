@@ -22,6 +22,7 @@ import torch
 
 import kernels
 from compute_node.decode_path import DEFAULT_GRAPH_CONTEXT, DecodePath, DecodeStep, StepShape
+from compute_node.device_names import device_name_problem
 
 if TYPE_CHECKING:
     from kernels.cpu.step import KvBits, StepAttention
@@ -79,6 +80,9 @@ def blocks_for_budget(
 
 def resolve_device(device: str) -> torch.device:
     """'auto' picks the first CUDA device when torch sees one, else the CPU."""
+    problem = device_name_problem(device)
+    if problem is not None:
+        raise ValueError(problem)
     if device == "auto":
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     resolved = torch.device(device)

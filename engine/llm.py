@@ -18,9 +18,11 @@ that verifies the services, and the scheduler's client certificate for mutual TL
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from compute_node.device_names import device_name_problem
 from compute_node.model.config import ModelConfig
 from engine.async_policy import choose_async_scheduling
 from engine.errors import InvalidEngineArgs
@@ -80,38 +82,34 @@ class LLM:
         self.model_dir = Path(model)
         if not self.model_dir.is_dir():
             raise EngineError(f"model directory {str(self.model_dir)!r} does not exist")
-        # The config before the tokenizer: an empty or foreign directory gets the words the
-        # command line uses ("has no config.json"), not a tokenizer complaint.
+        # Everything cheap first (the config.json, every argument), so a mistake is said before
+        # the tokenizer, torch and the weights load. The config before the tokenizer: an empty or
+        # foreign directory gets the words the command line uses ("has no config.json").
         ModelConfig.from_dir(self.model_dir)
+        _check_tier_args(block_manager, host_kv_memory, host_kv_blocks, disk_kv_path, disk_kv_bytes, prepack_linear)
+        try:   # validated here; whether steps overlap is settled once the nodes are known (below)
+            config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                  max_model_len=max_model_len, preemption_mode=preemption_mode,
+                                  async_scheduling=False)
+        except ValueError as exc:
+            raise InvalidEngineArgs(str(exc)) from None
+        bm_config = None
+        if block_manager is None:
+            from block_manager.service.config import load_config
+
+            if (problem := device_name_problem(device)) is not None:
+                raise InvalidEngineArgs(problem)
+            # load_config, not the class: its errors are one readable line (`ConfigError`)
+            bm_config = load_config(database_url="memory://", block_size=block_size, watermark=watermark,
+                                    enable_prefix_caching=enable_prefix_caching)
         self.tokenizer = Tokenizer(self.model_dir)
         nodes: dict[str, NodeExecutor]
         connect: Callable[[str, str], NodeExecutor] | None = None
-        if block_manager is not None and (host_kv_memory or host_kv_blocks):
-            raise InvalidEngineArgs(
-                "host_kv_memory / host_kv_blocks size the embedded node's host tier; with block_manager= each "
-                "node's own config sets it (compute-node serve --host-kv-memory)")
-        if block_manager is not None and disk_kv_path is not None:
-            raise InvalidEngineArgs(
-                "disk_kv_path sizes the embedded node's disk tier; with block_manager= each node's own config "
-                "sets it (compute-node serve --disk-kv-path --disk-kv-bytes)")
-        if block_manager is not None and not prepack_linear:
-            raise InvalidEngineArgs(
-                "prepack_linear is the embedded node's setting; with block_manager= each node's own config sets "
-                "it (PAGEDKV_CN_PREPACK_LINEAR=false)")
-        if (disk_kv_path is None) != (disk_kv_bytes is None):
-            raise InvalidEngineArgs("give both disk_kv_path and disk_kv_bytes, or neither")
-        if disk_kv_path is not None and not (host_kv_memory or host_kv_blocks):
-            raise InvalidEngineArgs("disk_kv_path needs a host tier above it (host_kv_memory or host_kv_blocks)")
-        if block_manager is None:
-            from block_manager.service.config import load_config
+        if bm_config is not None:
             from engine.local_bm import LocalBlockManagerClient
             from engine.local_node import LocalNode
 
-            # load_config, not the class: its errors are one readable line (`ConfigError`)
-            client = LocalBlockManagerClient(load_config(
-                database_url="memory://", block_size=block_size, watermark=watermark,
-                enable_prefix_caching=enable_prefix_caching,
-            ))
+            client = LocalBlockManagerClient(bm_config)
             if kv_cache_memory is None and num_kv_blocks is None:
                 kv_cache_memory = 512 << 20
             node = LocalNode.start(client, "local-0", self.model_dir, block_size=block_size,
@@ -133,14 +131,9 @@ class LLM:
                 raise EngineError(f"no compute node is registered with the block manager at {block_manager}")
             nodes = {r.pool_id: connect(r.pool_id, r.address) for r in routes}
         self.client = client
-        self.engine = LLMEngine(
-            client, nodes,
-            EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                         max_model_len=max_model_len, preemption_mode=preemption_mode,
-                         async_scheduling=choose_async_scheduling(
-                             async_scheduling, [node.info() for node in nodes.values()])),
-            detokenize=self.tokenizer.decode, connect=connect,
-        )
+        config = replace(config, async_scheduling=choose_async_scheduling(
+            async_scheduling, [node.info() for node in nodes.values()]))
+        self.engine = LLMEngine(client, nodes, config, detokenize=self.tokenizer.decode, connect=connect)
         if block_manager is not None and self.engine.model_name != self.model_dir.name:
             raise EngineError(f"the nodes serve {self.engine.model_name!r}, not {self.model_dir.name!r}")
         if self.tokenizer.eos_token_id is not None:
@@ -228,6 +221,27 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_tier_args(block_manager: str | None, host_kv_memory: int | None, host_kv_blocks: int | None,
+                     disk_kv_path: str | Path | None, disk_kv_bytes: int | None, prepack_linear: bool) -> None:
+    """The options that belong to the embedded node, and the disk tier's pairings."""
+    if block_manager is not None and (host_kv_memory or host_kv_blocks):
+        raise InvalidEngineArgs(
+            "host_kv_memory / host_kv_blocks size the embedded node's host tier; with block_manager= each "
+            "node's own config sets it (compute-node serve --host-kv-memory)")
+    if block_manager is not None and disk_kv_path is not None:
+        raise InvalidEngineArgs(
+            "disk_kv_path sizes the embedded node's disk tier; with block_manager= each node's own config "
+            "sets it (compute-node serve --disk-kv-path --disk-kv-bytes)")
+    if block_manager is not None and not prepack_linear:
+        raise InvalidEngineArgs(
+            "prepack_linear is the embedded node's setting; with block_manager= each node's own config sets "
+            "it (PAGEDKV_CN_PREPACK_LINEAR=false)")
+    if (disk_kv_path is None) != (disk_kv_bytes is None):
+        raise InvalidEngineArgs("give both disk_kv_path and disk_kv_bytes, or neither")
+    if disk_kv_path is not None and not (host_kv_memory or host_kv_blocks):
+        raise InvalidEngineArgs("disk_kv_path needs a host tier above it (host_kv_memory or host_kv_blocks)")
 
 
 __all__ = ["LLM"]

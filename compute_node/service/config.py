@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from compute_node.device_names import DEVICE_PATTERN
 from pagedkv.auth import AuthSettings
 from pagedkv.endpoints import split_targets
 from pagedkv.settings import ConfigError, YamlEnvSettings, checked_log_level, load_settings
@@ -71,7 +72,7 @@ class ComputeNodeConfig(YamlEnvSettings):
     disk_kv_path: str | None = None
     disk_kv_bytes: int | None = Field(default=None, ge=1)
     # "auto": CUDA when torch sees a GPU, else the CPU; or an explicit "cpu" / "cuda:N".
-    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    device: str = Field(default="auto", pattern=DEVICE_PATTERN)
     max_batch: int = Field(default=4096, ge=1)
     # The node's torch and Numba threads (`compute_node/threads.py`): `threads`, or unset, the
     # host's cores divided by `nodes_per_host` (how many nodes share this host's cores).

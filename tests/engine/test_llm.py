@@ -6,6 +6,8 @@ prefix-cache hits, chunked prefill, recompute preemption, n > 1 by fork."""
 from __future__ import annotations
 
 import random
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +143,25 @@ def test_bad_input_is_refused_and_frees_everything(model_dirs: dict[str, Path], 
             llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": "x"}])
         assert not llm.engine.requests and not llm.engine.waiting    # nothing left behind
         assert llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2))[0].finished
+
+
+@pytest.mark.parametrize(("options", "said"), [
+    ({"block_size": 0}, "block_size"),
+    ({"device": "tpu:0"}, "device 'tpu:0': expected auto, cpu, cuda or cuda:N"),
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"preemption_mode": "sometimes"}, "preemption_mode"),
+    ({"watermark": 2.0}, "watermark"),
+    ({"disk_kv_bytes": 1 << 20}, "give both disk_kv_path and disk_kv_bytes"),
+])
+def test_bad_arguments_are_said_before_the_tokenizer_or_the_weights_load(
+        model_dirs: dict[str, Path], tmp_path: Path, options: dict[str, Any], said: str) -> None:
+    """Every argument is checked with the config.json, before the slow part: a directory with a
+    config and nothing else still gets the argument's error, not the tokenizer's."""
+    bare = tmp_path / "config-only"
+    bare.mkdir()
+    shutil.copy(model_dirs["llama-gqa4-hd64"] / "config.json", bare / "config.json")
+    with pytest.raises(ValueError, match=re.escape(said)):
+        LLM(bare, **options)
 
 
 def test_stress_forks_preemption_prefix_hits_every_step_checked(
