@@ -88,10 +88,11 @@ print("run.sh: torch", torch.__version__, f"(CUDA {c} build)" if c else "(CPU bu
   # warm-up) that each compile torch & co. to bytecode side by side before any has written it
   # (~5 CPU-s more per process). One import of the services, the engine and the reference model
   # here writes the .pyc of just those modules (~80 MB for the test venv; a demo run writes the
-  # same ones itself).
+  # same ones itself); for `test` also the test tools' (pytest & plugins, hypothesis, the openai
+  # client: ~1,200 modules both workers compiled side by side in a fresh clone's first run).
   if [ ${#no_compile[@]} -gt 0 ]; then
     prime="import compute_node.service.server, block_manager.service.server, demo.cli, transformers.models.llama.modeling_llama"
-    [ "$cmd" = test ] && prime="$prime, engine.api.server, kernels.cuda"
+    [ "$cmd" = test ] && prime="$prime, engine.api.server, pytest, xdist, hypothesis, openai, httpx, psycopg, kubernetes_validate, kernels.cuda"
     "$VENV/bin/python" -c "$prime" >/dev/null 2>&1 || true
   fi
   touch "$stamp"
