@@ -193,6 +193,8 @@ _WORKER_CPU_S: list[float] = []
 _WORKER_COLLECT_CPU_S: list[float] = []
 _PARTS_CPU_S: dict[str, float] = {}      # the controller's: processes it reaped itself
 _collect_cpu_s = 0.0
+_FORKED: list[int] = []                     # service starts through the fork server, per test process
+_ENV_MISMATCHES: dict[str, int] = {}        # ... and those run by plain exec: variable -> times
 
 
 def _reaped(part: str, reap: Callable[[], None]) -> None:
@@ -207,11 +209,22 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     # Before the suite-cost line, which counts the warm-up's CPU and the fork server's, with its
     # children's (the services the tests started through it).
     _reaped("kernel warm-up", _reap_kernel_cache_warm_up)
-    _reaped("fork server + its services", fork_server.shared().close)
+    server = fork_server.shared()
+    _reaped("fork server + its services", server.close)
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:            # an xdist worker: hand its CPU time to the controller
         workeroutput["cpu_s"] = _cpu_s(resource.RUSAGE_SELF) + _cpu_s(resource.RUSAGE_CHILDREN)
         workeroutput["collect_cpu_s"] = _collect_cpu_s
+        workeroutput["forked"] = server.num_forked
+        workeroutput["env_mismatches"] = dict(server.env_mismatches)
+    elif server.num_forked or server.env_mismatches:
+        _count_fork_server_starts(server.num_forked, server.env_mismatches)
+
+
+def _count_fork_server_starts(num_forked: int, env_mismatches: dict[str, int]) -> None:
+    _FORKED.append(num_forked)
+    for key, times in env_mismatches.items():
+        _ENV_MISMATCHES[key] = _ENV_MISMATCHES.get(key, 0) + times
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -219,6 +232,7 @@ def pytest_testnodedown(node: object, error: object) -> None:
     output = getattr(node, "workeroutput", {})
     _WORKER_CPU_S.append(float(output.get("cpu_s", 0.0)))
     _WORKER_COLLECT_CPU_S.append(float(output.get("collect_cpu_s", 0.0)))
+    _count_fork_server_starts(int(output.get("forked", 0)), dict(output.get("env_mismatches", {})))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
@@ -241,3 +255,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
         parts += [f"{name} {c:.0f}" for name, c in _PARTS_CPU_S.items() if c >= 0.5]
         parts.append(f"controller {own:.0f}")
         terminalreporter.write_line("suite cost by process: " + ", ".join(parts))
+    if _FORKED or _ENV_MISMATCHES:
+        line = f"services started by the fork server: {sum(_FORKED)}"
+        if _ENV_MISMATCHES:
+            line += ("; by plain exec instead, the environment differing from the fork server's: "
+                     + ", ".join(f"{k} ({n}x)" for k, n in sorted(_ENV_MISMATCHES.items()))
+                     + " (a test that leaves the environment changed?)")
+        terminalreporter.write_line(line)

@@ -46,8 +46,9 @@ def _report(log: Path) -> dict[str, object]:
 
 
 def test_a_forked_child_is_the_process_exec_would_start(tmp_path: Path) -> None:
+    num_forked = fork_server.shared().num_forked
     proc, log = _start(tmp_path, [sys.executable, "-c", PROBE, "a", "b"], FORK_TEST_MARKER="x", FORK_TEST_EXIT="3")
-    assert isinstance(proc, ForkedProcess)
+    assert isinstance(proc, ForkedProcess) and fork_server.shared().num_forked == num_forked + 1
     assert proc.wait(timeout=60) == 3
     report = _report(log)
     assert report["argv"] == ["-c", "a", "b"] and report["marker"] == "x" and report["main"] == "__main__"
@@ -96,6 +97,7 @@ def test_children_do_not_share_the_servers_random_state(tmp_path: Path) -> None:
 
 def test_what_it_cannot_do_exactly_goes_to_popen(tmp_path: Path) -> None:
     server = fork_server.shared()
+    mismatches, num_forked = dict(server.env_mismatches), server.num_forked
     piped = server.popen([sys.executable, "-c", "print('hi')"], stdout=subprocess.PIPE)
     assert isinstance(piped, subprocess.Popen) and piped.communicate(timeout=60)[0].strip() == b"hi"
     with open(tmp_path / "log", "wb") as out:
@@ -105,6 +107,10 @@ def test_what_it_cannot_do_exactly_goes_to_popen(tmp_path: Path) -> None:
             proc = server.popen(argv, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT)
             assert isinstance(proc, subprocess.Popen), argv
             assert proc.wait(timeout=60) == 0
+    # Only the environment's case is counted (the suite-cost line names it); none was forked.
+    assert server.env_mismatches == {**mismatches, "NUMBA_FORK_TEST": mismatches.get("NUMBA_FORK_TEST", 0) + 1}
+    assert server.num_forked == num_forked
+    server.env_mismatches = mismatches       # this one was on purpose: not the line's business
 
 
 def test_the_project_s_modules_come_from_the_child_s_path_and_log_by_its_environment(tmp_path: Path) -> None:

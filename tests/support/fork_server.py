@@ -364,6 +364,11 @@ class ForkServer:
         self._env = dict(os.environ)     # the server's: what its pre-imported libraries read
         self._lock = threading.Lock()
         self._shared_dir = shared_dir
+        # Counted for the suite-cost line: a start that falls back to exec only because the
+        # environment differs is silent otherwise (a test that leaked GOMP_SPINCOUNT into its
+        # worker's environment made every later service start of that worker a plain exec).
+        self.num_forked = 0
+        self.env_mismatches: dict[str, int] = {}
         if shared_dir is not None:
             with open(os.path.join(shared_dir, "env.json")) as f:
                 self._env = json.load(f)
@@ -374,7 +379,10 @@ class ForkServer:
         env = dict(os.environ if env is None else env)
         command = None if kwargs or stdin not in (None, subprocess.DEVNULL) else _command(list(map(str, args)), env)
         fds = _out_fds(stdout, stderr)
-        if command is None or fds is None or not self._env_compatible(env):
+        differs = [] if command is None or fds is None else self._env_differences(env)
+        for key in differs:
+            self.env_mismatches[key] = self.env_mismatches.get(key, 0) + 1
+        if command is None or fds is None or differs:
             return subprocess.Popen(args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr,
                                     start_new_session=start_new_session, **kwargs)
         cwd = os.path.abspath(cwd if cwd is not None else os.getcwd())
@@ -387,11 +395,14 @@ class ForkServer:
         payload = json.dumps(request).encode() + b"\n"
         sent = socket.send_fds(conn, [payload], fds)
         conn.sendall(payload[sent:])                      # a stream socket may take part of it
-        return ForkedProcess(args, conn)
+        process = ForkedProcess(args, conn)
+        self.num_forked += 1
+        return process
 
-    def _env_compatible(self, env: Mapping[str, str]) -> bool:
+    def _env_differences(self, env: Mapping[str, str]) -> list[str]:
+        """The variables read at import time whose value differs from the server's."""
         keys = {k for k in (*env, *self._env) if k.startswith(IMPORT_TIME_ENV_PREFIXES) and k not in CHILD_SET_ENV}
-        return all(env.get(k) == self._env.get(k) for k in keys)
+        return sorted(k for k in keys if env.get(k) != self._env.get(k))
 
     def _socket_path(self) -> str:
         with self._lock:
