@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import re
 
-DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
-_DEVICE = re.compile(DEVICE_PATTERN)
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
 def device_name_problem(device: object) -> str | None:
-    """What is wrong with the spelling of `device`; None when it is one of the accepted names."""
+    """What is wrong with the spelling of `device` (said after "device: "); None when it is one
+    of the accepted names."""
     if isinstance(device, str) and _DEVICE.match(device):
         return None
-    return f"device {device!r}: expected auto, cpu, cuda or cuda:N"
+    return f"expected auto, cpu, cuda or cuda:N, got {device!r}"

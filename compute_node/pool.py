@@ -82,7 +82,7 @@ def resolve_device(device: str) -> torch.device:
     """'auto' picks the first CUDA device when torch sees one, else the CPU."""
     problem = device_name_problem(device)
     if problem is not None:
-        raise ValueError(problem)
+        raise ValueError(f"device: {problem}")
     if device == "auto":
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     resolved = torch.device(device)

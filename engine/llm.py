@@ -98,7 +98,7 @@ class LLM:
             from block_manager.service.config import load_config
 
             if (problem := device_name_problem(device)) is not None:
-                raise InvalidEngineArgs(problem)
+                raise InvalidEngineArgs(f"device: {problem}")
             # load_config, not the class: its errors are one readable line (`ConfigError`)
             bm_config = load_config(database_url="memory://", block_size=block_size, watermark=watermark,
                                     enable_prefix_caching=enable_prefix_caching)

@@ -283,7 +283,7 @@ def test_block_manager_bad_store_url_is_a_usage_error_before_anything_starts(
 
 @pytest.mark.parametrize(("flags", "said"), [
     (["--block-size", "0"], "block_size: Input should be greater than or equal to 1"),
-    (["--device", "bogus"], "device 'bogus'"),
+    (["--device", "bogus"], "device: expected auto, cpu, cuda or cuda:N, got 'bogus'"),
     (["--disk-kv-bytes", "1000000"], "give both disk_kv_path and disk_kv_bytes"),    # was exit 1
 ])
 def test_serve_bad_option_values_get_the_help_hint_not_the_model_one(model_dir: Path, flags: list[str],

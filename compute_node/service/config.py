@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from compute_node.device_names import DEVICE_PATTERN
+from compute_node.device_names import device_name_problem
 from pagedkv.auth import AuthSettings
 from pagedkv.endpoints import split_targets
 from pagedkv.settings import ConfigError, YamlEnvSettings, checked_log_level, load_settings
@@ -72,7 +72,7 @@ class ComputeNodeConfig(YamlEnvSettings):
     disk_kv_path: str | None = None
     disk_kv_bytes: int | None = Field(default=None, ge=1)
     # "auto": CUDA when torch sees a GPU, else the CPU; or an explicit "cpu" / "cuda:N".
-    device: str = Field(default="auto", pattern=DEVICE_PATTERN)
+    device: str = "auto"
     max_batch: int = Field(default=4096, ge=1)
     # The node's torch and Numba threads (`compute_node/threads.py`): `threads`, or unset, the
     # host's cores divided by `nodes_per_host` (how many nodes share this host's cores).
@@ -129,6 +129,13 @@ class ComputeNodeConfig(YamlEnvSettings):
     @classmethod
     def _host_ports(cls, v: str) -> str:
         split_targets(v)          # HOST:PORT, or several comma-separated: a typo is a config error
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, v: str) -> str:
+        if (problem := device_name_problem(v)) is not None:
+            raise ValueError(problem)       # "device: ...", as LLM(device=) and pagedkv-serve say it
         return v
 
     @field_validator("block_manager_token")

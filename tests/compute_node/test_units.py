@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +54,13 @@ def test_config_defaults_and_budget(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_config_errors(overrides: dict) -> None:
     with pytest.raises(ConfigError):
         load_config(**overrides)
+
+
+def test_a_misspelt_device_gets_the_words_llm_and_pagedkv_serve_use() -> None:
+    with pytest.raises(ConfigError, match=re.escape("device: expected auto, cpu, cuda or cuda:N, got 'cuda0'")):
+        load_config(device="cuda0")
+    names = ["auto", "cpu", "cuda", "cuda:1"]
+    assert [load_config(device=d).device for d in names] == names
 
 
 def test_config_missing_file(tmp_path: Path) -> None:

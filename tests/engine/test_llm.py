@@ -147,7 +147,7 @@ def test_bad_input_is_refused_and_frees_everything(model_dirs: dict[str, Path], 
 
 @pytest.mark.parametrize(("options", "said"), [
     ({"block_size": 0}, "block_size"),
-    ({"device": "tpu:0"}, "device 'tpu:0': expected auto, cpu, cuda or cuda:N"),
+    ({"device": "tpu:0"}, "device: expected auto, cpu, cuda or cuda:N, got 'tpu:0'"),
     ({"max_num_seqs": 0}, "max_num_seqs"),
     ({"preemption_mode": "sometimes"}, "preemption_mode"),
     ({"watermark": 2.0}, "watermark"),
