@@ -255,7 +255,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
         parts += [f"{name} {c:.0f}" for name, c in _PARTS_CPU_S.items() if c >= 0.5]
         parts.append(f"controller {own:.0f}")
         terminalreporter.write_line("suite cost by process: " + ", ".join(parts))
-    if _FORKED or _ENV_MISMATCHES:
+    if sum(_FORKED) or _ENV_MISMATCHES:
         line = f"services started by the fork server: {sum(_FORKED)}"
         if _ENV_MISMATCHES:
             line += ("; by plain exec instead, the environment differing from the fork server's: "
