@@ -3,6 +3,8 @@
 # size, then decode-attention bandwidth vs the device's copy bandwidth and torch SDPA.
 # Needs an NVIDIA GPU with numba, numba-cuda and torch installed; downloads nothing.
 # Usage: bench/gpu_check.sh RESULTS_DIR   (exit status != 0 when a correctness check fails)
+# The caller's PYTHONPATH is kept after the repository (packages carried to a GPU host);
+# ENGINE_TIMEOUT caps the engine benchmark (seconds, default 240).
 set -euo pipefail
 if [ "$#" -lt 1 ]; then
     echo "usage: $0 RESULTS_DIR [extra gpu_check.py options]" >&2
@@ -13,14 +15,14 @@ shift
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 status=0
-PYTHONPATH=. "${PYTHON:-python}" bench/gpu_check.py --out "$out" "$@" || status=$?
+PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python}" bench/gpu_check.py --out "$out" "$@" || status=$?
 # 2: no CUDA GPU here (said on stderr); the engine benchmark on cuda would only fail after
 # importing transformers.
 [ "$status" -eq 2 ] && exit 2
 # The engine on the GPU vs transformers (issue 12), when the model stack travelled along
 # (safetensors, tokenizers, transformers: pass them in with the device tool's `carry`).
-if PYTHONPATH=. "${PYTHON:-python}" -c "import safetensors, tokenizers, transformers" 2>/dev/null; then
-    PYTHONPATH=. timeout 240 "${PYTHON:-python}" bench/bench_engine.py --device cuda --requests 16 --repeats 1 \
+if PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python}" -c "import safetensors, tokenizers, transformers" 2>/dev/null; then
+    PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" timeout "${ENGINE_TIMEOUT:-240}" "${PYTHON:-python}" bench/bench_engine.py --device cuda --requests 16 --repeats 1 \
         > "$out/bench_engine_cuda.txt" 2>&1 || echo "bench_engine on cuda failed: see $out/bench_engine_cuda.txt" >&2
 else
     echo "bench_engine skipped: safetensors/tokenizers/transformers not importable" > "$out/bench_engine_cuda.txt"

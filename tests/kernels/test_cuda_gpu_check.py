@@ -119,3 +119,55 @@ def test_a_crashing_check_group_is_a_failed_check() -> None:
     checks.guarded("decode", boom)
     assert [c["ok"] for c in checks.results] == [True, False]
     assert "decode: RuntimeError: no kernel image" in checks.results[1]["check"]
+
+
+def _load_graphs_check(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    spec = importlib.util.spec_from_file_location("gpu_check_graphs", REPO / "bench" / "gpu_check_graphs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_judge_forced_allows_a_flip_only_at_a_near_tie(monkeypatch) -> None:
+    """The graph-vs-direct judgement of the model check: agreement, a near-tie flip, a clear
+    flip, and a graph pick the direct path does not even rank in its top 2."""
+    judge = _load_graphs_check(monkeypatch).judge_forced
+    graph_tokens = [[7, 3]]
+    graph_tops = [[[(7, -0.50), (2, -1.0)], [(3, -0.70), (4, -0.71)]]]
+    same = judge(graph_tokens, graph_tops, [[[(7, -0.50), (2, -1.0)], [(3, -0.70), (4, -0.71)]]])
+    assert same == {"worst_logprob_diff": 0.0, "flips": 0.0, "decisions": 2.0, "worst_flip_gap": 0.0}
+    tie = judge(graph_tokens, graph_tops, [[[(7, -0.51), (2, -1.0)], [(4, -0.695), (3, -0.705)]]])
+    assert tie["flips"] == 1 and tie["worst_flip_gap"] == pytest.approx(0.01)
+    assert tie["worst_logprob_diff"] == pytest.approx(0.01)
+    clear = judge(graph_tokens, graph_tops, [[[(7, -0.50), (2, -1.0)], [(4, -0.2), (3, -2.0)]]])
+    assert clear["flips"] == 1 and clear["worst_flip_gap"] == pytest.approx(1.8)
+    unranked = judge(graph_tokens, graph_tops, [[[(7, -0.50), (2, -1.0)], [(4, -0.2), (5, -0.3)]]])
+    assert unranked["worst_logprob_diff"] == float("inf")
+
+
+def test_forced_generation_feeds_the_given_tokens(monkeypatch, tmp_path: Path) -> None:
+    """`_generate` on the CPU (no graphs there): a second run forced on the first run's tokens
+    reproduces its picks and logprobs exactly, and one forced on other tokens does not, so the
+    GPU check's comparison sees what it claims to."""
+    from compute_node.model import ModelRunner
+    from compute_node.model.tiny import build_tiny_model
+
+    graphs_check = _load_graphs_check(monkeypatch)
+    monkeypatch.setattr(graphs_check, "MODEL_STEPS", 4)
+    monkeypatch.setattr(graphs_check, "_step_ms", lambda torch, fn: (fn(), 0.0)[1])
+    model_dir = build_tiny_model(tmp_path / "m", num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2,
+                                 head_dim=16, intermediate_size=128, vocab_size=300)
+    prompts, tables = [[5, 9, 11], [40, 41, 42, 43, 44, 45]], [[0, 1, 2], [3, 4, 5]]
+
+    def run(forced):
+        runner = ModelRunner(model_dir, block_size=4, num_blocks=6, device="cpu", max_model_len=24)
+        return graphs_check._generate(torch, runner, prompts, tables, forced=forced)
+
+    tokens, tops, _ = run(None)
+    assert [len(t) for t in tokens] == [5, 5] and all(len(t) == 2 for step in tops for t in step)
+    again = graphs_check.judge_forced(tokens, tops, run(tokens)[1])
+    assert again["flips"] == 0 and again["worst_logprob_diff"] == 0.0 and again["decisions"] == 10
+    other = [[(t + 1) % 300 for t in seq] for seq in tokens]
+    moved = graphs_check.judge_forced(tokens, tops, run(other)[1])
+    assert moved["worst_logprob_diff"] > 0.0
