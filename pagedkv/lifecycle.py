@@ -220,8 +220,9 @@ async def run_until_signal(
         await service.start()
     except startup_errors as exc:
         log.error("cannot start", error=str(exc))
-        print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
         await _stop_quietly(service)
+        # last, after whatever the stop logged: the line a person reads is the final one
+        print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_START_FAILED
     if port_file is not None and service.port is not None:
         write_port_file(port_file, service.port)

@@ -76,6 +76,8 @@ def test_sqlite_store_in_a_missing_directory_is_refused(tmp_path: Path) -> None:
     [line] = _error_lines("block-manager", result.stderr)
     assert str(missing) in line and "does not exist" in line
     assert not missing.exists()
+    # the one line is the last thing said, with no "stopped" event for a service that never ran
+    assert result.stderr.strip().splitlines()[-1] == line and '"stopped"' not in result.stderr
 
 
 @pytest.mark.parametrize("prog", SERVICES)

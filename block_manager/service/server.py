@@ -280,7 +280,8 @@ class BlockManagerServer:
             await self.runtime.close()
         await self.tasks.cancel_all()
         self.metrics.close()
-        log.info("stopped")
+        if self.runtime is not None:   # a start that failed before the store opened stopped nothing
+            log.info("stopped")
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
