@@ -20,8 +20,8 @@
    kernel vs torch SDPA (flash) over the same K/V made contiguous (goal <= 1.2x), and the
    chunked-prefill path's tokens/s.
 Writes RESULTS_DIR/gpu_check.md and RESULTS_DIR/gpu_check.json. Needs only numpy, numba,
-numba-cuda, torch and this repository's `kernels/` package; a few minutes on an H200 (mostly
-Numba JIT of ~25 kernel variants and the float64 reference).
+numba-cuda, torch and this repository's `kernels/` package; 76-105 s on an H200 (2026-12-04;
+mostly Numba JIT of the kernel variants and the float64 reference).
 """
 
 from __future__ import annotations

@@ -14,15 +14,16 @@ out="$1"
 shift
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 status=0
-PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python}" bench/gpu_check.py --out "$out" "$@" || status=$?
+"${PYTHON:-python}" bench/gpu_check.py --out "$out" "$@" || status=$?
 # 2: no CUDA GPU here (said on stderr); the engine benchmark on cuda would only fail after
 # importing transformers.
 [ "$status" -eq 2 ] && exit 2
 # The engine on the GPU vs transformers (issue 12), when the model stack travelled along
 # (safetensors, tokenizers, transformers: pass them in with the device tool's `carry`).
-if PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python}" -c "import safetensors, tokenizers, transformers" 2>/dev/null; then
-    PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" timeout "${ENGINE_TIMEOUT:-240}" "${PYTHON:-python}" bench/bench_engine.py --device cuda --requests 16 --repeats 1 \
+if "${PYTHON:-python}" -c "import safetensors, tokenizers, transformers" 2>/dev/null; then
+    timeout "${ENGINE_TIMEOUT:-240}" "${PYTHON:-python}" bench/bench_engine.py --device cuda --requests 16 --repeats 1 \
         > "$out/bench_engine_cuda.txt" 2>&1 || echo "bench_engine on cuda failed: see $out/bench_engine_cuda.txt" >&2
 else
     echo "bench_engine skipped: safetensors/tokenizers/transformers not importable" > "$out/bench_engine_cuda.txt"

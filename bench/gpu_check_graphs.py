@@ -132,9 +132,9 @@ def _generate(torch: Any, runner: Any, prompts: list[list[int]], tables: list[li
     out = runner.execute([SeqWork(f"s{i}", p, 0, t, greedy) for i, (p, t) in enumerate(zip(prompts, tables))])
     tokens = [[o.token_id] for o in out]
     tops = [[o.top_logprobs] for o in out]
+    fed = forced if forced is not None else tokens   # tokens grows as the steps run
     step_ms = []
     for step in range(MODEL_STEPS):
-        fed = forced if forced is not None else tokens
         work = [SeqWork(f"s{i}", [fed[i][step]], len(p) + step, t, greedy, step + 1)
                 for i, (p, t) in enumerate(zip(prompts, tables))]
         box: list[Any] = []

@@ -8,7 +8,7 @@
 # Usage: bench/gpu_readme.sh [pytest args]   (PYTHON picks the interpreter; default python3)
 # Set PAGEDKV_README_TIMEOUT_S below the device call's limit: the test then fails with the
 # output so far (which block was running) instead of being killed silently.
-# 2026-12-04, H200: the blocks had not finished after 190 s (17 s on a 2-core CPU host); why is
+# 2026-12-04, H200: the blocks had not finished after 200 s (17 s on a 2-core CPU host); why is
 # not known yet: the first thing to look at with the next GPU.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -15,15 +15,15 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _load_gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench" / "gpu_check.py")
+def _load_bench(name: str = "gpu_check"):
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def test_out_is_required(capsys) -> None:
-    gpu_check = _load_gpu_check()
+    gpu_check = _load_bench()
     with pytest.raises(SystemExit) as exc:
         gpu_check.parse_args([])
     assert exc.value.code == 2
@@ -45,7 +45,7 @@ def test_script_exits_clearly_without_gpu(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the real check applies")
 def test_main_returns_no_gpu_status(tmp_path: Path, capsys) -> None:
-    assert _load_gpu_check().main(["--out", str(tmp_path / "r")]) == 2
+    assert _load_bench().main(["--out", str(tmp_path / "r")]) == 2
     assert "no CUDA GPU visible" in capsys.readouterr().err
 
 
@@ -56,7 +56,7 @@ def test_wrapper_requires_results_dir() -> None:
 
 
 def test_report_files(tmp_path: Path) -> None:
-    gpu_check = _load_gpu_check()
+    gpu_check = _load_bench()
     checks = [{"check": "decode fp16", "error": 1e-4, "tolerance": 1e-3, "ok": True},
               {"check": "prefill bf16", "error": float("inf"), "tolerance": 8e-3, "ok": False}]
     base = {"block_size": 16, "batch": 1, "context": 512, "path": "one-pass", "reps": 50,
@@ -87,7 +87,7 @@ def test_report_files(tmp_path: Path) -> None:
 
 def test_prefill_cpu_parts() -> None:
     """Chunking, the causal FLOP count and the report row of the prefill timing."""
-    _load_gpu_check()
+    _load_bench()
     import gpu_check_prefill as gp
 
     assert gp.chunk_bounds(1100, 512) == [(0, 512), (512, 1024), (1024, 1100)]
@@ -110,7 +110,7 @@ def test_prefill_cpu_parts() -> None:
 def test_a_crashing_check_group_is_a_failed_check() -> None:
     """An exception inside a group of checks is recorded as a failure (exit status 1), so
     one broken variant cannot hide the others' results."""
-    checks = _load_gpu_check().Checks()
+    checks = _load_bench().Checks()
     checks.record("fine", 0.0, 1e-3)
 
     def boom() -> None:
@@ -121,18 +121,10 @@ def test_a_crashing_check_group_is_a_failed_check() -> None:
     assert "decode: RuntimeError: no kernel image" in checks.results[1]["check"]
 
 
-def _load_graphs_check(monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    spec = importlib.util.spec_from_file_location("gpu_check_graphs", REPO / "bench" / "gpu_check_graphs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_judge_forced_allows_a_flip_only_at_a_near_tie(monkeypatch) -> None:
+def test_judge_forced_allows_a_flip_only_at_a_near_tie() -> None:
     """The graph-vs-direct judgement of the model check: agreement, a near-tie flip, a clear
     flip, and a graph pick the direct path does not even rank in its top 2."""
-    judge = _load_graphs_check(monkeypatch).judge_forced
+    judge = _load_bench("gpu_check_graphs").judge_forced
     graph_tokens = [[7, 3]]
     graph_tops = [[[(7, -0.50), (2, -1.0)], [(3, -0.70), (4, -0.71)]]]
     same = judge(graph_tokens, graph_tops, [[[(7, -0.50), (2, -1.0)], [(3, -0.70), (4, -0.71)]]])
@@ -153,7 +145,7 @@ def test_forced_generation_feeds_the_given_tokens(monkeypatch, tmp_path: Path) -
     from compute_node.model import ModelRunner
     from compute_node.model.tiny import build_tiny_model
 
-    graphs_check = _load_graphs_check(monkeypatch)
+    graphs_check = _load_bench("gpu_check_graphs")
     monkeypatch.setattr(graphs_check, "MODEL_STEPS", 4)
     monkeypatch.setattr(graphs_check, "_step_ms", lambda torch, fn: (fn(), 0.0)[1])
     model_dir = build_tiny_model(tmp_path / "m", num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2,
