@@ -309,6 +309,9 @@ class BlockManager:
         num_new = -(-total // bs) - len(hits)
         hits_in_queue = sum(1 for b in hits if pool.ref_cnt[b] == 0)
         available = pool.num_available - hits_in_queue - self._watermark_blocks(pool)
+        if available < num_new <= available + self._unsent_plan_blocks(pool):
+            self._reclaim_unsent_plan(pool)   # all or nothing: only when it makes room enough
+            available = pool.num_available - hits_in_queue - self._watermark_blocks(pool)
         if num_new > available:
             raise OutOfBlocks(
                 f"pool {pool_id!r}: {num_new} blocks needed, {max(available, 0)} available "
@@ -367,22 +370,27 @@ class BlockManager:
         )
 
     def _prefix_hits(
-        self, pool: Pool, tokens: array, hashes: list[bytes], salt: str | None
+        self, pool: Pool, tokens: array, hashes: list[bytes], salt: str | None, *, same_step: bool = True,
     ) -> list[int]:
         """Blocks of the longest cached prefix, capped to leave one token to compute.
 
-        A hit is read, never written, by the new sequence's Forward, so it must already hold
-        its K/V: only blocks whose writing step is reported complete count. A block filled by
-        a step still in flight, or by this very step (two prompts with one prefix admitted
-        together), is not a hit: the second prompt computes the prefix itself, and the model
-        node never sees one sequence read a block another writes in the same step."""
+        A hit is read, never written, by the new sequence's Forward, so it must hold its K/V
+        by the time that Forward reads it. Blocks whose writing step is reported complete
+        count; so, with `same_step`, do blocks filled in this very step (two prompts with one
+        prefix admitted together, as vLLM's scheduler shares them): the node runs a step's
+        K/V writes of a layer — copies, onboards and fetches before them — ahead of that
+        layer's attention, and if the step fails every sequence it touched is dropped, the
+        reader with the writer. Without it (a fetch source: another node reads the block
+        before this step's Forward runs) only written blocks count. A block filled by a step
+        still in flight is never a hit: the next step computes the prefix itself."""
         bs = pool.block_size
         max_hits = min(len(hashes), (len(tokens) - 1) // bs)
         hits: list[int] = []
         parent = None
+        open_step = pool.step.step_id if same_step else None
         for i in range(max_hits):
             b = pool.lookup(hashes[i], parent, salt, tuple(tokens[i * bs : (i + 1) * bs]))
-            if b is None or not pool.written(b):
+            if b is None or not (pool.written(b) or pool.write_step[b] == open_step):
                 break
             hits.append(b)
             parent = hashes[i]
@@ -401,7 +409,7 @@ class BlockManager:
             if (src is None or src is pool or src.block_size != pool.block_size
                     or not _fetch.can_lend(src, self.max_unsettled_steps)):
                 continue
-            src_hits = self._prefix_hits(src, tokens, hashes, salt)
+            src_hits = self._prefix_hits(src, tokens, hashes, salt, same_step=False)
             host_hits = (_tiers.host_hits(src, tokens, hashes, salt, len(src_hits),
                                           hashes[len(src_hits) - 1] if src_hits else None)
                          if src.host is not None else [])
@@ -915,7 +923,31 @@ class BlockManager:
             return False
         return True
 
-    def _check_swap_in(self, ids: list[SeqId]) -> list[tuple[Pool, list]]:
+    @staticmethod
+    def _unsent_plan_blocks(pool: Pool) -> int:
+        """Blocks `_reclaim_unsent_plan` would return to the free queue."""
+        plan = pool.plan
+        if plan is None or plan.step_id != pool.step.step_id:
+            return 0
+        return sum(1 + (pool.ref_cnt[op.src] == 0) for op in plan.moves)
+
+    def _reclaim_unsent_plan(self, pool: Pool) -> bool:
+        """Abort a defrag plan still in the pool's open step (no node has its copies), because
+        its reserved blocks are needed now; whether one was aborted. Why: a pool's open step
+        closes only with token work (service/state.py), so a plan made as the pool's last
+        running sequence finished holds its blocks until new work comes — and the work waiting
+        (swap-ins, admissions) may need exactly those blocks: a livelock. Its copies leave
+        the open step with it, so nothing later taken from its destinations is overwritten."""
+        plan = pool.plan
+        if plan is None or plan.step_id != pool.step.step_id:
+            return False
+        moves = {op.op_id for op in plan.moves}
+        pool.step.copy_ops = [op for op in pool.step.copy_ops if op.op_id not in moves]
+        pool.step.plan_id = None
+        _defrag.abort(pool)
+        return True
+
+    def _check_swap_in(self, ids: list[SeqId], reclaim: bool = False) -> list[tuple[Pool, list]]:
         if not ids:
             raise InvalidRequest("swap_in needs at least one sequence id")
         if len(set(ids)) != len(ids):
@@ -932,7 +964,12 @@ class BlockManager:
         for pool, group in groups:
             if pool.draining:
                 raise PoolDraining(f"pool {pool.pool_id!r} is draining")
-            _tiers.check_swap_in(pool, group, self._watermark_blocks(pool))
+            try:
+                _tiers.check_swap_in(pool, group, self._watermark_blocks(pool))
+            except OutOfBlocks:
+                if not (reclaim and self._reclaim_unsent_plan(pool)):
+                    raise
+                _tiers.check_swap_in(pool, group, self._watermark_blocks(pool))
         return groups
 
     def swap_in(self, seq_ids: Seq[SeqId]) -> list[SequenceView]:
@@ -941,7 +978,7 @@ class BlockManager:
         each starts at its token count). All or nothing: `PendingWrite` while the swap-out's
         step is unreported, `OutOfBlocks` above the watermark."""
         views: list[SequenceView] = []
-        for pool, recs in self._check_swap_in(list(seq_ids)):
+        for pool, recs in self._check_swap_in(list(seq_ids), reclaim=True):
             tables = _tiers.swap_in(pool, recs)
             step = pool.step
             for rec in recs:
@@ -979,7 +1016,9 @@ class BlockManager:
                     hashes = hash_prefix(tokens, pool.block_size, salt)
                     hashes_by_size[pool.block_size] = hashes
                 device = self._prefix_hits(pool, tokens, hashes, salt)
-                hits[pool.pool_id] = n = len(device)
+                hits[pool.pool_id] = len(device)
+                # lent only once written (`_fetch_plan`): not the blocks of this open step
+                n = next((i for i, b in enumerate(device) if not pool.written(b)), len(device))
                 if pool.pool_id in sources and pool.host is not None:
                     n += len(_tiers.host_hits(pool, tokens, hashes, salt, n, hashes[n - 1] if n else None))
                 lendable[pool.pool_id] = n
@@ -998,7 +1037,7 @@ class BlockManager:
                     best = sid
             bs = pool.block_size
             fetchable = 0 if best is None else (lendable[best] - local) * bs
-            entries.append(RouteEntry(pool.pool_id, local * bs, pool.num_available, fetchable,
+            entries.append(RouteEntry(pool.pool_id, local * bs, self.free_blocks(pool.pool_id)[1], fetchable,
                                       len(tokens) - local * bs - fetchable, best))
         entries.sort(key=lambda e: (_fetch.score(len(tokens), e.num_cached_tokens, e.num_fetchable_tokens),
                                     -e.num_free_blocks, e.pool_id))
@@ -1083,9 +1122,10 @@ class BlockManager:
 
     # ---- metrics, fsck, snapshots ---------------------------------------------------
     def free_blocks(self, pool_id: PoolId) -> tuple[int, int]:
-        """(free, usable: free or evictable) blocks of a pool, in O(1): a scheduler's gauges."""
+        """(free, usable: free, evictable, or held by a defrag plan no node has yet, which an
+        allocation or swap-in that needs them aborts) blocks of a pool: a scheduler's gauges."""
         pool = self._pool(pool_id)
-        return pool.num_free, pool.num_available
+        return pool.num_free, pool.num_available + self._unsent_plan_blocks(pool)
 
     def metrics(self, pool_id: PoolId) -> PoolMetrics:
         pool = self._pool(pool_id)

@@ -33,6 +33,7 @@ from block_manager.core.errors import (
     UnknownSequence,
 )
 from block_manager.core.fetch import score as fetch_score
+from block_manager.core.hashing import hash_prefix
 from block_manager.core.leases import PoolLeases, check_scheduler_id
 from block_manager.core.manager import DEFAULT_MAX_UNSETTLED_STEPS, MAX_POOL_BLOCKS, BlockManager
 from block_manager.core.nodes import NodeRegistry, check_node_id
@@ -463,6 +464,7 @@ class ServiceState:
                     usable.add(pid)
         budget = step.placement.admit_budget
         taken: dict[str, int] = {}
+        filling: dict[str, set[bytes]] = {}   # pool -> hashes of the blocks this step's admissions fill
         refused: set[int] = set()
         for i, a in placed:
             if not usable or (step.placement.admit_budget and budget <= 0):
@@ -475,6 +477,9 @@ class ServiceState:
                 ranked = [(e.pool_id, e.num_cached_tokens, e.num_fetchable_tokens, e.num_free_blocks,
                            fetch_score(length, e.num_cached_tokens, e.num_fetchable_tokens), e.fetch_pool_id)
                           for e in core.route(a.token_ids, a.salt, fetch_sources=sources) if e.pool_id in usable]
+                hashes = {}
+                if filling and core.enable_prefix_caching:
+                    ranked = [self._with_step_prefix(r, a, length, filling, hashes) for r in ranked]
             else:
                 ranked = [(pid, 0, 0, core.free_blocks(pid)[1], float(length), None) for pid in usable]
             if not ranked:
@@ -498,9 +503,39 @@ class ServiceState:
                 a.num_compute = min(budget, a.num_compute or budget)
                 budget -= max(1, min(a.num_compute, length - cached))
             a.pool_id = pool
+            bs = self.registry.get(pool).block_size
             # fetched blocks are fresh blocks of the destination: only local ones are not taken
-            taken[pool] = taken.get(pool, 0) + -(-(length - local) // self.registry.get(pool).block_size)
+            taken[pool] = taken.get(pool, 0) + -(-(length - local) // bs)
+            if a.token_ids and core.enable_prefix_caching:
+                computed = cached + (a.num_compute or length)
+                if bs not in hashes:
+                    hashes[bs] = hash_prefix(a.token_ids, bs, a.salt)
+                filling.setdefault(pool, set()).update(hashes[bs][: computed // bs])
         return refused
+
+    def _with_step_prefix(self, r: tuple, a: Any, length: int, filling: dict[str, set[bytes]],
+                          hashes: dict[int, list[bytes]]) -> tuple:
+        """Route entry `r` of admission `a`, its local prefix extended by the blocks earlier
+        admissions of this step fill on that pool: the core shares those in this very step
+        (`BlockManager._prefix_hits`), so twenty prompts with one system prompt cost the prefix
+        once, and the step's token budget is charged for what is really computed."""
+        pool, local, fetchable, num_free, _, source = r
+        mine = filling.get(pool)
+        if not mine:
+            return r
+        bs = self.registry.get(pool).block_size
+        if bs not in hashes:
+            hashes[bs] = hash_prefix(a.token_ids, bs, a.salt)
+        n = 0
+        for h in hashes[bs][: (length - 1) // bs]:   # one token is always computed
+            if h not in mine:
+                break
+            n += 1
+        if n * bs <= local:
+            return r
+        fetchable = max(0, local + fetchable - n * bs)
+        return (pool, n * bs, fetchable, num_free, fetch_score(length, n * bs, fetchable),
+                source if fetchable else None)
 
     def _allocate(
         self, step: StepInput, errors: list[list[Any]], not_placed: set[int]

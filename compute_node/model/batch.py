@@ -93,7 +93,7 @@ def prepare_step(
     seq_of_row = np.repeat(np.arange(len(seqs)), num_new)
     positions = computed[seq_of_row] + (np.arange(len(input_ids)) - row_starts[seq_of_row])
     slot_mapping = tables[seq_of_row, positions // bs].astype(np.int64) * bs + positions % bs
-    _check_writes(seqs, seq_of_row, slot_mapping, tables, num_used_blocks, bs)
+    _check_writes(seqs, seq_of_row, slot_mapping, tables, num_used_blocks, computed, num_new, bs)
 
     num_dec = len(decodes)
     lens32 = seq_lens.astype(np.int32)
@@ -181,25 +181,39 @@ def _padded_tables(seqs: list[SeqWork], num_used_blocks: np.ndarray, num_blocks:
 
 def _check_writes(
     seqs: list[SeqWork], seq_of_row: np.ndarray, slot_mapping: np.ndarray, tables: np.ndarray,
-    num_used_blocks: np.ndarray, block_size: int,
+    num_used_blocks: np.ndarray, computed: np.ndarray, num_new: np.ndarray, block_size: int,
 ) -> None:
-    """No slot is written twice, and no block written this step is read by another sequence of
-    the batch (that would be a shared block written without copy-on-write)."""
+    """No slot is written twice, no block is written by two sequences, and a block written
+    this step is read by another sequence of the batch only as a prefix share: a block full in
+    both sequences after the step, entirely inside the reader's computed prefix, at the same
+    logical index in both tables (the same token positions). That is two prompts with one
+    prefix admitted in the same step, the second reading the blocks the first fills (a layer's
+    K/V writes run before its attention); any other read of a block another sequence writes
+    is a shared block written without copy-on-write, and is refused."""
     if np.unique(slot_mapping).size != slot_mapping.size:
         raise InvalidBatch("two new tokens of the batch map to the same KV slot")
-    written = slot_mapping // block_size
-    writer = np.full(int(tables.max()) + 1, -1, dtype=np.int64)
-    writer[written] = seq_of_row
     if len(seqs) == 1:
         return
+    written = slot_mapping // block_size
+    writes = np.unique(np.stack([written, seq_of_row]), axis=1)   # (block, writer) pairs
+    if np.unique(writes[0]).size != writes.shape[1]:
+        block = int(writes[0][np.flatnonzero(np.diff(writes[0]) == 0)[0]])
+        raise InvalidBatch(f"block {block} is written by two sequences in the same step")
+    writer = np.full(int(max(tables.max(), written.max())) + 1, -1, dtype=np.int64)
+    writer[written] = seq_of_row
     used = np.arange(tables.shape[1])[None, :] < num_used_blocks[:, None]
-    readers = np.broadcast_to(np.arange(len(seqs))[:, None], tables.shape)[used]
-    owners = writer[tables[used]]
+    readers, logical = np.nonzero(used)
+    blocks = tables[readers, logical]
+    owners = writer[blocks]
     clash = (owners >= 0) & (owners != readers)
-    if clash.any():
-        k = int(np.flatnonzero(clash)[0])
-        block = int(tables[used][k])
-        raise InvalidBatch(f"block {block} is written by sequence {seqs[int(owners[k])].seq_id!r} and read by "
+    owner_rows = np.maximum(owners, 0)
+    end = (logical + 1) * block_size   # the block is full in both, at the same positions
+    shared = (end <= computed[readers]) & (end <= computed[owner_rows] + num_new[owner_rows])
+    shared &= tables[owner_rows, logical] == blocks
+    bad = clash & ~shared
+    if bad.any():
+        k = int(np.flatnonzero(bad)[0])
+        raise InvalidBatch(f"block {int(blocks[k])} is written by sequence {seqs[int(owners[k])].seq_id!r} and read by "
                            f"sequence {seqs[int(readers[k])].seq_id!r} in the same step (shared without copy-on-write)")
 
 

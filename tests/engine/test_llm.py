@@ -63,6 +63,32 @@ def test_prefix_hits_chunked_prefill_and_forks(model_dirs: dict[str, Path], hf_m
         _assert_all_freed(llm)
 
 
+@pytest.mark.parametrize("name", ["llama-gqa4-hd64", "qwen3-gqa8-hd128"])
+def test_prompts_admitted_together_share_their_prefix_in_that_step(
+    name: str, model_dirs: dict[str, Path], hf_models: dict[str, Any]
+) -> None:
+    """Six prompts with one 24-token system prompt, none cached yet, all admitted in the
+    first step: the first computes the prefix, the other five read its blocks in that same
+    step (the block manager shares them and charges the token budget only for what is
+    computed) — what vLLM does; the outputs still equal transformers'."""
+    shared = _prompts(4, [24])[0]
+    prompts = [shared + tail for tail in _prompts(5, [3, 6, 1, 9, 4, 7])]
+    budget = 24 + sum(len(p) - 24 for p in prompts)   # all of them only if the prefix counts once
+    with LLM(model_dirs[name], block_size=4, num_kv_blocks=256, device="cpu", max_num_batched_tokens=budget) as llm:
+        for p in prompts:
+            llm.engine.add_request(p, GREEDY)
+        llm.engine.step()
+        assert not llm.engine.waiting and llm.engine.stats.cached_prompt_tokens == 5 * 24
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+        _check_greedy(llm, hf_models[name], prompts, "admitted together")   # again, now all cached
+        llm.engine.flush()
+        _assert_all_freed(llm)
+    with LLM(model_dirs[name], block_size=4, num_kv_blocks=256, device="cpu", max_num_batched_tokens=budget) as llm:
+        _check_greedy(llm, hf_models[name], prompts, "shared in the first step")
+        assert llm.engine.stats.cached_prompt_tokens == 5 * 24
+
+
 def test_preemption_and_resume_give_the_same_tokens(model_dirs: dict[str, Path], hf_models: dict[str, Any]) -> None:
     name = "qwen3-gqa8-hd128"
     prompts = _prompts(4, [10, 14, 6, 11, 9, 13])

@@ -75,9 +75,16 @@ def test_allocate_num_tokens_only() -> None:
 def test_prefix_hit_shares_full_blocks() -> None:
     m = make()
     a = m.allocate("a", "p", list(range(10)))
+    # Admitted in the same step: a's full blocks are filled by this step's Forward, whose K/V
+    # writes precede its attention, so they are shared (as vLLM shares them), not recomputed.
     same_step = m.allocate("early", "p", list(range(10)))
-    assert same_step.num_cached_tokens == 0   # a's blocks are not written before its step ran
-    forward(m)
+    assert same_step.num_cached_tokens == 8
+    assert same_step.block_table[:2] == a.block_table[:2]
+    (out,) = m.close_steps()
+    # That step is in flight (closed, not reported): its blocks are no hit for the next one.
+    in_flight = m.allocate("late", "p", list(range(10)))
+    assert in_flight.num_cached_tokens == 0
+    m.settle_steps(out.pool_id, out.step_id)
     b = m.allocate("b", "p", list(range(10)))
     assert b.num_cached_tokens == 8
     assert b.block_table[:2] == a.block_table[:2]
@@ -85,7 +92,7 @@ def test_prefix_hit_shares_full_blocks() -> None:
     bs = 4
     assert b.slot_mapping == tuple(b.block_table[2] * bs + i for i in range(2))
     met = m.metrics("p")
-    assert met.prefix_query_tokens == 30 and met.prefix_hit_tokens == 8
+    assert met.prefix_query_tokens == 40 and met.prefix_hit_tokens == 16
     assert m.fsck() == []
 
 
@@ -397,8 +404,11 @@ def test_pools_and_route() -> None:
     prompt = list(range(20))
     assert [e.pool_id for e in m.route(prompt)] == ["n2", "n1", "n3"]
     m.allocate("a", "n1", prompt)
-    assert m.route(prompt + [7])[0].num_cached_tokens == 0   # not written yet: nothing to hit
-    forward(m)
+    # filled by the open step: an admission in it shares them (written before attention reads)
+    assert m.route(prompt + [7])[0].num_cached_tokens == 20
+    (out, *_) = m.close_steps()
+    assert m.route(prompt + [7])[0].num_cached_tokens == 0   # in flight: nothing to hit yet
+    m.settle_steps(out.pool_id, out.step_id)
     ranked = m.route(prompt + [7])
     assert ranked[0].pool_id == "n1" and ranked[0].num_cached_tokens == 20
     m.set_draining("n1", True)

@@ -10,6 +10,7 @@ from block_manager.core import (
     DefragPolicy,
     FailedPrecondition,
     InvalidRequest,
+    OutOfBlocks,
     StepOutput,
     UnknownPlan,
     UnknownPool,
@@ -378,4 +379,36 @@ def test_unsettled_steps_are_bounded() -> None:
         m.close_step("p")
     m.settle_steps("p", 1)
     assert m.close_step("p") is not None and m.unsettled_step_ids("p") == [2, 3]
+    assert m.fsck() == []
+
+
+def test_a_plan_no_node_has_yields_its_blocks_to_an_admission() -> None:
+    """A pool's open step closes only with token work, so a plan made as the pool's last
+    running sequences finished would hold its reserved blocks until new work came; work that
+    needs exactly those blocks (an admission, a swap-in) would wait forever. Such a plan —
+    still in the open step, its copies with no node — is aborted when the blocks are needed,
+    its copies taken out of the step with it; the usable count says so beforehand."""
+    m = scattered()
+    plan = m.plan_defrag("p", "compaction")
+    assert plan is not None
+    m.free([f"s{i}" for i in range(1, 8, 2)])   # the plan's sources' holders finish
+    met = m.metrics("p")
+    assert met.num_free_blocks + met.num_cached_blocks < 16       # the plan holds blocks
+    assert m.free_blocks("p")[1] == 16                             # ... that an allocation may take
+    m.allocate("big", "p", num_tokens=16 * 4)                      # all 16 blocks
+    assert m.get_defrag_plan("p") is None
+    (out,) = m.close_steps()
+    assert out.copy_ops == () and out.plan_id is None              # no move overwrites "big"'s blocks
+    assert m.fsck() == []
+
+
+def test_a_plan_a_node_has_keeps_its_blocks() -> None:
+    m = scattered()
+    plan = m.plan_defrag("p", "compaction")
+    assert plan is not None
+    m.close_steps()                                                # its copies are with the node now
+    free = m.free_blocks("p")[1]
+    with pytest.raises(OutOfBlocks, match="blocks needed"):
+        m.allocate("big", "p", num_tokens=(free + 1) * 4)
+    assert m.get_defrag_plan("p") is not None
     assert m.fsck() == []

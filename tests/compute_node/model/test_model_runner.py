@@ -66,6 +66,11 @@ BAD_BATCHES: dict[str, tuple[type[Exception], Callable[[], list[SeqWork]]]] = {
     "sample of the wrong type": (InvalidBatch, lambda: [_good(), SeqWork("x", [7], 0, [5], {"temperature": 0})]),
     "two tokens, one slot": (InvalidBatch, lambda: [_good(), SeqWork("x", [7], 1, [1])]),
     "writes a block another reads": (InvalidBatch, lambda: [_good(), SeqWork("x", [7], 9, [0, 1, 6])]),
+    # a prefix share must be of full blocks at the same positions: block 1 holds two of the
+    # writer's tokens, and block 0 sits at x's position 4 but at the writer's position 0
+    "reads another's partial block": (InvalidBatch, lambda: [_good(), SeqWork("x", [7], 8, [0, 1, 6])]),
+    "shares a block at another position": (InvalidBatch, lambda: [_good(), SeqWork("x", [7], 8, [5, 0, 6])]),
+    "two writers of one block": (InvalidBatch, lambda: [_good(), SeqWork("x", [7, 8], 2, [1])]),
 }
 
 
@@ -111,6 +116,33 @@ def test_copy_on_write_fork_continues_like_its_parent(runner: ModelRunner) -> No
     blank.execute([SeqWork("p", prompt, 0, [3, 7, 9], GREEDY)])
     diverted = blank.execute([SeqWork("c", [first.token_id], len(prompt), [3, 7, 12], GREEDY, 1)])[0]
     assert diverted is not None and diverted.token_id != tokens["p"][1]
+
+
+def test_same_step_prefix_share_equals_reading_it_a_step_later(model_dir: Path) -> None:
+    """Two prompts with one 8-token prefix in one step, the second reading the prefix blocks
+    the first fills in that step (as the block manager admits them together): every layer's
+    K/V writes precede its attention, so the second gets what it gets a step later, when the
+    blocks are written, and what it gets computing the prefix itself."""
+    prefix, a_tail, b_tail = _prompt(8, 4), _prompt(3, 5), _prompt(2, 6)
+    params = SamplingParams(temperature=0, logprobs=3)
+
+    def run(schedule: list[list[SeqWork]]) -> dict[str, tuple[int, float | None]]:
+        runner = ModelRunner(model_dir, block_size=BLOCK, num_blocks=40, device="cpu")
+        got = {}
+        for step in schedule:
+            for work, out in zip(step, runner.execute(step)):
+                assert out is not None
+                got[work.seq_id] = (out.token_id, out.logprob)
+        return got
+
+    a = SeqWork("a", prefix + a_tail, 0, [6, 2, 9], params)
+    b_shared = SeqWork("b", b_tail, 8, [6, 2, 11], params)   # blocks 6, 2 are a's prefix
+    together = run([[a, b_shared]])
+    later = run([[a], [b_shared]])
+    alone = run([[SeqWork("b", prefix + b_tail, 0, [6, 2, 11], params)]])
+    for other in (later, alone):   # the same tokens; logprobs up to the batch's float rounding
+        assert {k: v[0] for k, v in together.items() if k in other} == {k: v[0] for k, v in other.items()}
+        assert together["b"][1] == pytest.approx(other["b"][1], abs=1e-4)
 
 
 def test_seeded_sampling_is_independent_of_batch_and_survives_recompute(model_dir: Path) -> None:

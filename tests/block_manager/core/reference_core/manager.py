@@ -247,18 +247,17 @@ class BlockManager:
     ) -> list[int]:
         """Blocks of the longest cached prefix, capped to leave one token to compute.
 
-        A hit is read, never written, by the new sequence's Forward, so it must already hold
-        its K/V: only blocks whose writing step is reported complete count. A block filled by
-        a step still in flight, or by this very step (two prompts with one prefix admitted
-        together), is not a hit: the second prompt computes the prefix itself, and the model
-        node never sees one sequence read a block another writes in the same step."""
+        A hit is read, never written, by the new sequence's Forward: blocks whose writing
+        step is reported complete count, and so do blocks filled in this very step (the
+        node writes a layer's K/V before that layer's attention reads it). A block filled by
+        a step still in flight is not a hit."""
         bs = pool.block_size
         max_hits = min(len(hashes), (len(tokens) - 1) // bs)
         hits: list[int] = []
         parent = None
         for i in range(max_hits):
             b = pool.lookup(hashes[i], parent, salt, tuple(tokens[i * bs : (i + 1) * bs]))
-            if b is None or not pool.written(b):
+            if b is None or not (pool.written(b) or pool.write_step[b] == pool.step.step_id):
                 break
             hits.append(b)
             parent = hashes[i]
