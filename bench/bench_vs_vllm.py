@@ -92,6 +92,9 @@ class OursSide:
         self.params = SamplingParams
         self.llm = LLM(model=model, device="cpu", kv_cache_memory=KV_GIB << 30, max_model_len=MAX_MODEL_LEN)
 
+    def close(self) -> None:
+        self.llm.close()
+
     def run(self, requests: list[tuple[list[int], int]]) -> RunResult:
         engine = self.llm.engine
         started = time.perf_counter()
@@ -117,6 +120,12 @@ class VllmSide:
         self.llm = LLM(model=model, dtype="float32", enforce_eager=eager, enable_prefix_caching=True,
                        max_model_len=MAX_MODEL_LEN, seed=0)
         self.count = 0
+
+    def close(self) -> None:
+        """Stop vLLM's engine-core process (with its busy-polling worker) before exiting."""
+        shutdown = getattr(self.llm.llm_engine, "engine_core", None)
+        if shutdown is not None and hasattr(shutdown, "shutdown"):
+            shutdown.shutdown()
 
     def run(self, requests: list[tuple[list[int], int]]) -> RunResult:
         engine = self.llm.llm_engine
@@ -148,7 +157,8 @@ def warm_up(side: OursSide | VllmSide, vocab: int) -> None:
 
 def worker(args: argparse.Namespace) -> int:
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
-    side: OursSide | VllmSide = OursSide(args.model) if args.side == "ours" else VllmSide(args.model, args.side == "eager")
+    side: OursSide | VllmSide
+    side = OursSide(args.model) if args.side == "ours" else VllmSide(args.model, args.side == "eager")
     warm_up(side, vocab)
     results = {}
     for name in args.workloads.split(","):
@@ -157,7 +167,8 @@ def worker(args: argparse.Namespace) -> int:
         results[name] = {"summary": summarize(requests, run), "outputs": run.outputs}
         print(f"[{args.side}] {name}: {results[name]['summary']['tok_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
     Path(args.out).write_text(json.dumps({"results": results, "peak_rss_mib": peak_rss_mib()}))
-    os._exit(0)   # vLLM's engine-core child and threads: no slow interpreter teardown in the timing loop
+    side.close()
+    os._exit(0)   # no slow interpreter teardown (the driver kills whatever is left of the group)
 
 
 # ---- the driver ----------------------------------------------------------------------------------
@@ -189,19 +200,27 @@ def run_worker(python: str, side: str, model: Path, workloads: str, repeat: int,
     out = tmp / f"{model.name}-{side}-{repeat}.json"
     cmd = [python, __file__, "worker", "--side", side, "--model", str(model), "--workloads", workloads,
            "--repeat", str(repeat), "--out", str(out)]
-    # A session of its own: whatever the worker leaves behind (vLLM's engine-core process) is
-    # killed with the group, never left computing beside the next run.
-    proc = subprocess.Popen(cmd, env=side_env(side), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        _, stderr = proc.communicate()
-    finally:
+    # A session of its own: whatever the worker leaves behind (vLLM's engine-core and worker
+    # processes, which busy-poll) is killed with the group once the worker itself has exited,
+    # never left computing beside the next run. Its stderr goes to a file (a pipe would stay
+    # open as long as any of them lives), its progress lines are echoed.
+    log = tmp / f"{model.name}-{side}-{repeat}.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, env=side_env(side), stdout=subprocess.DEVNULL, stderr=err,
+                                start_new_session=True)
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+            proc.wait()
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    lines = log.read_text(errors="replace").splitlines()
+    for line in lines:
+        if line.startswith(f"[{side}]"):
+            print(line, file=sys.stderr, flush=True)
     if proc.returncode != 0 or not out.exists():
-        tail = "\n".join(stderr.splitlines()[-15:])
+        tail = "\n".join(lines[-15:])
         raise RuntimeError(f"{side} worker failed (rc {proc.returncode}):\n{tail}")
     return json.loads(out.read_text())
 

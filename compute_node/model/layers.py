@@ -13,9 +13,6 @@ functions use as few calls as give the same bits.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-
-from compute_node.model.linear import linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -24,6 +21,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x if x.dtype == torch.float32 else x.to(torch.float32)
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * (normed if normed.dtype == x.dtype else normed.to(x.dtype))
+
+
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos and sin `[num_tokens, head_dim // 2]` of each token's rotation angles
+    (`position * inv_freq`, as transformers computes them), once per step for every layer."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]   # [num_tokens, head_dim // 2]
+    return freqs.cos(), freqs.sin()
 
 
 def rope_cos_sin(
@@ -35,8 +39,8 @@ def rope_cos_sin(
     cos is transformers' (the half-width angles' cosines twice); the sine's first half is
     negated, which moves `rotate_half`'s negation into the sine (see `apply_rope`).
     """
-    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]   # [num_tokens, head_dim // 2]
-    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+    cos, sin = rope_angles(positions, inv_freq)
+    cos, sin = cos.to(dtype), sin.to(dtype)
     return torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((-sin, sin), dim=-1)[:, None, :]
 
 
@@ -49,15 +53,3 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     so this is transformers' arithmetic bit for bit, in 4 torch calls instead of 11.
     """
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
-
-
-def swiglu_mlp(
-    x: torch.Tensor,
-    gate_up_weight: torch.Tensor,
-    gate_up_bias: torch.Tensor | None,
-    down_weight: torch.Tensor,
-    down_bias: torch.Tensor | None,
-) -> torch.Tensor:
-    """`down(silu(gate(x)) * up(x))`, with gate and up fused in one matmul."""
-    gate, up = linear(x, gate_up_weight, gate_up_bias).chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, down_weight, down_bias)

@@ -19,9 +19,11 @@ from compute_node.model import linear as dense
 from compute_node.model.attention import AttentionMetadata, PhaseTimer, paged_attention
 from compute_node.model.config import DTYPES, ModelConfig
 from compute_node.model.errors import WeightsError
-from compute_node.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu_mlp
+from compute_node.model.layers import apply_rope, rms_norm, rope_angles, rope_cos_sin
 from compute_node.model.weights import Checkpoint
 from compute_node.pool import KvPool
+from kernels.cpu.rms_norm import rms_norm as cpu_rms_norm
+from kernels.cpu.rope import rope_qkv
 
 _MATMUL_WEIGHTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")   # of each DecoderLayer
 
@@ -64,6 +66,8 @@ class DecoderModel:
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.qkv_heads = (config.num_heads, config.num_kv_heads, config.num_kv_heads)
+        self._fused = False
+        self.fused_cpu_ops = True
 
     @classmethod
     def load(cls, checkpoint: Checkpoint, config: ModelConfig, dtype: str, device: torch.device,
@@ -123,30 +127,83 @@ class DecoderModel:
         timer: PhaseTimer | None = None,
     ) -> torch.Tensor:
         """Hidden states `[num_tokens, hidden]` after the last layer (before the final norm),
-        writing every layer's K/V of these tokens into `pool` on the way."""
-        cfg = self.config
+        writing every layer's K/V of these tokens into `pool` on the way.
+
+        The residual stream is one tensor updated in place: each sublayer's output is added
+        to it by the norm that follows (`_add_norm`), the layout fused kernels want and the
+        same float32 adds as `residual + output`."""
         num_tokens = input_ids.shape[0]
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)
-        hidden = F.embedding(input_ids, self.embed)   # [num_tokens, hidden]
+        rope = self._rope_tables(positions)
+        hidden = F.embedding(input_ids, self.embed)   # [num_tokens, hidden], the residual stream
+        delta: torch.Tensor | None = None             # the last sublayer's output, not yet added
         for index, layer in enumerate(self.layers):
-            residual = hidden
-            x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
-            qkv = dense.linear(x, layer.qkv_weight, layer.qkv_bias).view(num_tokens, -1, cfg.head_dim)
-            q, k, v = qkv.split(self.qkv_heads, dim=1)   # [num_tokens, heads, head_dim] views
-            if layer.q_norm is not None and layer.k_norm is not None:
-                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-            q = apply_rope(q, cos, sin)   # [num_tokens, num_heads, head_dim]
-            k = apply_rope(k, cos, sin)   # [num_tokens, num_kv_heads, head_dim]
-            # v is a strided view into qkv; the kernel stores rows, so it gets a contiguous copy.
-            attn = paged_attention(pool, index, q, k, v.contiguous(), meta, timer)
-            hidden = residual + dense.linear(attn.view(num_tokens, self.q_size), layer.o_weight, layer.o_bias)
-            residual = hidden
-            x = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
-            hidden = residual + swiglu_mlp(
-                x, layer.gate_up_weight, layer.gate_up_bias, layer.down_weight, layer.down_bias
-            )
+            x = self._add_norm(hidden, delta, layer.input_norm)
+            qkv = dense.linear(x, layer.qkv_weight, layer.qkv_bias)   # [num_tokens, qkv_size]
+            q, k, v = self._qkv_heads(qkv, layer, rope)
+            attn = paged_attention(pool, index, q, k, v, meta, timer)
+            out = dense.linear(attn.view(num_tokens, self.q_size), layer.o_weight, layer.o_bias)
+            x = self._add_norm(hidden, out, layer.post_norm)
+            gate_up = dense.linear(x, layer.gate_up_weight, layer.gate_up_bias)
+            delta = dense.linear(self._silu_mul(gate_up), layer.down_weight, layer.down_bias)
+        if delta is not None:
+            hidden += delta
         return hidden
+
+    # -- the elementwise steps: fused CPU kernels (float32 on the CPU), or torch ops ----------
+
+    @property
+    def fused_cpu_ops(self) -> bool:
+        """Whether the residual add + RMSNorm and the RoPE of q/k run as fused CPU kernels
+        (`kernels.cpu.rms_norm`, `kernels.cpu.rope`): one call and one pass each instead of
+        ~5-10 torch calls, which at decode sizes cost more in dispatch than in arithmetic.
+        float32 on the CPU; settable (benchmarks run one model both ways)."""
+        return self._fused
+
+    @fused_cpu_ops.setter
+    def fused_cpu_ops(self, on: bool) -> None:
+        self._fused = bool(on) and self.device.type == "cpu" and self.dtype == torch.float32
+
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._fused and not self.config.qk_norm:
+            return rope_angles(positions, self.inv_freq)   # [num_tokens, head_dim // 2] each
+        return rope_cos_sin(positions, self.inv_freq, self.dtype)
+
+    def _add_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+        """`hidden += delta` (in place; nothing when None), then RMSNorm of the sum."""
+        eps = self.config.rms_norm_eps
+        if self._fused:
+            return cpu_rms_norm(hidden, weight, eps, residual_delta=delta)
+        if delta is not None:
+            hidden += delta
+        return rms_norm(hidden, weight, eps)
+
+    def _qkv_heads(
+        self, qkv: torch.Tensor, layer: DecoderLayer, rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q `[num_tokens, num_heads, head_dim]`, k and v `[num_tokens, num_kv_heads, head_dim]`,
+        contiguous, q and k rotated (after Qwen3's per-head norms)."""
+        cfg = self.config
+        num_tokens = qkv.shape[0]
+        cos, sin = rope
+        if self._fused and layer.q_norm is None:
+            q = qkv.new_empty((num_tokens, cfg.num_heads, cfg.head_dim))
+            k = qkv.new_empty((num_tokens, cfg.num_kv_heads, cfg.head_dim))
+            v = torch.empty_like(k)
+            rope_qkv(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, q, k, v)
+            return q, k, v
+        q, k, v = qkv.view(num_tokens, -1, cfg.head_dim).split(self.qkv_heads, dim=1)   # views
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+        # v is a strided view into qkv; the kernel stores rows, so it gets a contiguous copy.
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()
+
+    @staticmethod
+    def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's `silu(gate) * up`, torch on every device: a fused Numba loop measured 3-10x
+        slower than torch's two vectorised ops (its float32 exp does not vectorise there)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         return rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)

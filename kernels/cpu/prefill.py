@@ -19,8 +19,9 @@ this project's 2-core VM. Four rows per loaded K/V vector and a rescale per 64 k
 1.3x less CPU per layer (BENCHMARKS.md, "CPU prefill attention: key tiles"). What is left is
 LLVM's horizontal sum per dot product; register-blocked products need control over vector
 registers that Numba does not give (torch's SDPA, with its own micro-kernels, measured from
-1.4x faster to 2.5x slower than this on these shapes, K/V gathered from the pages: no case for
-splitting the per-layer call in two).
+1.4x faster to 2.5x slower than this on these shapes, K/V gathered from the pages, on an AVX2
+host with an older torch). On an AVX-512 host with torch 2.13 SDPA is 3-4x faster, so float32
+caches take it (`prefill_sdpa.py`); fp16 and bf16 caches take these tiles.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
 from kernels.cpu import _host, _parallel
 from kernels.cpu.attend import attend_prefill
+from kernels.cpu.prefill_sdpa import SdpaPrefill
 
 # 16 query tokens × group rows share one K/V tile load; the scratch for 16 × 8 rows × 128 dims
 # (64 KB accumulator) still fits in L2.
@@ -82,14 +85,19 @@ def paged_prefill_attention(
     starts = _host.index_array(query_start_loc, np.int32)
     if q.shape[0] == 0:
         return out
-    tile_seq, tile_row, tile_len = query_tiles(starts, lens)
     target = _host.f32_target(out)
     result = target if target is not None else np.empty(q.shape, np.float32)
-    work = prefill_work(starts, lens, q.shape[1])
-    serial = work <= _parallel.SERIAL_MAX_ATTENTION_WORK
-    with _parallel.parallel_section(serial):
-        attend_prefill(serial, q, kc, vc, kv_kind, tables, lens, starts, tile_seq, tile_row,
-                       tile_len, np.float32(scale), result)
+    if kv_kind == _host.KIND_F32:   # torch's SDPA (prefill_sdpa.py), as a model step does
+        sdpa = SdpaPrefill(tables, lens, starts, kc.shape[2], scale)
+        sdpa.run(torch.from_numpy(kc.view(np.float32)), torch.from_numpy(vc.view(np.float32)),
+                 torch.from_numpy(q), torch.from_numpy(result))
+    else:
+        tile_seq, tile_row, tile_len = query_tiles(starts, lens)
+        work = prefill_work(starts, lens, q.shape[1])
+        serial = work <= _parallel.SERIAL_MAX_ATTENTION_WORK
+        with _parallel.parallel_section(serial):
+            attend_prefill(serial, q, kc, vc, kv_kind, tables, lens, starts, tile_seq, tile_row,
+                           tile_len, np.float32(scale), result)
     if target is None:
         _host.store(out, result)
     return out

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from kernels import _validate
 from kernels._validate import KernelInputError
@@ -38,6 +39,7 @@ from kernels.cpu.attend import NO_INDEX, NO_STARTS, NO_TABLES, attend_parallel, 
 from kernels.cpu.decode import use_split
 from kernels.cpu.decode_split import NO_PARTIALS, Partials
 from kernels.cpu.prefill import prefill_work, query_tiles
+from kernels.cpu.prefill_sdpa import SdpaPrefill
 
 
 class KvBits:
@@ -59,6 +61,11 @@ class KvBits:
         self.keys = [_host.kv_bits(kc)[0] for kc in key_caches]
         self.values = [_host.kv_bits(vc)[0] for vc in value_caches]
         self.kv_kind = _host.kv_bits(key_caches[0])[1]
+        # float32 caches as float32 torch views of the same memory, for the SDPA prefill path
+        self.keys_f32 = self.values_f32 = None
+        if self.kv_kind == _host.KIND_F32:
+            self.keys_f32 = [torch.from_numpy(k.view(np.float32)) for k in self.keys]
+            self.values_f32 = [torch.from_numpy(v.view(np.float32)) for v in self.values]
 
     @property
     def num_layers(self) -> int:
@@ -74,7 +81,9 @@ class StepAttention:
     arrays are host NumPy arrays or CPU tensors (read once here; not kept as tensors).
     Raises `KernelInputError` for anything a kernel would read or write out of bounds with.
     `serial` forces the one-thread (True) or all-threads (False) kernel; None decides by the
-    step's attention work (`_parallel.SERIAL_MAX_ATTENTION_WORK`).
+    step's attention work (`_parallel.SERIAL_MAX_ATTENTION_WORK`). `sdpa_prefill`: prefill rows
+    through torch's SDPA (`prefill_sdpa.py`, float32 caches) rather than the Numba tiles; None
+    takes it wherever the caches are float32.
     """
 
     def __init__(
@@ -91,6 +100,7 @@ class StepAttention:
         prefill_query_start_loc: Any | None,
         scale: float,
         serial: bool | None = None,
+        sdpa_prefill: bool | None = None,
     ) -> None:
         self.caches = caches
         self.scale = np.float32(_validate.require_scale(scale))
@@ -119,10 +129,19 @@ class StepAttention:
             pre_starts = self._check_starts(prefill_query_start_loc, num_seqs, num_prefill_rows)
         # Prefill rows numbered in the whole step, as the kernel reads them.
         self.pre_starts = np.ascontiguousarray(pre_starts + np.int32(num_dec))
-        self.tile_seq, self.tile_row, self.tile_len = query_tiles(self.pre_starts, self.pre_lens)
-
         work = int(self.dec_lens.astype(np.int64).sum()) * num_heads
-        work += prefill_work(self.pre_starts, self.pre_lens, num_heads)
+        if sdpa_prefill is None:
+            sdpa_prefill = caches.keys_f32 is not None
+        elif sdpa_prefill and caches.keys_f32 is None:
+            raise KernelInputError(f"the SDPA prefill path takes float32 caches, not {caches.dtype}")
+        self.sdpa = None
+        if num_prefill_rows and sdpa_prefill:
+            # prefill rows by torch's SDPA after the Numba call (which writes the K/V, decodes)
+            self.sdpa = SdpaPrefill(self.pre_tables, self.pre_lens, self.pre_starts, caches.block_size, scale)
+            self.tile_seq = self.tile_row = self.tile_len = NO_INDEX
+        else:
+            self.tile_seq, self.tile_row, self.tile_len = query_tiles(self.pre_starts, self.pre_lens)
+            work += prefill_work(self.pre_starts, self.pre_lens, num_heads)
         self.serial = work <= _parallel.SERIAL_MAX_ATTENTION_WORK if serial is None else serial
         self.split = bool(num_dec) and not self.serial and use_split(
             num_dec, caches.num_kv_heads, int(self.dec_lens.max()), caches.block_size)
@@ -162,6 +181,9 @@ class StepAttention:
                 attend_parallel(*args)
                 if self.split:
                     self.partials.reduce(result[:self.num_decode_tokens])
+        if self.sdpa is not None:
+            self.sdpa.run(caches.keys_f32[layer], caches.values_f32[layer], torch.from_numpy(q),
+                          torch.from_numpy(result))
         if result.dtype != _host_dtype(out):
             _host.store(out, result)
         return out

