@@ -1,0 +1,93 @@
+"""The vLLM comparison's own logic, without vLLM: both sides get identical workloads, tokens are
+counted from the outputs (a short output is an error, not a faster run), the report's ratios and
+identity counts, and the file vLLM's venv runs imports nothing of pagedkv's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import bench_vs_vllm as bvv  # noqa: E402
+import vllm_workloads as wl  # noqa: E402
+
+
+@pytest.mark.parametrize("name", sorted(wl.WORKLOADS))
+def test_a_workload_is_the_same_for_both_sides_and_new_each_repeat(name: str) -> None:
+    a, b = wl.make_workload(name, 0, 1000), wl.make_workload(name, 0, 1000)
+    assert a == b
+    assert a != wl.make_workload(name, 1, 1000)   # a repeat never hits the previous one's cache
+    for prompt, n in a:
+        assert n > 0 and prompt and all(wl.FIRST_ID <= t < 1000 for t in prompt)
+
+
+def test_workload_shapes() -> None:
+    batch = wl.make_workload("batch", 0, 500)
+    assert len(batch) == 32 and all(16 <= len(p) <= 512 and n == 64 for p, n in batch)
+    shared = wl.make_workload("shared", 0, 500)
+    assert len(shared) == 24 and len({tuple(p[:256]) for p, _ in shared}) == 1
+    assert all(16 <= len(p) - 256 <= 64 and n == 64 for p, n in shared)
+    assert [(len(p), n) for p, n in wl.make_workload("single", 0, 500)] == [(128, 128)]
+    assert all(1024 <= len(p) <= 2048 for p, _ in wl.make_workload("long", 0, 500))
+    with pytest.raises(ValueError, match="unknown workload"):
+        wl.make_workload("nope", 0, 500)
+
+
+def test_summary_counts_generated_tokens_and_refuses_short_outputs() -> None:
+    reqs = [([5, 6], 3), ([7], 2)]
+    run = wl.RunResult(seconds=2.0, ttft_s=[0.5, 1.5], outputs=[[1, 2, 3], [4, 5]])
+    s = wl.summarize(reqs, run)
+    assert s["output_tokens"] == 5 and s["tok_per_s"] == 2.5
+    assert s["ttft_p50_s"] == 1.0 and s["ttft_max_s"] == 1.5
+    with pytest.raises(ValueError, match="asked for 2 tokens and got 1"):
+        wl.summarize(reqs, wl.RunResult(2.0, [0.5, 1.5], [[1, 2, 3], [4]]))
+    with pytest.raises(ValueError, match="1 outputs for 2 requests"):
+        wl.summarize(reqs, wl.RunResult(2.0, [0.5], [[1, 2, 3]]))
+
+
+def test_output_comparison() -> None:
+    assert wl.compare_outputs([[1, 2], [3]], [[1, 2], [4]]) == (1, 2)
+    assert wl.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert wl.first_divergence([1, 2], [1, 2]) is None
+    assert wl.first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def _run(tok_per_s: float, outputs: list[list[int]]) -> dict:
+    summary = {"tok_per_s": tok_per_s, "ttft_p50_s": 1.0}
+    return {"results": {"shared": {"summary": summary, "outputs": outputs}}, "peak_rss_mib": 100.0}
+
+
+def test_report_takes_the_best_vllm_mode_and_counts_identical_outputs(capsys: pytest.CaptureFixture[str]) -> None:
+    runs = {
+        "ours": [_run(120.0, [[1, 2], [3]]), _run(100.0, [[1, 2], [3]])],
+        "eager": [_run(80.0, [[1, 2], [3]]), _run(90.0, [[1, 2], [3]])],
+        "compiled": [_run(100.0, [[1, 2], [9]]), _run(100.0, [[1, 2], [3]])],
+    }
+    (row,) = bvv.report("shape", ["shared"], ["ours", "eager", "compiled"], runs)
+    assert row["tok_per_s"] == {"ours": 110.0, "eager": 85.0, "compiled": 100.0}   # medians over repeats
+    assert row["ratio"] == pytest.approx(1.1)                                      # ÷ the best vLLM mode
+    assert row["identical"] == [7, 8]
+    assert "| shared | 110.0 | 85.0 | 100.0 | 1.10x |" in capsys.readouterr().out
+
+
+def test_the_worker_file_imports_nothing_of_pagedkv() -> None:
+    """vLLM's venv runs bench_vs_vllm.py as its worker: importing it may load only the
+    standard library and vllm_workloads (pagedkv and torch come in only on our side)."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import bench_vs_vllm; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'numpy', 'engine', 'compute_node', 'block_manager', 'kernels', 'pagedkv')]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-I", "-c", code, str(BENCH)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_driver_refuses_unknown_workloads_and_modes() -> None:
+    with pytest.raises(SystemExit):
+        bvv.main(["--vllm-python", "", "--workloads", "nope"])
+    with pytest.raises(SystemExit):
+        bvv.main(["--vllm-python", "python3", "--vllm-modes", "fast"])
