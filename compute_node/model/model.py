@@ -10,8 +10,9 @@ decode steps than `F.linear`'s MKL path); `prepack_linear=False` keeps plain wei
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -44,6 +45,25 @@ class DecoderLayer:
     down_bias: torch.Tensor | None
 
 
+@dataclass(slots=True)
+class _StepBuffers:
+    """A fused step's arrays, each also as the NumPy view the kernels take (a view costs ~2 µs
+    to make: once per step, not per layer)."""
+
+    hidden: np.ndarray     # the residual stream's view
+    normed: torch.Tensor   # [num_tokens, hidden]: a norm's output
+    q: torch.Tensor        # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor        # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor
+    normed_np: np.ndarray = field(init=False)
+    qkv_np: tuple[np.ndarray, np.ndarray, np.ndarray] = field(init=False)
+    rope_np: tuple[np.ndarray, np.ndarray] | None = None
+
+    def __post_init__(self) -> None:
+        self.normed_np = self.normed.numpy()
+        self.qkv_np = (self.q.numpy(), self.k.numpy(), self.v.numpy())
+
+
 class DecoderModel:
     """Embedding → decoder layers → final norm → LM head, for one `ModelConfig`."""
 
@@ -68,6 +88,7 @@ class DecoderModel:
         self.qkv_heads = (config.num_heads, config.num_kv_heads, config.num_kv_heads)
         self._fused = False
         self.fused_cpu_ops = True
+        self._norms_np: list[tuple[np.ndarray, np.ndarray]] | None = None
 
     @classmethod
     def load(cls, checkpoint: Checkpoint, config: ModelConfig, dtype: str, device: torch.device,
@@ -136,13 +157,15 @@ class DecoderModel:
         rope = self._rope_tables(positions)
         hidden = F.embedding(input_ids, self.embed)   # [num_tokens, hidden], the residual stream
         delta: torch.Tensor | None = None             # the last sublayer's output, not yet added
+        bufs = self._step_buffers(hidden)
+        norms = self._norms_np if bufs is not None else None
         for index, layer in enumerate(self.layers):
-            x = self._add_norm(hidden, delta, layer.input_norm)
+            x = self._add_norm(hidden, delta, layer.input_norm, bufs, norms[index][0] if norms else None)
             qkv = dense.linear(x, layer.qkv_weight, layer.qkv_bias)   # [num_tokens, qkv_size]
-            q, k, v = self._qkv_heads(qkv, layer, rope)
+            q, k, v = self._qkv_heads(qkv, layer, rope, bufs)
             attn = paged_attention(pool, index, q, k, v, meta, timer)
             out = dense.linear(attn.view(num_tokens, self.q_size), layer.o_weight, layer.o_bias)
-            x = self._add_norm(hidden, out, layer.post_norm)
+            x = self._add_norm(hidden, out, layer.post_norm, bufs, norms[index][1] if norms else None)
             gate_up = dense.linear(x, layer.gate_up_weight, layer.gate_up_bias)
             delta = dense.linear(self._silu_mul(gate_up), layer.down_weight, layer.down_bias)
         if delta is not None:
@@ -168,29 +191,46 @@ class DecoderModel:
             return rope_angles(positions, self.inv_freq)   # [num_tokens, head_dim // 2] each
         return rope_cos_sin(positions, self.inv_freq, self.dtype)
 
-    def _add_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+    def _step_buffers(self, hidden: torch.Tensor) -> _StepBuffers | None:
+        """The fused kernels' outputs, allocated once per step and rewritten by every layer:
+        each is consumed (by the next matmul, or by attention, which stores k/v in the pool)
+        before the next layer writes it, and a torch allocation costs ~5 µs, as much as a
+        decode-sized norm."""
+        if not self._fused:
+            return None
+        cfg, rows = self.config, hidden.shape[0]
+        kv = (rows, cfg.num_kv_heads, cfg.head_dim)
+        if self._norms_np is None:   # the weights never change: their views are made once
+            self._norms_np = [(layer.input_norm.numpy(), layer.post_norm.numpy()) for layer in self.layers]
+        return _StepBuffers(hidden.numpy(), torch.empty_like(hidden),
+                            hidden.new_empty((rows, cfg.num_heads, cfg.head_dim)), hidden.new_empty(kv),
+                            hidden.new_empty(kv))
+
+    def _add_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                  bufs: _StepBuffers | None, weight_np: np.ndarray | None = None) -> torch.Tensor:
         """`hidden += delta` (in place; nothing when None), then RMSNorm of the sum."""
         eps = self.config.rms_norm_eps
-        if self._fused:
-            return cpu_rms_norm(hidden, weight, eps, residual_delta=delta)
+        if bufs is not None:
+            cpu_rms_norm(bufs.hidden, weight_np, eps, bufs.normed_np, residual_delta=delta)
+            return bufs.normed
         if delta is not None:
             hidden += delta
         return rms_norm(hidden, weight, eps)
 
     def _qkv_heads(
         self, qkv: torch.Tensor, layer: DecoderLayer, rope: tuple[torch.Tensor, torch.Tensor],
+        bufs: _StepBuffers | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q `[num_tokens, num_heads, head_dim]`, k and v `[num_tokens, num_kv_heads, head_dim]`,
         contiguous, q and k rotated (after Qwen3's per-head norms)."""
         cfg = self.config
         num_tokens = qkv.shape[0]
         cos, sin = rope
-        if self._fused and layer.q_norm is None:
-            q = qkv.new_empty((num_tokens, cfg.num_heads, cfg.head_dim))
-            k = qkv.new_empty((num_tokens, cfg.num_kv_heads, cfg.head_dim))
-            v = torch.empty_like(k)
-            rope_qkv(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, q, k, v)
-            return q, k, v
+        if bufs is not None and layer.q_norm is None:
+            if bufs.rope_np is None:
+                bufs.rope_np = (cos.numpy(), sin.numpy())
+            rope_qkv(qkv, *bufs.rope_np, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, *bufs.qkv_np)
+            return bufs.q, bufs.k, bufs.v
         q, k, v = qkv.view(num_tokens, -1, cfg.head_dim).split(self.qkv_heads, dim=1)   # views
         if layer.q_norm is not None and layer.k_norm is not None:
             q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)

@@ -35,6 +35,7 @@ import torch
 from kernels import _validate
 from kernels._validate import KernelInputError
 from kernels.cpu import _host, _parallel
+from kernels.cpu._dense import f32_view
 from kernels.cpu.attend import NO_INDEX, NO_STARTS, NO_TABLES, attend_parallel, attend_serial
 from kernels.cpu.decode import use_split
 from kernels.cpu.decode_split import NO_PARTIALS, Partials
@@ -161,15 +162,24 @@ class StepAttention:
         caches = self.caches
         if not 0 <= layer < caches.num_layers:
             raise KernelInputError(f"layer {layer} outside [0, {caches.num_layers})")
-        k, v = self._kv_rows("key", key), self._kv_rows("value", value)
-        q = self._host_rows("query", query, self.q_shape)
-        if q.dtype != np.float32:
-            q = q.astype(np.float32)
         if out is None:
             out = _host.new_like(query)
-        result = self._host_rows("out", out, self.q_shape)
-        if result.dtype != np.float32:
-            result = np.empty(self.q_shape, np.float32)
+        # float32 host rows (a CPU float32 model's step) are viewed with a few attribute reads;
+        # anything else is checked and converted the general way (~20 us a call more)
+        q, result, k, v = f32_view(query), f32_view(out), None, None
+        if caches.kv_kind == _host.KIND_F32:
+            k, v = f32_view(key), f32_view(value)
+        if (q is None or result is None or k is None or v is None or q.shape != self.q_shape
+                or result.shape != self.q_shape or k.shape != self.kv_shape or v.shape != self.kv_shape):
+            k, v = self._kv_rows("key", key), self._kv_rows("value", value)
+            q = self._host_rows("query", query, self.q_shape)
+            if q.dtype != np.float32:
+                q = q.astype(np.float32)
+            result = self._host_rows("out", out, self.q_shape)
+            if result.dtype != np.float32:
+                result = np.empty(self.q_shape, np.float32)
+        else:
+            k, v = k.view(np.uint16), v.view(np.uint16)
         kc, vc = caches.keys[layer], caches.values[layer]
         args = (q, k, v, kc, vc, caches.kv_kind, self.slot_mapping, self.dec_tables, self.dec_lens,
                 self._fused_dec_seqs, self.pre_tables, self.pre_lens, self.pre_starts, self.tile_seq,
