@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -99,17 +100,9 @@ class OursSide:
         engine = self.llm.engine
         started = time.perf_counter()
         ids = [engine.add_request(p, self.params(temperature=0, max_tokens=n, ignore_eos=True)) for p, n in requests]
-        first: dict[str, float] = {}
-        outs: dict[str, list[int]] = {}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.request_id not in first and o.outputs[0].token_ids:
-                    first[o.request_id] = time.perf_counter() - started
-                if o.finished:
-                    outs[o.request_id] = list(o.outputs[0].token_ids)
-        seconds = time.perf_counter() - started
+        result = step_loop(engine, ids, started)
         engine.flush()
-        return RunResult(seconds, [first[i] for i in ids], [outs[i] for i in ids])
+        return result
 
 
 class VllmSide:
@@ -136,16 +129,22 @@ class VllmSide:
             ids.append(f"r{self.count}")
             engine.add_request(ids[-1], {"prompt_token_ids": p},
                                self.params(temperature=0, max_tokens=n, ignore_eos=True))
-        first: dict[str, float] = {}
-        outs: dict[str, list[int]] = {}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.request_id not in first and o.outputs[0].token_ids:
-                    first[o.request_id] = time.perf_counter() - started
-                if o.finished:
-                    outs[o.request_id] = list(o.outputs[0].token_ids)
-        seconds = time.perf_counter() - started
-        return RunResult(seconds, [first[i] for i in ids], [outs[i] for i in ids])
+        return step_loop(engine, ids, started)
+
+
+def step_loop(engine: Any, ids: list[str], started: float) -> RunResult:
+    """Step `engine` (either side's: the same loop, the same clock) until every request is
+    done; a request's TTFT is the first step output that carries a token for it."""
+    first: dict[str, float] = {}
+    outs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id not in first and o.outputs[0].token_ids:
+                first[o.request_id] = time.perf_counter() - started
+            if o.finished:
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+    seconds = time.perf_counter() - started
+    return RunResult(seconds, [first[i] for i in ids], [outs[i] for i in ids])
 
 
 def warm_up(side: OursSide | VllmSide, vocab: int) -> None:

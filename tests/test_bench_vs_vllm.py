@@ -91,3 +91,25 @@ def test_the_driver_refuses_unknown_workloads_and_modes() -> None:
         bvv.main(["--vllm-python", "", "--workloads", "nope"])
     with pytest.raises(SystemExit):
         bvv.main(["--vllm-python", "python3", "--vllm-modes", "fast"])
+
+
+def test_step_loop_times_first_tokens_and_collects_outputs() -> None:
+    """Both sides' step loop: TTFT is the first output that carries a token for a request
+    (an output without one, a prefill chunk, does not count); outputs in the given order."""
+    from types import SimpleNamespace as NS
+
+    def out(rid: str, tokens: list[int], finished: bool = False) -> NS:
+        return NS(request_id=rid, outputs=[NS(token_ids=tokens)], finished=finished)
+
+    script = [[out("a", [])], [out("a", [7]), out("b", [])], [out("b", [3], True)], [out("a", [7, 8], True)]]
+
+    class Engine:
+        def has_unfinished_requests(self) -> bool:
+            return bool(script)
+
+        def step(self) -> list:
+            return script.pop(0)
+
+    run = bvv.step_loop(Engine(), ["b", "a"], started=0.0)
+    assert run.outputs == [[3], [7, 8]]
+    assert run.ttft_s[1] <= run.ttft_s[0] <= run.seconds   # a's first token came a step before b's
