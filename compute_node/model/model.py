@@ -55,9 +55,9 @@ class _StepBuffers:
     q: torch.Tensor        # [num_tokens, num_heads, head_dim]
     k: torch.Tensor        # [num_tokens, num_kv_heads, head_dim]
     v: torch.Tensor
+    rope: tuple[np.ndarray, np.ndarray]   # cos, sin [num_tokens, head_dim // 2] (fused RoPE)
     normed_np: np.ndarray = field(init=False)
     qkv_np: tuple[np.ndarray, np.ndarray, np.ndarray] = field(init=False)
-    rope_np: tuple[np.ndarray, np.ndarray] | None = None
 
     def __post_init__(self) -> None:
         self.normed_np = self.normed.numpy()
@@ -157,7 +157,7 @@ class DecoderModel:
         rope = self._rope_tables(positions)
         hidden = F.embedding(input_ids, self.embed)   # [num_tokens, hidden], the residual stream
         delta: torch.Tensor | None = None             # the last sublayer's output, not yet added
-        bufs = self._step_buffers(hidden)
+        bufs = self._step_buffers(hidden, rope)
         norms = self._norms_np if bufs is not None else None
         for index, layer in enumerate(self.layers):
             x = self._add_norm(hidden, delta, layer.input_norm, bufs, norms[index][0] if norms else None)
@@ -191,7 +191,7 @@ class DecoderModel:
             return rope_angles(positions, self.inv_freq)   # [num_tokens, head_dim // 2] each
         return rope_cos_sin(positions, self.inv_freq, self.dtype)
 
-    def _step_buffers(self, hidden: torch.Tensor) -> _StepBuffers | None:
+    def _step_buffers(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> _StepBuffers | None:
         """The fused kernels' outputs, allocated once per step and rewritten by every layer:
         each is consumed (by the next matmul, or by attention, which stores k/v in the pool)
         before the next layer writes it, and a torch allocation costs ~5 µs, as much as a
@@ -204,7 +204,7 @@ class DecoderModel:
             self._norms_np = [(layer.input_norm.numpy(), layer.post_norm.numpy()) for layer in self.layers]
         return _StepBuffers(hidden.numpy(), torch.empty_like(hidden),
                             hidden.new_empty((rows, cfg.num_heads, cfg.head_dim)), hidden.new_empty(kv),
-                            hidden.new_empty(kv))
+                            hidden.new_empty(kv), (rope[0].numpy(), rope[1].numpy()))
 
     def _add_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                   bufs: _StepBuffers | None, weight_np: np.ndarray | None = None) -> torch.Tensor:
@@ -227,9 +227,7 @@ class DecoderModel:
         num_tokens = qkv.shape[0]
         cos, sin = rope
         if bufs is not None and layer.q_norm is None:
-            if bufs.rope_np is None:
-                bufs.rope_np = (cos.numpy(), sin.numpy())
-            rope_qkv(qkv, *bufs.rope_np, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, *bufs.qkv_np)
+            rope_qkv(qkv, *bufs.rope, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, *bufs.qkv_np)
             return bufs.q, bufs.k, bufs.v
         q, k, v = qkv.view(num_tokens, -1, cfg.head_dim).split(self.qkv_heads, dim=1)   # views
         if layer.q_norm is not None and layer.k_norm is not None:

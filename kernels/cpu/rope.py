@@ -46,8 +46,6 @@ def _rope_qkv(qkv, cos, sin, num_heads, num_kv_heads, q, k, v):
                 dst[i] = src[base + h * head_dim + i]
 
 
-
-
 def rope_qkv(qkv: Any, cos: Any, sin: Any, num_heads: int, num_kv_heads: int, head_dim: int,
              q: Any, k: Any, v: Any) -> None:
     """Rotate the query and key heads of float32 `qkv` `[rows, (num_heads + 2 * num_kv_heads)
