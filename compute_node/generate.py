@@ -19,7 +19,15 @@ from typing import Any
 
 from compute_node.errors import InvalidForward, PeerFetchFailed
 from compute_node.host_pool import apply_moves
-from compute_node.model import InvalidSamplingParams, ModelRunner, SamplingParams, SeqWork
+from compute_node.model import (
+    MAX_LOGPROBS,
+    InvalidSamplingParams,
+    ModelRunner,
+    PromptLogprobsRequest,
+    SamplingParams,
+    SeqWork,
+    StepResult,
+)
 from compute_node.tables import NodeTable, SeqId, TableCache, check_tail, stage
 from compute_node.transfer import BlockPuller, PullStats, pull_all
 from pagedkv.limits import seq_id_problem
@@ -33,6 +41,7 @@ class _Seq:
     context_len: int
     sampling: SamplingParams | None
     num_output_tokens: int
+    prompt_logprobs: PromptLogprobsRequest | None = None
 
 
 class Generator:
@@ -70,7 +79,7 @@ class Generator:
             table = check_tail(s.seq_id, staged.table(self.tables, s.seq_id), start, s.context_len, bs)
             tables[s.seq_id] = table
             work.append(SeqWork(s.seq_id, s.token_ids, start, list(table.block_table), s.sampling,
-                                s.num_output_tokens))
+                                s.num_output_tokens, s.prompt_logprobs))
         fetch_work = self._check_fetches(staged.fetches, work) if staged.fetches else {}
         orphans = [f for f in staged.fetches if f.fetch_id not in fetch_work]
         if orphans:
@@ -100,19 +109,10 @@ class Generator:
         was_profiling = runner.profile
         runner.profile = was_profiling or request.profile   # phase timings only when asked
         try:
-            outputs = runner.execute(work) if work else []
+            result = runner.run_step(work) if work else StepResult([])
         finally:
             runner.profile = was_profiling
-        resp = pb.GenerateResponse()
-        for out in outputs:
-            if out is None:
-                continue
-            tok = resp.tokens.add(seq_id=out.seq_id, token_id=out.token_id)
-            if out.logprob is not None:
-                tok.logprob = out.logprob
-            for token_id, logprob in out.top_logprobs or ():
-                tok.top_token_ids.append(token_id)
-                tok.top_logprobs.append(logprob)
+        resp = _response(result)
         t = runner.last_timings if work else None
         st = resp.stats
         if t is not None:
@@ -125,6 +125,25 @@ class Generator:
         st.total_s = time.perf_counter() - started
         self._last = (request.request_id, resp)
         return resp
+
+    @staticmethod
+    def _prompt_logprobs(s: pb.GenerateSequence, vocab: int) -> PromptLogprobsRequest | None:
+        """The sequence's prompt log-probability request, checked like the rest of the step
+        (InvalidForward before anything changes)."""
+        if not s.HasField("prompt_logprobs"):
+            return None
+        p = s.prompt_logprobs
+        targets = tuple(p.target_token_ids)
+        if not 1 <= len(targets) <= len(s.token_ids):
+            raise InvalidForward(f"sequence {s.seq_id!r}: prompt log-probabilities need 1 to {len(s.token_ids)} "
+                                 f"targets (one per new token at most), got {len(targets)}")
+        if max(targets) >= vocab:
+            raise InvalidForward(f"sequence {s.seq_id!r}: prompt log-probability target {max(targets)} outside "
+                                 f"the vocabulary ({vocab})")
+        if p.num_top > MAX_LOGPROBS:
+            raise InvalidForward(f"sequence {s.seq_id!r}: prompt log-probabilities num_top must be at most "
+                                 f"{MAX_LOGPROBS}, got {p.num_top}")
+        return PromptLogprobsRequest(int(s.context_len) - len(s.token_ids), targets, int(p.num_top))
 
     def _check_fetches(self, fetches: list[Any], work: list[SeqWork]) -> dict[str, SeqWork]:
         """A fetch op whose sequence is computed in this step must sit right before that
@@ -199,8 +218,31 @@ class Generator:
                     )
                 except InvalidSamplingParams as exc:
                     raise InvalidForward(f"sequence {s.seq_id!r}: {exc}") from None
-            out.append(_Seq(SeqId(s.seq_id), ids, int(s.context_len), sampling, int(s.num_output_tokens)))
+            out.append(_Seq(SeqId(s.seq_id), ids, int(s.context_len), sampling, int(s.num_output_tokens),
+                            self._prompt_logprobs(s, vocab)))
         return out
+
+
+def _response(result: StepResult) -> pb.GenerateResponse:
+    """The step's sampled tokens and prompt log-probabilities as the protocol's answer."""
+    resp = pb.GenerateResponse()
+    for out in result.outputs:
+        if out is None:
+            continue
+        tok = resp.tokens.add(seq_id=out.seq_id, token_id=out.token_id)
+        if out.logprob is not None:
+            tok.logprob = out.logprob
+        for token_id, logprob in out.top_logprobs or ():
+            tok.top_token_ids.append(token_id)
+            tok.top_logprobs.append(logprob)
+    for scored in result.prompt_logprobs:
+        m = resp.prompt_logprobs.add(seq_id=scored.seq_id)
+        m.logprobs.extend(scored.logprobs)
+        m.ranks.extend(scored.ranks)
+        for row in scored.top:
+            m.top_token_ids.extend(t for t, _ in row)
+            m.top_logprobs.extend(lp for _, lp in row)
+    return resp
 
 
 def node_info_fields(runner: ModelRunner, model_name: str) -> dict[str, object]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import grpc
 
 from engine.errors import NodeError, NodeMovedOn, NodeRefused, NodeUnreachable
-from engine.node_api import NodeExecutor, NodeInfo, NodeStep, SampledToken, SamplingSpec
+from engine.node_api import NodeExecutor, NodeInfo, NodeStep, PromptScores, SampledToken, SamplingSpec, StepAnswer
 from pagedkv.auth import token_metadata
 from pagedkv.tls import TlsSettings, open_channel
 from pagedkv.v1 import compute_node_pb2 as pb
@@ -48,6 +48,9 @@ def generate_request(step: NodeStep) -> pb.GenerateRequest:
         s.token_ids.extend(w.token_ids)
         if w.sampling is not None:
             _fill_sampling(s.sampling, w.sampling)
+        if w.prompt_logprobs is not None:
+            s.prompt_logprobs.num_top = w.prompt_logprobs.num_top
+            s.prompt_logprobs.target_token_ids.extend(w.prompt_logprobs.target_token_ids)
     return request
 
 
@@ -62,12 +65,22 @@ def _fill_sampling(s: pb.Sampling, spec: SamplingSpec) -> None:
         s.logprobs = spec.logprobs
 
 
-def sampled_tokens(reply: pb.GenerateResponse) -> list[SampledToken]:
-    return [
+def sampled_tokens(reply: pb.GenerateResponse) -> StepAnswer:
+    """The node's answer as plain data: its sampled tokens and prompt scores."""
+    tokens = [
         SampledToken(t.seq_id, int(t.token_id), float(t.logprob) if t.HasField("logprob") else None,
                      tuple(zip(t.top_token_ids, t.top_logprobs)))
         for t in reply.tokens
     ]
+    return StepAnswer(tokens, {m.seq_id: _prompt_scores(m) for m in reply.prompt_logprobs})
+
+
+def _prompt_scores(m: pb.PromptLogprobs) -> PromptScores:
+    n = len(m.logprobs)
+    k = len(m.top_token_ids) // n if n else 0
+    ids, lps = list(m.top_token_ids), list(m.top_logprobs)
+    top = tuple(tuple(zip(ids[i * k : (i + 1) * k], lps[i * k : (i + 1) * k])) for i in range(n))
+    return PromptScores(tuple(m.logprobs), tuple(m.ranks), top)
 
 
 def node_info(m: pb.GetNodeInfoResponse, address: str | None = None) -> NodeInfo:

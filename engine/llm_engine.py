@@ -50,6 +50,7 @@ from engine.node_api import NodeExecutor, SampledToken
 from engine.params import CompletionOutput, InvalidParams, RequestOutput, SamplingParams
 from engine.pipeline import InFlight, NodePipeline, Work
 from engine.planning import StepPlanner
+from engine.prompt_scores import start_scoring
 from engine.sequence import Request, SeqStatus, Sequence
 from engine.stats import EngineStats
 from engine.swapping import SwapPreemption
@@ -190,6 +191,7 @@ class LLMEngine(StepPlanner, NodePipeline, SwapPreemption):
         if rid in self.requests:
             raise InvalidParams(f"request id {rid!r} is already in use")
         req = Request(rid, prompt, ids, params)
+        start_scoring(req)
         req.outputs = [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None,
                                         top_logprobs=[] if params.logprobs else None) for i in range(params.n)]
         req.detok_offsets = [0] * params.n
@@ -403,8 +405,9 @@ class LLMEngine(StepPlanner, NodePipeline, SwapPreemption):
                 for o in req.outputs:
                     o.text = self.detokenize(o.token_ids)
             done = req.finished
+            scored = req.prompt_logprobs if not req.scoring_prompt else None
             outs.append(RequestOutput(rid, req.prompt, req.prompt_token_ids, req.outputs,
-                                      req.num_cached_tokens, done, req.error))
+                                      req.num_cached_tokens, done, req.error, scored))
             if done:
                 del self.requests[rid]
                 self.stats.num_finished += 1

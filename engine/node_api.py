@@ -26,16 +26,28 @@ class SamplingSpec:
     logprobs: int | None         # None: none; 0: the sampled token's; k: also the top k
 
 
+@dataclass(slots=True, frozen=True)
+class PromptLogprobsSpec:
+    """Score prompt tokens from this step's rows: new token i predicts `target_token_ids[i]`
+    (the prompt token after it), for the first `len(target_token_ids)` new tokens; also the
+    `num_top` most likely tokens of each of those rows."""
+
+    num_top: int
+    target_token_ids: tuple[int, ...]
+
+
 @dataclass(slots=True)
 class SeqStep:
     """One sequence's share of a step: its new token ids, at positions
-    `context_len - len(token_ids) … context_len - 1`; it samples when `sampling` is set."""
+    `context_len - len(token_ids) … context_len - 1`; it samples when `sampling` is set, and
+    scores prompt tokens when `prompt_logprobs` is set."""
 
     seq_id: str
     token_ids: list[int]
     context_len: int
     num_output_tokens: int       # the index of the token to sample (seeded draws)
     sampling: SamplingSpec | None = None
+    prompt_logprobs: PromptLogprobsSpec | None = None
 
 
 @dataclass(slots=True)
@@ -55,6 +67,28 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()   # (token id, logprob), most likely first
+
+
+@dataclass(slots=True, frozen=True)
+class PromptScores:
+    """A node's answer to a `PromptLogprobsSpec`, one entry per target, in order: the target's
+    raw log-probability, its rank in the vocabulary (1: the most likely) and the top tokens
+    (token id, logprob), most likely first."""
+
+    logprobs: tuple[float, ...]
+    ranks: tuple[int, ...]
+    top: tuple[tuple[tuple[int, float], ...], ...]
+
+
+class StepAnswer(list[SampledToken]):
+    """What a node answers for one step: the sampled tokens (one per sequence that samples, in
+    step order: the list itself, which is all a step without prompt scoring needs) and, by
+    sequence id, the `PromptScores` of the sequences whose `SeqStep` asked for them."""
+
+    def __init__(self, tokens: list[SampledToken] | None = None,
+                 prompt_logprobs: dict[str, PromptScores] | None = None) -> None:
+        super().__init__(tokens or ())
+        self.prompt_logprobs: dict[str, PromptScores] = prompt_logprobs or {}
 
 
 @dataclass(slots=True, frozen=True)
@@ -85,4 +119,5 @@ class NodeExecutor(Protocol):
     def close(self) -> None: ...
 
 
-__all__ = ["NodeExecutor", "NodeInfo", "NodeStep", "SampledToken", "SamplingSpec", "SeqStep"]
+__all__ = ["NodeExecutor", "NodeInfo", "NodeStep", "PromptLogprobsSpec", "PromptScores", "SampledToken",
+           "SamplingSpec", "SeqStep", "StepAnswer"]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 MAX_N = 64
 MAX_LOGPROBS = 20
+MAX_CACHE_SALT_CHARS = 1024   # what the block manager accepts in a Step
 
 
 class InvalidParams(ValueError):
@@ -32,6 +33,20 @@ class SamplingParams:
     `max_tokens`, at the model's EOS token (unless `ignore_eos`), or at any of
     `stop_token_ids`. `logprobs`: None returns none, 0 the sampled token's, k also the k most
     likely tokens'.
+
+    `prompt_logprobs` (vLLM's name and shape): None scores no prompt token; N returns
+    `RequestOutput.prompt_logprobs`, a list with one entry per prompt token: None for the first
+    (nothing predicts it), then a dict `{token_id: Logprob}` holding the actual prompt token and
+    the N most likely tokens at that position (N or N+1 entries; 0: only the actual token). They
+    are log-softmax values of the model's raw logits, from the same forward pass as the
+    prefill. A request that asks for them does not read the prefix cache (as in vLLM): every
+    prompt position is computed, since a cached block holds K/V, not the logits that scored it;
+    `num_cached_tokens` is then 0. Its blocks are not registered in the cache either (the block
+    manager is asked for them by count). With `n > 1` the prompt is scored once.
+
+    `cache_salt` (vLLM's name): requests share prefix-cached KV blocks only with requests of
+    the same salt (None: the unsalted cache). A salt is a non-empty string of at most 1024
+    characters; an empty string is refused (as vLLM does), not taken as None.
     """
 
     n: int = 1
@@ -44,6 +59,8 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
@@ -69,10 +86,36 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", stops)
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidParams(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise InvalidParams(f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
+                                f"got {self.prompt_logprobs!r}")
+        _check_cache_salt(self.cache_salt)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+
+def _check_cache_salt(salt: object) -> None:
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise InvalidParams(f"cache_salt must be None or a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                            f"characters, got {salt!r:.80}")
+
+
+@dataclass(slots=True, frozen=True)
+class Logprob:
+    """One token's log-probability at a prompt position (vLLM's `Logprob`): `rank` 1 is the
+    most likely token; `decoded_token` its text (None without a tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass(slots=True)
@@ -103,6 +146,10 @@ class RequestOutput:
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
     finished: bool = False
     error: str | None = None            # why the engine could not serve it (finish reason "error")
+    # with SamplingParams.prompt_logprobs: None until the whole prompt is scored, then per
+    # prompt token None (the first) or {token_id: Logprob}
+    prompt_logprobs: PromptLogprobs | None = None
 
 
-__all__ = ["CompletionOutput", "InvalidParams", "MAX_N", "RequestOutput", "SamplingParams"]
+__all__ = ["MAX_CACHE_SALT_CHARS", "MAX_N", "CompletionOutput", "InvalidParams", "Logprob", "PromptLogprobs",
+           "RequestOutput", "SamplingParams"]

@@ -50,7 +50,8 @@ from dataclasses import dataclass, field
 from block_manager.client import PoolStepInfo
 from engine.errors import EngineFailure, NodeError, NodeMovedOn
 from engine.failure_policy import MAX_REFUSALS_IN_A_ROW, Action, Item, action_for
-from engine.node_api import NodeStep, SampledToken, SamplingSpec, SeqStep
+from engine.node_api import NodeStep, PromptLogprobsSpec, SampledToken, SamplingSpec, SeqStep, StepAnswer
+from engine.prompt_scores import answer_matches, scoring_spec, store_scores
 from engine.sequence import SeqStatus, Sequence
 from pagedkv.logging import get_logger
 
@@ -69,6 +70,7 @@ class Work:
     sample: bool
     speculative: bool = False    # its one token is the one the step in flight samples
     dropped: bool = False        # speculative, and its sequence did not go on as speculated
+    scoring: PromptLogprobsSpec | None = None   # the prompt tokens its node scores (engine.prompt_scores)
 
     @property
     def live(self) -> bool:
@@ -116,8 +118,9 @@ class NodePipeline:
             for w in work.get(node_id, ()):
                 seq = w.seq
                 if not w.speculative:
+                    w.scoring = scoring_spec(seq, w.context_len - len(w.token_ids), w.context_len)
                     seq_steps.append(SeqStep(w.seq_id, w.token_ids, w.context_len, seq.num_output_tokens,
-                                             _sampling(seq) if w.sample else None))
+                                             _sampling(seq) if w.sample else None, w.scoring))
                 elif w.live:
                     # its index counts the token in flight, accepted or not yet
                     ss = SeqStep(w.seq_id, w.token_ids, w.context_len,
@@ -292,10 +295,24 @@ class NodePipeline:
                 if not w.live:
                     continue   # stopped, aborted or preempted meanwhile: its token is not its
                 w.seq.num_computed = w.context_len
+                if w.scoring is not None and not self._store_scores(job.node_id, w, answer):   # type: ignore[arg-type]
+                    continue
                 if tok is not None:
                     self._accept(w.seq, tok, now)
         self.stats.complete_s += time.perf_counter() - now
         return failed
+
+    def _store_scores(self, node_id: str, w: Work, answer: list[SampledToken]) -> bool:
+        """Keep the prompt scores a node answered for `w`; a node that answered none (one that
+        predates prompt scoring ignores the request's field) fails the request, not the engine."""
+        spec = w.scoring
+        scores = answer.prompt_logprobs.get(w.seq_id) if isinstance(answer, StepAnswer) else None
+        if spec is None or not answer_matches(spec, scores) or scores is None:
+            self._fail_request(w.seq.request, f"node {node_id!r} did not answer the prompt log-probabilities "
+                                              "it was asked for")
+            return False
+        store_scores(w.seq.request, w.context_len - len(w.token_ids), scores, spec, self.detokenize)
+        return True
 
     def _node_action(self, node_id: str, error: NodeError) -> Action:
         """The failure table's action for a node's failed step; STOP_ENGINE raises here (also

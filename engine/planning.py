@@ -127,7 +127,12 @@ class StepPlanner:
             if admitted and carried + len(tokens) > cap:
                 break
             seq_id = seq.new_admission_id()
-            batch.allocate(seq_id, None, tokens)
+            if seq.request.scoring_prompt:
+                # by count: no prefix-cache hit skips a position whose log-probability is asked
+                # (engine.prompt_scores); the blocks are not hashed either
+                batch.allocate(seq_id, None, num_tokens=len(tokens))
+            else:
+                batch.allocate(seq_id, None, tokens, salt=seq.request.params.cache_salt)
             admitted.append((seq, seq_id))
             carried += len(tokens)
         return admitted

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from engine.node_api import SamplingSpec
-from engine.params import CompletionOutput, SamplingParams
+from engine.params import CompletionOutput, PromptLogprobs, SamplingParams
 
 
 class SeqStatus(Enum):
@@ -78,10 +78,19 @@ class Request:
     aborted: bool = False
     error: str | None = None       # why the engine could not serve it (its completions end with "error")
     detok_offsets: list[int] = field(default_factory=list)   # per completion: chars already emitted
+    # SamplingParams.prompt_logprobs: per prompt position, None until scored (the first always
+    # None); filled by position as chunks come back (engine.prompt_scores)
+    prompt_logprobs: PromptLogprobs | None = None
+    num_prompt_scored: int = 0     # positions 1 … of the prompt scored so far
 
     @property
     def finished(self) -> bool:
         return all(o.finished for o in self.outputs)
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Whether the prompt still has positions to score (its admissions bypass the prefix cache)."""
+        return self.prompt_logprobs is not None and self.num_prompt_scored < len(self.prompt_token_ids) - 1
 
 
 @dataclass(slots=True, eq=False)

@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from compute_node.model.batch import SeqOutput, SeqWork
+    from compute_node.model.batch import PromptLogprobs, PromptLogprobsRequest, SeqOutput, SeqWork, StepResult
     from compute_node.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
     from compute_node.model.errors import (
         ContextTooLong,
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 # Names resolve on first use (PEP 562), so importing `compute_node.model.config` or `.errors`
 # (a CLI checking a model directory) does not import the runner and torch with them.
 _SOURCES = {
-    "batch": ("SeqOutput", "SeqWork"),
+    "batch": ("PromptLogprobs", "PromptLogprobsRequest", "SeqOutput", "SeqWork", "StepResult"),
     "config": ("SUPPORTED_ARCHITECTURES", "ModelConfig"),
     "errors": ("ContextTooLong", "InvalidBatch", "InvalidModelConfig", "InvalidSamplingParams", "ModelError",
                "ModelLoadError", "ModelNotFound", "UnsupportedModel", "WeightsError"),
@@ -61,9 +61,12 @@ __all__ = [
     "ModelLoadError",
     "ModelNotFound",
     "ModelRunner",
+    "PromptLogprobs",
+    "PromptLogprobsRequest",
     "SamplingParams",
     "SeqOutput",
     "SeqWork",
+    "StepResult",
     "StepTimings",
     "UnsupportedModel",
     "WeightsError",

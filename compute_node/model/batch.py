@@ -9,14 +9,14 @@ leaves a half-written pool behind.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from compute_node.model.attention import AttentionMetadata
 from compute_node.model.errors import ContextTooLong, InvalidBatch
-from compute_node.model.sampling import SamplingParams
+from compute_node.model.sampling import MAX_LOGPROBS, SamplingParams
 from compute_node.pool import PoolGeometry
 
 
@@ -29,7 +29,8 @@ class SeqWork:
     `block_table` maps logical block i to a block id and must cover every position up to the
     new ones. `sample` None computes K/V only (a middle chunk of a chunked prefill);
     otherwise the token after the last new one is sampled, as the sequence's output number
-    `num_output_tokens` (the counter a seeded draw uses).
+    `num_output_tokens` (the counter a seeded draw uses). `prompt_logprobs` scores prompt
+    tokens from this step's own rows (`PromptLogprobsRequest`); None computes no extra logits.
     """
 
     seq_id: str
@@ -38,10 +39,37 @@ class SeqWork:
     block_table: Sequence[int]
     sample: SamplingParams | None = None
     num_output_tokens: int = 0
+    prompt_logprobs: PromptLogprobsRequest | None = None
 
     @property
     def num_new_tokens(self) -> int:
         return len(self.token_ids)
+
+
+@dataclass(slots=True, frozen=True)
+class PromptLogprobsRequest:
+    """Score the tokens that follow positions `first_position …` of a sequence: the row at
+    position `first_position + i` predicts `target_token_ids[i]`.
+
+    Why positions and not row indices: a node may prepend tokens to a sequence's work after the
+    scheduler sent it (a failed prefix fetch is recomputed in the same step), so the rows are
+    found by position. Every scored position must be one this step computes."""
+
+    first_position: int
+    target_token_ids: tuple[int, ...]
+    num_top: int = 0
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """The answer to a `PromptLogprobsRequest`: per target, its raw log-probability (float32
+    log-softmax of the logits), its rank among the vocabulary (1: the most likely) and the
+    `num_top` most likely (token id, log-probability) pairs, most likely first."""
+
+    seq_id: str
+    logprobs: list[float]
+    ranks: list[int]
+    top: list[list[tuple[int, float]]]
 
 
 @dataclass(slots=True)
@@ -50,6 +78,15 @@ class SeqOutput:
     token_id: int
     logprob: float | None = None                        # raw logprob of token_id (when asked)
     top_logprobs: list[tuple[int, float]] | None = None   # (token id, logprob), most likely first
+
+
+@dataclass(slots=True)
+class StepResult:
+    """One step's answers: one `SeqOutput` per batch item that samples (None elsewhere), and
+    the prompt log-probabilities of the items that asked, in batch order."""
+
+    outputs: list[SeqOutput | None]
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -69,7 +106,7 @@ def prepare_step(
 ) -> StepInputs:
     """Check `batch` and build the model's flat inputs. Decode sequences (one new token) come
     first, then prefill sequences, so attention splits into two contiguous row ranges."""
-    _check_fields(batch, max_model_len)
+    _check_fields(batch, max_model_len, vocab_size)
     bs = geometry.block_size
     decodes = [i for i, s in enumerate(batch) if len(s.token_ids) == 1]
     prefills = [i for i, s in enumerate(batch) if len(s.token_ids) > 1]
@@ -130,7 +167,7 @@ def prepare_step(
     )
 
 
-def _check_fields(batch: Sequence[SeqWork], max_model_len: int) -> None:
+def _check_fields(batch: Sequence[SeqWork], max_model_len: int, vocab_size: int) -> None:
     seen: set[str] = set()
     for s in batch:
         if s.seq_id in seen:
@@ -146,10 +183,31 @@ def _check_fields(batch: Sequence[SeqWork], max_model_len: int) -> None:
                                f"got {s.num_output_tokens!r}")
         if s.sample is not None and not isinstance(s.sample, SamplingParams):
             raise InvalidBatch(f"sequence {s.seq_id!r}: sample must be SamplingParams or None")
+        if s.prompt_logprobs is not None:
+            _check_prompt_logprobs(s, vocab_size)
         end = s.num_computed_tokens + len(s.token_ids)
         if end > max_model_len:
             raise ContextTooLong(f"sequence {s.seq_id!r}: positions up to {end - 1} exceed the maximum context "
                                  f"length {max_model_len}")
+
+
+def _check_prompt_logprobs(s: SeqWork, vocab_size: int) -> None:
+    """The scored positions lie within the step's new tokens, the targets in the vocabulary, the
+    counts within the limits."""
+    req = s.prompt_logprobs
+    if not isinstance(req, PromptLogprobsRequest):
+        raise InvalidBatch(f"sequence {s.seq_id!r}: prompt_logprobs must be PromptLogprobsRequest or None")
+    first, n = req.first_position, len(req.target_token_ids)
+    end = s.num_computed_tokens + len(s.token_ids)
+    if not _is_int(first) or first < s.num_computed_tokens or first + n > end or n == 0:
+        raise InvalidBatch(f"sequence {s.seq_id!r}: prompt log-probabilities of positions [{first}, {first + n}) "
+                           f"must be a non-empty part of the step's new positions [{s.num_computed_tokens}, {end})")
+    if not _is_int(req.num_top) or not 0 <= req.num_top <= MAX_LOGPROBS:
+        raise InvalidBatch(f"sequence {s.seq_id!r}: prompt log-probabilities num_top must be in [0, {MAX_LOGPROBS}], "
+                           f"got {req.num_top!r}")
+    if not all(_is_int(t) and 0 <= t < vocab_size for t in req.target_token_ids):
+        raise InvalidBatch(f"sequence {s.seq_id!r}: prompt log-probability targets must be token ids in "
+                           f"[0, {vocab_size})")
 
 
 def _token_ids(seqs: list[SeqWork]) -> np.ndarray:

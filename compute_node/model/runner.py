@@ -24,13 +24,17 @@ import torch
 from compute_node.decode_path import StepShape
 from compute_node.host_pool import HostKvPool, host_blocks_for_budget
 from compute_node.model.attention import PhaseTimer
-from compute_node.model.batch import SeqOutput, SeqWork, StepInputs, prepare_step
+from compute_node.model.batch import PromptLogprobs, SeqOutput, SeqWork, StepInputs, StepResult, prepare_step
 from compute_node.model.config import ModelConfig, resolve_dtype
 from compute_node.model.errors import InvalidBatch, ModelLoadError
 from compute_node.model.model import DecoderModel
-from compute_node.model.sampling import Sampler
+from compute_node.model.sampling import Sampler, score_rows
 from compute_node.model.weights import Checkpoint
 from compute_node.pool import KvPool, PoolGeometry, blocks_for_budget, resolve_device
+
+# Rows of prompt logits computed at once (prompt log-probabilities): 256 x a 152k vocabulary
+# is 155 MB of float32, bounded whatever the prompt's length.
+PROMPT_LOGITS_ROWS = 256
 
 
 @dataclass(slots=True)
@@ -145,14 +149,19 @@ class ModelRunner:
                 raise InvalidBatch(f"copy pair {pair!r} must be two block ids in [0, {num_blocks})")
         self.pool.copy_blocks([(int(src), int(dst)) for src, dst in pairs])
 
-    @torch.inference_mode()
     def execute(self, batch: Sequence[SeqWork]) -> list[SeqOutput | None]:
         """Run one step: compute K/V and hidden states of every sequence's new tokens and sample
         one token for each sequence that asks. Returns one entry per `batch` item, in order:
         a `SeqOutput`, or None where `sample` is None. Raises `InvalidBatch` (pool untouched)."""
+        return self.run_step(batch).outputs
+
+    @torch.inference_mode()
+    def run_step(self, batch: Sequence[SeqWork]) -> StepResult:
+        """`execute`, plus the prompt log-probabilities of the items that ask
+        (`SeqWork.prompt_logprobs`), scored from this same forward pass's hidden rows."""
         outputs: list[SeqOutput | None] = [None] * len(batch)
         if not batch:
-            return outputs
+            return StepResult(outputs)
         timings = StepTimings() if self.profile else None
         started = time.perf_counter()
         inputs = self._prepare(batch)
@@ -169,14 +178,36 @@ class ModelRunner:
             sampled_at = time.perf_counter()
             for i, seq, token in zip(inputs.sample_seqs, seqs, sampled):
                 outputs[i] = SeqOutput(seq.seq_id, token.token_id, token.logprob, token.top_logprobs)
+        scored = self._prompt_logprobs(batch, inputs, hidden)
         if timings is not None and timer is not None:
             timings.prepare_s = prepared - started
             timings.attention_s = timer.attention_s
             timings.dense_s = forwarded - prepared - timer.attention_s
-            timings.sample_s = sampled_at - forwarded
+            timings.sample_s = time.perf_counter() - forwarded if scored else sampled_at - forwarded
             timings.total_s = time.perf_counter() - started
             self.last_timings = timings
-        return outputs
+        return StepResult(outputs, scored)
+
+    def _prompt_logprobs(self, batch: Sequence[SeqWork], inputs: StepInputs,
+                         hidden: torch.Tensor) -> list[PromptLogprobs]:
+        """Each asking item's scored rows, in batch order: the LM head runs only over those rows
+        (in slices of `PROMPT_LOGITS_ROWS`, so a long prompt never holds `[tokens, vocab]` logits
+        at once); a step where no item asks computes nothing more than before."""
+        asked = [(j, w, w.prompt_logprobs) for j, w in enumerate(batch) if w.prompt_logprobs is not None]
+        if not asked:
+            return []
+        group_of = {b: g for g, b in enumerate(inputs.row_order)}   # batch index -> row group
+        out: list[PromptLogprobs] = []
+        for j, w, req in asked:
+            first_row = int(inputs.row_starts[group_of[j]]) + req.first_position - w.num_computed_tokens
+            targets = torch.tensor(req.target_token_ids, dtype=torch.int64, device=hidden.device)
+            scored = PromptLogprobs(w.seq_id, [], [], [])
+            for lo in range(0, len(req.target_token_ids), PROMPT_LOGITS_ROWS):
+                hi = min(lo + PROMPT_LOGITS_ROWS, len(req.target_token_ids))
+                logits = self.model.logits(hidden[first_row + lo : first_row + hi])
+                score_rows(logits, targets[lo:hi], req.num_top, scored)
+            out.append(scored)
+        return out
 
     @torch.inference_mode()
     def debug_forward(self, batch: Sequence[SeqWork]) -> DebugForward:

@@ -21,12 +21,16 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from compute_node.model.errors import InvalidSamplingParams
 from pagedkv import seeds
 from pagedkv.seeds import MASK64, mix64
+
+if TYPE_CHECKING:   # batch.py imports this module
+    from compute_node.model.batch import PromptLogprobs
 
 MAX_LOGPROBS = 20
 # Temperatures below this are greedy: dividing logits by them would overflow float32.
@@ -185,6 +189,22 @@ class Sampler:
             k = params[i].logprobs or 0
             if k and top_values is not None and top_ids is not None:
                 results[i].top_logprobs = list(zip(top_ids[j][:k], top_values[j][:k]))
+
+
+def score_rows(logits: torch.Tensor, targets: torch.Tensor, num_top: int, out: PromptLogprobs) -> None:
+    """Append each row's scores of its target token to `out`: raw log-probability (float32
+    log-softmax, as the sampled tokens' logprobs), rank (1 + the tokens scoring strictly higher:
+    ties share the better rank) and the `num_top` most likely tokens."""
+    logprobs = logits.to(torch.float32).log_softmax(dim=-1)
+    chosen = logprobs.gather(-1, targets.unsqueeze(-1))                # [rows, 1]
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    out.logprobs.extend(chosen.squeeze(-1).tolist())
+    out.ranks.extend(int(r) for r in ranks.tolist())
+    if not num_top:
+        out.top.extend([] for _ in range(logits.shape[0]))
+        return
+    top = torch.topk(logprobs, min(num_top, logprobs.shape[-1]), dim=-1)
+    out.top.extend(list(zip(ids, values)) for ids, values in zip(top.indices.tolist(), top.values.tolist()))
 
 
 def _is_int(value: object) -> bool:

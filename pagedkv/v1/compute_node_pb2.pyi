@@ -415,6 +415,7 @@ class GenerateSequence(_message.Message):
     CONTEXT_LEN_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     context_len: _builtins.int
     num_output_tokens: _builtins.int
@@ -425,6 +426,10 @@ class GenerateSequence(_message.Message):
     def sampling(self) -> Global___Sampling:
         """unset: compute K/V only (a middle prefill chunk)"""
 
+    @_builtins.property
+    def prompt_logprobs(self) -> Global___PromptLogprobsRequest:
+        """Score the prompt (prompt log-probabilities): unset computes no logits but the sampled row's."""
+
     def __init__(
         self,
         *,
@@ -433,14 +438,44 @@ class GenerateSequence(_message.Message):
         context_len: _builtins.int = ...,
         sampling: Global___Sampling | None = ...,
         num_output_tokens: _builtins.int = ...,
+        prompt_logprobs: Global___PromptLogprobsRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["prompt_logprobs", b"prompt_logprobs", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_len", b"context_len", "num_output_tokens", b"num_output_tokens", "sampling", b"sampling", "seq_id", b"seq_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_len", b"context_len", "num_output_tokens", b"num_output_tokens", "prompt_logprobs", b"prompt_logprobs", "sampling", b"sampling", "seq_id", b"seq_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GenerateSequence: _TypeAlias = GenerateSequence  # noqa: Y015
+
+@_typing.final
+class PromptLogprobsRequest(_message.Message):
+    """The log-probabilities of prompt tokens, from the rows of this very step (no second pass):
+    new token i (at position `context_len - len(token_ids) + i`) predicts the token after it,
+    `target_token_ids[i]`, for i < len(target_token_ids) (at most every new token).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_TOP_FIELD_NUMBER: _builtins.int
+    TARGET_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    num_top: _builtins.int
+    """also the num_top most likely tokens per row (<= 20)"""
+    @_builtins.property
+    def target_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        num_top: _builtins.int = ...,
+        target_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_top", b"num_top", "target_token_ids", b"target_token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PromptLogprobsRequest: _TypeAlias = PromptLogprobsRequest  # noqa: Y015
 
 @_typing.final
 class GenerateRequest(_message.Message):
@@ -577,26 +612,77 @@ class GenerateStats(_message.Message):
 Global___GenerateStats: _TypeAlias = GenerateStats  # noqa: Y015
 
 @_typing.final
+class PromptLogprobs(_message.Message):
+    """A sequence's answer to `PromptLogprobsRequest`: one entry per target, in order (log-softmax
+    of the model's raw logits, float32).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_ID_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    TOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    seq_id: _builtins.str
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """of each target token"""
+
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """each target's rank in its row (1: the most likely)"""
+
+    @_builtins.property
+    def top_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """num_top per target, row-major, most likely first"""
+
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def __init__(
+        self,
+        *,
+        seq_id: _builtins.str = ...,
+        logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        ranks: _abc.Iterable[_builtins.int] | None = ...,
+        top_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        top_logprobs: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "ranks", b"ranks", "seq_id", b"seq_id", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PromptLogprobs: _TypeAlias = PromptLogprobs  # noqa: Y015
+
+@_typing.final
 class GenerateResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TOKENS_FIELD_NUMBER: _builtins.int
     STATS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def tokens(self) -> _containers.RepeatedCompositeFieldContainer[Global___SampledToken]:
         """one per sequence with `sampling`, in request order"""
 
     @_builtins.property
     def stats(self) -> Global___GenerateStats: ...
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PromptLogprobs]:
+        """one per sequence that asked, in request order"""
+
     def __init__(
         self,
         *,
         tokens: _abc.Iterable[Global___SampledToken] | None = ...,
         stats: Global___GenerateStats | None = ...,
+        prompt_logprobs: _abc.Iterable[Global___PromptLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_logprobs", b"prompt_logprobs", "stats", b"stats", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
