@@ -105,7 +105,7 @@ def test_required_pieces_are_there() -> None:
     assert any(d["metadata"]["name"] == "compute-node-cpu" for d in docs)
     assert ("Service", "api-server") in kinds and ("Deployment", "api-server") in kinds
     assert any(k == "PodDisruptionBudget" for k, _ in kinds)
-    assert any(k == "NetworkPolicy" and n == "default-deny-ingress" for k, n in kinds)
+    assert any(k == "NetworkPolicy" and n == "default-deny" for k, n in kinds)
     for w in _workloads():
         annotations = w["spec"]["template"]["metadata"].get("annotations", {})
         if w["metadata"]["name"] != "postgres":
@@ -296,6 +296,13 @@ def test_services_and_network_policies_use_container_ports() -> None:
                 for peer in rule.get("from", []):
                     if "podSelector" in peer:
                         assert selected(peer["podSelector"]["matchLabels"]), (d["metadata"]["name"], peer)
+            for rule in d["spec"].get("egress", []):
+                for peer in rule.get("to", []):
+                    if "podSelector" in peer and "namespaceSelector" not in peer:   # a pod of these manifests
+                        callees = selected(peer["podSelector"]["matchLabels"])
+                        assert callees, (d["metadata"]["name"], peer)
+                        for p in rule.get("ports", []):
+                            assert any(_resolve(p["port"], c) for c in callees), (d["metadata"]["name"], p)
 
 
 # ---- TLS: certificates as files, one per node ordinal ---------------------------------------
