@@ -1,40 +1,27 @@
 """Every kind of check runs by default (issue 24): long sweeps may move behind `--slow` to keep
-`./scripts/run.sh test` within minutes, but never the last test of a kind. The kinds are
-recognised from test ids, paths and fixtures, so a new test of a kind counts automatically;
-the counts are printed with `-s` (and in the assertion when one is missing).
+`./scripts/run.sh test` within minutes, but never the last test of a kind. The kinds
+(`tests/fixtures/suite_kinds.py`) are recognised from test ids, paths and fixtures, so a new test
+of a kind counts automatically; the counts are printed with `-s` (and in the assertion when one is
+missing).
 
-It judges the whole default suite only: under `-k`, `-m`, or a narrower path it skips.
+Two checks: at collection (below: no kind left with skip markers only) and by outcome at the end
+of the run (`KindOutcomes`, registered by the root conftest.py: a kind whose every test skipped
+at run time, e.g. PostgreSQL without `initdb`, is reported missing, and fails the run in CI).
+Both judge the whole default suite only: under `-k`, `-m`, or a narrower path they stand aside.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from tests.fixtures.suite_kinds import KINDS, whole_default_suite
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _id(item: pytest.Item) -> str:
-    return item.nodeid.lower()
-
-
-KINDS: dict[str, Callable[[pytest.Item], bool]] = {
-    "real service processes (the compose services)": lambda i: _id(i).startswith("integration_tests/"),
-    "PostgreSQL (a real server)": lambda i: "postgres" in _id(i) or any("postgres" in f for f in i.fixturenames),
-    "SIGKILL of a service": lambda i: "sigkill" in _id(i) or "killed" in _id(i),
-    "kernels vs float64 reference": lambda i: _id(i).startswith("tests/kernels/") and "reference" in _id(i),
-    "CUDA kernels in the simulator": lambda i: "test_cuda_kernels_in_simulator" in _id(i),
-    "CUDA compile checks (PTX / SASS)": lambda i: "compile" in _id(i) or "sass" in _id(i),
-    "tokens vs transformers": lambda i: "transformers" in _id(i) or "hf_models" in i.fixturenames,
-    "OpenAI server (real HTTP)": lambda i: "test_api_server" in _id(i) or "test_api_stack" in _id(i),
-    "command-line errors (real processes)": lambda i: "test_cli_errors" in _id(i),
-    "README runs as written": lambda i: "test_readme_runnable_blocks" in _id(i),
-    "property-based (hypothesis)": lambda i: "stateful" in _id(i) or "fuzz" in _id(i),
-    "leader failover (a standby takes over)": lambda i: "failover" in _id(i),
-    "Kubernetes manifests (schema-validated)": lambda i: _id(i).startswith("tests/deploy/test_kubernetes_manifests"),
-}
 
 
 def _skipped(item: pytest.Item) -> bool:
@@ -42,14 +29,8 @@ def _skipped(item: pytest.Item) -> bool:
                for m in item.iter_markers())
 
 
-def _whole_default_suite(config: pytest.Config) -> bool:
-    narrowed = config.option.keyword or config.option.markexpr or config.getoption("--slow")
-    paths = {Path(a.split("::")[0]).resolve() for a in config.args}
-    return not narrowed and (not config.args or paths <= {ROOT, ROOT / "tests", ROOT / "integration_tests"})
-
-
 def test_every_kind_of_check_runs_by_default(request: pytest.FixtureRequest) -> None:
-    if not _whole_default_suite(request.config):
+    if not whole_default_suite(request.config):
         pytest.skip("judges the whole default suite only (run without -k / -m / --slow / narrower paths)")
     items = [i for i in request.session.items if not _skipped(i)]
     counts = {kind: sum(1 for i in items if matches(i)) for kind, matches in KINDS.items()}
@@ -67,3 +48,98 @@ def test_the_heavy_first_schedule_names_existing_modules(request: pytest.Fixture
     missing = [path for path in heavy_first if not (ROOT / path).is_file()]
     assert not missing, f"HEAVY_FIRST (conftest.py) names modules that do not exist: {missing}"
     assert len(set(heavy_first)) == len(heavy_first), "HEAVY_FIRST lists a module twice"
+
+
+# ---- the outcome check and CI's PostgreSQL rule, on a tiny suite in a subprocess ------------
+# (no "postgres" in these tests' names: the PostgreSQL kind matches ids, and these need no server)
+
+_TINY_CONFTEST = """
+import os
+
+import pytest
+
+import tests.fixtures.postgres as pg
+from tests.fixtures.postgres import postgres_cluster  # noqa: F401 (the fixture under test)
+from tests.fixtures.suite_kinds import KindOutcomes
+
+pg._SEARCH_DIRS = ()   # found only on PATH, which the test strips of initdb
+
+
+def pytest_configure(config):
+    kinds = {"PostgreSQL": lambda i: "postgres_cluster" in i.fixturenames,
+             "runtime skip": lambda i: "runtime_skip" in i.nodeid,
+             "plain": lambda i: "plain" in i.nodeid}
+    only = os.environ.get("TINY_KINDS")
+    if only:
+        kinds = {k: v for k, v in kinds.items() if k in only.split(",")}
+    config.pluginmanager.register(KindOutcomes(kinds, judge=lambda config: True), "tiny-kinds")
+"""
+
+_TINY_TESTS = """
+import pytest
+
+
+def test_needs_pg(postgres_cluster):
+    assert postgres_cluster.port
+
+
+def test_runtime_skip():
+    pytest.skip("no accelerator here")
+
+
+def test_plain():
+    assert 1 + 1 == 2
+"""
+
+
+def _run_tiny(tmp_path: Path, *args: str, ci: bool, kinds: str = "") -> subprocess.CompletedProcess[str]:
+    (tmp_path / "conftest.py").write_text(_TINY_CONFTEST)
+    (tmp_path / "test_tiny.py").write_text(_TINY_TESTS)
+    path = os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep)
+                           if d and not (Path(d) / "initdb").exists())
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")}
+    env.update(PATH=path, PYTHONPATH=str(ROOT), TINY_KINDS=kinds, **({"CI": "true"} if ci else {}))
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", "-q", *args],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_pg_fixture_without_a_server_skips_locally_and_the_missing_kinds_are_reported(tmp_path: Path) -> None:
+    proc = _run_tiny(tmp_path, ci=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "1 passed, 2 skipped" in out, out
+    assert "PostgreSQL server binaries (initdb, pg_ctl) not found" in out, out
+    assert "kinds of checks that did not run: 2 (reported only" in out, out
+    assert "PostgreSQL: none of its tests ran (test_tiny.py::test_needs_pg: skipped: PostgreSQL" in out, out
+    assert "runtime skip: none of its tests ran (test_tiny.py::test_runtime_skip: skipped: no accelerator here)" \
+        in out, out
+
+
+def test_pg_fixture_without_a_server_fails_in_ci(tmp_path: Path) -> None:
+    proc = _run_tiny(tmp_path, ci=True)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == pytest.ExitCode.TESTS_FAILED, out
+    assert "1 passed, 1 skipped, 1 error" in out, out
+    assert "CI=true requires them" in out, out
+    assert "kinds of checks that did not run: 2 (the run FAILS (CI))" in out, out
+    assert "PostgreSQL: none of its tests ran (test_tiny.py::test_needs_pg: error at setup)" in out, out
+
+
+def test_a_kind_skipped_at_run_time_fails_ci_with_every_test_green(tmp_path: Path) -> None:
+    """No failure, no error: only the outcome count fails the run (and passes once every kind ran)."""
+    proc = _run_tiny(tmp_path, "-k", "not _pg", ci=True, kinds="runtime skip,plain")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == pytest.ExitCode.TESTS_FAILED, out
+    assert "1 passed, 1 skipped, 1 deselected" in out, out
+    assert "runtime skip: none of its tests ran" in out and "plain:" not in out, out
+    ok = _run_tiny(tmp_path, "-k", "plain", ci=True, kinds="plain")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "did not run" not in ok.stdout, ok.stdout
+
+
+def test_the_outcome_check_judges_on_the_xdist_controller(tmp_path: Path) -> None:
+    """CI runs with xdist workers: the kinds travel with the reports to the controller, which judges."""
+    proc = _run_tiny(tmp_path, "-n", "2", "-k", "not _pg", ci=True, kinds="runtime skip,plain")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == pytest.ExitCode.TESTS_FAILED, out
+    assert "1 passed, 1 skipped" in out and "runtime skip: none of its tests ran" in out, out
