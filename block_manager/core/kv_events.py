@@ -29,7 +29,9 @@ KvTier = Literal["device", "host", "disk"]
 KV_TIERS: tuple[KvTier, ...] = ("device", "host", "disk")
 
 # A change is a plain tuple (built on the append hot path); its first item is its kind:
-#   (STORED, pool_id, tier, block_hash, parent_hash | None, salt | None, num_tokens)
+#   (STORED, pool_id, tier, block_hash, parent_hash | None, salt | None, num_tokens, token_ids)
+#       token_ids: the block's own tuple (a reference, not a copy), for the vLLM-format
+#       publisher, whose BlockStored carries them (service/kv_events_zmq.py)
 #   (REMOVED, pool_id, tier, block_hash)
 #   (CLEARED, pool_id, tier | None)        None: every tier of the node (its pool is gone)
 STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
@@ -52,8 +54,9 @@ class KvChangeLog:
 
     def stored(self, meta: Any) -> None:
         """`meta` (a `BlockMeta`) became findable by its hash in this tier."""
+        tokens = meta.token_ids
         self.out.append((STORED, self.pool_id, self.tier, meta.block_hash, meta.parent_hash, meta.salt,
-                         len(meta.token_ids)))
+                         len(tokens), tokens))
 
     def removed(self, block_hash: BlockHash) -> None:
         self.out.append((REMOVED, self.pool_id, self.tier, block_hash))
@@ -72,8 +75,10 @@ def attach(pool: Any, out: list[KvChange] | None) -> None:
             pool.host.disk.kv_log = None if out is None else KvChangeLog(pool.pool_id, "disk", out)
 
 
-def index_view(pools: dict[PoolId, Any]) -> IndexView:
-    """What every tier of every pool has in its prefix index now, keyed like the events."""
+def index_view(pools: dict[PoolId, Any], with_tokens: bool = False) -> IndexView:
+    """What every tier of every pool has in its prefix index now, keyed like the events.
+    `with_tokens`: each entry also carries the block's token ids (a fourth item), for a
+    publisher that starts from this view and must describe blocks by their tokens."""
     view: IndexView = {}
     for pool_id, pool in pools.items():
         tiers: list[tuple[KvTier, Any]] = [("device", pool)]
@@ -85,7 +90,8 @@ def index_view(pools: dict[PoolId, Any]) -> IndexView:
             entries: dict[BlockHash, BlockInfo] = {}
             for h, b in t.prefix_index.items():
                 m = t.meta[b]
-                entries[h] = (m.parent_hash, m.salt, len(m.token_ids))
+                entries[h] = ((m.parent_hash, m.salt, len(m.token_ids), m.token_ids) if with_tokens
+                              else (m.parent_hash, m.salt, len(m.token_ids)))
             if entries:
                 view[(pool_id, tier)] = entries
     return view
@@ -95,7 +101,7 @@ def apply_change(view: IndexView, change: KvChange) -> None:
     """Replay one change onto a view (what a subscriber does with the events)."""
     kind, pool_id = change[0], change[1]
     if kind == STORED:
-        _, _, tier, h, parent, salt, n = change
+        tier, h, parent, salt, n = change[2:7]
         view.setdefault((pool_id, tier), {})[h] = (parent, salt, n)
     elif kind == REMOVED:
         entries = view.get((pool_id, change[2]))

@@ -138,9 +138,10 @@ class BlockManager:
         """Blocks of the pool's device tier findable by their hash (in use or cached)."""
         return len(self._pool(pool_id).prefix_index)
 
-    def kv_index_view(self) -> IndexView:
-        """Every tier's prefix index as the KV events describe it (what a replay reproduces)."""
-        return _kv_events.index_view(self._pools)
+    def kv_index_view(self, with_tokens: bool = False) -> IndexView:
+        """Every tier's prefix index as the KV events describe it (what a replay reproduces);
+        `with_tokens`: each entry also carries the block's token ids."""
+        return _kv_events.index_view(self._pools, with_tokens)
 
     # ---- lookups --------------------------------------------------------------------
     def _pool(self, pool_id: PoolId) -> Pool:

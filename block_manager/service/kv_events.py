@@ -23,13 +23,19 @@ the journal:
   journal is not read back for events: it records requests, not their effects, and the
   in-memory history already covers the common case (a subscriber reconnecting after a blip).
 - **View.** The hub keeps what the published events describe (node, tier) -> {hash: (parent,
-  salt id, tokens)}, updated per event; a snapshot is a copy of its dicts (C-level copies, not
-  a walk of the core), so a Resync costs the Step path little.
+  salt id, tokens, token ids)}, updated per event (the token ids are the core's own tuples,
+  referenced, not copied: what a vLLM-format snapshot needs, service/kv_events_zmq.py); a
+  snapshot is a copy of its dicts (C-level copies, not a walk of the core), so a Resync costs
+  the Step path little.
 - **Slow subscribers.** Each subscriber has a bounded queue (`subscriber_buffer_events`);
   publishing appends one batch per subscriber (O(1), never awaits). A subscriber is sent at
   most one live message per `batch_interval_s`: batches published meanwhile go together. A subscriber whose queue
   would overflow has it cleared and is marked for a Resync, which it gets as soon as it reads
   again. Nothing a subscriber does reaches the Step path.
+- **Sinks.** Other publishers of the same numbered events (the vLLM-format ZMQ publisher,
+  service/kv_events_zmq.py) register with `add_sink`: each published batch is handed to them
+  as it is to subscribers (their `published` must be O(1) and never wait), and a `reset`
+  tells them (`restarted`) so they can describe the recovered view.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any
+from typing import Any, Protocol
 
 from block_manager.core.kv_events import CLEARED, REMOVED, STORED, IndexView, KvChange
 from block_manager.service.errors import ServerUnavailable
@@ -51,8 +57,10 @@ log = get_logger(__name__)
 
 ID_SHIFT = 32
 MAX_EVENTS_PER_MESSAGE = 512
-# (node, tier) -> {hash: (parent hash | None, salt id, tokens)}
-HubView = dict[tuple[str, str], dict[bytes, tuple[bytes | None, str, int]]]
+# (node, tier) -> {hash: (parent hash | None, salt id, tokens, token ids | None)}
+# (token ids are None only for a view handed to `reset` without them)
+HubInfo = tuple[bytes | None, str, int, tuple[int, ...] | None]
+HubView = dict[tuple[str, str], dict[bytes, HubInfo]]
 
 
 def salt_id(salt: str | None) -> str:
@@ -70,7 +78,10 @@ def volatile_base() -> int:
 
 @dataclass(slots=True)
 class Event:
-    """One numbered event (a chain of stored blocks, a set of removed ones, or a clear)."""
+    """One numbered event (a chain of stored blocks, a set of removed ones, or a clear).
+
+    A clear of one tier lists the hashes it dropped in `block_hashes` (a vLLM-format stream,
+    which has no per-tier clear, says `BlockRemoved` of them); a clear of every tier lists none."""
 
     event_id: int
     kind: str                      # STORED, REMOVED, CLEARED
@@ -81,6 +92,17 @@ class Event:
     num_tokens: int = 0
     salt_id: str = ""
     encoded: Any = None            # its wire form, built once for all subscribers (servicer's codec)
+    token_ids: list[tuple[int, ...]] | None = None   # STORED: each block's token ids (referenced)
+
+
+class HubSink(Protocol):
+    """Another publisher of the hub's events (service/kv_events_zmq.py)."""
+
+    def published(self, events: list[Event]) -> None:
+        """One published batch, in order; O(1), never waits (it runs on the Step path)."""
+
+    def restarted(self) -> None:
+        """The hub was reset to a recovered view (a start or a takeover)."""
 
 
 # (node, tier, hash, parent hash | None, salt id, tokens): one block of a snapshot
@@ -162,6 +184,7 @@ class KvEventHub:
         self.subscribers: set[Subscription] = set()
         self._staged: deque[list[Any]] = deque()   # [changes, committed]
         self._salt_ids: dict[str, str] = {}
+        self.sinks: list[HubSink] = []
         self.num_published = 0
         self.num_resyncs = 0
         self.num_overflows = 0
@@ -174,8 +197,19 @@ class KvEventHub:
         self.head = self.boot_id = base
         self.history.clear()
         self._staged.clear()
-        self.view = {(pid, tier): {h: (p, self._salt_id(s), n) for h, (p, s, n) in entries.items()}
+        self.view = {(pid, tier): {h: (info[0], self._salt_id(info[1]), info[2], info[3] if len(info) > 3 else None)
+                                   for h, info in entries.items()}
                      for (pid, tier), entries in view.items()}
+        for sink in self.sinks:
+            sink.restarted()
+
+    def add_sink(self, sink: HubSink) -> None:
+        """`sink` gets every batch published from now on (and hears of every reset)."""
+        self.sinks.append(sink)
+
+    def remove_sink(self, sink: HubSink) -> None:
+        if sink in self.sinks:
+            self.sinks.remove(sink)
 
     def close_all(self, reason: str) -> None:
         for sub in self.subscribers:
@@ -224,6 +258,8 @@ class KvEventHub:
         self.num_published += len(events)
         for sub in self.subscribers:
             sub.offer(events)
+        for sink in self.sinks:
+            sink.published(events)
 
     def _coalesce(self, changes: Iterable[KvChange]) -> list[Event]:
         """Number the changes, merging runs: a chain of stored blocks (same node, tier and
@@ -235,15 +271,16 @@ class KvEventHub:
         for c in changes:
             kind, node = c[0], c[1]
             if kind == STORED:
-                _, _, tier, h, parent, salt, n = c
+                _, _, tier, h, parent, salt, n, tokens = c
                 sid = self._salt_id(salt)
-                view.setdefault((node, tier), {})[h] = (parent, sid, n)
+                view.setdefault((node, tier), {})[h] = (parent, sid, n, tokens)
                 if (last is not None and last.kind == STORED and last.node_id == node and last.tier == tier
                         and last.salt_id == sid and last.block_hashes[-1] == parent):
                     last.block_hashes.append(h)
                     last.num_tokens += n
+                    last.token_ids.append(tokens)   # type: ignore[union-attr]
                     continue
-                last = Event(self.head + 1, STORED, node, tier, [h], parent, n, sid)
+                last = Event(self.head + 1, STORED, node, tier, [h], parent, n, sid, token_ids=[tokens])
             elif kind == REMOVED:
                 tier, h = c[2], c[3]
                 entries = view.get((node, tier))
@@ -257,9 +294,12 @@ class KvEventHub:
                 last = Event(self.head + 1, REMOVED, node, tier, [h])
             else:
                 tier = c[2]
+                dropped: list[bytes] = []
                 for key in [k for k in view if k[0] == node and (tier is None or k[1] == tier)]:
+                    if tier is not None:
+                        dropped.extend(view[key])
                     del view[key]
-                last = Event(self.head + 1, CLEARED, node, tier, [])
+                last = Event(self.head + 1, CLEARED, node, tier, dropped)
             self.head += 1
             events.append(last)
         return events
@@ -340,7 +380,7 @@ class KvEventHub:
         num_blocks = 0
         batch: list[SnapshotBlock] = []
         for (node, tier), entries in snapshot:
-            for h, (parent, salt, n) in entries.items():
+            for h, (parent, salt, n, _tokens) in entries.items():
                 batch.append((node, tier, h, parent, salt, n))
                 num_blocks += 1
                 if len(batch) >= MAX_EVENTS_PER_MESSAGE:
@@ -351,4 +391,5 @@ class KvEventHub:
         yield Frame("snapshot_end", sid, blocks=batch, num_blocks=num_blocks)
 
 
-__all__ = ["Event", "Frame", "KvEventHub", "SnapshotBlock", "Subscription", "journal_base", "salt_id", "volatile_base"]
+__all__ = ["Event", "Frame", "HubSink", "HubView", "KvEventHub", "SnapshotBlock", "Subscription", "journal_base",
+           "salt_id", "volatile_base"]

@@ -296,7 +296,7 @@ class ServiceRuntime:
             return
         core.record_kv_changes()
         base = journal_base(self.store.last_seq_no) if self.writer.journal else volatile_base()
-        self.kv_events.reset(base, core.kv_index_view())
+        self.kv_events.reset(base, core.kv_index_view(with_tokens=True))
 
     def _stage_kv_changes(self) -> list[Any] | None:
         return self.kv_events.stage(self.state.core.take_kv_changes())

@@ -178,8 +178,8 @@ def test_seeds_and_a_removed_pool_are_kv_changes_of_the_disk_tier() -> None:
     m.add_pool("p", 4, BS, host_num_blocks=2, disk_num_blocks=4, disk_blocks=(
         SeedBlock(3, h[0], None, None, (1, 2, 3, 4), 1), SeedBlock(0, h[1], h[0], None, (5, 6, 7, 8), 2),
         SeedBlock(1, h[1], h[0], None, (5, 6, 7, 9), 3)))   # content that is not its hash: left out
-    assert m.take_kv_changes() == [("stored", "p", "disk", h[0], None, None, 4),
-                                   ("stored", "p", "disk", h[1], h[0], None, 4)]
+    assert m.take_kv_changes() == [("stored", "p", "disk", h[0], None, None, 4, (1, 2, 3, 4)),
+                                   ("stored", "p", "disk", h[1], h[0], None, 4, (5, 6, 7, 8))]
     assert m.kv_index_view() == {("p", "disk"): {h[0]: (None, None, 4), h[1]: (h[0], None, 4)}}
     m.remove_pool("p")
     assert m.take_kv_changes() == [("cleared", "p", None)] and m.kv_index_view() == {}

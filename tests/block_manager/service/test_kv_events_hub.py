@@ -17,7 +17,7 @@ def h(i: int) -> bytes:
 
 
 def stored(i: int, parent: int | None, pool: str = "n1", tier: str = "device", salt: str | None = None) -> tuple:
-    return (STORED, pool, tier, h(i), None if parent is None else h(parent), salt, 16)
+    return (STORED, pool, tier, h(i), None if parent is None else h(parent), salt, 16, tuple(range(i, i + 16)))
 
 
 def test_chains_coalesce_and_everything_else_keeps_its_order() -> None:
@@ -40,7 +40,9 @@ def test_chains_coalesce_and_everything_else_keeps_its_order() -> None:
         (REMOVED, "host", 1), (CLEARED, None, 0)]
     assert events[0].num_tokens == 48 and events[0].parent_hash is None and events[2].salt_id == salt_id("t")
     # the view: what is left on n1's device (n2 cleared, nothing was on n1's host)
-    assert hub.view == {("n1", "device"): {h(3): (h(2), "", 16), h(4): (h(9), "", 16), h(5): (h(4), salt_id("t"), 16)}}
+    t = lambda i: tuple(range(i, i + 16))   # noqa: E731 - the token ids `stored(i)` carries
+    assert hub.view == {("n1", "device"): {h(3): (h(2), "", 16, t(3)), h(4): (h(9), "", 16, t(4)),
+                                           h(5): (h(4), salt_id("t"), 16, t(5))}}
 
 
 def test_commits_publish_in_apply_order() -> None:
