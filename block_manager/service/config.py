@@ -68,6 +68,52 @@ class KvEventSettings(BaseModel):
     subscriber_buffer_events: int = Field(default=10_000, ge=1, le=1 << 24)
     # At most one live message per subscriber per interval (0: one per published batch).
     batch_interval_s: float = Field(default=0.005, ge=0.0, le=1.0)
+    # The same events in vLLM's wire format on ZMQ (service/kv_events_zmq.py), for routers that
+    # read vLLM's stream: a PUB socket bound at `zmq_endpoint` (None: off), one topic per node
+    # (`zmq_topic`, "{node}" is the node id), and a ROUTER at `zmq_replay_endpoint` (None: no
+    # replay) answering from the newest `zmq_buffer_batches` batches. At most `zmq_queue_batches`
+    # published batches wait for the publisher thread; past that they are dropped for a
+    # snapshot (the Step path never waits for ZMQ). `zmq_hwm`: the sockets' high-water mark.
+    zmq_endpoint: str | None = None
+    zmq_replay_endpoint: str | None = None
+    zmq_topic: str = "kv@{node}"
+    zmq_buffer_batches: int = Field(default=10_000, ge=1, le=1 << 20)
+    zmq_queue_batches: int = Field(default=10_000, ge=1, le=1 << 20)
+    zmq_hwm: int = Field(default=100_000, ge=0)
+
+    @field_validator("zmq_endpoint", "zmq_replay_endpoint")
+    @classmethod
+    def _zmq_endpoint(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        scheme, sep, rest = value.partition("://")
+        if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest:
+            raise ValueError(f"{value!r} is not a ZMQ endpoint to bind (tcp://HOST:PORT, ipc://PATH or inproc://NAME)")
+        if scheme == "tcp" and not rest.rpartition(":")[2].isdigit() and not rest.endswith(":*"):
+            raise ValueError(f"{value!r}: a tcp endpoint needs a port (tcp://HOST:PORT; 0 or * for an ephemeral one)")
+        return value
+
+    @field_validator("zmq_topic")
+    @classmethod
+    def _zmq_topic(cls, value: str) -> str:
+        if "{node}" not in value:
+            raise ValueError(f"{value!r} must contain {{node}}: every node's events go out on a topic of their own")
+        try:
+            value.format(node="n")
+        except (IndexError, KeyError, ValueError) as exc:
+            raise ValueError(f"{value!r} is not a topic template with {{node}} only: {exc}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _zmq_needs_events(self) -> KvEventSettings:
+        if self.zmq_endpoint is not None and not self.enabled:
+            raise ValueError("zmq_endpoint needs kv_events.enabled (the ZMQ publisher sends the same events)")
+        if self.zmq_replay_endpoint is not None and self.zmq_endpoint is None:
+            raise ValueError("zmq_replay_endpoint needs zmq_endpoint (replay answers from what was published)")
+        if (self.zmq_replay_endpoint is not None and self.zmq_replay_endpoint == self.zmq_endpoint
+                and not self.zmq_endpoint.endswith((":0", ":*"))):   # two ephemeral ports differ
+            raise ValueError("zmq_replay_endpoint must differ from zmq_endpoint")
+        return self
 
 
 class BlockManagerConfig(YamlEnvSettings):

@@ -36,6 +36,7 @@ from block_manager.service.defrag_runner import DefragRunner
 from block_manager.service.errors import RecoveryError
 from block_manager.service.follower import JournalFollower
 from block_manager.service.interceptors import ErrorMappingInterceptor
+from block_manager.service.kv_events_zmq import ZmqKvEventPublisher
 from block_manager.service.leadership import NotLeading
 from block_manager.service.metrics import ServiceMetrics
 from block_manager.service.runtime import Phase, ServiceRuntime
@@ -91,6 +92,8 @@ class BlockManagerServer:
         self.port: int | None = None
         self._stopped = asyncio.Event()
         self.failed = asyncio.Event()  # set when the journal failed (fail-stop)
+        # KV events in vLLM's format on ZMQ (kv_events.zmq_endpoint; service/kv_events_zmq.py)
+        self.kv_events_zmq: ZmqKvEventPublisher | None = None
 
     def _open_store(self) -> Store:
         return open_store(self.config.database_url, self._store_options())
@@ -143,6 +146,11 @@ class BlockManagerServer:
         self.health = install_health_and_reflection(server, (DATA_SERVICE, ADMIN_SERVICE), self.tasks)
         try:
             self.port = bind(server, cfg.listen_address, cfg.tls)
+            if cfg.kv_events.zmq_endpoint is not None:
+                # before recovery: the hub's reset then sends the recovered view as a snapshot
+                self.kv_events_zmq = ZmqKvEventPublisher.from_settings(
+                    runtime.kv_events, cfg.kv_events, nodes=lambda: runtime.state.core.pool_ids)
+                self.kv_events_zmq.start()
         except (OSError, ValueError):
             await asyncio.to_thread(store.close)
             raise
@@ -278,6 +286,8 @@ class BlockManagerServer:
             self.defrag.close()
         if self.runtime is not None:
             await self.runtime.close()
+        if self.kv_events_zmq is not None:
+            await asyncio.to_thread(self.kv_events_zmq.close)   # sends what is queued, closes its sockets
         await self.tasks.cancel_all()
         self.metrics.close()
         if self.runtime is not None:   # a start that failed before the store opened stopped nothing
@@ -352,11 +362,22 @@ def main(argv: list[str] | None = None) -> int:
         "--migrate", action="store_true", default=None,
         help="upgrade an older store schema at start-up (default: refuse and name `block-manager db upgrade`)",
     )
+    parser.add_argument("--kv-events-zmq", metavar="ENDPOINT",
+                        help="publish KV events in vLLM's format on a ZMQ PUB socket bound here (tcp://HOST:PORT)")
+    parser.add_argument("--kv-events-zmq-replay", metavar="ENDPOINT",
+                        help="a ZMQ ROUTER socket bound here replays recent batches (vLLM's replay protocol)")
+    parser.add_argument("--kv-events-zmq-topic", metavar="TEMPLATE",
+                        help='the topic of each node\'s events, with "{node}" (default "kv@{node}")')
     args = parser.parse_args(argv)
     overrides = flag_overrides(
         (("listen_address", args.listen), ("database_url", args.database_url), ("metrics_port", args.metrics_port),
          ("migrate", args.migrate))
     )
+    zmq_flags = flag_overrides((("zmq_endpoint", args.kv_events_zmq),
+                                ("zmq_replay_endpoint", args.kv_events_zmq_replay),
+                                ("zmq_topic", args.kv_events_zmq_topic)))
+    if zmq_flags:
+        overrides["kv_events"] = zmq_flags   # merged into the file's and the environment's kv_events
     return run_service_main(
         "block-manager",
         lambda: load_config(args.config, **overrides),
