@@ -21,7 +21,7 @@ from engine.api.metrics import ApiMetrics
 from engine.api.protocol import Prompt
 from engine.async_engine import AsyncLLMEngine
 from engine.errors import EngineError
-from engine.params import CompletionOutput, RequestOutput, SamplingParams
+from engine.params import CompletionOutput, PromptLogprobs, RequestOutput, SamplingParams
 
 
 class _Fanout:
@@ -145,6 +145,10 @@ class Generation:
     choices: list[Choice] = field(init=False)
     cached_tokens: dict[int, int] = field(default_factory=dict)
     finished: bool = False             # the whole answer went out
+    # `echo` with max_tokens=0: the engine generates one token (it always samples after the
+    # prefill), which the answer leaves out; usage counts no completion token
+    echo_only: bool = False
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)   # per prompt, once scored
     _first_token: set[int] = field(default_factory=set)
     _fan: _Fanout | None = None
 
@@ -157,7 +161,7 @@ class Generation:
         return sum(len(p.token_ids) for p in self.prompts)
 
     def usage(self) -> dict[str, Any]:
-        completion = sum(c.num_tokens for c in self.choices)
+        completion = 0 if self.echo_only else sum(c.num_tokens for c in self.choices)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())}}
@@ -174,6 +178,8 @@ class Generation:
                     raise EngineError(out.error)
                 now = time.perf_counter()
                 self.cached_tokens[i] = out.num_cached_tokens
+                if out.prompt_logprobs is not None:
+                    self.prompt_logprobs[i] = out.prompt_logprobs
                 batch = []
                 for o in out.outputs:
                     choice = self.choices[i * n + o.index]

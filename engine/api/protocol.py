@@ -5,7 +5,10 @@ Requests are pydantic models that accept unknown fields (clients send `user`, `m
 `store`, ... which change nothing here) and check the rest by hand, so every refusal names the
 parameter it is about, as OpenAI's `{"error": {"message", "type", "param", "code"}}` does.
 Extensions beyond OpenAI's parameters, as vLLM accepts them: `top_k`, `min_p`,
-`stop_token_ids`, `ignore_eos` (both endpoints), `add_generation_prompt` (chat).
+`stop_token_ids`, `ignore_eos`, `cache_salt` (both endpoints), `add_generation_prompt` (chat).
+`echo` (completions) returns the prompt before the completion and, with `logprobs`, the
+prompt tokens' log-probabilities (the first token's null), as OpenAI's legacy API and vLLM do;
+`max_tokens=0` is allowed with `echo` only and returns just the prompt (vLLM's behaviour).
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class _Request(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = False
     repetition_penalty: float | None = None
+    cache_salt: str | None = None          # isolates the prefix cache per tenant (engine.params)
 
     @property
     def include_usage(self) -> bool:
@@ -118,8 +122,6 @@ def check_unsupported(req: _Request) -> None:
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise bad_request("echo is not supported", "echo")
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != (req.n or 1):
@@ -206,9 +208,11 @@ def _finite(value: float | None, name: str) -> None:
 
 
 def sampling_params(
-    req: CompletionRequest | ChatCompletionRequest, max_tokens: int, *, logprobs: int | None
+    req: CompletionRequest | ChatCompletionRequest, max_tokens: int, *, logprobs: int | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    """The engine's parameters; OpenAI's ranges on top of the engine's own checks."""
+    """The engine's parameters; OpenAI's ranges on top of the engine's own checks.
+    `prompt_logprobs`: score the prompt too (completions with `echo` and `logprobs`)."""
     n = 1 if req.n is None else req.n
     if not 1 <= n <= MAX_N:
         raise bad_request(f"n must be an integer in [1, {MAX_N}], got {n}", "n")
@@ -231,6 +235,8 @@ def sampling_params(
             ignore_eos=bool(req.ignore_eos),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            cache_salt=req.cache_salt,
         )
     except InvalidParams as exc:
         message = str(exc)
@@ -238,13 +244,15 @@ def sampling_params(
 
 
 def requested_max_tokens(req: CompletionRequest | ChatCompletionRequest) -> tuple[int | None, str]:
-    """The explicit output limit and the parameter it came from (None: not given)."""
+    """The explicit output limit and the parameter it came from (None: not given); 0 only for
+    a completion with `echo` (the prompt alone, as vLLM answers it)."""
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         value, name = req.max_completion_tokens, "max_completion_tokens"
     else:
         value, name = req.max_tokens, "max_tokens"
-    if value is not None and value < 1:
-        raise bad_request(f"{name} must be at least 1, got {value}", name)
+    echo_only = isinstance(req, CompletionRequest) and bool(req.echo) and value == 0
+    if value is not None and value < 1 and not echo_only:
+        raise bad_request(f"{name} must be at least 1 (0 only with echo), got {value}", name)
     return value, name
 
 

@@ -41,6 +41,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.api.echo import merge_logprobs, prompt_logprobs_part, top_dict
 from engine.api.generation import Choice, Generation, Update
 from engine.api.metrics import ApiMetrics
 from engine.api.protocol import (
@@ -145,7 +146,7 @@ class _Server:
             choice.text_offset += len(text)
         tops = None
         if o.top_logprobs is not None:
-            tops = [{self.token_text(tid): _finite_logprob(lp) for tid, lp in row} for row in o.top_logprobs[start:end]]
+            tops = [top_dict([(self.token_text(tid), lp) for tid, lp in row]) for row in o.top_logprobs[start:end]]
         return {"tokens": tokens, "token_logprobs": [_finite_logprob(x) for x in o.logprobs[start:end]],
                 "top_logprobs": tops, "text_offset": offsets}
 
@@ -244,19 +245,24 @@ class _Server:
         max_tokens = resolve_max_tokens(prompts, requested, param, COMPLETIONS_DEFAULT_MAX_TOKENS,
                                         prompt_param="prompt", max_model_len=self.max_model_len,
                                         kv_capacity=self.kv_capacity)
-        params = sampling_params(req, max_tokens, logprobs=logprobs_count(req))
-        gen = Generation(self.aeng, self.metrics, prompts, params, stops, f"cmpl-{uuid.uuid4().hex}")
+        logprobs, echo = logprobs_count(req), bool(req.echo)
+        # max_tokens=0 (echo only): the engine samples one token after the prefill; it is left out
+        params = sampling_params(req, max(max_tokens, 1), logprobs=logprobs,
+                                 prompt_logprobs=logprobs if echo else None)
+        gen = Generation(self.aeng, self.metrics, prompts, params, stops, f"cmpl-{uuid.uuid4().hex}",
+                         echo_only=requested == 0)
         base = {"id": gen.request_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
         include_usage = req.include_usage
+        body = self._completion_body(gen, echo, logprobs is not None)
 
         def chunks(batch: list[Update]) -> list[dict[str, Any]]:
             out = []
             for u in batch:
-                lp = self.completion_logprobs(u.choice, u.start, u.end)
-                if not u.delta and u.choice.finish_reason is None and not lp:
+                text, lp = body(u.choice, u.delta, u.start, u.end)
+                if not text and u.choice.finish_reason is None and not lp:
                     continue
-                out.append({**base, "choices": [{"index": u.choice.index, "text": u.delta, "logprobs": lp,
+                out.append({**base, "choices": [{"index": u.choice.index, "text": text, "logprobs": lp,
                                                  "finish_reason": u.choice.finish_reason}],
                             **({"usage": None} if include_usage else {})})
             return out
@@ -265,12 +271,39 @@ class _Server:
             return [{**base, "choices": [], "usage": gen.usage()}] if include_usage else []
 
         def answer() -> dict[str, Any]:
-            return {**base, "choices": [
-                {"index": c.index, "text": c.text, "logprobs": self.completion_logprobs(c, 0, c.num_tokens),
-                 "finish_reason": c.finish_reason} for c in gen.choices
-            ], "usage": gen.usage()}
+            choices = []
+            for c in gen.choices:
+                text, lp = body(c, c.text, 0, c.num_tokens)
+                choices.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+            return {**base, "choices": choices, "usage": gen.usage()}
 
         return await self.run(request, gen, bool(req.stream), chunks, [], tail, answer)
+
+    def _completion_body(self, gen: Generation, echo: bool,
+                         logprobs: bool) -> Callable[[Choice, str, int, int], tuple[str, dict[str, Any] | None]]:
+        """A choice update's text and `logprobs` (tokens `start … end` of its completion); with
+        `echo`, a choice's first update starts with the prompt and its scores (`engine.api.echo`),
+        and the completion's text offsets continue the prompt tokens' (each token's offset is
+        the sum of the token texts before it, as vLLM counts them)."""
+        echoed: set[int] = set()
+        texts = [p.text if p.text is not None else self.tokenizer.decode(p.token_ids)
+                 for p in gen.prompts] if echo else []
+        if echo:
+            ends = [sum(len(self.token_text(t)) for t in p.token_ids) for p in gen.prompts]
+            for c in gen.choices:
+                c.text_offset = ends[c.prompt_index]
+
+        def body(c: Choice, delta: str, start: int, end: int) -> tuple[str, dict[str, Any] | None]:
+            text, lp = ("", None) if gen.echo_only else (delta, self.completion_logprobs(c, start, end))
+            if not echo or c.index in echoed:
+                return text, lp
+            echoed.add(c.index)
+            p = gen.prompts[c.prompt_index]
+            prompt_lp = prompt_logprobs_part(p.token_ids, gen.prompt_logprobs.get(c.prompt_index),
+                                             self.token_text) if logprobs else None
+            return texts[c.prompt_index] + text, merge_logprobs(prompt_lp, lp)
+
+        return body
 
     async def chat_completions(self, request: Request) -> Response:
         req = await _parse(request, ChatCompletionRequest)

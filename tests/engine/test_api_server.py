@@ -195,7 +195,9 @@ BAD_COMPLETIONS: list[tuple[dict[str, Any], int, str | None]] = [
     ({"max_tokens": "many"}, 400, "max_tokens"),
     ({"seed": -1}, 400, "seed"),
     ({"stop_token_ids": [-4]}, 400, "stop_token_ids"),
-    ({"echo": True}, 400, "echo"),
+    ({"echo": True, "logprobs": 21}, 400, "logprobs"),
+    ({"max_tokens": 0}, 400, "max_tokens"),                  # 0 only with echo
+    ({"cache_salt": ""}, 400, "cache_salt"),
     ({"best_of": 3}, 400, "best_of"),
     ({"presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"logit_bias": {"5": 10}}, 400, "logit_bias"),

@@ -1,0 +1,136 @@
+"""`echo` + `logprobs` on /v1/completions (what lm-eval's `local-completions` sends) and
+`cache_salt` on both endpoints, through a real server and the official `openai` client.
+
+Prompt log-probabilities equal transformers' log-softmax of the same tokens within 1e-4
+(float32 on both sides), also for a prompt whose prefix is cached (a scoring request computes
+every position: `cached_tokens` 0). Salts: the same salt shares cached blocks, another salt
+or none shares nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+
+from engine.llm import LLM
+from engine.params import MAX_LOGPROBS
+from tests.engine.test_api_server import aeng, client, llm, model_dir, server  # noqa: F401 - fixtures
+
+ATOL = 1e-4
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+PROMPT = "The paged cache keeps every block of the prompt it has seen before"
+
+
+def _reference(hf_models: dict[str, Any], ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_models["llama-gqa4-hd64"](torch.tensor([ids])).logits[0].float().log_softmax(dim=-1)
+
+
+def _check_echo(lp: Any, ids: list[int], ref: torch.Tensor, served: LLM, num_generated: int) -> None:
+    """OpenAI's legacy shape over prompt + completion; the prompt's values are transformers'."""
+    n = len(ids) + num_generated
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.tokens[: len(ids)] == [served.tokenizer.token_text(t) for t in ids]
+    assert lp.text_offset[0] == 0 and all(b >= a for a, b in zip(lp.text_offset, lp.text_offset[1:]))
+    for pos in range(1, len(ids)):
+        want = float(ref[pos - 1, ids[pos]])
+        assert abs(lp.token_logprobs[pos] - want) <= ATOL, f"position {pos}"
+        top = lp.top_logprobs[pos]
+        assert lp.tokens[pos] in top and abs(top[lp.tokens[pos]] - want) <= ATOL
+        best = float(ref[pos - 1].max())
+        assert abs(max(top.values()) - best) <= ATOL, f"position {pos}: the most likely token is listed"
+
+
+def test_echo_logprobs_are_the_prompts_as_lm_eval_asks(client: openai.OpenAI, llm: LLM,  # noqa: F811
+                                                       model_dir: Path, hf_models: dict[str, Any]) -> None:  # noqa: F811
+    ids = llm.tokenizer.encode(PROMPT)
+    ref = _reference(hf_models, ids)
+    out = client.completions.create(model=model_dir.name, prompt=PROMPT, max_tokens=1, echo=True, logprobs=1,
+                                    **GREEDY)
+    choice = out.choices[0]
+    _check_echo(choice.logprobs, ids, ref, llm, 1)
+    assert choice.text.startswith(PROMPT) and len(choice.text) >= len(PROMPT)
+    # the greedy token is the last prompt row's best: the same forward pass scored the prompt
+    assert abs(choice.logprobs.token_logprobs[-1] - float(ref[-1].max())) <= ATOL
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 1
+
+    only = client.completions.create(model=model_dir.name, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1,
+                                     **GREEDY)
+    assert only.choices[0].text == PROMPT and only.usage.completion_tokens == 0
+    _check_echo(only.choices[0].logprobs, ids, ref, llm, 0)
+
+    chunks = list(client.completions.create(model=model_dir.name, prompt=ids, max_tokens=4, echo=True,
+                                            logprobs=2, stream=True, **GREEDY))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text.startswith(llm.tokenizer.decode(ids))
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert len(tokens) == len(ids) + 4
+
+
+def test_echo_of_a_cached_prefix_is_scored_from_a_full_prefill(client: openai.OpenAI, llm: LLM,  # noqa: F811
+                                                               model_dir: Path, hf_models: dict[str, Any]) -> None:  # noqa: F811
+    prompt = PROMPT + " and again"
+    ids = llm.tokenizer.encode(prompt)
+    for _ in range(2):
+        plain = client.completions.create(model=model_dir.name, prompt=prompt, max_tokens=2, **GREEDY)
+    assert plain.usage.prompt_tokens_details.cached_tokens >= 8     # the prefix is cached
+    out = client.completions.create(model=model_dir.name, prompt=prompt, max_tokens=2, echo=True, logprobs=3,
+                                    **GREEDY)
+    assert out.usage.prompt_tokens_details.cached_tokens == 0
+    _check_echo(out.choices[0].logprobs, ids, _reference(hf_models, ids), llm, 2)
+    assert out.choices[0].text == prompt + plain.choices[0].text
+
+
+def test_echo_without_logprobs_returns_the_prompt_text(client: openai.OpenAI, model_dir: Path) -> None:  # noqa: F811
+    out = client.completions.create(model=model_dir.name, prompt=PROMPT, max_tokens=3, echo=True, **GREEDY)
+    plain = client.completions.create(model=model_dir.name, prompt=PROMPT, max_tokens=3, **GREEDY)
+    assert out.choices[0].logprobs is None and out.choices[0].text == PROMPT + plain.choices[0].text
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"echo": True, "logprobs": MAX_LOGPROBS + 1, "max_tokens": 1}, "logprobs"),
+    ({"echo": True, "logprobs": -1, "max_tokens": 1}, "logprobs"),
+    ({"max_tokens": 0}, "max_tokens"),                           # 0 only with echo
+    ({"echo": True, "max_tokens": -1}, "max_tokens"),
+    ({"cache_salt": ""}, "cache_salt"),
+    ({"cache_salt": 7}, "cache_salt"),
+    ({"cache_salt": "x" * 1025}, "cache_salt"),
+])
+def test_bad_echo_and_salt_are_400(server: Any, body: dict[str, Any], param: str, llm: LLM) -> None:  # noqa: F811
+    for path, base in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        if path.endswith("chat/completions") and param != "cache_salt":
+            continue
+        r = httpx.post(server.url + path, json={**base, **body}, timeout=30)
+        assert r.status_code == 400, (path, body, r.text)
+        assert r.json()["error"]["param"] == param
+
+
+def _cached(client: openai.OpenAI, model: str, chat: bool, salt: str | None) -> int:  # noqa: F811
+    extra: dict[str, Any] = {"ignore_eos": True, **({"cache_salt": salt} if salt is not None else {})}
+    text = "Tenant isolation: a salted prefix is never served to another salt, however long it is"
+    if chat:
+        out: Any = client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
+                                                  max_tokens=1, temperature=0, extra_body=extra)
+    else:
+        out = client.completions.create(model=model, prompt=text, max_tokens=1, temperature=0, extra_body=extra)
+    return out.usage.prompt_tokens_details.cached_tokens
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_cache_salt_isolates_and_the_same_salt_shares(client: openai.OpenAI, model_dir: Path,  # noqa: F811
+                                                      chat: bool) -> None:
+    name = model_dir.name
+    tag = "chat" if chat else "cmpl"
+    assert _cached(client, name, chat, f"{tag}-a") == 0
+    assert _cached(client, name, chat, f"{tag}-a") > 0           # the same salt shares
+    assert _cached(client, name, chat, f"{tag}-b") == 0          # another salt does not
+    unsalted = _cached(client, name, chat, None)
+    assert _cached(client, name, chat, None) > unsalted          # unsalted requests share
+    if not chat:   # (a chat template's head may be cached unsalted by earlier tests)
+        assert unsalted == 0, "a salted prefix served an unsalted request"
