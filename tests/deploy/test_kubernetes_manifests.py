@@ -237,6 +237,9 @@ def _listen_ports(c: dict[str, Any]) -> set[int]:
             ports.add(int(value.rsplit(":", 1)[1]))
         if name.endswith("METRICS_PORT") or name == "PAGEDKV_API_PORT":
             ports.add(int(value))
+        bound = re.fullmatch(r"tcp://(?:\*|[\w.-]+):(\d+)", value) if name.endswith("_ENDPOINT") else None
+        if bound:   # a socket the service binds (the KV-event publisher's ZMQ endpoints)
+            ports.add(int(bound.group(1)))
     if c.get("image", "").startswith("postgres:"):
         ports.add(5432)
     return ports
