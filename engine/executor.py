@@ -72,13 +72,18 @@ def sampled_tokens(reply: pb.GenerateResponse) -> StepAnswer:
                      tuple(zip(t.top_token_ids, t.top_logprobs)))
         for t in reply.tokens
     ]
-    return StepAnswer(tokens, {m.seq_id: _prompt_scores(m) for m in reply.prompt_logprobs})
+    scores = {m.seq_id: _prompt_scores(m) for m in reply.prompt_logprobs}
+    return StepAnswer(tokens, {seq_id: s for seq_id, s in scores.items() if s is not None})
 
 
-def _prompt_scores(m: pb.PromptLogprobs) -> PromptScores:
+def _prompt_scores(m: pb.PromptLogprobs) -> PromptScores | None:
+    """None for a malformed answer (counts that do not line up): left out, the engine then
+    fails the request that asked (`engine.prompt_scores`), never reads past the arrays."""
     n = len(m.logprobs)
-    k = len(m.top_token_ids) // n if n else 0
     ids, lps = list(m.top_token_ids), list(m.top_logprobs)
+    if len(m.ranks) != n or len(ids) != len(lps) or (len(ids) % n if n else len(ids)):
+        return None
+    k = len(ids) // n if n else 0
     top = tuple(tuple(zip(ids[i * k : (i + 1) * k], lps[i * k : (i + 1) * k])) for i in range(n))
     return PromptScores(tuple(m.logprobs), tuple(m.ranks), top)
 

@@ -118,7 +118,8 @@ class NodePipeline:
             for w in work.get(node_id, ()):
                 seq = w.seq
                 if not w.speculative:
-                    w.scoring = scoring_spec(seq, w.context_len - len(w.token_ids), w.context_len)
+                    if seq.request.prompt_logprobs is not None:   # only a request that asks pays for it
+                        w.scoring = scoring_spec(seq, w.context_len - len(w.token_ids), w.context_len)
                     seq_steps.append(SeqStep(w.seq_id, w.token_ids, w.context_len, seq.num_output_tokens,
                                              _sampling(seq) if w.sample else None, w.scoring))
                 elif w.live:

@@ -18,8 +18,10 @@ from typing import Any
 import pytest
 import torch
 
+from engine.errors import NodeRefused
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
+from engine.node_api import NodeStep, PromptLogprobsSpec, SeqStep
 from engine.params import InvalidParams, Logprob, RequestOutput, SamplingParams
 from tests.engine.fakes import fake_engine
 from tests.engine.services import Services
@@ -169,3 +171,20 @@ def test_a_node_that_does_not_score_fails_the_request_not_the_engine() -> None:
         assert done[plain].error is None and len(done[plain].outputs[0].token_ids) == 2
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("spec, why", [
+    (PromptLogprobsSpec(21, (1,)), "num_top"),
+    (PromptLogprobsSpec(0, (1, 2, 3)), "targets"),       # more targets than new tokens
+    (PromptLogprobsSpec(0, ()), "targets"),
+    (PromptLogprobsSpec(0, (512,)), "vocabulary"),
+])
+def test_the_node_refuses_a_bad_scoring_request(model_dirs: dict[str, Path], spec: PromptLogprobsSpec,
+                                                why: str) -> None:
+    """Checked with the rest of the step (the in-process node runs the gRPC node's `Generator`):
+    INVALID_ARGUMENT before anything is applied."""
+    with LLM(model_dirs["llama-gqa4-hd64"], block_size=4, num_kv_blocks=16, device="cpu") as llm:
+        node = llm.engine.nodes["local-0"]
+        with pytest.raises(NodeRefused, match=why) as err:
+            node.generate(NodeStep("bad-scoring", [], [SeqStep("s", [5, 6], 2, 0, None, spec)]))
+        assert err.value.code == "INVALID_ARGUMENT"
