@@ -143,3 +143,21 @@ def test_the_outcome_check_judges_on_the_xdist_controller(tmp_path: Path) -> Non
     out = proc.stdout + proc.stderr
     assert proc.returncode == pytest.ExitCode.TESTS_FAILED, out
     assert "1 passed, 1 skipped" in out and "runtime skip: none of its tests ran" in out, out
+
+
+def test_the_pg_kind_means_tests_that_need_the_server() -> None:
+    """A mention of postgres in an id (a manifest's name, a URL that must be refused) needs no
+    server and would count the kind as run on a machine without one."""
+    from types import SimpleNamespace
+
+    matches = KINDS["PostgreSQL (a real server)"]
+
+    def item(nodeid: str, *fixtures: str) -> pytest.Item:
+        return SimpleNamespace(nodeid=nodeid, fixturenames=list(fixtures))  # type: ignore[return-value]
+
+    assert matches(item("tests/a.py::test_store[postgres]", "store"))
+    assert matches(item("tests/a.py::test_rows[postgres-UPDATE x SET y = '[1]'-journal]", "opened"))
+    assert matches(item("tests/a.py::test_kill", "fresh_postgres_url"))
+    assert not matches(item("tests/a.py::test_store[sqlite]", "store"))
+    assert not matches(item("tests/deploy/test_kubernetes_manifests.py::test_valid[StatefulSet/postgres]", "doc"))
+    assert not matches(item("tests/a.py::test_bad_urls[postgresql+psycopg://u@127.0.0.1:1/db]", "url"))
