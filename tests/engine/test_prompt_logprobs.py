@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+import engine.pipeline as engine_pipeline
 from engine.errors import NodeRefused
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
@@ -109,6 +110,37 @@ def test_zero_asks_for_the_prompt_tokens_only(model_dirs: dict[str, Path], hf_mo
                                                                             prompt_logprobs=0))[0]
     check_prompt_logprobs(out.prompt_logprobs, prompt, _reference(hf_models[name], prompt), 0, "prompt_logprobs=0")
     assert all(len(e) == 1 for e in out.prompt_logprobs[1:])   # type: ignore[arg-type,union-attr]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preempted_and_overlapped_requests_are_scored_right(
+    model_dirs: dict[str, Path], hf_models: dict[str, Any], async_scheduling: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pool too small for every sequence at once: sequences are preempted in the middle of
+    their prompt (part of it scored) and recompute it from position 0 on re-admission, with
+    chunked prefill, and with steps planned while the node runs the previous one. Every
+    request's prompt scores are still transformers' (stored by position: a recomputed chunk
+    overwrites, never duplicates)."""
+    asked: dict[str, list[int]] = {}
+    real_spec = engine_pipeline.scoring_spec
+
+    def spy(seq: Any, start: int, end: int) -> Any:
+        spec = real_spec(seq, start, end)
+        if spec is not None:
+            asked.setdefault(seq.request.request_id, []).append(start)
+        return spec
+
+    monkeypatch.setattr(engine_pipeline, "scoring_spec", spy)
+    name = "qwen3-gqa8-hd128"
+    prompts = _prompts(4, [30, 29, 31, 28, 27, 30])
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, prompt_logprobs=2)
+    with LLM(model_dirs[name], block_size=4, num_kv_blocks=28, device="cpu", watermark=0.0,
+             max_num_batched_tokens=16, async_scheduling=async_scheduling) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        assert llm.engine.stats.num_preemptions > 0
+    assert any(starts.count(0) > 1 for starts in asked.values()), f"no prompt was rescored from 0: {asked}"
+    for i, (p, out) in enumerate(zip(prompts, outs)):
+        check_prompt_logprobs(out.prompt_logprobs, p, _reference(hf_models[name], p), 2, f"preempted prompt {i}")
 
 
 @pytest.fixture(scope="module")
