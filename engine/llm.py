@@ -149,7 +149,10 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """One `RequestOutput` per prompt, in order, each with `n` completions."""
+        """One `RequestOutput` per prompt, in order, each with `n` completions. Per prompt (or
+        for all), `SamplingParams.prompt_logprobs` also scores the prompt
+        (`RequestOutput.prompt_logprobs`, vLLM's shape; such a request bypasses the prefix
+        cache) and `SamplingParams.cache_salt` keeps its prefix cache apart from other salts."""
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         prompts = list(prompts)

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from engine.llm import LLM
-from engine.params import InvalidParams, SamplingParams
+from engine.params import InvalidParams, RequestOutput, SamplingParams
+from tests.engine.services import Services
 
 BLOCK_SIZE = 4
 PROMPT = [random.Random(12).randrange(1, 512) for _ in range(22)]   # 5 full blocks, 2 tokens over
@@ -83,3 +84,25 @@ def test_cached_prefix_is_served_only_to_its_salt(model_dirs: dict[str, Path]) -
 def test_a_bad_salt_is_refused(bad: object) -> None:
     with pytest.raises(InvalidParams, match="cache_salt"):
         SamplingParams(cache_salt=bad)   # type: ignore[arg-type]
+
+
+def test_salts_over_services(model_dirs: dict[str, Path]) -> None:
+    """The salt travels in the Step to a block manager process's core (the gRPC path)."""
+    services = Services(model_dirs["llama-gqa4-hd64"], num_nodes=1)
+    try:
+        engine = services.engine()
+        try:
+            def cached(salt: str | None) -> int:
+                rid = engine.add_request(PROMPT, _params(salt))
+                done: dict[str, RequestOutput] = {}
+                while engine.has_unfinished_requests():
+                    done.update((o.request_id, o) for o in engine.step() if o.finished)
+                engine.flush()
+                return done[rid].num_cached_tokens
+
+            hit = FULL_BLOCKS * BLOCK_SIZE
+            assert [cached(s) for s in ("x", "x", "y", None, None)] == [0, hit, 0, 0, hit]
+        finally:
+            engine.close()
+    finally:
+        services.close()
