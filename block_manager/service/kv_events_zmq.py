@@ -16,8 +16,11 @@ msgpack encoding, ZMQ sends, replay — runs on one publisher thread that owns b
 
 - **Topics.** One per node (`topic` with "{node}"), as one vLLM engine has its own topic: a
   router keyed by engine sees each node as one.
-- **Batches.** The thread wakes every `interval_s`, takes everything published meanwhile and
-  sends, per node, one batch of that node's events in the order they were published.
+- **Batches.** The thread wakes every `interval_s` while there is work, takes everything
+  published meanwhile and sends, per node, one batch of that node's events in the order they
+  were published. With nothing queued it sleeps until `published` signals it (one inproc
+  message when it goes from idle to busy; none while busy), so an idle block manager pays
+  nothing for it.
 - **Sequence numbers.** One counter for the socket, from 0, one per batch sent, strictly
   increasing (what vLLM's publisher does). A subscriber of a subset of the topics sees gaps
   where other nodes' batches went.
@@ -44,7 +47,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from itertools import count
+from itertools import chain, count
 from typing import Any
 
 import msgspec
@@ -61,6 +64,7 @@ log = get_logger(__name__)
 MEDIUM = {"device": "GPU", "host": "CPU", "disk": "DISK"}
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 MAX_EVENTS_PER_BATCH = 1024   # a snapshot of a large node goes out in batches of this many events
+IDLE_POLL_MS = 100            # an idle thread checks for a stop this often (a publish wakes it at once)
 
 
 class KvEventsZmqError(OSError):
@@ -77,14 +81,15 @@ def vllm_events(ev: Event) -> list[list[Any]]:
     """One hub event as vLLM events (array_like, tagged: the tag first, then the fields in
     declaration order, trailing defaults left out as msgspec's `omit_defaults` does)."""
     tier = ev.tier
+    from_bytes = int.from_bytes
     if ev.kind == STORED:
         tokens_per_block = ev.token_ids
         if tokens_per_block is None or None in tokens_per_block:
             raise KvEventsZmqError(f"stored blocks of node {ev.node_id!r} without their token ids")
         num_blocks = len(ev.block_hashes)
-        out = ["BlockStored", [hash64(h) for h in ev.block_hashes],
+        out = ["BlockStored", [from_bytes(h[-8:], "big") for h in ev.block_hashes],
                None if ev.parent_hash is None else hash64(ev.parent_hash),
-               [t for block in tokens_per_block for t in block], ev.num_tokens // num_blocks,
+               list(chain.from_iterable(tokens_per_block)), ev.num_tokens // num_blocks,
                None, MEDIUM[tier], None]   # type: ignore[index]
         if ev.salt_id:
             # extra_keys: one entry per block, as in vLLM; ours holds the salt's id (the salt
@@ -92,7 +97,7 @@ def vllm_events(ev: Event) -> list[list[Any]]:
             out.append([[ev.salt_id]] * num_blocks)
         return [out]
     if ev.kind == REMOVED:
-        return [["BlockRemoved", [hash64(h) for h in ev.block_hashes], MEDIUM[tier]]]   # type: ignore[index]
+        return [["BlockRemoved", [from_bytes(h[-8:], "big") for h in ev.block_hashes], MEDIUM[tier]]]   # type: ignore[index]
     if tier is None:
         return [["AllBlocksCleared"]]
     # one tier of a node cleared (reset-prefix-cache): vLLM has no per-medium clear, and its
@@ -150,6 +155,11 @@ class ZmqKvEventPublisher:
         self._ctx: zmq.Context[Any] | None = None
         self._pub: zmq.Socket[Any] | None = None
         self._replay: zmq.Socket[Any] | None = None
+        # inproc pair: the event loop's end signals the idle thread (one send when it goes from
+        # idle to busy, none while busy); each end is used by one thread only, as ZMQ requires
+        self._wake_tx: zmq.Socket[Any] | None = None
+        self._wake_rx: zmq.Socket[Any] | None = None
+        self._idle = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
@@ -183,6 +193,12 @@ class ZmqKvEventPublisher:
             if self.requested_replay_endpoint is not None:
                 self._replay = self._bind(zmq.ROUTER, self.requested_replay_endpoint)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+            wake = f"inproc://kv-events-zmq-wake-{id(self)}"
+            self._wake_rx = self._ctx.socket(zmq.PAIR)
+            self._wake_rx.bind(wake)
+            self._wake_tx = self._ctx.socket(zmq.PAIR)
+            self._wake_tx.setsockopt(zmq.SNDHWM, 1)
+            self._wake_tx.connect(wake)
         except BaseException:
             self._close_sockets()
             raise
@@ -219,10 +235,10 @@ class ZmqKvEventPublisher:
         self._close_sockets()
 
     def _close_sockets(self) -> None:
-        for sock in (self._pub, self._replay):
+        for sock in (self._pub, self._replay, self._wake_rx, self._wake_tx):
             if sock is not None:
-                sock.close()
-        self._pub = self._replay = None
+                sock.close(linger=0 if sock in (self._wake_rx, self._wake_tx) else None)
+        self._pub = self._replay = self._wake_rx = self._wake_tx = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -234,6 +250,8 @@ class ZmqKvEventPublisher:
         queue = self._queue
         if len(queue) < self.queue_batches:
             queue.append(("events", events))
+            if self._idle:
+                self._signal()
             return
         queue.clear()
         self.num_overflows += 1
@@ -245,28 +263,53 @@ class ZmqKvEventPublisher:
         after an AllBlocksCleared."""
         known = set(self.nodes()) if self.nodes is not None else set()
         self._queue.append(("snapshot", ([(key, dict(entries)) for key, entries in self.hub.view.items()], known)))
+        if self._idle:
+            self._signal()
+
+    def _signal(self) -> None:
+        """Wake the idle thread (the event loop's end of the pair; never blocks: one message
+        at most waits, a second is dropped as it would say nothing more)."""
+        self._idle = False
+        if self._wake_tx is not None:
+            try:
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+            except zmq.Again:
+                pass
 
     # ---- the publisher thread ---------------------------------------------------------------
     def _run(self) -> None:
+        """Busy: every `interval_s` take what was published meanwhile and send it. Idle (nothing
+        queued): sleep in a poll of the replay and wake sockets until `published` signals."""
         encoder = msgspec.msgpack.Encoder()
-        poller = None
+        poller = zmq.Poller()
+        poller.register(self._wake_rx, zmq.POLLIN)   # type: ignore[arg-type]
         if self._replay is not None:
-            poller = zmq.Poller()
             poller.register(self._replay, zmq.POLLIN)
         wait_ms = int(self.interval_s * 1000) or 1
+        idle = False
         while True:
             stopping = self._stopping
             try:
-                if poller is not None:
-                    if poller.poll(0 if stopping else wait_ms):
-                        self._serve_replays()
-                elif not stopping:
-                    time.sleep(self.interval_s)
+                if idle:
+                    self._idle = True
+                    if not self._queue and not stopping:   # else something came meanwhile
+                        ready = dict(poller.poll(IDLE_POLL_MS))
+                        if self._wake_rx in ready:
+                            while self._wake_rx.poll(0):   # type: ignore[union-attr]
+                                self._wake_rx.recv(zmq.NOBLOCK)   # type: ignore[union-attr]
+                        if self._replay is not None and self._replay in ready:
+                            self._serve_replays()
+                    self._idle = False
+                # coalesce: what is published within the interval goes in one batch per node
+                ready = dict(poller.poll(0 if stopping else wait_ms))
+                if self._replay is not None and self._replay in ready:
+                    self._serve_replays()
                 items = []
                 while self._queue:
                     items.append(self._queue.popleft())
                 if items:
                     self._send(items, encoder)
+                idle = not self._queue
             except Exception as exc:  # noqa: BLE001 - one bad batch must not end the stream
                 self.num_errors += 1
                 log.exception("kv events zmq publisher: a batch was lost; sending a snapshot", error=repr(exc))
