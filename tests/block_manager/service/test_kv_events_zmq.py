@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -381,3 +382,26 @@ async def test_stop_closes_the_sockets_and_a_taken_endpoint_is_a_clear_error(tmp
         await again.stop(0)
     finally:
         ctx.term()
+
+
+def test_zmq_settings_merge_with_the_file_and_bad_ones_are_named(tmp_path: Path) -> None:
+    from block_manager.service.config import ConfigError, load_config
+    from block_manager.service.server import main
+
+    cfg_file = tmp_path / "bm.yaml"
+    cfg_file.write_text("kv_events:\n  history_events: 7\n  zmq_topic: 'kv@{node}@m'\n")
+    # what `serve --kv-events-zmq ...` passes: merged into the file's kv_events, not replacing it
+    cfg = load_config(cfg_file, kv_events={"zmq_endpoint": "tcp://127.0.0.1:5557"})
+    assert (cfg.kv_events.history_events, cfg.kv_events.zmq_topic, cfg.kv_events.zmq_endpoint) == (
+        7, "kv@{node}@m", "tcp://127.0.0.1:5557")
+    for bad, says in (({"zmq_endpoint": "http://h:1"}, "kv_events.zmq_endpoint: 'http://h:1' is not a ZMQ endpoint"),
+                      ({"zmq_endpoint": "tcp://h"}, "needs a port"),
+                      ({"zmq_replay_endpoint": "tcp://h:1"}, "zmq_replay_endpoint needs zmq_endpoint"),
+                      ({"zmq_endpoint": "tcp://h:1", "zmq_topic": "kv"}, "must contain {node}"),
+                      ({"zmq_endpoint": "tcp://h:1", "zmq_topic": "kv@{node}@{model}"}, "with {node} only"),
+                      ({"zmq_endpoint": "tcp://h:1", "enabled": False}, "needs kv_events.enabled"),
+                      ({"zmq_endpoint": "tcp://h:1", "zmq_replay_endpoint": "tcp://h:1"}, "must differ")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            load_config(None, kv_events=bad)
+    # the command line: an invalid flag is refused before anything starts (exit 2)
+    assert main(["--database-url", "memory://", "--kv-events-zmq-replay", "tcp://127.0.0.1:1"]) == 2
