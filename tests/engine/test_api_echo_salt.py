@@ -18,6 +18,7 @@ import torch
 
 from engine.llm import LLM
 from engine.params import MAX_LOGPROBS
+from tests.compute_node.model.model_helpers import hf_greedy
 from tests.engine.test_api_server import aeng, client, llm, model_dir, server  # noqa: F401 - fixtures
 
 ATOL = 1e-4
@@ -134,3 +135,30 @@ def test_cache_salt_isolates_and_the_same_salt_shares(client: openai.OpenAI, mod
     assert _cached(client, name, chat, None) > unsalted          # unsalted requests share
     if not chat:   # (a chat template's head may be cached unsalted by earlier tests)
         assert unsalted == 0, "a salted prefix served an unsalted request"
+
+
+def test_lm_eval_local_completions_request_shape(client: openai.OpenAI, llm: LLM,  # noqa: F811
+                                                 model_dir: Path, hf_models: dict[str, Any]) -> None:  # noqa: F811
+    """What lm-eval's `local-completions` does for a log-likelihood request: a batch of token-id
+    prompts (context + continuation), `echo=true, logprobs=1, max_tokens=1, temperature=0`, then
+    per choice the sum of `token_logprobs[ctxlen:-1]` and "greedy" = each of those tokens is its
+    position's best in `top_logprobs`. Both equal what transformers says of the same tokens."""
+    ctx = llm.tokenizer.encode("Question: which cache keeps pages? Answer:")
+    conts = [llm.tokenizer.encode(t, add_special_tokens=False) for t in (" the paged one", " none", " blocks")]
+    conts.append(hf_greedy(hf_models["llama-gqa4-hd64"], ctx, 3).tokens)   # one the model itself would pick
+    prompts = [ctx + c for c in conts]
+    out = client.completions.create(model=model_dir.name, prompt=prompts, echo=True, logprobs=1, max_tokens=1,
+                                    temperature=0, seed=1234)
+    assert len(out.choices) == len(prompts)
+    for choice, prompt, cont in zip(sorted(out.choices, key=lambda c: c.index), prompts, conts):
+        lp = choice.logprobs
+        ctxlen = len(ctx)
+        ours = sum(lp.token_logprobs[ctxlen:-1])
+        greedy = all(tok == max(top.values()) for tok, top in zip(lp.token_logprobs[ctxlen:-1],
+                                                                  lp.top_logprobs[ctxlen:-1]))
+        ref = _reference(hf_models, prompt)
+        rows = ref[ctxlen - 1 : len(prompt) - 1]
+        want = float(sum(rows[i, t] for i, t in enumerate(cont)))
+        assert abs(ours - want) <= ATOL * len(cont)
+        assert greedy == all(int(rows[i].argmax()) == t for i, t in enumerate(cont))
+        assert greedy == (cont is conts[-1]), "only the model's own continuation is greedy"
