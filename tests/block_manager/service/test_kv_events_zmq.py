@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import random
 import re
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -134,7 +135,8 @@ class VllmConsumer:
         until the end marker (seq -1, empty payload)."""
         self.replay.send_multipart([b"", start.to_bytes(8, "big")] + ([prefix] if prefix is not None else []))
         out = []
-        for _ in range(2000):
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
             while self.replay.poll(0):
                 frames = self.replay.recv_multipart()
                 assert frames[0] == b""   # the delimiter a REQ socket would strip
@@ -200,7 +202,8 @@ async def caught_up(consumer: VllmConsumer, server: BlockManagerServer) -> None:
         await consumer.poll()
         return not pub._queue and consumer.last_seq == pub.num_batches - 1 and consumer.view == expected(server)
 
-    for _ in range(2000):
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
         if await done():
             return
         await asyncio.sleep(0.005)
