@@ -23,10 +23,11 @@ def _finite(x: float) -> float:
 
 
 def prompt_logprobs_part(prompt_ids: list[int], scores: PromptLogprobs | None,
-                         token_text: Callable[[int], str]) -> dict[str, Any]:
-    """The prompt's share of a choice's `logprobs`; text offsets start at 0 (the echoed text
-    starts with the prompt). `scores` None (not scored: a refused request) leaves every
-    log-probability null."""
+                         token_text: Callable[[int], str], num_top: int) -> dict[str, Any]:
+    """The prompt's share of a choice's `logprobs`: per position the prompt token and its
+    `num_top` most likely (the engine may have scored more for `prompt_logprobs`); text offsets
+    start at 0 (the echoed text starts with the prompt). `scores` None (not scored: a refused
+    request) leaves every log-probability null."""
     tokens, offsets, token_logprobs, tops = [], [], [], []
     offset = 0
     for pos, tid in enumerate(prompt_ids):
@@ -40,7 +41,8 @@ def prompt_logprobs_part(prompt_ids: list[int], scores: PromptLogprobs | None,
             tops.append(None)
             continue
         token_logprobs.append(_finite(entry[tid].logprob))
-        ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
+        ranked = sorted(((t, lp) for t, lp in entry.items() if t == tid or (lp.rank or 0) <= num_top),
+                        key=lambda kv: kv[1].rank or 0)
         tops.append(top_dict([(token_text(t), lp.logprob) for t, lp in ranked]))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
@@ -54,6 +56,23 @@ def top_dict(ranked: list[tuple[str, float]]) -> dict[str, float]:
     return out
 
 
+def vllm_prompt_logprobs(prompt_ids: list[int], scores: PromptLogprobs | None,
+                         num_top: int) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs` of a completion choice: None first, then per prompt token
+    `{token id: {"logprob", "rank", "decoded_token"}}` with the prompt token and the `num_top`
+    most likely."""
+    if scores is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for tid, entry in zip(prompt_ids, scores):
+        if entry is None:
+            out.append(None)
+            continue
+        out.append({str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+                    for t, lp in entry.items() if t == tid or (lp.rank or 0) <= num_top})
+    return out
+
+
 def merge_logprobs(prompt_part: dict[str, Any] | None, generated: dict[str, Any] | None) -> dict[str, Any] | None:
     """The prompt's entries, then the completion's (either may be absent)."""
     if prompt_part is None or generated is None:
@@ -62,4 +81,4 @@ def merge_logprobs(prompt_part: dict[str, Any] | None, generated: dict[str, Any]
             for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
-__all__ = ["merge_logprobs", "prompt_logprobs_part", "top_dict"]
+__all__ = ["merge_logprobs", "prompt_logprobs_part", "top_dict", "vllm_prompt_logprobs"]

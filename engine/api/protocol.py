@@ -9,6 +9,8 @@ Extensions beyond OpenAI's parameters, as vLLM accepts them: `top_k`, `min_p`,
 `echo` (completions) returns the prompt before the completion and, with `logprobs`, the
 prompt tokens' log-probabilities (the first token's null), as OpenAI's legacy API and vLLM do;
 `max_tokens=0` is allowed with `echo` only and returns just the prompt (vLLM's behaviour).
+`prompt_logprobs` (completions, vLLM's extension, not with `stream`) adds each choice's
+`prompt_logprobs` in vLLM's shape.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class CompletionRequest(_Request):
     max_tokens: int | None = None          # OpenAI's default for completions is 16
     logprobs: int | None = None
     echo: bool | None = False
+    prompt_logprobs: int | None = None     # vLLM's extension: the choice's `prompt_logprobs` (not streamed)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -126,6 +129,8 @@ def check_unsupported(req: _Request) -> None:
             raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != (req.n or 1):
             raise bad_request("best_of other than n is not supported", "best_of")
+        if req.prompt_logprobs is not None and req.stream:
+            raise bad_request("prompt_logprobs are not available with stream=true (as in vLLM)", "prompt_logprobs")
     if isinstance(req, ChatCompletionRequest):
         if req.tools:
             raise bad_request("tools are not supported", "tools")
@@ -296,6 +301,16 @@ def resolve_max_tokens(
     return room if default is None else min(default, room)
 
 
+def prompt_logprobs_count(req: CompletionRequest, logprobs: int | None) -> int | None:
+    """How many top tokens the engine scores per prompt position (None: it scores none):
+    `logprobs` for `echo`, vLLM's `prompt_logprobs`, the larger when both are asked."""
+    asked = req.prompt_logprobs
+    if asked is not None and not 0 <= asked <= MAX_LOGPROBS:
+        raise bad_request(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {asked}", "prompt_logprobs")
+    counts = [c for c in (logprobs if req.echo else None, asked) if c is not None]
+    return max(counts) if counts else None
+
+
 def logprobs_count(req: CompletionRequest | ChatCompletionRequest) -> int | None:
     """The engine's `logprobs`: None (none), 0 (the sampled token's) or k (and the top k)."""
     if isinstance(req, CompletionRequest):
@@ -316,6 +331,7 @@ def logprobs_count(req: CompletionRequest | ChatCompletionRequest) -> int | None
 
 __all__ = [
     "APIError", "ChatCompletionRequest", "CompletionRequest", "Prompt", "bad_request", "chat_messages",
-    "check_unsupported", "completion_prompts", "logprobs_count", "requested_max_tokens", "resolve_max_tokens",
+    "check_unsupported", "completion_prompts", "logprobs_count", "prompt_logprobs_count", "requested_max_tokens",
+    "resolve_max_tokens",
     "sampling_params", "stop_strings",
 ]

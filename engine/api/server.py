@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.api.echo import merge_logprobs, prompt_logprobs_part, top_dict
+from engine.api.echo import merge_logprobs, prompt_logprobs_part, top_dict, vllm_prompt_logprobs
 from engine.api.generation import Choice, Generation, Update
 from engine.api.metrics import ApiMetrics
 from engine.api.protocol import (
@@ -54,6 +54,7 @@ from engine.api.protocol import (
     check_unsupported,
     completion_prompts,
     logprobs_count,
+    prompt_logprobs_count,
     requested_max_tokens,
     resolve_max_tokens,
     sampling_params,
@@ -248,13 +249,13 @@ class _Server:
         logprobs, echo = logprobs_count(req), bool(req.echo)
         # max_tokens=0 (echo only): the engine samples one token after the prefill; it is left out
         params = sampling_params(req, max(max_tokens, 1), logprobs=logprobs,
-                                 prompt_logprobs=logprobs if echo else None)
+                                 prompt_logprobs=prompt_logprobs_count(req, logprobs))
         gen = Generation(self.aeng, self.metrics, prompts, params, stops, f"cmpl-{uuid.uuid4().hex}",
                          echo_only=requested == 0)
         base = {"id": gen.request_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
         include_usage = req.include_usage
-        body = self._completion_body(gen, echo, logprobs is not None)
+        body = self._completion_body(gen, echo, logprobs)
 
         def chunks(batch: list[Update]) -> list[dict[str, Any]]:
             out = []
@@ -274,13 +275,18 @@ class _Server:
             choices = []
             for c in gen.choices:
                 text, lp = body(c, c.text, 0, c.num_tokens)
-                choices.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+                choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
+                if req.prompt_logprobs is not None:   # vLLM's extension (refused with stream)
+                    choice["prompt_logprobs"] = vllm_prompt_logprobs(
+                        gen.prompts[c.prompt_index].token_ids, gen.prompt_logprobs.get(c.prompt_index),
+                        req.prompt_logprobs)
+                choices.append(choice)
             return {**base, "choices": choices, "usage": gen.usage()}
 
         return await self.run(request, gen, bool(req.stream), chunks, [], tail, answer)
 
     def _completion_body(self, gen: Generation, echo: bool,
-                         logprobs: bool) -> Callable[[Choice, str, int, int], tuple[str, dict[str, Any] | None]]:
+                         logprobs: int | None) -> Callable[[Choice, str, int, int], tuple[str, dict[str, Any] | None]]:
         """A choice update's text and `logprobs` (tokens `start … end` of its completion); with
         `echo`, a choice's first update starts with the prompt and its scores (`engine.api.echo`),
         and the completion's text offsets continue the prompt tokens' (each token's offset is
@@ -300,7 +306,7 @@ class _Server:
             echoed.add(c.index)
             p = gen.prompts[c.prompt_index]
             prompt_lp = prompt_logprobs_part(p.token_ids, gen.prompt_logprobs.get(c.prompt_index),
-                                             self.token_text) if logprobs else None
+                                             self.token_text, logprobs) if logprobs is not None else None
             return texts[c.prompt_index] + text, merge_logprobs(prompt_lp, lp)
 
         return body

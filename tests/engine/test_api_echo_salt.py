@@ -162,3 +162,30 @@ def test_lm_eval_local_completions_request_shape(client: openai.OpenAI, llm: LLM
         assert abs(ours - want) <= ATOL * len(cont)
         assert greedy == all(int(rows[i].argmax()) == t for i, t in enumerate(cont))
         assert greedy == (cont is conts[-1]), "only the model's own continuation is greedy"
+
+
+def test_vllm_prompt_logprobs_extension(server: Any, llm: LLM, model_dir: Path,  # noqa: F811
+                                        hf_models: dict[str, Any]) -> None:
+    """vLLM's `prompt_logprobs` on /v1/completions: each choice's `prompt_logprobs`, None first,
+    then `{token id: {logprob, rank, decoded_token}}` with the prompt token and the top N; with
+    `echo` + a smaller `logprobs`, the echoed `top_logprobs` keep to `logprobs`."""
+    ids = llm.tokenizer.encode(PROMPT)
+    ref = _reference(hf_models, ids)
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": model_dir.name, "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 4,
+        "echo": True, "logprobs": 1})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    scored = choice["prompt_logprobs"]
+    assert len(scored) == len(ids) and scored[0] is None
+    for pos in range(1, len(ids)):
+        entry = scored[pos]
+        assert str(ids[pos]) in entry and len(entry) in (4, 5)
+        assert abs(entry[str(ids[pos])]["logprob"] - float(ref[pos - 1, ids[pos]])) <= ATOL
+        ranks = sorted(e["rank"] for t, e in entry.items() if t != str(ids[pos]) or e["rank"] <= 4)
+        assert ranks[:4] == [1, 2, 3, 4] and all(isinstance(e["decoded_token"], str) for e in entry.values())
+    assert all(top is None or len(top) <= 2 for top in choice["logprobs"]["top_logprobs"])
+    for body, param in (({"prompt_logprobs": 21}, "prompt_logprobs"), ({"prompt_logprobs": -1}, "prompt_logprobs"),
+                        ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs")):
+        bad = httpx.post(server.url + "/v1/completions", timeout=30, json={"prompt": "hi", "max_tokens": 1, **body})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
