@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import compute_node.model.runner as runner_module
 from compute_node.model import InvalidBatch, ModelRunner, PromptLogprobsRequest, SamplingParams, SeqWork
 from tests.compute_node.model.model_helpers import tiny_model_dir
 
@@ -80,3 +81,24 @@ def test_a_bad_request_is_refused_before_writing(model_dir: Path, request_: obje
     with pytest.raises(InvalidBatch):
         runner.run_step([SeqWork("x", [5, 6, 7, 8], 0, [0], GREEDY, 0, request_)])   # type: ignore[arg-type]
     assert all(torch.equal(x, y) for x, y in zip(before, runner.pool.key_caches)), why
+
+
+def test_no_request_no_extra_logits(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The LM head runs over the sampled rows only, unless an item asks for prompt scores; then
+    over its scored rows too (in slices of PROMPT_LOGITS_ROWS)."""
+    runner = _runner(model_dir)
+    rows: list[int] = []
+    real = runner.model.logits
+
+    def counting(hidden: torch.Tensor) -> torch.Tensor:
+        rows.append(hidden.shape[0])
+        return real(hidden)
+
+    monkeypatch.setattr(runner.model, "logits", counting)
+    monkeypatch.setattr(runner_module, "PROMPT_LOGITS_ROWS", 4)
+    a = _ids(12, 3)
+    runner.run_step([SeqWork("a", a[:6], 0, [0, 1], None), SeqWork("d", [9], 0, [5], GREEDY)])
+    assert rows == [1]
+    rows.clear()
+    runner.run_step([SeqWork("a", a[6:], 6, [0, 1, 2], GREEDY, 0, PromptLogprobsRequest(6, tuple(a[7:]), 2))])
+    assert rows == [1, 4, 1]
