@@ -5,7 +5,8 @@ Requests are pydantic models that accept unknown fields (clients send `user`, `m
 `store`, ... which change nothing here) and check the rest by hand, so every refusal names the
 parameter it is about, as OpenAI's `{"error": {"message", "type", "param", "code"}}` does.
 Extensions beyond OpenAI's parameters, as vLLM accepts them: `top_k`, `min_p`,
-`stop_token_ids`, `ignore_eos`, `cache_salt` (both endpoints), `add_generation_prompt` (chat).
+`stop_token_ids`, `ignore_eos`, `cache_salt`, `add_special_tokens`, `stream_options.
+continuous_usage_stats` (both endpoints), `add_generation_prompt` (chat).
 `echo` (completions) returns the prompt before the completion and, with `logprobs`, the
 prompt tokens' log-probabilities (the first token's null), as OpenAI's legacy API and vLLM do;
 `max_tokens=0` is allowed with `echo` only and returns just the prompt (vLLM's behaviour).
@@ -71,10 +72,19 @@ class _Request(BaseModel):
     ignore_eos: bool | None = False
     repetition_penalty: float | None = None
     cache_salt: str | None = None          # isolates the prefix cache per tenant (engine.params)
+    # encode text with the tokenizer's special tokens (BOS): None is the endpoint's default,
+    # True for completions, False for chat (its template writes them)
+    add_special_tokens: bool | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.get("include_usage"))
+
+    @property
+    def continuous_usage(self) -> bool:
+        """`stream_options.continuous_usage_stats` (vLLM's): every chunk carries the usage so far,
+        not only the last one (load generators read it as they go)."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.get("continuous_usage_stats"))
 
 
 class CompletionRequest(_Request):

@@ -241,7 +241,9 @@ class _Server:
         self.check_engine()
         check_unsupported(req)
         stops = stop_strings(req)
-        prompts = completion_prompts(req.prompt, self.tokenizer.encode, self.vocab_size)
+        special = req.add_special_tokens is not False
+        prompts = completion_prompts(req.prompt, lambda text: self.tokenizer.encode(text, add_special_tokens=special),
+                                     self.vocab_size)
         requested, param = requested_max_tokens(req)
         max_tokens = resolve_max_tokens(prompts, requested, param, COMPLETIONS_DEFAULT_MAX_TOKENS,
                                         prompt_param="prompt", max_model_len=self.max_model_len,
@@ -254,7 +256,6 @@ class _Server:
                          echo_only=requested == 0)
         base = {"id": gen.request_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
-        include_usage = req.include_usage
         body = self._completion_body(gen, echo, logprobs)
 
         def chunks(batch: list[Update]) -> list[dict[str, Any]]:
@@ -265,11 +266,11 @@ class _Server:
                     continue
                 out.append({**base, "choices": [{"index": u.choice.index, "text": text, "logprobs": lp,
                                                  "finish_reason": u.choice.finish_reason}],
-                            **({"usage": None} if include_usage else {})})
+                            **self.chunk_usage(req, gen)})
             return out
 
         def tail() -> list[dict[str, Any]]:
-            return [{**base, "choices": [], "usage": gen.usage()}] if include_usage else []
+            return [{**base, "choices": [], "usage": gen.usage()}] if req.include_usage else []
 
         def answer() -> dict[str, Any]:
             choices = []
@@ -284,6 +285,14 @@ class _Server:
             return {**base, "choices": choices, "usage": gen.usage()}
 
         return await self.run(request, gen, bool(req.stream), chunks, [], tail, answer)
+
+    @staticmethod
+    def chunk_usage(req: CompletionRequest | ChatCompletionRequest, gen: Generation) -> dict[str, Any]:
+        """A stream chunk's `usage`: absent unless asked, null (the last chunk has it) or, with
+        `continuous_usage_stats`, the tokens so far."""
+        if not req.include_usage:
+            return {}
+        return {"usage": gen.usage() if req.continuous_usage else None}
 
     def _completion_body(self, gen: Generation, echo: bool,
                          logprobs: int | None) -> Callable[[Choice, str, int, int], tuple[str, dict[str, Any] | None]]:
@@ -323,7 +332,7 @@ class _Server:
                                                       is not False)
         except TokenizerError as exc:
             raise bad_request(str(exc), "messages") from None
-        prompt = Prompt(text, self.tokenizer.encode(text, add_special_tokens=False))
+        prompt = Prompt(text, self.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens)))
         if not prompt.token_ids:
             raise bad_request("the conversation renders to an empty prompt", "messages")
         requested, param = requested_max_tokens(req)
@@ -333,9 +342,8 @@ class _Server:
         gen = Generation(self.aeng, self.metrics, [prompt], params, stops, f"chatcmpl-{uuid.uuid4().hex}")
         base = {"id": gen.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.model_name}
-        usage_field = {"usage": None} if req.include_usage else {}
         head = [{**base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}], **usage_field}
+                                      "logprobs": None, "finish_reason": None}], **self.chunk_usage(req, gen)}
                 for c in gen.choices]
 
         def chunks(batch: list[Update]) -> list[dict[str, Any]]:
@@ -347,7 +355,7 @@ class _Server:
                 out.append({**base, "choices": [{"index": u.choice.index,
                                                  "delta": {"content": u.delta} if u.delta else {},
                                                  "logprobs": lp, "finish_reason": u.choice.finish_reason}],
-                            **usage_field})
+                            **self.chunk_usage(req, gen)})
             return out
 
         def tail() -> list[dict[str, Any]]:

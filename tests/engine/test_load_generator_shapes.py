@@ -149,9 +149,11 @@ def test_guidellm_streamed_text_completion(http: httpx.Client, llm: LLM, model_d
     assert text and events[-1]["choices"] == [] and events[-1]["usage"] == usage
     finishes = [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")]
     assert finishes == ["length"]
-    # continuous_usage_stats: where a chunk carries usage it counts what was generated so far.
-    running = [e["usage"]["completion_tokens"] for e in events if e.get("usage")]
-    assert running == sorted(running) and running[-1] == 12
+    # continuous_usage_stats: every chunk carries the usage so far (vLLM's extension)
+    assert all(e.get("usage") for e in events)
+    running = [e["usage"]["completion_tokens"] for e in events]
+    assert running == sorted(running) and running[0] >= 1 and running[-1] == 12
+    assert {e["usage"]["prompt_tokens"] for e in events} == {usage["prompt_tokens"]}
 
 
 def test_guidellm_non_streamed_text_completion(http: httpx.Client, llm: LLM, model_dir: Path) -> None:
@@ -255,9 +257,6 @@ def test_inference_perf_chat(http: httpx.Client, hf_tokenizer: Any, model_dir: P
     assert text
 
 
-@pytest.mark.xfail(strict=True, reason="server gap: `add_special_tokens` (vLLM's completions extension, sent by "
-                   "inference-perf when configured) is accepted but ignored: a text prompt is always encoded "
-                   "with the BOS token, so usage.prompt_tokens counts one token more than was asked for")
 def test_inference_perf_add_special_tokens_false(http: httpx.Client, llm: LLM, model_dir: Path) -> None:
     body = {"model": model_dir.name, "prompt": PROMPT, "max_tokens": 3, "ignore_eos": True, "stream": False,
             "add_special_tokens": False}
@@ -267,7 +266,7 @@ def test_inference_perf_add_special_tokens_false(http: httpx.Client, llm: LLM, m
 
 
 def test_the_tokenizer_adds_a_bos_so_add_special_tokens_is_observable(llm: LLM) -> None:
-    """The xfail above fails for the gap only: the counts with and without special tokens differ."""
+    """The test above can fail: the counts with and without special tokens differ."""
     with_bos, without = llm.tokenizer.encode(PROMPT), llm.tokenizer.encode(PROMPT, add_special_tokens=False)
     assert len(with_bos) == len(without) + 1 and with_bos[1:] == without
 
@@ -282,6 +281,8 @@ def test_token_id_prompt_streams_usage(http: httpx.Client, model_dir: Path) -> N
         _, usage, events = guidellm_sse(response, "text")
     _check_usage(usage, len(ids), 6)
     assert {c["index"] for e in events for c in e["choices"]} == {0}
+    # without continuous_usage_stats only the last chunk counts; the others carry usage: null
+    assert [e["usage"] for e in events[:-1]] == [None] * (len(events) - 1) and events[-1]["choices"] == []
 
 
 def test_list_of_token_id_prompts(http: httpx.Client, model_dir: Path) -> None:
