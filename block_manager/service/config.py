@@ -80,6 +80,9 @@ class KvEventSettings(BaseModel):
     zmq_buffer_batches: int = Field(default=10_000, ge=1, le=1 << 20)
     zmq_queue_batches: int = Field(default=10_000, ge=1, le=1 << 20)
     zmq_hwm: int = Field(default=100_000, ge=0)
+    # "map": events as tagged maps (vLLM's current format, what vLLM 0.32's decoder reads);
+    # "array": positional (vLLM's earlier array_like events, for consumers that decode only those)
+    zmq_event_format: Literal["map", "array"] = "map"
 
     @field_validator("zmq_endpoint", "zmq_replay_endpoint")
     @classmethod

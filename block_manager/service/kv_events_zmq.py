@@ -77,9 +77,24 @@ def hash64(block_hash: bytes) -> int:
     return int.from_bytes(block_hash[-8:], "big")
 
 
-def vllm_events(ev: Event) -> list[list[Any]]:
-    """One hub event as vLLM events (array_like, tagged: the tag first, then the fields in
-    declaration order, trailing defaults left out as msgspec's `omit_defaults` does)."""
+EVENT_FORMATS = ("map", "array")
+
+
+def vllm_events(ev: Event, event_format: str = "map") -> list[Any]:
+    """One hub event as vLLM events, in vLLM's field order. `event_format` "map": each event a
+    tagged map, `{"type": "BlockStored", "block_hashes": ..., ...}` (vLLM's current format: its
+    `KVCacheEvent` structs are `tag=True`, not `array_like`; vLLM 0.32's own decoder accepts
+    nothing else); "array": the tag first, then the fields positionally (vLLM's earlier
+    `array_like` events, which older consumers decode). Either way defaults are left out as
+    msgspec's `omit_defaults` does."""
+    return [_wire(tag, fields, event_format) for tag, fields in _vllm_fields(ev)]
+
+
+def _wire(tag: str, fields: dict[str, Any], event_format: str) -> Any:
+    return {"type": tag, **fields} if event_format == "map" else [tag, *fields.values()]
+
+
+def _vllm_fields(ev: Event) -> list[tuple[str, dict[str, Any]]]:
     tier = ev.tier
     from_bytes = int.from_bytes
     if ev.kind == STORED:
@@ -87,22 +102,28 @@ def vllm_events(ev: Event) -> list[list[Any]]:
         if tokens_per_block is None or None in tokens_per_block:
             raise KvEventsZmqError(f"stored blocks of node {ev.node_id!r} without their token ids")
         num_blocks = len(ev.block_hashes)
-        out = ["BlockStored", [from_bytes(h[-8:], "big") for h in ev.block_hashes],
-               None if ev.parent_hash is None else hash64(ev.parent_hash),
-               list(chain.from_iterable(tokens_per_block)), ev.num_tokens // num_blocks,
-               None, MEDIUM[tier], None]   # type: ignore[index]
+        stored: dict[str, Any] = {
+            "block_hashes": [from_bytes(h[-8:], "big") for h in ev.block_hashes],
+            "parent_block_hash": None if ev.parent_hash is None else hash64(ev.parent_hash),
+            "token_ids": list(chain.from_iterable(tokens_per_block)),
+            "block_size": ev.num_tokens // num_blocks,
+            "lora_id": None, "medium": MEDIUM[tier], "lora_name": None,   # type: ignore[index]
+        }
         if ev.salt_id:
             # extra_keys: one entry per block, as in vLLM; ours holds the salt's id (the salt
             # is part of every block's hash, and may be a tenant's secret)
-            out.append([[ev.salt_id]] * num_blocks)
-        return [out]
+            stored["extra_keys"] = [[ev.salt_id]] * num_blocks
+        return [("BlockStored", stored)]
     if ev.kind == REMOVED:
-        return [["BlockRemoved", [from_bytes(h[-8:], "big") for h in ev.block_hashes], MEDIUM[tier]]]   # type: ignore[index]
+        return [("BlockRemoved", {"block_hashes": [from_bytes(h[-8:], "big") for h in ev.block_hashes],
+                                  "medium": MEDIUM[tier]})]   # type: ignore[index]
     if tier is None:
-        return [["AllBlocksCleared"]]
+        return [("AllBlocksCleared", {})]
     # one tier of a node cleared (reset-prefix-cache): vLLM has no per-medium clear, and its
     # AllBlocksCleared would drop the node's other tiers from a consumer's view
-    return [["BlockRemoved", [hash64(h) for h in ev.block_hashes], MEDIUM[tier]]] if ev.block_hashes else []
+    if not ev.block_hashes:
+        return []
+    return [("BlockRemoved", {"block_hashes": [hash64(h) for h in ev.block_hashes], "medium": MEDIUM[tier]})]
 
 
 def snapshot_events(node: str, tier: str, entries: dict[bytes, HubInfo]) -> list[Event]:
@@ -130,8 +151,11 @@ class ZmqKvEventPublisher:
     def __init__(
         self, hub: KvEventHub, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "kv@{node}",
         buffer_batches: int = 10_000, queue_batches: int = 10_000, hwm: int = 100_000, interval_s: float = 0.005,
-        data_parallel_rank: int = 0, nodes: Callable[[], Iterable[str]] | None = None,
+        data_parallel_rank: int = 0, nodes: Callable[[], Iterable[str]] | None = None, event_format: str = "map",
     ) -> None:
+        if event_format not in EVENT_FORMATS:
+            raise ValueError(f"event_format must be one of {EVENT_FORMATS}, got {event_format!r}")
+        self.event_format = event_format
         self.hub = hub
         # every node the block manager knows (with blocks or not): a snapshot clears each, so a
         # consumer drops what it held of a node that came back from a restart with nothing
@@ -176,7 +200,7 @@ class ZmqKvEventPublisher:
         """From `BlockManagerConfig.kv_events` (service/config.py)."""
         return cls(hub, ev.zmq_endpoint, replay_endpoint=ev.zmq_replay_endpoint, topic=ev.zmq_topic,
                    buffer_batches=ev.zmq_buffer_batches, queue_batches=ev.zmq_queue_batches, hwm=ev.zmq_hwm,
-                   interval_s=ev.batch_interval_s, nodes=nodes)
+                   interval_s=ev.batch_interval_s, nodes=nodes, event_format=ev.zmq_event_format)
 
     # ---- lifecycle (event loop thread) ----------------------------------------------------
     def start(self) -> None:
@@ -319,11 +343,12 @@ class ZmqKvEventPublisher:
                 break
 
     def _send(self, items: list[tuple[str, Any]], encoder: msgspec.msgpack.Encoder) -> None:
-        per_node: dict[str, list[list[Any]]] = {}
+        per_node: dict[str, list[Any]] = {}
+        fmt = self.event_format
         for kind, payload in items:
             if kind == "events":
                 for ev in payload:
-                    per_node.setdefault(ev.node_id, []).extend(vllm_events(ev))
+                    per_node.setdefault(ev.node_id, []).extend(vllm_events(ev, fmt))
                     if ev.kind == STORED:
                         self._nodes.add(ev.node_id)
                     elif ev.kind not in (STORED, REMOVED) and ev.tier is None:
@@ -333,10 +358,10 @@ class ZmqKvEventPublisher:
             view, known = payload
             holding = {node for (node, _tier), entries in view if entries}
             for node in sorted(self._nodes | holding | known):
-                per_node.setdefault(node, []).append(["AllBlocksCleared"])
+                per_node.setdefault(node, []).append(_wire("AllBlocksCleared", {}, fmt))
             for (node, tier), entries in view:
                 for ev in snapshot_events(node, tier, entries):
-                    per_node[node].extend(vllm_events(ev))
+                    per_node[node].extend(vllm_events(ev, fmt))
             self._nodes = holding
         pub = self._pub
         if pub is None:

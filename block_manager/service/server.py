@@ -368,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="a ZMQ ROUTER socket bound here replays recent batches (vLLM's replay protocol)")
     parser.add_argument("--kv-events-zmq-topic", metavar="TEMPLATE",
                         help='the topic of each node\'s events, with "{node}" (default "kv@{node}")')
+    parser.add_argument("--kv-events-zmq-format", choices=["map", "array"],
+                        help="events as tagged maps (default: vLLM's current format) or positional arrays "
+                        "(vLLM's earlier format)")
     args = parser.parse_args(argv)
     overrides = flag_overrides(
         (("listen_address", args.listen), ("database_url", args.database_url), ("metrics_port", args.metrics_port),
@@ -375,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     zmq_flags = flag_overrides((("zmq_endpoint", args.kv_events_zmq),
                                 ("zmq_replay_endpoint", args.kv_events_zmq_replay),
-                                ("zmq_topic", args.kv_events_zmq_topic)))
+                                ("zmq_topic", args.kv_events_zmq_topic),
+                                ("zmq_event_format", args.kv_events_zmq_format)))
     if zmq_flags:
         overrides["kv_events"] = zmq_flags   # merged into the file's and the environment's kv_events
     return run_service_main(

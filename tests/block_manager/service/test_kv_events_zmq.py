@@ -1,12 +1,14 @@
 """KV events in vLLM's wire format over real ZMQ sockets (docs/kv_events.md, "vLLM format").
 
 The consumer here is written from vLLM's published schema, not from our publisher: msgspec
-structs with vLLM's field order (array_like, tagged), a SUB socket on every node's topic, and
-vLLM's replay protocol (a start sequence number to the ROUTER, batches back until seq -1) to
-fill what it missed, as a vLLM subscriber does. It rebuilds every node's block set per medium
-from the events alone; the checks compare that with the block manager's prefix indexes (token
-ids included), with the hub's view and with a `SubscribeKvEvents` (`admin events`) subscriber's
-view, after every op of the randomized workload of test_kv_events.py, through a restart.
+structs with vLLM's field order (events tagged maps, as vLLM publishes them now, in a batch that
+is an array; or, for `zmq_event_format: array`, vLLM's earlier array_like events), a SUB
+socket on every node's topic, and vLLM's replay protocol (a start sequence number to the
+ROUTER, batches back until seq -1) to fill what it missed, as a vLLM subscriber does. It
+rebuilds every node's block set per medium from the events alone; the checks compare that
+with the block manager's prefix indexes (token ids included), with the hub's view and with a
+`SubscribeKvEvents` (`admin events`) subscriber's view, after every op of the randomized
+workload of test_kv_events.py, through a restart.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ MEDIUM_OF_TIER = {"device": "GPU", "host": "CPU", "disk": "DISK"}
 
 
 # ---- vLLM's schema (vllm/distributed/kv_events.py), written out independently --------------
-class BlockStored(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
+class BlockStored(msgspec.Struct, omit_defaults=True, tag=True):
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
@@ -49,13 +51,13 @@ class BlockStored(msgspec.Struct, array_like=True, omit_defaults=True, tag=True)
     kv_cache_spec_sliding_window: int | None = None
 
 
-class BlockRemoved(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
+class BlockRemoved(msgspec.Struct, omit_defaults=True, tag=True):
     block_hashes: list[int]
     medium: str | None
     group_idx: int | None = None
 
 
-class AllBlocksCleared(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
+class AllBlocksCleared(msgspec.Struct, omit_defaults=True, tag=True):
     pass
 
 
@@ -63,6 +65,28 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
     ts: float
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
     data_parallel_rank: int | None = None
+
+
+# vLLM's earlier format: the same events array_like (the tag, then the fields by position)
+class BlockStoredArray(BlockStored, array_like=True, tag="BlockStored"):
+    pass
+
+
+class BlockRemovedArray(BlockRemoved, array_like=True, tag="BlockRemoved"):
+    pass
+
+
+class AllBlocksClearedArray(AllBlocksCleared, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+class KVEventBatchArray(msgspec.Struct, array_like=True, omit_defaults=True):
+    ts: float
+    events: list[BlockStoredArray | BlockRemovedArray | AllBlocksClearedArray]
+    data_parallel_rank: int | None = None
+
+
+BATCH_OF_FORMAT = {"map": KVEventBatch, "array": KVEventBatchArray}
 
 
 def h64(block_hash: bytes) -> int:
@@ -74,14 +98,14 @@ class VllmConsumer:
     """A vLLM-format subscriber: SUB on `prefix`, gaps filled by replay, a view per (node, medium):
     {hash: (parent, token ids, salt id from extra_keys or None)}."""
 
-    def __init__(self, endpoint: str, replay_endpoint: str, prefix: bytes = b"kv@") -> None:
+    def __init__(self, endpoint: str, replay_endpoint: str, prefix: bytes = b"kv@", event_format: str = "map") -> None:
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, prefix)
         self.sub.connect(endpoint)
         self.replay = self.ctx.socket(zmq.DEALER)
         self.replay.connect(replay_endpoint)
-        self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self.decoder = msgspec.msgpack.Decoder(BATCH_OF_FORMAT[event_format])
         self.view: dict[tuple[str, str], dict[int, tuple[int | None, tuple[int, ...], str | None]]] = {}
         self.last_seq = -1
         self.seqs: list[int] = []           # every batch applied, in order
@@ -272,10 +296,13 @@ async def test_a_vllm_subscriber_rebuilds_every_node_through_a_restart(tmp_path:
         await stop(h)
 
 
-async def test_a_tier_move_is_removed_from_gpu_and_stored_on_cpu(start_server: Any) -> None:
-    h = await start_server(kv_events=ZMQ)
+@pytest.mark.parametrize("event_format", ["map", "array"])
+async def test_a_tier_move_is_removed_from_gpu_and_stored_on_cpu(start_server: Any, event_format: str) -> None:
+    h = await start_server(kv_events={**ZMQ, "zmq_event_format": event_format})
     pub = h.server.kv_events_zmq
-    consumer = VllmConsumer(pub.endpoint, pub.replay_endpoint)
+    consumer = VllmConsumer(pub.endpoint, pub.replay_endpoint, event_format=event_format)
+    # a consumer of the other format cannot read this stream: the formats really differ
+    other = msgspec.msgpack.Decoder(BATCH_OF_FORMAT["array" if event_format == "map" else "map"])
     try:
         await consumer.join()
         await register(h, "n1", num_blocks=4, host=4, disk=0, seeded=[])
@@ -297,6 +324,9 @@ async def test_a_tier_move_is_removed_from_gpu_and_stored_on_cpu(start_server: A
         stored = [ev for _n, ev in later if isinstance(ev, BlockStored) and ev.medium == "CPU"]
         assert set(gpu) <= {hh for ev in removed for hh in ev.block_hashes}
         assert {hh for ev in stored for hh in ev.block_hashes} == set(gpu)
+        payload = pub._buffer[-1][2]
+        with pytest.raises(msgspec.ValidationError):
+            other.decode(payload)
     finally:
         consumer.close()
 
