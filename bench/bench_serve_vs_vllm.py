@@ -231,9 +231,12 @@ def grpc_ok(addr: str) -> bool:
 @contextmanager
 def running(side: str, cmds: list[tuple[list[str], str | None]], port: int, log_dir: Path, omp_bind: str,
             ready_s: float = 900) -> Iterator[None]:
-    """Start a side's processes, each in a session of its own (so every child they spawn dies
-    with them) once the one before is healthy, wait for `GET /health` on the HTTP one, and kill
-    them all on the way out."""
+    """Start a side's processes, each in a process group of its own (so every child they spawn
+    dies with them) once the one before is healthy, wait for `GET /health` on the HTTP one, and
+    kill them all on the way out. A process group, not a session: Linux's autogroup scheduler
+    shares the CPU per session, so a side split over three sessions (ours-services) would get
+    three shares against guidellm's one, where a side in one process gets one — every process
+    here stays in this driver's session, as guidellm does, and competes thread by thread."""
     procs: list[subprocess.Popen] = []
     logs = []
     deadline = time.monotonic() + ready_s
@@ -251,7 +254,7 @@ def running(side: str, cmds: list[tuple[list[str], str | None]], port: int, log_
             log = open(log_dir / f"{side}-{i}.log", "w")
             logs.append(log)
             procs.append(subprocess.Popen(cmd, env=server_env(side, omp_bind),
-                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                          stdout=log, stderr=subprocess.STDOUT, process_group=0,
                                           cwd=log_dir))
             if grpc_addr is not None:
                 wait(lambda addr=grpc_addr: grpc_ok(addr))
