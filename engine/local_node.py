@@ -3,6 +3,15 @@
 It is the node's own step logic (`compute_node.generate.Generator`: the same checks, the same
 table handling, the same model runner) with the gRPC layer left out: it registers its pool with
 the engine's block manager client and answers `Generate` requests by direct call.
+
+The model is loaded and every step computed on one thread of the node's own (a `StepThread`,
+as in the node service), whoever calls: `LLM.generate` runs steps on the caller's thread, the
+OpenAI server on the engine's thread (`AsyncLLMEngine`), which is not the one that loaded the
+model. torch's CPU matmuls are libgomp parallel regions, and libgomp keeps a thread team per
+calling thread: with two teams on a 2-core host it counts more threads than cores, throttles
+its spin-wait and pays a wake-up in each of a decode step's ~120 regions — measured 10-13 ms a
+token (~25%) for steps on another thread than the load's (BENCHMARKS.md, "Servers under a
+load generator"). The hand-over costs a future per step.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from compute_node.disk_tier import DiskTierCorrupt, open_disk_tier
 from compute_node.errors import ComputeNodeError
 from compute_node.generate import Generator, node_info_fields
 from compute_node.model import ModelRunner
+from compute_node.service.step_thread import StepThread
 from compute_node.tables import TableCache
 from engine.errors import EngineError
 from engine.executor import generate_request, node_error, node_info, sampled_tokens
@@ -24,8 +34,9 @@ from pagedkv.v1 import compute_node_pb2 as pb
 
 class LocalNode:
     def __init__(self, node_id: str, runner: ModelRunner, epoch: int, model_name: str,
-                 client: BlockManagerClient | None = None) -> None:
+                 client: BlockManagerClient | None = None, thread: StepThread | None = None) -> None:
         self.node_id = node_id
+        self.thread = thread if thread is not None else StepThread(f"node-{node_id}")   # see the module docstring
         self.client = client   # re-registers through it after a corrupt disk slot
         self.runner = runner
         self.epoch = epoch
@@ -52,22 +63,36 @@ class LocalNode:
         disk_kv_bytes: int | None = None,
         prepack_linear: bool = True,
     ) -> LocalNode:
-        """Load the model, size the KV pool, register it with `client`'s block manager."""
-        runner = ModelRunner(model_dir, block_size=block_size, num_blocks=num_blocks,
-                             kv_memory_bytes=kv_memory_bytes, dtype=dtype, device=device,
-                             max_model_len=max_model_len, prepack_linear=prepack_linear)
-        g = runner.geometry
-        num_host = runner.attach_host_tier(host_num_blocks, host_memory_bytes) if (
-            host_num_blocks or host_memory_bytes) else 0
-        if disk_kv_path is not None:   # the disk tier under the host tier (docs/tiers.md)
-            if not num_host:
-                raise ComputeNodeError("disk_kv_path needs a host tier (host_kv_memory or host_kv_blocks)")
-            try:
-                runner.disk_store = open_disk_tier(disk_kv_path, int(disk_kv_bytes or 0), g, model_dir)
-            except (ValueError, OSError) as exc:   # in use by another node, too small, unwritable
-                raise EngineError(f"disk tier at {str(disk_kv_path)!r}: {exc}") from exc
-        node = cls(node_id, runner, 0, Path(model_dir).name, client)
-        node.register()
+        """Load the model, size the KV pool (on the node's thread), register it with `client`'s
+        block manager."""
+        def load() -> ModelRunner:
+            runner = ModelRunner(model_dir, block_size=block_size, num_blocks=num_blocks,
+                                 kv_memory_bytes=kv_memory_bytes, dtype=dtype, device=device,
+                                 max_model_len=max_model_len, prepack_linear=prepack_linear)
+            g = runner.geometry
+            num_host = runner.attach_host_tier(host_num_blocks, host_memory_bytes) if (
+                host_num_blocks or host_memory_bytes) else 0
+            if disk_kv_path is not None:   # the disk tier under the host tier (docs/tiers.md)
+                if not num_host:
+                    raise ComputeNodeError("disk_kv_path needs a host tier (host_kv_memory or host_kv_blocks)")
+                try:
+                    runner.disk_store = open_disk_tier(disk_kv_path, int(disk_kv_bytes or 0), g, model_dir)
+                except (ValueError, OSError) as exc:   # in use by another node, too small, unwritable
+                    raise EngineError(f"disk tier at {str(disk_kv_path)!r}: {exc}") from exc
+            return runner
+
+        thread = StepThread(f"node-{node_id}")
+        try:
+            runner = thread.call(load)
+        except BaseException:
+            thread.close()
+            raise
+        node = cls(node_id, runner, 0, Path(model_dir).name, client, thread)
+        try:
+            node.register()
+        except BaseException:
+            node.close()
+            raise
         return node
 
     def register(self) -> None:
@@ -97,7 +122,7 @@ class LocalNode:
         """The node's step logic on the protocol message; its typed errors become the engine's
         by their status code, exactly as over gRPC."""
         try:
-            reply = self.generator.generate(generate_request(step), self.node_id, self.epoch)
+            reply = self.thread.call(self.generator.generate, generate_request(step), self.node_id, self.epoch)
         except DiskTierCorrupt as exc:
             if self.client is not None:
                 self.register()   # the disk index must lose the bad slot: a new epoch seeds it anew
@@ -109,6 +134,7 @@ class LocalNode:
     def close(self) -> None:
         if self.runner.disk_store is not None:
             self.runner.disk_store.close()
+        self.thread.close()
 
 
 __all__ = ["LocalNode"]

@@ -53,6 +53,14 @@ class StepThread:
         call = functools.partial(self._call, contextvars.copy_context(), fn, args)
         return await loop.run_in_executor(self._executor, call)
 
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the step thread, the caller blocked until it returns (its exception
+        raised here); run inline when the caller is the step thread itself. For callers that are
+        not event loops (the engine's in-process node)."""
+        if threading.get_ident() == self._ident:
+            return fn(*args)
+        return self._executor.submit(self._call, contextvars.copy_context(), fn, args).result()
+
     def close(self) -> None:
         """Stop taking work; a call already running finishes on its own (not waited for)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
