@@ -39,25 +39,14 @@ import pytest
 from engine.api.server import ServerThread, build_app
 from engine.async_engine import AsyncLLMEngine
 from engine.llm import LLM
-from tests.compute_node.model.model_helpers import tiny_model_dir
-from tests.engine.conftest import SPECS
-from tests.engine.test_api_server import BLOCK_SIZE, MAX_MODEL_LEN, NUM_BLOCKS, wait_all_freed
+from tests.engine import test_api_server
+from tests.engine.test_api_server import wait_all_freed
 
+model_dir = test_api_server.model_dir   # the API server tests' model and engine fixtures
+llm = test_api_server.llm
 API_KEY = "load-generator-key-0123456789"
 PROMPT = "The weather in the mountains is hard to predict, and walkers carry a warm coat."
 PREFIX = "You are a terse assistant."
-
-
-@pytest.fixture(scope="module")
-def model_dir(model_root: Path) -> Path:
-    return tiny_model_dir(model_root, **{**SPECS["llama-gqa4-hd64"], "seed": 11})
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir: Path) -> Iterator[LLM]:
-    with LLM(model_dir, block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS, device="cpu", max_model_len=MAX_MODEL_LEN,
-             watermark=0.0) as llm:
-        yield llm
 
 
 @pytest.fixture(scope="module")

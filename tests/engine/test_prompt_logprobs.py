@@ -21,11 +21,11 @@ import torch
 import engine.pipeline as engine_pipeline
 from engine.errors import NodeRefused
 from engine.llm import LLM
-from engine.llm_engine import LLMEngine
 from engine.node_api import NodeStep, PromptLogprobsSpec, SeqStep
 from engine.params import InvalidParams, Logprob, RequestOutput, SamplingParams
 from tests.engine.fakes import fake_engine
 from tests.engine.services import Services
+from tests.engine.test_engine_services import _run_all
 
 ATOL = 1e-4
 NAMES = ["llama-gqa4-hd64", "qwen2-gqa1-hd64-tied", "qwen3-gqa8-hd128"]
@@ -150,17 +150,6 @@ def services(model_dirs: dict[str, Path]) -> Iterator[Services]:
         yield s
     finally:
         s.close()
-
-
-def _run_all(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
-    ids = [engine.add_request(p, params) for p in prompts]
-    done: dict[str, RequestOutput] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    engine.flush()
-    return [done[i] for i in ids]
 
 
 def test_services_mode_scores_over_grpc(services: Services, hf_models: dict[str, Any]) -> None:
