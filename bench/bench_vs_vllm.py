@@ -149,9 +149,29 @@ def step_loop(engine: Any, ids: list[str], started: float) -> RunResult:
 
 def warm_up(side: OursSide | VllmSide, vocab: int) -> None:
     """Kernels compiled and caches touched before the clock runs: a prefill, a batch with a
-    shared prefix, decode steps (its prompts are distinct from every workload's)."""
+    shared prefix, decode steps (its prompts are distinct from every workload's), then a batch
+    whose decode steps are big enough for the parallel attention kernel (without it a fresh
+    checkout compiled that kernel inside the first timed workload: 47% of its samples)."""
     reqs = make_workload("shared", -1, vocab)[:4] + make_workload("single", -1, vocab)
     side.run([(p, 8) for p, _ in reqs])
+    side.run([(p, 4) for p, _ in make_workload("batch", -1, vocab)[:16]])
+
+
+def start_profile(py_spy: str, out: Path) -> subprocess.Popen:
+    """py-spy samples this worker and its child processes (vLLM's engine core) with native
+    frames while one workload runs; `profile_split.py` sorts the samples into where the time
+    goes. Sampling costs a share of a core: profiled runs give the split, not the tok/s."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([py_spy, "record", "--pid", str(os.getpid()), "--subprocesses", "--native",
+                             "--rate", "50", "--threads", "--format", "raw", "--output", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(2.0)   # attached before the clock starts
+    return proc
+
+
+def stop_profile(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)   # py-spy writes its file on SIGINT
+    proc.wait(timeout=120)
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -162,7 +182,10 @@ def worker(args: argparse.Namespace) -> int:
     results = {}
     for name in args.workloads.split(","):
         requests = make_workload(name, args.repeat, vocab)
+        profiler = start_profile(args.py_spy, Path(args.profile) / f"{args.side}-{name}.txt") if args.profile else None
         run = side.run(requests)
+        if profiler is not None:
+            stop_profile(profiler)
         results[name] = {"summary": summarize(requests, run), "outputs": run.outputs}
         print(f"[{args.side}] {name}: {results[name]['summary']['tok_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
     Path(args.out).write_text(json.dumps({"results": results, "peak_rss_mib": peak_rss_mib()}))
@@ -195,10 +218,11 @@ def side_env(side: str) -> dict[str, str]:
     return env
 
 
-def run_worker(python: str, side: str, model: Path, workloads: str, repeat: int, tmp: Path) -> dict:
+def run_worker(python: str, side: str, model: Path, workloads: str, repeat: int, tmp: Path,
+               profile: list[str] | None = None) -> dict:
     out = tmp / f"{model.name}-{side}-{repeat}.json"
     cmd = [python, __file__, "worker", "--side", side, "--model", str(model), "--workloads", workloads,
-           "--repeat", str(repeat), "--out", str(out)]
+           "--repeat", str(repeat), "--out", str(out), *(profile or [])]
     # A session of its own: whatever the worker leaves behind (vLLM's engine-core and worker
     # processes, which busy-poll) is killed with the group once the worker itself has exited,
     # never left computing beside the next run. Its stderr goes to a file (a pipe would stay
@@ -264,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--workloads", required=True)
         p.add_argument("--repeat", type=int, default=0)
         p.add_argument("--out", required=True)
+        p.add_argument("--profile", help="directory for py-spy samples, one file per workload")
+        p.add_argument("--py-spy", default="py-spy")
         return worker(p.parse_args(argv[1:]))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--vllm-python", required=True, help="the python of vLLM's venv ('' : pagedkv alone)")
@@ -273,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--models", default=str(Path(tempfile.gettempdir()) / "pagedkv-bench-models"))
     p.add_argument("--json", help="write every row here")
+    p.add_argument("--profile", help="sample each side's workloads with py-spy into this directory "
+                   "(then: bench/profile_split.py DIR); tok/s of a profiled run are not comparable")
+    p.add_argument("--py-spy", default="py-spy", help="the py-spy executable (its own venv)")
     args = p.parse_args(argv)
     sides = ["ours"] + ([m for m in args.vllm_modes.split(",") if m] if args.vllm_python else [])
     for s in sides:
@@ -293,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
                 order = sides[r % len(sides):] + sides[: r % len(sides)]   # alternate who goes first
                 for s in order:
                     python = sys.executable if s == "ours" else args.vllm_python
-                    runs[s].append(run_worker(python, s, model, ",".join(workloads), r, Path(tmp)))
+                    profile = (["--profile", str(Path(args.profile).resolve() / f"{shape}-r{r}"),
+                                "--py-spy", args.py_spy] if args.profile else [])
+                    runs[s].append(run_worker(python, s, model, ",".join(workloads), r, Path(tmp), profile))
             rows += report(shape, workloads, sides, runs)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

@@ -113,3 +113,55 @@ def test_step_loop_times_first_tokens_and_collects_outputs() -> None:
     run = bvv.step_loop(Engine(), ["b", "a"], started=0.0)
     assert run.outputs == [[3], [7, 8]]
     assert run.ttft_s[1] <= run.ttft_s[0] <= run.seconds   # a's first token came a step before b's
+
+
+# ---- where the time goes: py-spy samples sorted into categories (bench/profile_split.py) ----
+
+import profile_split as ps  # noqa: E402
+
+_OURS = ("process 1:\"python bench_vs_vllm.py worker\";Thread.run (threading.py:982);"
+         "ModelRunner.run_step (compute_node/model/runner.py:170);"
+         "DecoderModel.forward (compute_node/model/model.py:{})")
+_VLLM = ("process 1:\"python w\";process 2:\"VLLM::EngineCore\";process 3:\"VLLM::Worker\";"
+         "Worker.execute_model (vllm/v1/worker/gpu_worker.py:1);Runner.call ({}.py:{})")
+
+
+def test_profile_split_charges_a_sample_to_the_work_not_the_dispatch(tmp_path: Path) -> None:
+    inductor = "c" + "a" * 50
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / f"{inductor}.py").write_text(
+        "x\n        cpp_fused_add_mean_mul_pow_rsqrt_1(buf0)\n        buf2 = torch.ops.mkldnn._linear_pointwise(a, b)\n"
+        "        torch.ops.vllm.unified_attention(q)\n        buf3 = reinterpret_tensor(buf2)\n")
+    samples = [
+        _OURS.format(169) + ";linear (compute_node/model/linear.py:82);"
+        "OpOverloadPacket.__call__ (torch/_ops.py:1279);0x7f (?) 7",
+        _OURS.format(166) + ";paged_attention (compute_node/model/attention.py:88) 2",
+        _OURS.format(163) + ";DecoderModel._add_norm (compute_node/model/model.py:214) 1",
+        "process 1:\"python w\";ModelRunner.run_step (compute_node/model/runner.py:173);DecoderModel.logits "
+        "(compute_node/model/model.py:251);linear (compute_node/model/linear.py:82) 3",
+        "process 1:\"python w\";LLMEngine.step (engine/llm_engine.py:235);Scheduler.plan (engine/planning.py:51) 4",
+        _VLLM.format(inductor, 2) + ";kernel (c" + "b" * 50 + ".main.cpp:96);_mm256_mul_ps (avxintrin.h:320) 5",
+        _VLLM.format(inductor, 3) + ";OpOverload.__call__ (torch/_ops.py:875) 6",
+        _VLLM.format(inductor, 4) + ";cpu_attention::AttentionMainLoop (cpu_attn_impl.hpp:1624);"
+        "std::__atomic_base<int>::load (atomic_base.h:501) 8",
+        _VLLM.format(inductor, 5) + ";OpOverload.__call__ (torch/_ops.py:875) 1",   # glue: its caller decides
+        "process 1:\"python w\";process 2:\"VLLM::EngineCore\";busy_loop (vllm/v1/engine/core.py:1);"
+        "sched_yield (vllm/distributed/utils.py:46) 9",
+    ]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "compiled-shared.txt").write_text("\n".join(samples) + "\n")
+    out = ps.split(tmp_path / "run" / "compiled-shared.txt", ps.SourceLines([tmp_path / "src"]))
+    assert dict(out["main"]) == {"dense": 7, "attention": 2, "elementwise": 1, "lm head + sampler": 3,
+                                 "engine + other": 4}
+    assert dict(out["VLLM::Worker"]) == {"elementwise": 5, "dense": 6, "attention": 8, "engine + other": 1}
+    assert dict(out["VLLM::EngineCore"]) == {"waiting": 9}
+    text = ps.table({"run/compiled-shared.txt": out})
+    assert "| run/compiled-shared.txt | VLLM::EngineCore | 9 | 0% | 0% | 0% | 0% | 0% | 100% |" in text
+
+
+def test_profile_split_counts_a_compile_on_the_clock_apart(tmp_path: Path) -> None:
+    (tmp_path / "ours-shared.txt").write_text(
+        _OURS.format(166) + ";paged_attention (compute_node/model/attention.py:88);"
+        "CompilerBase._compile_core (numba/core/compiler.py:473);_call_function_pointer (callproc.c:943) 5\n"
+        + _OURS.format(166) + ";paged_attention (compute_node/model/attention.py:88) 5\n")
+    assert dict(ps.split(tmp_path / "ours-shared.txt")["main"]) == {"JIT compile": 5, "attention": 5}
