@@ -1,4 +1,14 @@
-"""The batched append: one call per scheduler step for every running sequence.
+"""The batched append: one call per scheduler step for every running sequence
+(`BlockManager.append_tokens`, and `append_slots` over it: append_slots.py).
+
+Per sequence: blocks added at block boundaries, and a copy-on-write op when the partial last
+block is shared (ref_cnt > 1: the sequence gets a fresh block, the node copies the old one
+first — only once the step that wrote that block is settled, `PendingWrite` otherwise). A
+sequence that fails (unknown, malformed, out of blocks) is listed in `failures` and is
+unchanged; the others proceed in request order. The new tokens' slots follow from the tables
+(`slot_range`), which reach the node as the step's deltas. A batch without token ids stops
+hashing for its sequences: the chain cannot continue without content. `num_late` is for a
+scheduler that plans a step before the previous one sampled (append_item.py).
 
 This is the hot path, so it is columnar: parallel lists of sequence ids and token counts and
 one flat list of token ids (what the Step RPC carries), answered with one list of token
@@ -29,7 +39,7 @@ from collections.abc import Sequence as Seq
 import numpy as np
 
 from block_manager.core.append_batch import append_pool, decode_arrays
-from block_manager.core.append_item import AppendOutcome, append_items
+from block_manager.core.append_item import AppendOutcome, append_items, count_steps, resolve_late
 from block_manager.core.errors import CoreError, InvalidRequest, UnknownSequence
 from block_manager.core.pool import Pool
 from block_manager.core.sequence import Sequence, late_pending
@@ -252,12 +262,48 @@ def _append_valid(
     if len(groups) > 1:
         out.failures.sort(key=lambda f: f[0])
     # One step per pool that got tokens (a pool whose every item failed is unchanged).
-    for pid in ok_pools:
-        p = pools[pid]
-        p.num_steps += 1
-        if mark:
-            p.step.has_writes = True
+    count_steps([pools[pid] for pid in ok_pools], mark)
     return out
 
 
-__all__ = ["INT64_MAX", "INT64_MIN", "AppendOutcome", "append_columns", "item_error"]
+def can_append(pool: Pool, seq: Sequence, num_new_tokens: int) -> bool:
+    """`BlockManager.can_append`, the count checked."""
+    bs = pool.block_size
+    needed = -(-(seq.num_tokens + num_new_tokens) // bs) - len(seq.block_table)
+    if seq.num_tokens % bs and pool.ref_cnt[seq.block_table[-1]] > 1:
+        if not pool.written(seq.block_table[-1]):
+            return False  # the copy-on-write source is not written yet (PendingWrite)
+        needed += 1
+    return needed <= pool.num_available
+
+
+def resolve_late_columns(pools: dict[PoolId, Pool], seqs: dict[SeqId, Sequence], seq_ids: Seq[SeqId],
+                         num_token_ids: Seq[int], token_ids: Seq[int]) -> list[tuple[int, CoreError]]:
+    """`BlockManager.resolve_late`: per item, the ids or why not (that item unchanged)."""
+    if len(num_token_ids) != len(seq_ids):
+        raise InvalidRequest(f"{len(num_token_ids)} late-id counts for {len(seq_ids)} sequences")
+    if len(set(seq_ids)) != len(seq_ids):
+        raise InvalidRequest("a sequence appears twice among the late ids")
+    if sum(num_token_ids) != len(token_ids):
+        raise InvalidRequest(f"{len(token_ids)} late ids for counts summing to {sum(num_token_ids)}")
+    failures: list[tuple[int, CoreError]] = []
+    pos = 0
+    for i, (sid, k) in enumerate(zip(seq_ids, num_token_ids)):
+        ids = token_ids[pos : pos + k]
+        pos += k
+        seq = seqs.get(sid)
+        if seq is None:
+            failures.append((i, UnknownSequence(f"unknown sequence {sid!r}")))
+            continue
+        bad = next((t for t in ids if type(t) is not int or not INT64_MIN <= t <= INT64_MAX), None)
+        try:
+            if bad is not None:
+                raise InvalidRequest(f"token id {bad!r} is not an int64 integer")
+            resolve_late(pools[seq.pool_id], seq, ids)
+        except CoreError as exc:
+            failures.append((i, exc))
+    return failures
+
+
+__all__ = ["INT64_MAX", "INT64_MIN", "VECTOR_MIN_ITEMS", "AppendOutcome", "append_columns", "can_append", "item_error",
+           "resolve_late_columns"]

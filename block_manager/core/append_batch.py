@@ -15,7 +15,7 @@ from block_manager.core.errors import CoreError
 from block_manager.core.hashing import hash_encoded, salt_bytes
 from block_manager.core.pool import BlockMeta, Pool
 from block_manager.core.sequence import Sequence
-from block_manager.core.steps import touch
+from block_manager.core.step_work import touch
 from block_manager.core.types import SeqId
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
@@ -63,11 +63,49 @@ def append_pool(
     block for each (no eviction, which would drop a hash out of order with the batch's
     registrations); otherwise they go item by item with the rest. So do items with late ids
     (`late`, per item of the whole batch) and items of sequences whose late ids are pending."""
+    c, st = (cnt, starts) if sel is None else (cnt[sel], starts[sel])
+    lt = None if late is None else late if sel is None else late[sel]
+    nt0 = pool.cols.num_tokens_np[rows]
+    off, last, end, fast, odd = _masks(pool, rows, nt0, c, ones, lt)
+    nt1 = nt0 + c
+    simple, cross = _apply_simple(pool, seqs, seq_ids, sel, rows, c, off, last, fast, odd, nt1, ones, mark)
+    hf = simple & (pool.cols.hashing_np[rows] != 0)
+    per_item = ~simple
+    filled: np.ndarray | None = None
+    if tk is None:
+        per_item |= hf
+    elif hf.any():
+        _scatter_tails(pool, rows, c, st, off, hf, tk, ones)
+        filled = hf & (end == pool.block_size)
+    num_tokens = nt1.tolist()
+    any_ok = bool(fast.any()) or bool(cross)
+    todo = per_item.nonzero()[0].tolist()
+    req = sel.tolist() if sel is not None else None
+    if filled is not None and not todo:
+        # Only blocks that filled inside their tails: hash them straight from the columns.
+        f = filled.nonzero()[0]
+        if len(f):
+            _hash_filled(pool, seqs, seq_ids, f.tolist() if req is None else [req[j] for j in f.tolist()], rows[f])
+    elif todo or filled is not None:
+        if filled is not None:
+            todo = (per_item | filled).nonzero()[0].tolist()
+        if _run_items(pool, seqs, seq_ids, req, todo, c, st, simple, lt, toks, tk is None, mark, out, num_tokens):
+            any_ok = True
+    if req is None:
+        out.num_tokens = num_tokens
+    else:
+        for j, i in enumerate(req):
+            out.num_tokens[i] = num_tokens[j]
+    return any_ok
+
+
+def _masks(pool: Pool, rows: np.ndarray, nt0: np.ndarray, c: np.ndarray, ones: bool,
+           lt: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """Per item: its offset in its last block, that block, where the append ends in it,
+    whether it is in-block (`fast`), and which items must go item by item for their late ids
+    (`odd`; None: none)."""
     cols = pool.cols
     bs = pool.block_size
-    num = len(rows)
-    c, st = (cnt, starts) if sel is None else (cnt[sel], starts[sel])
-    nt0 = cols.num_tokens_np[rows]
     off = nt0 % bs
     last = cols.last_block_np[rows]
     if ones:
@@ -76,21 +114,29 @@ def append_pool(
     else:
         end = off + c
         fast = (off != 0) & (end <= bs) & (pool.ref_np[last] == 1)
-    odd = cols.num_late_np[rows] != 0
-    if late is not None:
-        lt = late if sel is None else late[sel]
-        odd |= lt != 0
-    if odd.any():
+    odd: np.ndarray | None = cols.num_late_np[rows] != 0
+    if lt is not None:
+        odd = odd | (lt != 0)
+    if odd is not None and odd.any():
         fast &= ~odd
     else:
         odd = None
-    nt1 = nt0 + c
+    return off, last, end, fast, odd
+
+
+def _apply_simple(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[str], sel: np.ndarray | None,
+                  rows: np.ndarray, c: np.ndarray, off: np.ndarray, last: np.ndarray, fast: np.ndarray,
+                  odd: np.ndarray | None, nt1: np.ndarray, ones: bool, mark: bool) -> tuple[np.ndarray, list[int]]:
+    """Apply the in-block appends, and the plain crossings when every other item is in-block:
+    (the items done as arrays, the crossings' positions)."""
+    cols = pool.cols
+    num = len(rows)
     step_id = pool.step.step_id
     num_fast = int(np.count_nonzero(fast))
     simple = fast
     cross: list[int] = []
     if num_fast < num:
-        crossing = (off == 0) if ones else (off == 0) & (c <= bs)
+        crossing = (off == 0) if ones else (off == 0) & (c <= pool.block_size)
         if odd is not None:
             crossing &= ~odd
         num_cross = int(np.count_nonzero(crossing))
@@ -114,62 +160,55 @@ def append_pool(
         if mark:
             pool.write_step_np[last[fast]] = step_id
             cols.last_write_step_np[rs] = step_id
-    hf = simple & (cols.hashing_np[rows] != 0)
-    per_item = ~simple
-    filled: np.ndarray | None = None
-    if tk is None:
-        per_item |= hf
-    elif hf.any():
-        rh, oh, sh = rows[hf], off[hf], st[hf]
-        if ones:
-            cols.tail_np.reshape(-1)[rh * bs + oh] = tk[sh]
-            cols.tail_len_np[rh] = oh + 1
-        else:
-            ch = c[hf]
-            item = np.repeat(np.arange(len(ch)), ch)
-            within = np.arange(int(ch.sum())) - np.repeat(np.cumsum(ch) - ch, ch)
-            cols.tail_np[rh[item], oh[item] + within] = tk[sh[item] + within]
-            cols.tail_len_np[rh] = oh + ch
-        filled = hf & (end == bs)
-    num_tokens = nt1.tolist()
-    any_ok = num_fast > 0 or bool(cross)
-    todo = per_item.nonzero()[0].tolist()
-    req = sel.tolist() if sel is not None else None
-    if filled is not None and not todo:
-        # Only blocks that filled inside their tails: hash them straight from the columns.
-        f = filled.nonzero()[0]
-        if len(f):
-            _hash_filled(pool, seqs, seq_ids, f.tolist() if req is None else [req[j] for j in f.tolist()], rows[f])
-    elif todo or filled is not None:
-        if filled is not None:
-            todo = (per_item | filled).nonzero()[0].tolist()
-        cl, sl, fl = c.tolist(), st.tolist(), simple.tolist()
-        ll = lt.tolist() if late is not None else None
-        for j in todo:
-            i = j if req is None else req[j]
-            seq = seqs[seq_ids[i]]  # type: ignore[index]
-            if fl[j]:
-                if tk is None:
-                    stop_hashing(seq)
-                else:   # its block filled: hash it
-                    hash_full_row(pool, seq)
-                continue
-            k, p = cl[j], sl[j]
-            try:
-                _, op = append_one(pool, seq, k, None if toks is None else toks[p : p + k], mark,
-                                   0 if ll is None else ll[j])
-            except CoreError as exc:
-                out.failures.append((i, exc))
-                num_tokens[j] = 0
-                continue
-            any_ok = True
-            if op is not None:
-                out.copy_ops[i] = op
-    if req is None:
-        out.num_tokens = num_tokens
+    return simple, cross
+
+
+def _scatter_tails(pool: Pool, rows: np.ndarray, c: np.ndarray, st: np.ndarray, off: np.ndarray, hf: np.ndarray,
+                   tk: np.ndarray, ones: bool) -> None:
+    """Write the token ids of the hashing items done as arrays into their tails."""
+    cols = pool.cols
+    bs = pool.block_size
+    rh, oh, sh = rows[hf], off[hf], st[hf]
+    if ones:
+        cols.tail_np.reshape(-1)[rh * bs + oh] = tk[sh]
+        cols.tail_len_np[rh] = oh + 1
     else:
-        for j, i in enumerate(req):
-            out.num_tokens[i] = num_tokens[j]
+        ch = c[hf]
+        item = np.repeat(np.arange(len(ch)), ch)
+        within = np.arange(int(ch.sum())) - np.repeat(np.cumsum(ch) - ch, ch)
+        cols.tail_np[rh[item], oh[item] + within] = tk[sh[item] + within]
+        cols.tail_len_np[rh] = oh + ch
+
+
+def _run_items(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[str], req: list[int] | None, todo: list[int],
+               c: np.ndarray, st: np.ndarray, simple: np.ndarray, lt: np.ndarray | None, toks: array | None,
+               no_ids: bool, mark: bool, out: AppendOutcome, num_tokens: list[int]) -> bool:
+    """The items `todo` one by one in request order: an array item whose block filled gets
+    hashed (or stops hashing without ids), any other runs `append_one`. Whether one of the
+    latter succeeded."""
+    any_ok = False
+    cl, sl, fl = c.tolist(), st.tolist(), simple.tolist()
+    ll = lt.tolist() if lt is not None else None
+    for j in todo:
+        i = j if req is None else req[j]
+        seq = seqs[seq_ids[i]]  # type: ignore[index]  # a SeqId is a str: no NewType call per item
+        if fl[j]:
+            if no_ids:
+                stop_hashing(seq)
+            else:   # its block filled: hash it
+                hash_full_row(pool, seq)
+            continue
+        k, p = cl[j], sl[j]
+        try:
+            _, op = append_one(pool, seq, k, None if toks is None else toks[p : p + k], mark,
+                               0 if ll is None else ll[j])
+        except CoreError as exc:
+            out.failures.append((i, exc))
+            num_tokens[j] = 0
+            continue
+        any_ok = True
+        if op is not None:
+            out.copy_ops[i] = op
     return any_ok
 
 

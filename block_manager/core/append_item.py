@@ -18,6 +18,7 @@ sequence takes no other append, fork, swap-out or already-written report.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -25,7 +26,7 @@ from block_manager.core.errors import CoreError, InvalidRequest, OutOfBlocks, Pe
 from block_manager.core.hashing import hash_block_bytes, salt_bytes
 from block_manager.core.pool import Pool
 from block_manager.core.sequence import Sequence, late_pending
-from block_manager.core.steps import touch
+from block_manager.core.step_work import touch
 from block_manager.core.types import CopyOp, PoolId, SeqId
 
 
@@ -228,30 +229,25 @@ def append_items(
     mark: bool,
     late: Seq[int] | None = None,
 ) -> AppendOutcome:
-    """A small batch, item by item (the loop is kept flat: it is the per-token cost of a
-    Step that carries only the sequences crossing a block). `late[i]`: item i's late ids."""
+    """A small batch, item by item, kept flat: the per-token cost of a Step that carries only
+    the sequences crossing a block. `late[i]`: item i's late ids."""
     out = AppendOutcome([])
     push = out.num_tokens.append
     get = seqs.__getitem__
     touched: list[Pool] = []
-    last_pid = None
-    pos = 0
-    i = -1
+    last_pid, pos, i = None, 0, -1
     for sid, n in zip(seq_ids, counts):
         i += 1
         seq: Sequence = get(sid)
         pid = seq.pool_id
-        if pid is not last_pid:
+        if pid is not last_pid:   # the pool's columns as locals (the loop is per token of a Step)
             last_pid = pid
             pool = pools[pid]
             touched.append(pool)
-            bs = pool.block_size
-            ref = pool.ref_cnt
-            write_step = pool.write_step
-            step_id = pool.step.step_id
-            cols = pool.cols
-            ntc, lbc, lwc, hc, tail = cols.num_tokens, cols.last_block, cols.last_write_step, cols.hashing, cols.tail
-            lc = cols.num_late
+            bs, ref, write_step, step_id, cols = (pool.block_size, pool.ref_cnt, pool.write_step,
+                                                  pool.step.step_id, pool.cols)
+            ntc, lbc, lwc, hc, tail, lc = (cols.num_tokens, cols.last_block, cols.last_write_step, cols.hashing,
+                                           cols.tail, cols.num_late)
         row = seq.row
         nt = ntc[row]
         off = nt % bs
@@ -276,27 +272,40 @@ def append_items(
                         hash_full_row(pool, seq)
                     else:
                         cols.tail_len[row] = off + n
-        else:
-            try:
-                nt, op = append_one(pool, seq, n, None if toks is None else toks[pos : pos + n], mark, k_late)
-            except CoreError as exc:
-                out.failures.append((i, exc))
-                push(0)
-                pos += n
-                continue
-            if op is not None:
-                out.copy_ops[i] = op
+        else:   # 0: failed (listed in `out`)
+            nt = _append_general(pool, seq, i, n, None if toks is None else toks[pos : pos + n], mark, k_late, out)
         pos += n
         push(nt)
-    # One step per pool that got tokens (a pool whose every item failed is unchanged).
-    if out.failures:
-        ok = {seqs[SeqId(sid)].pool_id for sid, nt in zip(seq_ids, out.num_tokens) if nt}
-        touched = [p for p in touched if p.pool_id in ok]
-    for p in set(touched):
+    count_steps(_with_tokens(seqs, seq_ids, out, touched) if out.failures else set(touched), mark)
+    return out
+
+
+def _with_tokens(seqs: dict[SeqId, Sequence], seq_ids: Seq[str], out: AppendOutcome,
+                 touched: list[Pool]) -> set[Pool]:
+    """The pools among `touched` that got tokens (one whose every item failed is unchanged)."""
+    ok = {seqs[SeqId(sid)].pool_id for sid, nt in zip(seq_ids, out.num_tokens) if nt}
+    return {p for p in touched if p.pool_id in ok}
+
+
+def _append_general(pool: Pool, seq: Sequence, i: int, n: int, toks: Seq[int] | None, mark: bool, late: int,
+                    out: AppendOutcome) -> int:
+    """Item i by `append_one`: its token count after, or 0 with its error listed in `out`."""
+    try:
+        nt, op = append_one(pool, seq, n, toks, mark, late)
+    except CoreError as exc:
+        out.failures.append((i, exc))
+        return 0
+    if op is not None:
+        out.copy_ops[i] = op
+    return nt
+
+
+def count_steps(pools: Iterable[Pool], mark: bool) -> None:
+    """One scheduler step for each pool that got tokens (the defrag policy's cadence)."""
+    for p in pools:
         p.num_steps += 1
         if mark:
             p.step.has_writes = True
-    return out
 
 
 def hash_full_row(pool: Pool, seq: Sequence, registrations: list[tuple[int, bytes]] | None = None) -> None:

@@ -27,10 +27,10 @@ released.
 
 from __future__ import annotations
 
-from block_manager.core.errors import FailedPrecondition
+from block_manager.core.errors import FailedPrecondition, InvalidRequest, UnknownPlan, check_count
 from block_manager.core.pool import PlanState, Pool
-from block_manager.core.steps import note_replaced
-from block_manager.core.types import DefragKind, DefragPolicy, PlanId, SeqId
+from block_manager.core.step_work import note_replaced
+from block_manager.core.types import DefragKind, DefragPlan, DefragPolicy, PlanId, PoolId, SeqId
 
 
 def contiguity_score(pool: Pool) -> float:
@@ -149,6 +149,32 @@ def reserve(pool: Pool, plan_id: PlanId, kind: DefragKind, pairs: list[tuple[int
     return state
 
 
+def make_plan(pool: Pool, plan_id: PlanId, kind: DefragKind, max_moves: int | None) -> DefragPlan | None:
+    """`BlockManager.plan_defrag` with the plan's id: validated, planned and reserved (None:
+    nothing to move)."""
+    if kind not in ("compaction", "contiguity"):
+        raise InvalidRequest(f"unknown defrag kind {kind!r}")
+    if max_moves is not None:
+        check_count("max_moves", max_moves, 1)
+    if pool.plan is not None:
+        raise FailedPrecondition(f"pool {pool.pool_id!r} already has outstanding plan {pool.plan.plan_id}")
+    if pool.lent:
+        return None   # blocks lent to another pool's fetch must stay put until it is reported
+    pairs = plan_compaction(pool, max_moves) if kind == "compaction" else plan_contiguity(pool, max_moves)
+    if not pairs:
+        return None
+    state = reserve(pool, plan_id, kind, pairs)
+    return DefragPlan(plan_id, pool.pool_id, kind, tuple(state.moves), state.step_id)
+
+
+def plan_pool(pools: dict[PoolId, Pool], plan_id: PlanId) -> Pool:
+    """The pool whose outstanding plan is `plan_id`; `UnknownPlan` if none."""
+    for pool in pools.values():
+        if pool.plan is not None and pool.plan.plan_id == plan_id:
+            return pool
+    raise UnknownPlan(f"unknown defrag plan {plan_id!r}")
+
+
 def _release_reserved(pool: Pool, b: int) -> None:
     pool.reserved[b] = 0
     pool.num_reserved -= 1
@@ -227,6 +253,31 @@ def abort(pool: Pool) -> None:
         _release_reserved(pool, op.dst)
     pool.aborted_plans += 1
     pool.plan = None
+
+
+def unsent_plan_blocks(pool: Pool) -> int:
+    """Blocks `reclaim_unsent_plan` would return to the free queue."""
+    plan = pool.plan
+    if plan is None or plan.step_id != pool.step.step_id:
+        return 0
+    return sum(1 + (pool.ref_cnt[op.src] == 0) for op in plan.moves)
+
+
+def reclaim_unsent_plan(pool: Pool) -> bool:
+    """Abort a defrag plan still in the pool's open step (no node has its copies), because
+    its reserved blocks are needed now; whether one was aborted. Why: a pool's open step
+    closes only with token work (service/state.py), so a plan made as the pool's last
+    running sequence finished holds its blocks until new work comes — and the work waiting
+    (swap-ins, admissions) may need exactly those blocks: a livelock. Its copies leave
+    the open step with it, so nothing later taken from its destinations is overwritten."""
+    plan = pool.plan
+    if plan is None or plan.step_id != pool.step.step_id:
+        return False
+    moves = {op.op_id for op in plan.moves}
+    pool.step.copy_ops = [op for op in pool.step.copy_ops if op.op_id not in moves]
+    pool.step.plan_id = None
+    abort(pool)
+    return True
 
 
 def due(pool: Pool, policy: DefragPolicy) -> DefragKind | None:

@@ -80,6 +80,13 @@ class VersionConflict(CoreError):
     """The caller's table version is newer than ours or otherwise inconsistent."""
 
 
+def check_count(name: str, value: object, minimum: int) -> int:
+    """`value` as a count of at least `minimum` (a plain int, bools refused), else InvalidRequest."""
+    if type(value) is not int or value < minimum:
+        raise InvalidRequest(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
 __all__ = [
     "CoreError",
     "OutOfBlocks",

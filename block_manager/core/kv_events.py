@@ -3,7 +3,7 @@
 A pool's device tier (`Pool`), its host tier (`HostTier`) and its disk tier (`DiskTier`) each
 own a prefix index (block hash -> block or slot). Every change of one of them goes through a
 handful of methods — `register` / `drop_hash` / `reset_prefix_cache` on the device side,
-`offload` / `disk_tier.stage` / `drop_hash` on the host side, `disk_tier.spill` / `seed` /
+`offload` / disk staging (allocation.py) / `drop_hash` on the host side, `spill` / `seed` /
 `drop_hash` on the disk side, `remove_pool` for a whole node — and each of those tells the tier's
 `KvChangeLog`, when it has one, in O(1): one tuple appended to a list. Nothing else happens on
 the hot path; the service turns the list into numbered events once the op's journal record is
@@ -75,6 +75,34 @@ def attach(pool: Any, out: list[KvChange] | None) -> None:
             pool.host.disk.kv_log = None if out is None else KvChangeLog(pool.pool_id, "disk", out)
 
 
+class KvRecorder:
+    """The manager's switch for recording: off (None) until `record`, then one shared list
+    every tier's `KvChangeLog` writes into, handed over by `take`."""
+
+    __slots__ = ("changes",)
+
+    def __init__(self) -> None:
+        self.changes: list[KvChange] | None = None
+
+    def record(self, pools: dict[PoolId, Any]) -> None:
+        if self.changes is None:
+            self.changes = []
+            for pool in pools.values():
+                attach(pool, self.changes)
+
+    def take(self) -> list[KvChange]:
+        out = self.changes
+        if not out:
+            return []
+        changes = list(out)
+        out.clear()
+        return changes
+
+    def pool_removed(self, pool_id: PoolId) -> None:
+        if self.changes is not None:
+            self.changes.append((CLEARED, pool_id, None))
+
+
 def index_view(pools: dict[PoolId, Any], with_tokens: bool = False) -> IndexView:
     """What every tier of every pool has in its prefix index now, keyed like the events.
     `with_tokens`: each entry also carries the block's token ids (a fourth item), for a
@@ -117,5 +145,5 @@ def apply_change(view: IndexView, change: KvChange) -> None:
 
 __all__ = [
     "CLEARED", "KV_TIERS", "REMOVED", "STORED", "BlockInfo", "IndexView", "KvChange", "KvChangeLog", "KvTier",
-    "apply_change", "attach", "index_view",
+    "KvRecorder", "apply_change", "attach", "index_view",
 ]

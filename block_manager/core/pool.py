@@ -12,33 +12,23 @@ two apart also makes `evict(n)` O(n) instead of skipping over free blocks.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import numpy as np
 
-from block_manager.core.block_list import BlockList
-from block_manager.core.errors import InvalidRequest
+from block_manager.core import kv_events as _kv_events
+from block_manager.core.block_tier import BlockMeta, TierLedger
+from block_manager.core.disk_tier import DiskTier, SeedBlock, seed
+from block_manager.core.errors import InvalidRequest, check_count
 from block_manager.core.fetch import Loan
 from block_manager.core.hashing import BlockHash
-from block_manager.core.kv_events import KvChangeLog
 from block_manager.core.sequence import SeqColumns, Sequence
-from block_manager.core.steps import StepRecord, StepWork
-from block_manager.core.tiers import HostTier, offload
+from block_manager.core.step_work import StepRecord, StepWork
+from block_manager.core.tiers import HostTier, TierKind, TierOp
 from block_manager.core.types import BlockId, CopyKind, CopyOp, DefragKind, PlanId, PoolId, SeqId, StepId
 
 MAX_POOL_BLOCKS = 1 << 24  # bounds memory for a pool created from bad input
-
-
-@dataclass(slots=True)
-class BlockMeta:
-    """Identity of a hashed block: what a prefix hit is confirmed against.
-
-    Not frozen (one is built per filled block on the append hot path); never mutated."""
-
-    block_hash: BlockHash
-    parent_hash: BlockHash | None
-    salt: str | None
-    token_ids: tuple[int, ...]
 
 
 @dataclass(slots=True)
@@ -51,33 +41,30 @@ class PlanState:
     step_id: StepId          # the step whose Forward runs the moves; the plan commits once it is settled
 
 
-class Pool:
-    """Bookkeeping of one compute node's blocks; the manager orchestrates, the pool keeps
-    its own counters consistent on every transition."""
+class Pool(TierLedger):
+    """Bookkeeping of one compute node's blocks — the device tier, with the host tier under
+    it; the manager orchestrates, the pool keeps its own counters consistent on every
+    transition."""
 
     __slots__ = (
-        "pool_id", "num_blocks", "block_size", "draining", "ref_cnt", "free_list",
-        "cached_list", "meta", "prefix_index", "reserved", "pinned", "num_used",
-        "num_reserved", "seqs", "next_op_id", "plan", "write_step", "step", "unsettled",
+        "pool_id", "block_size", "draining", "reserved", "pinned", "num_used",
+        "num_reserved", "seqs", "next_op_id", "plan", "step", "unsettled",
         "settled_step", "num_steps", "last_defrag_step", "prefix_query_tokens", "prefix_hit_tokens",
         "cow_copies", "evictions", "defrag_moves", "compaction_plans", "contiguity_plans", "aborted_plans",
-        "last_version", "cols", "ref_np", "write_step_np", "host", "kv_log", "lent", "fetched_blocks",
+        "last_version", "cols", "ref_np", "write_step_np", "host", "lent", "fetched_blocks",
     )
 
+    ref_cnt: array
+    write_step: array
+
     def __init__(self, pool_id: PoolId, num_blocks: int, block_size: int) -> None:
+        super().__init__(num_blocks)
         self.pool_id = pool_id
-        self.num_blocks = num_blocks
         self.block_size = block_size
         self.draining = False
         # Flat int64 arrays: per-item code indexes them like lists, the batched append reads
         # and writes the same memory through the numpy views (`ref_np`, `write_step_np`).
         self.ref_cnt = array("q", bytes(8 * num_blocks))
-        self.free_list = BlockList(num_blocks)
-        self.cached_list = BlockList(num_blocks)
-        for b in range(num_blocks):
-            self.free_list.push_back(b)
-        self.meta: list[BlockMeta | None] = [None] * num_blocks
-        self.prefix_index: dict[BlockHash, int] = {}
         # reserved: a defrag destination, or a pinned source whose last reference went
         # away while the plan was outstanding (held until commit/abort, never reused).
         self.reserved = bytearray(num_blocks)
@@ -109,7 +96,6 @@ class Pool:
         self.contiguity_plans = 0
         self.aborted_plans = 0
         self.host: HostTier | None = None   # the host tier under the pool (tiers.py), if any
-        self.kv_log: KvChangeLog | None = None   # prefix-index changes, when recorded (kv_events.py)
         self.lent: dict[str, Loan] = {}   # blocks pinned for other pools' fetches (fetch.py), by fetch id
         self.fetched_blocks = 0           # blocks this pool got by a fetch instead of a recompute
 
@@ -127,15 +113,6 @@ class Pool:
     def num_free(self) -> int:
         return len(self.free_list)
 
-    @property
-    def num_cached(self) -> int:
-        return len(self.cached_list)
-
-    @property
-    def num_available(self) -> int:
-        """Blocks an allocation can take now: free plus evictable cached ones."""
-        return self.free_list.length + self.cached_list.length
-
     # ---- block transitions ----------------------------------------------------------
     def take_block(self) -> int:
         """Pop a block for a new owner (ref_cnt 1), evicting the LRU cached block if no
@@ -146,7 +123,7 @@ class Pool:
             if b is None:
                 raise InvalidRequest("internal: take_block on an exhausted pool")
             if self.host is not None:
-                offload(self, b)   # keeps the content on host when there is room
+                self.offload(b)   # keeps the content on host when there is room
             self.drop_hash(b)
             self.evictions += 1
         self.ref_cnt[b] = 1
@@ -179,19 +156,6 @@ class Pool:
             self.free_list.push_front(b)
 
     # ---- prefix index ---------------------------------------------------------------
-    def lookup(
-        self, block_hash: BlockHash, parent: BlockHash | None, salt: str | None,
-        token_ids: tuple[int, ...],
-    ) -> int | None:
-        """Block holding exactly this content, confirmed against the stored tokens."""
-        b = self.prefix_index.get(block_hash)
-        if b is None:
-            return None
-        m = self.meta[b]
-        if m is None or m.token_ids != token_ids or m.parent_hash != parent or m.salt != salt:
-            return None
-        return b
-
     def register(
         self, b: int, block_hash: BlockHash, parent: BlockHash | None, salt: str | None,
         token_ids: tuple[int, ...],
@@ -201,19 +165,8 @@ class Pool:
         front, reused first)."""
         if block_hash in self.prefix_index or self.meta[b] is not None:
             return False
-        self.prefix_index[block_hash] = b
-        meta = self.meta[b] = BlockMeta(block_hash, parent, salt, token_ids)
-        if self.kv_log is not None:
-            self.kv_log.stored(meta)
+        self.index(b, BlockMeta(block_hash, parent, salt, token_ids))
         return True
-
-    def drop_hash(self, b: int) -> None:
-        m = self.meta[b]
-        if m is not None:
-            del self.prefix_index[m.block_hash]
-            self.meta[b] = None
-            if self.kv_log is not None:
-                self.kv_log.removed(m.block_hash)
 
     def evict(self, num_blocks: int) -> int:
         """Evict up to `num_blocks` cached blocks, least recently freed first (to the host tier
@@ -224,7 +177,7 @@ class Pool:
             if b is None:
                 break
             if self.host is not None:
-                offload(self, b)
+                self.offload(b)
             self.drop_hash(b)
             self.free_list.push_back(b)
             self.evictions += 1
@@ -253,10 +206,7 @@ class Pool:
         prefix hit. A cached block without a hash is a plain free block."""
         if self.prefix_index.get(block_hash) != b:
             return  # evicted or re-registered since: not this registration any more
-        self.drop_hash(b)
-        if self.ref_cnt[b] == 0 and not self.reserved[b] and b in self.cached_list:
-            self.cached_list.remove(b)
-            self.free_list.push_front(b)
+        self.forget(b)   # (a reserved block is never in the cached queue)
 
     # ---- steps and copy ops ---------------------------------------------------------
     def written(self, b: int) -> bool:
@@ -274,8 +224,82 @@ class Pool:
     def last_closed_step(self) -> int:
         return self.step.step_id - 1
 
+    # ---- the tiers under the pool (tiers.py, disk_tier.py) ------------------------------
+    def queue_tier_op(self, kind: TierKind, src: int, dst: int, meta: BlockMeta | None = None) -> TierOp:
+        """Queue a move between tiers in the open step (the node runs them before its copies)."""
+        op = TierOp(self.next_op_id, kind, BlockId(src), BlockId(dst), meta)
+        self.next_op_id += 1
+        self.step.tier_ops.append(op)
+        return op
+
+    def offload(self, b: int) -> None:
+        """Device block `b` (cached, hashed) is being evicted: keep its content on host when the
+        host tier has room and does not hold that hash yet. Called before `b` loses its hash."""
+        host = self.host
+        meta = self.meta[b]
+        if host is None or meta is None or meta.block_hash in host.prefix_index or not self.written(b):
+            return
+        h = host.offload(meta, self.step.step_id)
+        if h is not None:
+            self.queue_tier_op("offload", b, h)
+
+    def attach_disk(self, disk: DiskTier) -> None:
+        """Put `disk` under the pool's host tier: host LRU evictions spill to it from now on."""
+        if self.host is None:
+            raise InvalidRequest(f"pool {self.pool_id!r}: a disk tier needs a host tier above it")
+        self.host.disk = disk
+        self.host.on_evict = self.spill
+
+    def spill(self, h: int) -> None:
+        """Host block `h` (cached, hashed) is being evicted: keep it on disk when it is written
+        (disk_tier.py). Called before `h` loses its hash."""
+        host = self.host
+        if host is None or host.disk is None:   # only attach_disk installs this hook
+            raise InvalidRequest(f"internal: pool {self.pool_id!r} spills without a disk tier")
+        meta = host.meta[h]
+        if meta is None or not host.written(h, self.settled_step):
+            return
+        s = host.disk.spill(meta, self.settled_step, self.step.step_id)
+        if s is not None:
+            self.queue_tier_op("disk_offload", h, s, meta)
+
     # ---- gauges ---------------------------------------------------------------------
     def high_water_mark(self) -> int:
         """1 + the highest id of a block with ref_cnt > 0 (0 when none is used)."""
         used = np.flatnonzero(self.ref_np)
         return int(used[-1]) + 1 if len(used) else 0
+
+
+def _check_geometry(num_blocks: int, block_size: int, host_num_blocks: int, disk_num_blocks: int,
+                    disk_blocks: Seq[SeedBlock]) -> None:
+    check_count("num_blocks", num_blocks, 1)
+    check_count("block_size", block_size, 1)
+    if num_blocks > MAX_POOL_BLOCKS:
+        raise InvalidRequest(f"num_blocks {num_blocks} exceeds {MAX_POOL_BLOCKS}")
+    check_count("host_num_blocks", host_num_blocks, 0)
+    if host_num_blocks > MAX_POOL_BLOCKS:
+        raise InvalidRequest(f"host_num_blocks {host_num_blocks} exceeds {MAX_POOL_BLOCKS}")
+    check_count("disk_num_blocks", disk_num_blocks, 0)
+    if disk_num_blocks > MAX_POOL_BLOCKS:
+        raise InvalidRequest(f"disk_num_blocks {disk_num_blocks} exceeds {MAX_POOL_BLOCKS}")
+    if disk_num_blocks and not host_num_blocks:
+        raise InvalidRequest("a disk tier needs a host tier above it (host_num_blocks > 0)")
+    if disk_blocks and not disk_num_blocks:
+        raise InvalidRequest("disk blocks given for a pool without a disk tier")
+
+
+def build_pool(pool_id: PoolId, num_blocks: int, block_size: int, host_num_blocks: int, disk_num_blocks: int,
+               disk_blocks: Seq[SeedBlock], kv_changes: list[_kv_events.KvChange] | None) -> Pool:
+    """A new pool with its tiers (`BlockManager.add_pool`), its index changes recorded into
+    `kv_changes` when that is a list; `InvalidRequest` for bad sizes or seeds."""
+    _check_geometry(num_blocks, block_size, host_num_blocks, disk_num_blocks, disk_blocks)
+    pool = Pool(pool_id, num_blocks, block_size)
+    if host_num_blocks:
+        pool.host = HostTier(host_num_blocks)
+    if disk_num_blocks:
+        pool.attach_disk(DiskTier(disk_num_blocks))
+    if kv_changes is not None:
+        _kv_events.attach(pool, kv_changes)
+    if pool.host is not None and pool.host.disk is not None:   # seeds are disk-tier events:
+        seed(pool.host.disk, disk_blocks, block_size)          # malformed ones raise here
+    return pool

@@ -12,11 +12,12 @@ had, so the rare paths (fork, defrag, snapshots, fsck) read it as before.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 
 import numpy as np
 
-from block_manager.core.errors import LateIdsPending
+from block_manager.core.errors import LateIdsPending, VersionConflict
 from block_manager.core.hashing import BlockHash
 from block_manager.core.types import PoolId, SeqId, SequenceView
 
@@ -37,6 +38,22 @@ class SeqColumns:
 
     __slots__ = ("block_size", "capacity", "row_of", "_free_rows", "_next_row",
                  *_COLUMNS, *(f"{name}_np" for name in _COLUMNS))
+
+    # set by `_resize` (one loop over _COLUMNS): the stdlib arrays and their numpy views
+    num_tokens: array
+    last_block: array
+    last_write_step: array
+    hashing: array
+    tail_len: array
+    tail: array
+    num_late: array
+    num_tokens_np: np.ndarray
+    last_block_np: np.ndarray
+    last_write_step_np: np.ndarray
+    hashing_np: np.ndarray
+    tail_len_np: np.ndarray
+    tail_np: np.ndarray
+    num_late_np: np.ndarray
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -215,3 +232,16 @@ def late_pending(seq: Sequence) -> LateIdsPending | None:
         f"sequence {seq.seq_id!r}: the ids of its last {pending} tokens are still to come; send them "
         "(the Step's late ids) before anything else touches it"
     )
+
+
+def newer_views(seqs: list[Sequence], known: Mapping[SeqId, int]) -> list[SequenceView]:
+    """Views of `seqs` whose table is newer than the caller's `known` version
+    (`BlockManager.get_tables`); `VersionConflict` for a caller ahead of the core."""
+    out: list[SequenceView] = []
+    for seq in seqs:
+        have = known.get(seq.seq_id)
+        if have is not None and have > seq.version:
+            raise VersionConflict(f"sequence {seq.seq_id!r}: caller has version {have}, core {seq.version}")
+        if have is None or have < seq.version:
+            out.append(seq.view())
+    return out

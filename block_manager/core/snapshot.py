@@ -14,13 +14,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from block_manager.core import disk_tier as _disk
 from block_manager.core import fetch as _fetch
-from block_manager.core import tiers as _tiers
+from block_manager.core.block_tier import meta_from_list
+from block_manager.core.disk_tier import DiskTier
 from block_manager.core.errors import CoreError, InvalidRequest
-from block_manager.core.pool import MAX_POOL_BLOCKS, BlockMeta, PlanState, Pool
+from block_manager.core.pool import MAX_POOL_BLOCKS, PlanState, Pool
 from block_manager.core.sequence import Sequence
-from block_manager.core.steps import DirtyTable, StepRecord, StepWork
+from block_manager.core.step_work import DirtyTable, StepRecord, StepWork
+from block_manager.core.tiers import TIER_KINDS, HostTier, TierOp
 from block_manager.core.types import BlockId, CopyOp, DefragPolicy, PlanId, PoolId, SeqId, StepId
 
 
@@ -45,14 +46,6 @@ _COUNTERS = (
 )
 
 
-def _hex(h: bytes | None) -> str | None:
-    return None if h is None else h.hex()
-
-
-def _unhex(s: str | None) -> bytes | None:
-    return None if s is None else bytes.fromhex(s)
-
-
 def _op(op: CopyOp) -> list:
     return [op.op_id, op.src, op.dst, op.kind]
 
@@ -73,11 +66,7 @@ def _pool_to_dict(pool: Pool) -> dict[str, Any]:
         "ref_cnt": list(pool.ref_cnt),
         "free_list": list(pool.free_list),
         "cached_list": list(pool.cached_list),
-        "hashed_blocks": [
-            [b, m.block_hash.hex(), _hex(m.parent_hash), m.salt, list(m.token_ids)]
-            for b, m in enumerate(pool.meta)
-            if m is not None
-        ],
+        "hashed_blocks": pool.hashed_to_list(),
         "reserved": [b for b in range(pool.num_blocks) if pool.reserved[b]],
         "pinned": [b for b in range(pool.num_blocks) if pool.pinned[b]],
         # Only steps above the settled one matter ("not yet written"); the rest read as 0.
@@ -112,7 +101,7 @@ def _pool_to_dict(pool: Pool) -> dict[str, Any]:
     for name in _COUNTERS:
         d[name] = getattr(pool, name)
     if pool.host is not None:
-        d["host"] = _tiers.to_dict(pool.host)
+        d["host"] = pool.host.to_dict()
     # prefix fetch (fetch.py): only when there is something (older snapshots keep their shape)
     if pool.lent:
         d["lent"] = _fetch.loans_to_list(pool)
@@ -169,7 +158,7 @@ def _step_from_dict(d: dict[str, Any]) -> StepWork:
     )
 
 
-def _tier(op: _tiers.TierOp) -> list[Any]:
+def _tier(op: TierOp) -> list[Any]:
     """A tier op; a disk offload carries its block's identity (the node stores it)."""
     out: list[Any] = [op.op_id, op.kind, op.src, op.dst]
     if op.meta is not None:
@@ -179,16 +168,12 @@ def _tier(op: _tiers.TierOp) -> list[Any]:
     return out
 
 
-def _untier(d: list) -> _tiers.TierOp:
+def _untier(d: list[Any]) -> TierOp:
     op_id, kind, src, dst, *meta = d
-    if kind not in _tiers.TIER_KINDS:
+    if kind not in TIER_KINDS:
         raise ValueError(f"tier op kind {kind!r}")
-    m = None
-    if meta:
-        h, parent, salt, tokens = meta[0]
-        m = BlockMeta(bytes.fromhex(h), None if parent is None else bytes.fromhex(parent), salt,
-                      tuple(int(t) for t in tokens))
-    return _tiers.TierOp(int(op_id), kind, BlockId(int(src)), BlockId(int(dst)), m)
+    m = meta_from_list(*meta[0]) if meta else None
+    return TierOp(int(op_id), kind, BlockId(int(src)), BlockId(int(dst)), m)
 
 
 def to_snapshot(parts: CoreParts) -> dict[str, Any]:
@@ -233,7 +218,7 @@ def _pool_from_dict(d: dict[str, Any]) -> Pool:
                 raise ValueError(f"{name}: bad or repeated block {b}")
             lst.push_back(int(b))
     for b, h, parent, salt, tokens in d["hashed_blocks"]:
-        meta = BlockMeta(bytes.fromhex(h), _unhex(parent), salt, tuple(int(t) for t in tokens))
+        meta = meta_from_list(h, parent, salt, tokens)
         if meta.block_hash in pool.prefix_index:
             raise ValueError("two blocks with one hash")
         pool.meta[b] = meta
@@ -246,24 +231,13 @@ def _pool_from_dict(d: dict[str, Any]) -> Pool:
     for b, ws in d["write_step"]:
         pool.write_step[b] = int(ws)
     pool.refresh_views()
-    pool.step = _step_from_dict(d["step"])
-    # A record's base step: written since the fix of two failed steps in a row; older snapshots
-    # lack it, and for them the previous step is what the old code assumed.
-    pool.unsettled = [StepRecord(StepId(int(r[0])), _unregs(r[1]), None if r[2] is None else PlanId(int(r[2])),
-                                 int(r[3]) if len(r) > 3 else int(r[0]) - 1)
-                      for r in d["unsettled"]]
-    plan = d["plan"]
-    if plan is not None:
-        if plan["kind"] not in ("compaction", "contiguity") or not plan["moves"]:
-            raise ValueError("bad plan")
-        pool.plan = PlanState(PlanId(int(plan["plan_id"])), plan["kind"],
-                              [_unop(op) for op in plan["moves"]], StepId(int(plan["step_id"])))
+    _steps_from_dict(pool, d)
     for name in _COUNTERS:
         setattr(pool, name, int(d[name]))
     if d.get("host") is not None:
-        pool.host = _tiers.from_dict(d["host"], MAX_POOL_BLOCKS, BlockMeta)
+        pool.host = HostTier.from_dict(d["host"], MAX_POOL_BLOCKS)
         if d["host"].get("disk") is not None:
-            _disk.attach(pool, _disk.DiskTier.from_dict(d["host"]["disk"], MAX_POOL_BLOCKS, BlockMeta))
+            pool.attach_disk(DiskTier.from_dict(d["host"]["disk"], MAX_POOL_BLOCKS))
     pool.lent = _fetch.loans_from_list(d.get("lent", []))
     pool.fetched_blocks = int(d.get("fetched_blocks", 0))
     for s in d["sequences"]:
@@ -278,6 +252,22 @@ def _pool_from_dict(d: dict[str, Any]) -> Pool:
         )
         pool.seqs[seq.seq_id] = seq
     return pool
+
+
+def _steps_from_dict(pool: Pool, d: dict[str, Any]) -> None:
+    """The pool's open step, its unsettled steps and its defrag plan."""
+    pool.step = _step_from_dict(d["step"])
+    # A record's base step: written since the fix of two failed steps in a row; older snapshots
+    # lack it, and for them the previous step is what the old code assumed.
+    pool.unsettled = [StepRecord(StepId(int(r[0])), _unregs(r[1]), None if r[2] is None else PlanId(int(r[2])),
+                                 int(r[3]) if len(r) > 3 else int(r[0]) - 1)
+                      for r in d["unsettled"]]
+    plan = d["plan"]
+    if plan is not None:
+        if plan["kind"] not in ("compaction", "contiguity") or not plan["moves"]:
+            raise ValueError("bad plan")
+        pool.plan = PlanState(PlanId(int(plan["plan_id"])), plan["kind"],
+                              [_unop(op) for op in plan["moves"]], StepId(int(plan["step_id"])))
 
 
 def from_snapshot(data: Mapping[str, Any]) -> CoreParts:
