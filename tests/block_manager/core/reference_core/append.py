@@ -24,8 +24,9 @@ from array import array
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from .errors import CoreError, InvalidRequest, OutOfBlocks, PendingWrite, UnknownSequence
-from .hashing import hash_block_bytes, salt_bytes
+from block_manager.core.errors import CoreError, InvalidRequest, OutOfBlocks, PendingWrite, UnknownSequence
+from block_manager.core.hashing import hash_block_bytes, salt_bytes
+
 from .pool import Pool
 from .sequence import Sequence
 from .steps import touch

@@ -27,7 +27,8 @@ released.
 
 from __future__ import annotations
 
-from .errors import FailedPrecondition
+from block_manager.core.errors import FailedPrecondition
+
 from .pool import PlanState, Pool
 from .steps import note_replaced
 from .types import DefragKind, DefragPolicy, PlanId, SeqId

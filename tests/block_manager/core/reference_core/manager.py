@@ -21,9 +21,7 @@ from array import array
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 
-from . import defrag as _defrag
-from .append import AppendOutcome, append_columns, item_error
-from .errors import (
+from block_manager.core.errors import (
     CoreError,
     FailedPrecondition,
     InvalidRequest,
@@ -37,11 +35,14 @@ from .errors import (
     UnknownSequence,
     VersionConflict,
 )
+from block_manager.core.hashing import hash_prefix, token_array
+from block_manager.core.slots import slot_range
+
+from . import defrag as _defrag
+from .append import AppendOutcome, append_columns, item_error
 from .fsck import fsck
-from .hashing import hash_prefix, token_array
 from .pool import MAX_POOL_BLOCKS, Pool
 from .sequence import Sequence
-from .slots import slot_range
 from .snapshot import CoreParts, from_snapshot, to_snapshot
 from .steps import StepRecord, StepWork, base_step, build_output, note_created, note_dropped
 from .types import (

@@ -14,9 +14,10 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass
 
-from .block_list import BlockList
-from .errors import InvalidRequest
-from .hashing import BlockHash
+from block_manager.core.block_list import BlockList
+from block_manager.core.errors import InvalidRequest
+from block_manager.core.hashing import BlockHash
+
 from .sequence import Sequence
 from .steps import StepRecord, StepWork
 from .types import BlockId, CopyKind, CopyOp, DefragKind, PlanId, PoolId, SeqId, StepId

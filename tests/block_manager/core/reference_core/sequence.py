@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .hashing import BlockHash
+from block_manager.core.hashing import BlockHash
+
 from .types import PoolId, SeqId, SequenceView
 
 

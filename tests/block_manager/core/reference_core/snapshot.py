@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import CoreError, InvalidRequest
+from block_manager.core.errors import CoreError, InvalidRequest
+
 from .pool import MAX_POOL_BLOCKS, BlockMeta, PlanState, Pool
 from .sequence import Sequence
 from .steps import DirtyTable, StepRecord, StepWork

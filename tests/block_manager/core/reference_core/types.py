@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, NewType
 
-from .errors import CoreError
+from block_manager.core.errors import CoreError
 
 SeqId = NewType("SeqId", str)
 PoolId = NewType("PoolId", str)
@@ -199,7 +199,7 @@ class DefragPolicy:
     min_contiguity: float | None = 0.5
 
     def __post_init__(self) -> None:
-        from .errors import InvalidRequest
+        from block_manager.core.errors import InvalidRequest
 
         n = self.every_n_steps
         if n is not None and (type(n) is not int or n < 1):
