@@ -248,8 +248,8 @@ def _literal_env(code: Code) -> None:
     file that is not documentation."""
     files = _tracked()
     for name in files:
-        if name.endswith(".md") or "_pb2" in name:
-            continue
+        if name.endswith(".md") or "_pb2" in name or ROOT / name == Path(__file__).resolve():
+            continue   # this file's planted names are not the code's
         try:
             text = (ROOT / name).read_text()
         except (UnicodeDecodeError, OSError):
@@ -354,6 +354,7 @@ def _logical_lines(text: str) -> list[Line]:
     return joined
 
 
+_SUFFIXES = {"py", "md", "proto", "yaml", "yml", "json", "toml", "txt", "sh", "db", "svg", "png"}
 _DOTTED = re.compile(r"^([a-z_]\w*(?:\.[A-Za-z_]\w*)+)(?:\(\))?$")
 
 
@@ -373,11 +374,24 @@ def _names_in(body: list[ast.stmt]) -> set[str]:
     return names
 
 
+def proto_names(root: Path) -> set[str]:
+    """`package.Name` of every service, message and enum the .proto files declare."""
+    names: set[str] = set()
+    for path in root.glob("proto/**/*.proto"):
+        text = path.read_text()
+        package = re.search(r"^package\s+([\w.]+);", text, re.MULTILINE)
+        for m in re.finditer(r"^\s*(?:service|message|enum)\s+(\w+)", text, re.MULTILINE):
+            names.add(f"{package.group(1)}.{m.group(1)}" if package else m.group(1))
+    return names
+
+
 def dotted_problem(name: str, root: Path) -> str | None:
     """Why `package.module.name[.member]` names nothing in the tree (None: it does, or it is
-    not one of the project's packages)."""
+    not one of the project's packages, or it is a file name or a protobuf name)."""
     parts = name.split(".")
-    if not (root / parts[0] / "__init__.py").exists():
+    if not (root / parts[0] / "__init__.py").exists() or parts[-1] in _SUFFIXES:
+        return None
+    if name in proto_names(root) or ".".join(parts[:-1]) in proto_names(root):
         return None
     i = 1
     while i < len(parts) and ((root.joinpath(*parts[:i + 1]).with_suffix(".py")).exists()
@@ -546,7 +560,10 @@ def check_doc(doc: Path, root: Path, code: Code) -> list[str]:
 
 
 def docs() -> list[Path]:
-    return [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    """README.md, BENCHMARKS.md, docs/ (with the benchmark archive), and every other tracked
+    markdown file (the packages' READMEs, proto/README.md)."""
+    first = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return first + [ROOT / n for n in _tracked("*.md") if ROOT / n not in first]
 
 
 @pytest.fixture(scope="module")
