@@ -52,7 +52,7 @@ INT64_MAX = (1 << 63) - 1
 def _screen(
     seqs: dict[SeqId, Sequence],
     pools: dict[PoolId, Pool],
-    seq_ids: Seq[str],
+    seq_ids: Seq[SeqId],
     counts: Seq[int],
     token_ids: Seq[int] | None,
     already_written: bool,
@@ -85,7 +85,7 @@ def _screen(
 def _validate_items(
     seqs: dict[SeqId, Sequence],
     pools: dict[PoolId, Pool],
-    seq_ids: Seq[str],
+    seq_ids: Seq[SeqId],
     counts: Seq[int],
     token_ids: Seq[int] | None,
     already_written: bool,
@@ -157,7 +157,7 @@ def item_error(
 def append_columns(
     pools: dict[PoolId, Pool],
     seqs: dict[SeqId, Sequence],
-    seq_ids: Seq[str],
+    seq_ids: Seq[SeqId],
     counts: Seq[int],
     token_ids: Seq[int] | None = None,
     *,
@@ -217,7 +217,7 @@ VECTOR_MIN_ITEMS = 64
 def _append_valid(
     pools: dict[PoolId, Pool],
     seqs: dict[SeqId, Sequence],
-    seq_ids: Seq[str],
+    seq_ids: Seq[SeqId],
     counts: Seq[int],
     toks: array | None,
     already_written: bool,
@@ -243,13 +243,13 @@ def _append_valid(
         starts = np.cumsum(cnt) - cnt
     lt = None if late is None else np.array(late, np.int64)
     tk = None if toks is None else np.frombuffer(toks, dtype=np.int64) if len(toks) else np.zeros(0, np.int64)
-    pool = pools[seqs[seq_ids[0]].pool_id]  # type: ignore[index]
+    pool = pools[seqs[seq_ids[0]].pool_id]
     try:
         rows = np.fromiter(map(pool.cols.row_of.__getitem__, seq_ids), np.intp, n)
     except KeyError:   # several pools in one batch
-        col = [seqs[sid].pool_id for sid in seq_ids]  # type: ignore[index]
-        groups = [(pid, np.array([i for i, p in enumerate(col) if p == pid], np.intp))
-                  for pid in dict.fromkeys(col)]
+        col = [seqs[sid].pool_id for sid in seq_ids]
+        groups: list[tuple[PoolId, np.ndarray | None]] = [
+            (pid, np.array([i for i, p in enumerate(col) if p == pid], np.intp)) for pid in dict.fromkeys(col)]
     else:
         groups = [(pool.pool_id, None)]
     for pid, sel in groups:

@@ -41,7 +41,7 @@ def decode_arrays(n: int) -> tuple[np.ndarray, np.ndarray]:
 def append_pool(
     pool: Pool,
     seqs: dict[SeqId, Sequence],
-    seq_ids: Seq[str],
+    seq_ids: Seq[SeqId],
     sel: np.ndarray | None,
     rows: np.ndarray,
     cnt: np.ndarray,
@@ -124,7 +124,7 @@ def _masks(pool: Pool, rows: np.ndarray, nt0: np.ndarray, c: np.ndarray, ones: b
     return off, last, end, fast, odd
 
 
-def _apply_simple(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[str], sel: np.ndarray | None,
+def _apply_simple(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[SeqId], sel: np.ndarray | None,
                   rows: np.ndarray, c: np.ndarray, off: np.ndarray, last: np.ndarray, fast: np.ndarray,
                   odd: np.ndarray | None, nt1: np.ndarray, ones: bool, mark: bool) -> tuple[np.ndarray, list[int]]:
     """Apply the in-block appends, and the plain crossings when every other item is in-block:
@@ -180,7 +180,7 @@ def _scatter_tails(pool: Pool, rows: np.ndarray, c: np.ndarray, st: np.ndarray, 
         cols.tail_len_np[rh] = oh + ch
 
 
-def _run_items(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[str], req: list[int] | None, todo: list[int],
+def _run_items(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[SeqId], req: list[int] | None, todo: list[int],
                c: np.ndarray, st: np.ndarray, simple: np.ndarray, lt: np.ndarray | None, toks: array | None,
                no_ids: bool, mark: bool, out: AppendOutcome, num_tokens: list[int]) -> bool:
     """The items `todo` one by one in request order: an array item whose block filled gets
@@ -191,7 +191,7 @@ def _run_items(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[str], req: 
     ll = lt.tolist() if lt is not None else None
     for j in todo:
         i = j if req is None else req[j]
-        seq = seqs[seq_ids[i]]  # type: ignore[index]  # a SeqId is a str: no NewType call per item
+        seq = seqs[seq_ids[i]]
         if fl[j]:
             if no_ids:
                 stop_hashing(seq)
@@ -215,7 +215,7 @@ def _run_items(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[str], req: 
 def _cross(
     pool: Pool,
     seqs: dict[SeqId, Sequence],
-    seq_ids: Seq[str],
+    seq_ids: Seq[SeqId],
     sel: np.ndarray | None,
     rows: np.ndarray,
     cross: list[int],
@@ -231,7 +231,7 @@ def _cross(
     req = sel.tolist() if sel is not None else None
     new_blocks = []
     for j in cross:
-        seq = seqs[seq_ids[j if req is None else req[j]]]  # type: ignore[index]
+        seq = seqs[seq_ids[j if req is None else req[j]]]
         if seq.seq_id not in dirty:
             touch(step, seq)
         b = take()
@@ -247,13 +247,13 @@ def _cross(
     pool.write_step_np[blocks] = step_id
 
 
-def _hash_filled(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[str], items: list[int],
+def _hash_filled(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[SeqId], items: list[int],
                  rows: np.ndarray) -> None:
     """Hash and register the blocks the items' tails just filled, in request order (no other
     item of the batch touches the prefix index)."""
     if not _LITTLE_ENDIAN:
         for i in items:
-            hash_full_row(pool, seqs[seq_ids[i]])  # type: ignore[index]
+            hash_full_row(pool, seqs[seq_ids[i]])
         return
     cols = pool.cols
     blocks = cols.tail_np[rows]
@@ -268,7 +268,7 @@ def _hash_filled(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[str], ite
     meta = pool.meta
     kv_log = pool.kv_log
     for j, i in enumerate(items):
-        seq = seqs[seq_ids[i]]  # type: ignore[index]
+        seq = seqs[seq_ids[i]]
         hashes = seq.block_hashes
         parent = hashes[-1] if hashes else None
         salt = seq.salt

@@ -223,7 +223,7 @@ def append_one(pool: Pool, seq: Sequence, n: int, toks: Seq[int] | None, mark: b
 def append_items(
     pools: dict[PoolId, Pool],
     seqs: dict[SeqId, Sequence],
-    seq_ids: Seq[str],
+    seq_ids: Seq[SeqId],
     counts: Seq[int],
     toks: array | None,
     mark: bool,
@@ -280,7 +280,7 @@ def append_items(
     return out
 
 
-def _with_tokens(seqs: dict[SeqId, Sequence], seq_ids: Seq[str], out: AppendOutcome,
+def _with_tokens(seqs: dict[SeqId, Sequence], seq_ids: Seq[SeqId], out: AppendOutcome,
                  touched: list[Pool]) -> set[Pool]:
     """The pools among `touched` that got tokens (one whose every item failed is unchanged)."""
     ok = {seqs[SeqId(sid)].pool_id for sid, nt in zip(seq_ids, out.num_tokens) if nt}

@@ -220,10 +220,10 @@ def commit(pool: Pool) -> list[SeqId]:
         table = seq.block_table
         hit = False
         for i, b in enumerate(table):
-            dst = mapping.get(b)
-            if dst is not None:
+            moved = mapping.get(b)
+            if moved is not None:
                 note_replaced(pool.step, seq, i)
-                table[i] = dst
+                table[i] = moved
                 hit = True
         if hit:
             seq.sync_last_block()

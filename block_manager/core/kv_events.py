@@ -38,7 +38,8 @@ STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
 KvChange = tuple
 
 # What a tier's index holds per hash, as events describe it: (parent hash, salt, tokens).
-BlockInfo = tuple[BlockHash | None, str | None, int]
+BlockInfo = (tuple[BlockHash | None, str | None, int]
+             | tuple[BlockHash | None, str | None, int, tuple[int, ...]])   # with_tokens: + the tokens
 IndexView = dict[tuple[PoolId, KvTier], dict[BlockHash, BlockInfo]]
 
 

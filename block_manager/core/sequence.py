@@ -218,7 +218,8 @@ class Sequence:
 
     def view(self) -> SequenceView:
         return SequenceView(
-            self.seq_id, self.pool_id, tuple(self.block_table), self.num_tokens, self.version
+            self.seq_id, self.pool_id, tuple(self.block_table),  # type: ignore[arg-type]  # block ids are plain ints at run time (BlockId is a NewType)
+            self.num_tokens, self.version,
         )
 
 
