@@ -141,8 +141,8 @@ def check_dotted(doc: Path, text: str, root: Path) -> list[str]:
             continue
         for m in CODE_SPAN.finditer(line.text):
             d = _DOTTED.match(m.group(2).strip())
-            problem = dotted_problem(d.group(1), root) if d else None
-            if problem:
+            problem = dotted_problem(d.group(1), root) if d is not None else None
+            if d is not None and problem:
                 problems.append(f"{doc.relative_to(root)}:{line.number}: `{d.group(1)}`: {problem}")
     return problems
 

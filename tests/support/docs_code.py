@@ -15,6 +15,7 @@ import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,16 +34,14 @@ def _capture_parser(entry: Callable[[list[str]], object], argv: list[str]) -> ar
     def capture(self: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
         raise _Captured(self)
 
-    saved = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
     sigint = signal.getsignal(signal.SIGINT)   # a `main` may take Ctrl-C over (pagedkv.cli.catch_ctrl_c)
-    argparse.ArgumentParser.parse_args = capture  # type: ignore[assignment]  # restored below
-    argparse.ArgumentParser.parse_known_args = capture  # type: ignore[assignment]  # restored below
     try:
-        entry(argv)
+        with (mock.patch.object(argparse.ArgumentParser, "parse_args", capture),
+              mock.patch.object(argparse.ArgumentParser, "parse_known_args", capture)):
+            entry(argv)
     except _Captured as c:
         return c.parser
     finally:
-        argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args = saved
         signal.signal(signal.SIGINT, sigint)
     return None
 
@@ -180,7 +179,8 @@ def read_code() -> Code:
     code = Code()
     for name, entry in _entry_points().items():
         top = _capture_parser(entry, [])
-        assert top is not None, f"{name}: main([]) parsed no command line"
+        if top is None:
+            raise RuntimeError(f"{name}: main([]) parsed no command line")
         code.commands[name] = _options(top)
         for text in _help_texts(top):
             code.env_names.update(re.findall(r"PAGEDKV_[A-Z0-9_]*[A-Z0-9]", text))
@@ -201,9 +201,10 @@ def read_code() -> Code:
         if name.split("/", 1)[0] in _PACKAGES and "__main__" in text and "add_argument" in text:
             module = ".".join(Path(name).with_suffix("").parts)
             light = "def main(" in text and not re.search(r"^(import|from) torch", text, re.MULTILINE)
-            entry = getattr(importlib.import_module(module), "main", None) if light else None   # torch: seconds
-            parser = _capture_parser(entry, []) if entry is not None else None
-            code.commands[f"-m {module}"] = _options(parser) if parser is not None else _script_flags(ROOT / name)
+            main = getattr(importlib.import_module(module), "main", None) if light else None   # torch: seconds
+            module_parser = _capture_parser(main, []) if main is not None else None
+            code.commands[f"-m {module}"] = (_options(module_parser) if module_parser is not None
+                                             else _script_flags(ROOT / name))
     code.commands["pytest"] = _script_flags(ROOT / "conftest.py") | _script_flags(ROOT / "tests" / "conftest.py")
     _settings_env(code)
     _literal_env(code)
