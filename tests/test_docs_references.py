@@ -154,3 +154,14 @@ def test_core_api_lists_every_public_method_of_the_block_manager() -> None:
     documented = documented_methods((ROOT / "docs" / "core_api.md").read_text())
     assert not public - documented, f"docs/core_api.md lacks {sorted(public - documented)}"
     assert not documented - public, f"docs/core_api.md names what BlockManager lacks: {sorted(documented - public)}"
+
+
+def test_core_api_module_map_names_every_core_module() -> None:
+    """docs/core_api.md's module map names each module of `block_manager/core/`, and no other."""
+    text = (ROOT / "docs" / "core_api.md").read_text()
+    module_map = text.split("**Module map.**", 1)[1].split("\n\n", 1)[0]
+    named = set(re.findall(r"`(\w+\.py)`", module_map))
+    modules = {Path(n).name for n in tracked("block_manager/core/*.py") if Path(n).parent == Path("block_manager/core")}
+    modules.discard("__init__.py")
+    assert not modules - named, f"docs/core_api.md's module map lacks {sorted(modules - named)}"
+    assert not named - modules, f"docs/core_api.md's module map names what the core lacks: {sorted(named - modules)}"
