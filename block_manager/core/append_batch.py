@@ -68,7 +68,7 @@ def append_pool(
     nt0 = pool.cols.num_tokens_np[rows]
     off, last, end, fast, odd = _masks(pool, rows, nt0, c, ones, lt)
     nt1 = nt0 + c
-    simple, cross = _apply_simple(pool, seqs, seq_ids, sel, rows, c, off, last, fast, odd, nt1, ones, mark)
+    simple, cross, num_fast = _apply_simple(pool, seqs, seq_ids, sel, rows, c, off, last, fast, odd, nt1, ones, mark)
     hf = simple & (pool.cols.hashing_np[rows] != 0)
     per_item = ~simple
     filled: np.ndarray | None = None
@@ -78,7 +78,7 @@ def append_pool(
         _scatter_tails(pool, rows, c, st, off, hf, tk, ones)
         filled = hf & (end == pool.block_size)
     num_tokens = nt1.tolist()
-    any_ok = bool(fast.any()) or bool(cross)
+    any_ok = num_fast > 0 or bool(cross)
     todo = per_item.nonzero()[0].tolist()
     req = sel.tolist() if sel is not None else None
     if filled is not None and not todo:
@@ -126,9 +126,10 @@ def _masks(pool: Pool, rows: np.ndarray, nt0: np.ndarray, c: np.ndarray, ones: b
 
 def _apply_simple(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[SeqId], sel: np.ndarray | None,
                   rows: np.ndarray, c: np.ndarray, off: np.ndarray, last: np.ndarray, fast: np.ndarray,
-                  odd: np.ndarray | None, nt1: np.ndarray, ones: bool, mark: bool) -> tuple[np.ndarray, list[int]]:
+                  odd: np.ndarray | None, nt1: np.ndarray, ones: bool,
+                  mark: bool) -> tuple[np.ndarray, list[int], int]:
     """Apply the in-block appends, and the plain crossings when every other item is in-block:
-    (the items done as arrays, the crossings' positions)."""
+    (the items done as arrays, the crossings' positions, the number of in-block items)."""
     cols = pool.cols
     num = len(rows)
     step_id = pool.step.step_id
@@ -160,7 +161,7 @@ def _apply_simple(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[SeqId], 
         if mark:
             pool.write_step_np[last[fast]] = step_id
             cols.last_write_step_np[rs] = step_id
-    return simple, cross
+    return simple, cross, num_fast
 
 
 def _scatter_tails(pool: Pool, rows: np.ndarray, c: np.ndarray, st: np.ndarray, off: np.ndarray, hf: np.ndarray,

@@ -32,12 +32,13 @@ def build_output(pool_id: PoolId, step: StepWork, seqs: dict[SeqId, Sequence]) -
     for sid, d in step.dirty.items():
         seq = seqs[sid]
         table = seq.block_table
+        # (block ids are plain ints at run time: BlockId is a NewType, so no conversion per block)
         if d.created:
-            deltas.append(TableDelta(sid, 0, seq.version, d.covered, (), tuple(BlockId(b) for b in table)))
+            deltas.append(TableDelta(sid, 0, seq.version, d.covered, (), tuple(table)))  # type: ignore[arg-type]  # see above
         elif seq.version != d.base_version:
             replaced = tuple((i, BlockId(table[i])) for i in sorted(d.replaced))
             deltas.append(TableDelta(sid, d.base_version, seq.version, 0, replaced,
-                                     tuple(BlockId(b) for b in table[d.base_len:])))
+                                     tuple(table[d.base_len:])))  # type: ignore[arg-type]  # see above
     return StepOutput(
         pool_id,
         step.step_id,
