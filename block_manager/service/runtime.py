@@ -547,7 +547,7 @@ class ServiceRuntime:
     async def _release_lapsed(self, payload: dict[str, Any]) -> bool:
         state = self.state
         try:
-            step = StepInput.decode(payload, state.config.max_batch)
+            step = StepInput.from_json(payload, state.config.max_batch)
         except Exception:  # noqa: BLE001 - the step itself reports its malformed payload
             return False
         now = self.clock()

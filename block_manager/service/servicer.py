@@ -7,7 +7,8 @@ here: they propagate to `ErrorMappingInterceptor`.
 
 `Step` is the hot path: its columns are copied into the payload as lists (`list(repeated)`
 runs in C) and the result's columns are `extend`ed into the response; nothing is built per
-item in Python except the per-item errors, which are rare.
+item in Python except the per-item errors, which are rare. Both conversions live with their
+typed values: `step_codec.py` (the request) and `step_answer.py` (the answer).
 """
 
 from __future__ import annotations
@@ -19,139 +20,27 @@ import grpc
 from block_manager.core.errors import FailedPrecondition, InvalidRequest
 from block_manager.core.types import SeqId
 from block_manager.service.defrag_runner import DefragRunner
-from block_manager.service.disk_codec import disk_register_payload, fill_disk_blocks
+from block_manager.service.disk_codec import disk_register_payload
 from block_manager.service.kv_events_codec import frame_bytes
 from block_manager.service.protocol import MutatingServicer, check_request_id, request_digest, session_of
 from block_manager.service.runtime import ServiceRuntime
 from block_manager.service.sessions import MAX_CLIENT_NAME_LEN
 from block_manager.service.state import ServiceState
 from block_manager.service.state_codec import check_count, check_ids
-from block_manager.service.status import code_for_reason
+from block_manager.service.step_answer import StepAnswer, fill_pool_step
+from block_manager.service.step_codec import step_payload
 from pagedkv.logging import get_logger
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
-from pagedkv.v1 import common_pb2
 
 log = get_logger(__name__)
 
 MAX_ROUTE_TOKENS = 1 << 17   # the default of the `max_route_tokens` setting
 
 
-def step_payload(request: pb.StepRequest) -> dict[str, Any]:
-    """The Step request's columns as the journaled payload (see `step_codec.StepInput`)."""
-    payload: dict[str, Any] = {"scheduler_id": request.scheduler_id}
-    if request.pool_epochs:
-        payload["pool_epochs"] = dict(request.pool_epochs)
-    if request.reports:
-        payload["reports"] = [[r.pool_id, r.epoch, r.completed_up_to, r.failed_from] for r in request.reports]
-    if request.free_seq_ids:
-        payload["free"] = list(request.free_seq_ids)
-    if request.alloc_seq_ids:
-        payload["alloc"] = {
-            "seq_ids": list(request.alloc_seq_ids),
-            "pools": list(request.pool_ids),
-            "salts": list(request.salts),
-            "pool_index": list(request.alloc_pool_index),
-            "salt_index": list(request.alloc_salt_index),
-            "num_token_ids": list(request.alloc_num_token_ids),
-            "token_ids": list(request.alloc_token_ids),
-            "num_tokens": list(request.alloc_num_tokens),
-            "num_compute": list(request.alloc_num_compute),
-        }
-        if request.alloc_place:
-            payload["alloc"]["place"] = [bool(x) for x in request.alloc_place]
-            payload["alloc"]["place_pools"] = list(request.place_pool_ids)
-            payload["alloc"]["admit_budget"] = int(request.admit_budget)
-    if request.written_seq_ids:
-        payload["written"] = _token_section(request.written_seq_ids, request.written_num_tokens,
-                                            request.written_token_ids)
-    if request.fork_parent_ids:
-        payload["fork"] = {
-            "parents": list(request.fork_parent_ids),
-            "num_children": list(request.fork_num_children),
-            "children": list(request.fork_child_ids),
-        }
-    if request.release_leases:
-        payload["release"] = True
-    if request.swap_out_seq_ids:
-        payload["swap_out"] = list(request.swap_out_seq_ids)
-    if request.swap_in_seq_ids:
-        payload["swap_in"] = list(request.swap_in_seq_ids)
-    if request.append_seq_ids:
-        payload["append"] = _token_section(request.append_seq_ids, request.append_num_tokens,
-                                           request.append_token_ids)
-        if request.append_num_late:
-            payload["append"]["num_late"] = list(request.append_num_late)
-    if request.late_seq_ids:
-        payload["late"] = _token_section(request.late_seq_ids, request.late_num_tokens, request.late_token_ids)
-    return payload
-
-
-def _token_section(seq_ids: Any, num_tokens: Any, token_ids: Any) -> dict[str, list[Any]]:
-    """A section of per-sequence token counts with their ids back to back, as journaled."""
-    return {"seq_ids": list(seq_ids), "num_tokens": list(num_tokens), "token_ids": list(token_ids)}
-
-
-def fill_pool_step(msg: common_pb2.PoolStep, d: dict[str, Any]) -> None:
-    """A journaled pool step (`step_codec.pool_step_dict`) into its message, column by column."""
-    msg.pool_id = d["pool_id"]
-    msg.epoch = d["epoch"]
-    msg.step_id = d["step_id"]
-    msg.copy_src.extend(d["copy_src"])
-    msg.copy_dst.extend(d["copy_dst"])
-    msg.copy_is_defrag.extend(d["copy_is_defrag"])
-    msg.delta_seq_ids.extend(d["delta_seq_ids"])
-    msg.delta_base_versions.extend(d["delta_base_versions"])
-    msg.delta_versions.extend(d["delta_versions"])
-    msg.delta_num_tokens.extend(d["delta_num_tokens"])
-    msg.delta_num_replaced.extend(d["delta_num_replaced"])
-    msg.replaced_positions.extend(d["replaced_positions"])
-    msg.replaced_blocks.extend(d["replaced_blocks"])
-    msg.delta_num_appended.extend(d["delta_num_appended"])
-    msg.appended_blocks.extend(d["appended_blocks"])
-    msg.dropped_seq_ids.extend(d["dropped_seq_ids"])
-    msg.plan_id = d["plan_id"]
-    msg.reset = d["reset"]
-    msg.base_step_id = d["base_step_id"]
-    for fid, src, address, src_blocks, dst_blocks, seq_id, first, tokens, src_host in d.get("fetches", ()):
-        msg.fetches.add(fetch_id=fid, src_pool_id=src, src_address=address, src_blocks=src_blocks,
-                        dst_blocks=dst_blocks, seq_id=seq_id, first_token=first, token_ids=tokens, src_host=src_host)
-    for fid, dst, blocks, host in d.get("serves", ()):
-        msg.serves.add(fetch_id=fid, dst_pool_id=dst, blocks=blocks, host=host)
-    if "tier_kind" in d:   # host tier moves (absent in steps without any)
-        msg.tier_kind.extend(d["tier_kind"])
-        msg.tier_src.extend(d["tier_src"])
-        msg.tier_dst.extend(d["tier_dst"])
-        fill_disk_blocks(msg, d.get("disk_blocks", ()))
-
-
 def step_response(r: dict[str, Any]) -> pb.StepResponse:
-    resp = pb.StepResponse()
-    for d in r["steps"]:
-        fill_pool_step(resp.steps.add(), d)
-    for pool_id, settled_step, committed, aborted, dropped in r["settled"]:
-        s = resp.settled.add()
-        s.pool_id, s.settled_step = pool_id, settled_step
-        s.committed_plan_ids.extend(committed)
-        s.aborted_plan_ids.extend(aborted)
-        s.dropped_seq_ids.extend(dropped)
-    for section, index, reason, message in r["errors"]:
-        e = resp.errors.add()
-        e.code, e.reason, e.message = code_for_reason(reason).value[0], reason, message
-        e.section, e.index = section, index
-    resp.alloc_num_cached_tokens.extend(r["alloc_num_cached_tokens"])
-    resp.alloc_num_tokens.extend(r["alloc_num_tokens"])
-    resp.append_num_tokens.extend(r["append_num_tokens"])
-    resp.lease_epochs.update(r["lease_epochs"])
-    resp.alloc_pool_ids.extend(r.get("alloc_pool_ids", ()))
-    for pool_id, num_free, num_usable, *host in r.get("pool_free", ()):   # absent in answers journaled before it
-        resp.pool_free.add(pool_id=pool_id, num_free_blocks=num_free, num_usable_blocks=num_usable,
-                           host_usable_blocks=host[0] if host else 0)
-    resp.swapped_out_seq_ids.extend(r.get("swapped_out", ()))
-    for sid, num_tokens in r.get("swapped_in", ()):
-        resp.swapped_in_seq_ids.append(sid)
-        resp.swapped_in_num_tokens.append(num_tokens)
-    return resp
+    """A recorded Step answer (`StepAnswer`'s journal form) as the response."""
+    return StepAnswer.from_json(r).fill(pb.StepResponse())
 
 
 def register_payload(request: pb.RegisterNodeRequest) -> dict[str, Any]:

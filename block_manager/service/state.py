@@ -11,7 +11,8 @@ deadlines, which are not durable (they restart at recovery), so replay stays det
 (core `CoreError` or `errors.ServiceError`) with the state unchanged; it returns
 `Applied(result, mutated)`, and only mutated results are journaled.
 
-The hot operation is `step` (one scheduler step, `step_codec.py`): reports of earlier
+The hot operation is `step` (one scheduler step: its request `StepInput` in `step_codec.py`,
+its answer `StepAnswer` in `step_answer.py`): reports of earlier
 Forwards, frees, late ids of earlier appends, admissions, already-written reports, swaps, forks
 and appends, then the open step of
 every pool the scheduler drives is closed and returned as that pool's `PoolStep`.
@@ -41,7 +42,8 @@ from block_manager.core.types import DefragPlan, DefragPolicy, PoolId, SeqId
 from block_manager.service.disk_codec import decode_disk_seeds
 from block_manager.service.errors import NotPlaced
 from block_manager.service.state_codec import check_count, check_optional_str, plan_dict
-from block_manager.service.step_codec import AppendColumns, StepInput, decode_swap_ids, pool_step_dict
+from block_manager.service.step_answer import ItemError, PoolFree, SettledPool, StepAnswer, pool_step_dict
+from block_manager.service.step_codec import Alloc, AppendColumns, Report, StepInput
 
 SNAPSHOT_FORMAT = 2
 DEFRAG_KINDS = ("compaction", "contiguity")
@@ -71,11 +73,29 @@ class Applied:
     mutated: bool
 
 
-def item_error(section: str, index: int, exc: CoreError) -> list[Any]:
-    """A per-item failure as the journal records it: where, the error's class name, message.
-    The transport's status code is derived from the name at the edge (`service/status.py`)."""
-    return [section, index, type(exc).__name__, str(exc)]
+@dataclass(slots=True)
+class _CheckedStep:
+    """A step checked as a whole (nothing changed yet), with what applying it reuses."""
 
+    step: StepInput
+    sched: str
+    pools: list[PoolId]          # every live pool it touches (leases checked)
+    reports: list[Report]        # the reports that apply (pool alive, same epoch)
+    gone: set[SeqId]             # frees of sequences dropped with their pool: done already
+    not_placed: set[int]         # placed allocations no pool takes
+    has_items: set[str]          # pools it has tokens, forks or swaps for
+
+
+@dataclass(slots=True)
+class _Candidate:
+    """A pool a placed allocation may go to, ranked by `_place`."""
+
+    pool_id: PoolId
+    num_local_tokens: int        # its prefix cached on this pool (or filled by this step)
+    num_fetchable_tokens: int    # beyond that, cached on `fetch_pool_id`
+    num_free_blocks: int         # free or evictable
+    cost: float                  # `fetch.score`: tokens to compute, fetched ones discounted
+    fetch_pool_id: PoolId | None
 
 
 def _defrag_args(p: dict[str, Any]) -> tuple[str, int | None]:
@@ -237,10 +257,10 @@ class ServiceState:
         pools.update(a.pool_id for a in step.allocs if a.pool_id in live)
         pools.update(src for a in step.allocs for src in a.fetch_sources if src in live)
         pools |= self.core.pools_of([*step.free_ids, *self._item_seq_ids(step), *step.swap_ids,
-                                     *step.late.seq_ids])  # type: ignore[list-item]
+                                     *step.late.seq_ids])
         return sorted(PoolId(p) for p in pools)
 
-    def _swap(self, key: str, ids: list[SeqId], errors: list[list[Any]]) -> list[SeqId]:
+    def _swap(self, key: str, ids: list[SeqId], errors: list[ItemError]) -> list[SeqId]:
         """Swap-outs or swap-ins of a Step: together (forks share host blocks), else one by
         one; a failed item changes nothing and is reported (section `key`)."""
         if not ids:
@@ -257,15 +277,15 @@ class ServiceState:
                 call([sid])
                 done.append(sid)
             except CoreError as exc:
-                errors.append(item_error(key, i, exc))
+                errors.append(ItemError.of(key, i, exc))
         return done
 
     @staticmethod
     def _item_seq_ids(step: StepInput) -> list[SeqId]:
         """The existing sequences a step's items name (forks, appends, already-written)."""
-        return [*(SeqId(f[0]) for f in step.forks), *step.appends.seq_ids, *step.written.seq_ids]  # type: ignore[list-item]
+        return [*(parent for parent, _ in step.forks), *step.appends.seq_ids, *step.written.seq_ids]
 
-    def _resolve_late(self, late: AppendColumns, dropped: set[SeqId], errors: list[list[Any]]) -> None:
+    def _resolve_late(self, late: AppendColumns, dropped: set[SeqId], errors: list[ItemError]) -> None:
         """The late ids of earlier appends (before every section that may touch their
         sequences). Ids for a sequence this Step's reports just dropped are moot: skipped."""
         if not late:
@@ -283,16 +303,19 @@ class ServiceState:
             i = keep[j]
             if isinstance(err, UnknownSequence):
                 err = self._missing_seq_error(SeqId(late.seq_ids[i]))
-            errors.append(item_error("late", i, err))
+            errors.append(ItemError.of("late", i, err))
 
     def _step(self, p: dict[str, Any], now: float) -> Applied:
         sched = check_scheduler_id(p.get("scheduler_id"))
-        step = StepInput.decode(p, self.config.max_batch)
-        swap_out = decode_swap_ids(p, "swap_out", self.config.max_batch)
-        swap_in = decode_swap_ids(p, "swap_in", self.config.max_batch)
-        step.swap_ids = [*swap_out, *swap_in]
+        step = StepInput.from_json(p, self.config.max_batch)
+        checked = self._check_step(step, sched, now)   # fails the request as a whole: nothing changed
+        answer, mutated = self._apply_step(checked, now)
+        return Applied(answer.to_json(), mutated)
+
+    def _check_step(self, step: StepInput, sched: str, now: float) -> _CheckedStep:
+        """Everything that fails a step as a whole, checked before anything changes; placed
+        allocations get their pool (`_place`) here, which only writes into `step`."""
         core = self.core
-        # ---- validate everything that fails the request as a whole (nothing changed) ----
         self._check_pool_epochs(step.pool_epochs)
         not_placed = self._place(step, sched, now)
         pools = self.pools_of(step)
@@ -310,87 +333,105 @@ class ServiceState:
                 raise self._missing_seq_error(SeqId(sid))
         has_items = {a.pool_id for a in step.allocs}
         has_items |= core.pools_of([*self._item_seq_ids(step), *step.swap_ids])
-        lenders = {src for a in step.allocs for src in a.fetch_sources}
         settled_after = {r.pool_id: r.failed_from or r.completed_up_to for r in reports}
         for pid in sorted(has_items & set(pools)):
-            pending = [s for s in core.unsettled_step_ids(pid) if s > settled_after.get(pid, 0)]
+            pending = [s for s in core.unsettled_step_ids(PoolId(pid)) if s > settled_after.get(pid, 0)]
             if len(pending) >= core.max_unsettled_steps:
                 raise StepsUnsettled(
                     f"pool {pid!r}: steps {pending} await their Forward report; report them in this step"
                 )
         self._check_free_pending(step.free_ids, to_drop | gone)
-        # ---- apply ----
-        new_leases = any(self.leases.get(pid) is None for pid in pools)
-        settled_before = {r.pool_id: core.settled_step_id(r.pool_id) for r in reports}
-        lease_epochs = {pid: self.leases.acquire(pid, sched, now) for pid in pools}
-        settled = [self._settle(r) for r in reports]
-        dropped = {sid for s in settled for sid in s[4]}
-        frees = [SeqId(s) for s in step.free_ids if SeqId(s) not in dropped and SeqId(s) not in gone]
+        return _CheckedStep(step, sched, pools, reports, gone, not_placed, has_items)
+
+    def _apply_step(self, c: _CheckedStep, now: float) -> tuple[StepAnswer, bool]:
+        """Apply a checked step: reports, frees, late ids, allocations, written reports, swaps,
+        forks, appends (each item failing alone), then close the step of every pool with
+        tokens; the answer, and whether anything changed (only then is it journaled)."""
+        core, step = self.core, c.step
+        new_leases = any(self.leases.get(pid) is None for pid in c.pools)
+        settled_before = {r.pool_id: core.settled_step_id(PoolId(r.pool_id)) for r in c.reports}
+        lease_epochs = {pid: self.leases.acquire(pid, c.sched, now) for pid in c.pools}
+        settled = [self._settle(r) for r in c.reports]
+        dropped = {sid for s in settled for sid in s.dropped_seq_ids}
+        frees = [SeqId(s) for s in step.free_ids if SeqId(s) not in dropped and SeqId(s) not in c.gone]
         if frees:
             core.free(frees)
             for sid in frees:
                 self._remember(self.freed_ids, sid, None)
-        for sid in sorted(gone):   # freed now as far as the scheduler is concerned: a second free is a double free
+        for sid in sorted(c.gone):   # freed now as far as the scheduler is concerned: a second free is a double free
             self._forget(sid)
             self._remember(self.freed_ids, sid, None)
-        errors: list[list[Any]] = []
+        errors: list[ItemError] = []
         self._resolve_late(step.late, dropped, errors)
-        alloc_cached, alloc_tokens = self._allocate(step, errors, not_placed)
+        alloc_cached, alloc_tokens = self._allocate(step, errors, c.not_placed)
         self._append(step.written, "written", errors, already_written=True)
         # after the written reports: a swapped-out sequence's true length is known by then
-        swapped_out = self._swap("swap_out", [s for s in swap_out if s not in dropped], errors)
-        swapped_in = self._swap("swap_in", [s for s in swap_in if s not in dropped], errors)
+        swapped_out = self._swap("swap_out", [s for s in step.swap_out if s not in dropped], errors)
+        swapped_in = self._swap("swap_in", [s for s in step.swap_in if s not in dropped], errors)
         self._fork(step, errors)
         append_tokens = self._append(step.appends, "append", errors, already_written=False)
         # a fetch source's grant rides in its own step, closed with this one (prefix fetch)
-        has_items |= {pid for pid in lenders if pid in core.pool_ids and core.is_lending(pid)}
-        # ---- close the open step of every pool this step has tokens (or forks) for ----
-        # Only a step whose Forward the scheduler is about to run hands out a PoolStep: a Step
-        # of frees or reports alone closes nothing, so no PoolStep (a defrag plan's copies, say)
-        # can come back from a call whose caller has no Forward to carry it in. What waits in
-        # the open step rides in the pool's next step with tokens.
-        held = [pid for pid, lease in self.leases.holders().items() if lease.scheduler_id == sched]
-        steps = []
-        for pid in sorted(has_items):
-            if pid in core.pool_ids and core.can_close_step(pid):
-                out = core.close_step(pid)
-                if out is not None:
-                    steps.append(pool_step_dict(out, self.registry.get(pid).epoch, self._address_of))
-        if p.get("release"):
-            for pid in sorted(held):
-                if pid in core.pool_ids and core.sequences(pid):
-                    for sid in core.abandon_pool(pid):
-                        self._remember(self.fenced_ids, sid, pid)
-                self.leases.release(pid)
+        lenders = {src for a in step.allocs for src in a.fetch_sources}
+        has_items = c.has_items | {pid for pid in lenders if pid in core.pool_ids and core.is_lending(PoolId(pid))}
+        steps = self._close_steps(has_items)
+        if step.release:
+            self._release_held(c.sched)
             lease_epochs = {}
-        num_items = len(step.allocs) + len(step.written) + len(step.forks) + len(step.appends) + len(step.late)
         # a step whose every item failed and that settled, freed, closed and took nothing is
         # answered but not journaled (replaying it would change nothing)
         mutated = bool(
-            new_leases
-            or frees
-            or swapped_out
-            or swapped_in
-            or gone
-            or steps
-            or p.get("release")
-            or len(errors) < num_items
-            or any(s[1] != settled_before[s[0]] or s[2] or s[3] or s[4] for s in settled)
+            new_leases or frees or swapped_out or swapped_in or c.gone or steps or step.release
+            or len(errors) < step.num_items
+            or any(s.settled_step != settled_before[s.pool_id] or s.committed_plan_ids or s.aborted_plan_ids
+                   or s.dropped_seq_ids for s in settled)
         )
-        result = {
-            "steps": steps,
-            "settled": settled,
-            "errors": errors,
-            "alloc_num_cached_tokens": alloc_cached,
-            "alloc_num_tokens": alloc_tokens,
-            "append_num_tokens": append_tokens,
-            "lease_epochs": lease_epochs,
-            "pool_free": [[pid, *core.free_blocks(pid), *self._host_usable(pid)] for pid in sorted(core.pool_ids)],
-            **({"swapped_out": swapped_out} if swapped_out else {}),
-            **({"swapped_in": [[s, core.get_sequence(s).num_tokens] for s in swapped_in]} if swapped_in else {}),
-            "alloc_pool_ids": [a.pool_id if tokens else "" for a, tokens in zip(step.allocs, alloc_tokens)],
-        }
-        return Applied(result, mutated)
+        answer = StepAnswer(
+            steps=steps,
+            settled=settled,
+            errors=errors,
+            alloc_num_cached_tokens=alloc_cached,
+            alloc_num_tokens=alloc_tokens,
+            append_num_tokens=append_tokens,
+            lease_epochs=lease_epochs,
+            pool_free=[self._pool_free(pid) for pid in sorted(core.pool_ids)],
+            swapped_out=swapped_out,
+            swapped_in=[(s, core.get_sequence(s).num_tokens) for s in swapped_in],
+            alloc_pool_ids=[a.pool_id if tokens else "" for a, tokens in zip(step.allocs, alloc_tokens)],
+        )
+        return answer, mutated
+
+    def _close_steps(self, has_items: set[str]) -> list[dict[str, Any]]:
+        """Close the open step of every pool this step has tokens (or forks) for.
+
+        Only a step whose Forward the scheduler is about to run hands out a PoolStep: a Step
+        of frees or reports alone closes nothing, so no PoolStep (a defrag plan's copies, say)
+        can come back from a call whose caller has no Forward to carry it in. What waits in
+        the open step rides in the pool's next step with tokens."""
+        core = self.core
+        steps = []
+        for pid in sorted(has_items):
+            if pid in core.pool_ids and core.can_close_step(PoolId(pid)):
+                out = core.close_step(PoolId(pid))
+                if out is not None:
+                    steps.append(pool_step_dict(out, self.registry.get(pid).epoch, self._address_of))
+        return steps
+
+    def _release_held(self, sched: str) -> None:
+        """Give up every lease `sched` holds, dropping the sequences left on those pools."""
+        core = self.core
+        held = [pid for pid, lease in self.leases.holders().items() if lease.scheduler_id == sched]
+        for pid in sorted(held):
+            if pid in core.pool_ids and core.sequences(pid):
+                for sid in core.abandon_pool(pid):
+                    self._remember(self.fenced_ids, sid, pid)
+            self.leases.release(pid)
+
+    def _pool_free(self, pool_id: PoolId) -> PoolFree:
+        """A pool's room after the step; host blocks free or evictable for a pool with a host tier."""
+        num_free, num_usable = self.core.free_blocks(pool_id)
+        m = self.core.host_metrics(pool_id)
+        return PoolFree(pool_id, num_free, num_usable,
+                        None if m is None else m.num_free_blocks + m.num_cached_blocks)
 
     def _address_of(self, pool_id: str) -> str:
         """A pool's node address (a fetch source's, for the destination's pull)."""
@@ -399,19 +440,14 @@ class ServiceState:
         except CoreError:
             return ""
 
-    def _host_usable(self, pool_id: PoolId) -> list[int]:
-        """[host blocks free or evictable] for a pool with a host tier, else nothing."""
-        m = self.core.host_metrics(pool_id)
-        return [] if m is None else [m.num_free_blocks + m.num_cached_blocks]
-
-    def _report_applies(self, r: Any) -> bool:
+    def _report_applies(self, r: Report) -> bool:
         """A report on a pool that is gone or re-registered since is moot (that incarnation's
         sequences were dropped with it)."""
         if r.pool_id not in self.core.pool_ids:
             return False
         return r.epoch == 0 or r.epoch == self.registry.get(r.pool_id).epoch
 
-    def _check_report(self, r: Any) -> set[SeqId]:
+    def _check_report(self, r: Report) -> set[SeqId]:
         """Validate a report without applying it; the sequences it would drop."""
         core = self.core
         last_closed = core.open_step_id(r.pool_id) - 1
@@ -434,12 +470,12 @@ class ServiceState:
             if SeqId(sid) not in to_drop:
                 self.core.check_can_free(SeqId(sid))
 
-    def _settle(self, r: Any) -> list[Any]:
-        res = self.core.settle_steps(r.pool_id, r.completed_up_to, r.failed_from)
+    def _settle(self, r: Report) -> SettledPool:
+        res = self.core.settle_steps(PoolId(r.pool_id), r.completed_up_to, r.failed_from)
         for sid in res.dropped_seq_ids:
-            self._remember(self.failed_ids, sid, r.pool_id)
-        return [r.pool_id, res.settled_step, list(res.committed_plan_ids), list(res.aborted_plan_ids),
-                list(res.dropped_seq_ids)]
+            self._remember(self.failed_ids, sid, PoolId(r.pool_id))
+        return SettledPool(r.pool_id, res.settled_step, list(res.committed_plan_ids), list(res.aborted_plan_ids),
+                           list(res.dropped_seq_ids))
 
     def _place(self, step: StepInput, sched: str, now: float) -> set[int]:
         """Pick a pool for every placed allocation (deterministic: a replay picks the same):
@@ -451,17 +487,7 @@ class ServiceState:
         placed = [(i, a) for i, a in enumerate(step.allocs) if a.place]
         if not placed:
             return set()
-        core = self.core
-        live = set(core.pool_ids)
-        candidates = set(step.placement.pool_ids) & live if step.placement.pool_ids else live
-        usable: set[str] = set()
-        sources: list[PoolId] = []   # may lend prefix blocks: draining ones too (docs/prefix_fetch.md)
-        for pid in candidates:
-            node = self.registry.get(pid)
-            if not node.fenced and self.leases.blocked(pid, sched, now) is None:
-                sources.append(PoolId(pid))
-                if not node.draining:
-                    usable.add(pid)
+        usable, sources = self._placement_pools(step, sched, now)
         budget = step.placement.admit_budget
         taken: dict[str, int] = {}
         filling: dict[str, set[bytes]] = {}   # pool -> hashes of the blocks this step's admissions fill
@@ -471,74 +497,97 @@ class ServiceState:
                 refused.add(i)
                 continue
             length = len(a.token_ids) if a.token_ids else (a.num_tokens or 0)
-            if a.token_ids:
-                # the fetch cost model (block_manager/core/fetch.py): tokens to recompute plus
-                # fetched tokens / FETCH_SPEEDUP, then the load this step already put on the pool
-                ranked = [(e.pool_id, e.num_cached_tokens, e.num_fetchable_tokens, e.num_free_blocks,
-                           fetch_score(length, e.num_cached_tokens, e.num_fetchable_tokens), e.fetch_pool_id)
-                          for e in core.route(a.token_ids, a.salt, fetch_sources=sources) if e.pool_id in usable]
-                hashes = {}
-                if filling and core.enable_prefix_caching:
-                    ranked = [self._with_step_prefix(r, a, length, filling, hashes) for r in ranked]
-            else:
-                ranked = [(pid, 0, 0, core.free_blocks(pid)[1], float(length), None) for pid in usable]
+            hashes: dict[int, list[bytes]] = {}
+            ranked = self._candidates(a, length, usable, sources, filling, hashes)
             if not ranked:
                 refused.add(i)
                 continue
 
-            def fits(r: tuple, length: int = length) -> bool:
+            def fits(c: _Candidate, length: int = length) -> bool:
                 """Room for the blocks beyond its local prefix (its local hits may be cached
                 blocks counted as free: not counted as room)."""
-                bs = self.registry.get(r[0]).block_size
-                local = r[1] // bs
-                return -(-length // bs) - local <= r[3] - local - taken.get(r[0], 0)
+                bs = self.registry.get(c.pool_id).block_size
+                local = c.num_local_tokens // bs
+                return -(-length // bs) - local <= c.num_free_blocks - local - taken.get(c.pool_id, 0)
 
             # a pool with room first (a busy pool holding the prefix lends it to one that has
             # room, instead of the request queueing for it), then the cost, load and id
-            pool, local, fetchable, _, _, source = min(
-                ranked, key=lambda r: (not fits(r), r[4], taken.get(r[0], 0) - r[3], r[0]))
-            a.fetch_sources = [source] if source is not None and fetchable else []
-            cached = local + fetchable
+            best = min(ranked, key=lambda c: (not fits(c), c.cost, taken.get(c.pool_id, 0) - c.num_free_blocks,
+                                               c.pool_id))
+            fetchable = best.num_fetchable_tokens
+            a.fetch_sources = [best.fetch_pool_id] if best.fetch_pool_id is not None and fetchable else []
+            cached = best.num_local_tokens + fetchable
             if step.placement.admit_budget:
                 a.num_compute = min(budget, a.num_compute or budget)
                 budget -= max(1, min(a.num_compute, length - cached))
-            a.pool_id = pool
+            pool = a.pool_id = best.pool_id
             bs = self.registry.get(pool).block_size
             # fetched blocks are fresh blocks of the destination: only local ones are not taken
-            taken[pool] = taken.get(pool, 0) + -(-(length - local) // bs)
-            if a.token_ids and core.enable_prefix_caching:
+            taken[pool] = taken.get(pool, 0) + -(-(length - best.num_local_tokens) // bs)
+            if a.token_ids and self.core.enable_prefix_caching:
                 computed = cached + (a.num_compute or length)
                 if bs not in hashes:
                     hashes[bs] = hash_prefix(a.token_ids, bs, a.salt)
                 filling.setdefault(pool, set()).update(hashes[bs][: computed // bs])
         return refused
 
-    def _with_step_prefix(self, r: tuple, a: Any, length: int, filling: dict[str, set[bytes]],
-                          hashes: dict[int, list[bytes]]) -> tuple:
-        """Route entry `r` of admission `a`, its local prefix extended by the blocks earlier
+    def _placement_pools(self, step: StepInput, sched: str, now: float) -> tuple[set[str], list[PoolId]]:
+        """The pools placed allocations may go to (the step's candidates, else every live pool,
+        neither fenced, draining nor driven by another scheduler), and those that may lend
+        prefix blocks (draining ones too: docs/prefix_fetch.md)."""
+        live = set(self.core.pool_ids)
+        candidates = set(step.placement.pool_ids) & live if step.placement.pool_ids else live
+        usable: set[str] = set()
+        sources: list[PoolId] = []
+        for pid in candidates:
+            node = self.registry.get(pid)
+            if not node.fenced and self.leases.blocked(pid, sched, now) is None:
+                sources.append(PoolId(pid))
+                if not node.draining:
+                    usable.add(pid)
+        return usable, sources
+
+    def _candidates(self, a: Alloc, length: int, usable: set[str], sources: list[PoolId],
+                    filling: dict[str, set[bytes]], hashes: dict[int, list[bytes]]) -> list[_Candidate]:
+        """Allocation `a` on every usable pool: its cached prefix there and its cost."""
+        core = self.core
+        if not a.token_ids:
+            return [_Candidate(PoolId(pid), 0, 0, core.free_blocks(PoolId(pid))[1], float(length), None)
+                    for pid in usable]
+        # the fetch cost model (block_manager/core/fetch.py): tokens to recompute plus
+        # fetched tokens / FETCH_SPEEDUP, then the load this step already put on the pool
+        ranked = [_Candidate(e.pool_id, e.num_cached_tokens, e.num_fetchable_tokens, e.num_free_blocks,
+                             fetch_score(length, e.num_cached_tokens, e.num_fetchable_tokens), e.fetch_pool_id)
+                  for e in core.route(a.token_ids, a.salt, fetch_sources=sources) if e.pool_id in usable]
+        if filling and core.enable_prefix_caching:
+            ranked = [self._with_step_prefix(c, a.token_ids, a.salt, length, filling, hashes) for c in ranked]
+        return ranked
+
+    def _with_step_prefix(self, c: _Candidate, token_ids: list[int], salt: str | None, length: int,
+                          filling: dict[str, set[bytes]], hashes: dict[int, list[bytes]]) -> _Candidate:
+        """Candidate `c` of an admission, its local prefix extended by the blocks earlier
         admissions of this step fill on that pool: the core shares those in this very step
         (`BlockManager._prefix_hits`), so twenty prompts with one system prompt cost the prefix
         once, and the step's token budget is charged for what is really computed."""
-        pool, local, fetchable, num_free, _, source = r
-        mine = filling.get(pool)
+        mine = filling.get(c.pool_id)
         if not mine:
-            return r
-        bs = self.registry.get(pool).block_size
+            return c
+        bs = self.registry.get(c.pool_id).block_size
         if bs not in hashes:
-            hashes[bs] = hash_prefix(a.token_ids, bs, a.salt)
+            hashes[bs] = hash_prefix(token_ids, bs, salt)
         n = 0
         for h in hashes[bs][: (length - 1) // bs]:   # one token is always computed
             if h not in mine:
                 break
             n += 1
-        if n * bs <= local:
-            return r
-        fetchable = max(0, local + fetchable - n * bs)
-        return (pool, n * bs, fetchable, num_free, fetch_score(length, n * bs, fetchable),
-                source if fetchable else None)
+        if n * bs <= c.num_local_tokens:
+            return c
+        fetchable = max(0, c.num_local_tokens + c.num_fetchable_tokens - n * bs)
+        return _Candidate(c.pool_id, n * bs, fetchable, c.num_free_blocks, fetch_score(length, n * bs, fetchable),
+                          c.fetch_pool_id if fetchable else None)
 
     def _allocate(
-        self, step: StepInput, errors: list[list[Any]], not_placed: set[int]
+        self, step: StepInput, errors: list[ItemError], not_placed: set[int]
     ) -> tuple[list[int], list[int]]:
         cached: list[int] = []
         tokens: list[int] = []
@@ -552,7 +601,7 @@ class ServiceState:
                     num_compute=a.num_compute, fetch_sources=[PoolId(p) for p in a.fetch_sources],
                 )
             except CoreError as exc:
-                errors.append(item_error("alloc", i, exc))
+                errors.append(ItemError.of("alloc", i, exc))
                 cached.append(0)
                 tokens.append(0)
                 continue
@@ -561,7 +610,7 @@ class ServiceState:
             tokens.append(res.num_cached_tokens + len(res.slot_mapping))
         return cached, tokens
 
-    def _fork(self, step: StepInput, errors: list[list[Any]]) -> None:
+    def _fork(self, step: StepInput, errors: list[ItemError]) -> None:
         for i, (parent, children) in enumerate(step.forks):
             try:
                 try:
@@ -570,22 +619,22 @@ class ServiceState:
                     raise self._missing_seq_error(SeqId(parent)) from None
                 self.core.fork(SeqId(parent), [SeqId(c) for c in children])
             except CoreError as exc:
-                errors.append(item_error("fork", i, exc))
+                errors.append(ItemError.of("fork", i, exc))
                 continue
             for c in children:
                 self._forget(SeqId(c))
 
     def _append(
-        self, items: AppendColumns, section: str, errors: list[list[Any]], *, already_written: bool,
+        self, items: AppendColumns, section: str, errors: list[ItemError], *, already_written: bool,
     ) -> list[int]:
         if not items:
             return []
-        out = self.core.append_tokens(items.seq_ids, items.counts, items.token_ids,  # type: ignore[arg-type]
+        out = self.core.append_tokens(items.seq_ids, items.counts, items.token_ids,
                                       already_written=already_written, num_late=items.num_late)
         for i, err in out.failures:
             if isinstance(err, UnknownSequence):
                 err = self._missing_seq_error(SeqId(items.seq_ids[i]))
-            errors.append(item_error(section, i, err))
+            errors.append(ItemError.of(section, i, err))
         return out.num_tokens
 
     def _release_pool(self, p: dict[str, Any], now: float) -> Applied:
@@ -695,4 +744,4 @@ class ServiceState:
         return state
 
 
-__all__ = ["DEFRAG_KINDS", "Applied", "ServiceState", "StateConfig", "item_error"]
+__all__ = ["DEFRAG_KINDS", "Applied", "ServiceState", "StateConfig"]

@@ -1,22 +1,30 @@
-"""The `step` operation's journaled payload and result: columnar, JSON-shaped, validated.
+"""The `step` operation's request: one typed value (`StepInput`), its journal form and its
+protobuf form.
 
 A Step request travels as parallel lists (the protobuf's packed columns, copied as-is into the
-payload), so neither the servicer nor the journal builds one object per item. `StepInput`
-checks every list's shape before the state machine touches anything: a malformed request fails
-as a whole with nothing changed. The result (what a retried request id gets back) is columnar
-too, and `pool_step_dict` encodes one closed core step the way `PoolStep` carries it.
+journaled payload by `step_payload`), so neither the servicer nor the journal builds one object
+per item. `StepInput.from_json` checks every list's shape before the state machine touches
+anything: a malformed request fails as a whole with nothing changed. The answer is
+`step_answer.StepAnswer`.
+
+The journal form is frozen (journals written by earlier versions must replay): `step_payload`
+writes the keys and lists it always wrote, and `from_json` reads every older payload.
+This module is transport-free at run time: the protobuf types appear in annotations only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from block_manager.core.errors import InvalidRequest
-from block_manager.core.types import SeqId, StepOutput
-from block_manager.service.disk_codec import disk_step_blocks
+from block_manager.core.types import SeqId
 from block_manager.service.state_codec import MAX_ID_LEN
+from block_manager.service.step_answer import pool_step_dict
+
+if TYPE_CHECKING:
+    from pagedkv.v1 import block_manager_pb2 as pb
 
 SECTIONS = ("alloc", "written", "fork", "append", "late")
 
@@ -39,6 +47,11 @@ def _ids(name: str, value: object) -> list[str]:
     ):
         raise InvalidRequest(f"{name} entries must be non-empty strings of at most {MAX_ID_LEN} characters")
     return value
+
+
+def _seq_ids(name: str, value: object) -> list[SeqId]:
+    """`_ids` of sequences: checked, they are sequence ids (`SeqId` is a `str`; no copy)."""
+    return cast(list[SeqId], _ids(name, value))
 
 
 def _distinct(name: str, ids: Sequence[str]) -> None:
@@ -70,7 +83,7 @@ class Report:
 
 @dataclass(slots=True)
 class Alloc:
-    seq_id: str
+    seq_id: SeqId
     pool_id: str                  # "" for a placed allocation until the block manager placed it
     token_ids: list[int] | None
     num_tokens: int | None
@@ -93,7 +106,7 @@ class AppendColumns:
     """A section of appends as the request carries it: parallel ids and counts, the token ids
     of every item back to back (or none). Shape-checked; the core validates the rest."""
 
-    seq_ids: list[str]
+    seq_ids: list[SeqId]
     counts: list[int]
     token_ids: list[int] | None
     num_late: list[int] | None = None   # appends only: per item, its last tokens whose ids come later
@@ -109,17 +122,32 @@ class StepInput:
     scheduler_id: str
     pool_epochs: dict[str, int]
     reports: list[Report]
-    free_ids: list[str]
+    free_ids: list[SeqId]
     allocs: list[Alloc]
     written: AppendColumns
-    forks: list[tuple[str, list[str]]]
+    forks: list[tuple[SeqId, list[SeqId]]]
     appends: AppendColumns
     placement: Placement
     late: AppendColumns = field(default_factory=lambda: AppendColumns([], [], None))  # late ids of earlier appends
-    swap_ids: list[SeqId] = field(default_factory=list)   # swap-outs and swap-ins (state._step fills it)
+    swap_out: list[SeqId] = field(default_factory=list)
+    swap_in: list[SeqId] = field(default_factory=list)
+    release: bool = False         # give up this scheduler's pool leases after the step
+
+    @property
+    def swap_ids(self) -> list[SeqId]:
+        """The swap-outs, then the swap-ins."""
+        return [*self.swap_out, *self.swap_in]
+
+    @property
+    def num_items(self) -> int:
+        """The items that may fail one by one (allocations, written reports, forks, appends,
+        late ids); swaps are counted apart."""
+        return len(self.allocs) + len(self.written) + len(self.forks) + len(self.appends) + len(self.late)
 
     @classmethod
-    def decode(cls, p: Mapping[str, Any], max_batch: int) -> StepInput:
+    def from_json(cls, p: Mapping[str, Any], max_batch: int) -> StepInput:
+        """The journaled payload (`step_payload`), shape-checked: `InvalidRequest` when any
+        list is malformed or a section carries more than `max_batch` items."""
         reports = [
             Report(_ids("report pool", [r[0]])[0], int(r[1]), int(r[2]), int(r[3]) or None)
             for r in p.get("reports", [])
@@ -128,7 +156,7 @@ class StepInput:
             if r.completed_up_to < 0 or (r.failed_from is not None and r.failed_from < 1) or r.epoch < 0:
                 raise InvalidRequest("report step ids and epochs must be >= 0")
         _distinct("report pools", [r.pool_id for r in reports])
-        free_ids = _ids("free_seq_ids", p.get("free", []))
+        free_ids = _seq_ids("free_seq_ids", p.get("free", []))
         _distinct("free_seq_ids", free_ids)
         allocs, placement = _decode_allocs(p.get("alloc") or {})
         _distinct("allocation seq_ids", [a.seq_id for a in allocs])
@@ -146,11 +174,12 @@ class StepInput:
         if not isinstance(epochs, dict):
             raise InvalidRequest("pool_epochs must be a mapping")
         return cls(str(p["scheduler_id"]), dict(epochs), reports, free_ids, allocs, written, forks, appends,
-                   placement, late)
+                   placement, late, decode_swap_ids(p, "swap_out", max_batch),
+                   decode_swap_ids(p, "swap_in", max_batch), bool(p.get("release")))
 
 
 def _decode_allocs(a: Mapping[str, Any]) -> tuple[list[Alloc], Placement]:
-    seq_ids = _ids("alloc_seq_ids", a.get("seq_ids", []))
+    seq_ids = _seq_ids("alloc_seq_ids", a.get("seq_ids", []))
     n = len(seq_ids)
     pools = _ids("pool_ids", a.get("pools", []))
     salts = a.get("salts", [])
@@ -196,7 +225,7 @@ def _decode_allocs(a: Mapping[str, Any]) -> tuple[list[Alloc], Placement]:
 
 
 def _decode_appends(section: str, a: Mapping[str, Any]) -> AppendColumns:
-    seq_ids = _ids(f"{section}_seq_ids", a.get("seq_ids", []))
+    seq_ids = _seq_ids(f"{section}_seq_ids", a.get("seq_ids", []))
     counts = _ints(f"{section}_num_tokens", a.get("num_tokens", []), minimum=1)
     if len(counts) != len(seq_ids):
         raise InvalidRequest(f"{section}_num_tokens has {len(counts)} entries for {len(seq_ids)} sequences")
@@ -221,10 +250,10 @@ def _decode_late(a: Mapping[str, Any]) -> AppendColumns:
     return late
 
 
-def _decode_forks(f: Mapping[str, Any]) -> list[tuple[str, list[str]]]:
-    parents = _ids("fork_parent_ids", f.get("parents", []))
+def _decode_forks(f: Mapping[str, Any]) -> list[tuple[SeqId, list[SeqId]]]:
+    parents = _seq_ids("fork_parent_ids", f.get("parents", []))
     counts = _ints("fork_num_children", f.get("num_children", []), minimum=1)
-    children = _ids("fork_child_ids", f.get("children", []))
+    children = _seq_ids("fork_child_ids", f.get("children", []))
     if len(counts) != len(parents) or sum(counts) != len(children):
         raise InvalidRequest("fork columns disagree: one child count per parent, one id per child")
     out = []
@@ -235,65 +264,69 @@ def _decode_forks(f: Mapping[str, Any]) -> list[tuple[str, list[str]]]:
     return out
 
 
-def pool_step_dict(out: StepOutput, epoch: int, address_of: Callable[[str], str] | None = None) -> dict[str, Any]:
-    """One closed core step, columnar as `PoolStep` carries it; `address_of(pool)`: a fetch
-    source node's address."""
-    seq_ids, bases, versions, num_tokens, num_rep, rep_pos, rep_blk, num_app, app_blk = ([] for _ in range(9))
-    for d in out.deltas:
-        seq_ids.append(d.seq_id)
-        bases.append(d.base_version)
-        versions.append(d.version)
-        num_tokens.append(d.num_tokens)
-        num_rep.append(len(d.replaced))
-        for pos, block in d.replaced:
-            rep_pos.append(pos)
-            rep_blk.append(block)
-        num_app.append(len(d.appended))
-        app_blk.extend(d.appended)
-    return {
-        "pool_id": out.pool_id,
-        "epoch": epoch,
-        "step_id": out.step_id,
-        "copy_src": [op.src for op in out.copy_ops],
-        "copy_dst": [op.dst for op in out.copy_ops],
-        "copy_is_defrag": [op.kind == "defrag" for op in out.copy_ops],
-        "delta_seq_ids": seq_ids,
-        "delta_base_versions": bases,
-        "delta_versions": versions,
-        "delta_num_tokens": num_tokens,
-        "delta_num_replaced": num_rep,
-        "replaced_positions": rep_pos,
-        "replaced_blocks": rep_blk,
-        "delta_num_appended": num_app,
-        "appended_blocks": app_blk,
-        "dropped_seq_ids": list(out.dropped_seq_ids),
-        "plan_id": out.plan_id or 0,
-        "reset": out.reset,
-        "base_step_id": out.base_step_id,
-        **({"tier_kind": [TIER_KIND_CODES[op.kind] for op in out.tier_ops],
-            "tier_src": [op.src for op in out.tier_ops],
-            "tier_dst": [op.dst for op in out.tier_ops],
-            **({"disk_blocks": disk_step_blocks(out.tier_ops)} if any(op.meta for op in out.tier_ops) else {}),
-            } if out.tier_ops else {}),
-        **({"fetches": [[op.fetch_id, op.src_pool, address_of(op.src_pool) if address_of else "",
-                         list(op.src_blocks), list(op.dst_blocks), op.seq_id, op.first_token, list(op.token_ids),
-                         list(op.src_host)] for op in out.fetches]} if out.fetches else {}),
-        **({"serves": [[g.fetch_id, g.dst_pool, list(g.blocks), list(g.host)] for g in out.serves]}
-           if out.serves else {}),
-    }
-
-
 def decode_swap_ids(p: Mapping[str, Any], key: str, max_batch: int) -> list[SeqId]:
     """A Step's `swap_out` / `swap_in` ids: distinct, at most `max_batch`."""
-    ids = _ids(key, p.get(key, []))
+    ids = _seq_ids(key, p.get(key, []))
     _distinct(key, ids)
     if len(ids) > max_batch:
         raise InvalidRequest(f"a step may carry at most {max_batch} {key} items, got {len(ids)}")
-    return [SeqId(s) for s in ids]
+    return ids
 
 
-# PoolStep.tier_kind numbering (proto/pagedkv/v1/common.proto)
-TIER_KIND_CODES = {"swap_out": 1, "swap_in": 2, "offload": 3, "onboard": 4, "disk_offload": 5, "disk_onboard": 6}
+def step_payload(request: pb.StepRequest) -> dict[str, Any]:
+    """A Step request's columns as the journaled payload (what `StepInput.from_json` reads)."""
+    payload: dict[str, Any] = {"scheduler_id": request.scheduler_id}
+    if request.pool_epochs:
+        payload["pool_epochs"] = dict(request.pool_epochs)
+    if request.reports:
+        payload["reports"] = [[r.pool_id, r.epoch, r.completed_up_to, r.failed_from] for r in request.reports]
+    if request.free_seq_ids:
+        payload["free"] = list(request.free_seq_ids)
+    if request.alloc_seq_ids:
+        alloc: dict[str, Any] = {
+            "seq_ids": list(request.alloc_seq_ids),
+            "pools": list(request.pool_ids),
+            "salts": list(request.salts),
+            "pool_index": list(request.alloc_pool_index),
+            "salt_index": list(request.alloc_salt_index),
+            "num_token_ids": list(request.alloc_num_token_ids),
+            "token_ids": list(request.alloc_token_ids),
+            "num_tokens": list(request.alloc_num_tokens),
+            "num_compute": list(request.alloc_num_compute),
+        }
+        if request.alloc_place:
+            alloc["place"] = [bool(x) for x in request.alloc_place]
+            alloc["place_pools"] = list(request.place_pool_ids)
+            alloc["admit_budget"] = int(request.admit_budget)
+        payload["alloc"] = alloc
+    if request.written_seq_ids:
+        payload["written"] = _token_section(request.written_seq_ids, request.written_num_tokens,
+                                            request.written_token_ids)
+    if request.fork_parent_ids:
+        payload["fork"] = {
+            "parents": list(request.fork_parent_ids),
+            "num_children": list(request.fork_num_children),
+            "children": list(request.fork_child_ids),
+        }
+    if request.release_leases:
+        payload["release"] = True
+    if request.swap_out_seq_ids:
+        payload["swap_out"] = list(request.swap_out_seq_ids)
+    if request.swap_in_seq_ids:
+        payload["swap_in"] = list(request.swap_in_seq_ids)
+    if request.append_seq_ids:
+        append = _token_section(request.append_seq_ids, request.append_num_tokens, request.append_token_ids)
+        if request.append_num_late:
+            append["num_late"] = list(request.append_num_late)
+        payload["append"] = append
+    if request.late_seq_ids:
+        payload["late"] = _token_section(request.late_seq_ids, request.late_num_tokens, request.late_token_ids)
+    return payload
 
 
-__all__ = ["SECTIONS", "Alloc", "AppendColumns", "Report", "StepInput", "pool_step_dict"]
+def _token_section(seq_ids: Sequence[str], num_tokens: Sequence[int], token_ids: Sequence[int]) -> dict[str, list[Any]]:
+    """A section of per-sequence token counts with their ids back to back, as journaled."""
+    return {"seq_ids": list(seq_ids), "num_tokens": list(num_tokens), "token_ids": list(token_ids)}
+
+
+__all__ = ["SECTIONS", "Alloc", "AppendColumns", "Report", "StepInput", "pool_step_dict", "step_payload"]
