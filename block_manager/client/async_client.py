@@ -11,16 +11,14 @@ from typing import Any
 
 import grpc
 
-from block_manager.client import wire
-from block_manager.client.base import DEFAULT_TIMEOUT_S, ClientBase
+from block_manager.client.base import DEFAULT_TIMEOUT_S, ClientBase, Operation, T
 from block_manager.client.errors import BlockManagerError, error_from_rpc
-from block_manager.client.retry import RetryPolicy, new_request_id, request_id_or_new
+from block_manager.client.retry import RetryPolicy
 from block_manager.client.step import StepBatch, StepResult
 from block_manager.client.types import HeartbeatResult, NodeRegistration, PoolRoute, TablesUpdate
 from pagedkv.endpoints import DEFAULT_FAILOVER_S
 from pagedkv.rpc import acall_with_retry
 from pagedkv.tls import TlsSettings
-from pagedkv.v1 import block_manager_pb2 as pb
 
 
 class AsyncBlockManagerClient(ClientBase):
@@ -70,21 +68,21 @@ class AsyncBlockManagerClient(ClientBase):
             self.stats.errors += 1
             raise error_from_rpc(exc, method) from exc
 
-    async def _mutating_call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
-        """`_call` inside this client's session (opened on first use; see `ClientBase`)."""
-        if self.session.needs_open():
-            try:
-                self.session.adopt(await self._call("OpenSession", self._open_session_request(), timeout_s))
-            except BlockManagerError as exc:
-                self._session_failed(exc)
-        self.session.stamp(request)
+    async def _run(self, op: Operation[T]) -> T:
+        """Run one operation of the client core (`ClientBase`): each call it yields is sent
+        (with retries) and its reply sent back in, or its `BlockManagerError` thrown in."""
         try:
-            reply = await self._call(method, request, timeout_s)
-        except BlockManagerError as exc:
-            self._after_mutating(request, exc)
-            raise
-        self._after_mutating(request, None)
-        return reply
+            call = next(op)
+            while True:
+                try:
+                    reply = await self._call(call.method, call.request, call.timeout_s)
+                except BlockManagerError as exc:
+                    call = op.throw(exc)
+                else:
+                    call = op.send(reply)
+        except StopIteration as done:
+            result: T = done.value   # what the operation returned
+            return result
 
     # ---- nodes ----------------------------------------------------------------------
     async def register_node(
@@ -102,18 +100,13 @@ class AsyncBlockManagerClient(ClientBase):
         timeout_s: float | None = None,
     ) -> NodeRegistration:
         """Register a pool (a new epoch; any previous epoch of the node is fenced)."""
-        req = wire.register_node_request(
-            request_id_or_new(request_id), node_id, num_blocks, block_size, geometry, address, host_num_blocks,
-            disk_num_blocks, disk_blocks,
-        )
-        reg = wire.registration(await self._mutating_call("RegisterNode", req, timeout_s))
-        self.tracker.set_block_size(reg.pool_id, reg.block_size)
-        return reg
+        return await self._run(self._register_op(
+            node_id, num_blocks, block_size, geometry, address, host_num_blocks, disk_num_blocks, disk_blocks,
+            request_id, timeout_s))
 
     async def heartbeat(self, node_id: str, epoch: int, *, timeout_s: float | None = None) -> HeartbeatResult:
         """Renew the lease of `(node_id, epoch)`."""
-        reply = await self._call("Heartbeat", pb.HeartbeatRequest(node_id=node_id, epoch=epoch), timeout_s)
-        return wire.heartbeat(reply)
+        return await self._run(self._heartbeat_op(node_id, epoch, timeout_s))
 
     # ---- the scheduler step ---------------------------------------------------------
     def step(self, *, pool_epochs: Mapping[str, int] | None = None) -> AsyncStep:
@@ -122,25 +115,16 @@ class AsyncBlockManagerClient(ClientBase):
 
     async def flush_reports(self, *, timeout_s: float | None = None) -> StepResult | None:
         """Send pending Forward reports now (an idle scheduler: plans whose moves ran commit)."""
-        if not self._reports:
-            return None
-        step = self.step()
-        step.flush = True
-        return await step.commit(timeout_s=timeout_s)
+        return await self._run(self._flush_op(self.step(), timeout_s))
 
     async def release(self, *, timeout_s: float | None = None) -> None:
         """Give up this scheduler's pool leases (after freeing its sequences: any left are
         dropped), so another scheduler can drive the pools at once."""
-        step = self.step()
-        step.release = True
-        await step.commit(timeout_s=timeout_s)
-        self.held_pools.clear()
+        await self._run(self._release_op(self.step(), timeout_s))
 
     async def free(self, seq_ids: Sequence[str], *, timeout_s: float | None = None) -> int:
         """Free sequences in a step of their own (all or nothing)."""
-        step = self.step()
-        step.free(seq_ids)
-        return (await step.commit(timeout_s=timeout_s)).num_freed
+        return await self._run(self._free_op(self.step(), seq_ids, timeout_s))
 
     # ---- cold tables and routing ----------------------------------------------------
     async def get_tables(
@@ -153,50 +137,46 @@ class AsyncBlockManagerClient(ClientBase):
         timeout_s: float | None = None,
     ) -> TablesUpdate:
         """A node's cold cache: the tables newer than `known_versions`."""
-        req = pb.GetTablesRequest(
-            node_id=node_id, epoch=epoch, seq_ids=list(seq_ids), known_versions=dict(known_versions or {})
-        )
-        return wire.tables_update(await self._call("GetTables", req, timeout_s))
+        return await self._run(self._tables_op(node_id, epoch, seq_ids, known_versions, timeout_s))
 
     async def route(
         self, token_ids: Sequence[int], *, salt: str | None = None, timeout_s: float | None = None
     ) -> list[PoolRoute]:
         """Pools ranked for one prompt: longest cached prefix, then most free blocks."""
-        return wire.routes(await self._call("Route", self._route_request(token_ids, salt), timeout_s))
+        return await self._run(self._route_op(token_ids, salt, timeout_s))
 
     async def route_many(
         self, prompts: Sequence[tuple[Sequence[int], str | None]], *, timeout_s: float | None = None
     ) -> list[list[PoolRoute]]:
         """`route` for several `(token_ids, salt)` prompts in one call."""
-        return self._route_many(await self._call("Route", wire.route_request(prompts), timeout_s))
+        return await self._run(self._route_many_op(prompts, timeout_s))
+
+    # ---- the step, public for the step helper ---------------------------------------
+    async def commit(
+        self, batch: StepBatch, *, request_id: str | None = None, timeout_s: float | None = None
+    ) -> StepResult:
+        """Send `batch` (at most one RPC) and return what every item got (`step.commit()`)."""
+        return await self._run(self._commit_op(batch, request_id, timeout_s))
+
+    async def resend(self, batch: StepBatch, *, timeout_s: float | None = None) -> StepResult:
+        """Send the request of `batch`'s failed commit again (`step.resend()`)."""
+        return await self._run(self._resend_op(batch, timeout_s))
 
 
 class AsyncStep(StepBatch):
+    """A step of `AsyncBlockManagerClient`: fill it, then `await commit()` it."""
+
+    _client: AsyncBlockManagerClient
+
     async def commit(self, *, request_id: str | None = None, timeout_s: float | None = None) -> StepResult:
         """Send the step (at most one RPC) and return what every item got."""
-        client: AsyncBlockManagerClient = self._client
-        request = client._begin(self, request_id or new_request_id())
-        if request is None:
-            return self.result
-        try:
-            reply = await client._mutating_call("Step", request, timeout_s)
-        except BlockManagerError:
-            self.distrust(request)
-            raise
-        client._sent(request, reply)
-        return self.apply(reply)
+        return await self._client.commit(self, request_id=request_id, timeout_s=timeout_s)
 
     async def resend(self, *, timeout_s: float | None = None) -> StepResult:
         """Send a step whose `commit` failed again, same request id: the block manager applies a
         request id at most once and answers a repeat from its journal, also across its restarts,
         so a scheduler can ride out an unreachable block manager (UNAVAILABLE, DEADLINE_EXCEEDED)
         without losing or doubling the step. Raises like `commit`."""
-        client = self._client
-        request = self.unanswered()
-        reply = await client._mutating_call("Step", request, timeout_s)
-        self._unanswered = None
-        client._sent(request, reply)
-        return self.apply(reply)
-
+        return await self._client.resend(self, timeout_s=timeout_s)
 
 __all__ = ["AsyncBlockManagerClient", "AsyncStep"]

@@ -1,18 +1,28 @@
-"""State shared by the sync and async data-plane clients (they differ only in transport)."""
+"""The data-plane client's core, written once under the sync and async faces.
+
+The two clients differ only in how they wait for an answer (`grpc` blocks, `grpc.aio` is
+awaited). Everything else (sessions, the step's request and answer, reports, retries'
+request ids, the conversions) is here, in *operations*: generators that yield each RPC they
+need as a `Call` and receive its reply (or have its `BlockManagerError` thrown in). The sync
+face runs an operation with `BlockManagerClient._run`, the async face with
+`AsyncBlockManagerClient._run`: those two small loops are the only code the faces repeat, so
+a fix to, say, the session handshake cannot reach one client and miss the other.
+"""
 
 from __future__ import annotations
 
 import random
 import uuid
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from block_manager.client import wire
 from block_manager.client.errors import BlockManagerError
-from block_manager.client.retry import RETRYABLE_CODES, ClientStats, RetryPolicy
+from block_manager.client.retry import RETRYABLE_CODES, ClientStats, RetryPolicy, new_request_id, request_id_or_new
 from block_manager.client.session import ClientSessionState
-from block_manager.client.step import SequenceTracker, StepBatch
-from block_manager.client.types import PoolStepInfo
+from block_manager.client.step import SequenceTracker, StepBatch, StepResult
+from block_manager.client.types import HeartbeatResult, NodeRegistration, PoolRoute, PoolStepInfo, TablesUpdate
 from pagedkv.auth import token_metadata
 from pagedkv.endpoints import DEFAULT_FAILOVER_S, Endpoints
 from pagedkv.tls import TlsSettings
@@ -21,6 +31,21 @@ from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
 DEFAULT_TIMEOUT_S = 5.0
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True, frozen=True)
+class Call:
+    """One RPC an operation needs: the face sends it (with retries) and hands back the reply."""
+
+    method: str
+    request: Any
+    timeout_s: float | None = None
+
+
+# An operation: yields the calls it needs, receives their replies, returns its result.
+Operation = Generator[Call, Any, T]
 
 
 class ClientBase:
@@ -153,6 +178,7 @@ class ClientBase:
         return dict(self._reports)
 
     def _begin(self, batch: StepBatch, request_id: str) -> pb.StepRequest | None:
+        """The request of `batch` with the pending reports (None: nothing to send)."""
         return batch.build(request_id, self.scheduler_id, self._reports)
 
     def _sent(self, request: pb.StepRequest, reply: pb.StepResponse) -> None:
@@ -162,6 +188,95 @@ class ClientBase:
                 del self._reports[r.pool_id]
         self.held_pools.update(reply.lease_epochs)
 
+    # ---- operations (run by a face's `_run`) ------------------------------------------
+    def _mutating(self, call: Call) -> Operation[Any]:
+        """`call` inside this client's session (opened on first use; see the class docstring)."""
+        if self.session.needs_open():
+            try:
+                self.session.adopt((yield Call("OpenSession", self._open_session_request(), call.timeout_s)))
+            except BlockManagerError as exc:
+                self._session_failed(exc)
+        self.session.stamp(call.request)
+        try:
+            reply = yield call
+        except BlockManagerError as exc:
+            self._after_mutating(call.request, exc)
+            raise
+        self._after_mutating(call.request, None)
+        return reply
+
+    def _commit_op(self, batch: StepBatch, request_id: str | None, timeout_s: float | None) -> Operation[StepResult]:
+        """Send `batch` (at most one RPC) and apply its answer; an error leaves the batch
+        distrusted (its request kept for `resend`)."""
+        request = self._begin(batch, request_id or new_request_id())
+        if request is None:
+            return batch.result
+        try:
+            reply = yield from self._mutating(Call("Step", request, timeout_s))
+        except BlockManagerError:
+            batch.distrust(request)
+            raise
+        self._sent(request, reply)
+        return batch.apply(reply)
+
+    def _resend_op(self, batch: StepBatch, timeout_s: float | None) -> Operation[StepResult]:
+        """Send the request of a failed `commit` again, same request id."""
+        request = batch.unanswered()
+        reply = yield from self._mutating(Call("Step", request, timeout_s))
+        batch.answered()
+        self._sent(request, reply)
+        return batch.apply(reply)
+
+    def _register_op(
+        self, node_id: str, num_blocks: int, block_size: int, geometry: Mapping[str, Any] | None, address: str,
+        host_num_blocks: int, disk_num_blocks: int, disk_blocks: Sequence[Any], request_id: str | None,
+        timeout_s: float | None,
+    ) -> Operation[NodeRegistration]:
+        req = wire.register_node_request(
+            request_id_or_new(request_id), node_id, num_blocks, block_size, geometry, address, host_num_blocks,
+            disk_num_blocks, disk_blocks,
+        )
+        reg = wire.registration((yield from self._mutating(Call("RegisterNode", req, timeout_s))))
+        self.tracker.set_block_size(reg.pool_id, reg.block_size)
+        return reg
+
+    def _heartbeat_op(self, node_id: str, epoch: int, timeout_s: float | None) -> Operation[HeartbeatResult]:
+        return wire.heartbeat((yield Call("Heartbeat", pb.HeartbeatRequest(node_id=node_id, epoch=epoch), timeout_s)))
+
+    def _flush_op(self, batch: StepBatch, timeout_s: float | None) -> Operation[StepResult | None]:
+        if not self._reports:
+            return None
+        batch.flush = True
+        return (yield from self._commit_op(batch, None, timeout_s))
+
+    def _release_op(self, batch: StepBatch, timeout_s: float | None) -> Operation[None]:
+        batch.release = True
+        yield from self._commit_op(batch, None, timeout_s)
+        self.held_pools.clear()
+
+    def _free_op(self, batch: StepBatch, seq_ids: Sequence[str], timeout_s: float | None) -> Operation[int]:
+        batch.free(seq_ids)
+        return (yield from self._commit_op(batch, None, timeout_s)).num_freed
+
+    def _tables_op(
+        self, node_id: str, epoch: int, seq_ids: Sequence[str], known_versions: Mapping[str, int] | None,
+        timeout_s: float | None,
+    ) -> Operation[TablesUpdate]:
+        req = pb.GetTablesRequest(
+            node_id=node_id, epoch=epoch, seq_ids=list(seq_ids), known_versions=dict(known_versions or {})
+        )
+        return wire.tables_update((yield Call("GetTables", req, timeout_s)))
+
+    def _route_op(
+        self, token_ids: Sequence[int], salt: str | None, timeout_s: float | None
+    ) -> Operation[list[PoolRoute]]:
+        return wire.routes((yield Call("Route", self._route_request(token_ids, salt), timeout_s)))
+
+    def _route_many_op(
+        self, prompts: Sequence[tuple[Sequence[int], str | None]], timeout_s: float | None
+    ) -> Operation[list[list[PoolRoute]]]:
+        return self._route_many((yield Call("Route", wire.route_request(prompts), timeout_s)))
+
     @staticmethod
     def _route_request(token_ids: Sequence[int], salt: str | None) -> pb.RouteRequest:
         req = pb.RouteRequest(token_ids=list(token_ids))
@@ -170,5 +285,8 @@ class ClientBase:
         return req
 
     @staticmethod
-    def _route_many(reply: pb.RouteResponse) -> list[list[Any]]:
+    def _route_many(reply: pb.RouteResponse) -> list[list[PoolRoute]]:
         return [wire.route_entries(r.entries) for r in reply.results]
+
+
+__all__ = ["CHANNEL_OPTIONS", "DEFAULT_TIMEOUT_S", "Call", "ClientBase", "Operation"]

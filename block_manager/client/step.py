@@ -550,6 +550,10 @@ class StepBatch:
             for sid in ids:
                 self._tracker.forget(SeqId(sid))
 
+    def answered(self) -> None:
+        """The resent request got its answer: nothing is left to resend."""
+        self._unanswered = None
+
     def unanswered(self) -> pb.StepRequest:
         """The request whose commit failed (what `resend` repeats, request id included)."""
         if self._unanswered is None:
