@@ -1,7 +1,7 @@
 """Server interceptor: the ONE place domain errors become statuses.
 
 `ErrorMappingInterceptor` wraps every unary handler (and, without the latency histogram, the
-server-streaming SubscribeKvEvents): it binds the request id, node and
+server-streaming SubscribeKvEvents), each once (`pagedkv.interceptors`): it binds the request id, node and
 epoch into structlog's context for the duration of the call, times it for the latency
 histogram, and turns an escaping exception into a status via `status.status_for` —
 domain errors keep their message (clipped by `status.clip`: messages echo client ids, and a
@@ -18,7 +18,6 @@ Credentials, deadlines and per-peer limits are checked before this, by the edge 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -27,15 +26,15 @@ import structlog
 from block_manager.core.errors import InvalidRequest
 from block_manager.service.metrics import ServiceMetrics
 from block_manager.service.status import clip, status_for
+from pagedkv.interceptors import Handler, WrapOnceInterceptor
 from pagedkv.logging import get_logger
-from pagedkv.rpc import Undecodable, run_stream, wrap_unary_handler, wrap_unary_stream_handler
+from pagedkv.rpc import Undecodable, run_stream
 
 log = get_logger(__name__)
 
 ADMIN_SERVICE = "pagedkv.v1.BlockManagerAdmin"
 _CONTEXT_FIELDS = ("request_id", "node_id", "epoch")
 
-Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 _LOG_ID_CHARS = 160
 
 
@@ -45,33 +44,12 @@ def _log_value(value: Any) -> Any:
     return clip(value, _LOG_ID_CHARS) if isinstance(value, str) else value
 
 
-class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+class ErrorMappingInterceptor(WrapOnceInterceptor):
     def __init__(self, metrics: ServiceMetrics | None = None) -> None:
+        super().__init__("/pagedkv.", wrap_streams=True)   # the data plane and the admin service
         self._metrics = metrics
-        # The registered handlers never change, so each method is wrapped once (this
-        # interceptor runs on every call of the hot path).
-        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        method = details.method
-        wrapped = self._wrapped.get(method)
-        if wrapped is not None:
-            return wrapped
-        handler = await continuation(details)
-        if handler is None or not method.startswith("/pagedkv."):
-            return handler  # unknown method, health, reflection: not ours to map
-        short = method.rsplit("/", 1)[-1]
-        wrapped = wrap_unary_handler(handler, lambda behavior: self._mapped(behavior, short), tolerant=True)
-        wrapped = wrap_unary_stream_handler(
-            wrapped, lambda behavior: self._mapped_stream(behavior, short), tolerant=True)
-        self._wrapped[method] = wrapped
-        return wrapped
-
-    def _mapped(self, behavior: Handler, method: str) -> Handler:
+    def wrap_unary(self, behavior: Handler, method: str) -> Handler:
         metrics = self._metrics
 
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -105,7 +83,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
         return call
 
-    def _mapped_stream(self, behavior: Any, method: str) -> Any:
+    def wrap_stream(self, behavior: Any, method: str) -> Any:
         """The same mapping for a server-streaming call (SubscribeKvEvents): an error before or
         between messages ends the stream with its status; the latency histogram is not fed
         (a stream's duration is its subscriber's, not the server's)."""

@@ -1,6 +1,7 @@
 """The compute node's edge: the same error discipline as the block manager's interceptor.
 
-`ErrorMappingInterceptor` wraps every unary handler of `pagedkv.v1.ComputeNode`:
+`ErrorMappingInterceptor` wraps every unary handler of `pagedkv.v1.ComputeNode`, each once
+(`pagedkv.interceptors`):
 
 - requests whose bytes do not parse arrive as `pagedkv.rpc.Undecodable` (gRPC would answer
   UNKNOWN "Unexpected <class '...DecodeError'>" from inside its deserializer) and are answered
@@ -19,43 +20,27 @@ Health and reflection are not ours and pass through untouched.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 
 from compute_node.errors import ComputeNodeError
+from pagedkv.interceptors import Handler, WrapOnceInterceptor
 from pagedkv.logging import get_logger
-from pagedkv.rpc import Undecodable, clip, wrap_unary_handler
+from pagedkv.rpc import Undecodable, clip
 
 log = get_logger(__name__)
 
 SERVICE_PREFIX = "/pagedkv.v1.ComputeNode/"
 INTERNAL_DETAIL = "internal error (logged on the compute node)"
 
-Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
-
-class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+class ErrorMappingInterceptor(WrapOnceInterceptor):
     def __init__(self) -> None:
-        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
+        super().__init__(SERVICE_PREFIX)
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        method = details.method
-        wrapped = self._wrapped.get(method)
-        if wrapped is not None:
-            return wrapped
-        handler = await continuation(details)
-        if handler is None or not method.startswith(SERVICE_PREFIX):
-            return handler
-        short = method.rsplit("/", 1)[-1]
-        wrapped = wrap_unary_handler(handler, lambda behavior: _mapped(behavior, short), tolerant=True)
-        self._wrapped[method] = wrapped
-        return wrapped
+    def wrap_unary(self, behavior: Handler, method: str) -> Handler:
+        return _mapped(behavior, method)
 
 
 class _ClippingContext:
