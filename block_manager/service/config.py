@@ -21,7 +21,8 @@ from block_manager.service.state import StateConfig
 from block_manager.store.backends import parse_store_url
 from block_manager.store.errors import StoreError
 from pagedkv.auth import AuthSettings
-from pagedkv.settings import ConfigError, YamlEnvSettings, checked_log_level, load_settings
+from pagedkv.service_settings import ServiceSettings
+from pagedkv.settings import ConfigError, load_settings
 from pagedkv.tls import TlsSettings
 
 
@@ -119,7 +120,7 @@ class KvEventSettings(BaseModel):
         return self
 
 
-class BlockManagerConfig(YamlEnvSettings):
+class BlockManagerConfig(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="PAGEDKV_", env_nested_delimiter="__", extra="forbid")
 
     listen_address: str = "127.0.0.1:50051"
@@ -207,21 +208,9 @@ class BlockManagerConfig(YamlEnvSettings):
             raise ValueError("failover.enabled needs a PostgreSQL database_url (postgresql+psycopg://...)")
         return self
 
-    @model_validator(mode="after")
-    def _tls_for_identity(self) -> BlockManagerConfig:
-        self.tls.check_listener()
-        if self.auth_enabled and not (self.auth.tokens or self.tls.require_client_cert or self.admin_token):
-            raise ValueError("auth.enabled: nobody could call: configure auth.tokens or tls.require_client_cert")
-        return self
-
-    @property
-    def auth_enabled(self) -> bool:
-        return self.auth.is_enabled(self.tls.require_client_cert)
-
-    @field_validator("log_level")
-    @classmethod
-    def _known_log_level(cls, v: str) -> str:
-        return checked_log_level(v)
+    def other_callers(self) -> bool:
+        """The admin token calls the admin service even with no `auth.tokens`."""
+        return self.admin_token is not None
 
     def state_config(self) -> StateConfig:
         return StateConfig(

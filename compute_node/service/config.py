@@ -21,7 +21,8 @@ from pydantic_settings import SettingsConfigDict
 from compute_node.device_names import device_name_problem
 from pagedkv.auth import AuthSettings
 from pagedkv.endpoints import split_targets
-from pagedkv.settings import ConfigError, YamlEnvSettings, checked_log_level, load_settings
+from pagedkv.service_settings import ServiceSettings
+from pagedkv.settings import ConfigError, load_settings
 from pagedkv.tls import TlsSettings
 
 DType = Literal["float16", "bfloat16", "float32"]
@@ -38,7 +39,7 @@ class GeometrySettings(BaseModel):
     dtype: DType = "float16"
 
 
-class ComputeNodeConfig(YamlEnvSettings):
+class ComputeNodeConfig(ServiceSettings):
     # env_ignore_empty: an empty variable means "not set" (a compose override blanks
     # PAGEDKV_CN_NUM_BLOCKS to size the pool by PAGEDKV_CN_MEMORY_BUDGET_BYTES instead).
     model_config = SettingsConfigDict(
@@ -142,22 +143,6 @@ class ComputeNodeConfig(YamlEnvSettings):
     @classmethod
     def _empty_token_is_none(cls, v: str | None) -> str | None:
         return v or None
-
-    @model_validator(mode="after")
-    def _tls_listener(self) -> ComputeNodeConfig:
-        self.tls.check_listener()
-        if self.auth_enabled and not (self.auth.tokens or self.tls.require_client_cert):
-            raise ValueError("auth.enabled: nobody could call: configure auth.tokens or tls.require_client_cert")
-        return self
-
-    @property
-    def auth_enabled(self) -> bool:
-        return self.auth.is_enabled(self.tls.require_client_cert)
-
-    @field_validator("log_level")
-    @classmethod
-    def _known_log_level(cls, v: str) -> str:
-        return checked_log_level(v)
 
     @model_validator(mode="after")
     def _retry_bounds(self) -> ComputeNodeConfig:
