@@ -335,8 +335,8 @@ class DiskKvStore:
             head = os.pread(self.fd, REC_HEAD_BYTES + self.meta_cap, off)
             got = os.preadv(self.fd, [memoryview(buf[i])], off + REC_HEAD_BYTES + self.meta_cap)
             held = self.index.get(slot)
-            ok = len(head) == REC_HEAD_BYTES + self.meta_cap and got == self.payload_bytes and held is not None
-            if ok:
+            ok = False
+            if held is not None and len(head) == REC_HEAD_BYTES + self.meta_cap and got == self.payload_bytes:
                 magic, crc, meta_len, _ = REC_HEAD.unpack_from(head)
                 meta_b = head[REC_HEAD_BYTES: REC_HEAD_BYTES + min(meta_len, self.meta_cap)]
                 ok = (magic == REC_MAGIC and meta_len <= self.meta_cap

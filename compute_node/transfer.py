@@ -57,7 +57,7 @@ def host_flags(host: Sequence[bool], n: int) -> tuple[bool, ...]:
     return tuple(bool(h) for h in host) if len(host) else (False,) * n
 
 
-def checksum(data: bytes) -> int:
+def checksum(data: bytes | memoryview) -> int:
     """A chunk's checksum (XXH3-64)."""
     return xxhash.xxh3_64_intdigest(data)
 
@@ -174,12 +174,12 @@ def pack_blocks(pool: Any, blocks: Sequence[int], buf: np.ndarray | None = None)
             for pos, first, count in runs:
                 out[pos:pos + count, layer, 0] = keys[layer][first:first + count]
                 out[pos:pos + count, layer, 1] = values[layer][first:first + count]
-        return memoryview(out).cast("B")
+        return out.data.cast("B")   # the array's own buffer (`data`: numpy's memoryview of it)
     tidx = torch.tensor(list(blocks), dtype=torch.int64, device=pool.device)
     parts = [torch.stack((k.index_select(0, tidx), v.index_select(0, tidx)))   # [2, n, H, B, D]
              for k, v in zip(pool.key_caches, pool.value_caches)]
     t = torch.stack(parts).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()   # [n, L, 2, H, B, D]
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    return t.view(torch.uint8).numpy().data.cast("B")
 
 
 def unpack_into(pool: KvPool, blocks: Sequence[int], data: bytes | bytearray | memoryview) -> None:
@@ -190,14 +190,14 @@ def unpack_into(pool: KvPool, blocks: Sequence[int], data: bytes | bytearray | m
         src = np.frombuffer(data, dtype=np.uint8).reshape(n, g.num_layers, 2, -1)
         idx = np.asarray(blocks, dtype=np.int64)
         runs = _runs(blocks)
-        for layer, (k, v) in enumerate(zip(_byte_views(pool.key_caches), _byte_views(pool.value_caches))):
+        for layer, (kb, vb) in enumerate(zip(_byte_views(pool.key_caches), _byte_views(pool.value_caches))):
             if runs is None:
-                k[idx] = src[:, layer, 0]
-                v[idx] = src[:, layer, 1]
+                kb[idx] = src[:, layer, 0]
+                vb[idx] = src[:, layer, 1]
                 continue
             for pos, first, count in runs:
-                k[first:first + count] = src[pos:pos + count, layer, 0]
-                v[first:first + count] = src[pos:pos + count, layer, 1]
+                kb[first:first + count] = src[pos:pos + count, layer, 0]
+                vb[first:first + count] = src[pos:pos + count, layer, 1]
         return
     t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(TORCH_DTYPES[g.dtype])
     t = t.reshape(n, g.num_layers, 2, g.num_kv_heads, g.block_size, g.head_dim).to(pool.device)
@@ -398,7 +398,7 @@ class BlockPuller:
         total = n * block_bytes
         got = 0
         done = 0                  # destination blocks written so far
-        carry = b""               # the start of a block split across chunks
+        carry: bytes | memoryview = b""   # the start of a block split across chunks
         req = pb.FetchBlocksRequest(fetch_id=op.fetch_id, dst_pool_id=self.node_id, blocks=op.src_blocks,
                                     max_chunk_bytes=self.chunk_bytes, host=getattr(op, "src_host", ()))
         # a verified chunk's blocks are written on the scatter thread while the next chunk is

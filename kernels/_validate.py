@@ -121,7 +121,8 @@ def _check_caches(key_cache: Any, value_cache: Any) -> tuple[int, int, int, int]
         )
     if min(kshape) < 1:
         raise KernelInputError(f"cache dimensions must all be >= 1, got {kshape}")
-    return kshape  # type: ignore[return-value]
+    num_blocks, num_kv_heads, block_size, head_dim = kshape   # four: require() checked ndim=4
+    return num_blocks, num_kv_heads, block_size, head_dim
 
 
 def _check_out(out: Any, query: Any, expected_shape: tuple[int, ...]) -> None:

@@ -116,7 +116,7 @@ class Sampler:
             random_rows = [i for i, p in enumerate(params) if not p.greedy]
             rows = torch.tensor(random_rows, device=logits.device)
             uniforms = [
-                seeded_uniform(params[i].seed, output_indices[i]) if params[i].seed is not None else self.rng.random()
+                seeded_uniform(seed, output_indices[i]) if (seed := params[i].seed) is not None else self.rng.random()
                 for i in random_rows
             ]
             token_ids[rows] = self._draw(logits[rows], [params[i] for i in random_rows], uniforms)

@@ -24,6 +24,7 @@ from numba.core.caching import (
     InTreeCacheLocator,
     UserProvidedCacheLocator,
     UserWideCacheLocator,
+    _SourceFileBackedLocatorMixin,
 )
 
 
@@ -44,13 +45,19 @@ def _digest(directory: str, state: tuple[tuple[str, int, int], ...]) -> str:
     return digest.hexdigest()
 
 
-class _PackageStamp:
-    """Locator mixin: the source stamp also covers the kernel's sibling source files."""
+class _PackageStamp(_SourceFileBackedLocatorMixin):
+    """Locator mixin: the source stamp also covers the kernel's sibling source files.
+
+    Placed before one of Numba's locators (`_UserProvided` below), all three of which take
+    their stamp (the source file's mtime and size) from `_SourceFileBackedLocatorMixin`: this
+    class derives from that mixin, so `super().get_source_stamp()` is its stamp, to the type
+    checker as at run time (the method order is unchanged: the mixin comes after every
+    locator that derives from it)."""
 
     _py_file: str
 
     def get_source_stamp(self) -> Any:
-        own = super().get_source_stamp()  # type: ignore[misc]
+        own = super().get_source_stamp()
         return own, package_digest(Path(self._py_file).resolve().parent)
 
 
@@ -69,7 +76,7 @@ class _UserWide(_PackageStamp, UserWideCacheLocator):
 class _PackageCacheImpl(CompileResultCacheImpl):
     # Same order as Numba's own: NUMBA_CACHE_DIR, then __pycache__ beside the source, then the
     # user-wide cache directory when the source tree is read-only.
-    _locator_classes = (_UserProvided, _InTree, _UserWide)
+    _locator_classes = [_UserProvided, _InTree, _UserWide]
 
 
 class PackageFunctionCache(FunctionCache):

@@ -27,6 +27,7 @@ attention calls.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,15 @@ from kernels.cpu.decode import use_split
 from kernels.cpu.decode_split import NO_PARTIALS, Partials
 from kernels.cpu.prefill import prefill_work, query_tiles
 from kernels.cpu.prefill_sdpa import SdpaPrefill
+
+
+@dataclass(frozen=True, slots=True)
+class F32Views:
+    """Every layer's float32 K and V cache as float32 torch tensors over the same memory: what
+    the SDPA prefill path reads (made once per pool, like the uint16 views)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
 
 
 class KvBits:
@@ -63,10 +73,10 @@ class KvBits:
         self.values = [_host.kv_bits(vc)[0] for vc in value_caches]
         self.kv_kind = _host.kv_bits(key_caches[0])[1]
         # float32 caches as float32 torch views of the same memory, for the SDPA prefill path
-        self.keys_f32 = self.values_f32 = None
+        self.f32_views: F32Views | None = None
         if self.kv_kind == _host.KIND_F32:
-            self.keys_f32 = [torch.from_numpy(k.view(np.float32)) for k in self.keys]
-            self.values_f32 = [torch.from_numpy(v.view(np.float32)) for v in self.values]
+            self.f32_views = F32Views([torch.from_numpy(k.view(np.float32)) for k in self.keys],
+                                      [torch.from_numpy(v.view(np.float32)) for v in self.values])
 
     @property
     def num_layers(self) -> int:
@@ -131,14 +141,15 @@ class StepAttention:
         # Prefill rows numbered in the whole step, as the kernel reads them.
         self.pre_starts = np.ascontiguousarray(pre_starts + np.int32(num_dec))
         work = int(self.dec_lens.astype(np.int64).sum()) * num_heads
-        if sdpa_prefill is None:
-            sdpa_prefill = caches.keys_f32 is not None
-        elif sdpa_prefill and caches.keys_f32 is None:
+        f32 = caches.f32_views
+        if sdpa_prefill and f32 is None:
             raise KernelInputError(f"the SDPA prefill path takes float32 caches, not {caches.dtype}")
-        self.sdpa = None
-        if num_prefill_rows and sdpa_prefill:
+        # the SDPA path with the float32 views it reads: asked for, or by default where they exist
+        self.sdpa: tuple[SdpaPrefill, F32Views] | None = None
+        if num_prefill_rows and f32 is not None and (sdpa_prefill is None or sdpa_prefill):
             # prefill rows by torch's SDPA after the Numba call (which writes the K/V, decodes)
-            self.sdpa = SdpaPrefill(self.pre_tables, self.pre_lens, self.pre_starts, caches.block_size, scale)
+            prefill = SdpaPrefill(self.pre_tables, self.pre_lens, self.pre_starts, caches.block_size, scale)
+            self.sdpa = (prefill, f32)
             self.tile_seq = self.tile_row = self.tile_len = NO_INDEX
         else:
             self.tile_seq, self.tile_row, self.tile_len = query_tiles(self.pre_starts, self.pre_lens)
@@ -192,8 +203,8 @@ class StepAttention:
                 if self.split:
                     self.partials.reduce(result[:self.num_decode_tokens])
         if self.sdpa is not None:
-            self.sdpa.run(caches.keys_f32[layer], caches.values_f32[layer], torch.from_numpy(q),
-                          torch.from_numpy(result))
+            prefill, f32 = self.sdpa
+            prefill.run(f32.keys[layer], f32.values[layer], torch.from_numpy(q), torch.from_numpy(result))
         if result.dtype != _host_dtype(out):
             _host.store(out, result)
         return out

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -191,6 +191,25 @@ class _WarpState:
         self.results: list[Any] = [None, None]
 
 
+class _SimThread(Protocol):
+    """One simulated GPU thread, as `threading.current_thread()` returns it inside a simulated
+    kernel: Numba's `BlockThread` (a `threading.Thread`), or the tests' greenlet runner's
+    stand-in (`tests/kernels/cuda_sim/coop_runner.py`). `thread_id` is the thread's linear
+    index in its block and `_manager` the block's manager (the simulator's); the `_pagedkv_*`
+    attributes are this module's per-thread state, set on first use."""
+
+    thread_id: int
+    _manager: Any
+    _pagedkv_warp: _WarpState
+    _pagedkv_gather_turn: int
+    _pagedkv_cp_async: _AsyncCopies
+
+
+def _sim_thread() -> _SimThread:
+    # typeshed's current_thread() is a plain Thread: the simulator's carries the fields above
+    return cast(_SimThread, threading.current_thread())
+
+
 def _all_gather(value: Any) -> list[Any]:
     """Every lane's `value`, in lane order (a collective: all 32 lanes must call it)."""
     return list(_warp_combine(value, None))
@@ -201,7 +220,7 @@ def _warp_combine(value: Any, combine: Callable[[list[Any]], Any] | None) -> Any
     collective); without `combine`, the lanes' values themselves. Why once: a lane's `mma.sync`
     or `ldmatrix` result is a slice of one warp-wide matrix; built by each of the 32 lanes, it
     cost the simulator 32 times the work."""
-    thread = threading.current_thread()
+    thread = _sim_thread()
     lane = thread.thread_id % WARP
     state = thread.__dict__.get("_pagedkv_warp")
     if state is None:                    # the lane's first collective: find its warp's state
@@ -244,7 +263,7 @@ class _Failed:
 
 
 def _lane() -> int:
-    return threading.current_thread().thread_id % WARP
+    return _sim_thread().thread_id % WARP
 
 
 def shfl_xor(value: Any, lane_mask: Any) -> Any:
@@ -296,7 +315,7 @@ class _AsyncCopies:
 
 
 def _async_copies() -> _AsyncCopies:
-    thread = threading.current_thread()
+    thread = _sim_thread()
     copies = getattr(thread, "_pagedkv_cp_async", None)
     if copies is None:
         copies = thread._pagedkv_cp_async = _AsyncCopies()

@@ -61,9 +61,9 @@ def plan_waves(pairs: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
     order = [i for wave in waves for i in wave]
     bounds: list[tuple[int, int]] = []
     begin = 0
-    for wave in waves:
-        bounds.append((begin, begin + len(wave)))
-        begin += len(wave)
+    for members in waves:
+        bounds.append((begin, begin + len(members)))
+        begin += len(members)
     ordered = np.ascontiguousarray(pairs[order], dtype=np.int64).reshape(-1, 2)
     return ordered, bounds
 
