@@ -41,6 +41,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_vs_vllm import KV_GIB, MAX_MODEL_LEN, build_model, side_env  # noqa: E402
+from profile_split import start_profile, stop_profile  # noqa: E402
 from vllm_workloads import SHAPES  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -230,7 +232,7 @@ def grpc_ok(addr: str) -> bool:
 
 @contextmanager
 def running(side: str, cmds: list[tuple[list[str], str | None]], port: int, log_dir: Path, omp_bind: str,
-            ready_s: float = 900) -> Iterator[None]:
+            ready_s: float = 900) -> Iterator[list[subprocess.Popen]]:
     """Start a side's processes, each in a process group of its own (so every child they spawn
     dies with them) once the one before is healthy, wait for `GET /health` on the HTTP one, and
     kill them all on the way out. A process group, not a session: Linux's autogroup scheduler
@@ -259,7 +261,7 @@ def running(side: str, cmds: list[tuple[list[str], str | None]], port: int, log_
             if grpc_addr is not None:
                 wait(lambda addr=grpc_addr: grpc_ok(addr))
         wait(lambda: http_ok(f"http://127.0.0.1:{port}/health"))
-        yield
+        yield procs
     finally:
         for p in reversed(procs):
             try:
@@ -271,18 +273,33 @@ def running(side: str, cmds: list[tuple[list[str], str | None]], port: int, log_
             log.close()
 
 
+def warm_up(port: int, name: str) -> None:
+    """Outside the measured part: two short requests, then 16 at once whose decode steps are big
+    enough for the parallel attention kernel (on a fresh checkout its first use compiles it)."""
+    for _ in range(2):
+        complete(port, name, "warm up the server " * 8, 8)
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda i: complete(port, name, f"warm up {i} " + "the server " * 120, 4), range(16)))
+
+
 def run_side(side: str, args: argparse.Namespace, model: Path, dataset: Dataset, tmp: Path) -> list[LevelResult]:
     port = free_port()
     name = args.shape
     cmds = server_commands(side, model, name, port, args.vllm_python, args.shape)
-    with running(side, cmds, port, tmp, args.vllm_omp_bind):
-        for _ in range(2):                                   # warm-up, outside the measured part
-            complete(port, name, "warm up the server " * 8, 8)
+    with running(side, cmds, port, tmp, args.vllm_omp_bind) as procs:
+        warm_up(port, name)
         out = tmp / f"{side}-{dataset.name}.json"
         cmd = guidellm_command(args.guidellm, f"http://127.0.0.1:{port}", name, model, dataset,
                                args.concurrency, args.requests, out)
-        with open(tmp / f"{side}-{dataset.name}-guidellm.log", "w") as log:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp, env=peer_env()).returncode
+        # --profile: every server process of the side sampled while guidellm runs (all levels)
+        profilers = [start_profile(args.py_spy, p.pid, Path(args.profile) / f"{side}-{dataset.name}-{i}.txt", rate=25)
+                     for i, p in enumerate(procs)] if args.profile else []
+        try:
+            with open(tmp / f"{side}-{dataset.name}-guidellm.log", "w") as log:
+                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp, env=peer_env()).returncode
+        finally:
+            for profiler in profilers:
+                stop_profile(profiler)
         if rc != 0 or not out.exists():
             tail = (tmp / f"{side}-{dataset.name}-guidellm.log").read_text().splitlines()[-20:]
             raise RuntimeError(f"guidellm failed against {side} (rc {rc}):\n" + "\n".join(tail))
@@ -292,6 +309,7 @@ def run_side(side: str, args: argparse.Namespace, model: Path, dataset: Dataset,
 def peer_env() -> dict[str, str]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("VIRTUAL_ENV", None)
+    env.pop("PYTHONPATH", None)   # a path to this checkout would shadow Hugging Face's `kernels` package
     return env
 
 
@@ -340,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
     p.add_argument("--models", default=str(Path(tempfile.gettempdir()) / "pagedkv-bench-models"))
     p.add_argument("--json", help="write every level's numbers here")
+    p.add_argument("--profile", help="sample every server process with py-spy while guidellm runs, into this "
+                   "directory (then: bench/profile_split.py DIR); a profiled run's numbers are not comparable")
+    p.add_argument("--py-spy", default="py-spy", help="the py-spy executable (its own venv)")
     args = p.parse_args(argv)
     sides = [s for s in args.sides.split(",") if s]
     for s in sides:

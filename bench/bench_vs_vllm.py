@@ -38,6 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from profile_split import start_profile, stop_profile  # noqa: E402  (stdlib only, as below)
 from vllm_workloads import (  # noqa: E402  (stdlib only: vLLM's venv imports this file too)
     SHAPES,
     WORKLOADS,
@@ -157,23 +158,6 @@ def warm_up(side: OursSide | VllmSide, vocab: int) -> None:
     side.run([(p, 4) for p, _ in make_workload("batch", -1, vocab)[:16]])
 
 
-def start_profile(py_spy: str, out: Path) -> subprocess.Popen:
-    """py-spy samples this worker and its child processes (vLLM's engine core) with native
-    frames while one workload runs; `profile_split.py` sorts the samples into where the time
-    goes. Sampling costs a share of a core: profiled runs give the split, not the tok/s."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([py_spy, "record", "--pid", str(os.getpid()), "--subprocesses", "--native",
-                             "--rate", "50", "--threads", "--format", "raw", "--output", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(2.0)   # attached before the clock starts
-    return proc
-
-
-def stop_profile(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)   # py-spy writes its file on SIGINT
-    proc.wait(timeout=120)
-
-
 def worker(args: argparse.Namespace) -> int:
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     side: OursSide | VllmSide
@@ -182,7 +166,8 @@ def worker(args: argparse.Namespace) -> int:
     results = {}
     for name in args.workloads.split(","):
         requests = make_workload(name, args.repeat, vocab)
-        profiler = start_profile(args.py_spy, Path(args.profile) / f"{args.side}-{name}.txt") if args.profile else None
+        profiler = (start_profile(args.py_spy, os.getpid(), Path(args.profile) / f"{args.side}-{name}.txt")
+                    if args.profile else None)
         run = side.run(requests)
         if profiler is not None:
             stop_profile(profiler)
@@ -213,6 +198,7 @@ def side_env(side: str) -> dict[str, str]:
     env = dict(os.environ)
     cores = os.cpu_count() or 1
     if side != "ours":
+        env.pop("PYTHONPATH", None)   # vLLM's venv imports nothing of this checkout
         env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=str(KV_GIB), VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}")
     env.pop("OMP_NUM_THREADS", None)   # both compute on every core
     return env

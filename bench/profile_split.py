@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import argparse
 import re
+import signal
+import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -38,7 +41,7 @@ _GENERIC = re.compile(
 # First match wins, in this order (waiting before the rest: a poll inside a step is waiting).
 _RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("waiting", re.compile(r"sched_yield|Condition\.wait|Event\.wait|\bpoll\b|Poller\.poll|select\b|_recv\b"
-                           r"|recv_multipart|memory_fence|acquire_read|Queue\.get|SimpleQueue_get"
+                           r"|epoll|recv_multipart|memory_fence|acquire_read|Queue\.get|SimpleQueue_get"
                            r"|\bsleep\b|busy_loop|wait_for", re.I)),
     ("lm head + sampler", re.compile(r"sampl|logits|lm_head|argmax|\btopk\b|top_k|logprob", re.I)),
     ("attention", re.compile(r"attention|attn|cpu_attn|paged|sdpa|kv_cache_update|reshape_and_cache|write_slots"
@@ -132,6 +135,23 @@ def table(results: dict[str, dict[str, Counter[str]]]) -> str:
             cells = [f"{100 * counts[c] / total:.0f}%" for c in CATEGORIES]
             rows.append(f"| {name} | {proc} | {total} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def start_profile(py_spy: str, pid: int, out: Path, rate: int = 50) -> subprocess.Popen:
+    """py-spy sampling process `pid` and its children (vLLM's engine core and worker) with
+    native frames, into `out` (raw format), until `stop_profile`. Sampling stops the process
+    for each native unwind: a profiled run gives the split, not the tok/s."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([py_spy, "record", "--pid", str(pid), "--subprocesses", "--native", "--rate", str(rate),
+                             "--threads", "--format", "raw", "--output", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(2.0)   # attached before the clock starts
+    return proc
+
+
+def stop_profile(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)   # py-spy writes its file on SIGINT
+    proc.wait(timeout=120)
 
 
 def main(argv: list[str] | None = None) -> int:
