@@ -20,7 +20,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
@@ -49,7 +49,7 @@ class ArgumentParser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, error_line(self.prog, message, f"see {self.prog} --help") + "\n")
 
 

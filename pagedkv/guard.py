@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -133,12 +133,12 @@ class EdgeGuard(grpc.aio.ServerInterceptor):
             await self._refuse(context, method, t0, None, Refusal(
                 grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed before the server could start it"))
         principal: Principal | None = None
-        if needs_auth:
-            found = self._auth.identify(context)  # type: ignore[union-attr]
+        if needs_auth and self._auth is not None:
+            found = self._auth.identify(context)
             if isinstance(found, Refusal):
                 await self._refuse(context, method, t0, None, found)
-            principal = found  # type: ignore[assignment]
-            why = self._authorize(method, principal, request) if self._authorize is not None else None  # type: ignore[arg-type]
+            principal = found
+            why = self._authorize(method, principal, request) if self._authorize is not None else None
             if why is not None:
                 await self._refuse(context, method, t0, principal, Refusal(grpc.StatusCode.PERMISSION_DENIED, why))
         cap = self._cap
@@ -161,7 +161,7 @@ class EdgeGuard(grpc.aio.ServerInterceptor):
 
     async def _refuse(
         self, context: grpc.aio.ServicerContext, method: str, t0: float, principal: Principal | None, refusal: Refusal
-    ) -> None:
+    ) -> NoReturn:
         log.warning(
             "call refused", rpc=method.rsplit("/", 1)[-1], code=refusal.code.name, reason=clip(refusal.message, 300),
             peer=context.peer(), principal=str(principal) if principal is not None else None,
@@ -169,6 +169,7 @@ class EdgeGuard(grpc.aio.ServerInterceptor):
         if self._on_refused is not None:
             self._on_refused(method.rsplit("/", 1)[-1], refusal.code, time.perf_counter() - t0)
         await context.abort(refusal.code, clip(refusal.message))
+        raise RuntimeError("the servicer context's abort returned")   # grpc's raises AbortError
 
 
 __all__ = ["Authorize", "EdgeGuard", "peer_host"]

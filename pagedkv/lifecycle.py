@@ -129,7 +129,7 @@ def bind(server: grpc.aio.Server, address: str, tls: TlsSettings | None = None) 
     `address` ends in `:0`). A plaintext listener on a non-loopback address is logged loudly:
     anyone who can reach it can read and forge every call."""
     secure = tls is not None and tls.active
-    credentials = server_credentials(tls) if secure else None  # type: ignore[arg-type]
+    credentials = server_credentials(tls) if tls is not None and secure else None
     try:
         port = server.add_secure_port(address, credentials) if secure else server.add_insecure_port(address)
     except RuntimeError:  # grpc raises RuntimeError("Failed to bind ...") on some versions

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, TypeVar
 
-import yaml
+import yaml  # type: ignore[import-untyped]  # PyYAML ships no types and types-PyYAML is not a dependency
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, YamlConfigSettingsSource
 
@@ -33,7 +33,7 @@ class YamlEnvSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        yaml_file = init_settings.init_kwargs.pop("_yaml_file", None)  # type: ignore[attr-defined]
+        yaml_file = init_settings.init_kwargs.pop("_yaml_file", None)  # type: ignore[attr-defined]  # it is an InitSettingsSource
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         if yaml_file is not None:
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=yaml_file))

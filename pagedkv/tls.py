@@ -174,11 +174,11 @@ def add_tls_arguments(
     for flag, name, text in _CLI_OPTIONS:
         env = f"{env_prefix}{name}"
         if flag == "--tls":
-            default = os.environ.get(env, "").lower() in ("1", "true", "yes") if defaults else argparse.SUPPRESS
-            parser.add_argument(flag, action="store_true", default=default, help=f"{text} (env {env}=1)")
+            on = os.environ.get(env, "").lower() in ("1", "true", "yes") if defaults else argparse.SUPPRESS
+            parser.add_argument(flag, action="store_true", default=on, help=f"{text} (env {env}=1)")
         else:
-            default = (os.environ.get(env) or None) if defaults else argparse.SUPPRESS
-            parser.add_argument(flag, default=default, help=f"{text} (env {env})")
+            value = (os.environ.get(env) or None) if defaults else argparse.SUPPRESS
+            parser.add_argument(flag, default=value, help=f"{text} (env {env})")
 
 
 def tls_from_args(args: argparse.Namespace) -> TlsSettings | None:
@@ -196,8 +196,9 @@ def tls_from_env(prefix: str, environ: Mapping[str, str] | None = None) -> TlsSe
     env = os.environ if environ is None else environ
     values = {k: env.get(f"{prefix}{k.upper()}") or None for k in ("enabled", "ca_file", "cert_file", "key_file")}
     enabled = None if values["enabled"] is None else values["enabled"].lower() in ("1", "true", "yes", "on")
-    files = {k: Path(v) for k, v in values.items() if k != "enabled" and v}
-    settings = TlsSettings(enabled=enabled, server_name=env.get(f"{prefix}SERVER_NAME") or None, **files)
+    files = {k: Path(v) if v else None for k, v in values.items() if k != "enabled"}
+    settings = TlsSettings(enabled=enabled, server_name=env.get(f"{prefix}SERVER_NAME") or None,
+                           ca_file=files["ca_file"], cert_file=files["cert_file"], key_file=files["key_file"])
     return settings if settings.active else None
 
 

@@ -76,7 +76,7 @@ def _global_options(p: argparse.ArgumentParser, *, defaults: bool) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog=PROG, description="Inspect and operate a running block manager.")
     _global_options(p, defaults=True)
-    common = argparse.ArgumentParser(add_help=False)
+    common = ArgumentParser(add_help=False)
     _global_options(common, defaults=False)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

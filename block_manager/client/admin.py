@@ -10,7 +10,7 @@ mutating admin calls carry a request id reused on retry.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import Any
 
 import grpc
@@ -101,11 +101,13 @@ class AdminClient:
         standby's answer ("standby") sends the question on to the next one, so the leader's
         status comes back when there is a leader (else the last standby's)."""
         reply = self._call("Status", pb.StatusRequest())
-        num_others = 0 if self._endpoints is None else self._endpoints.num_addresses - 1
-        for _ in range(num_others):
+        endpoints = self._endpoints
+        if endpoints is None:
+            return reply
+        for _ in range(endpoints.num_addresses - 1):
             if reply.get("state") != "standby":
                 break
-            self._endpoints.advance()  # type: ignore[union-attr]
+            endpoints.advance()
             reply = self._call("Status", pb.StatusRequest())
         return reply
 
@@ -141,7 +143,7 @@ class AdminClient:
             "TriggerDefrag", pb.TriggerDefragRequest(request_id=new_request_id(), pool_id=pool_id, kind=kind)
         )
 
-    def kv_events(self, from_event_id: int = 0, *, live_only: bool = False) -> Iterator[pb.KvEvent]:
+    def kv_events(self, from_event_id: int = 0, *, live_only: bool = False) -> Generator[pb.KvEvent, None, None]:
         """The KV events stream (docs/kv_events.md), event by event, until the caller stops
         iterating or the server ends it (then the typed error). No retry: a caller that
         wants to go on resubscribes from the last id it applied."""
@@ -152,7 +154,7 @@ class AdminClient:
             for resp in call:
                 yield from resp.events
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
+            if exc.code() == grpc.StatusCode.CANCELLED:
                 return
             self.stats.errors += 1
             raise error_from_rpc(exc, "SubscribeKvEvents") from exc

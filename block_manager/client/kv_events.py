@@ -71,11 +71,11 @@ class KvView:
         elif kind == "block_removed":
             r = ev.block_removed
             key = (r.node_id, TIER_NAMES[r.tier])
-            entries = self.blocks.get(key)
-            if entries is not None:
+            held = self.blocks.get(key)
+            if held is not None:
                 for h in r.block_hashes:
-                    entries.pop(h, None)
-                if not entries:
+                    held.pop(h, None)
+                if not held:
                     del self.blocks[key]
         elif kind == "all_blocks_cleared":
             c = ev.all_blocks_cleared

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from block_manager.client import wire
 from block_manager.client.errors import InvalidArgumentError, StepStateError
@@ -149,7 +149,7 @@ class SequenceTracker:
     def resolve_late(self, seq_id: str, token_ids: Sequence[int]) -> None:
         """The ids of a sequence's tokens appended with `num_late` (module docstring): into its
         deferred ids if the append was answered here, else sent with the next Step."""
-        t = self._seqs.get(seq_id)   # type: ignore[call-overload]  (a SeqId is a str: no call per token)
+        t = self._seqs.get(cast(SeqId, seq_id))   # a SeqId is a str: no call per token
         if t is not None and t.late_at:
             late_at, ids = t.late_at, t.deferred_token_ids
             if len(token_ids) != len(late_at):
@@ -393,17 +393,17 @@ class StepBatch:
         # A fork shares the parent's tail: this step's appends to the parent (and children)
         # need the server's copy-on-write.
         forked = {p for p, _ in self._forks} | {c for _, cs in self._forks for c in cs}
-        for sid, (n, ids, late) in self._appends.items():
+        for sid, (n, new_ids, late) in self._appends.items():
             t = tracker.get(sid)
             if t is not None and sid not in forked and t.can_append_locally(n):
-                t.append_locally(n, ids, late)
+                t.append_locally(n, new_ids, late)
                 deferred += n
                 res.appends[sid] = SeqSlots(sid, n, t.num_tokens, deferred=True)
                 continue
             if t is not None and sid not in flushed:
-                total, all_ids = t.server_request(n, ids)
+                total, all_ids = t.server_request(n, new_ids)
             else:
-                total, all_ids = n, (list(ids) if ids is not None else None)
+                total, all_ids = n, (list(new_ids) if new_ids is not None else None)
             if late and all_ids is not None:
                 all_ids[len(all_ids) - late :] = [0] * late   # placeholders on the wire
             with_ids = with_ids and all_ids is not None
@@ -420,8 +420,8 @@ class StepBatch:
         self._client.stats.deferred_tokens += deferred
         # Reports alone do not justify a round trip: they ride with the next step that needs one.
         # Late ids alone wait too: nothing can touch their sequences before a Step that needs a trip.
-        needed = (m.free_seq_ids or m.alloc_seq_ids or m.fork_parent_ids or m.append_seq_ids
-                  or m.swap_out_seq_ids or m.swap_in_seq_ids)
+        needed = bool(m.free_seq_ids or m.alloc_seq_ids or m.fork_parent_ids or m.append_seq_ids
+                      or m.swap_out_seq_ids or m.swap_in_seq_ids)
         if self.flush and m.reports:
             needed = True
         if self.release:
@@ -532,11 +532,11 @@ class StepBatch:
             info = wire.pool_step(ps)
             res.steps[info.pool_id] = info
             tracker.apply_step(info)
-        for sid, num_tokens in res.swapped_in.items():
-            if not isinstance(num_tokens, ItemFailure):
+        for sid, swapped in res.swapped_in.items():
+            if not isinstance(swapped, ItemFailure):
                 pool = next((ps.pool_id for ps in m.steps if sid in ps.delta_seq_ids), None)
                 if pool is not None:   # forks swapped in together share their tail: no local appends
-                    tracker.track(sid, PoolId(pool), num_tokens, tail_exclusive=False)
+                    tracker.track(sid, PoolId(pool), swapped, tail_exclusive=False)
         return res
 
     def distrust(self, request: pb.StepRequest) -> None:

@@ -56,7 +56,7 @@ def pool_step(m: common_pb2.PoolStep) -> PoolStepInfo:
         deltas.append(
             TableDelta(
                 SeqId(sid), int(m.delta_base_versions[i]), int(m.delta_versions[i]), int(m.delta_num_tokens[i]),
-                replaced, appended,  # type: ignore[arg-type]
+                replaced, appended,  # type: ignore[arg-type]  # block ids off the wire: no BlockId() per block
             )
         )
     return PoolStepInfo(

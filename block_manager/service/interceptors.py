@@ -65,18 +65,19 @@ class ErrorMappingInterceptor(WrapOnceInterceptor):
                         raise InvalidRequest(f"malformed request: {request.error}")
                     return await behavior(request, context)
                 except grpc.aio.AbortError:
-                    code = context.code() or grpc.StatusCode.UNKNOWN  # type: ignore[assignment]
+                    code = context.code() or grpc.StatusCode.UNKNOWN
                     raise
                 except Exception as exc:  # noqa: BLE001 - the single mapping point
                     mapped = status_for(exc)
-                    if mapped is None:
+                    if mapped is None:   # `abort` raises: the call ends here either way
                         code = grpc.StatusCode.INTERNAL
                         log.exception("internal error")
                         await context.abort(code, "internal error")
-                    code = mapped
-                    detail = clip(str(exc) or type(exc).__name__)
-                    log.info("rpc failed", code=mapped.name, error=detail, error_type=type(exc).__name__)
-                    await context.abort(mapped, detail)
+                    else:
+                        code = mapped
+                        detail = clip(str(exc) or type(exc).__name__)
+                        log.info("rpc failed", code=mapped.name, error=detail, error_type=type(exc).__name__)
+                        await context.abort(mapped, detail)
                 finally:
                     if metrics is not None:
                         metrics.observe_rpc(method, code.name, time.perf_counter() - t0)
@@ -98,12 +99,13 @@ class ErrorMappingInterceptor(WrapOnceInterceptor):
                     raise
                 except Exception as exc:  # noqa: BLE001 - the single mapping point
                     mapped = status_for(exc)
-                    if mapped is None:
+                    if mapped is None:   # `abort` raises: the stream ends here either way
                         log.exception("internal error")
                         await context.abort(grpc.StatusCode.INTERNAL, "internal error")
-                    detail = clip(str(exc) or type(exc).__name__)
-                    log.info("rpc failed", code=mapped.name, error=detail, error_type=type(exc).__name__)
-                    await context.abort(mapped, detail)
+                    else:
+                        detail = clip(str(exc) or type(exc).__name__)
+                        log.info("rpc failed", code=mapped.name, error=detail, error_type=type(exc).__name__)
+                        await context.abort(mapped, detail)
 
         return call
 

@@ -278,7 +278,7 @@ class KvEventHub:
                         and last.salt_id == sid and last.block_hashes[-1] == parent):
                     last.block_hashes.append(h)
                     last.num_tokens += n
-                    last.token_ids.append(tokens)   # type: ignore[union-attr]
+                    last.token_ids.append(tokens)   # type: ignore[union-attr]  # a stored event holds its ids
                     continue
                 last = Event(self.head + 1, STORED, node, tier, [h], parent, n, sid, token_ids=[tokens])
             elif kind == REMOVED:

@@ -107,7 +107,7 @@ def _vllm_fields(ev: Event) -> list[tuple[str, dict[str, Any]]]:
             "parent_block_hash": None if ev.parent_hash is None else hash64(ev.parent_hash),
             "token_ids": list(chain.from_iterable(tokens_per_block)),
             "block_size": ev.num_tokens // num_blocks,
-            "lora_id": None, "medium": MEDIUM[tier], "lora_name": None,   # type: ignore[index]
+            "lora_id": None, "medium": MEDIUM[tier], "lora_name": None,   # type: ignore[index]  # a stored event names its tier
         }
         if ev.salt_id:
             # extra_keys: one entry per block, as in vLLM; ours holds the salt's id (the salt
@@ -116,7 +116,7 @@ def _vllm_fields(ev: Event) -> list[tuple[str, dict[str, Any]]]:
         return [("BlockStored", stored)]
     if ev.kind == REMOVED:
         return [("BlockRemoved", {"block_hashes": [from_bytes(h[-8:], "big") for h in ev.block_hashes],
-                                  "medium": MEDIUM[tier]})]   # type: ignore[index]
+                                  "medium": MEDIUM[tier]})]   # type: ignore[index]  # so does a removal
     if tier is None:
         return [("AllBlocksCleared", {})]
     # one tier of a node cleared (reset-prefix-cache): vLLM has no per-medium clear, and its
@@ -135,9 +135,9 @@ def snapshot_events(node: str, tier: str, entries: dict[bytes, HubInfo]) -> list
                 and last.num_tokens == n * len(last.block_hashes)):
             last.block_hashes.append(h)
             last.num_tokens += n
-            last.token_ids.append(tokens)   # type: ignore[union-attr, arg-type]
+            last.token_ids.append(tokens)   # type: ignore[union-attr, arg-type]  # a snapshot's blocks carry their ids
             continue
-        last = Event(0, STORED, node, tier, [h], parent, n, sid, token_ids=[tokens])   # type: ignore[list-item]
+        last = Event(0, STORED, node, tier, [h], parent, n, sid, token_ids=[tokens])   # type: ignore[list-item]  # as above
         out.append(last)
     return out
 
@@ -234,7 +234,7 @@ class ZmqKvEventPublisher:
                  topic=self.topic)
 
     def _bind(self, kind: int, endpoint: str) -> zmq.Socket[Any]:
-        sock = self._ctx.socket(kind)   # type: ignore[union-attr]
+        sock = self._ctx.socket(kind)   # type: ignore[union-attr]  # bound only after start() made the context
         sock.setsockopt(zmq.LINGER, 200)
         sock.setsockopt(zmq.SNDHWM, self.hwm)
         if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
@@ -306,7 +306,7 @@ class ZmqKvEventPublisher:
         queued): sleep in a poll of the replay and wake sockets until `published` signals."""
         encoder = msgspec.msgpack.Encoder()
         poller = zmq.Poller()
-        poller.register(self._wake_rx, zmq.POLLIN)   # type: ignore[arg-type]
+        poller.register(self._wake_rx, zmq.POLLIN)
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
         wait_ms = int(self.interval_s * 1000) or 1
@@ -319,8 +319,8 @@ class ZmqKvEventPublisher:
                     if not self._queue and not stopping:   # else something came meanwhile
                         ready = dict(poller.poll(IDLE_POLL_MS))
                         if self._wake_rx in ready:
-                            while self._wake_rx.poll(0):   # type: ignore[union-attr]
-                                self._wake_rx.recv(zmq.NOBLOCK)   # type: ignore[union-attr]
+                            while self._wake_rx.poll(0):   # type: ignore[union-attr]  # set by start()
+                                self._wake_rx.recv(zmq.NOBLOCK)   # type: ignore[union-attr]  # set by start()
                         if self._replay is not None and self._replay in ready:
                             self._serve_replays()
                     self._idle = False

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from block_manager.store import SchemaVersionError, StoreError, StoreLocked
 from block_manager.store.base import Store, StoreStats
@@ -40,6 +41,8 @@ from block_manager.store.records import JournalRecord, NewRecord, Recovered, Ret
 from pagedkv.logging import get_logger
 
 log = get_logger(__name__)
+
+S = TypeVar("S", bound=Store)   # the kind of store `acquire` opens
 
 
 class NotLeading:
@@ -79,7 +82,7 @@ class NotLeading:
         return None
 
 
-async def acquire(open_store: Callable[[], Store], stopped: asyncio.Event) -> Store | None:
+async def acquire(open_store: Callable[[], S], stopped: asyncio.Event) -> S | None:
     """Open (= lock) the store, retrying while another block manager holds it; None when
     `stopped` is set first. Each attempt waits up to the store's `lock_wait_s` on one session
     (polling the lock every 50 ms), so a released lock is taken within ~50 ms."""

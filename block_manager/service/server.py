@@ -23,6 +23,7 @@ import dataclasses
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -41,7 +42,7 @@ from block_manager.service.leadership import NotLeading
 from block_manager.service.metrics import ServiceMetrics
 from block_manager.service.runtime import Phase, ServiceRuntime
 from block_manager.service.servicer import BlockManagerServicer
-from block_manager.store import StoreError, StoreOptions, open_store
+from block_manager.store import SqlStore, StoreError, StoreOptions, open_store
 from block_manager.store.base import Store
 from block_manager.store.reader import JournalReader
 from pagedkv.auth import Authenticator
@@ -49,6 +50,7 @@ from pagedkv.cli import ArgumentParser
 from pagedkv.guard import EdgeGuard
 from pagedkv.lifecycle import (
     EXIT_START_FAILED,
+    HealthReporter,
     TaskSet,
     address_with_port,
     bind,
@@ -87,7 +89,7 @@ class BlockManagerServer:
         self.runtime: ServiceRuntime | None = None
         self.defrag: DefragRunner | None = None
         self.tasks = TaskSet("block-manager")
-        self.health = None
+        self.health: HealthReporter | None = None
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
         self._stopped = asyncio.Event()
@@ -98,7 +100,7 @@ class BlockManagerServer:
     def _open_store(self) -> Store:
         return open_store(self.config.database_url, self._store_options())
 
-    def _store_options(self, **changes: object) -> StoreOptions:
+    def _store_options(self, **changes: Any) -> StoreOptions:
         options = StoreOptions(
             request_retention_s=self.config.request_retention_s,
             max_retained_requests=self.config.max_retained_requests,
@@ -106,23 +108,30 @@ class BlockManagerServer:
             sqlite_synchronous=self.config.sqlite_synchronous,
             migrate=self.config.migrate,
         )
-        return dataclasses.replace(options, **changes)  # type: ignore[arg-type]
+        return dataclasses.replace(options, **changes)
 
-    def _open_store(self) -> Store:
-        return open_store(self.config.database_url, self._store_options())
-
-    def _open_leader_store(self) -> Store:
+    def _open_leader_store(self) -> SqlStore:
         """One attempt to take the lead: waits up to 1 s for the lock, then `StoreLocked`."""
-        return open_store(
+        store = open_store(
             self.config.database_url, self._store_options(lock_wait_s=1.0, leader_lease_s=self.config.failover.lease_s)
         )
+        if not isinstance(store, SqlStore):   # the config allows failover on PostgreSQL only
+            store.close()
+            raise StoreError(f"failover needs a PostgreSQL store, not {type(store).__name__}")
+        return store
 
     async def start(self) -> None:
         cfg = self.config
         # Active/standby: listen at once as a standby and take the lead in the background
         # (service/leadership.py); otherwise open (and lock) the store before listening.
         standby = self._store is None and cfg.failover.enabled
-        store: Store = NotLeading() if standby else (self._store or await asyncio.to_thread(self._open_store))
+        store: Store
+        if standby:
+            store = NotLeading()
+        elif self._store is not None:
+            store = self._store
+        else:
+            store = await asyncio.to_thread(self._open_store)
         # A server that opened "memory://" itself has nothing to recover later: skip the
         # journal entirely. A store passed in explicitly is always journaled.
         volatile = self._store is None and cfg.database_url.startswith("memory:")
@@ -143,7 +152,7 @@ class BlockManagerServer:
         servicer = BlockManagerServicer(runtime, self.defrag, max_route_tokens=cfg.max_route_tokens)
         pb_grpc.add_BlockManagerServicer_to_server(servicer, server)
         pb_grpc.add_BlockManagerAdminServicer_to_server(BlockManagerAdminServicer(runtime, self.defrag), server)
-        self.health = install_health_and_reflection(server, (DATA_SERVICE, ADMIN_SERVICE), self.tasks)
+        self.health = health = install_health_and_reflection(server, (DATA_SERVICE, ADMIN_SERVICE), self.tasks)
         try:
             self.port = bind(server, cfg.listen_address, cfg.tls)
             if cfg.kv_events.zmq_endpoint is not None:
@@ -155,7 +164,7 @@ class BlockManagerServer:
             await asyncio.to_thread(store.close)
             raise
         check_exposure(cfg.listen_address, cfg.tls, cfg.auth_enabled, bool(cfg.auth.tokens))
-        await self.health.set(False)
+        await health.set(False)
         await self._set_replica_health(True)
         await server.start()
         self._server = server
@@ -176,7 +185,7 @@ class BlockManagerServer:
             await self.stop()
             raise
         self.defrag.arm_outstanding()
-        await self.health.set(True)
+        await health.set(True)
 
     async def _lead(self) -> None:
         """Standby until the store's lock is ours; then recover and serve (leadership.py)."""
@@ -206,9 +215,12 @@ class BlockManagerServer:
         t0 = time.perf_counter()
         log.warning("leadership acquired", epoch=getattr(store, "epoch", None))
         loop = asyncio.get_running_loop()
-        runtime.fence = store.leadership_fresh  # type: ignore[attr-defined]
+        runtime.fence = store.leadership_fresh
         runtime.adopt_store(store)
-        store.start_keepalive(lambda exc: loop.call_soon_threadsafe(self._leadership_lost, exc))  # type: ignore[attr-defined]
+
+        def on_lost(exc: BaseException) -> None:   # runs on the keepalive's thread
+            loop.call_soon_threadsafe(self._leadership_lost, exc)
+        store.start_keepalive(on_lost)
         try:
             await runtime.start(warm)
         except RecoveryError as exc:

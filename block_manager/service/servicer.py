@@ -195,7 +195,7 @@ class BlockManagerServicer(MutatingServicer, pb_grpc.BlockManagerServicer):
         return route_response(self.runtime.state, request, self.max_route_tokens)
 
     # ---- KV events ------------------------------------------------------------------
-    async def SubscribeKvEvents(
+    async def SubscribeKvEvents(  # type: ignore[override]  # it writes with context.write: no iterator
         self, request: pb.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
     ) -> None:
         """Only a serving leader streams (a standby, a recovering or draining server answers

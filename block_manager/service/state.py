@@ -38,7 +38,7 @@ from block_manager.core.hashing import hash_prefix
 from block_manager.core.leases import PoolLeases, check_scheduler_id
 from block_manager.core.manager import DEFAULT_MAX_UNSETTLED_STEPS, MAX_POOL_BLOCKS, BlockManager
 from block_manager.core.nodes import NodeRegistry, check_node_id
-from block_manager.core.types import DefragPlan, DefragPolicy, PoolId, SeqId
+from block_manager.core.types import DefragKind, DefragPlan, DefragPolicy, PoolId, SeqId
 from block_manager.service.disk_codec import decode_disk_seeds
 from block_manager.service.errors import NotPlaced
 from block_manager.service.state_codec import check_count, check_optional_str, plan_dict
@@ -46,7 +46,7 @@ from block_manager.service.step_answer import ItemError, PoolFree, SettledPool, 
 from block_manager.service.step_codec import Alloc, AppendColumns, Report, StepInput
 
 SNAPSHOT_FORMAT = 2
-DEFRAG_KINDS = ("compaction", "contiguity")
+DEFRAG_KINDS: tuple[DefragKind, ...] = ("compaction", "contiguity")
 
 
 @dataclass(slots=True, frozen=True)
@@ -98,7 +98,7 @@ class _Candidate:
     fetch_pool_id: PoolId | None
 
 
-def _defrag_args(p: dict[str, Any]) -> tuple[str, int | None]:
+def _defrag_args(p: dict[str, Any]) -> tuple[DefragKind, int | None]:
     """A defrag request's plan kind (default compaction) and move cap, checked."""
     kind = p.get("kind") or "compaction"
     if kind not in DEFRAG_KINDS:
@@ -107,6 +107,7 @@ def _defrag_args(p: dict[str, Any]) -> tuple[str, int | None]:
     if max_moves is not None:
         check_count("max_moves", max_moves, 1, 1 << 30)
     return kind, max_moves
+
 
 class ServiceState:
     """Core + registry + the small bookkeeping the service adds (freed/fenced ids)."""
@@ -333,12 +334,12 @@ class ServiceState:
                 raise self._missing_seq_error(SeqId(sid))
         has_items = {a.pool_id for a in step.allocs}
         has_items |= core.pools_of([*self._item_seq_ids(step), *step.swap_ids])
-        settled_after = {r.pool_id: r.failed_from or r.completed_up_to for r in reports}
-        for pid in sorted(has_items & set(pools)):
-            pending = [s for s in core.unsettled_step_ids(PoolId(pid)) if s > settled_after.get(pid, 0)]
+        settled_after: dict[str, int] = {r.pool_id: r.failed_from or r.completed_up_to for r in reports}
+        for pool in sorted(has_items & set(pools)):
+            pending = [s for s in core.unsettled_step_ids(PoolId(pool)) if s > settled_after.get(pool, 0)]
             if len(pending) >= core.max_unsettled_steps:
                 raise StepsUnsettled(
-                    f"pool {pid!r}: steps {pending} await their Forward report; report them in this step"
+                    f"pool {pool!r}: steps {pending} await their Forward report; report them in this step"
                 )
         self._check_free_pending(step.free_ids, to_drop | gone)
         return _CheckedStep(step, sched, pools, reports, gone, not_placed, has_items)
@@ -349,8 +350,8 @@ class ServiceState:
         tokens; the answer, and whether anything changed (only then is it journaled)."""
         core, step = self.core, c.step
         new_leases = any(self.leases.get(pid) is None for pid in c.pools)
-        settled_before = {r.pool_id: core.settled_step_id(PoolId(r.pool_id)) for r in c.reports}
-        lease_epochs = {pid: self.leases.acquire(pid, c.sched, now) for pid in c.pools}
+        settled_before: dict[str, int] = {r.pool_id: core.settled_step_id(r.pool_id) for r in c.reports}
+        lease_epochs: dict[str, int] = {pid: self.leases.acquire(pid, c.sched, now) for pid in c.pools}
         settled = [self._settle(r) for r in c.reports]
         dropped = {sid for s in settled for sid in s.dropped_seq_ids}
         frees = [SeqId(s) for s in step.free_ids if SeqId(s) not in dropped and SeqId(s) not in c.gone]
@@ -463,7 +464,7 @@ class ServiceState:
             )
         return set(core.writers_since(r.pool_id, r.failed_from))
 
-    def _check_free_pending(self, free_ids: list[str], to_drop: set[SeqId]) -> None:
+    def _check_free_pending(self, free_ids: list[SeqId], to_drop: set[SeqId]) -> None:
         """A sequence with tokens to write in its open step cannot be freed (core contract);
         checked here too so the request fails before anything changed."""
         for sid in free_ids:
@@ -471,9 +472,9 @@ class ServiceState:
                 self.core.check_can_free(SeqId(sid))
 
     def _settle(self, r: Report) -> SettledPool:
-        res = self.core.settle_steps(PoolId(r.pool_id), r.completed_up_to, r.failed_from)
+        res = self.core.settle_steps(r.pool_id, r.completed_up_to, r.failed_from)
         for sid in res.dropped_seq_ids:
-            self._remember(self.failed_ids, sid, PoolId(r.pool_id))
+            self._remember(self.failed_ids, sid, r.pool_id)
         return SettledPool(r.pool_id, res.settled_step, list(res.committed_plan_ids), list(res.aborted_plan_ids),
                            list(res.dropped_seq_ids))
 

@@ -62,7 +62,7 @@ _CODES: dict[type[Exception], grpc.StatusCode] = {
 
 def _code_of(cls: type[BaseException]) -> grpc.StatusCode | None:
     for base in cls.__mro__:
-        code = _CODES.get(base)  # type: ignore[arg-type]
+        code = _CODES.get(base)
         if code is not None:
             return code
     return None

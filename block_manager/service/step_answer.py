@@ -158,9 +158,9 @@ class StepAnswer:
             m.aborted_plan_ids.extend(s.aborted_plan_ids)
             m.dropped_seq_ids.extend(s.dropped_seq_ids)
         for e in self.errors:
-            m = resp.errors.add()
-            m.code, m.reason, m.message = code_for_reason(e.reason).value[0], e.reason, e.message
-            m.section, m.index = e.section, e.index
+            err = resp.errors.add()
+            err.code, err.reason, err.message = code_for_reason(e.reason).value[0], e.reason, e.message
+            err.section, err.index = e.section, e.index
         resp.alloc_num_cached_tokens.extend(self.alloc_num_cached_tokens)
         resp.alloc_num_tokens.extend(self.alloc_num_tokens)
         resp.append_num_tokens.extend(self.append_num_tokens)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from block_manager.core.errors import InvalidRequest
-from block_manager.core.types import SeqId
+from block_manager.core.types import PoolId, SeqId
 from block_manager.service.state_codec import MAX_ID_LEN
 from block_manager.service.step_answer import pool_step_dict
 
@@ -75,7 +75,7 @@ def _split(name: str, counts: list[int], flat: list[int]) -> list[list[int] | No
 
 @dataclass(slots=True)
 class Report:
-    pool_id: str
+    pool_id: PoolId
     epoch: int
     completed_up_to: int
     failed_from: int | None
@@ -149,7 +149,7 @@ class StepInput:
         """The journaled payload (`step_payload`), shape-checked: `InvalidRequest` when any
         list is malformed or a section carries more than `max_batch` items."""
         reports = [
-            Report(_ids("report pool", [r[0]])[0], int(r[1]), int(r[2]), int(r[3]) or None)
+            Report(PoolId(_ids("report pool", [r[0]])[0]), int(r[1]), int(r[2]), int(r[3]) or None)
             for r in p.get("reports", [])
         ]
         for r in reports:

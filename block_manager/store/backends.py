@@ -16,6 +16,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.engine import URL, make_url
@@ -113,7 +114,7 @@ def _connect_sqlite(url: URL, options: StoreOptions) -> tuple[Engine, Connection
         engine = create_engine(url.set(drivername="sqlite+pysqlite", database=str(path)))
 
         @event.listens_for(engine, "connect")
-        def _pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+        def _pragmas(dbapi_conn: Any, _record: Any) -> None:
             cur = dbapi_conn.cursor()
             mode = cur.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if str(mode).lower() != "wal":

@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import Connection, Engine, delete, func, or_, select, text, update
 from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
@@ -302,7 +302,7 @@ class _DbErrors:
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any
-    ) -> bool:
+    ) -> Literal[False]:
         if exc is None or isinstance(exc, IntegrityError):
             return False
         if isinstance(exc, SQLAlchemyError):

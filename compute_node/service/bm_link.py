@@ -209,7 +209,7 @@ class BlockManagerLink:
         }
         return TablesReply(tables, int(reply.last_step_id))
 
-    async def _call(self, method: str, request):  # type: ignore[no-untyped-def]
+    async def _call(self, method: str, request: Any) -> Any:
         self.num_rpcs += 1
         try:
             return await getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)

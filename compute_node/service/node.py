@@ -304,7 +304,7 @@ class ComputeNode:
         cfg, g = self.config, self.config.geometry
         pool_geometry = self.geometry
         if pool_geometry is not None:
-            g = pool_geometry   # type: ignore[assignment]   # a model's (or an earlier registration's)
+            g = pool_geometry   # type: ignore[assignment]  # a model's (or an earlier registration's)
         if pool_geometry is not None:
             block_size: int | None = pool_geometry.block_size
             num_blocks = pool_geometry.num_blocks
@@ -411,7 +411,7 @@ class ComputeNode:
         node waits passively), then the step."""
         if self.dense_threads is not None:
             self.dense_threads.apply(step_tokens(request))
-        return self.generator.generate(request, self.config.node_id, epoch)   # type: ignore[union-attr]
+        return self.generator.generate(request, self.config.node_id, epoch)   # type: ignore[union-attr]  # Generate checked it
 
     # ---- forward --------------------------------------------------------------------
     async def forward(self, batch: ForwardBatch) -> ForwardResult:

@@ -13,6 +13,7 @@ left to expire: the block manager reclaims the pool's blocks when it does.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -26,6 +27,7 @@ from compute_node.service.warmup import warm_up_cpu_kernels
 from pagedkv.auth import Authenticator
 from pagedkv.guard import EdgeGuard
 from pagedkv.lifecycle import (
+    HealthReporter,
     TaskSet,
     address_with_port,
     bind,
@@ -60,12 +62,12 @@ class ComputeNodeServer:
     def __init__(self, config: ComputeNodeConfig) -> None:
         self.config = config
         self.tasks = TaskSet("compute-node")
-        self.health = None
+        self.health: HealthReporter | None = None
         self.node: ComputeNode | None = None
         self.port: int | None = None
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
-        self._metrics_server: object | None = None
+        self._metrics_server: Any = None   # prometheus_client's WSGI server (untyped)
         self._stopped = False
 
     @property
@@ -120,8 +122,8 @@ class ComputeNodeServer:
             await self.node.stop()
         await self.tasks.cancel_all()
         if self._metrics_server is not None:
-            self._metrics_server.shutdown()  # type: ignore[attr-defined]
-            self._metrics_server.server_close()  # type: ignore[attr-defined]
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
         log.info("stopped")
 
 

@@ -31,7 +31,7 @@ class ComputeNodeServicer(pb_grpc.ComputeNodeServicer):
     def __init__(self, node: ComputeNode) -> None:
         self.node = node   # who may call what (FetchBlocks: the grant's node only) is the edge guard's
 
-    async def FetchBlocks(  # noqa: N802 (the gRPC method name)
+    async def FetchBlocks(  # type: ignore[override]  # it yields each KvChunk pre-serialized, as bytes
         self, request: pb.FetchBlocksRequest, context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[bytes]:
         """Prefix fetch: serve granted blocks to another node (transfer_servicer.py), as
@@ -114,5 +114,5 @@ class ComputeNodeServicer(pb_grpc.ComputeNodeServicer):
             num_blocks=0 if geometry is None else geometry.num_blocks,
             last_step_id=node.tables.last_step_id,
             num_cached_tables=len(node.tables),
-            **model,  # type: ignore[arg-type]
+            **model,  # type: ignore[arg-type]  # node_info_fields: the model fields of this message
         )

@@ -43,13 +43,15 @@ async def serve_blocks(
 ) -> AsyncIterator[bytes]:
     """The granted blocks as serialized `KvChunk` messages, once every check passed."""
     pool = node.pool
-    if pool is None:
+    if pool is None:   # `abort` raises; the returns say so to the type checker
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the node has no pool yet")
+        return
     grant = node.grants.get(request.fetch_id)   # usually there already: no thread hop then
     if grant is None:
         grant = await asyncio.to_thread(node.grants.wait_for, request.fetch_id, node.config.fetch_grant_wait_s)
     if grant is None:
         await context.abort(grpc.StatusCode.NOT_FOUND, f"no live grant for fetch {request.fetch_id!r} on this node")
+        return
     if grant.dst_pool != request.dst_pool_id:
         await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                             f"fetch {request.fetch_id!r} is granted to {grant.dst_pool!r}, not {request.dst_pool_id!r}")
@@ -58,7 +60,7 @@ async def serve_blocks(
                             f"fetch {request.fetch_id!r}: the requested blocks are not the granted ones")
     chunk_bytes = min(request.max_chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
     pause = node.config.fetch_test_pause_file
-    num_bytes = len(grant.blocks) * pool.geometry.bytes_per_block   # type: ignore[union-attr]
+    num_bytes = len(grant.blocks) * pool.geometry.bytes_per_block
     async for i, message in _produced(node, list(grant.blocks), list(grant.host), chunk_bytes):
         yield message
         if pause and i == 0:
@@ -90,7 +92,7 @@ async def _produced(
 
     def produce() -> None:
         try:
-            for message in encoded_chunks(pool, blocks, chunk_bytes, node.host_pool, host):   # type: ignore[arg-type]
+            for message in encoded_chunks(pool, blocks, chunk_bytes, node.host_pool, host):   # type: ignore[arg-type]  # serve_blocks checked the pool
                 while not room.acquire(timeout=0.1):   # never blocks for good: a cancelled consumer sets `stop`
                     if stop.is_set():
                         return
