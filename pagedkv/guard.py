@@ -28,19 +28,19 @@ statuses; this guard answers only for the edge's own refusals.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import grpc
 
 from pagedkv.auth import Authenticator, Principal, Refusal
+from pagedkv.interceptors import Handler, WrapOnceInterceptor
 from pagedkv.logging import get_logger
-from pagedkv.rpc import clip, run_stream, wrap_unary_handler, wrap_unary_stream_handler
+from pagedkv.rpc import clip, run_stream
 
 log = get_logger(__name__)
 
 Authorize = Callable[[str, Principal, Any], str | None]
-Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 
 def peer_host(peer: str) -> str:
@@ -51,7 +51,7 @@ def peer_host(peer: str) -> str:
     return peer
 
 
-class EdgeGuard(grpc.aio.ServerInterceptor):
+class EdgeGuard(WrapOnceInterceptor):
     def __init__(
         self,
         *,
@@ -65,37 +65,21 @@ class EdgeGuard(grpc.aio.ServerInterceptor):
         """`authenticator` None: no identity checks. `guarded(method)`: whether `method` needs
         credentials (default: every method of ours). `authorize(method, principal, request)`
         returns why the principal may not make the call, or None."""
+        super().__init__(prefix, wrap_streams=True, tolerant=False)   # the error mapping parses tolerantly
         self._auth = authenticator
         self._authorize = authorize
         self._guarded = guarded or (lambda _method: True)
         self._cap = max_inflight_per_peer
         self._on_refused = on_refused
-        self._prefix = prefix
         self._inflight: dict[str, int] = {}
-        self._wrapped: dict[str, grpc.RpcMethodHandler | None] = {}
 
     @property
     def inflight(self) -> dict[str, int]:
         return dict(self._inflight)
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        method = details.method
-        if method in self._wrapped:
-            return self._wrapped[method]
-        handler = await continuation(details)
-        if handler is None or not method.startswith(self._prefix):
-            return handler
+    def wrap_unary(self, behavior: Handler, method: str) -> Handler:
         needs_auth = self._auth is not None and self._guarded(method)
-        wrapped = wrap_unary_handler(handler, lambda behavior: self._guard(behavior, method, needs_auth))
-        wrapped = wrap_unary_stream_handler(wrapped, lambda behavior: self._guard_stream(behavior, method, needs_auth))
-        self._wrapped[method] = wrapped
-        return wrapped
 
-    def _guard(self, behavior: Handler, method: str, needs_auth: bool) -> Handler:
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
             key = await self._admit(request, context, method, needs_auth)
             if key is None:
@@ -107,10 +91,11 @@ class EdgeGuard(grpc.aio.ServerInterceptor):
 
         return call
 
-    def _guard_stream(self, behavior: Any, method: str, needs_auth: bool) -> Any:
+    def wrap_stream(self, behavior: Any, method: str) -> Any:
         """A server-streaming call passes the same checks before its first message; it counts
         as one call in flight for as long as it stays open. Either handler style works (an
         async generator, or a coroutine that writes with `context.write`)."""
+        needs_auth = self._auth is not None and self._guarded(method)
 
         async def call(request: Any, context: grpc.aio.ServicerContext) -> None:
             key = await self._admit(request, context, method, needs_auth)

@@ -7,9 +7,12 @@ here so it cannot drift between them:
 - only the service's own methods are wrapped (health and reflection pass through untouched);
 - each method is wrapped once and the wrapper kept: the registered handlers never change, and
   the interceptor runs on every call of the hot path (a Step, a Forward);
-- requests are parsed tolerantly (`pagedkv.rpc.tolerant_deserializer`), so bytes that do not
-  parse reach the wrapper as `Undecodable` and can be answered INVALID_ARGUMENT instead of
-  gRPC's UNKNOWN.
+- requests are parsed tolerantly (`pagedkv.rpc.tolerant_deserializer`; `tolerant=False`
+  keeps the handler's own parser), so bytes that do not parse reach the wrapper as
+  `Undecodable` and can be answered INVALID_ARGUMENT instead of gRPC's UNKNOWN.
+
+Three interceptors are built on it: the edge guard (`pagedkv.guard`) and each service's error
+mapping.
 
 A service says which methods are its own (`prefix`) and how one behaviour is wrapped
 (`wrap_unary`, and with `wrap_streams` also `wrap_stream` for server-streaming methods).
@@ -31,9 +34,10 @@ Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 class WrapOnceInterceptor(grpc.aio.ServerInterceptor):
     """Wraps each handler of the methods under `prefix` once (see the module docstring)."""
 
-    def __init__(self, prefix: str, *, wrap_streams: bool = False) -> None:
+    def __init__(self, prefix: str, *, wrap_streams: bool = False, tolerant: bool = True) -> None:
         self._prefix = prefix
         self._wrap_streams = wrap_streams   # server-streaming methods too (`wrap_stream`)
+        self._tolerant = tolerant           # parse requests with `tolerant_deserializer`
         self._wrapped: dict[str, grpc.RpcMethodHandler | None] = {}
 
     async def intercept_service(
@@ -48,16 +52,17 @@ class WrapOnceInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or not method.startswith(self._prefix):
             return handler  # unknown method, health, reflection: not ours to map
-        short = method.rsplit("/", 1)[-1]
-        wrapped = wrap_unary_handler(handler, lambda behavior: self.wrap_unary(behavior, short), tolerant=True)
+        tolerant = self._tolerant
+        wrapped = wrap_unary_handler(handler, lambda behavior: self.wrap_unary(behavior, method), tolerant=tolerant)
         if self._wrap_streams:
             wrapped = wrap_unary_stream_handler(
-                wrapped, lambda behavior: self.wrap_stream(behavior, short), tolerant=True)
+                wrapped, lambda behavior: self.wrap_stream(behavior, method), tolerant=tolerant)
         self._wrapped[method] = wrapped
         return wrapped
 
     def wrap_unary(self, behavior: Handler, method: str) -> Handler:
-        """The behaviour of unary method `method` (its short name), wrapped."""
+        """The behaviour of unary method `method` (its full name, `/package.Service/Method`),
+        wrapped."""
         raise NotImplementedError
 
     def wrap_stream(self, behavior: Any, method: str) -> Any:
@@ -65,4 +70,9 @@ class WrapOnceInterceptor(grpc.aio.ServerInterceptor):
         return behavior
 
 
-__all__ = ["Handler", "WrapOnceInterceptor"]
+def short_name(method: str) -> str:
+    """`/pagedkv.v1.BlockManager/Step` -> `Step` (what logs and metrics call a method)."""
+    return method.rsplit("/", 1)[-1]
+
+
+__all__ = ["Handler", "WrapOnceInterceptor", "short_name"]

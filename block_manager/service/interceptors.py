@@ -26,7 +26,7 @@ import structlog
 from block_manager.core.errors import InvalidRequest
 from block_manager.service.metrics import ServiceMetrics
 from block_manager.service.status import clip, status_for
-from pagedkv.interceptors import Handler, WrapOnceInterceptor
+from pagedkv.interceptors import Handler, WrapOnceInterceptor, short_name
 from pagedkv.logging import get_logger
 from pagedkv.rpc import Undecodable, run_stream
 
@@ -51,6 +51,7 @@ class ErrorMappingInterceptor(WrapOnceInterceptor):
 
     def wrap_unary(self, behavior: Handler, method: str) -> Handler:
         metrics = self._metrics
+        method = short_name(method)
 
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
             ctx = {f: _log_value(getattr(request, f)) for f in _CONTEXT_FIELDS if getattr(request, f, None)}
@@ -88,6 +89,7 @@ class ErrorMappingInterceptor(WrapOnceInterceptor):
         """The same mapping for a server-streaming call (SubscribeKvEvents): an error before or
         between messages ends the stream with its status; the latency histogram is not fed
         (a stream's duration is its subscriber's, not the server's)."""
+        method = short_name(method)
 
         async def call(request: Any, context: grpc.aio.ServicerContext) -> None:
             with structlog.contextvars.bound_contextvars(rpc=method):

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 
 from compute_node.errors import ComputeNodeError
-from pagedkv.interceptors import Handler, WrapOnceInterceptor
+from pagedkv.interceptors import Handler, WrapOnceInterceptor, short_name
 from pagedkv.logging import get_logger
 from pagedkv.rpc import Undecodable, clip
 
@@ -40,7 +40,7 @@ class ErrorMappingInterceptor(WrapOnceInterceptor):
         super().__init__(SERVICE_PREFIX)
 
     def wrap_unary(self, behavior: Handler, method: str) -> Handler:
-        return _mapped(behavior, method)
+        return _mapped(behavior, short_name(method))
 
 
 class _ClippingContext:

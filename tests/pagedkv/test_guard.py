@@ -112,7 +112,7 @@ async def test_a_call_whose_deadline_passed_is_not_started() -> None:
         return "done"
 
     guard = EdgeGuard(max_inflight_per_peer=4)
-    call_ = guard._guard(behavior, SLOW, needs_auth=False)
+    call_ = guard.wrap_unary(behavior, SLOW)   # no authenticator: no identity check
     late = FakeContext(0.0)
     with pytest.raises(Aborted):
         await call_("late", late)

@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 
-from pagedkv.interceptors import Handler, WrapOnceInterceptor
+from pagedkv.interceptors import Handler, WrapOnceInterceptor, short_name
 from pagedkv.rpc import Undecodable
 from pagedkv.v1 import block_manager_pb2 as pb
 
@@ -18,10 +18,12 @@ class _Tagging(WrapOnceInterceptor):
     """Answers every call of its service with what its behaviour answered, tagged."""
 
     def wrap_unary(self, behavior: Handler, method: str) -> Handler:
+        name = short_name(method)
+
         async def call(request: Any, context: Any) -> Any:
             if isinstance(request, Undecodable):
-                return f"{method}: undecodable"
-            return f"{method}: {await behavior(request, context)}"
+                return f"{name}: undecodable"
+            return f"{name}: {await behavior(request, context)}"
 
         return call
 
@@ -57,5 +59,16 @@ def test_own_methods_are_wrapped_once_and_parsed_tolerantly() -> None:
         assert isinstance(bad, Undecodable) and await first.unary_unary(bad, None) == "Heartbeat: undecodable"
         other = await _intercept(icpt, "/grpc.health.v1.Health/Check", continued)
         assert await other.unary_unary(good, None) == "n1"   # not ours: untouched
+
+    asyncio.run(run())
+
+
+def test_a_strict_interceptor_keeps_the_handlers_parser() -> None:
+    icpt = _Tagging("/pagedkv.v1.Toy/", tolerant=False)   # as the edge guard, outside the error mapping
+
+    async def run() -> None:
+        wrapped = await _intercept(icpt, "/pagedkv.v1.Toy/Heartbeat", [])
+        assert wrapped.request_deserializer == pb.HeartbeatRequest.FromString
+        assert await wrapped.unary_unary(pb.HeartbeatRequest(node_id="n2"), None) == "Heartbeat: n2"
 
     asyncio.run(run())
