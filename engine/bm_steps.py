@@ -5,19 +5,20 @@ a block manager restarting, a network blip) may or may not have been applied. Se
 Step would then risk doing its frees, admissions and reports twice; so the same request is
 resent under its request id, which the block manager applies at most once and answers from its
 journal when it has (also across its restarts), before anything new is sent. The step's nodes
-and requests simply wait.
+and requests simply wait. Which errors mean "unreachable" is the failure table's (its STEP rows
+whose action is RESEND); this is that action's one executor.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
-from block_manager.client import DeadlineExceededError, StepResult, UnavailableError
+from block_manager.client import StepResult, SyncStep
 from engine.errors import EngineFailure
+from engine.failure_policy import Action, Item, errors_for
 from pagedkv.logging import get_logger
 
-UNREACHABLE = (UnavailableError, DeadlineExceededError)   # the block manager's answer is unknown
+UNREACHABLE = errors_for(Item.STEP, Action.RESEND)   # the block manager's answer is unknown: resend
 FIRST_WAIT_S = 0.1
 MAX_WAIT_S = 2.0
 log = get_logger("engine.bm_steps")
@@ -26,12 +27,19 @@ log = get_logger("engine.bm_steps")
 class StepSender:
     """Commits step batches; keeps the one whose answer never came until it is answered."""
 
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s        # how long a waiting commit resends before EngineFailure
-        self.unanswered: Any = None       # a batch sent without `wait` whose answer never came
+    __slots__ = ("timeout_s", "first_wait_s", "unanswered", "num_resends")
+    timeout_s: float                  # how long a waiting commit resends before EngineFailure
+    first_wait_s: float               # the first wait before a resend, doubling up to MAX_WAIT_S
+    unanswered: SyncStep | None       # a batch sent without `wait` whose answer never came
+    num_resends: int
+
+    def __init__(self, timeout_s: float, *, first_wait_s: float = FIRST_WAIT_S) -> None:
+        self.timeout_s = timeout_s
+        self.first_wait_s = first_wait_s
+        self.unanswered = None
         self.num_resends = 0
 
-    def commit(self, batch: Any, *, wait: bool = True) -> StepResult:
+    def commit(self, batch: SyncStep, *, wait: bool = True) -> StepResult:
         """`batch.commit()`. Unanswered: resent until answered (`wait`), or kept for the next
         `drain` (no `wait`: an idle flush), and the error raised."""
         try:
@@ -58,11 +66,11 @@ class StepSender:
             self.unanswered = batch
             raise
 
-    def _resend(self, batch: Any, error: BaseException | None) -> StepResult:
+    def _resend(self, batch: SyncStep, error: BaseException | None) -> StepResult:
         """Resend with backoff until the block manager answers; EngineFailure after
         `timeout_s`."""
         deadline = time.monotonic() + self.timeout_s
-        wait = FIRST_WAIT_S
+        wait = self.first_wait_s
         while True:
             log.warning("block_manager_unreachable", error=str(error), retry_in_s=wait)
             time.sleep(min(wait, max(0.0, deadline - time.monotonic())))

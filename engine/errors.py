@@ -24,6 +24,25 @@ class EngineFailure(Exception):
     fails the same way."""
 
 
+class EpochDropped(Exception):
+    """The block manager dropped a sequence the engine held (running or swapped) with its node's
+    epoch: the step that wrote it failed, or its node registered anew. Made by the scheduler
+    from the Step answer's `dropped` ids, so the failure table has a class to look up."""
+
+    def __init__(self, seq_id: str) -> None:
+        super().__init__(f"sequence {seq_id!r} dropped with its node's epoch")
+        self.seq_id = seq_id
+
+
+class NodeOutOfPlacement(Exception):
+    """A node the engine took out of placement (it did not answer) holds a swapped sequence:
+    it cannot come back from that host tier while the node is out."""
+
+    def __init__(self, node_id: str) -> None:
+        super().__init__(f"node {node_id!r} is out of placement")
+        self.node_id = node_id
+
+
 class NodeError(Exception):
     """A model node's step failed; the node wrote nothing of it that counts (the step is
     reported failed and the block manager drops what it wrote)."""
@@ -50,4 +69,5 @@ class NodeRefused(NodeError):
     request): a bug or a misconfiguration."""
 
 
-__all__ = ["EngineError", "EngineFailure", "NodeError", "NodeMovedOn", "NodeRefused", "NodeUnreachable"]
+__all__ = ["EngineError", "EngineFailure", "EpochDropped", "NodeError", "NodeMovedOn", "NodeOutOfPlacement",
+           "NodeRefused", "NodeUnreachable"]

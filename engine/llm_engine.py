@@ -2,7 +2,7 @@
 
 Each `step()`:
 
-1. plans the step (`engine.planning`) under a token budget and a sequence cap: running
+1. plans the step (`engine.scheduler`) under a token budget and a sequence cap: running
    sequences first (a decode token or the next prompt chunk), forks, then new requests as
    placed allocations (the block manager picks each one's node inside the same Step);
 2. sends ONE `Step` to the block manager (frees of finished and preempted sequences, the
@@ -25,6 +25,13 @@ host tier, `engine.swapping`, or recomputed later); a node that fails a step has
 failed (the block manager drops what it wrote) and its sequences recomputed, and a node that
 does not answer leaves placement until a probe finds it back (`engine.health`).
 
+The engine is a composition, each part with its own declared state and handed its
+collaborators: the `Scheduler` (`engine.scheduler`: the queues, the plan, the reading of the
+answer, the failure table's executor) with its `SwapPolicy` (`engine.swapping`), the
+`NodePipeline` (`engine.pipeline`: the step in flight, the node threads), the `StepSender`
+(`engine.bm_steps`: an unreachable block manager), `NodeHealth` and a `NodeView` of the nodes
+(`engine.step_plan`). `LLMEngine` owns the requests, wires the parts and runs the step.
+
 The scheduler speaks plain data to the nodes (`engine.node_api`) and typed errors from both
 services; it imports neither grpc nor the node's protobuf.
 """
@@ -36,73 +43,33 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
 
 from block_manager.client import BlockManagerClient, PoolStepInfo
-from engine.async_policy import ASYNC_SCHEDULING_ENV, async_scheduling_from_env
+from engine.async_policy import ASYNC_SCHEDULING_ENV
 from engine.bm_steps import UNREACHABLE, StepSender
+from engine.config import MAX_NUM_SEQS, PREEMPTION_MODES, EngineConfig, async_scheduling_default
 from engine.discovery import BackgroundDiscovery, NodeDiscovery, node_problem
 from engine.errors import EngineError, EngineFailure
 from engine.health import NodeHealth
-from engine.node_api import NodeExecutor, SampledToken
+from engine.node_api import NodeExecutor
 from engine.params import CompletionOutput, InvalidParams, RequestOutput, SamplingParams
-from engine.pipeline import InFlight, NodePipeline, Work
-from engine.planning import StepPlanner
-from engine.prompt_scores import start_scoring
+from engine.pipeline import NodePipeline
+from engine.prompt_scores import Detokenize, start_scoring
+from engine.queues import SeqQueues
+from engine.scheduler import Scheduler
 from engine.sequence import Request, SeqStatus, Sequence
 from engine.stats import EngineStats
-from engine.swapping import SwapPreemption
+from engine.step_plan import InFlight, NodeView, Work
+from engine.swapping import SwapPolicy
 from pagedkv.logging import get_logger
 from pagedkv.seeds import derive_seed
 
 NO_CAPACITY_WAIT_S = 0.05    # a step that could run nothing sleeps this long before the next
-MAX_NUM_SEQS = 4096          # a Step's appends (one per running sequence) stay within its item limit
 PROBE_TIMEOUT_S = 2.0        # GetNodeInfo of a node out of placement (on the probing thread)
 log = get_logger("engine.llm_engine")
 
 
-def async_scheduling_default() -> bool:
-    """Overlap is on unless `PAGEDKV_ASYNC_SCHEDULING` is 0/false/off/no (`LLM` decides by its
-    nodes instead, `engine.async_policy`)."""
-    return async_scheduling_from_env() is not False
-
-
-PREEMPTION_MODES = ("auto", "swap", "recompute")
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    max_num_seqs: int = 256               # running sequences at once
-    max_num_batched_tokens: int = 2048    # new tokens per step (chunked prefill splits prompts)
-    max_model_len: int | None = None      # None: the nodes' (the smallest)
-    # How long a step waits out an unreachable block manager (a restart, a network blip),
-    # resending it under its request id, before the engine gives up (EngineFailure).
-    bm_unavailable_timeout_s: float = 120.0
-    # How a running sequence gives up its blocks when another's append does not fit (docs/tiers.md):
-    # "swap" moves its blocks to its node's host tier and back later (nothing recomputed; falls
-    # back to recompute when the host tier is full or absent), "recompute" frees them and
-    # recomputes prompt + outputs on re-admission, "auto": swap where the node has a host tier.
-    preemption_mode: str = "auto"
-    # Ask the nodes for each step's phase timings (GenerateStats; device syncs on a GPU).
-    profile_nodes: bool = False
-    # Plan and commit step N+1's Step while the nodes run step N (engine.pipeline); False:
-    # one step after the other. Default: on, unless PAGEDKV_ASYNC_SCHEDULING=0.
-    async_scheduling: bool = field(default_factory=async_scheduling_default)
-
-    def __post_init__(self) -> None:
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.max_num_seqs > MAX_NUM_SEQS:
-            raise ValueError(f"max_num_seqs must be <= {MAX_NUM_SEQS} (the block manager's items per Step)")
-        if self.bm_unavailable_timeout_s < 0:
-            raise ValueError("bm_unavailable_timeout_s must be >= 0")
-
-
-class LLMEngine(StepPlanner, NodePipeline, SwapPreemption):
+class LLMEngine:
     """One scheduler over one block manager (`client`) and model nodes (`nodes`, by pool id)."""
 
     def __init__(
@@ -111,7 +78,7 @@ class LLMEngine(StepPlanner, NodePipeline, SwapPreemption):
         nodes: dict[str, NodeExecutor],
         config: EngineConfig | None = None,
         *,
-        detokenize: Any = None,
+        detokenize: Detokenize | None = None,
         connect: Callable[[str, str], NodeExecutor] | None = None,
     ) -> None:
         """`nodes`: the model nodes by pool id. `connect(pool_id, address)`, when given, makes
@@ -121,48 +88,71 @@ class LLMEngine(StepPlanner, NodePipeline, SwapPreemption):
         if not nodes:
             raise EngineError("the engine needs at least one model node")
         self.client = client
-        self.nodes = nodes
         self.config = config or EngineConfig()
         self.detokenize = detokenize          # token ids -> text, or None
         infos = {nid: node.info() for nid, node in nodes.items()}
         first = next(iter(infos.values()))
         self.model_name = first.model
         self.vocab_size = first.vocab_size
-        self._discovery: BackgroundDiscovery | None = None
-        if connect is not None:
-            self._discovery = BackgroundDiscovery(NodeDiscovery(connect, first.model, first.vocab_size),
-                                                  lambda: client.route([0]), lambda: self.nodes)
         for nid, info in infos.items():
             problem = node_problem(info, self.model_name, self.vocab_size)
             if problem is not None:
                 raise EngineError(f"node {nid!r} {problem}")
             client.tracker.set_block_size(nid, info.block_size)
-        self.eos_token_ids = frozenset(first.eos_token_ids)
         node_len = min(i.max_model_len for i in infos.values())
-        self.max_model_len = min(self.config.max_model_len or node_len, node_len)
-        self.pool_blocks = {nid: (i.num_blocks, i.block_size) for nid, i in infos.items()}
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.view = NodeView(nodes, {nid: (i.num_blocks, i.block_size) for nid, i in infos.items()},
+                             min(self.config.max_model_len or node_len, node_len))
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
-        self._to_free: list[str] = []      # ids of finished and preempted admissions, freed with the next Step
-        self.swapped: deque[Sequence] = deque()    # SWAPPED, oldest first: swapped back in before new admissions
-        self._to_swap_out: list[Sequence] = []     # victims whose swap-out goes with the next Step
-        self._swap_step: dict[Sequence, int] = {}  # the step whose Step sent a sequence's swap-out
-        self._host_pools: set[str] = set()         # pools with a host tier (their Step answers say so)
-        self._changed: set[str] = set()   # requests with news since the last outputs
-        self._pool_free: dict[str, tuple[int, int]] = {}   # pool -> (free, usable) blocks, from the last Step
         self._ids = itertools.count()
-        self._node_threads: dict[str, ThreadPoolExecutor] = {}   # node -> the thread that calls it (pipeline)
         self.sender = StepSender(self.config.bm_unavailable_timeout_s)
-        self._refusals: dict[str, int] = {}   # node -> steps it refused in a row (one thread per node)
         self.health = NodeHealth(self._probe)
-        if self._discovery is not None:
+        queues = SeqQueues(self.stats)
+        swap = SwapPolicy(self.config, queues, self.view, self.stats)
+        self.scheduler = Scheduler(self.config, client.tracker, self.view, queues, swap, self.health, self.stats,
+                                   frozenset(first.eos_token_ids))
+        self.pipeline = NodePipeline(self.config, client, self.view, self.scheduler, self.stats, detokenize)
+        self._discovery: BackgroundDiscovery | None = None
+        if connect is not None:
+            self._discovery = BackgroundDiscovery(NodeDiscovery(connect, first.model, first.vocab_size),
+                                                  lambda: client.route([0]), lambda: self.nodes)
             self._discovery.start()
-        self._down: frozenset[str] = frozenset()   # nodes out of placement, read once per step
-        # async scheduling (engine.pipeline): the step running on the nodes between two calls
-        self._flight: InFlight | None = None
-        self._launches = itertools.count()   # a unique id for every node step
+
+    # ---- the parts' state, read through the engine ---------------------------------------------
+    @property
+    def nodes(self) -> dict[str, NodeExecutor]:
+        return self.view.nodes
+
+    @property
+    def pool_blocks(self) -> dict[str, tuple[int, int]]:
+        """Each node's (num_blocks, block_size)."""
+        return self.view.pool_blocks
+
+    @property
+    def max_model_len(self) -> int:
+        return self.view.max_model_len
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The tokens that stop a sequence (unless `ignore_eos`): the nodes', and `LLM` adds its
+        tokenizer's."""
+        return self.scheduler.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, token_ids: frozenset[int]) -> None:
+        self.scheduler.eos_token_ids = token_ids
+
+    @property
+    def waiting(self) -> deque[Sequence]:
+        return self.scheduler.queues.waiting
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.scheduler.queues.running
+
+    @property
+    def swapped(self) -> deque[Sequence]:
+        return self.scheduler.queues.swapped
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(
@@ -215,9 +205,9 @@ class LLMEngine(StepPlanner, NodePipeline, SwapPreemption):
             return
         req.aborted = True
         for seq in req.seqs:
-            self._finish(seq, "abort")
+            self.scheduler.finish(seq, "abort")
         del self.requests[request_id]   # its blocks go back with the next step (or `flush`)
-        self._changed.discard(request_id)
+        self.scheduler.changed.discard(request_id)
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is still waiting or running."""
@@ -227,7 +217,7 @@ class LLMEngine(StepPlanner, NodePipeline, SwapPreemption):
         """Fraction of the nodes' KV blocks in use (neither free nor evictable), as of the last
         Step answer: every Step answers each pool's free counts, so nothing is polled."""
         total = usable = 0
-        for pool_id, (_num_free, num_usable) in self._pool_free.items():
+        for pool_id, (_num_free, num_usable) in self.view.pool_free.items():
             if pool_id in self.pool_blocks:
                 total += self.pool_blocks[pool_id][0]
                 usable += num_usable
@@ -244,25 +234,25 @@ class LLMEngine(StepPlanner, NodePipeline, SwapPreemption):
         outputs are returned while the nodes run N+1, so neither the output processing nor
         the caller's own time between two calls sits between two runs of a node."""
         started = time.perf_counter()
-        stats = self.stats
-        self._down = self.health.down_nodes()
-        if self._flight is not None and not self.config.async_scheduling:
+        stats, pipeline = self.stats, self.pipeline
+        self.view.down = self.health.down_nodes()
+        if pipeline.flight is not None and not self.config.async_scheduling:
             self.drain()   # overlap switched off with a step still running: that one ends first
-        flight = self._flight
+        flight = pipeline.flight
         if flight is None:   # nothing on the nodes: this step is planned now
             self._adopt_found()
-            flight = self._prepare(*self._schedule(None), self._down)
+            flight = pipeline.prepare(*self._schedule(None), self.view.down)
             if flight is not None and self.config.async_scheduling:
-                self._launch(flight)
+                pipeline.launch(flight)
         if flight is not None and self.config.async_scheduling:
             # step N+1's Step and Generates, while the nodes run step N (`flight`)
-            following = self._prepare(*self._schedule(flight), self._down)
-            self._wait(flight)
+            following = pipeline.prepare(*self._schedule(flight), self.view.down)
+            pipeline.wait(flight)
             self._adopt_found()   # between two runs of the nodes, never during one
-            self._advance(flight, following)
+            pipeline.advance(flight, following)
         elif flight is not None:
-            self._run(flight)
-            self._complete(flight)
+            pipeline.run(flight)
+            pipeline.complete(flight)
         elif not self.running and self.waiting:
             # nothing could be admitted (no node admits sequences now: fenced, draining, full):
             # wait a little rather than spin on empty Steps
@@ -279,13 +269,7 @@ class LLMEngine(StepPlanner, NodePipeline, SwapPreemption):
         answer: each node's pool step and work."""
         self.sender.drain(wait=True)
         batch = self.client.step()
-        self._add_frees(batch)
-        swapping_out, swapping_in = self._plan_swaps(batch)
-        plan, budget = self._plan_running(batch, self.config.max_num_batched_tokens, flight)
-        # sequences waiting on host come back before new admissions
-        if not self.swapped:
-            plan.admitted = self._plan_admissions(
-                batch, budget, len(self.running) + sum(map(len, plan.children_of.values())))
+        plan = self.scheduler.plan(batch, flight)
         if (self.swapped or self.waiting) and self.client.pending_reports:
             # Queued work waits on blocks that reports release (a swap-out's, a finished step's):
             # send them even in a Step with nothing else, so the answer's free counts move on.
@@ -295,29 +279,9 @@ class LLMEngine(StepPlanner, NodePipeline, SwapPreemption):
         self.stats.bm_s += time.perf_counter() - t0
         self.stats.num_bm_rpcs += result.num_rpcs
         if result.pool_free:
-            self._pool_free = result.pool_free
-            self._host_pools = set(result.host_usable)
-        self._apply_swaps(result, swapping_out, swapping_in)
-        return result.steps, self._apply_step_result(result, plan, flight)
-
-    def _preempt(self, seq: Sequence, *, free: bool) -> None:
-        """RUNNING -> PREEMPTED, back to the front of the queue with everything it has as its
-        prompt. `free`: its blocks still exist (the id goes out with the next Step); otherwise
-        they went with its node."""
-        if seq.status is not SeqStatus.RUNNING:
-            return
-        self.running.remove(seq)
-        self.stats.recomputed_tokens += seq.num_computed
-        held = seq.preempt()
-        if free and held is not None:
-            self._to_free.append(held)
-        self.waiting.appendleft(seq)
-
-    def _fail_request(self, request: Request, message: str) -> None:
-        """The request cannot be served: every completion ends with finish reason "error"."""
-        request.error = message
-        for seq in request.seqs:
-            self._finish(seq, "error")
+            self.view.pool_free = result.pool_free
+            self.view.host_pools = set(result.host_usable)
+        return result.steps, self.scheduler.apply(result, plan, flight)
 
     def _probe(self, node_id: str) -> str | None:
         """Whether a node out of placement serves again (None) or why not; on `health`'s thread."""
@@ -325,14 +289,6 @@ class LLMEngine(StepPlanner, NodePipeline, SwapPreemption):
         if node is None:
             return "no longer known"
         return node_problem(node.info(timeout_s=PROBE_TIMEOUT_S), self.model_name, self.vocab_size)
-
-    def _add_frees(self, batch: Any) -> bool:
-        """Move the pending frees into `batch` (which carries them from here on, resent if its
-        answer never comes). Whether there were any."""
-        freeing, self._to_free = self._to_free, []
-        if freeing:
-            batch.free(freeing)
-        return bool(freeing)
 
     def _adopt_found(self) -> None:
         """Adopt the nodes the background discovery found (one registered after the engine
@@ -343,60 +299,18 @@ class LLMEngine(StepPlanner, NodePipeline, SwapPreemption):
         for pool_id, node, info in self._discovery.take():
             self.client.tracker.set_block_size(pool_id, info.block_size)
             self.pool_blocks[pool_id] = (info.num_blocks, info.block_size)
-            self.max_model_len = min(self.max_model_len, info.max_model_len)
+            self.view.max_model_len = min(self.view.max_model_len, info.max_model_len)
             previous = self.nodes.get(pool_id)
             if previous is not None:
                 previous.close()
             self.nodes[pool_id] = node
             self.health.readmit(pool_id)   # it just answered GetNodeInfo with the engine's model
-            self._down = self._down - {pool_id}
-
-    def _accept(self, seq: Sequence, tok: SampledToken, now: float) -> None:
-        req, out = seq.request, seq.output
-        token = tok.token_id
-        seq.token_ids.append(token)
-        out.token_ids.append(token)
-        if out.logprobs is not None:
-            out.logprobs.append(tok.logprob if tok.logprob is not None else 0.0)
-        if out.top_logprobs is not None:
-            out.top_logprobs.append(list(tok.top_logprobs))
-        self.stats.generated_tokens += 1
-        if req.first_token_s is None:
-            req.first_token_s = now
-            self.stats.ttft_s.append(now - req.arrival_s)
-        elif seq.last_token_s is not None:
-            self.stats.itl_s.append(now - seq.last_token_s)
-        seq.last_token_s = now
-        self._changed.add(req.request_id)
-        p = req.params
-        if not p.ignore_eos and token in self.eos_token_ids or token in p.stop_token_ids:
-            self._finish(seq, "stop")
-        elif len(out.token_ids) >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
-            self._finish(seq, "length")
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        self._changed.add(seq.request.request_id)
-        if seq.status is SeqStatus.FINISHED:
-            return
-        if seq.output.finish_reason is None:
-            seq.output.finish_reason = reason
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        elif seq in self.swapped:
-            self.swapped.remove(seq)
-            self._swap_step.pop(seq, None)
-            if seq in self._to_swap_out:
-                self._to_swap_out.remove(seq)
-        held = seq.finish()
-        if held is not None:
-            self._to_free.append(held)
+            self.view.down = self.view.down - {pool_id}
 
     # ---- outputs ------------------------------------------------------------------------
     def _collect_outputs(self) -> list[RequestOutput]:
         outs: list[RequestOutput] = []
-        changed, self._changed = self._changed, set()
+        changed, self.scheduler.changed = self.scheduler.changed, set()
         for rid in sorted(changed, key=lambda r: self.requests[r].arrival_s if r in self.requests else 0):
             req = self.requests.get(rid)
             if req is None:
@@ -421,10 +335,10 @@ class LLMEngine(StepPlanner, NodePipeline, SwapPreemption):
         try:
             self.sender.drain(wait=False)
             batch = self.client.step()
-            if self._add_frees(batch):
+            if self.scheduler.add_frees(batch):
                 result = self.sender.commit(batch, wait=False)
                 if result.pool_free:
-                    self._pool_free = result.pool_free
+                    self.view.pool_free = result.pool_free
             elif self.client.pending_reports:
                 self.client.flush_reports()
         except UNREACHABLE as exc:
@@ -434,10 +348,7 @@ class LLMEngine(StepPlanner, NodePipeline, SwapPreemption):
         """Wait for the step running on the nodes (async scheduling) and accept its tokens:
         its nodes must write what the block manager gave them before anything is freed. Its
         outputs come with the next `step()`; its failures are acted on as in a step."""
-        flight = self._flight
-        if flight is not None:
-            self._wait(flight)
-            self._complete(flight)
+        self.pipeline.drain()
 
     def close(self) -> None:
         """Free what is left, hand the pools back (another scheduler may drive them at once)."""
@@ -452,8 +363,7 @@ class LLMEngine(StepPlanner, NodePipeline, SwapPreemption):
         self.health.close()
         if self._discovery is not None:
             self._discovery.close()
-        for thread in self._node_threads.values():
-            thread.shutdown(wait=True)
+        self.pipeline.close()
 
 
 def generate_all(engine: LLMEngine, requests: Iterable[str]) -> None:
@@ -463,4 +373,5 @@ def generate_all(engine: LLMEngine, requests: Iterable[str]) -> None:
         engine.step()
 
 
-__all__ = ["ASYNC_SCHEDULING_ENV", "EngineConfig", "EngineError", "EngineFailure", "EngineStats", "LLMEngine"]
+__all__ = ["ASYNC_SCHEDULING_ENV", "MAX_NUM_SEQS", "PREEMPTION_MODES", "EngineConfig", "EngineError",
+           "EngineFailure", "EngineStats", "LLMEngine", "async_scheduling_default"]

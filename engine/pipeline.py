@@ -1,13 +1,14 @@
-"""The nodes' half of a step, and the overlap of the nodes' run of one step with the rest.
+"""The nodes' half of a step (`NodePipeline`: the step in flight, the node threads), and the overlap
+of the nodes' run of one step with the rest.
 
-A committed step becomes one `Generate` per node (`_prepare`); `_run` calls the nodes (the
-first on the engine thread, the others on their own threads, in parallel); `_complete` reports every
+A committed step becomes one `Generate` per node (`prepare`); `run` calls the nodes (the
+first on the engine thread, the others on their own threads, in parallel); `complete` reports every
 Forward to the block manager (with a later Step), accepts the sampled tokens and applies the
 failure table to the nodes that failed.
 
 With `async_scheduling` (the default) the nodes are never idle waiting for the engine (vLLM
 v1's async scheduling, with the block manager in the scheduler's place). The node calls run on
-a thread per node (`_launch`, `_wait`), and step N is still running there when `step()` is called:
+a thread per node (`launch`, `wait`), and step N is still running there when `step()` is called:
 
     step():  plan N+1 + its Step + its Generates | wait for N | fill N+1, launch it | accept N,
              reconcile N+1 | return N's outputs   (the caller's time: N+1 runs meanwhile)
@@ -26,8 +27,8 @@ sequence draws there, so step N+1 is planned as if none of them stopped:
 - a sequence whose step-N work is a prompt chunk that does not sample plans its next chunk
   (its ids are known); a fork waits for its parent's prompt to be computed and reported.
 
-Filling (`_fill`, N answered): each speculative token takes the id N's answer drew for its
-sequence, and N+1 is launched before N's tokens are accepted. Reconciling (`_reconcile`, once
+Filling (`fill`, N answered): each speculative token takes the id N's answer drew for its
+sequence, and N+1 is launched before N's tokens are accepted. Reconciling (`reconcile`, once
 they are): the id goes to the block manager client (into the deferred ids of an append answered
 in place, or as the late id of the next Step: `SequenceTracker.resolve_late`); a sequence that
 stopped at N (a stop token) has its speculative token computed for nothing, and it is not
@@ -42,71 +43,58 @@ outputs equal a run without overlap.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 
-from block_manager.client import PoolStepInfo
+from block_manager.client import BlockManagerClient, PoolStepInfo
+from engine.config import EngineConfig
 from engine.errors import EngineFailure, NodeError, NodeMovedOn
-from engine.failure_policy import MAX_REFUSALS_IN_A_ROW, Action, Item, action_for
-from engine.node_api import NodeStep, PromptLogprobsSpec, SampledToken, SamplingSpec, SeqStep, StepAnswer
-from engine.prompt_scores import answer_matches, scoring_spec, store_scores
-from engine.sequence import SeqStatus, Sequence
+from engine.failure_policy import Action, Item, NodeRefusals
+from engine.node_api import NodeStep, SampledToken, SamplingSpec, SeqStep, StepAnswer
+from engine.prompt_scores import Detokenize, answer_matches, scoring_spec, store_scores
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.stats import EngineStats
+from engine.step_plan import PLACEHOLDER, InFlight, NodeJob, NodeView, Work
 from pagedkv.logging import get_logger
 
-PLACEHOLDER = -1             # the id of a speculative token until its step's answer arrives
 log = get_logger("engine.pipeline")
 
 
-@dataclass(slots=True)
-class Work:
-    """One sequence's share of a node's Generate in one step."""
-
-    seq: Sequence
-    seq_id: str                  # the admission that computes it (a token is accepted only for it)
-    token_ids: list[int]
-    context_len: int
-    sample: bool
-    speculative: bool = False    # its one token is the one the step in flight samples
-    dropped: bool = False        # speculative, and its sequence did not go on as speculated
-    scoring: PromptLogprobsSpec | None = None   # the prompt tokens its node scores (engine.prompt_scores)
-
-    @property
-    def live(self) -> bool:
-        """Whether its sequence still runs as the admission that planned it."""
-        return not self.dropped and self.seq.status is SeqStatus.RUNNING and self.seq.seq_id == self.seq_id
-
-
-@dataclass(slots=True)
-class NodeJob:
-    node_id: str
-    info: PoolStepInfo | None        # the block manager's step for the node's pool (reported after)
-    items: list[Work]
-    step: NodeStep
-    answer: list[SampledToken] | NodeError | None = None
-
-
-@dataclass(slots=True)
-class InFlight:
-    """A launched step: its Generates, and each sequence's work in it."""
-
-    jobs: list[NodeJob]
-    by_seq: dict[Sequence, Work] = field(default_factory=dict)
-    speculative: list[tuple[Work, SeqStep]] = field(default_factory=list)
-    futures: list[Future] = field(default_factory=list)   # the node calls, while launched
-    started_s: float = 0.0
-
-
 class NodePipeline:
-    """Launching steps on the nodes and completing them (mixed into `LLMEngine`)."""
+    """Launching steps on the nodes and completing them; owns the step in flight and the node
+    threads. Tokens and failures go to the `scheduler` (`accept`, `enact`)."""
 
-    def _prepare(self, steps: dict[str, PoolStepInfo], work: dict[str, list[Work]],
-                 leave_out: set[str]) -> InFlight | None:
+    __slots__ = ("config", "client", "view", "scheduler", "stats", "detokenize", "flight", "refusals",
+                 "_node_threads", "_launches")
+    config: EngineConfig
+    client: BlockManagerClient           # reports each step's Forward; the mirror of late ids
+    view: NodeView
+    scheduler: Scheduler
+    stats: EngineStats
+    detokenize: Detokenize | None        # for the prompt scores' tokens
+    flight: InFlight | None              # async scheduling: the step running on the nodes between two calls
+    refusals: NodeRefusals               # steps each node refused in a row
+    _node_threads: dict[str, ThreadPoolExecutor]   # node -> the thread that calls it
+    _launches: itertools.count[int]      # a unique id for every node step
+
+    def __init__(self, config: EngineConfig, client: BlockManagerClient, view: NodeView, scheduler: Scheduler,
+                 stats: EngineStats, detokenize: Detokenize | None) -> None:
+        self.config, self.client, self.view, self.scheduler = config, client, view, scheduler
+        self.stats, self.detokenize = stats, detokenize
+        self.flight = None
+        self.refusals = NodeRefusals()
+        self._node_threads = {}
+        self._launches = itertools.count()
+
+    def prepare(self, steps: dict[str, PoolStepInfo], work: dict[str, list[Work]],
+                leave_out: frozenset[str]) -> InFlight | None:
         """Each node's Generate for a committed step (None: nothing to run). A speculative
-        token is a placeholder in its `SeqStep` until `_fill` (see the module docstring);
+        token is a placeholder in its `SeqStep` until `fill` (see the module docstring);
         speculative work whose sequence stopped or moved on since it was planned is dropped.
-        The nodes in `leave_out` get nothing (`_leave_out`)."""
+        The nodes in `leave_out` get nothing (`leave_out`)."""
         t0 = time.perf_counter()
         jobs: list[NodeJob] = []
         speculative: list[tuple[Work, SeqStep]] = []
@@ -141,11 +129,11 @@ class NodePipeline:
         for job in jobs:
             for w in job.items:
                 flight.by_seq[w.seq] = w
-        self._leave_out(flight, leave_out)
+        self.leave_out(flight, leave_out)
         self.stats.prepare_s += time.perf_counter() - t0
         return flight if flight.jobs else None
 
-    def _leave_out(self, flight: InFlight, node_ids: set[str]) -> None:
+    def leave_out(self, flight: InFlight, node_ids: frozenset[str] | set[str]) -> None:
         """Take the nodes in `node_ids` (they failed the step before, or are out of placement)
         out of a step not launched yet: each one's pool step is reported failed (the block
         manager drops what it would have written) and its sequences recompute."""
@@ -161,28 +149,29 @@ class NodePipeline:
             for w in job.items:
                 flight.by_seq.pop(w.seq, None)
                 if w.live:
-                    self._preempt(w.seq, free=True)
+                    self.scheduler.recompute(w.seq, free=True)
         flight.jobs = kept
         flight.speculative = [(w, ss) for w, ss in flight.speculative if flight.by_seq.get(w.seq) is w]
 
-    def _fill(self, following: InFlight, flight: InFlight) -> None:
+    def fill(self, following: InFlight, flight: InFlight) -> None:
         """Give each speculative token of `following` the id its sequence drew in `flight`
         (its step before; the nodes that failed it are left out of `following`). Done before
-        `flight`'s tokens are accepted, so the nodes start at once; `_reconcile` checks them
+        `flight`'s tokens are accepted, so the nodes start at once; `reconcile` checks them
         against the acceptance after."""
         if not following.speculative:
             return
         drawn: dict[str, int] = {}
         for job in flight.jobs:
-            if _answered(job):
-                drawn.update((t.seq_id, t.token_id) for t in job.answer)   # type: ignore[union-attr]
+            tokens = job.tokens
+            if tokens is not None:
+                drawn.update((t.seq_id, t.token_id) for t in tokens)
         for w, ss in following.speculative:
             token = drawn.get(w.seq_id)
             if token is None:
                 raise EngineFailure(f"node {w.seq.node_id!r} drew no token for {w.seq_id} (it sampled there)")
             ss.token_ids = w.token_ids = [token]
 
-    def _run(self, flight: InFlight) -> None:
+    def run(self, flight: InFlight) -> None:
         """Call the nodes and wait for their answers (no overlap): the first on this thread, the
         others on their threads, in parallel."""
         t0 = time.perf_counter()
@@ -194,7 +183,7 @@ class NodePipeline:
             job.answer = future.result()
         self.stats.node_s += time.perf_counter() - t0
 
-    def _launch(self, flight: InFlight) -> None:
+    def launch(self, flight: InFlight) -> None:
         """Start the nodes on their threads and return once each has started (async scheduling).
 
         Why wait for the start: a thread woken while another holds the GIL waits up to the
@@ -202,7 +191,7 @@ class NodePipeline:
         thread goes on to the caller and the next plan, pure Python that seldom blocks, so
         without this the node's call could start milliseconds late. Blocked here instead, it
         hands the GIL over; each node's call takes it until its I/O or kernels let it go."""
-        self._flight = flight   # waited for by the next step(), or by `drain`
+        self.flight = flight   # waited for by the next step(), or by `drain`
         flight.started_s = time.perf_counter()
         started = threading.Semaphore(0)
         flight.futures = [self._node_thread(job.node_id).submit(self._start_generate, started, job.node_id, job.step)
@@ -210,13 +199,112 @@ class NodePipeline:
         for _ in flight.jobs:
             started.acquire()
 
-    def _wait(self, flight: InFlight) -> None:
-        """The answers of a launched step (`_launch`)."""
+    def wait(self, flight: InFlight) -> None:
+        """The answers of a launched step (`launch`)."""
         for job, future in zip(flight.jobs, flight.futures):
             job.answer = future.result()
         flight.futures = []
-        self._flight = None
+        self.flight = None
         self.stats.node_s += time.perf_counter() - flight.started_s
+
+    def drain(self) -> None:
+        """Wait for the step in flight, if any, and complete it."""
+        flight = self.flight
+        if flight is not None:
+            self.wait(flight)
+            self.complete(flight)
+
+    def advance(self, flight: InFlight, following: InFlight | None) -> None:
+        """Accept answered step N (`flight`) and launch step N+1 (`following`, prepared while
+        N ran). When every node answered N, N+1 starts first (its speculative tokens take their
+        ids from N's answers) and N's tokens are accepted while it runs, then N+1 is reconciled
+        with them. A node that failed N is acted on first and left out of N+1."""
+        failed = {job.node_id for job in flight.jobs if job.tokens is None}
+        if failed:
+            failed = self.complete(flight)
+            if following is not None:
+                self.leave_out(following, failed)
+        launched = following if following is not None and following.jobs else None
+        if launched is not None:
+            self.fill(launched, flight)
+            self.launch(launched)
+        if not failed:
+            self.complete(flight)
+        if launched is not None:
+            self.reconcile(launched)
+
+    def reconcile(self, flight: InFlight) -> None:
+        """After the step before was accepted: each speculative token of launched `flight`
+        whose sequence went on as speculated has its id sent to the block manager client
+        (answered in place into its deferred ids, or as a late id with the next Step). One whose
+        sequence stopped there (a stop token), was aborted or preempted is dropped: the node
+        computes it anyway, its token is not accepted, its slot goes with the sequence's free."""
+        for w, _ in flight.speculative:
+            seq = w.seq
+            if w.live and len(seq.token_ids) == w.context_len and seq.token_ids[-1] == w.token_ids[0]:
+                self.client.tracker.resolve_late(w.seq_id, w.token_ids)
+            else:
+                w.dropped = True
+                flight.by_seq.pop(seq, None)
+                self.stats.speculative_dropped += 1
+
+    def complete(self, flight: InFlight) -> set[str]:
+        """A step's answers (`run`): report each Forward, accept the tokens of the sequences
+        that still run as the admission that computed them, and act on failures by the failure
+        table. The nodes that failed."""
+        now = time.perf_counter()
+        failed: set[str] = set()
+        for job in flight.jobs:
+            tokens = job.tokens
+            if tokens is None:
+                failed.add(job.node_id)
+                self._failed(job)
+                continue
+            if job.info is not None:
+                self.client.report(job.info, True)
+            it = iter(tokens)
+            for w in job.items:
+                tok = next(it) if w.sample else None
+                if not w.live:
+                    continue   # stopped, aborted or preempted meanwhile: its token is not its
+                w.seq.num_computed = w.context_len
+                if w.scoring is not None and not self._store_scores(job.node_id, w, tokens):
+                    continue
+                if tok is not None:
+                    self.scheduler.accept(w.seq, tok, now)
+        self.stats.complete_s += time.perf_counter() - now
+        return failed
+
+    def _failed(self, job: NodeJob) -> None:
+        """A node's failed step, by the failure table (NODE_STEP): STOP_ENGINE before anything
+        is reported; else its step is reported failed (the block manager drops what it wrote)
+        and its live sequences are freed and recomputed (the others' tokens were answered
+        locally: the Step skips frees of what it just dropped), the node taken out if so."""
+        error = job.answer
+        action = Action.RECOMPUTE_FREE   # never answered (not a node's failure): its sequences recompute
+        if isinstance(error, NodeError):
+            action = self.refusals.action(job.node_id, error)
+            if action is Action.STOP_ENGINE:
+                self.scheduler.enact(action, Item.NODE_STEP, error, node_id=job.node_id)
+            if isinstance(error, NodeMovedOn):
+                log.warning("node_refused_step", node_id=job.node_id, code=error.code, details=error.message)
+        if job.info is not None:
+            self.client.report(job.info, False)
+        self.stats.num_failed_steps += 1
+        self.scheduler.enact(action, Item.NODE_STEP, error if error is not None else EngineFailure("no answer"),
+                             [w.seq for w in job.items if w.live], node_id=job.node_id)
+
+    def _store_scores(self, node_id: str, w: Work, answer: list[SampledToken]) -> bool:
+        """Keep the prompt scores a node answered for `w`; a node that answered none (one that
+        predates prompt scoring ignores the request's field) fails the request, not the engine."""
+        spec = w.scoring
+        scores = answer.prompt_logprobs.get(w.seq_id) if isinstance(answer, StepAnswer) else None
+        if spec is None or not answer_matches(spec, scores) or scores is None:
+            self.scheduler.fail_request(w.seq.request, f"node {node_id!r} did not answer the prompt "
+                                                       "log-probabilities it was asked for")
+            return False
+        store_scores(w.seq.request, w.context_len - len(w.token_ids), scores, spec, self.detokenize)
+        return True
 
     def _start_generate(self, started: threading.Semaphore, node_id: str,
                         step: NodeStep) -> list[SampledToken] | NodeError:
@@ -233,123 +321,18 @@ class NodePipeline:
                 max_workers=1, thread_name_prefix=f"generate-{node_id}")
         return thread
 
-    def _advance(self, flight: InFlight, following: InFlight | None) -> None:
-        """Accept answered step N (`flight`) and launch step N+1 (`following`, prepared while
-        N ran). When every node answered N, N+1 starts first (its speculative tokens take their
-        ids from N's answers) and N's tokens are accepted while it runs, then N+1 is reconciled
-        with them. A node that failed N is acted on first and left out of N+1."""
-        failed = {job.node_id for job in flight.jobs if not _answered(job)}
-        if failed:
-            failed = self._complete(flight)
-            if following is not None:
-                self._leave_out(following, failed)
-        launched = following if following is not None and following.jobs else None
-        if launched is not None:
-            self._fill(launched, flight)
-            self._launch(launched)
-        if not failed:
-            self._complete(flight)
-        if launched is not None:
-            self._reconcile(launched)
-
-    def _reconcile(self, flight: InFlight) -> None:
-        """After the step before was accepted: each speculative token of launched `flight`
-        whose sequence went on as speculated has its id sent to the block manager client
-        (answered in place into its deferred ids, or as a late id with the next Step). One whose
-        sequence stopped there (a stop token), was aborted or preempted is dropped: the node
-        computes it anyway, its token is not accepted, its slot goes with the sequence's free."""
-        for w, _ in flight.speculative:
-            seq = w.seq
-            if w.live and len(seq.token_ids) == w.context_len and seq.token_ids[-1] == w.token_ids[0]:
-                self.client.tracker.resolve_late(w.seq_id, w.token_ids)
-            else:
-                w.dropped = True
-                flight.by_seq.pop(seq, None)
-                self.stats.speculative_dropped += 1
-
-    def _complete(self, flight: InFlight) -> set[str]:
-        """A step's answers (`_run`): report each Forward, accept the tokens of the sequences
-        that still run as the admission that computed them, and act on failures by the failure
-        table. The nodes that failed."""
-        now = time.perf_counter()
-        failed: set[str] = set()
-        for job in flight.jobs:
-            answer = job.answer
-            ok = _answered(job)
-            action = self._node_action(job.node_id, answer) if isinstance(answer, NodeError) else None
-            if job.info is not None:
-                self.client.report(job.info, ok)
-            if not ok:
-                failed.add(job.node_id)
-                self.stats.num_failed_steps += 1
-                for w in job.items:
-                    # The failed report drops the step's writers; the others (their tokens were
-                    # answered locally) are freed: the Step skips frees of what it just dropped.
-                    if w.live:
-                        self._preempt(w.seq, free=True)
-                if action is Action.TAKE_NODE_OUT:
-                    self._take_out(job.node_id, str(answer))
-                continue
-            tokens = iter(answer)   # type: ignore[arg-type]
-            for w in job.items:
-                tok = next(tokens) if w.sample else None
-                if not w.live:
-                    continue   # stopped, aborted or preempted meanwhile: its token is not its
-                w.seq.num_computed = w.context_len
-                if w.scoring is not None and not self._store_scores(job.node_id, w, answer):   # type: ignore[arg-type]
-                    continue
-                if tok is not None:
-                    self._accept(w.seq, tok, now)
-        self.stats.complete_s += time.perf_counter() - now
-        return failed
-
-    def _store_scores(self, node_id: str, w: Work, answer: list[SampledToken]) -> bool:
-        """Keep the prompt scores a node answered for `w`; a node that answered none (one that
-        predates prompt scoring ignores the request's field) fails the request, not the engine."""
-        spec = w.scoring
-        scores = answer.prompt_logprobs.get(w.seq_id) if isinstance(answer, StepAnswer) else None
-        if spec is None or not answer_matches(spec, scores) or scores is None:
-            self._fail_request(w.seq.request, f"node {node_id!r} did not answer the prompt log-probabilities "
-                                              "it was asked for")
-            return False
-        store_scores(w.seq.request, w.context_len - len(w.token_ids), scores, spec, self.detokenize)
-        return True
-
-    def _node_action(self, node_id: str, error: NodeError) -> Action:
-        """The failure table's action for a node's failed step; STOP_ENGINE raises here (also
-        for a node that moved on `MAX_REFUSALS_IN_A_ROW` steps in a row: not recovering)."""
-        action = action_for(Item.NODE_STEP, error)
-        if isinstance(error, NodeMovedOn):
-            refusals = self._refusals[node_id] = self._refusals.get(node_id, 0) + 1
-            if refusals > MAX_REFUSALS_IN_A_ROW:
-                action = Action.STOP_ENGINE
-            else:
-                log.warning("node_refused_step", node_id=node_id, code=error.code, details=error.message)
-        if action is Action.STOP_ENGINE:
-            raise EngineFailure(f"node {node_id!r} refused a step: {error.code}: {error.message}") from error
-        return action
-
-    def _take_out(self, node_id: str, reason: str) -> None:
-        """A node that did not answer leaves placement now (probed back in by `health`): its
-        running sequences are freed and recomputed on the other nodes from the next step."""
-        if not self.health.mark_down(node_id, reason):
-            return
-        self._down = self._down | {node_id}
-        for seq in [s for s in self.running if s.node_id == node_id]:
-            self._preempt(seq, free=True)
-
     def _generate(self, node_id: str, step: NodeStep) -> list[SampledToken] | NodeError:
         """The node's tokens, or its typed failure (acted on by the engine thread)."""
         try:
-            tokens = self.nodes[node_id].generate(step)
+            tokens = self.view.nodes[node_id].generate(step)
         except NodeError as exc:
             return exc
-        self._refusals[node_id] = 0
+        self.refusals.answered(node_id)
         return tokens
 
-
-def _answered(job: NodeJob) -> bool:
-    return job.answer is not None and not isinstance(job.answer, NodeError)
+    def close(self) -> None:
+        for thread in self._node_threads.values():
+            thread.shutdown(wait=True)
 
 
 def _sampling(seq: Sequence) -> SamplingSpec:

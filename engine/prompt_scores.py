@@ -19,6 +19,8 @@ from engine.node_api import PromptLogprobsSpec, PromptScores
 from engine.params import Logprob
 from engine.sequence import Request, Sequence
 
+Detokenize = Callable[[list[int]], str]   # token ids -> text
+
 
 def start_scoring(request: Request) -> None:
     """Give a request that asks for prompt log-probabilities its per-position record."""
@@ -40,7 +42,7 @@ def scoring_spec(seq: Sequence, start: int, end: int) -> PromptLogprobsSpec | No
 
 
 def store_scores(req: Request, start: int, scores: PromptScores, spec: PromptLogprobsSpec,
-                 detokenize: Callable[[list[int]], str] | None) -> None:
+                 detokenize: Detokenize | None) -> None:
     """Store a node's scores of a step that started at position `start` (the row at position
     i scores prompt token i + 1): per position, the actual token and the top tokens."""
     record = req.prompt_logprobs
@@ -65,4 +67,4 @@ def _text(detokenize: Callable[[list[int]], str] | None, token_id: int) -> str |
     return None if detokenize is None else detokenize([token_id])
 
 
-__all__ = ["answer_matches", "scoring_spec", "start_scoring", "store_scores"]
+__all__ = ["Detokenize", "answer_matches", "scoring_spec", "start_scoring", "store_scores"]

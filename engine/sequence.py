@@ -61,7 +61,17 @@ QUEUED = frozenset({SeqStatus.WAITING, SeqStatus.PREEMPTED})   # in the engine's
 
 
 class LifecycleError(RuntimeError):
-    """A sequence was moved along a transition its lifecycle does not have: an engine bug."""
+    """A sequence was moved along a transition its lifecycle does not have, or asked for what
+    its state does not hold (the admission of a queued sequence): an engine bug."""
+
+
+@dataclass(slots=True, frozen=True)
+class Admitted:
+    """What a RUNNING or SWAPPED sequence holds: its admission's id at the block manager and
+    the node (pool) its blocks are on. One value, so "admitted" is never half true."""
+
+    seq_id: str
+    node_id: str
 
 
 @dataclass(slots=True, eq=False)   # identity: sequences and requests go in sets and lists
@@ -102,14 +112,32 @@ class Sequence:
     token_ids: list[int]           # prompt (plus outputs) so far
     num_prompt: int                # tokens computed before the first sample of this admission
     seed: int | None
-    seq_id: str | None = None      # the block manager's id for the current admission
-    node_id: str | None = None
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0          # tokens whose K/V the node holds (after the last Forward)
     fork_parent: bool = False      # n > 1: prefill the prompt but its last token, then fork
     last_token_s: float | None = None
     sampling_spec: SamplingSpec | None = None   # what its node samples with, built once (engine.pipeline)
-    _admissions: itertools.count = field(default_factory=itertools.count)
+    _held: Admitted | None = None  # the current admission: set exactly while RUNNING or SWAPPED
+    _admissions: itertools.count[int] = field(default_factory=itertools.count)
+
+    @property
+    def admitted(self) -> Admitted:
+        """The current admission; `LifecycleError` unless RUNNING or SWAPPED (the scheduler
+        asks only of those, so this is "running => admitted" in the types, no `or ""`)."""
+        if self._held is None:
+            raise LifecycleError(f"sequence {self.request.request_id}/{self.index} is {self.status.value}: "
+                                 "it holds no admission")
+        return self._held
+
+    @property
+    def seq_id(self) -> str | None:
+        """The block manager's id for the current admission (None while it holds none)."""
+        return self._held.seq_id if self._held is not None else None
+
+    @property
+    def node_id(self) -> str | None:
+        """The node its blocks are on (None while it holds none)."""
+        return self._held.node_id if self._held is not None else None
 
     def new_admission_id(self) -> str:
         return f"{self.request.request_id}/{self.index}/{next(self._admissions)}"
@@ -123,14 +151,13 @@ class Sequence:
     def admit(self, seq_id: str, node_id: str, num_computed: int) -> None:
         """Admitted (or forked onto its parent's blocks) as `seq_id` on `node_id`."""
         self._move(SeqStatus.RUNNING)
-        self.seq_id, self.node_id, self.num_computed = seq_id, node_id, num_computed
+        self._held, self.num_computed = Admitted(seq_id, node_id), num_computed
 
     def preempt(self) -> str | None:
         """Out of its node: everything it has becomes its prompt, to recompute on re-admission.
         Returns the id it held (for the caller to free, or to forget when its node dropped it)."""
         self._move(SeqStatus.PREEMPTED)
-        held, self.seq_id = self.seq_id, None
-        self.node_id = None
+        held, self._held = self.seq_id, None
         self.num_computed = 0
         self.num_prompt = len(self.token_ids)   # a fork parent keeps its flag until its fork ran
         return held
@@ -146,13 +173,12 @@ class Sequence:
     def detach(self) -> None:
         """A fork child whose fork was refused: admitted on its own like a new sequence."""
         self._move(SeqStatus.WAITING)
-        self.seq_id = None
+        self._held = None
 
     def finish(self) -> str | None:
         """Done (stopped, length, aborted); returns the id it held, for the caller to free."""
         self._move(SeqStatus.FINISHED)
-        held, self.seq_id = self.seq_id, None
-        self.node_id = None
+        held, self._held = self.seq_id, None
         return held
 
     @property
@@ -169,4 +195,4 @@ class Sequence:
         return self.num_prompt - 1 if self.fork_parent else self.num_prompt
 
 
-__all__ = ["QUEUED", "TRANSITIONS", "LifecycleError", "Request", "SeqStatus", "Sequence"]
+__all__ = ["QUEUED", "TRANSITIONS", "Admitted", "LifecycleError", "Request", "SeqStatus", "Sequence"]

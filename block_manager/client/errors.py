@@ -61,6 +61,11 @@ class PoolDrainingError(FailedPreconditionError):
     child); its running sequences go on."""
 
 
+class PendingWriteError(FailedPreconditionError):
+    """A per-item refusal because the item needs a block whose writing step is not reported yet
+    (a swap-in before its swap-out's step was reported): it can be sent again once it is."""
+
+
 class AbortedError(BlockManagerError):
     """Version conflict."""
 
@@ -133,6 +138,7 @@ _BY_REASON: dict[str, type[BlockManagerError]] = {
     "StaleEpoch": PoolGoneError,
     "UnknownPool": PoolGoneError,
     "PoolDraining": PoolDrainingError,
+    "PendingWrite": PendingWriteError,
 }
 _BY_VALUE: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
 

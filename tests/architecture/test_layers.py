@@ -144,8 +144,9 @@ def _engine(rel: str, module: str, top: bool) -> str | None:
 # transport, and nothing of the scheduler pulls in torch.
 SCHEDULER = tuple(
     f"engine/{name}.py"
-    for name in ("llm_engine", "planning", "pipeline", "swapping", "stats", "sequence", "failure_policy",
-                 "node_api", "errors", "health", "bm_steps", "discovery", "params", "async_engine")
+    for name in ("llm_engine", "scheduler", "queues", "step_plan", "config", "pipeline", "swapping", "stats",
+                 "sequence", "failure_policy", "node_api", "errors", "health", "bm_steps", "discovery", "params",
+                 "async_engine")
 )
 
 

@@ -8,7 +8,10 @@ same however its steps were cut, preempted, recomputed or moved to another node,
 exactly what a fault-free run and a faulty one must agree on. Faults are switches raising the
 typed errors a real executor raises: `dead` (NodeUnreachable, as a SIGKILLed process),
 `moved_on` (NodeMovedOn, a restart with a new epoch), `refuse` (NodeRefused), `delay_s` (a
-slow node).
+slow node). A node may have a host tier (`host_num_blocks`: the engine swaps to it; the fake
+moves no K/V, its tokens do not depend on it). `FlakyLocalClient` is the in-process block
+manager with a "down" switch: its next `down_steps` Steps are not answered (UNAVAILABLE, the
+request never reached it), as a block manager that restarts.
 """
 
 from __future__ import annotations
@@ -17,8 +20,12 @@ import threading
 import time
 from typing import Any
 
+import grpc
+
 from engine.errors import NodeMovedOn, NodeRefused, NodeUnreachable
+from engine.local_bm import LocalBlockManagerClient, LocalRpcError
 from engine.node_api import NodeInfo, NodeStep, SampledToken
+from pagedkv.v1 import block_manager_pb2 as pb
 
 VOCAB = 512
 EOS = 0
@@ -32,8 +39,9 @@ def fake_token(last_token: int, context_len: int, index: int) -> int:
 
 class FakeNode:
     def __init__(self, client: Any, node_id: str, num_blocks: int, *, block_size: int = 16,
-                 max_model_len: int = 1 << 18, model: str = "fake") -> None:
+                 max_model_len: int = 1 << 18, model: str = "fake", host_num_blocks: int = 0) -> None:
         self.node_id = node_id
+        self.host_num_blocks = host_num_blocks
         self.client = client
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -52,7 +60,8 @@ class FakeNode:
 
     def register(self) -> int:
         reg = self.client.register_node(self.node_id, self.num_blocks, block_size=self.block_size, geometry={
-            "num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "dtype": "float32", "device": "cpu"})
+            "num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "dtype": "float32", "device": "cpu"},
+            host_num_blocks=self.host_num_blocks)
         self.epoch = reg.epoch
         return reg.epoch
 
@@ -96,16 +105,32 @@ class FakeNode:
         pass
 
 
+class FlakyLocalClient(LocalBlockManagerClient):
+    """The in-process block manager, down for its next `down_steps` Steps (each refused
+    UNAVAILABLE before it is applied: the engine resends it under its request id)."""
+
+    down_steps = 0
+    num_refused = 0
+
+    def _step(self, request: pb.StepRequest) -> pb.StepResponse:
+        if self.down_steps > 0:
+            self.down_steps -= 1
+            self.num_refused += 1
+            raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "block manager down (fake)")
+        return super()._step(request)
+
+
 def fake_engine(num_nodes: int = 1, num_blocks: int = 4096, *, block_size: int = 16, watermark: float = 0.0,
-                **config: Any) -> tuple[Any, dict[str, FakeNode]]:
-    """An engine over the in-process block manager and `num_nodes` fake nodes."""
+                host_num_blocks: int = 0, **config: Any) -> tuple[Any, dict[str, FakeNode]]:
+    """An engine over the in-process block manager (a `FlakyLocalClient`, up unless told
+    otherwise) and `num_nodes` fake nodes."""
     from block_manager.service.config import BlockManagerConfig
     from engine.llm_engine import EngineConfig, LLMEngine
-    from engine.local_bm import LocalBlockManagerClient
 
-    client = LocalBlockManagerClient(BlockManagerConfig(database_url="memory://", block_size=block_size,
-                                                        watermark=watermark))
-    nodes = {f"fake-{i}": FakeNode(client, f"fake-{i}", num_blocks, block_size=block_size) for i in range(num_nodes)}
+    client = FlakyLocalClient(BlockManagerConfig(database_url="memory://", block_size=block_size,
+                                                 watermark=watermark))
+    nodes = {f"fake-{i}": FakeNode(client, f"fake-{i}", num_blocks, block_size=block_size,
+                                   host_num_blocks=host_num_blocks) for i in range(num_nodes)}
     engine = LLMEngine(client, dict(nodes), EngineConfig(**config))
     return engine, nodes
 

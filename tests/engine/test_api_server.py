@@ -73,7 +73,7 @@ def wait_all_freed(llm: LLM, timeout_s: float = 20.0) -> None:
     engine = llm.engine
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not engine.requests and not engine.running and not engine.waiting and not engine._to_free:
+        if not engine.requests and not engine.running and not engine.waiting and not engine.scheduler.queues.to_free:
             time.sleep(0.15)     # the engine thread's idle flush sends the last frees
             m = pool_metrics(llm)
             if m.num_used_blocks == 0:
@@ -509,7 +509,7 @@ def test_a_request_the_engine_refused_is_a_400_with_its_reason(
 
     def refusing(*args: Any, **kwargs: Any) -> str:
         rid = original(*args, **kwargs)
-        engine._fail_request(engine.requests[rid], "admission refused: too big for this test")
+        engine.scheduler.fail_request(engine.requests[rid], "admission refused: too big for this test")
         return rid
 
     monkeypatch.setattr(engine, "add_request", refusing)

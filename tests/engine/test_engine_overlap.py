@@ -16,6 +16,8 @@ import random
 import threading
 from typing import Any
 
+import pytest
+
 from engine.params import SamplingParams
 from engine.pipeline import PLACEHOLDER
 from tests.engine.fakes import VOCAB, FakeNode, fake_completion, fake_engine
@@ -141,6 +143,7 @@ class _GatedNode(FakeNode):
 
 def _gated_engine(async_scheduling: bool) -> tuple[Any, _GatedNode]:
     from block_manager.service.config import BlockManagerConfig
+    from engine.bm_steps import StepSender
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.local_bm import LocalBlockManagerClient
 
@@ -148,14 +151,14 @@ def _gated_engine(async_scheduling: bool) -> tuple[Any, _GatedNode]:
     # generous when the commit must come (a loaded machine); short when it cannot
     node = _GatedNode(client, "gated", 512, wait_s=30.0 if async_scheduling else 0.1)
     engine = LLMEngine(client, {"gated": node}, EngineConfig(async_scheduling=async_scheduling))
-    commit = engine.sender.commit
 
-    def counted(batch: Any, **kw: Any) -> Any:
-        result = commit(batch, **kw)
-        node.committed()
-        return result
+    class CountedSender(StepSender):
+        def commit(self, batch: Any, *, wait: bool = True) -> Any:
+            result = super().commit(batch, wait=wait)
+            node.committed()
+            return result
 
-    engine.sender.commit = counted   # type: ignore[method-assign]
+    engine.sender = CountedSender(engine.sender.timeout_s)
     return engine, node
 
 
@@ -208,14 +211,16 @@ class _CallerGatedNode(FakeNode):
             return self.seen
 
 
-def test_the_nodes_run_the_next_step_while_the_caller_has_the_outputs() -> None:
+def test_the_nodes_run_the_next_step_while_the_caller_has_the_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
     """With overlap, `step()` returns step N's outputs with step N+1 already running on the
     nodes: the caller's own time (streaming the outputs, adding requests) is off the nodes'
     path, and N's tokens were accepted while N+1 ran. Without overlap nothing runs then."""
     from block_manager.service.config import BlockManagerConfig
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.local_bm import LocalBlockManagerClient
+    from engine.scheduler import Scheduler
 
+    accept = Scheduler.accept
     for async_scheduling in (True, False):
         client = LocalBlockManagerClient(BlockManagerConfig(database_url="memory://", block_size=4, watermark=0.0))
         node = _CallerGatedNode(client, "gated", 256, block_size=4, wait_s=30.0 if async_scheduling else 0.05)
@@ -226,13 +231,13 @@ def test_the_nodes_run_the_next_step_while_the_caller_has_the_outputs() -> None:
             seen: list[bool] = []
             # (call, whether a step was launched on the nodes) at each token accepted
             accepted: list[tuple[int, bool]] = []
-            accept = engine._accept
 
-            def watched(seq: Any, tok: Any, now: float, accept: Any = accept) -> None:
-                accepted.append((len(seen), engine._flight is not None))
-                accept(seq, tok, now)
+            def watched(scheduler: Scheduler, seq: Any, tok: Any, now: float, engine: Any = engine,
+                        accepted: Any = accepted, seen: Any = seen) -> None:
+                accepted.append((len(seen), engine.pipeline.flight is not None))
+                accept(scheduler, seq, tok, now)
 
-            engine._accept = watched   # type: ignore[method-assign]
+            monkeypatch.setattr(Scheduler, "accept", watched)
             for _ in range(200):
                 if not engine.has_unfinished_requests():
                     break
@@ -374,13 +379,13 @@ def test_overlap_switched_off_mid_run_finishes_the_running_step_first() -> None:
         done: dict[str, Any] = {}
         for _ in range(5):
             done.update({o.request_id: o for o in engine.step() if o.finished})
-        assert engine._flight is not None   # a step is running on the node now
+        assert engine.pipeline.flight is not None   # a step is running on the node now
         engine.config.async_scheduling = False
         for _ in range(200):
             if not engine.has_unfinished_requests():
                 break
             done.update({o.request_id: o for o in engine.step() if o.finished})
-            assert engine._flight is None and core.fsck() == []
+            assert engine.pipeline.flight is None and core.fsck() == []
         _check_greedy(done, rids, prompts, 16)
         _check_drained(engine)
     finally:
