@@ -79,7 +79,9 @@ async def _steps(h: Harness, n: int) -> list[tuple[pb.StepRequest, pb.StepRespon
     done = []
     last = 1
     for i in range(n):
-        req = step_request(request_id=f"step-{i}", appends=[("a", 1), ("b", 1)], reports={"n1": (1, last, 0)})
+        # not "step-{i}": `h.step` above names its request `rid("step")`, "step-<a process-wide
+        # counter>", which would collide with one of these whenever the counter is below n
+        req = step_request(request_id=f"old-{i}", appends=[("a", 1), ("b", 1)], reports={"n1": (1, last, 0)})
         resp = await h.stub.Step(req)
         last = resp.steps[0].step_id
         done.append((req, resp))
@@ -90,7 +92,7 @@ async def test_old_results_come_back_from_the_store(start_server: Any, tmp_path:
     h: Harness = await start_server(database_url=f"sqlite:///{tmp_path / 'bm.db'}", max_retained_result_items=6)
     done = await _steps(h, 6)
     assert h.server.runtime is not None
-    assert h.server.runtime._requests.get("step-0").result is None  # shed from memory
+    assert h.server.runtime._requests.get("old-0").result is None  # shed from memory
     for req, resp in done:
         assert await h.stub.Step(req) == resp
     assert await num_tokens(h, "a") == 7
