@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from compute_node.device_names import device_name_problem
 from compute_node.model.config import ModelConfig
@@ -31,6 +31,9 @@ from engine.llm_engine import EngineConfig, EngineError, LLMEngine
 from engine.params import InvalidParams, RequestOutput, SamplingParams
 from engine.tokenizer import Tokenizer
 from pagedkv.tls import TlsSettings
+
+if TYPE_CHECKING:
+    from block_manager.client import BlockManagerClient
 
 Prompt = str | Mapping[str, Any]   # text, or {"prompt_token_ids": [...]}
 
@@ -104,8 +107,9 @@ class LLM:
                                     enable_prefix_caching=enable_prefix_caching)
         self.tokenizer = Tokenizer(self.model_dir)
         nodes: dict[str, NodeExecutor]
+        client: BlockManagerClient
         connect: Callable[[str, str], NodeExecutor] | None = None
-        if bm_config is not None:
+        if block_manager is None:   # embedded: the block manager in this process (bm_config)
             from engine.local_bm import LocalBlockManagerClient
             from engine.local_node import LocalNode
 
@@ -197,7 +201,8 @@ class LLM:
             if isinstance(conversation, (str, Mapping)) or not isinstance(conversation, Sequence) \
                     or not all(isinstance(m, Mapping) for m in conversation):
                 raise InvalidParams("each conversation is a list of {'role', 'content'} messages")
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+            turns = [m for m in conversation if isinstance(m, Mapping)]   # all of them (checked above)
+            text = self.tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt)
             prompts.append({"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False),
                             "prompt": text})
         return self.generate(prompts, sampling_params)

@@ -279,9 +279,10 @@ class LLMEngine:
         self.stats.bm_s += time.perf_counter() - t0
         self.stats.num_bm_rpcs += result.num_rpcs
         if result.pool_free:
-            self.view.pool_free = result.pool_free
+            self.view.pool_free = {pool: free for pool, free in result.pool_free.items()}
             self.view.host_pools = set(result.host_usable)
-        return result.steps, self.scheduler.apply(result, plan, flight)
+        steps: dict[str, PoolStepInfo] = {pool: info for pool, info in result.steps.items()}
+        return steps, self.scheduler.apply(result, plan, flight)
 
     def _probe(self, node_id: str) -> str | None:
         """Whether a node out of placement serves again (None) or why not; on `health`'s thread."""
@@ -338,7 +339,7 @@ class LLMEngine:
             if self.scheduler.add_frees(batch):
                 result = self.sender.commit(batch, wait=False)
                 if result.pool_free:
-                    self.view.pool_free = result.pool_free
+                    self.view.pool_free = {pool: free for pool, free in result.pool_free.items()}
             elif self.client.pending_reports:
                 self.client.flush_reports()
         except UNREACHABLE as exc:

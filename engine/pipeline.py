@@ -291,8 +291,9 @@ class NodePipeline:
         if job.info is not None:
             self.client.report(job.info, False)
         self.stats.num_failed_steps += 1
-        self.scheduler.enact(action, Item.NODE_STEP, error if error is not None else EngineFailure("no answer"),
-                             [w.seq for w in job.items if w.live], node_id=job.node_id)
+        failure: BaseException = error if isinstance(error, NodeError) else EngineFailure("the node step got no answer")
+        self.scheduler.enact(action, Item.NODE_STEP, failure, [w.seq for w in job.items if w.live],
+                             node_id=job.node_id)
 
     def _store_scores(self, node_id: str, w: Work, answer: list[SampledToken]) -> bool:
         """Keep the prompt scores a node answered for `w`; a node that answered none (one that

@@ -22,6 +22,7 @@ import itertools
 from collections.abc import Sequence as Seq
 
 from block_manager.client import ItemFailure, SequenceTracker, StepResult, SyncStep
+from block_manager.core.types import SeqId
 from engine.config import EngineConfig
 from engine.errors import EngineFailure, EpochDropped, NodeError
 from engine.failure_policy import Action, Item, action_for
@@ -191,7 +192,7 @@ class Scheduler:
             if seq.admitted.seq_id in dropped:
                 self.refuse(Item.HELD, EpochDropped(seq.admitted.seq_id), seq)
         for w in plan.appends:
-            out = result.appends.get(w.seq_id)
+            out = result.appends.get(SeqId(w.seq_id))
             if not w.live:
                 continue
             if isinstance(out, ItemFailure):
@@ -202,7 +203,7 @@ class Scheduler:
         for parent, kids in plan.children_of.items():
             self._apply_fork(result, parent, kids, work)
         for seq, seq_id in plan.admitted:
-            adm = result.allocations.get(seq_id)
+            adm = result.allocations.get(SeqId(seq_id))
             if adm is None:
                 continue   # no answer for it: it waits (a new id next time)
             if isinstance(adm, ItemFailure):
@@ -224,7 +225,7 @@ class Scheduler:
                     work: dict[str, list[Work]]) -> None:
         if parent.status is not SeqStatus.RUNNING:
             return   # dropped with its node; its children wait for its next fork
-        fork = result.forks.get(parent.admitted.seq_id)
+        fork = result.forks.get(SeqId(parent.admitted.seq_id))
         if isinstance(fork, ItemFailure):
             action = self.refuse(Item.FORK, fork.error, parent)
             if action is not Action.ADMIT_ALONE:
@@ -237,7 +238,7 @@ class Scheduler:
         for s in (parent, *(kid for kid, _ in kids)):
             if s.status is not SeqStatus.RUNNING:
                 continue   # its request failed with an append before it
-            out = result.appends.get(s.admitted.seq_id)
+            out = result.appends.get(SeqId(s.admitted.seq_id))
             if out is None:
                 raise EngineFailure(f"append for {s.seq_id} got no answer")
             if isinstance(out, ItemFailure):

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from block_manager.client import ItemFailure, PoolGoneError, StepResult, SyncStep
+from block_manager.core.types import SeqId
 from engine.config import EngineConfig
 from engine.errors import EpochDropped, NodeOutOfPlacement
 from engine.failure_policy import Action, Item
@@ -109,13 +110,13 @@ class SwapPolicy:
         for seq in plan.swapping_out:
             if seq.status is not SeqStatus.SWAPPED:
                 continue
-            failure = result.swapped_out.get(seq.admitted.seq_id)
+            failure = result.swapped_out.get(SeqId(seq.admitted.seq_id))
             if isinstance(failure, ItemFailure):
                 refuse(Item.SWAP_OUT, failure.error, seq)
             else:
                 self.stats.num_swap_outs += 1
         for seq in plan.swapping_in:
-            answer = result.swapped_in.get(seq.admitted.seq_id)
+            answer = result.swapped_in.get(SeqId(seq.admitted.seq_id))
             if isinstance(answer, int):
                 self.queues.swapped.remove(seq)
                 self.swap_step.pop(seq, None)

@@ -28,7 +28,10 @@ def prompt_logprobs_part(prompt_ids: list[int], scores: PromptLogprobs | None,
     `num_top` most likely (the engine may have scored more for `prompt_logprobs`); text offsets
     start at 0 (the echoed text starts with the prompt). `scores` None (not scored: a refused
     request) leaves every log-probability null."""
-    tokens, offsets, token_logprobs, tops = [], [], [], []
+    tokens: list[str] = []
+    offsets: list[int] = []
+    token_logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
     offset = 0
     for pos, tid in enumerate(prompt_ids):
         text = token_text(tid)

@@ -261,6 +261,7 @@ def sampling_params(
 def requested_max_tokens(req: CompletionRequest | ChatCompletionRequest) -> tuple[int | None, str]:
     """The explicit output limit and the parameter it came from (None: not given); 0 only for
     a completion with `echo` (the prompt alone, as vLLM answers it)."""
+    value: int | None
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         value, name = req.max_completion_tokens, "max_completion_tokens"
     else:
