@@ -47,7 +47,6 @@ from block_manager.core.fsck import fsck
 from block_manager.core.hashing import token_array
 from block_manager.core.kv_events import IndexView, KvChange
 from block_manager.core.pool import MAX_POOL_BLOCKS, Pool, build_pool
-from block_manager.core.prefix import PrefixHits
 from block_manager.core.sequence import Sequence, newer_views
 from block_manager.core.slots import slot_range
 from block_manager.core.snapshot import CoreParts, from_snapshot, to_snapshot
@@ -198,17 +197,17 @@ class BlockManager:
                                                   self.enable_prefix_caching)
         bs = pool.block_size
         hits = (_prefix.collect(self._pools, pool, q, fetch_sources, self.max_unsettled_steps)
-                if q is not None else PrefixHits())
+                if q is not None else _prefix.NO_HITS)
+        num_cached = hits.num_cached * bs
         total = prompt_len
         if num_compute is not None:
-            total = min(prompt_len, hits.num_cached * bs + num_compute)
+            total = min(prompt_len, num_cached + num_compute)
             if q is not None:
                 q = q.truncated(total)
         num_new = -(-total // bs) - len(hits.device)
         _allocation.check_room(pool, hits, num_new, self._watermark_blocks(pool))
         seq = _allocation.admit(pool, seq_id, q, hits, total, num_new, salt, prompt_len)
         self._seqs[seq_id] = seq
-        num_cached = hits.num_cached * bs
         return AllocateResult(seq_id, pool_id, tuple(seq.block_table), num_cached,  # type: ignore[arg-type]  # block ids are plain ints (BlockId is a NewType)
                               slot_range(seq.block_table, bs, num_cached, total), seq.version)
 

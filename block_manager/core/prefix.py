@@ -145,6 +145,9 @@ class PrefixHits:
         return self.num_local + self.num_fetch
 
 
+NO_HITS = PrefixHits()   # a prompt that is not hashed (shared: nothing mutates a collected PrefixHits)
+
+
 def collect(pools: dict[PoolId, Pool], pool: Pool, q: PrefixQuery, fetch_sources: Seq[PoolId],
             max_unsettled_steps: int) -> PrefixHits:
     """The prompt's prefix hits on `pool`, along the chain device → host → disk → remote."""
@@ -234,5 +237,5 @@ def usable_blocks(pool: Pool) -> int:
     return pool.num_available + _defrag.unsent_plan_blocks(pool)
 
 
-__all__ = ["PrefixHits", "PrefixQuery", "best_fetch", "collect", "device_hits", "disk_hits", "host_hits", "route",
-           "usable_blocks", "walk"]
+__all__ = ["NO_HITS", "PrefixHits", "PrefixQuery", "best_fetch", "collect", "device_hits", "disk_hits", "host_hits",
+           "route", "usable_blocks", "walk"]
