@@ -68,6 +68,7 @@ POLICY: dict[tuple[Item, type[BaseException]], Action] = {
     (Item.ADMISSION, PoolDrainingError): Action.WAIT,
     (Item.ADMISSION, Exception): Action.FAIL_REQUEST,
     (Item.APPEND, OutOfBlocksError): Action.PREEMPT_OTHER,
+    (Item.APPEND, PendingWriteError): Action.WAIT,
     (Item.APPEND, PoolGoneError): Action.RECOMPUTE,
     (Item.APPEND, PoolDrainingError): Action.RECOMPUTE_FREE,
     (Item.APPEND, Exception): Action.FAIL_REQUEST,
@@ -99,6 +100,8 @@ ROW_NOTES: dict[tuple[Item, type[BaseException]], str] = {
     (Item.ADMISSION, PoolDrainingError): "stays queued; placed among the live pools next step",
     (Item.ADMISSION, Exception): "the request ends with the error (finish reason \"error\")",
     (Item.APPEND, OutOfBlocksError): "the most recently admitted idle sequence is preempted (swap or recompute)",
+    (Item.APPEND, PendingWriteError): "its copy-on-write source is written in an unreported step: it sits this "
+                                      "step out (nothing changed), tried again next step",
     (Item.APPEND, PoolGoneError): "re-queued; its blocks went with the node",
     (Item.APPEND, PoolDrainingError): "freed, re-queued, admitted elsewhere",
     (Item.APPEND, Exception): "the request ends with the error",

@@ -47,6 +47,7 @@ PENDING_WRITE = error_for(grpc.StatusCode.FAILED_PRECONDITION, "swap-out unrepor
     (Item.ADMISSION, PoolDrainingError("draining"), Action.WAIT),
     (Item.ADMISSION, InvalidArgumentError("too long"), Action.FAIL_REQUEST),
     (Item.APPEND, OutOfBlocksError("full"), Action.PREEMPT_OTHER),
+    (Item.APPEND, PENDING_WRITE, Action.WAIT),
     (Item.APPEND, PoolGoneError("fenced"), Action.RECOMPUTE),
     (Item.APPEND, PoolDrainingError("draining"), Action.RECOMPUTE_FREE),
     (Item.APPEND, NotFoundError("no such sequence"), Action.FAIL_REQUEST),
