@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from compute_node.errors import InvalidForward, PeerFetchFailed
 from compute_node.host_pool import apply_moves
@@ -245,7 +245,17 @@ def _response(result: StepResult) -> pb.GenerateResponse:
     return resp
 
 
-def node_info_fields(runner: ModelRunner, model_name: str) -> dict[str, object]:
+class ModelInfoFields(TypedDict, total=False):
+    """The model part of `GetNodeInfoResponse`, typed so it can be passed as keywords (empty
+    for a node that serves attention only)."""
+
+    model: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+
+
+def node_info_fields(runner: ModelRunner, model_name: str) -> ModelInfoFields:
     """The model part of `GetNodeInfoResponse`."""
     cfg = runner.model_config
     return {
@@ -256,4 +266,4 @@ def node_info_fields(runner: ModelRunner, model_name: str) -> dict[str, object]:
     }
 
 
-__all__ = ["Generator", "node_info_fields"]
+__all__ = ["Generator", "ModelInfoFields", "node_info_fields"]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, NewType
 
 from compute_node.errors import InvalidForward, NodeFenced, StaleStep, StaleTable, UnknownSequence
+from pagedkv.tiers import TierKind
 
 SeqId = NewType("SeqId", str)
 
@@ -176,26 +177,28 @@ def _stage_tier_moves(staged: StagedSteps, m: Any, i: int, num_blocks: int, host
     to_disk: list[tuple[int, int, Any]] = []
     from_disk: list[tuple[int, int]] = []
     identities = list(m.disk_blocks)
-    for kind, src, dst in zip(m.tier_kind, m.tier_src, m.tier_dst):
-        if kind in (5, 6):
-            host, slot = (src, dst) if kind == 5 else (dst, src)
+    for number, src, dst in zip(m.tier_kind, m.tier_src, m.tier_dst):
+        try:
+            kind = TierKind(number)
+        except ValueError:
+            raise InvalidForward(f"steps[{i}]: unknown tier move kind {number}") from None
+        if kind.is_disk:
+            host, slot = (src, dst) if kind == TierKind.DISK_OFFLOAD else (dst, src)
             if host >= host_num_blocks or slot >= disk_num_blocks:
                 raise InvalidForward(
                     f"steps[{i}]: disk move {src}->{dst} names a block outside the tiers ({host_num_blocks} host "
                     f"blocks, {disk_num_blocks} disk slots)")
-            if kind == 6:
+            if kind == TierKind.DISK_ONBOARD:
                 from_disk.append((slot, host))
                 continue
             if len(to_disk) >= len(identities) or identities[len(to_disk)].slot != slot:
                 raise InvalidForward(f"steps[{i}]: disk offload {src}->{dst} has no matching disk_blocks entry")
             to_disk.append((host, slot, identities[len(to_disk)]))
             continue
-        if kind in (1, 3):
+        if kind.to_host:
             dev, host, out = src, dst, to_host
-        elif kind in (2, 4):
+        else:   # kind.to_device: the six kinds are disk (above), to-host or to-device
             host, dev, out = src, dst, to_device
-        else:
-            raise InvalidForward(f"steps[{i}]: unknown tier move kind {kind}")
         if dev >= num_blocks or host >= host_num_blocks:
             raise InvalidForward(
                 f"steps[{i}]: tier move {src}->{dst} names a block outside the pool ({num_blocks} device blocks, "

@@ -89,19 +89,19 @@ class LocalNode:
             raise
         node = cls(node_id, runner, 0, Path(model_dir).name, client, thread)
         try:
-            node.register()
+            node.register(client)
         except BaseException:
             node.close()
             raise
         return node
 
-    def register(self) -> None:
-        """Register the pool (a new epoch), with the blocks the disk tier holds now."""
+    def register(self, client: BlockManagerClient) -> None:
+        """Register the pool (a new epoch) through `client`, with the blocks the disk tier holds now."""
         runner, g = self.runner, self.runner.geometry
         store = runner.disk_store
         disk: dict[str, Any] = {} if store is None else {
             "disk_num_blocks": store.num_blocks, "disk_blocks": store.register_blocks()}
-        reg = self.client.register_node(self.node_id, g.num_blocks, block_size=g.block_size, geometry={  # type: ignore[union-attr]
+        reg = client.register_node(self.node_id, g.num_blocks, block_size=g.block_size, geometry={
             "num_layers": g.num_layers, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
             "dtype": g.dtype, "device": str(runner.device),
         }, host_num_blocks=0 if runner.host_pool is None else runner.host_pool.num_blocks, **disk)
@@ -115,7 +115,7 @@ class LocalNode:
             node_id=self.node_id, epoch=self.epoch, registered=True, num_layers=g.num_layers,
             num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, dtype=g.dtype, device=str(self.runner.device),
             block_size=g.block_size, num_blocks=g.num_blocks, last_step_id=self.tables.last_step_id,
-            num_cached_tables=len(self.tables), **node_info_fields(self.runner, self.model_name),  # type: ignore[arg-type]
+            num_cached_tables=len(self.tables), **node_info_fields(self.runner, self.model_name),
         ))
 
     def generate(self, step: NodeStep) -> list[SampledToken]:
@@ -125,7 +125,7 @@ class LocalNode:
             reply = self.thread.call(self.generator.generate, generate_request(step), self.node_id, self.epoch)
         except DiskTierCorrupt as exc:
             if self.client is not None:
-                self.register()   # the disk index must lose the bad slot: a new epoch seeds it anew
+                self.register(self.client)   # the disk index must lose the bad slot: a new epoch seeds it anew
             raise node_error(self.node_id, exc.code, str(exc)) from exc
         except ComputeNodeError as exc:
             raise node_error(self.node_id, exc.code, str(exc)) from exc

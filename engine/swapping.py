@@ -22,12 +22,9 @@ from engine.queues import SeqQueues
 from engine.sequence import SeqStatus, Sequence
 from engine.stats import EngineStats
 from engine.step_plan import NodeView, StepPlan
+from pagedkv.tiers import TierKind  # the tier moves a PoolStep gives each copy: counted for the stats only
 
 Refuse = Callable[[Item, BaseException, Sequence], Action]   # the scheduler's failure executor
-
-# The tier moves a node runs, by the `tier_kind` the block manager's PoolStep gives each copy
-# (proto/pagedkv/v1/common.proto): counted for the engine's stats only.
-SWAP_OUT_KIND, SWAP_IN_KIND, OFFLOAD_KIND, ONBOARD_KIND, DISK_OFFLOAD_KIND, DISK_ONBOARD_KIND = 1, 2, 3, 4, 5, 6
 
 
 @dataclass(slots=True)
@@ -137,13 +134,13 @@ class SwapPolicy:
             kinds = list(info.message.tier_kind)
             if kinds:
                 bs = self.view.block_size(info.pool_id)
-                self.stats.swapped_out_blocks += kinds.count(SWAP_OUT_KIND)
-                self.stats.swapped_in_blocks += kinds.count(SWAP_IN_KIND)
-                self.stats.offloaded_blocks += kinds.count(OFFLOAD_KIND)
-                self.stats.onboarded_blocks += kinds.count(ONBOARD_KIND)
-                from_disk = kinds.count(DISK_ONBOARD_KIND)   # each also onboarded host->device (ONBOARD_KIND)
-                self.stats.host_hit_tokens += (kinds.count(ONBOARD_KIND) - from_disk) * bs
-                self.stats.disk_offloaded_blocks += kinds.count(DISK_OFFLOAD_KIND)
+                self.stats.swapped_out_blocks += kinds.count(TierKind.SWAP_OUT)
+                self.stats.swapped_in_blocks += kinds.count(TierKind.SWAP_IN)
+                self.stats.offloaded_blocks += kinds.count(TierKind.OFFLOAD)
+                self.stats.onboarded_blocks += kinds.count(TierKind.ONBOARD)
+                from_disk = kinds.count(TierKind.DISK_ONBOARD)   # each also onboarded host->device (TierKind.ONBOARD)
+                self.stats.host_hit_tokens += (kinds.count(TierKind.ONBOARD) - from_disk) * bs
+                self.stats.disk_offloaded_blocks += kinds.count(TierKind.DISK_OFFLOAD)
                 self.stats.disk_onboarded_blocks += from_disk
                 self.stats.disk_hit_tokens += from_disk * bs
 

@@ -14,7 +14,7 @@ import structlog
 
 from compute_node.errors import ComputeNodeError, InvalidForward, NotRegistered
 from compute_node.forward import parse_forward
-from compute_node.generate import node_info_fields
+from compute_node.generate import ModelInfoFields, node_info_fields
 from compute_node.model import ModelError
 from compute_node.service.node import ComputeNode
 from compute_node.service.transfer_servicer import serve_blocks
@@ -100,7 +100,7 @@ class ComputeNodeServicer(pb_grpc.ComputeNodeServicer):
         node = self.node
         geometry = node.geometry
         g = geometry or node.config.geometry
-        model = {} if node.runner is None else node_info_fields(node.runner, node.model_name)
+        model: ModelInfoFields = {} if node.runner is None else node_info_fields(node.runner, node.model_name)
         return pb.GetNodeInfoResponse(
             node_id=node.config.node_id,
             epoch=node.epoch,
@@ -114,5 +114,5 @@ class ComputeNodeServicer(pb_grpc.ComputeNodeServicer):
             num_blocks=0 if geometry is None else geometry.num_blocks,
             last_step_id=node.tables.last_step_id,
             num_cached_tables=len(node.tables),
-            **model,  # type: ignore[arg-type]  # node_info_fields: the model fields of this message
+            **model,
         )
