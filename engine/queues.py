@@ -13,6 +13,7 @@ allows (`engine.sequence`). Owned by the `Scheduler`, shared with its `SwapPolic
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from engine.sequence import SeqStatus, Sequence
@@ -61,6 +62,12 @@ class SeqQueues:
         held = seq.finish()
         if held is not None:
             self.to_free.append(held)
+
+    def forget_frees(self, dropped_ids: Collection[str]) -> None:
+        """Forget the pending frees of sequences the block manager dropped (a failed step's
+        report): it holds nothing of them, and a free of one is a DoubleFree."""
+        if dropped_ids:
+            self.to_free = [sid for sid in self.to_free if sid not in dropped_ids]
 
     def take_frees(self) -> list[str]:
         """The pending frees, handed to the Step that carries them from here on."""

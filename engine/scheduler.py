@@ -3,10 +3,11 @@
 schedule / update-from-output split, with the block manager's Step between the two.
 
 The plan, under a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`):
-the pending frees, swap-outs and swap-ins (`engine.swapping`), running sequences (a decode token
-each, or the next chunk of a long prompt: chunked prefill), forks of `n > 1` requests whose
-shared prompt is computed, then new requests in arrival order as placed allocations (the block
-manager picks each one's node inside the same Step, within the budget). With a step in flight
+swap-outs and swap-ins (`engine.swapping`), running sequences (a decode token each, or the
+next chunk of a long prompt: chunked prefill), forks of `n > 1` requests whose shared prompt is
+computed, new requests in arrival order as placed allocations (the block manager picks each
+one's node inside the same Step, within the budget), then the pending frees, those the planning
+itself decided included. With a step in flight
 (`engine.pipeline`), a sequence's plan starts where that step leaves it: a speculative decode
 token (its id sent later), the next prompt chunk, or nothing yet.
 
@@ -68,15 +69,20 @@ class Scheduler:
 
     # ---- plan -----------------------------------------------------------------------------
     def plan(self, batch: SyncStep, flight: InFlight | None) -> StepPlan:
-        """Fill `batch` (this step's Step) over the step in flight, if any: frees, swaps, the
-        running sequences' appends and forks, admissions (none while a sequence waits on host)."""
-        self.add_frees(batch)
+        """Fill `batch` (this step's Step) over the step in flight, if any: swaps, the running
+        sequences' appends and forks, admissions (none while a sequence waits on host), frees.
+
+        The frees go in last, so those decided while planning go with this Step too: a swapped
+        sequence given up here (its node out of placement) may be one this Step's failed report
+        drops, and the block manager skips a free only in the Step whose report drops it; a
+        Step later, it answers DoubleFree."""
         plan = StepPlan()
         self.swap.plan(batch, plan, self.refuse)
         budget = self._plan_running(batch, plan, self.config.max_num_batched_tokens, flight)
         if not self.queues.swapped:
             plan.admitted = self._plan_admissions(
                 batch, budget, len(self.queues.running) + sum(map(len, plan.children_of.values())))
+        self.add_frees(batch)
         return plan
 
     def add_frees(self, batch: SyncStep) -> bool:
@@ -219,6 +225,10 @@ class Scheduler:
             if flight is not None:
                 busy |= set(flight.by_seq)
             self._preempt_for(self._starved, busy)
+        # A free queued while this answer was read (a refused swap-out, say) of a sequence the
+        # answer's reports dropped is moot: the block manager holds nothing of it any more and
+        # would answer the next Step's free DoubleFree.
+        self.queues.forget_frees(dropped)
         return work
 
     def _apply_fork(self, result: StepResult, parent: Sequence, kids: list[tuple[Sequence, str]],
