@@ -12,6 +12,7 @@ pool before anything changes.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from block_manager.core import defrag as _defrag
@@ -140,8 +141,21 @@ def swap_out(pools: dict[PoolId, Pool], seqs: dict[SeqId, Sequence], ids: list[S
 
 
 # ---- swap-in -----------------------------------------------------------------------------------
-def _check_in_group(pool: Pool, recs: list[SwappedSeq], reserve: int) -> int:
-    """Validate a swap-in; the number of device blocks it needs (above `reserve`)."""
+@dataclass(slots=True)
+class SwapInGroup:
+    """A validated swap-in of one pool: its swapped records, and whether its unsent defrag plan
+    must be aborted to make room (decided by the check, done by the swap-in itself)."""
+
+    pool: Pool
+    recs: list[SwappedSeq]
+    reclaim: bool
+
+
+def _check_in_group(pool: Pool, recs: list[SwappedSeq], reserve: int) -> bool:
+    """Validate a swap-in of `recs` (all of one pool) needing fresh blocks above `reserve`;
+    whether it needs the blocks of the pool's unsent defrag plan. Those count as room here
+    exactly as they do for an allocation (allocation.check_room): `can_swap_in` must agree
+    with `swap_in`, which aborts that plan when, and only when, its blocks make room enough."""
     host = host_of(pool)
     distinct: set[int] = set()
     for rec in recs:
@@ -153,17 +167,22 @@ def _check_in_group(pool: Pool, recs: list[SwappedSeq], reserve: int) -> int:
                 )
             distinct.add(h)
     available = pool.num_available - reserve
-    if len(distinct) > available:
+    if len(distinct) <= available:
+        return False
+    reclaimable = _defrag.unsent_plan_blocks(pool)
+    if len(distinct) > available + reclaimable:
         raise OutOfBlocks(
-            f"pool {pool.pool_id!r}: swap-in needs {len(distinct)} blocks, {max(available, 0)} available"
+            f"pool {pool.pool_id!r}: swap-in needs {len(distinct)} blocks, {max(available, 0)} available "
+            f"above the watermark ({reclaimable} more held by an unsent defrag plan)"
         )
-    return len(distinct)
+    return True
 
 
-def check_swap_in(pools: dict[PoolId, Pool], seqs: dict[SeqId, Sequence], ids: list[SeqId], watermark: float,
-                  reclaim: bool = False) -> list[tuple[Pool, list[SwappedSeq]]]:
-    """Validate a swap-in (nothing changes but, with `reclaim`, an unsent defrag plan aborted
-    to make room: defrag.reclaim_unsent_plan); the swapped records grouped by pool."""
+def check_swap_in(pools: dict[PoolId, Pool], seqs: dict[SeqId, Sequence], ids: list[SeqId],
+                  watermark: float) -> list[SwapInGroup]:
+    """Validate a swap-in (nothing changes); the swapped records grouped by pool. Every pool
+    is checked before `swap_in` changes any, so a refusal in one pool leaves the others'
+    defrag plans in place."""
     _check_ids(ids, "swap_in")
     recs: list[tuple[PoolId, SwappedSeq]] = []
     for sid in ids:
@@ -173,17 +192,12 @@ def check_swap_in(pools: dict[PoolId, Pool], seqs: dict[SeqId, Sequence], ids: l
                 raise FailedPrecondition(f"sequence {sid!r} is not swapped out")
             raise UnknownSequence(f"unknown sequence {sid!r}")
         recs.append((pool.pool_id, host_of(pool).swapped[sid]))
-    groups = [(pool, [r for _, r in group]) for pool, group in _by_pool(pools, recs, lambda x: x[0])]
-    for pool, group in groups:
+    groups: list[SwapInGroup] = []
+    for pool, group in _by_pool(pools, recs, lambda x: x[0]):
         if pool.draining:
             raise PoolDraining(f"pool {pool.pool_id!r} is draining")
-        reserve = int(watermark * pool.num_blocks)
-        try:
-            _check_in_group(pool, group, reserve)
-        except OutOfBlocks:
-            if not (reclaim and _defrag.reclaim_unsent_plan(pool)):
-                raise
-            _check_in_group(pool, group, reserve)
+        swapped = [r for _, r in group]
+        groups.append(SwapInGroup(pool, swapped, _check_in_group(pool, swapped, int(watermark * pool.num_blocks))))
     return groups
 
 
@@ -219,7 +233,12 @@ def swap_in(pools: dict[PoolId, Pool], seqs: dict[SeqId, Sequence], ids: list[Se
     """`BlockManager.swap_in`: the resumed sequences' views, their tables announced anew in
     the open step."""
     views: list[SequenceView] = []
-    for pool, recs in check_swap_in(pools, seqs, ids, watermark, reclaim=True):
+    for group in check_swap_in(pools, seqs, ids, watermark):
+        pool, recs = group.pool, group.recs
+        if group.reclaim:
+            # The check counted this plan's blocks as the room the swap-in lacks (a pool's
+            # open step may wait long for token work: see defrag.reclaim_unsent_plan).
+            _defrag.reclaim_unsent_plan(pool)
         tables = _copy_in(pool, recs)
         step = pool.step
         for rec in recs:
@@ -233,4 +252,5 @@ def swap_in(pools: dict[PoolId, Pool], seqs: dict[SeqId, Sequence], ids: list[Se
     return views
 
 
-__all__ = ["check_swap_in", "check_swap_out", "find_sequence", "host_of", "swap_in", "swap_out", "swapped_pool"]
+__all__ = ["SwapInGroup", "check_swap_in", "check_swap_out", "find_sequence", "host_of", "swap_in", "swap_out",
+           "swapped_pool"]
