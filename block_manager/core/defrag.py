@@ -15,8 +15,10 @@ Lifecycle of a plan (at most one outstanding per pool):
           is rewritten in the next open step and its version bumped; ref count and hash
           identity pass to the destination; the source is freed.
   abort   (step failed, plan timed out) destinations go back to the free queue, sources are
-          unpinned; copies that still run are harmless: they only write blocks whose next
-          owner writes in a later step, after that step's copies.
+          unpinned. A plan still in the open step takes its copies out of it (a tier move of
+          that step, which the node runs before copies, may fill a released destination);
+          copies a node already has are harmless: they only write blocks whose next owner
+          writes in a later step, after that step's copies.
 Sequences keep changing while a plan is outstanding: a source may gain sharers (fork,
 prefix hit — the rewrite at commit covers them) or lose all of them (free). A pinned
 source whose ref count reaches 0 is *held* by the plan (counted as reserved, its hash
@@ -246,6 +248,13 @@ def abort(pool: Pool) -> None:
     plan = pool.plan
     if plan is None:
         raise FailedPrecondition(f"pool {pool.pool_id!r} has no outstanding plan")
+    if plan.step_id == pool.step.step_id:
+        # No node has its copies yet: they leave the open step with it. Left there, they would
+        # run in that step after its tier moves, overwriting what a swap-in or onboard of this
+        # very step moved into a destination released here.
+        moves = {op.op_id for op in plan.moves}
+        pool.step.copy_ops = [op for op in pool.step.copy_ops if op.op_id not in moves]
+        pool.step.plan_id = None
     for op in plan.moves:
         pool.pinned[op.src] = 0
         if pool.ref_cnt[op.src] == 0:
@@ -273,9 +282,6 @@ def reclaim_unsent_plan(pool: Pool) -> bool:
     plan = pool.plan
     if plan is None or plan.step_id != pool.step.step_id:
         return False
-    moves = {op.op_id for op in plan.moves}
-    pool.step.copy_ops = [op for op in pool.step.copy_ops if op.op_id not in moves]
-    pool.step.plan_id = None
     abort(pool)
     return True
 

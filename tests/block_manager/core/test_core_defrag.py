@@ -119,7 +119,7 @@ def test_one_plan_per_pool_and_unknown_plan() -> None:
     assert m.get_defrag_plan("p") is None
 
 
-def test_abort_restores_everything_but_the_queued_copies() -> None:
+def test_abort_restores_everything_and_takes_unsent_copies_out_of_the_open_step() -> None:
     m = scattered()
     before = m.to_snapshot()
     plan = m.plan_defrag("p")
@@ -130,7 +130,7 @@ def test_abort_restores_everything_but_the_queued_copies() -> None:
     for key in ("ref_cnt", "reserved", "pinned", "sequences", "num_used", "num_reserved"):
         assert pool_before[key] == pool_after[key]
     assert sorted(pool_before["free_list"]) == sorted(pool_after["free_list"])
-    assert [op[0] for op in pool_after["step"]["copy_ops"]] == [op.op_id for op in plan.moves]
+    assert pool_after["step"]["copy_ops"] == []      # no node had them: test_core_swap_in_room.py
     assert pool_after["plan"] is None
     assert m.fsck() == []
 

@@ -90,3 +90,18 @@ def test_a_swap_in_never_writes_a_block_the_open_step_still_copies_from() -> Non
     out = m.close_step("p")
     assert out is not None
     assert cow.src not in {op.dst for op in out.tier_ops if not op.to_host}
+
+
+def test_an_aborted_unsent_plan_never_copies_over_a_swap_in_of_its_step() -> None:
+    """The "reads back wrong tokens on the node" example of the same machine: a plan aborted
+    by the admin in its own open step left its copies there; a swap-in of that step took its
+    released destinations, and the node — tier moves first, then copies — overwrote them."""
+    m = _swapped_with_unsent_plan()
+    plan = m.get_defrag_plan("p")
+    assert plan is not None
+    m.abort_defrag(plan.plan_id)
+    (view,) = m.swap_in(["a"])
+    assert {op.dst for op in plan.moves} & set(view.block_table)   # the released destinations
+    out = m.close_step("p")
+    assert out is not None and out.copy_ops == () and out.plan_id is None
+    assert m.fsck() == []
