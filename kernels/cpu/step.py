@@ -146,7 +146,7 @@ class StepAttention:
             raise KernelInputError(f"the SDPA prefill path takes float32 caches, not {caches.dtype}")
         # the SDPA path with the float32 views it reads: asked for, or by default where they exist
         self.sdpa: tuple[SdpaPrefill, F32Views] | None = None
-        if num_prefill_rows and f32 is not None and (sdpa_prefill is None or sdpa_prefill):
+        if num_prefill_rows and f32 is not None and sdpa_prefill is not False:
             # prefill rows by torch's SDPA after the Numba call (which writes the K/V, decodes)
             prefill = SdpaPrefill(self.pre_tables, self.pre_lens, self.pre_starts, caches.block_size, scale)
             self.sdpa = (prefill, f32)
