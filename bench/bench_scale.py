@@ -186,7 +186,7 @@ def run_schedulers(tree: Path, database_url: str, n: int, batch: int, seconds: f
                    rate: float = 0.0, **env: str) -> ScaleRun:
     """One block manager process and `n` schedulers spread over up to `procs` client processes;
     every process starts measuring at the same wall-clock instant."""
-    with bs.bm_server(database_url, tree=tree, **env) as (target, proc):
+    with bs.bm_server(database_url, None, None, tree, **env) as (target, proc):
         num_procs = min(n, procs)
         groups = [[f"s{n}-{i}" for i in range(n) if i % num_procs == p] for p in range(num_procs)]
         setup_s = 20 + 0.5 * n * max(1, batch // 64)   # registration and admission before the common start
