@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from block_manager.client.base import CHANNEL_OPTIONS, DEFAULT_TIMEOUT_S
 from block_manager.client.errors import error_from_rpc
 from block_manager.client.retry import ClientStats, RetryPolicy, new_request_id
+from block_manager.client.types import SchedulerStatus
 from pagedkv.auth import token_metadata
 from pagedkv.endpoints import Endpoints, split_targets
 from pagedkv.rpc import call_with_retry
@@ -83,6 +84,9 @@ class AdminClient:
         self.close()
 
     def _call(self, method: str, request: Message) -> dict[str, Any]:
+        return message_dict(self._call_message(method, request))
+
+    def _call_message(self, method: str, request: Message) -> Any:
         policy = self.retry
         if self._endpoints is not None and policy.max_attempts > 1:
             policy = self._endpoints.retry_policy(policy)
@@ -94,7 +98,7 @@ class AdminClient:
         except grpc.RpcError as exc:
             self.stats.errors += 1
             raise error_from_rpc(exc, method) from exc
-        return message_dict(reply)
+        return reply
 
     def status(self) -> dict[str, Any]:
         """The server's phase and every pool's counters (Status). With several addresses, a
@@ -114,6 +118,16 @@ class AdminClient:
     def list_nodes(self) -> dict[str, Any]:
         """Every registered node: epoch, lease, address, draining/fenced."""
         return self._call("ListNodes", pb.ListNodesRequest())
+
+    def list_schedulers(self) -> list[SchedulerStatus]:
+        """The fleet's live members (docs/block_manager_service.md, "Fleet mode"): what each
+        owns, is asked to release, is pinned to, its load and how long until it lapses."""
+        reply = self._call_message("ListSchedulers", pb.ListSchedulersRequest())
+        return [
+            SchedulerStatus(s.scheduler_id, s.address, tuple(s.pool_ids), tuple(s.release_pool_ids),
+                            tuple(s.pin_pool_ids), int(s.num_running), int(s.num_waiting), float(s.remaining_s))
+            for s in reply.schedulers
+        ]
 
     def list_sequences(self, pool_id: str = "", limit: int = 0) -> dict[str, Any]:
         """Sequences (of one pool, or all), at most `limit` (0: all)."""

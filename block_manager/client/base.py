@@ -22,7 +22,14 @@ from block_manager.client.errors import BlockManagerError
 from block_manager.client.retry import RETRYABLE_CODES, ClientStats, RetryPolicy, new_request_id, request_id_or_new
 from block_manager.client.session import ClientSessionState
 from block_manager.client.step import SequenceTracker, StepBatch, StepResult
-from block_manager.client.types import HeartbeatResult, NodeRegistration, PoolRoute, PoolStepInfo, TablesUpdate
+from block_manager.client.types import (
+    FleetAssignment,
+    HeartbeatResult,
+    NodeRegistration,
+    PoolRoute,
+    PoolStepInfo,
+    TablesUpdate,
+)
 from pagedkv.auth import token_metadata
 from pagedkv.endpoints import DEFAULT_FAILOVER_S, Endpoints
 from pagedkv.tls import TlsSettings
@@ -242,6 +249,23 @@ class ClientBase:
 
     def _heartbeat_op(self, node_id: str, epoch: int, timeout_s: float | None) -> Operation[HeartbeatResult]:
         return wire.heartbeat((yield Call("Heartbeat", pb.HeartbeatRequest(node_id=node_id, epoch=epoch), timeout_s)))
+
+    def _scheduler_heartbeat_op(
+        self, address: str, pin_pool_ids: Sequence[str], num_running: int, num_waiting: int,
+        released_pool_ids: Sequence[str], leave: bool, timeout_s: float | None,
+    ) -> Operation[FleetAssignment]:
+        """One fleet heartbeat of this scheduler (`scheduler_id`). Safe to resend as is: a
+        release of a pool no longer held, a second leave, a repeated renewal change nothing."""
+        req = wire.scheduler_heartbeat_request(
+            self.scheduler_id, address, pin_pool_ids, num_running, num_waiting, released_pool_ids, leave)
+        return wire.fleet_assignment((yield Call("SchedulerHeartbeat", req, timeout_s)))
+
+    def _deliver_grants_op(self, batch: StepBatch, timeout_s: float | None) -> Operation[StepResult]:
+        """A Step with nothing in it but the pending reports: it closes the open steps of this
+        member's pools that hold serve grants (their PoolSteps come back for the nodes)."""
+        batch.flush = True
+        batch.force = True
+        return (yield from self._commit_op(batch, None, timeout_s))
 
     def _flush_op(self, batch: StepBatch, timeout_s: float | None) -> Operation[StepResult | None]:
         if not self._reports:

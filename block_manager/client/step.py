@@ -266,6 +266,7 @@ class StepBatch:
         self.admit_budget = 0
         self.release = False   # set by `client.release()`
         self.flush = False     # set by `client.flush_reports()`: send the reports even alone
+        self.force = False     # set by `client.deliver_grants()`: send the step even empty
         self.result = StepResult()
 
     # ---- collecting -----------------------------------------------------------------
@@ -422,7 +423,7 @@ class StepBatch:
         # Late ids alone wait too: nothing can touch their sequences before a Step that needs a trip.
         needed = bool(m.free_seq_ids or m.alloc_seq_ids or m.fork_parent_ids or m.append_seq_ids
                       or m.swap_out_seq_ids or m.swap_in_seq_ids)
-        if self.flush and m.reports:
+        if (self.flush and m.reports) or self.force:
             needed = True
         if self.release:
             m.release_leases = True

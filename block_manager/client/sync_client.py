@@ -22,7 +22,7 @@ from block_manager.client.base import DEFAULT_TIMEOUT_S, ClientBase, Operation, 
 from block_manager.client.errors import BlockManagerError, error_from_rpc
 from block_manager.client.retry import RetryPolicy
 from block_manager.client.step import StepBatch, StepResult
-from block_manager.client.types import HeartbeatResult, NodeRegistration, PoolRoute, TablesUpdate
+from block_manager.client.types import FleetAssignment, HeartbeatResult, NodeRegistration, PoolRoute, TablesUpdate
 from pagedkv.endpoints import DEFAULT_FAILOVER_S
 from pagedkv.rpc import call_with_retry
 from pagedkv.tls import TlsSettings
@@ -114,6 +114,32 @@ class BlockManagerClient(ClientBase):
     def heartbeat(self, node_id: str, epoch: int, *, timeout_s: float | None = None) -> HeartbeatResult:
         """Renew the lease of `(node_id, epoch)`."""
         return self._run(self._heartbeat_op(node_id, epoch, timeout_s))
+
+    # ---- fleet mode -----------------------------------------------------------------
+    def scheduler_heartbeat(
+        self,
+        *,
+        address: str = "",
+        pin_pool_ids: Sequence[str] = (),
+        num_running: int = 0,
+        num_waiting: int = 0,
+        released_pool_ids: Sequence[str] = (),
+        leave: bool = False,
+        timeout_s: float | None = None,
+    ) -> FleetAssignment:
+        """Join the fleet as `scheduler_id` or renew the membership (every `ttl_s / 3`): the
+        pools this scheduler owns now (step on those only), those it is asked to hand over,
+        and the TTL. `address`: its API base URL for routers ("" = not routable);
+        `pin_pool_ids`: own only these pools; `released_pool_ids`: pools it was asked to
+        release and now holds nothing on; `leave`: release everything and leave the fleet."""
+        return self._run(self._scheduler_heartbeat_op(
+            address, pin_pool_ids, num_running, num_waiting, released_pool_ids, leave, timeout_s))
+
+    def deliver_grants(self, *, timeout_s: float | None = None) -> StepResult:
+        """Send a Step even with nothing in it (plus pending reports): a fleet member whose
+        heartbeat named `lending_pool_ids` gets those pools' PoolSteps (serve grants for another
+        scheduler's prefix fetch) to pass to their nodes, like any step's."""
+        return self._run(self._deliver_grants_op(self.step(), timeout_s))
 
     # ---- the scheduler step ---------------------------------------------------------
     def step(self, *, pool_epochs: Mapping[str, int] | None = None) -> SyncStep:

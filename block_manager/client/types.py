@@ -62,6 +62,54 @@ class PoolRoute:
     num_fetchable_tokens: int = 0
     num_missing_tokens: int = 0
     fetch_pool_id: str = ""
+    # fleet mode: the scheduler owning the pool ("" / 0: no fleet member owns it), its API
+    # address and load as of its last heartbeat
+    scheduler_id: str = ""
+    scheduler_address: str = ""
+    scheduler_num_running: int = 0
+    scheduler_num_waiting: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class OwnedPool:
+    """A pool a fleet member owns (drives): its node's gRPC address and the lease epoch."""
+
+    pool_id: str
+    address: str
+    lease_epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class FleetAssignment:
+    """A `SchedulerHeartbeat` answer: the pools this scheduler owns now (it steps on those and
+    no others), those of them it is asked to hand over (stop admitting there, free or preempt
+    its sequences there, then name them in `released_pool_ids` of a later heartbeat), and the
+    membership TTL (heartbeat every `ttl_s / 3`). `lending_pool_ids`: owned pools whose open
+    step holds serve grants for another scheduler's prefix fetch: send a Step soon (an idle
+    scheduler: `client.deliver_grants()`) so their nodes get them."""
+
+    pools: tuple[OwnedPool, ...]
+    release_pool_ids: tuple[str, ...]
+    ttl_s: float
+    lending_pool_ids: tuple[str, ...] = ()
+
+    @property
+    def pool_ids(self) -> tuple[str, ...]:
+        return tuple(p.pool_id for p in self.pools)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStatus:
+    """One fleet member as the admin plane sees it (`AdminClient.list_schedulers`)."""
+
+    scheduler_id: str
+    address: str
+    pool_ids: tuple[str, ...]
+    release_pool_ids: tuple[str, ...]
+    pin_pool_ids: tuple[str, ...]
+    num_running: int
+    num_waiting: int
+    remaining_s: float
 
 
 @dataclass(slots=True, frozen=True)

@@ -14,9 +14,11 @@ from typing import Any
 
 from block_manager.client.errors import error_for, status_code_from_int
 from block_manager.client.types import (
+    FleetAssignment,
     HeartbeatResult,
     ItemFailure,
     NodeRegistration,
+    OwnedPool,
     PoolRoute,
     PoolStepInfo,
     StepSettled,
@@ -129,7 +131,26 @@ def tables_update(m: pb.GetTablesResponse) -> TablesUpdate:
 
 def route_entries(entries: Any) -> list[PoolRoute]:
     return [PoolRoute(PoolId(e.pool_id), int(e.num_cached_tokens), int(e.num_free_blocks), e.address,
-                      int(e.num_fetchable_tokens), int(e.num_missing_tokens), e.fetch_pool_id) for e in entries]
+                      int(e.num_fetchable_tokens), int(e.num_missing_tokens), e.fetch_pool_id,
+                      e.scheduler_id, e.scheduler_address, int(e.scheduler_num_running),
+                      int(e.scheduler_num_waiting)) for e in entries]
+
+
+def scheduler_heartbeat_request(
+    scheduler_id: str, address: str, pin_pool_ids: Sequence[str], num_running: int, num_waiting: int,
+    released_pool_ids: Sequence[str], leave: bool,
+) -> pb.SchedulerHeartbeatRequest:
+    return pb.SchedulerHeartbeatRequest(
+        scheduler_id=scheduler_id, address=address, pin_pool_ids=list(pin_pool_ids), num_running=num_running,
+        num_waiting=num_waiting, released_pool_ids=list(released_pool_ids), leave=leave,
+    )
+
+
+def fleet_assignment(m: pb.SchedulerHeartbeatResponse) -> FleetAssignment:
+    return FleetAssignment(
+        tuple(OwnedPool(p.pool_id, p.address, int(p.lease_epoch)) for p in m.pools),
+        tuple(m.release_pool_ids), float(m.ttl_s), tuple(m.lending_pool_ids),
+    )
 
 
 def routes(m: pb.RouteResponse) -> list[PoolRoute]:
@@ -137,6 +158,7 @@ def routes(m: pb.RouteResponse) -> list[PoolRoute]:
 
 
 __all__ = [
+    "fleet_assignment",
     "heartbeat",
     "item_failure",
     "pool_step",
@@ -145,6 +167,7 @@ __all__ = [
     "route_entries",
     "route_request",
     "routes",
+    "scheduler_heartbeat_request",
     "sequence_view",
     "step_settled",
     "tables_update",

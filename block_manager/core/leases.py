@@ -89,6 +89,16 @@ class PoolLeases:
         lease.deadline = now + self.ttl_s
         return lease.epoch
 
+    def held_by(self, scheduler_id: str) -> list[PoolId]:
+        """The pools `scheduler_id` holds the lease of, sorted."""
+        return sorted(p for p, lease in self._leases.items() if lease.scheduler_id == scheduler_id)
+
+    def renew_holder(self, scheduler_id: str, now: float) -> None:
+        """Renew every lease `scheduler_id` holds (a fleet member's heartbeat)."""
+        for lease in self._leases.values():
+            if lease.scheduler_id == scheduler_id:
+                lease.deadline = now + self.ttl_s
+
     def release(self, pool_id: str) -> Lease | None:
         return self._leases.pop(PoolId(pool_id), None)
 

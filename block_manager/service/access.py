@@ -4,7 +4,7 @@
 |---|---|
 | `BlockManagerAdmin/*` | `admin` (any name) |
 | `BlockManager/RegisterNode`, `Heartbeat`, `GetTables` | `node:<id>` with `<id> == request.node_id` |
-| `BlockManager/Step` | `scheduler`, or `scheduler:<id>` with `<id> == request.scheduler_id` |
+| `BlockManager/Step`, `SchedulerHeartbeat` | `scheduler`, or `scheduler:<id>` with `<id> == request.scheduler_id` |
 | `BlockManager/Route` | `scheduler` / `scheduler:<id>` |
 | `BlockManager/OpenSession` | `node`, `scheduler` or `admin` (a session id is a random secret) |
 | `BlockManager/SubscribeKvEvents` | `subscriber` (any name) or `admin` (the CLI's `admin events`) |
@@ -26,7 +26,8 @@ from pagedkv.rpc import Undecodable
 ADMIN_PREFIX = "/pagedkv.v1.BlockManagerAdmin/"
 DATA_PREFIX = "/pagedkv.v1.BlockManager/"
 NODE_METHODS = frozenset({"RegisterNode", "Heartbeat", "GetTables"})
-SCHEDULER_METHODS = frozenset({"Step", "Route"})
+SCHEDULER_METHODS = frozenset({"Step", "Route", "SchedulerHeartbeat"})
+NAMED_SCHEDULER_METHODS = frozenset({"Step", "SchedulerHeartbeat"})   # checked against request.scheduler_id
 SESSION_METHODS = frozenset({"OpenSession"})
 SUBSCRIBER_METHODS = frozenset({"SubscribeKvEvents"})
 
@@ -59,15 +60,15 @@ def authorize(method: str, principal: Principal, request: Any) -> str | None:
     if name in SCHEDULER_METHODS:
         if principal.role != "scheduler":
             return f"{name} is for schedulers; {principal} is not one"
-        if name == "Step" and principal.name and not isinstance(request, Undecodable):
+        if name in NAMED_SCHEDULER_METHODS and principal.name and not isinstance(request, Undecodable):
             if request.scheduler_id != principal.name:
-                return f"{principal} may not step as scheduler {request.scheduler_id[:128]!r}"
+                return f"{principal} may not act as scheduler {request.scheduler_id[:128]!r}"
         return None
     return f"{principal} may not call {name}"
 
 
 __all__ = [
-    "ADMIN_PREFIX", "DATA_PREFIX", "NODE_METHODS", "SCHEDULER_METHODS", "SESSION_METHODS", "SUBSCRIBER_METHODS",
+    "ADMIN_PREFIX", "DATA_PREFIX", "NAMED_SCHEDULER_METHODS", "NODE_METHODS", "SCHEDULER_METHODS", "SESSION_METHODS", "SUBSCRIBER_METHODS",
     "authorize",
     "is_admin_method",
 ]

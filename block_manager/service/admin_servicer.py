@@ -103,6 +103,13 @@ class BlockManagerAdminServicer(MutatingServicer, pb_grpc.BlockManagerAdminServi
             leader_epoch=int(getattr(rt.store, "epoch", 0)),
         )
 
+    async def ListSchedulers(
+        self, request: pb.ListSchedulersRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListSchedulersResponse:
+        """The fleet's live members (service/fleet.py)."""
+        self.runtime.check_readable()
+        return pb.ListSchedulersResponse(schedulers=[pb.SchedulerInfo(**m) for m in self.runtime.fleet.members()])
+
     async def ListNodes(self, request: pb.ListNodesRequest, context: grpc.aio.ServicerContext) -> pb.ListNodesResponse:
         self.runtime.check_readable()
         now = self.runtime.clock()

@@ -64,6 +64,7 @@ from block_manager.service.errors import (
     RequestIdConflict,
     ServerUnavailable,
 )
+from block_manager.service.fleet import FleetService
 from block_manager.service.follower import WarmState
 from block_manager.service.journal_writer import JournalWriter
 from block_manager.service.kv_events import KvEventHub, journal_base, volatile_base
@@ -150,6 +151,8 @@ class ServiceRuntime:
         # answered. None: a single server, always leading.
         self.fence: Callable[[], bool] | None = None
         self.followed_seq_no = 0   # a standby: the last journal record its warm copy applied
+        # Fleet mode (service/fleet.py): members in memory, their pools' leases in the state.
+        self.fleet = FleetService(self)
         self.recovered_warm = False   # the last start() took over a followed copy (not a full recovery)
 
     def new_sessions(self) -> SessionTable:
@@ -227,6 +230,7 @@ class ServiceRuntime:
             log.error("fsck after recovery found problems", problems=self.recovery_problems[:20])
         log.info("recovered", records=self.num_replayed, snapshot_seq_no=snapshot_seq_no, warm=warm is not None,
                  seconds=round(self.recovery_s, 3))
+        self.fleet.reset()   # membership restarts at recovery: members heartbeat again
         self._set_phase("serving")
         self.schedule_lease_check()
         self._arm_session_sweep()
@@ -325,6 +329,7 @@ class ServiceRuntime:
             self._lease_timer.cancel()
         if self._session_timer is not None:
             self._session_timer.cancel()
+        self.fleet.cancel()
         final = self.phase in ("serving", "draining")
         self._set_phase("stopped")
         await self.writer.close(final_snapshot=final)
@@ -499,7 +504,12 @@ class ServiceRuntime:
     ) -> dict[str, Any]:
         """One scheduler step. A pool held by another scheduler whose lease has lapsed is
         handed over first (a journaled `release_pool`: the old holder's sequences are
-        dropped), then the step runs; a live lease of another scheduler refuses it."""
+        dropped), then the step runs; a live lease of another scheduler refuses it.
+
+        A fleet member's step is marked as such in its journaled payload (`fleet`): it drives
+        only the pools the fleet gave it and takes no other (service/fleet.py)."""
+        if self.fleet.is_member(payload.get("scheduler_id")):
+            payload = {**payload, "fleet": True}
         try:
             return await self.mutate("step", request_id, digest, payload, session=session)
         except PoolLeased:
@@ -550,6 +560,8 @@ class ServiceRuntime:
             step = StepInput.from_json(payload, state.config.max_batch)
         except Exception:  # noqa: BLE001 - the step itself reports its malformed payload
             return False
+        if step.fleet:
+            return False   # a member takes no pool by stepping on it: the fleet assigns them
         now = self.clock()
         released = False
         for pid in state.pools_of(step):

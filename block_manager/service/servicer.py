@@ -13,14 +13,17 @@ typed values: `step_codec.py` (the request) and `step_answer.py` (the answer).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 
 from block_manager.core.errors import FailedPrecondition, InvalidRequest
+from block_manager.core.fleet import Member
 from block_manager.core.types import SeqId
 from block_manager.service.defrag_runner import DefragRunner
 from block_manager.service.disk_codec import disk_register_payload
+from block_manager.service.fleet import Assignment
 from block_manager.service.kv_events_codec import frame_bytes
 from block_manager.service.protocol import MutatingServicer, check_request_id, request_digest, session_of
 from block_manager.service.runtime import ServiceRuntime
@@ -76,15 +79,17 @@ def register_response(r: dict[str, Any]) -> pb.RegisterNodeResponse:
 
 
 def route_response(
-    state: ServiceState, request: pb.RouteRequest, max_tokens: int = MAX_ROUTE_TOKENS
+    state: ServiceState, request: pb.RouteRequest, max_tokens: int = MAX_ROUTE_TOKENS,
+    owner: Callable[[str], Member | None] | None = None,
 ) -> pb.RouteResponse:
-    """Pools ranked per prompt (one prompt, or many: `num_token_ids` splits the ids)."""
+    """Pools ranked per prompt (one prompt, or many: `num_token_ids` splits the ids);
+    `owner`: the fleet member owning a pool (fills the entries' scheduler fields)."""
     if len(request.token_ids) > max_tokens:   # before copying them
         raise InvalidRequest(f"route takes at most {max_tokens} token ids, got {len(request.token_ids)}")
     token_ids = list(request.token_ids)
     if not request.num_token_ids:
         salt = request.salt if request.HasField("salt") else None
-        return pb.RouteResponse(entries=_route_entries(state, token_ids, salt))
+        return pb.RouteResponse(entries=_route_entries(state, token_ids, salt, owner))
     counts = list(request.num_token_ids)
     salts = list(request.salts)
     if len(counts) > state.config.max_batch or len(salts) > state.config.max_batch:
@@ -99,7 +104,7 @@ def route_response(
         si = request.salt_index[i] if request.salt_index else -1
         if not -1 <= si < len(salts):
             raise InvalidRequest(f"route: salt index {si} out of range")
-        entries = _route_entries(state, token_ids[pos : pos + n], salts[si] if si >= 0 else None)
+        entries = _route_entries(state, token_ids[pos : pos + n], salts[si] if si >= 0 else None, owner)
         resp.results.add().entries.extend(entries)
         pos += n
     if resp.results:
@@ -107,24 +112,38 @@ def route_response(
     return resp
 
 
-def _route_entries(state: ServiceState, token_ids: list[int], salt: str | None) -> list[pb.RouteEntry]:
+def _route_entries(
+    state: ServiceState, token_ids: list[int], salt: str | None, owner: Callable[[str], Member | None] | None,
+) -> list[pb.RouteEntry]:
     out = []
     for e in state.core.route(token_ids, salt):
         node = state.registry.get(e.pool_id)
         if node.draining or node.fenced:
             continue
-        out.append(
-            pb.RouteEntry(
-                pool_id=e.pool_id,
-                num_cached_tokens=e.num_cached_tokens,
-                num_free_blocks=e.num_free_blocks,
-                address=node.address,
-                num_fetchable_tokens=e.num_fetchable_tokens,
-                num_missing_tokens=e.num_missing_tokens,
-                fetch_pool_id=e.fetch_pool_id or "",
-            )
+        entry = pb.RouteEntry(
+            pool_id=e.pool_id,
+            num_cached_tokens=e.num_cached_tokens,
+            num_free_blocks=e.num_free_blocks,
+            address=node.address,
+            num_fetchable_tokens=e.num_fetchable_tokens,
+            num_missing_tokens=e.num_missing_tokens,
+            fetch_pool_id=e.fetch_pool_id or "",
         )
+        member = owner(e.pool_id) if owner is not None else None
+        if member is not None:
+            entry.scheduler_id = member.scheduler_id
+            entry.scheduler_address = member.address
+            entry.scheduler_num_running = member.num_running
+            entry.scheduler_num_waiting = member.num_waiting
+        out.append(entry)
     return out
+
+
+def assignment_response(a: Assignment) -> pb.SchedulerHeartbeatResponse:
+    return pb.SchedulerHeartbeatResponse(
+        pools=[pb.OwnedPool(pool_id=p.pool_id, address=p.address, lease_epoch=p.lease_epoch) for p in a.pools],
+        release_pool_ids=a.release_pool_ids, ttl_s=a.ttl_s, lending_pool_ids=a.lending_pool_ids,
+    )
 
 
 class BlockManagerServicer(MutatingServicer, pb_grpc.BlockManagerServicer):
@@ -192,7 +211,18 @@ class BlockManagerServicer(MutatingServicer, pb_grpc.BlockManagerServicer):
     # ---- routing --------------------------------------------------------------------
     async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
         self.runtime.check_readable()
-        return route_response(self.runtime.state, request, self.max_route_tokens)
+        return route_response(self.runtime.state, request, self.max_route_tokens, self.runtime.fleet.owner)
+
+    # ---- fleet mode -----------------------------------------------------------------
+    async def SchedulerHeartbeat(
+        self, request: pb.SchedulerHeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SchedulerHeartbeatResponse:
+        a = await self.runtime.fleet.heartbeat(
+            request.scheduler_id, address=request.address, pin_pool_ids=list(request.pin_pool_ids),
+            num_running=request.num_running, num_waiting=request.num_waiting,
+            released_pool_ids=list(request.released_pool_ids), leave=request.leave,
+        )
+        return assignment_response(a)
 
     # ---- KV events ------------------------------------------------------------------
     async def SubscribeKvEvents(  # type: ignore[override]  # it writes with context.write: no iterator
@@ -220,6 +250,7 @@ class BlockManagerServicer(MutatingServicer, pb_grpc.BlockManagerServicer):
 
 __all__ = [
     "BlockManagerServicer",
+    "assignment_response",
     "fill_pool_step",
     "register_payload",
     "register_response",

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,10 +31,12 @@ from block_manager.core.errors import (
     DoubleFree,
     InvalidRequest,
     NodeFenced,
+    PoolLeased,
     StepsUnsettled,
     UnknownSequence,
 )
 from block_manager.core.fetch import score as fetch_score
+from block_manager.core.fleet import PoolView
 from block_manager.core.hashing import hash_prefix
 from block_manager.core.leases import PoolLeases, check_scheduler_id
 from block_manager.core.manager import DEFAULT_MAX_UNSETTLED_STEPS, MAX_POOL_BLOCKS, BlockManager
@@ -138,6 +141,7 @@ class ServiceState:
             "expire_node": self._expire_node,
             "step": self._step,
             "release_pool": self._release_pool,
+            "grant_pools": self._grant_pools,
             "plan_defrag": self._plan_defrag,
             "trigger_defrag": self._trigger_defrag,
             "abort_defrag": self._abort_defrag,
@@ -252,11 +256,13 @@ class ServiceState:
     def pools_of(self, step: StepInput) -> list[PoolId]:
         """Every live pool the step touches (reports, allocations, the pools of the sequences
         it names), sorted; unknown pools and sequences are skipped (their items fail on their
-        own)."""
+        own). A fleet member's step neither counts its fetch sources (they lend read-only, their
+        owner drives them) nor reports on pools it lost (moot: handed over with their sequences)."""
         live = set(self.core.pool_ids)
-        pools: set[str] = {r.pool_id for r in step.reports if r.pool_id in live}
+        pools: set[str] = {r.pool_id for r in step.reports if r.pool_id in live and self._report_owned(step, r)}
         pools.update(a.pool_id for a in step.allocs if a.pool_id in live)
-        pools.update(src for a in step.allocs for src in a.fetch_sources if src in live)
+        if not step.fleet:
+            pools.update(src for a in step.allocs for src in a.fetch_sources if src in live)
         pools |= self.core.pools_of([*step.free_ids, *self._item_seq_ids(step), *step.swap_ids,
                                      *step.late.seq_ids])
         return sorted(PoolId(p) for p in pools)
@@ -321,8 +327,11 @@ class ServiceState:
         not_placed = self._place(step, sched, now)
         pools = self.pools_of(step)
         for pid in pools:
-            self.leases.check(pid, sched, now)
-        reports = [r for r in step.reports if self._report_applies(r)]
+            if step.fleet:
+                self._check_owned(pid, sched, now)
+            else:
+                self.leases.check(pid, sched, now)
+        reports = [r for r in step.reports if self._report_applies(r) and self._report_owned(step, r)]
         to_drop: set[SeqId] = set()
         for r in reports:
             to_drop |= self._check_report(r)
@@ -371,8 +380,12 @@ class ServiceState:
         swapped_in = self._swap("swap_in", [s for s in step.swap_in if s not in dropped], errors)
         self._fork(step, errors)
         append_tokens = self._append(step.appends, "append", errors, already_written=False)
-        # a fetch source's grant rides in its own step, closed with this one (prefix fetch)
+        # a fetch source's grant rides in its own step, closed with this one (prefix fetch); a
+        # fleet member closes only the steps of pools it owns: its own lenders, and those lending
+        # to another member's fetch (the grant waits in the open step of its owner's pool)
         lenders = {src for a in step.allocs for src in a.fetch_sources}
+        if step.fleet:
+            lenders = {pid for pid in lenders if self._holds(pid, c.sched)} | set(self.leases.held_by(c.sched))
         has_items = c.has_items | {pid for pid in lenders if pid in core.pool_ids and core.is_lending(PoolId(pid))}
         steps = self._close_steps(has_items)
         if step.release:
@@ -538,6 +551,8 @@ class ServiceState:
         prefix blocks (draining ones too: docs/prefix_fetch.md)."""
         live = set(self.core.pool_ids)
         candidates = set(step.placement.pool_ids) & live if step.placement.pool_ids else live
+        if step.fleet:
+            return self._fleet_placement_pools(candidates, live, sched)
         usable: set[str] = set()
         sources: list[PoolId] = []
         for pid in candidates:
@@ -547,6 +562,40 @@ class ServiceState:
                 if not node.draining:
                     usable.add(pid)
         return usable, sources
+
+    def _fleet_placement_pools(self, candidates: AbstractSet[str], live: AbstractSet[str], sched: str
+                               ) -> tuple[set[str], list[PoolId]]:
+        """A fleet member's placement: only the candidates it owns take admissions; any pool
+        some scheduler owns may lend (read-only: its blocks are pinned by a loan, its grant
+        waits in its open step for its owner's next Step; a pool nobody drives could not
+        deliver the grant)."""
+        usable: set[str] = set()
+        sources: list[PoolId] = []
+        for pid in sorted(live):
+            node = self.registry.get(pid)
+            if node.fenced or self.leases.get(pid) is None:
+                continue
+            sources.append(PoolId(pid))
+            if pid in candidates and not node.draining and self._holds(pid, sched):
+                usable.add(pid)
+        return usable, sources
+
+    def _holds(self, pool_id: str, sched: str) -> bool:
+        lease = self.leases.get(pool_id)
+        return lease is not None and lease.scheduler_id == sched
+
+    def _check_owned(self, pool_id: str, sched: str, now: float) -> None:
+        """A fleet member drives only pools the fleet gave it (`PoolLeased` otherwise, also for
+        a pool nobody holds: the fleet assigns it, a member's step never takes it)."""
+        if self._holds(pool_id, sched):
+            return
+        self.leases.check(pool_id, sched, now)
+        raise PoolLeased(f"pool {pool_id!r} is not owned by fleet member {sched[:64]!r} (not assigned to it)")
+
+    def _report_owned(self, step: StepInput, r: Report) -> bool:
+        """A fleet member's report on a pool it no longer holds is moot (the pool was handed
+        over: its sequences there were dropped, its steps counted as failed)."""
+        return not step.fleet or self._holds(r.pool_id, step.scheduler_id)
 
     def _candidates(self, a: Alloc, length: int, usable: set[str], sources: list[PoolId],
                     filling: dict[str, set[bytes]], hashes: dict[int, list[bytes]]) -> list[_Candidate]:
@@ -652,6 +701,37 @@ class ServiceState:
             for sid in dropped:
                 self._remember(self.fenced_ids, sid, pool_id)
         return Applied({"released": True, "dropped_seq_ids": dropped}, True)
+
+    def _grant_pools(self, p: dict[str, Any], now: float) -> Applied:
+        """Fleet assignment (core/fleet.py): each (pool, scheduler) takes the pool's lease if the
+        pool is live, admits sequences and has no lease now (a grant never takes a held pool:
+        never two owners); the others are skipped. Journaled: ownership survives a restart."""
+        grants = p["grants"]
+        if not isinstance(grants, list) or len(grants) > self.config.max_batch:
+            raise InvalidRequest(f"grants must be a list of at most {self.config.max_batch} entries")
+        checked = [(PoolId(check_node_id(pid)), check_scheduler_id(sid)) for pid, sid in grants]
+        granted: list[list[Any]] = []
+        for pid, sid in checked:
+            if pid not in self.core.pool_ids or self.leases.get(pid) is not None:
+                continue
+            node = self.registry.get(pid)
+            if node.fenced or node.draining:
+                continue
+            granted.append([pid, sid, self.leases.acquire(pid, sid, now)])
+        return Applied({"granted": granted}, bool(granted))
+
+    def fleet_views(self, now: float) -> list[PoolView]:
+        """Every pool as the fleet's rounds see it (core/fleet.py)."""
+        out = []
+        for pid in sorted(self.core.pool_ids):
+            node = self.registry.get(pid)
+            lease = self.leases.get(pid)
+            out.append(PoolView(
+                pid, node.num_blocks, not node.fenced and not node.draining,
+                None if lease is None else lease.scheduler_id, 0 if lease is None else lease.epoch,
+                lease is not None and lease.deadline <= now,
+            ))
+        return out
 
     # ---- defragmentation ------------------------------------------------------------
     def _plan_defrag(self, p: dict[str, Any], now: float) -> Applied:

@@ -132,6 +132,9 @@ class StepInput:
     swap_out: list[SeqId] = field(default_factory=list)
     swap_in: list[SeqId] = field(default_factory=list)
     release: bool = False         # give up this scheduler's pool leases after the step
+    # A fleet member's step (set by the runtime, journaled with the payload so a replay decides
+    # the same): it drives only pools it holds the lease of, fetch sources may be any owner's.
+    fleet: bool = False
 
     @property
     def swap_ids(self) -> list[SeqId]:
@@ -175,7 +178,7 @@ class StepInput:
             raise InvalidRequest("pool_epochs must be a mapping")
         return cls(str(p["scheduler_id"]), dict(epochs), reports, free_ids, allocs, written, forks, appends,
                    placement, late, decode_swap_ids(p, "swap_out", max_batch),
-                   decode_swap_ids(p, "swap_in", max_batch), bool(p.get("release")))
+                   decode_swap_ids(p, "swap_in", max_batch), bool(p.get("release")), p.get("fleet") is True)
 
 
 def _decode_allocs(a: Mapping[str, Any]) -> tuple[list[Alloc], Placement]:

@@ -237,6 +237,124 @@ class DefragPlan(_message.Message):
 Global___DefragPlan: _TypeAlias = DefragPlan  # noqa: Y015
 
 @_typing.final
+class SchedulerHeartbeatRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCHEDULER_ID_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    PIN_POOL_IDS_FIELD_NUMBER: _builtins.int
+    NUM_RUNNING_FIELD_NUMBER: _builtins.int
+    NUM_WAITING_FIELD_NUMBER: _builtins.int
+    RELEASED_POOL_IDS_FIELD_NUMBER: _builtins.int
+    LEAVE_FIELD_NUMBER: _builtins.int
+    scheduler_id: _builtins.str
+    """the same id its Steps carry (client.scheduler_id)"""
+    address: _builtins.str
+    """its OpenAI API base URL "http://host:port"; "" = not routable"""
+    num_running: _builtins.int
+    """load, for routers and balancing"""
+    num_waiting: _builtins.int
+    leave: _builtins.bool
+    """graceful exit: release all, leave the fleet"""
+    @_builtins.property
+    def pin_pool_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """own only these pools (--nodes); empty = any"""
+
+    @_builtins.property
+    def released_pool_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """pools it was asked to release and now holds nothing on"""
+
+    def __init__(
+        self,
+        *,
+        scheduler_id: _builtins.str = ...,
+        address: _builtins.str = ...,
+        pin_pool_ids: _abc.Iterable[_builtins.str] | None = ...,
+        num_running: _builtins.int = ...,
+        num_waiting: _builtins.int = ...,
+        released_pool_ids: _abc.Iterable[_builtins.str] | None = ...,
+        leave: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "leave", b"leave", "num_running", b"num_running", "num_waiting", b"num_waiting", "pin_pool_ids", b"pin_pool_ids", "released_pool_ids", b"released_pool_ids", "scheduler_id", b"scheduler_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SchedulerHeartbeatRequest: _TypeAlias = SchedulerHeartbeatRequest  # noqa: Y015
+
+@_typing.final
+class OwnedPool(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_ID_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    LEASE_EPOCH_FIELD_NUMBER: _builtins.int
+    pool_id: _builtins.str
+    address: _builtins.str
+    """the pool's node gRPC address"""
+    lease_epoch: _builtins.int
+    """this scheduler's lease epoch on the pool"""
+    def __init__(
+        self,
+        *,
+        pool_id: _builtins.str = ...,
+        address: _builtins.str = ...,
+        lease_epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "lease_epoch", b"lease_epoch", "pool_id", b"pool_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OwnedPool: _TypeAlias = OwnedPool  # noqa: Y015
+
+@_typing.final
+class SchedulerHeartbeatResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOLS_FIELD_NUMBER: _builtins.int
+    RELEASE_POOL_IDS_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    LENDING_POOL_IDS_FIELD_NUMBER: _builtins.int
+    ttl_s: _builtins.float
+    """free/preempt its sequences there, then report them
+    in released_pool_ids
+    heartbeat every ttl/3; lapse => its pools go to others
+    """
+    @_builtins.property
+    def pools(self) -> _containers.RepeatedCompositeFieldContainer[Global___OwnedPool]:
+        """owned now"""
+
+    @_builtins.property
+    def release_pool_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """subset of pools to hand over: stop admitting there,"""
+
+    @_builtins.property
+    def lending_pool_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Owned pools whose open step holds serve grants for another scheduler's prefix fetch
+        (docs/prefix_fetch.md): send a Step now (any Step of this scheduler closes them) so their
+        nodes get the grants; a busy scheduler's next Step does it anyway.
+        """
+
+    def __init__(
+        self,
+        *,
+        pools: _abc.Iterable[Global___OwnedPool] | None = ...,
+        release_pool_ids: _abc.Iterable[_builtins.str] | None = ...,
+        ttl_s: _builtins.float = ...,
+        lending_pool_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lending_pool_ids", b"lending_pool_ids", "pools", b"pools", "release_pool_ids", b"release_pool_ids", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SchedulerHeartbeatResponse: _TypeAlias = SchedulerHeartbeatResponse  # noqa: Y015
+
+@_typing.final
 class OpenSessionRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1046,6 +1164,10 @@ class RouteEntry(_message.Message):
     NUM_FETCHABLE_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_MISSING_TOKENS_FIELD_NUMBER: _builtins.int
     FETCH_POOL_ID_FIELD_NUMBER: _builtins.int
+    SCHEDULER_ID_FIELD_NUMBER: _builtins.int
+    SCHEDULER_ADDRESS_FIELD_NUMBER: _builtins.int
+    SCHEDULER_NUM_RUNNING_FIELD_NUMBER: _builtins.int
+    SCHEDULER_NUM_WAITING_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     num_cached_tokens: _builtins.int
     num_free_blocks: _builtins.int
@@ -1056,6 +1178,13 @@ class RouteEntry(_message.Message):
     """
     num_missing_tokens: _builtins.int
     fetch_pool_id: _builtins.str
+    scheduler_id: _builtins.str
+    """Fleet mode (docs/block_manager_service.md): the scheduler that owns the pool (empty / 0
+    when no fleet member owns it), its API address and load as of its last heartbeat.
+    """
+    scheduler_address: _builtins.str
+    scheduler_num_running: _builtins.int
+    scheduler_num_waiting: _builtins.int
     def __init__(
         self,
         *,
@@ -1066,10 +1195,14 @@ class RouteEntry(_message.Message):
         num_fetchable_tokens: _builtins.int = ...,
         num_missing_tokens: _builtins.int = ...,
         fetch_pool_id: _builtins.str = ...,
+        scheduler_id: _builtins.str = ...,
+        scheduler_address: _builtins.str = ...,
+        scheduler_num_running: _builtins.int = ...,
+        scheduler_num_waiting: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "fetch_pool_id", b"fetch_pool_id", "num_cached_tokens", b"num_cached_tokens", "num_fetchable_tokens", b"num_fetchable_tokens", "num_free_blocks", b"num_free_blocks", "num_missing_tokens", b"num_missing_tokens", "pool_id", b"pool_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "fetch_pool_id", b"fetch_pool_id", "num_cached_tokens", b"num_cached_tokens", "num_fetchable_tokens", b"num_fetchable_tokens", "num_free_blocks", b"num_free_blocks", "num_missing_tokens", b"num_missing_tokens", "pool_id", b"pool_id", "scheduler_address", b"scheduler_address", "scheduler_id", b"scheduler_id", "scheduler_num_running", b"scheduler_num_running", "scheduler_num_waiting", b"scheduler_num_waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1698,6 +1831,92 @@ class TriggerDefragResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TriggerDefragResponse: _TypeAlias = TriggerDefragResponse  # noqa: Y015
+
+@_typing.final
+class ListSchedulersRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListSchedulersRequest: _TypeAlias = ListSchedulersRequest  # noqa: Y015
+
+@_typing.final
+class SchedulerInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCHEDULER_ID_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    POOL_IDS_FIELD_NUMBER: _builtins.int
+    RELEASE_POOL_IDS_FIELD_NUMBER: _builtins.int
+    PIN_POOL_IDS_FIELD_NUMBER: _builtins.int
+    NUM_RUNNING_FIELD_NUMBER: _builtins.int
+    NUM_WAITING_FIELD_NUMBER: _builtins.int
+    REMAINING_S_FIELD_NUMBER: _builtins.int
+    scheduler_id: _builtins.str
+    address: _builtins.str
+    """its API base URL ("" = not routable)"""
+    num_running: _builtins.int
+    num_waiting: _builtins.int
+    remaining_s: _builtins.float
+    """until its membership lapses without a heartbeat"""
+    @_builtins.property
+    def pool_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """pools it owns now"""
+
+    @_builtins.property
+    def release_pool_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """of those, the ones it was asked to release"""
+
+    @_builtins.property
+    def pin_pool_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """empty = any"""
+
+    def __init__(
+        self,
+        *,
+        scheduler_id: _builtins.str = ...,
+        address: _builtins.str = ...,
+        pool_ids: _abc.Iterable[_builtins.str] | None = ...,
+        release_pool_ids: _abc.Iterable[_builtins.str] | None = ...,
+        pin_pool_ids: _abc.Iterable[_builtins.str] | None = ...,
+        num_running: _builtins.int = ...,
+        num_waiting: _builtins.int = ...,
+        remaining_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "num_running", b"num_running", "num_waiting", b"num_waiting", "pin_pool_ids", b"pin_pool_ids", "pool_ids", b"pool_ids", "release_pool_ids", b"release_pool_ids", "remaining_s", b"remaining_s", "scheduler_id", b"scheduler_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SchedulerInfo: _TypeAlias = SchedulerInfo  # noqa: Y015
+
+@_typing.final
+class ListSchedulersResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCHEDULERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def schedulers(self) -> _containers.RepeatedCompositeFieldContainer[Global___SchedulerInfo]: ...
+    def __init__(
+        self,
+        *,
+        schedulers: _abc.Iterable[Global___SchedulerInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["schedulers", b"schedulers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListSchedulersResponse: _TypeAlias = ListSchedulersResponse  # noqa: Y015
 
 @_typing.final
 class SubscribeKvEventsRequest(_message.Message):

@@ -71,6 +71,11 @@ class BlockManagerStub:
                 request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.SubscribeKvEventsRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.SubscribeKvEventsResponse.FromString,
                 _registered_method=True)
+        self.SchedulerHeartbeat = channel.unary_unary(
+                '/pagedkv.v1.BlockManager/SchedulerHeartbeat',
+                request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.SchedulerHeartbeatRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.SchedulerHeartbeatResponse.FromString,
+                _registered_method=True)
 
 
 class BlockManagerServicer:
@@ -130,6 +135,17 @@ class BlockManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SchedulerHeartbeat(self, request, context):
+        """A scheduler (an engine, an embedder's scheduler) joins the fleet or renews its membership
+        (docs/block_manager_service.md, "Fleet mode"). The answer is the set of pools it owns
+        now: it steps on those and no others.
+        Membership is not journaled (like node heartbeats, it restarts on recovery: members
+        re-heartbeat); the pool leases it grants ARE (ownership survives a restart or failover).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BlockManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -167,6 +183,11 @@ def add_BlockManagerServicer_to_server(servicer, server):
                     servicer.SubscribeKvEvents,
                     request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.SubscribeKvEventsRequest.FromString,
                     response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.SubscribeKvEventsResponse.SerializeToString,
+            ),
+            'SchedulerHeartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.SchedulerHeartbeat,
+                    request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.SchedulerHeartbeatRequest.FromString,
+                    response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.SchedulerHeartbeatResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -370,6 +391,33 @@ class BlockManager:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def SchedulerHeartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.v1.BlockManager/SchedulerHeartbeat',
+            pagedkv_dot_v1_dot_block__manager__pb2.SchedulerHeartbeatRequest.SerializeToString,
+            pagedkv_dot_v1_dot_block__manager__pb2.SchedulerHeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class BlockManagerAdminStub:
     """---------------------------------------------------------------- admin plane
@@ -421,6 +469,11 @@ class BlockManagerAdminStub:
                 '/pagedkv.v1.BlockManagerAdmin/TriggerDefrag',
                 request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.TriggerDefragRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.TriggerDefragResponse.FromString,
+                _registered_method=True)
+        self.ListSchedulers = channel.unary_unary(
+                '/pagedkv.v1.BlockManagerAdmin/ListSchedulers',
+                request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.ListSchedulersRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.ListSchedulersResponse.FromString,
                 _registered_method=True)
 
 
@@ -477,6 +530,13 @@ class BlockManagerAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListSchedulers(self, request, context):
+        """The fleet's live members and what each owns (docs/block_manager_service.md, "Fleet mode").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BlockManagerAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -519,6 +579,11 @@ def add_BlockManagerAdminServicer_to_server(servicer, server):
                     servicer.TriggerDefrag,
                     request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.TriggerDefragRequest.FromString,
                     response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.TriggerDefragResponse.SerializeToString,
+            ),
+            'ListSchedulers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSchedulers,
+                    request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.ListSchedulersRequest.FromString,
+                    response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.ListSchedulersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -739,6 +804,33 @@ class BlockManagerAdmin:
             '/pagedkv.v1.BlockManagerAdmin/TriggerDefrag',
             pagedkv_dot_v1_dot_block__manager__pb2.TriggerDefragRequest.SerializeToString,
             pagedkv_dot_v1_dot_block__manager__pb2.TriggerDefragResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSchedulers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.v1.BlockManagerAdmin/ListSchedulers',
+            pagedkv_dot_v1_dot_block__manager__pb2.ListSchedulersRequest.SerializeToString,
+            pagedkv_dot_v1_dot_block__manager__pb2.ListSchedulersResponse.FromString,
             options,
             channel_credentials,
             insecure,

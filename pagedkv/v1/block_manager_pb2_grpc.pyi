@@ -66,6 +66,13 @@ class BlockManagerStub:
     """What is cached where, as a stream of numbered events (docs/kv_events.md): resumed after
     `from_event_id` when still held, else a Resync and a snapshot first. Leader only.
     """
+    SchedulerHeartbeat: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.SchedulerHeartbeatRequest, _block_manager_pb2.SchedulerHeartbeatResponse]
+    """A scheduler (an engine, an embedder's scheduler) joins the fleet or renews its membership
+    (docs/block_manager_service.md, "Fleet mode"). The answer is the set of pools it owns
+    now: it steps on those and no others.
+    Membership is not journaled (like node heartbeats, it restarts on recovery: members
+    re-heartbeat); the pool leases it grants ARE (ownership survives a restart or failover).
+    """
 
 @_typing.type_check_only
 class BlockManagerAsyncStub(BlockManagerStub):
@@ -91,6 +98,13 @@ class BlockManagerAsyncStub(BlockManagerStub):
     SubscribeKvEvents: _aio.UnaryStreamMultiCallable[_block_manager_pb2.SubscribeKvEventsRequest, _block_manager_pb2.SubscribeKvEventsResponse]  # type: ignore[assignment]
     """What is cached where, as a stream of numbered events (docs/kv_events.md): resumed after
     `from_event_id` when still held, else a Resync and a snapshot first. Leader only.
+    """
+    SchedulerHeartbeat: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.SchedulerHeartbeatRequest, _block_manager_pb2.SchedulerHeartbeatResponse]  # type: ignore[assignment]
+    """A scheduler (an engine, an embedder's scheduler) joins the fleet or renews its membership
+    (docs/block_manager_service.md, "Fleet mode"). The answer is the set of pools it owns
+    now: it steps on those and no others.
+    Membership is not journaled (like node heartbeats, it restarts on recovery: members
+    re-heartbeat); the pool leases it grants ARE (ownership survives a restart or failover).
     """
 
 class BlockManagerServicer(metaclass=_abc_1.ABCMeta):
@@ -158,6 +172,19 @@ class BlockManagerServicer(metaclass=_abc_1.ABCMeta):
         `from_event_id` when still held, else a Resync and a snapshot first. Leader only.
         """
 
+    @_abc_1.abstractmethod
+    def SchedulerHeartbeat(
+        self,
+        request: _block_manager_pb2.SchedulerHeartbeatRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_block_manager_pb2.SchedulerHeartbeatResponse, _abc.Awaitable[_block_manager_pb2.SchedulerHeartbeatResponse]]:
+        """A scheduler (an engine, an embedder's scheduler) joins the fleet or renews its membership
+        (docs/block_manager_service.md, "Fleet mode"). The answer is the set of pools it owns
+        now: it steps on those and no others.
+        Membership is not journaled (like node heartbeats, it restarts on recovery: members
+        re-heartbeat); the pool leases it grants ARE (ownership survives a restart or failover).
+        """
+
 def add_BlockManagerServicer_to_server(servicer: BlockManagerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
 class BlockManagerAdminStub:
@@ -175,6 +202,8 @@ class BlockManagerAdminStub:
     Fsck: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.FsckRequest, _block_manager_pb2.FsckResponse]
     ResetPrefixCache: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.ResetPrefixCacheRequest, _block_manager_pb2.ResetPrefixCacheResponse]
     TriggerDefrag: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.TriggerDefragRequest, _block_manager_pb2.TriggerDefragResponse]
+    ListSchedulers: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.ListSchedulersRequest, _block_manager_pb2.ListSchedulersResponse]
+    """The fleet's live members and what each owns (docs/block_manager_service.md, "Fleet mode")."""
 
 @_typing.type_check_only
 class BlockManagerAdminAsyncStub(BlockManagerAdminStub):
@@ -189,6 +218,8 @@ class BlockManagerAdminAsyncStub(BlockManagerAdminStub):
     Fsck: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.FsckRequest, _block_manager_pb2.FsckResponse]  # type: ignore[assignment]
     ResetPrefixCache: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.ResetPrefixCacheRequest, _block_manager_pb2.ResetPrefixCacheResponse]  # type: ignore[assignment]
     TriggerDefrag: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.TriggerDefragRequest, _block_manager_pb2.TriggerDefragResponse]  # type: ignore[assignment]
+    ListSchedulers: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.ListSchedulersRequest, _block_manager_pb2.ListSchedulersResponse]  # type: ignore[assignment]
+    """The fleet's live members and what each owns (docs/block_manager_service.md, "Fleet mode")."""
 
 class BlockManagerAdminServicer(metaclass=_abc_1.ABCMeta):
     """---------------------------------------------------------------- admin plane"""
@@ -248,5 +279,13 @@ class BlockManagerAdminServicer(metaclass=_abc_1.ABCMeta):
         request: _block_manager_pb2.TriggerDefragRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_block_manager_pb2.TriggerDefragResponse, _abc.Awaitable[_block_manager_pb2.TriggerDefragResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListSchedulers(
+        self,
+        request: _block_manager_pb2.ListSchedulersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_block_manager_pb2.ListSchedulersResponse, _abc.Awaitable[_block_manager_pb2.ListSchedulersResponse]]:
+        """The fleet's live members and what each owns (docs/block_manager_service.md, "Fleet mode")."""
 
 def add_BlockManagerAdminServicer_to_server(servicer: BlockManagerAdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
