@@ -20,7 +20,8 @@ The commit's order matters, and is why it is one place:
 2. disk hits are staged into fresh host blocks (disk→host moves) before any device block is
    taken;
 3. the fresh device blocks are taken, and the host hits and staged blocks are onboarded into
-   the first of them (host→device moves);
+   the first of them (host→device moves, which run before the step's copies: so those first
+   blocks are never ones the copies still name, step_order.py);
 4. another pool's blocks are lent for the fetched part (fetch.py);
 5. the prompt's full blocks beyond the device hits are registered in the prefix index, in
    the open step (a failure of the step unregisters them).
@@ -44,6 +45,7 @@ from block_manager.core.hashing import token_array
 from block_manager.core.pool import Pool
 from block_manager.core.prefix import PrefixHits, PrefixQuery
 from block_manager.core.sequence import Sequence, late_pending
+from block_manager.core.step_order import BlockTaker, busy_blocks, early_room
 from block_manager.core.step_work import note_created
 from block_manager.core.steps import drop_sequence
 from block_manager.core.swap import find_sequence, swapped_pool
@@ -81,17 +83,31 @@ def check_request(pool: Pool, token_ids: Seq[int] | None, num_tokens: int | None
 
 def check_room(pool: Pool, hits: PrefixHits, num_new: int, reserve: int) -> None:
     """`OutOfBlocks` unless `num_new` fresh blocks fit above the `reserve` (the watermark) once
-    the hits are taken; aborts a defrag plan no node has yet when that makes room enough."""
-    hits_in_queue = sum(1 for b in hits.device if pool.ref_cnt[b] == 0)
-    available = pool.num_available - hits_in_queue - reserve
-    if available < num_new <= available + _defrag.unsent_plan_blocks(pool):
+    the hits are taken; aborts a defrag plan no node has yet when that makes room enough. The
+    first fresh blocks receive the host and disk hits by host→device moves, which the node runs
+    before the step's copies: for those, blocks the copies still name do not count
+    (step_order.py)."""
+    queued = [b for b in hits.device if pool.ref_cnt[b] == 0]
+    num_early = len(hits.host) + len(hits.disk)
+    busy = busy_blocks(pool.step) if num_early else set()
+
+    def fits(reclaim: bool) -> bool:
+        extra = _defrag.unsent_plan_blocks(pool) if reclaim else 0
+        if num_new > pool.num_available + extra - len(queued) - reserve:
+            return False
+        return num_early <= early_room(pool, busy, queued, reclaim) if num_early else True
+
+    if fits(False):
+        return
+    if fits(True):
         _defrag.reclaim_unsent_plan(pool)   # all or nothing: only when it makes room enough
-        available = pool.num_available - hits_in_queue - reserve
-    if num_new > available:
-        raise OutOfBlocks(
-            f"pool {pool.pool_id!r}: {num_new} blocks needed, {max(available, 0)} available "
-            f"above the watermark"
-        )
+        return
+    available = pool.num_available - len(queued) - reserve
+    early = f" ({num_early} of them moved in from host before the open step's copies)" if num_early else ""
+    raise OutOfBlocks(
+        f"pool {pool.pool_id!r}: {num_new} blocks needed{early}, {max(available, 0)} available "
+        f"above the watermark"
+    )
 
 
 def _stage(pool: Pool, slots: list[int]) -> list[int]:
@@ -151,7 +167,13 @@ def take_blocks(pool: Pool, hits: PrefixHits, num_new: int) -> list[int]:
                 host.disk.hold(s, step_id)
             staged = _stage(pool, hits.disk)   # host blocks, taken before any device block
     n_dev = len(hits.device)
-    table = hits.device + [pool.take_block() for _ in range(num_new)]
+    # the blocks moved in from host come first, never one the open step's copies still name
+    # (check_room counted the room for them); the rest are only written by the Forward
+    num_early = len(hits.host) + len(staged)
+    taker = BlockTaker(pool, busy_blocks(pool.step) if num_early else set())
+    early = [taker.take() for _ in range(num_early)]
+    taker.done()
+    table = hits.device + early + [pool.take_block() for _ in range(num_new - num_early)]
     if hits.host:
         _onboard(pool, hits.host, table[n_dev:n_dev + len(hits.host)], count_hits=True)
     if staged:

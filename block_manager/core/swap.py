@@ -4,7 +4,8 @@ ledger: tiers.py).
 A swap-out copies a group of sequences' device blocks to host in the open step (a block
 shared inside the group once) and releases the device side: the copy reads each block before
 anything of the step writes it, so the released blocks may serve another sequence in the
-very step. A swap-in takes fresh device blocks (any ids) and queues host→device copies; the
+very step. A swap-in takes fresh device blocks and queues host→device copies, which the node
+runs before the step's copies: so not a block those copies still name (step_order.py). The
 host blocks stay held until that step is reported. Both are all or nothing, validated per
 pool before anything changes.
 """
@@ -27,6 +28,7 @@ from block_manager.core.errors import (
 from block_manager.core.pool import Pool
 from block_manager.core.sequence import Sequence, late_pending
 from block_manager.core.step_work import note_created
+from block_manager.core.step_order import BlockTaker, busy_blocks, early_room
 from block_manager.core.steps import drop_sequence
 from block_manager.core.tiers import HostTier, SwappedSeq
 from block_manager.core.types import PoolId, SeqId, SequenceView
@@ -107,7 +109,8 @@ def check_swap_out(pools: dict[PoolId, Pool], seqs: dict[SeqId, Sequence],
 
 def _copy_out(pool: Pool, seqs: list[Sequence]) -> None:
     """Copy the device blocks of `seqs` to host (a block shared inside the group goes once)
-    and record each sequence as swapped out. The caller releases the device side."""
+    and record each sequence as swapped out; each host block is also held by the open step
+    until it is reported. The caller releases the device side."""
     host = host_of(pool)
     step_id = pool.step.step_id
     mapping: dict[int, int] = {}
@@ -121,6 +124,11 @@ def _copy_out(pool: Pool, seqs: list[Sequence]) -> None:
                     raise InvalidRequest("internal: host tier exhausted during swap-out")
                 mapping[b] = h
                 host.write_step[h] = step_id
+                # held by the step writing it, like an offload's block: freed with its sequence
+                # in this very step, it could otherwise take a second write in the same batched
+                # device->host copy (no defined winner)
+                host.ref_cnt[h] += 1
+                host.holds.append((step_id, h))
                 pool.queue_tier_op("swap_out", b, h)
             else:
                 host.ref_cnt[h] += 1
@@ -166,14 +174,19 @@ def _check_in_group(pool: Pool, recs: list[SwappedSeq], reserve: int) -> bool:
                     f"complete yet (pool {pool.pool_id!r} settled up to {pool.settled_step})"
                 )
             distinct.add(h)
-    available = pool.num_available - reserve
+    # The fresh blocks receive host->device moves, which the node runs before the step's
+    # copies: blocks those copies still name do not count (step_order.py).
+    busy = busy_blocks(pool.step)
+    available = min(pool.num_available - reserve, early_room(pool, busy))
     if len(distinct) <= available:
         return False
     reclaimable = _defrag.unsent_plan_blocks(pool)
-    if len(distinct) > available + reclaimable:
+    with_plan = min(pool.num_available + reclaimable - reserve, early_room(pool, busy, reclaim=True))
+    if len(distinct) > with_plan:
         raise OutOfBlocks(
             f"pool {pool.pool_id!r}: swap-in needs {len(distinct)} blocks, {max(available, 0)} available "
-            f"above the watermark ({reclaimable} more held by an unsent defrag plan)"
+            f"above the watermark and outside the open step's copies ({reclaimable} more held by an unsent "
+            "defrag plan)"
         )
     return True
 
@@ -208,12 +221,13 @@ def _copy_in(pool: Pool, recs: list[SwappedSeq]) -> dict[SeqId, list[int]]:
     step_id = pool.step.step_id
     mapping: dict[int, int] = {}
     tables: dict[SeqId, list[int]] = {}
+    taker = BlockTaker(pool, busy_blocks(pool.step))   # the check counted the room it leaves
     for rec in recs:
         table: list[int] = []
         for h in rec.host_table:
             d = mapping.get(h)
             if d is None:
-                d = pool.take_block()
+                d = taker.take()
                 mapping[h] = d
                 pool.write_step[d] = step_id
                 pool.queue_tier_op("swap_in", h, d)
@@ -223,6 +237,7 @@ def _copy_in(pool: Pool, recs: list[SwappedSeq]) -> dict[SeqId, list[int]]:
             host.holds.append((step_id, h))
         del host.swapped[rec.seq_id]
         tables[rec.seq_id] = table
+    taker.done()
     host.swapped_in_blocks += len(mapping)
     host.swap_ins += len(recs)
     return tables

@@ -70,13 +70,12 @@ def test_a_swap_in_refused_in_one_pool_keeps_the_other_pools_plan() -> None:
     assert m.get_defrag_plan("p") is not None and m.fsck() == []
 
 
-@pytest.mark.xfail(strict=True, reason="open: a copy-on-write source freed in the open step is reused by a "
-                   "swap-in's host->device move, which the node runs before the step's copies")
 def test_a_swap_in_never_writes_a_block_the_open_step_still_copies_from() -> None:
-    """Found with the bug above ("reads back wrong tokens on the node"), not fixed with it: "a"
-    copies its shared partial block on write, its fork "b" — the last holder of the source — is
-    freed in the same open step, and a swap-in takes the freed source. The node runs tier moves
-    before copies, so "a"'s new block would receive the swapped-in content."""
+    """Found with the bug above ("reads back wrong tokens on the node"): "a" copies its shared
+    partial block on write, its fork "b" — the last holder of the source — is freed in the same
+    open step, and a swap-in took the freed source. The node runs tier moves before copies, so
+    "a"'s new block would have received the swapped-in content. (The rule and its other cases:
+    step_order.py, test_core_step_order.py.)"""
     m = one_pool(8, host=8)
     m.allocate("x", "p", num_tokens=2 * BS)
     m.allocate("a", "p", num_tokens=BS + 1)          # a partial last block
