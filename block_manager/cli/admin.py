@@ -2,7 +2,7 @@
 
     block-manager admin [--target HOST:PORT[,HOST:PORT...]] [--token T] [--json] [--timeout S]
                         [--tls] [--ca-file F] [--cert-file F --key-file F] [--server-name N] COMMAND
-      status | nodes | seqs [--pool P] [--limit N] | table SEQ | defrag [POOL] [--kind K]
+      status | nodes | schedulers | seqs [--pool P] [--limit N] | table SEQ | defrag [POOL] [--kind K]
       | drain NODE [--undrain] | fsck | reset-prefix-cache [--pool P]
       | events [--follow [--from ID]] [--max-events N]    (KV events: docs/kv_events.md)
 
@@ -18,6 +18,7 @@ time, or is not a block manager.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -85,6 +86,7 @@ def _parser() -> argparse.ArgumentParser:
 
     command("status", "server state and per-pool usage")
     command("nodes", "registered compute nodes")
+    command("schedulers", "fleet members (engines) and the pools each owns")
     s = command("seqs", "live sequences")
     s.add_argument("--pool", default="", help="only this pool")
     s.add_argument("--limit", type=int_in(0, UINT32_MAX), default=0, help="at most this many (0: server maximum)")
@@ -133,6 +135,7 @@ def _call(client: AdminClient, args: argparse.Namespace) -> Result:
     calls: dict[str, Callable[[], Result]] = {
         "status": lambda: _status(client, args),
         "nodes": lambda: _nodes(client),
+        "schedulers": lambda: {"schedulers": [dataclasses.asdict(s) for s in client.list_schedulers()]},
         "seqs": lambda: client.list_sequences(args.pool, args.limit),
         "table": lambda: client.describe_sequence(args.seq),
         "defrag": lambda: client.trigger_defrag(args.pool, args.kind),
@@ -239,6 +242,19 @@ def _show_nodes(con: Console, r: Result) -> None:
              n.get("host_cached_blocks", 0)) for n in hosts])
 
 
+def _show_schedulers(con: Console, r: Result) -> None:
+    """Fleet members (docs/block_manager_service.md, "Fleet mode"); pools asked to be released
+    are marked with a `*`."""
+    rows = []
+    for m in sorted(r["schedulers"], key=lambda m: m["scheduler_id"]):
+        asked = set(m["release_pool_ids"])
+        pools = " ".join(f"{p}*" if p in asked else p for p in m["pool_ids"]) or "-"
+        rows.append((m["scheduler_id"], m["address"] or "-", pools, " ".join(m["pin_pool_ids"]) or "any",
+                     m["num_running"], m["num_waiting"], f"{m['remaining_s']:.1f}s"))
+    _print_table(con, "schedulers", ("scheduler", "address", "pools (*: releasing)", "pins", "running", "waiting",
+                                     "lease"), rows)
+
+
 def _show_seqs(con: Console, r: Result) -> None:
     rows = [
         (s["seq_id"], s["pool_id"], s["num_tokens"], len(s["block_table"]), s["version"], _short(s["block_table"]))
@@ -279,6 +295,7 @@ def _show(con: Console, args: argparse.Namespace, r: Result) -> None:
     views: dict[str, Callable[[Console, Result], None]] = {
         "status": _show_status,
         "nodes": _show_nodes,
+        "schedulers": _show_schedulers,
         "seqs": _show_seqs,
         "table": _show_table,
         "defrag": _show_defrag,

@@ -198,18 +198,29 @@ class Fleet:
         members: list[Member], holder: Mapping[str, str | None], by_id: Mapping[str, PoolView],
         count: dict[str, int],
     ) -> list[tuple[str, str]]:
-        """Release requests that move the fleet toward balance: the fullest member without a
+        """Release requests: a pool outside its holder's pins (pins changed, or it held the
+        lease before it joined) first; then toward balance: the fullest member without a
         pending request gives one pool to the emptiest member that could own it, while they
-        differ by two or more (pending requests count as already moved)."""
+        differ by two or more (pending requests count as already moved). At most one request
+        pending per member."""
         asks: list[tuple[str, str]] = []
         count = dict(count)
+        busy: set[str] = set()
         for m in members:   # pending requests count as moved
             for pid in m.release_pool_ids:
                 if holder.get(pid) == m.scheduler_id:
                     count[m.scheduler_id] -= 1
+                    busy.add(m.scheduler_id)
+        for m in members:
+            if m.scheduler_id in busy:
+                continue
+            stray = sorted(pid for pid, h in holder.items() if h == m.scheduler_id and not m.can_own(pid))
+            if stray:
+                asks.append((m.scheduler_id, stray[0]))
+                count[m.scheduler_id] -= 1
+                busy.add(m.scheduler_id)
         for full in sorted(members, key=lambda m: (-count[m.scheduler_id], m.scheduler_id)):
-            pending = {pid for pid in full.release_pool_ids if holder.get(pid) == full.scheduler_id}
-            if pending:
+            if full.scheduler_id in busy:
                 continue
             mine = sorted(pid for pid, h in holder.items() if h == full.scheduler_id and by_id[pid].assignable)
             best: tuple[tuple[int, int, str], str, Member] | None = None
@@ -226,6 +237,7 @@ class Fleet:
             if best is not None:
                 _, pid, low = best
                 asks.append((full.scheduler_id, pid))
+                busy.add(full.scheduler_id)
                 count[full.scheduler_id] -= 1
                 count[low.scheduler_id] += 1
         return asks

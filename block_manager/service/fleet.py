@@ -53,6 +53,20 @@ class Assignment:
     lending_pool_ids: Sequence[str]
 
 
+def plan_ops(plan: FleetPlan) -> list[tuple[str, str, dict[str, Any]]]:
+    """A round as journaled ops `(op, request id, payload)`, in order: one `release_pool` per
+    lease to end (the request id the lapsed-lease handover of a Step uses too), then one
+    `grant_pools`."""
+    ops: list[tuple[str, str, dict[str, Any]]] = []
+    for pid, holder, epoch in plan.releases:
+        rid = internal_request_id("release", pid, holder, epoch)
+        ops.append(("release_pool", rid, {"pool_id": pid, "scheduler_id": holder, "epoch": epoch}))
+    if plan.grants:
+        rid = internal_request_id("grant", uuid.uuid4().hex)
+        ops.append(("grant_pools", rid, {"grants": [[p, s] for p, s in plan.grants]}))
+    return ops
+
+
 class FleetService:
     """The fleet's members (core `Fleet`) driven by heartbeats and a lapse timer."""
 
@@ -61,6 +75,7 @@ class FleetService:
         self.fleet = Fleet(runtime.config.scheduler_lease_ttl_s)
         self._timer: asyncio.TimerHandle | None = None
         self._backoff = Backoff(initial_s=0.05, max_s=5.0)
+        self._poked = False
 
     # ---- lifecycle --------------------------------------------------------------------
     def reset(self) -> None:
@@ -133,17 +148,13 @@ class FleetService:
         """Journal a round: releases first (each checked against the holder and epoch it ends),
         then the grants (each only onto a pool without a lease), then record the asks."""
         rt = self.runtime
-        for pid, holder, epoch in plan.releases:
-            rid = internal_request_id("release", pid, holder, epoch)
-            body = {"pool_id": pid, "scheduler_id": holder, "epoch": epoch}
-            result = await rt.mutate("release_pool", rid, rid, body, internal=True)
-            log.warning("fleet: pool released", pool=pid, scheduler=holder[:64], lease_epoch=epoch,
-                        released=result["released"], dropped=len(result["dropped_seq_ids"]))
-        if plan.grants:
-            rid = internal_request_id("grant", uuid.uuid4().hex)
-            result = await rt.mutate("grant_pools", rid, rid, {"grants": [[p, s] for p, s in plan.grants]},
-                                     internal=True)
-            for pid, sid, epoch in result["granted"]:
+        for op, rid, body in plan_ops(plan):
+            result = await rt.mutate(op, rid, rid, body, internal=True)
+            if op == "release_pool":
+                log.warning("fleet: pool released", pool=body["pool_id"], scheduler=body["scheduler_id"][:64],
+                            lease_epoch=body["epoch"], released=result["released"],
+                            dropped=len(result["dropped_seq_ids"]))
+            for pid, sid, epoch in result.get("granted", ()):
                 log.info("fleet: pool granted", pool=pid, scheduler=sid[:64], lease_epoch=epoch)
         self.fleet.ask(plan.asks)
         for sid, pid in plan.asks:
@@ -187,6 +198,22 @@ class FleetService:
         self._backoff.reset()
         self.arm()
 
+    def poke(self) -> None:
+        """A round soon (a node registered: its pool has no lease and members would wait for
+        their next heartbeat to get it). Nothing without members."""
+        if not self.fleet.members() or self.runtime.phase not in ("serving", "draining") or self._poked:
+            return
+        self._poked = True
+        self.runtime.tasks.spawn(self._poke_round(), name="fleet-round")
+
+    async def _poke_round(self) -> None:
+        self._poked = False
+        rt = self.runtime
+        try:
+            await self._apply(self.fleet.plan(rt.state.fleet_views(rt.clock())))
+        except Exception as exc:  # noqa: BLE001 - logged; the next heartbeat redoes the round
+            log.error("fleet round failed", error=clip(repr(exc)))
+
     def _retry(self) -> None:
         """After a failed lapse round: a round with no member leaving (lapsed leases of
         non-members, which the departed members' now are, are released and reassigned)."""
@@ -212,4 +239,4 @@ class FleetService:
         return out
 
 
-__all__ = ["Assignment", "FleetService", "OwnedPoolInfo"]
+__all__ = ["Assignment", "FleetService", "OwnedPoolInfo", "plan_ops"]

@@ -337,6 +337,7 @@ class ServiceRuntime:
     def _after_apply(self, op: str, payload: dict[str, Any], result: dict[str, Any]) -> None:
         if op == "register_node":
             self.schedule_lease_check()
+            self.fleet.poke()   # a new pool goes to a member now, not at the next heartbeat
 
     def _journal_failed(self, exc: BaseException) -> None:
         self._set_phase("failed")
