@@ -36,19 +36,37 @@ def test_services_and_dependencies() -> None:
     doc = yaml.safe_load(COMPOSE_FILE.read_text())
     services = doc["services"]
     assert {"block-manager", "compute-node-0", "compute-node-1", "postgres", "model-init",
-            "api-server"} <= set(services)
+            "api-server", "api-server-2", "router"} <= set(services)
     for name in ("compute-node-0", "compute-node-1"):
         assert services[name]["depends_on"]["block-manager"]["condition"] == "service_healthy"
         assert services[name]["depends_on"]["model-init"]["condition"] == "service_completed_successfully"
         assert services[name]["environment"]["PAGEDKV_CN_MODEL"] == "/models/${PAGEDKV_MODEL:-tiny-llama}"
         assert services[name]["volumes"] == ["${PAGEDKV_MODEL_DIR:-models}:/models:ro"]
-    api = services["api-server"]
-    for dep in ("block-manager", "compute-node-0", "compute-node-1"):
-        assert api["depends_on"][dep]["condition"] == "service_healthy"
-    assert api["depends_on"]["model-init"]["condition"] == "service_completed_successfully"
-    assert api["command"][:3] == ["pagedkv-serve", "--model", "/models/${PAGEDKV_MODEL:-tiny-llama}"]
-    assert api["healthcheck"]["test"] == ["CMD", "python", "-m", "engine.api.healthcheck", "127.0.0.1:8000"]
-    assert api["ports"] == ["8000:8000"]
+    # two API replicas in fleet mode: distinct scheduler ids, each advertising its own service
+    # name (the bound address 0.0.0.0 -> the hostname), each published on its own host port
+    replicas = {name: services[name] for name in ("api-server", "api-server-2")}
+    assert [api["environment"]["PAGEDKV_API_SCHEDULER_ID"] for api in replicas.values()] == list(replicas)
+    assert [api["hostname"] for api in replicas.values()] == list(replicas)
+    assert [api["ports"] for api in replicas.values()] == [["8001:8000"], ["8002:8000"]]
+    for api in replicas.values():
+        for dep in ("block-manager", "compute-node-0", "compute-node-1"):
+            assert api["depends_on"][dep]["condition"] == "service_healthy"
+        assert api["depends_on"]["model-init"]["condition"] == "service_completed_successfully"
+        assert api["command"][:3] == ["pagedkv-serve", "--model", "/models/${PAGEDKV_MODEL:-tiny-llama}"]
+        assert api["command"][3:] == ["--block-manager", "block-manager:50051"]       # fleet mode (no --no-fleet)
+        assert api["environment"]["PAGEDKV_API_HOST"] == "0.0.0.0"
+        assert api["healthcheck"]["test"] == ["CMD", "python", "-m", "engine.api.healthcheck", "127.0.0.1:8000"]
+    # the router is the entry point on the published port 8000, with the replicas' API key
+    router = services["router"]
+    assert router["command"] == ["pagedkv-router", "--model", "/models/${PAGEDKV_MODEL:-tiny-llama}",
+                                 "--block-manager", "block-manager:50051"]
+    assert router["ports"] == ["8000:8000"]
+    assert router["environment"]["PAGEDKV_ROUTER_API_KEY"] == replicas["api-server"]["environment"]["PAGEDKV_API_KEY"]
+    assert router["depends_on"]["block-manager"]["condition"] == "service_healthy"
+    assert {router["depends_on"][r]["condition"] for r in replicas} == {"service_started"}
+    assert router["healthcheck"]["test"] == ["CMD", "python", "-m", "engine.api.healthcheck", "127.0.0.1:8000"]
+    published = [p.split(":")[0] for svc in services.values() for p in svc.get("ports", [])]
+    assert len(published) == len(set(published)), published
     assert services["model-init"]["restart"] == "no" and "models" in doc["volumes"]
     assert services["postgres"]["profiles"] == ["postgres"]
     assert services["block-manager"]["depends_on"]["postgres"]["required"] is False
@@ -113,9 +131,28 @@ def test_api_server_command_is_accepted_by_its_cli(tmp_path: Path) -> None:
     assert args.port_file == stack.port_file("api-server")
     assert args.api_key in (None, "") and int(args.max_num_seqs) == 256
     assert stack.specs["api-server"].healthcheck == ["python", "-m", "engine.api.healthcheck", "127.0.0.1:8000"]
+    _, env2 = stack.command("api-server-2")
+    assert (env["PAGEDKV_API_SCHEDULER_ID"], env2["PAGEDKV_API_SCHEDULER_ID"]) == ("api-server", "api-server-2")
     init_argv, _ = stack.command("model-init")
     assert stack.specs["model-init"].oneshot and not stack.specs["api-server"].oneshot
     assert init_argv == [sys.executable, "-m", "engine.model_init", str(tmp_path / "hf" / "Qwen3-0.6B")]
+
+
+def test_router_command_is_accepted_by_its_cli(tmp_path: Path) -> None:
+    from engine.api.router_cli import _parser
+
+    stack = LocalStack(tmp_path, interp_env={"PAGEDKV_MODEL_DIR": str(tmp_path / "hf"), "PAGEDKV_MODEL": "Qwen3-0.6B",
+                                             "PAGEDKV_API_KEY": "k" * 20})
+    stack.ports[("block-manager", 50051)] = 50999
+    argv, env = stack.command("router")
+    assert argv[0] == "pagedkv-router"
+    with mock.patch.dict(os.environ, {k: v for k, v in env.items() if k.startswith("PAGEDKV_")}, clear=False):
+        args = _parser().parse_args(argv[1:])
+    assert args.model == str(tmp_path / "hf" / "Qwen3-0.6B")
+    assert args.block_manager == "127.0.0.1:50999"
+    assert (args.host, args.port, args.port_file) == ("127.0.0.1", 0, stack.port_file("router"))
+    assert args.api_key == "k" * 20
+    assert set(stack.specs["router"].depends_on) == {"model-init", "block-manager", "api-server", "api-server-2"}
 
 
 def test_one_shot_services_run_to_completion_first(tmp_path: Path) -> None:
