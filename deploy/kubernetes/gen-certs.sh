@@ -10,6 +10,7 @@
 #   block-manager-tls     tls.crt tls.key              DNS block-manager[.NS[.svc[.DOMAIN]]], localhost,
 #                                                      IP 127.0.0.1 (the probe), URI spiffe://pagedkv/block-manager
 #   api-server-tls        tls.crt tls.key              client: URI spiffe://pagedkv/scheduler
+#   router-tls            tls.crt tls.key              client: URI spiffe://pagedkv/scheduler/router (Route only in practice)
 #   compute-node-cpu-tls  compute-node-cpu-N.crt/.key  one pair per StatefulSet ordinal N: the node id is the
 #   compute-node-gpu-tls  compute-node-gpu-N.crt/.key  pod name, so URI spiffe://pagedkv/node/compute-node-cpu-N;
 #                                                      DNS compute-node-cpu-N.compute-node-cpu[.NS[.svc[.DOMAIN]]]
@@ -59,6 +60,7 @@ dns() { echo "DNS:$1,DNS:$1.$ns,DNS:$1.$ns.svc,DNS:$1.$ns.svc.$domain"; }
 leaf block-manager serverAuth,clientAuth \
   "$(dns block-manager),DNS:localhost,IP:127.0.0.1,URI:spiffe://pagedkv/block-manager"
 leaf api-server clientAuth "URI:spiffe://pagedkv/scheduler"
+leaf router clientAuth "URI:spiffe://pagedkv/scheduler/router"
 leaf admin clientAuth "URI:spiffe://pagedkv/admin"
 nodes() {  # nodes VARIANT COUNT
   local set="compute-node-$1" i
@@ -89,11 +91,12 @@ per_node() {  # per_node VARIANT COUNT: KEY=FILE pairs of every ordinal
   secret pagedkv-ca "ca.crt=$out/ca.pem"
   secret block-manager-tls "tls.crt=$out/block-manager.pem" "tls.key=$out/block-manager-key.pem"
   secret api-server-tls "tls.crt=$out/api-server.pem" "tls.key=$out/api-server-key.pem"
+  secret router-tls "tls.crt=$out/router.pem" "tls.key=$out/router-key.pem"
   # shellcheck disable=SC2046
   secret compute-node-cpu-tls $(per_node cpu "$cpu_nodes")
   # shellcheck disable=SC2046
   secret compute-node-gpu-tls $(per_node gpu "$gpu_nodes")
 } >"$out/tls-secrets.yaml"
 chmod 600 "$out/tls-secrets.yaml"
-echo "gen-certs: CA and certificates for block-manager, api-server, admin, $cpu_nodes cpu and $gpu_nodes gpu node(s) in $out;" \
+echo "gen-certs: CA and certificates for block-manager, api-server, router, admin, $cpu_nodes cpu and $gpu_nodes gpu node(s) in $out;" \
   "kubectl apply -f $out/tls-secrets.yaml" >&2

@@ -33,6 +33,7 @@ ENV_PREFIXES = {  # command -> (env prefix, settings class or None for flag-mirr
     "block-manager": ("PAGEDKV_", BlockManagerConfig),
     "compute-node": ("PAGEDKV_CN_", ComputeNodeConfig),
     "pagedkv-serve": ("PAGEDKV_API_", None),
+    "pagedkv-router": ("PAGEDKV_ROUTER_", None),
 }
 
 
@@ -103,8 +104,11 @@ def test_required_pieces_are_there() -> None:
     limits = gpu["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits["nvidia.com/gpu"] == 1
     assert any(d["metadata"]["name"] == "compute-node-cpu" for d in docs)
-    assert ("Service", "api-server") in kinds and ("Deployment", "api-server") in kinds
-    assert any(k == "PodDisruptionBudget" for k, _ in kinds)
+    assert ("Deployment", "api-server") in kinds
+    # fleet mode: the router Service is the public face, the API replicas sit behind it
+    assert ("Service", "router") in kinds and ("Deployment", "router") in kinds
+    assert ("Service", "api-server") not in kinds      # users reach the replicas through the router only
+    assert ("PodDisruptionBudget", "router") in kinds and ("PodDisruptionBudget", "api-server") in kinds
     assert any(k == "NetworkPolicy" and n == "default-deny" for k, n in kinds)
     for w in _workloads():
         annotations = w["spec"]["template"]["metadata"].get("annotations", {})
@@ -124,6 +128,42 @@ def test_required_pieces_are_there() -> None:
                    for v in w["spec"]["template"]["spec"]["volumes"]), name
         if c["command"][0] == "compute-node":
             assert w["kind"] == "StatefulSet", name
+
+
+def _workload(name: str) -> dict[str, Any]:
+    return next(w for w in _workloads() if w["metadata"]["name"] == name)
+
+
+def test_fleet_mode_api_replicas_and_the_router_in_front() -> None:
+    """Two API replicas, each a fleet member named after its pod and advertising its pod IP (the
+    downward API); rollouts stop a replica before starting its successor (a surge pod would own no
+    node and never get ready); readiness is /health (owned nodes / known engines), liveness only
+    that the server answers. The router dials the block manager and forwards to the replicas."""
+    api = _workload("api-server")
+    assert api["spec"]["replicas"] == 2
+    assert api["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    (c,) = api["spec"]["template"]["spec"]["containers"]
+    fields = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]
+              if "fieldRef" in e.get("valueFrom", {})}
+    assert fields == {"POD_NAME": "metadata.name", "POD_IP": "status.podIP"}
+    pod = "api-server-5d8f7c9b4-x2k8q"
+    env = _env(c, pod)
+    assert env["PAGEDKV_API_SCHEDULER_ID"] == pod
+    assert env["PAGEDKV_API_ADVERTISE_URL"] == f"http://10.1.2.3:{env['PAGEDKV_API_PORT']}"
+    assert "--no-fleet" not in c["command"] and "--block-manager" in c["command"]
+    router = _workload("router")
+    assert router["spec"]["replicas"] >= 1
+    (r,) = router["spec"]["template"]["spec"]["containers"]
+    assert r["command"][0] == "pagedkv-router"
+    assert r["command"][r["command"].index("--block-manager") + 1] == "block-manager:50051"
+    assert r["command"][r["command"].index("--model") + 1] == c["command"][c["command"].index("--model") + 1]
+    for container in (c, r):
+        assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+        assert container["livenessProbe"]["httpGet"]["path"] == "/metrics"
+        assert container["startupProbe"]["httpGet"]["path"] == "/metrics"
+    key_ref = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in [*c["env"], *r["env"]]
+               if "secretKeyRef" in e.get("valueFrom", {})}
+    assert key_ref["PAGEDKV_ROUTER_API_KEY"] == key_ref["PAGEDKV_API_KEY"]
 
 
 # ---- env vars and flags ---------------------------------------------------------------------
@@ -235,7 +275,7 @@ def _listen_ports(c: dict[str, Any]) -> set[int]:
     for name, value in env.items():
         if name.endswith("LISTEN_ADDRESS"):
             ports.add(int(value.rsplit(":", 1)[1]))
-        if name.endswith("METRICS_PORT") or name == "PAGEDKV_API_PORT":
+        if name.endswith("METRICS_PORT") or name in ("PAGEDKV_API_PORT", "PAGEDKV_ROUTER_PORT"):
             ports.add(int(value))
         bound = re.fullmatch(r"tcp://(?:\*|[\w.-]+):(\d+)", value) if name.endswith("_ENDPOINT") else None
         if bound:   # a socket the service binds (the KV-event publisher's ZMQ endpoints)
@@ -448,6 +488,10 @@ def test_certificates_name_the_identities_and_hosts_the_manifests_use(
                     pem = _secret_file(w, c, pod, "PAGEDKV_API_CERT_FILE", tls_secrets)
                     assert _principal_of(pem) == "scheduler"
                     assert c["command"][c["command"].index("--block-manager") + 1].startswith("block-manager:")
+                elif command == "pagedkv-router":
+                    pem = _secret_file(w, c, pod, "PAGEDKV_ROUTER_CERT_FILE", tls_secrets)
+                    assert _principal_of(pem) == "scheduler:router"     # may Step only as "router": it never does
+                    assert c["command"][c["command"].index("--block-manager") + 1].startswith("block-manager:")
                 else:
                     continue
                 seen.add(command)
@@ -542,7 +586,7 @@ def _tls_from_manifest(workload: str, pod: str, prefix: str, cert_dir: Path, **e
     env = _env(c, pod)
 
     def local(path: str) -> Path:
-        leaf = {"node": pod, "server": "block-manager", "client": "api-server"}
+        leaf = {"node": pod, "server": "block-manager", "client": "api-server", "router": "router"}
         directory, name = path.rsplit("/", 2)[1:]
         if directory == "ca":
             return cert_dir / "ca.pem"
@@ -556,7 +600,8 @@ async def test_a_node_pod_registers_as_itself_only_over_the_manifests_mtls(cert_
     """A real block manager with the manifest's TLS settings: pod compute-node-cpu-0, with the
     certificate its env names and dialling the name its env names, registers as node id
     compute-node-cpu-0 (its pod name); with ordinal 1's certificate it may not; the API server's
-    certificate may Step but not register a node."""
+    certificate may Step but not register a node; the router's may Route, and neither Step nor
+    join the fleet as another scheduler."""
     from block_manager.service.server import BlockManagerServer
     from pagedkv.tls import open_channel
     from pagedkv.v1 import block_manager_pb2 as pb
@@ -587,10 +632,17 @@ async def test_a_node_pod_registers_as_itself_only_over_the_manifests_mtls(cert_
         node0 = _tls_from_manifest("compute-node-cpu", "compute-node-cpu-0", "PAGEDKV_CN_TLS__", cert_dir)
         node1 = _tls_from_manifest("compute-node-cpu", "compute-node-cpu-1", "PAGEDKV_CN_TLS__", cert_dir)
         api = _tls_from_manifest("api-server", "api-server-5d8f7c9b4-x2k8q", "PAGEDKV_API_", cert_dir)
+        router = _tls_from_manifest("router", "router-5d8f7c9b4-x2k8q", "PAGEDKV_ROUTER_", cert_dir)
         assert await code(node0, "RegisterNode", register("compute-node-cpu-0")) == grpc.StatusCode.OK
         assert await code(node1, "RegisterNode", register("compute-node-cpu-0")) == grpc.StatusCode.PERMISSION_DENIED
         assert await code(api, "RegisterNode", register("compute-node-cpu-0")) == grpc.StatusCode.PERMISSION_DENIED
         step = step_request(allocs=[("seq-0", "compute-node-cpu-0", list(range(10)), 0, None, 0)])
         assert await code(api, "Step", step) == grpc.StatusCode.OK
+        # the router's certificate: Route, nothing that changes state
+        assert await code(router, "Route", pb.RouteRequest(token_ids=[1, 2, 3])) == grpc.StatusCode.OK
+        assert await code(router, "Step", step_request()) == grpc.StatusCode.PERMISSION_DENIED
+        assert await code(router, "RegisterNode", register("compute-node-cpu-0")) == grpc.StatusCode.PERMISSION_DENIED
+        heartbeat = pb.SchedulerHeartbeatRequest(scheduler_id="api-server-5d8f7c9b4-x2k8q", address="http://x:8000")
+        assert await code(router, "SchedulerHeartbeat", heartbeat) == grpc.StatusCode.PERMISSION_DENIED
     finally:
         await server.stop(0)

@@ -11,8 +11,13 @@ The call graph is derived, not listed by hand:
   its listen address from its settings in the manifest.
 - **the database**: `database_url` in the block manager's config, resolved to the Service and the
   pods it selects;
+- **a narrow client**: a workload whose command only ever makes some calls (the router: Route)
+  gets edges for those only, whatever else its credential would allow (`CLIENT_CALLS`, checked
+  against the router's code);
+- **HTTP**: the router forwards to the fleet's API replicas (every `pagedkv-serve` workload in
+  fleet mode, at its `PAGEDKV_API_PORT`: the address each advertises is its pod IP);
 - **metrics**: every pod's `prometheus.io/port`, scraped from the namespace `monitoring`;
-- **the public face**: the api-server Service's port, from anywhere;
+- **the public face**: the router Service's port, from anywhere;
 - **DNS**: every pod that dials anything, to kube-dns (port 53, UDP and TCP).
 
 The policies are then evaluated with the NetworkPolicy rules (ingress of the callee AND egress
@@ -26,6 +31,7 @@ does is dropped, nothing else gets through.
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +70,13 @@ SERVERS: dict[str, tuple[Callable[[str, Principal, Any], str | None], tuple[str,
                       "PAGEDKV_LISTEN_ADDRESS"),
     "compute-node": (cn_access.authorize, ("pagedkv.v1.ComputeNode",), "PAGEDKV_CN_LISTEN_ADDRESS"),
 }
+
+
+# Commands that only ever make these calls (service/method), whatever their credential allows:
+# the router holds a scheduler certificate but only asks the block manager Route
+# (test_the_routers_calls_are_the_ones_declared reads engine/api/router.py).
+CLIENT_CALLS: dict[str, frozenset[str]] = {"pagedkv-router": frozenset({"BlockManager/Route"})}
+PUBLIC_SERVICE = "router"
 
 
 # ---- the endpoints: the manifests' pods and the outsiders -------------------------------------
@@ -238,7 +251,18 @@ def derive_call_graph(secrets: dict[str, dict[str, bytes]], tmp_path: Path,
                 holders.setdefault(role, set()).update(_holders_of_token(token))
             for role, methods in allowed.items():
                 for caller in holders.get(role, ()):
-                    add(caller, w["metadata"]["name"], port, "TCP", f"{role}: {', '.join(methods)}")
+                    calls = _client_calls(caller)
+                    used = [m for m in methods if calls is None or m in calls]
+                    if used:
+                        add(caller, w["metadata"]["name"], port, "TCP", f"{role}: {', '.join(used)}")
+
+    # HTTP: the router forwards to the fleet's API replicas (at the pod IPs they advertise).
+    for w in _workloads():
+        for c in w["spec"]["template"]["spec"]["containers"]:
+            if (c.get("command") or [""])[0] != "pagedkv-router" or "--block-manager" not in c["command"]:
+                continue
+            for member, api_port in _fleet_members():
+                add(w["metadata"]["name"], member, api_port, "TCP", "HTTP: forwarded OpenAI requests")
 
     # The database the block manager's config names.
     for w in _workloads():
@@ -259,9 +283,9 @@ def derive_call_graph(secrets: dict[str, dict[str, bytes]], tmp_path: Path,
         if annotations.get("prometheus.io/scrape") == "true":
             add(MONITORING.name, w["metadata"]["name"], int(annotations["prometheus.io/port"]), "TCP", "metrics scrape")
 
-    # The public face: the api-server Service.
+    # The public face: the router Service.
     public = set()
-    svc = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "api-server")
+    svc = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == PUBLIC_SERVICE)
     for target in _selected_workloads(svc["spec"]["selector"]):
         workload = next(w for w in _workloads() if w["metadata"]["name"] == target)
         (c,) = workload["spec"]["template"]["spec"]["containers"]
@@ -273,6 +297,26 @@ def derive_call_graph(secrets: dict[str, dict[str, bytes]], tmp_path: Path,
         for proto in ("UDP", "TCP"):
             add(caller, KUBE_DNS.name, 53, proto, "DNS")
     return CallGraph(edges, public)
+
+
+def _client_calls(workload: str) -> frozenset[str] | None:
+    """The calls a workload's containers make, when its command is a narrow client (else None)."""
+    w = next(w for w in _workloads() if w["metadata"]["name"] == workload)
+    commands = {(c.get("command") or [""])[0] for c in w["spec"]["template"]["spec"]["containers"]}
+    narrow = [CLIENT_CALLS[c] for c in commands if c in CLIENT_CALLS]
+    return frozenset().union(*narrow) if narrow and len(narrow) == len(commands) else None
+
+
+def _fleet_members() -> list[tuple[str, int]]:
+    """(workload, API port) of every `pagedkv-serve` container in fleet mode (with a block
+    manager, without --no-fleet): the engines a router may forward to."""
+    out = []
+    for w in _workloads():
+        for c in w["spec"]["template"]["spec"]["containers"]:
+            command = c.get("command") or [""]
+            if command[0] == "pagedkv-serve" and "--block-manager" in command and "--no-fleet" not in command:
+                out.append((w["metadata"]["name"], int(_env(c)["PAGEDKV_API_PORT"])))
+    return out
 
 
 def _selected_workloads(selector: dict[str, str]) -> list[str]:
@@ -416,6 +460,7 @@ def test_the_call_graph_is_the_one_the_design_describes(graph: CallGraph) -> Non
         return {p for (s, d, p, proto) in graph.edges if s == src and d == dst and proto == "TCP"}
 
     assert ports("api-server", "block-manager") == {50051}
+    assert any("SchedulerHeartbeat" in w for w in graph.edges[("api-server", "block-manager", 50051, "TCP")])
     assert ports("api-server", "compute-node-cpu") == ports("api-server", "compute-node-gpu") == {50061}
     assert ports("compute-node-cpu", "block-manager") == {50051}
     assert ports("compute-node-cpu", "compute-node-gpu") == ports("compute-node-gpu", "compute-node-cpu") == {50061}
@@ -423,10 +468,17 @@ def test_the_call_graph_is_the_one_the_design_describes(graph: CallGraph) -> Non
     assert ports("block-manager", "postgres") == {5432}
     assert ports("block-manager", "block-manager") == {50051}      # the admin CLI in the pod, with the admin token
     assert ports("block-manager", "compute-node-cpu") == set()     # the block manager never calls a node
-    assert not any(d == "api-server" for (s, d, *_) in graph.edges if s != MONITORING.name)
+    # the router: Route at the block manager, the requests to the replicas; never a node
+    assert ports("router", "block-manager") == {50051}
+    assert graph.edges[("router", "block-manager", 50051, "TCP")] == ["scheduler: BlockManager/Route"]
+    assert ports("router", "api-server") == {8000}
+    assert ports("router", "compute-node-cpu") == ports("router", "compute-node-gpu") == set()
+    assert {s for (s, d, *_) in graph.edges if d == "api-server"} == {"router", MONITORING.name}
+    assert not any(d == "router" for (s, d, *_) in graph.edges if s != MONITORING.name)
     assert ports(MONITORING.name, "block-manager") == {9400}
     assert ports(MONITORING.name, "compute-node-gpu") == {9401}
-    assert graph.public == {("api-server", 8000, "TCP")}
+    assert ports(MONITORING.name, "router") == ports(MONITORING.name, "api-server") == {8000}
+    assert graph.public == {("router", 8000, "TCP")}
     assert ("postgres", KUBE_DNS.name, 53, "UDP") not in graph.edges       # postgres dials nothing
 
 
@@ -445,6 +497,15 @@ def test_every_listening_port_is_called(graph: CallGraph) -> None:
     bm = pod_endpoints()["block-manager"]
     with_zmq = Endpoint(bm.name, bm.namespace, bm.labels, bm.ports, bm.listens | {(5557, "TCP")})
     assert idle_ports([with_zmq], graph) == [("block-manager", 5557, "TCP")]
+
+
+def test_the_routers_calls_are_the_ones_declared() -> None:
+    """CLIENT_CALLS narrows the router's edges to Route: its code calls nothing else on its block
+    manager client (a new call there must be declared, and the policies follow)."""
+    source = (Path(__file__).resolve().parents[2] / "engine" / "api" / "router.py").read_text()
+    called = set(re.findall(r"self\._bm\.(\w+)\(", source)) - {"close"}
+    assert called == {"route"}
+    assert {f"BlockManager/{name.title()}" for name in called} == CLIENT_CALLS["pagedkv-router"]
 
 
 def test_the_network_policies_allow_exactly_the_call_graph(graph: CallGraph) -> None:
