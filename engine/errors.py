@@ -43,6 +43,25 @@ class NodeOutOfPlacement(Exception):
         self.node_id = node_id
 
 
+class PoolLost(Exception):
+    """A pool this engine drove in the fleet is no longer its own, or is its own again under a new
+    lease (`engine.fleet_pools`): the block manager handed it to another member while this engine
+    missed its heartbeats, and dropped the engine's sequences there with the handover."""
+
+    def __init__(self, pool_id: str) -> None:
+        super().__init__(f"pool {pool_id!r} went to another fleet member")
+        self.pool_id = pool_id
+
+
+class PoolReleasing(Exception):
+    """The block manager asked the engine to hand a pool over to another fleet member
+    (rebalancing): the engine's sequences there give their blocks up before it does."""
+
+    def __init__(self, pool_id: str) -> None:
+        super().__init__(f"pool {pool_id!r} is handed to another fleet member")
+        self.pool_id = pool_id
+
+
 class NodeError(Exception):
     """A model node's step failed; the node wrote nothing of it that counts (the step is
     reported failed and the block manager drops what it wrote)."""
@@ -70,4 +89,4 @@ class NodeRefused(NodeError):
 
 
 __all__ = ["EngineError", "EngineFailure", "EpochDropped", "NodeError", "NodeMovedOn", "NodeOutOfPlacement",
-           "NodeRefused", "NodeUnreachable"]
+           "NodeRefused", "NodeUnreachable", "PoolLost", "PoolReleasing"]

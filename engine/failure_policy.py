@@ -3,7 +3,8 @@
 Every refusal and fault the engine handles arrives as a typed error: the block manager's
 per-item refusals (`block_manager.client`: out of blocks, pool gone, pool draining, a write
 pending, invalid), its whole-Step failures (unreachable), a sequence the block manager dropped
-with its node's epoch or held on a node out of placement (`engine.errors`), and a model node's failed step
+with its node's epoch or held on a node out of placement, one held on a pool the fleet asks back or
+handed to another engine (`engine.errors`, `engine.fleet_pools`), and a model node's failed step
 (`engine.errors`: unreachable, moved on, refused). `action_for` looks the pair up, walking the
 error's class hierarchy, so a subclass inherits its parent's row; a pair with no row stops the
 engine. Nothing is decided by a status code or a reason string.
@@ -29,7 +30,15 @@ from block_manager.client import (
     PoolGoneError,
     UnavailableError,
 )
-from engine.errors import EpochDropped, NodeMovedOn, NodeOutOfPlacement, NodeRefused, NodeUnreachable
+from engine.errors import (
+    EpochDropped,
+    NodeMovedOn,
+    NodeOutOfPlacement,
+    NodeRefused,
+    NodeUnreachable,
+    PoolLost,
+    PoolReleasing,
+)
 
 MAX_REFUSALS_IN_A_ROW = 20
 
@@ -84,6 +93,8 @@ POLICY: dict[tuple[Item, type[BaseException]], Action] = {
     (Item.HELD, EpochDropped): Action.RECOMPUTE,
     (Item.HELD, PoolGoneError): Action.RECOMPUTE,
     (Item.HELD, NodeOutOfPlacement): Action.RECOMPUTE_FREE,
+    (Item.HELD, PoolReleasing): Action.RECOMPUTE_FREE,
+    (Item.HELD, PoolLost): Action.RECOMPUTE,
     (Item.STEP, UnavailableError): Action.RESEND,
     (Item.STEP, DeadlineExceededError): Action.RESEND,
     (Item.STEP, Exception): Action.STOP_ENGINE,
@@ -117,6 +128,10 @@ ROW_NOTES: dict[tuple[Item, type[BaseException]], str] = {
     (Item.HELD, EpochDropped): "its node's epoch ended (its step failed): recomputed, nothing to free",
     (Item.HELD, PoolGoneError): "swapped, and its pool is gone from the Step's answer: recomputed, nothing to free",
     (Item.HELD, NodeOutOfPlacement): "swapped on a node out of placement: freed, recomputed elsewhere",
+    (Item.HELD, PoolReleasing): "running or swapped on a pool the fleet asks back (rebalance): freed, recomputed "
+                                "on this engine's other nodes; the pool is reported released once nothing is left",
+    (Item.HELD, PoolLost): "running or swapped on a pool handed to another fleet member (this engine missed its "
+                           "heartbeats): the handover dropped it; recomputed, nothing to free",
     (Item.STEP, UnavailableError): "resent under its request id until answered, "
                                    "STOP_ENGINE after bm_unavailable_timeout_s",
     (Item.STEP, DeadlineExceededError): "resent under its request id until answered, "

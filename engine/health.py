@@ -79,6 +79,11 @@ class NodeHealth:
             self.num_readmitted += 1
         log.info("node_readmitted", node_id=node_id)
 
+    def forget(self, node_id: str) -> None:
+        """`node_id` is no longer the engine's (a fleet pool handed over): no more probes."""
+        with self._lock:
+            self._down.pop(node_id, None)
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

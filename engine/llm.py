@@ -13,6 +13,9 @@ found through the block manager and used data-parallel, routed by prefix; nodes 
 later are adopted as requests are routed to them. Across hosts, `tls=` (a `TlsSettings`: the CA
 that verifies the services, and the scheduler's client certificate for mutual TLS) and/or
 `token=` (the scheduler's bearer token) are presented to the block manager and to every node.
+With `fleet=FleetSettings(...)` the engine joins the block manager's fleet instead
+(`engine.fleet`, what `pagedkv-serve --block-manager` does): it drives only the nodes the block
+manager assigns it, so several engines can share one block manager's nodes.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from compute_node.model.config import ModelConfig
 from engine.async_policy import choose_async_scheduling
 from engine.errors import InvalidEngineArgs
 from engine.executor import NodeExecutor, RemoteNode
+from engine.fleet import FleetMember, FleetSettings
 from engine.llm_engine import EngineConfig, EngineError, LLMEngine
 from engine.params import InvalidParams, RequestOutput, SamplingParams
 from engine.tokenizer import Tokenizer
@@ -45,7 +49,9 @@ class LLM:
     `num_kv_blocks`, `dtype` ("float32", "float16", "bfloat16"; default the checkpoint's),
     `device` ("auto", "cpu", "cuda", "cuda:N"), `enable_prefix_caching`, `max_num_seqs`,
     `max_num_batched_tokens` (per step; longer prompts are prefilled in chunks),
-    `max_model_len`. With `block_manager`: `tls`, `token` (the scheduler's credentials).
+    `max_model_len`. With `block_manager`: `tls`, `token` (the scheduler's credentials),
+    `scheduler_id` (its name at the block manager; default a fresh one) and `fleet` (join the
+    fleet: see the module docstring).
     Host tier (docs/tiers.md): `host_kv_memory` (bytes) or `host_kv_blocks`, and `preemption_mode`
     ("auto": swap where the node has a host tier, "swap", "recompute"). Disk tier under it:
     `disk_kv_path` (a directory) and `disk_kv_bytes`; it outlives the process. `async_scheduling`:
@@ -81,6 +87,8 @@ class LLM:
         disk_kv_bytes: int | None = None,
         async_scheduling: bool | None = None,
         prepack_linear: bool = True,
+        scheduler_id: str | None = None,
+        fleet: FleetSettings | None = None,
     ) -> None:
         self.model_dir = Path(model)
         if not self.model_dir.is_dir():
@@ -90,6 +98,9 @@ class LLM:
         # foreign directory gets the words the command line uses ("has no config.json").
         ModelConfig.from_dir(self.model_dir)
         _check_tier_args(block_manager, host_kv_memory, host_kv_blocks, disk_kv_path, disk_kv_bytes, prepack_linear)
+        if block_manager is None and (fleet is not None or scheduler_id is not None):
+            raise InvalidEngineArgs("fleet and scheduler_id need block_manager= (the embedded block manager has "
+                                    "one scheduler: this one)")
         try:   # validated here; whether steps overlap is settled once the nodes are known (below)
             config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_model_len, preemption_mode=preemption_mode,
@@ -109,6 +120,7 @@ class LLM:
         nodes: dict[str, NodeExecutor]
         client: BlockManagerClient
         connect: Callable[[str, str], NodeExecutor] | None = None
+        member: FleetMember | None = None
         if block_manager is None:   # embedded: the block manager in this process (bm_config)
             from engine.local_bm import LocalBlockManagerClient
             from engine.local_node import LocalNode
@@ -129,7 +141,8 @@ class LLM:
             def connect(pool_id: str, address: str) -> NodeExecutor:
                 return RemoteNode(pool_id, address, tls=tls, token=token)
 
-            client = BlockManagerClient(block_manager, tls=tls, token=token)
+            client = BlockManagerClient(block_manager, tls=tls, token=token, scheduler_id=scheduler_id)
+            member = FleetMember(client, fleet) if fleet is not None else None
             routes = client.route([0])
             if not routes:
                 raise EngineError(f"no compute node is registered with the block manager at {block_manager}")
@@ -137,8 +150,10 @@ class LLM:
         self.client = client
         config = replace(config, async_scheduling=choose_async_scheduling(
             async_scheduling, [node.info() for node in nodes.values()]))
-        self.engine = LLMEngine(client, nodes, config, detokenize=self.tokenizer.decode, connect=connect)
+        self.engine = LLMEngine(client, nodes, config, detokenize=self.tokenizer.decode, connect=connect,
+                                fleet=member)
         if block_manager is not None and self.engine.model_name != self.model_dir.name:
+            self.close()   # its threads stop; a fleet member leaves at once
             raise EngineError(f"the nodes serve {self.engine.model_name!r}, not {self.model_dir.name!r}")
         if self.tokenizer.eos_token_id is not None:
             self.engine.eos_token_ids = self.engine.eos_token_ids | {self.tokenizer.eos_token_id}

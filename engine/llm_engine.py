@@ -50,6 +50,8 @@ from engine.bm_steps import UNREACHABLE, StepSender
 from engine.config import MAX_NUM_SEQS, PREEMPTION_MODES, EngineConfig, async_scheduling_default
 from engine.discovery import BackgroundDiscovery, NodeDiscovery, node_problem
 from engine.errors import EngineError, EngineFailure
+from engine.fleet import FleetMember
+from engine.fleet_pools import FleetPools
 from engine.health import NodeHealth
 from engine.node_api import NodeExecutor
 from engine.params import CompletionOutput, InvalidParams, RequestOutput, SamplingParams
@@ -66,6 +68,7 @@ from pagedkv.seeds import derive_seed
 
 NO_CAPACITY_WAIT_S = 0.05    # a step that could run nothing sleeps this long before the next
 PROBE_TIMEOUT_S = 2.0        # GetNodeInfo of a node out of placement (on the probing thread)
+FLEET_DISCOVERY_S = 0.25     # a fleet member looks for newly owned pools this often (a local read)
 log = get_logger("engine.llm_engine")
 
 
@@ -80,11 +83,16 @@ class LLMEngine:
         *,
         detokenize: Detokenize | None = None,
         connect: Callable[[str, str], NodeExecutor] | None = None,
+        fleet: FleetMember | None = None,
     ) -> None:
         """`nodes`: the model nodes by pool id. `connect(pool_id, address)`, when given, makes
         an executor for a node the block manager routes to but `nodes` lacks (one registered
         after the engine started) or whose address changed (a node restarted elsewhere): the
-        engine adopts it once it serves the same model (`engine.discovery`)."""
+        engine adopts it once it serves the same model (`engine.discovery`).
+
+        `fleet`: the engine joins the block manager's fleet (`engine.fleet`) and drives only the
+        pools it is assigned; `nodes` then only tell it the model (those it does not own are
+        closed) and it may own none for a while (`ready` is False then)."""
         if not nodes:
             raise EngineError("the engine needs at least one model node")
         self.client = client
@@ -100,10 +108,17 @@ class LLMEngine:
                 raise EngineError(f"node {nid!r} {problem}")
             client.tracker.set_block_size(nid, info.block_size)
         node_len = min(i.max_model_len for i in infos.values())
-        self.view = NodeView(nodes, {nid: (i.num_blocks, i.block_size) for nid, i in infos.items()},
+        self.max_kv_slots = max(i.num_blocks * i.block_size for i in infos.values())   # the largest node's
+        self.stats = EngineStats()
+        self.fleet = fleet
+        if fleet is not None:   # joined before anything else: what it owns decides what it drives
+            owned = fleet.join().owned
+            for nid in [nid for nid in nodes if nid not in owned]:
+                nodes[nid].close()
+            nodes = {nid: node for nid, node in nodes.items() if nid in owned}
+        self.view = NodeView(nodes, {nid: (infos[nid].num_blocks, infos[nid].block_size) for nid in nodes},
                              min(self.config.max_model_len or node_len, node_len))
         self.requests: dict[str, Request] = {}
-        self.stats = EngineStats()
         self._ids = itertools.count()
         self.sender = StepSender(self.config.bm_unavailable_timeout_s)
         self.health = NodeHealth(self._probe)
@@ -112,10 +127,21 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, client.tracker, self.view, queues, swap, self.health, self.stats,
                                    frozenset(first.eos_token_ids))
         self.pipeline = NodePipeline(self.config, client, self.view, self.scheduler, self.stats, detokenize)
+        self.fleet_pools: FleetPools | None = None
+        if fleet is not None:
+            self.fleet_pools = FleetPools(fleet, self.view, self.scheduler, self.health, client, self.sender)
+            for nid in self.nodes:
+                self.fleet_pools.adopted(nid)
+            fleet.start(load=lambda: (len(self.running), len(self.waiting)))
         self._discovery: BackgroundDiscovery | None = None
         if connect is not None:
-            self._discovery = BackgroundDiscovery(NodeDiscovery(connect, first.model, first.vocab_size),
-                                                  lambda: client.route([0]), lambda: self.nodes)
+            # a fleet member adopts the pools it is assigned, any other engine every routed pool
+            discovery = NodeDiscovery(connect, first.model, first.vocab_size)
+            if fleet is not None:
+                self._discovery = BackgroundDiscovery(discovery, fleet.adoptable, lambda: self.nodes,
+                                                      interval_s=FLEET_DISCOVERY_S)
+            else:
+                self._discovery = BackgroundDiscovery(discovery, lambda: client.route([0]), lambda: self.nodes)
             self._discovery.start()
 
     # ---- the parts' state, read through the engine ---------------------------------------------
@@ -141,6 +167,12 @@ class LLMEngine:
     @eos_token_ids.setter
     def eos_token_ids(self, token_ids: frozenset[int]) -> None:
         self.scheduler.eos_token_ids = token_ids
+
+    @property
+    def ready(self) -> bool:
+        """Whether the engine drives a node (a fleet member may own none for a while: its
+        requests wait, and routers should send them elsewhere)."""
+        return bool(self.nodes)
 
     @property
     def waiting(self) -> deque[Sequence]:
@@ -174,9 +206,8 @@ class LLMEngine:
                 f"the prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
                 "(prompt + at least one generated token)"
             )
-        capacity = max(n * bs for n, bs in self.pool_blocks.values())
-        if len(ids) + 1 > capacity:
-            raise EngineError(f"the prompt needs {len(ids) + 1} KV slots; the largest node holds {capacity}")
+        if len(ids) + 1 > self.max_kv_slots:
+            raise EngineError(f"the prompt needs {len(ids) + 1} KV slots; the largest node holds {self.max_kv_slots}")
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise InvalidParams(f"request id {rid!r} is already in use")
@@ -235,12 +266,18 @@ class LLMEngine:
         the caller's own time between two calls sits between two runs of a node."""
         started = time.perf_counter()
         stats, pipeline = self.stats, self.pipeline
+        if self.fleet is not None:
+            self.fleet.ensure_fresh()
         self.view.down = self.health.down_nodes()
-        if pipeline.flight is not None and not self.config.async_scheduling:
-            self.drain()   # overlap switched off with a step still running: that one ends first
+        if pipeline.flight is not None and (not self.config.async_scheduling or self._fleet_changes()):
+            # overlap switched off with a step still running, or a fleet pool to drop or hand
+            # over (nothing of it may be in flight): that step ends first
+            self.drain()
         flight = pipeline.flight
         if flight is None:   # nothing on the nodes: this step is planned now
             self._adopt_found()
+            if self.fleet_pools is not None:
+                self.fleet_pools.apply()
             flight = pipeline.prepare(*self._schedule(None), self.view.down)
             if flight is not None and self.config.async_scheduling:
                 pipeline.launch(flight)
@@ -270,12 +307,19 @@ class LLMEngine:
         self.sender.drain(wait=True)
         batch = self.client.step()
         plan = self.scheduler.plan(batch, flight)
-        if (self.swapped or self.waiting) and self.client.pending_reports:
-            # Queued work waits on blocks that reports release (a swap-out's, a finished step's):
-            # send them even in a Step with nothing else, so the answer's free counts move on.
+        pending = self.client.pending_reports
+        if (self.swapped or self.waiting or self.view.releasing) and pending:
+            # Queued work waits on blocks that reports release (a swap-out's, a finished step's),
+            # a pool handed over on its last report: send them even in a Step with nothing else,
+            # so the answer's free counts move on.
             batch.flush = True
+        lending = self.fleet_pools.lending_due() if self.fleet_pools is not None else 0
+        if lending:
+            batch.force = True   # this Step closes the owned pools' steps that carry serve grants
         t0 = time.perf_counter()
         result = self.sender.commit(batch)
+        if lending and self.fleet_pools is not None:
+            self.fleet_pools.lending_sent = lending
         self.stats.bm_s += time.perf_counter() - t0
         self.stats.num_bm_rpcs += result.num_rpcs
         if result.pool_free:
@@ -298,6 +342,9 @@ class LLMEngine:
         if self._discovery is None:
             return
         for pool_id, node, info in self._discovery.take():
+            if self.fleet is not None and not self.fleet.may_drive(pool_id):
+                node.close()   # owned when it was found, not any more
+                continue
             self.client.tracker.set_block_size(pool_id, info.block_size)
             self.pool_blocks[pool_id] = (info.num_blocks, info.block_size)
             self.view.max_model_len = min(self.view.max_model_len, info.max_model_len)
@@ -307,6 +354,12 @@ class LLMEngine:
             self.nodes[pool_id] = node
             self.health.readmit(pool_id)   # it just answered GetNodeInfo with the engine's model
             self.view.down = self.view.down - {pool_id}
+            self.max_kv_slots = max(self.max_kv_slots, info.num_blocks * info.block_size)
+            if self.fleet_pools is not None:
+                self.fleet_pools.adopted(pool_id)
+
+    def _fleet_changes(self) -> bool:
+        return self.fleet_pools is not None and self.fleet_pools.needs_idle_nodes()
 
     # ---- outputs ------------------------------------------------------------------------
     def _collect_outputs(self) -> list[RequestOutput]:
@@ -331,19 +384,41 @@ class LLMEngine:
     def flush(self) -> None:
         """Send the last frees and reports (an idle engine: blocks back, plans can commit).
         With the block manager unreachable they wait for the next step or flush (a Step whose
-        answer never came is resent first, under its request id)."""
+        answer never came is resent first, under its request id). A fleet member also applies
+        its assignment here (an idle engine adopts, drops and hands over pools too) and delivers
+        the serve grants its pools hold for another member's prefix fetch."""
         self.drain()
+        fleet = self.fleet_pools
         try:
+            if fleet is not None:
+                fleet.member.ensure_fresh()
+                self.view.down = self.health.down_nodes()
+                self._adopt_found()
+                fleet.apply()
             self.sender.drain(wait=False)
             batch = self.client.step()
-            if self.scheduler.add_frees(batch):
+            lending = fleet.lending_due() if fleet is not None else 0
+            if self.scheduler.add_frees(batch) or lending:
+                batch.force = bool(lending)
+                batch.flush = True
                 result = self.sender.commit(batch, wait=False)
                 if result.pool_free:
                     self.view.pool_free = {pool: free for pool, free in result.pool_free.items()}
+                if fleet is not None and lending:
+                    fleet.lending_sent = lending
+                    self._run_grants({pool: info for pool, info in result.steps.items()})
             elif self.client.pending_reports:
                 self.client.flush_reports()
         except UNREACHABLE as exc:
             log.warning("flush_failed", error=str(exc))
+
+    def _run_grants(self, steps: dict[str, PoolStepInfo]) -> None:
+        """The PoolSteps an idle fleet member's Step closed (serve grants for another member's
+        prefix fetch, nothing of its own): each to its node, reported like any step's."""
+        flight = self.pipeline.prepare(steps, {}, self.view.down)
+        if flight is not None:
+            self.pipeline.run(flight)
+            self.pipeline.complete(flight)
 
     def drain(self) -> None:
         """Wait for the step running on the nodes (async scheduling) and accept its tokens:
@@ -352,15 +427,20 @@ class LLMEngine:
         self.pipeline.drain()
 
     def close(self) -> None:
-        """Free what is left, hand the pools back (another scheduler may drive them at once)."""
+        """Free what is left, hand the pools back (another scheduler may drive them at once): a
+        fleet member leaves the fleet, which releases every pool it owns."""
         try:
             for req in list(self.requests):
                 self.abort_request(req)
             self.flush()
-            if self.client.held_pools:
+            if self.fleet is not None:
+                self.fleet.leave()
+            elif self.client.held_pools:
                 self.client.release()
         except Exception:  # noqa: BLE001 - best effort: leases lapse on their own otherwise
             pass
+        if self.fleet is not None:
+            self.fleet.close()
         self.health.close()
         if self._discovery is not None:
             self._discovery.close()

@@ -161,7 +161,8 @@ class Scheduler:
         whole queue every step. So no queue, however long, and no prompt the context admits
         makes a request the block manager refuses."""
         slots = min(self.config.max_num_seqs - num_running, MAX_ADMISSIONS_PER_STEP)
-        pools = sorted(nid for nid in self.view.nodes if nid not in self.view.down)
+        closed = self.view.down | self.view.releasing
+        pools = sorted(nid for nid in self.view.nodes if nid not in closed)
         if budget <= 0 or not self.queues.waiting or slots <= 0 or not pools:
             return []
         batch.place_pools = pools

@@ -88,6 +88,7 @@ class NodeView:
     pool_free: dict[str, tuple[int, int]] = field(default_factory=dict)   # pool -> (free, usable), last Step
     host_pools: set[str] = field(default_factory=set)    # pools with a host tier (their answers say so)
     down: frozenset[str] = frozenset()                   # out of placement, read once per step
+    releasing: frozenset[str] = frozenset()              # fleet: handed over soon, no admissions (engine.fleet_pools)
 
     def block_size(self, node_id: str) -> int:
         return self.pool_blocks.get(node_id, (0, 1))[1]

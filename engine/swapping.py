@@ -55,9 +55,12 @@ class SwapPolicy:
         self.to_swap_out.append(seq)
 
     def recompute(self, seq: Sequence, *, free: bool) -> None:
-        """A swapped sequence that cannot come back from host: recompute it (the fallback)."""
+        """A swapped sequence that cannot come back from host: recompute it (the fallback). One
+        whose swap-out is not sent yet never leaves its device blocks (`free` frees those)."""
         self.queues.swapped.remove(seq)
         self.swap_step.pop(seq, None)
+        if seq in self.to_swap_out:
+            self.to_swap_out.remove(seq)
         self.stats.recompute_fallbacks += 1
         self.stats.recomputed_tokens += seq.num_computed
         self.queues.requeue(seq, free=free)

@@ -4,6 +4,13 @@
     pagedkv-serve --model /models/Qwen2.5-0.5B-Instruct --block-manager 127.0.0.1:50051
                                                                         # the nodes registered there (PAGEDKV_CN_MODEL)
 
+With `--block-manager` the server joins the block manager's fleet (`engine.fleet`): it drives
+the nodes the block manager assigns it, so several servers (replicas behind a router) share one
+block manager's nodes; `--scheduler-id` names it there, `--advertise-url` is where routers send
+it requests, `--nodes a,b` pins the nodes it may own, and `/health` answers 503 while it owns
+none. `--no-fleet` drives every registered node as the only scheduler (one engine per block
+manager, the behaviour before fleets).
+
 Every flag can also come from the environment as `PAGEDKV_API_<FLAG>` (`PAGEDKV_API_PORT=8000`,
 `PAGEDKV_API_KEY=...`); a flag wins over its variable. The KV pool options (`--block-size`,
 `--kv-cache-memory`, `--num-kv-blocks`, `--dtype`, `--device`, `--no-prefix-caching`,
@@ -25,6 +32,7 @@ import asyncio
 import errno
 import os
 import re
+import secrets
 import socket
 import sys
 from pathlib import Path
@@ -55,6 +63,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="model id in the API (default: the directory's name)")
     p.add_argument("--block-manager", help="HOST:PORT of a running block manager: serve its registered model nodes "
                    "(default: everything in this process)")
+    p.add_argument("--no-fleet", action="store_true",
+                   help="with --block-manager: drive every registered node as the only scheduler instead of joining "
+                        "the block manager's fleet (one engine per block manager)")
+    p.add_argument("--scheduler-id", help="this engine's name at the block manager (with --block-manager; default "
+                   "HOSTNAME-PID-RANDOM)")
+    p.add_argument("--advertise-url", help="the API base URL routers forward requests to (fleet; default "
+                   "http://HOST:PORT as bound, this host's name for 0.0.0.0)")
+    p.add_argument("--nodes", type=_node_list, help="a,b: own only these nodes' pools in the fleet (default: any the "
+                   "block manager assigns)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=port_number, default=8000, help="listen port (default 8000; 0: a free one)")
     p.add_argument("--port-file", type=Path, help="write the bound port here once listening")
@@ -103,6 +120,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _node_list(text: str) -> tuple[str, ...]:
+    nodes = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not nodes:
+        raise argparse.ArgumentTypeError(f"not a list of node ids: {text!r} (e.g. node-0,node-1)")
+    return nodes
+
+
 MODEL_HINT = ("pass a Hugging Face model directory (Llama, Qwen2, Qwen3), or make a tiny demo one: "
               ".venv/bin/python -m engine.model_init /tmp/tiny-llama")
 
@@ -133,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         return _fail(EXIT_START_FAILED, f"cannot listen on {args.host}:{args.port}: {_os_reason(exc)}",
                      "another server on that port? pick another --port, or --port 0 for a free one")
+    if (args.scheduler_id or args.advertise_url or args.nodes) and not args.block_manager:
+        sock.close()
+        return _fail(EXIT_USAGE, "--scheduler-id, --advertise-url and --nodes need --block-manager",
+                     "the embedded block manager has one scheduler: this server")
     try:
         return _build_and_serve(args, sock)
     finally:
@@ -170,7 +198,7 @@ def _build_and_serve(args: argparse.Namespace, sock: socket.socket) -> int:
     from engine.tokenizer import TokenizerError
 
     try:
-        llm = _build_llm(args)
+        llm = _build_llm(args, sock)
     except (ModelNotFound, InvalidModelConfig, UnsupportedModel, WeightsError, TokenizerError) as exc:
         return _fail(EXIT_USAGE, str(exc), MODEL_HINT)              # the directory's contents
     except (ModelLoadError, ValueError) as exc:                      # a flag's value: its size, device, ...
@@ -208,10 +236,38 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {details or exc}".splitlines()[0]
 
 
-def _build_llm(args: argparse.Namespace) -> Any:
+def default_scheduler_id() -> str:
+    """HOSTNAME-PID-RANDOM: unique per process, and says where the engine runs."""
+    host = "".join(c for c in socket.gethostname() if c.isascii() and c.isprintable()) or "engine"
+    return f"{host[:96]}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def advertise_url(host: str, sock: socket.socket) -> str:
+    """The API base URL of a server bound to `host` on `sock`: the bound port (also for --port
+    0), and this host's name for a wildcard address (routers elsewhere cannot dial 0.0.0.0)."""
+    port = sock.getsockname()[1]
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.gethostname()
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def _fleet_settings(args: argparse.Namespace, sock: socket.socket) -> Any:
+    """The fleet membership of a server with --block-manager (None: --no-fleet, or embedded)."""
+    if not args.block_manager or args.no_fleet:
+        return None
+    from engine.fleet import FleetSettings
+
+    return FleetSettings(address=args.advertise_url or advertise_url(args.host, sock),
+                         pin_pool_ids=tuple(args.nodes or ()))
+
+
+def _build_llm(args: argparse.Namespace, sock: socket.socket) -> Any:
     from engine.llm import LLM
     from pagedkv.tls import tls_from_args
 
+    scheduler_id = None
+    if args.block_manager:
+        scheduler_id = args.scheduler_id or default_scheduler_id()
     return LLM(
         args.model, block_manager=args.block_manager, block_size=int(args.block_size),
         kv_cache_memory=None if args.kv_cache_memory is None else int(args.kv_cache_memory),
@@ -225,14 +281,18 @@ def _build_llm(args: argparse.Namespace) -> Any:
         host_kv_blocks=None if args.host_kv_blocks is None else int(args.host_kv_blocks),
         disk_kv_path=args.disk_kv_path,
         disk_kv_bytes=None if args.disk_kv_bytes is None else int(args.disk_kv_bytes),
+        scheduler_id=scheduler_id, fleet=_fleet_settings(args, sock),
     )
 
 
-def node_health_check(block_manager: str | None, nodes: dict[str, Any], tls: Any = None) -> Any:
+def node_health_check(block_manager: str | None, nodes: dict[str, Any], tls: Any = None, *,
+                      fleet: bool = False) -> Any:
     """`/health` beyond the engine thread: with services, the block manager and every node
     answer the gRPC health service as SERVING (a node is SERVING once registered). `tls`: the
     server's own TLS settings towards them (the health service needs no token). `nodes` is the
-    engine's live dict, so nodes adopted later are probed too."""
+    engine's live dict, so nodes adopted later are probed too. `fleet`: the engine is a fleet
+    member, ready only while it owns a node (one that owns none would queue every request:
+    routers and load balancers should send them to another engine)."""
     from pagedkv.healthcheck import check
 
     def targets() -> dict[str, str]:
@@ -246,6 +306,8 @@ def node_health_check(block_manager: str | None, nodes: dict[str, Any], tls: Any
         return (not bad, "; ".join(bad) or "ok")
 
     async def health_check() -> tuple[bool, str]:
+        if fleet and not nodes:
+            return False, "owns no node yet (a fleet member: the block manager assigns its nodes)"
         found = targets()
         if not found:
             return True, "ok"
@@ -264,13 +326,17 @@ async def _serve(llm: Any, args: argparse.Namespace, sock: socket.socket) -> int
     aeng = AsyncLLMEngine(llm.engine)
     name = args.served_model_name or Path(args.model).name
     app = build_app(aeng, llm.tokenizer, name, api_key=args.api_key or None,
-                    health_check=node_health_check(args.block_manager, llm.engine.nodes, tls_from_args(args)))
+                    health_check=node_health_check(args.block_manager, llm.engine.nodes, tls_from_args(args),
+                                                   fleet=llm.engine.fleet is not None))
     host = f"[{args.host}]" if ":" in args.host else args.host
     if not args.api_key and not is_loopback(f"{host}:{args.port}"):
         log.warning("listening beyond loopback without an API key: anyone who reaches the port may generate",
                     host=args.host)
+    fleet = llm.engine.fleet
     log.info("serving", model=name, model_dir=args.model, block_manager=args.block_manager or "embedded",
-             max_model_len=llm.engine.max_model_len, nodes=sorted(llm.engine.nodes))
+             max_model_len=llm.engine.max_model_len, nodes=sorted(llm.engine.nodes),
+             scheduler_id=llm.client.scheduler_id if args.block_manager else None,
+             fleet=None if fleet is None else fleet.settings.address)
     try:
         await serve_async(app, host=args.host, port=int(args.port), port_file=args.port_file, sock=sock,
                           shutdown_grace_s=float(args.shutdown_grace_s), log_level=args.log_level)
@@ -288,7 +354,9 @@ def _close(llm: Any, aeng: Any, log: Any) -> None:
             engine.abort_request(rid)
         engine.flush()
         release = getattr(llm.client, "release", None)
-        if release is not None and getattr(llm.client, "held_pools", None):
+        if engine.fleet is not None:
+            engine.fleet.leave()   # releases every pool it owns, the others adopt them now
+        elif release is not None and getattr(llm.client, "held_pools", None):
             release()
     except Exception as exc:  # noqa: BLE001 - best effort on the way out: leases lapse anyway
         log.warning("could not free every sequence on shutdown", error=_one_line(exc))

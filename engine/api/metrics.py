@@ -1,7 +1,8 @@
 """Prometheus metrics of the API server (`GET /metrics`), one registry per app.
 
 Read from the engine at scrape time: running and waiting requests, KV cache usage, prefix cache
-hit rate and its token counters, preemptions, prompt and generated tokens, steps. Observed by
+hit rate and its token counters, preemptions, prompt and generated tokens, steps, the nodes it
+drives (a fleet member's owned nodes). Observed by
 the server per request as its tokens stream: time to first token, inter-token latency,
 end-to-end latency, and requests finished or failed. Tokens/s is `rate()` of
 `pagedkv_generation_tokens_total`.
@@ -79,6 +80,8 @@ class _EngineCollector(Collector):
         yield self._counter("pagedkv_failed_node_steps", "Node steps that failed (node unreachable or timed out): "
                             "reported failed, their sequences recomputed.", s.num_failed_steps)
         yield self._gauge("pagedkv_engine_alive", "1 while the engine thread runs.", 1.0 if self.aeng.alive else 0.0)
+        yield self._gauge("pagedkv_owned_nodes", "Model nodes this engine drives (a fleet member: the nodes the block "
+                          "manager assigned it; 0 = not ready).", len(engine.nodes))
 
 
 class ApiMetrics:
