@@ -49,6 +49,7 @@ class FakeEngine:
     split_events: bool = False
     gate: threading.Event | None = None
     received: list[Received] = field(default_factory=list)
+    num_aborted: int = 0          # streams that ended before their last event (the client went away)
 
     def __post_init__(self) -> None:
         self._thread = ServerThread(self._app())
@@ -96,6 +97,16 @@ class FakeEngine:
         return app
 
     async def _events(self) -> AsyncIterator[bytes]:
+        done = False
+        try:
+            async for event in self._event_list():
+                yield event
+            done = True
+        finally:
+            if not done:
+                self.num_aborted += 1
+
+    async def _event_list(self) -> AsyncIterator[bytes]:
         for i in range(self.num_events):
             if self.die_after is not None and i == self.die_after:
                 raise RuntimeError(f"{self.name} dies mid-stream")     # uvicorn drops the connection

@@ -68,6 +68,21 @@ def test_a_stream_is_relayed_as_it_arrives(model_dir: Path) -> None:
         assert rest.strip().endswith("data: [DONE]")
 
 
+def test_a_client_leaving_mid_stream_closes_the_engines_stream(model_dir: Path) -> None:
+    """The engine aborts a generation whose client went away: through the router it must see
+    the client go away too (the router closes its upstream stream)."""
+    gate = threading.Event()
+    with FakeEngine("a", gate=gate) as a, RouterThread(model_dir, engines=[a.url]) as rt:
+        with httpx.stream("POST", rt.url + "/v1/completions", json={**COMPLETION, "stream": True}, timeout=10) as r:
+            lines = r.iter_lines()
+            next(lines)
+        deadline = time.monotonic() + 5
+        while a.num_aborted == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert a.num_aborted == 1
+        assert rt.router.fleet.statics[a.url].num_in_flight == 0
+
+
 def test_a_refused_connection_is_retried_on_the_next_engine(model_dir: Path, engine_a: FakeEngine) -> None:
     down = next(u for u in iter(dead_url, None) if u < engine_a.url)   # idle engines are tried in URL order
     with RouterThread(model_dir, engines=[engine_a.url, down]) as rt:
