@@ -102,7 +102,7 @@ class _Server:
         engine = aeng.engine
         self.max_model_len = min(max_model_len or engine.max_model_len, engine.max_model_len)
         self.vocab_size = engine.vocab_size
-        self.kv_capacity = max(nb * bs for nb, bs in engine.pool_blocks.values())
+        self.kv_capacity = engine.max_kv_slots   # the largest node's (a fleet member may own none now)
         self.created = int(time.time())
         self.metrics = ApiMetrics(aeng, model_name)
         self.stopping = asyncio.Event()     # set on SIGTERM / SIGINT (`begin_shutdown`)
