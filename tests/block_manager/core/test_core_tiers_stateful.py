@@ -5,10 +5,12 @@ failed steps and snapshots.
 
 The shadow node now has host memory too and applies a step's tier ops the way the compute node
 does: all device->host moves first (sources read before anything writes), then all host->device
-moves, then the copy ops, then the writes. After every rule: fsck of both tiers (each block in
-exactly one place per tier, ref counts = swapped tables + holds, no block both free and mapped,
-the host and device indexes agree), host ref counts recomputed here, and every sequence — also one
-swapped out and back, or built on an onboarded prefix — reads back its tokens on the node.
+moves, then the copy ops, then the writes; and it checks that no two moves of a step write one
+block and that no copy names a block a host->device move writes. After every rule: fsck of
+both tiers (each block in exactly one place per tier, ref counts = swapped tables + holds, no
+block both free and mapped, the host and device indexes agree), host ref counts recomputed
+here, and every sequence — also one swapped out and back, or built on an onboarded prefix —
+reads back its tokens on the node.
 """
 
 from __future__ import annotations
@@ -53,6 +55,14 @@ class TierNode(base.ShadowNode):
                     else:
                         dst_mem[dst * bs + o] = v
 
+        # the step's moves never fight over a block (test_core_step_order.py): a batched
+        # scatter with two writes into one block has no defined winner on CUDA, and a copy runs
+        # after the host->device moves (it must neither read nor overwrite what they wrote)
+        to_device = [op.dst for op in out.tier_ops if op.kind in ("swap_in", "onboard")]
+        to_host = [op.dst for op in out.tier_ops if op.to_host]
+        copied = {b for op in out.copy_ops for b in (op.src, op.dst)}
+        assert len(set(to_device)) == len(to_device) and not copied & set(to_device), out
+        assert len(set(to_host)) == len(to_host), out
         move(self.mem, self.host, [op for op in out.tier_ops if op.to_host])
         move(self.host, self.mem, [op for op in out.tier_ops if not op.to_host])
         super().apply(out)
