@@ -161,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         sock.close()
         return _fail(EXIT_USAGE, "--scheduler-id, --advertise-url and --nodes need --block-manager",
                      "the embedded block manager has one scheduler: this server")
+    if args.no_fleet and (args.advertise_url or args.nodes):
+        sock.close()
+        return _fail(EXIT_USAGE, "--advertise-url and --nodes are fleet settings: not with --no-fleet",
+                     "without a fleet the server drives every registered node")
     try:
         return _build_and_serve(args, sock)
     finally:

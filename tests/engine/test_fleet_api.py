@@ -67,6 +67,9 @@ def test_membership_flags_without_a_block_manager_are_a_usage_error(  # type: ig
         model_dirs, capsys) -> None:
     assert main(["--model", str(model_dirs[MODEL]), "--port", "0", "--nodes", "node-0"]) == 2
     assert "--nodes need --block-manager" in capsys.readouterr().err
+    assert main(["--model", str(model_dirs[MODEL]), "--port", "0", "--block-manager", "127.0.0.1:9", "--no-fleet",
+                 "--nodes", "node-0"]) == 2
+    assert "not with --no-fleet" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         _parser().parse_args(["--model", "m", "--nodes", " , "])
 
@@ -102,7 +105,8 @@ def test_health_and_metrics_say_what_each_member_owns(model_dirs) -> None:  # ty
                 aeng.shutdown()
         with AdminClient(bm) as admin:
             members = {m.scheduler_id: m for m in admin.list_schedulers()}
-        assert members["api-a"].address == "http://api-a:8000" and set(members["api-a"].pool_ids) == {"node-0", "node-1"}
+        assert members["api-a"].address == "http://api-a:8000"
+        assert set(members["api-a"].pool_ids) == {"node-0", "node-1"}
         assert members["api-idle"].pin_pool_ids == ("node-9",) and members["api-idle"].pool_ids == ()
     finally:
         for llm in llms:
