@@ -157,3 +157,63 @@ def test_a_swapped_out_sequence_freed_in_its_swap_out_step_keeps_its_host_blocks
     assert m.host_metrics("p").num_used_blocks == 2 and m.fsck() == []
     m.settle_steps("p", out.step_id)
     assert m.host_metrics("p").num_used_blocks == 1 and m.fsck() == []
+
+
+def test_a_swap_in_never_reclaims_a_defrag_plan_for_a_block_the_open_step_copies_from() -> None:
+    """The unsent plan's destination is the freed copy-on-write source: aborting the plan would
+    free only that block, which the swap-in may not take — so it neither aborts the plan nor
+    takes the block; once the step is handed out, it may."""
+    m = one_pool(6, host=8)
+    m.allocate("a", "p", num_tokens=BS + 1)          # blocks 0-1, partial last
+    m.allocate("x", "p", num_tokens=BS)              # block 2
+    m.allocate("y", "p", num_tokens=BS)              # block 3
+    m.allocate("w", "p", num_tokens=2 * BS)          # blocks 4-5
+    run_step(m)
+    m.fork("a", ["b"])
+    m.swap_out(["x"])
+    run_step(m)
+    (cow,) = m.append_tokens(["a"], [1]).copy_ops.values()
+    m.free(["b"])
+    plan = m.plan_defrag("p", "compaction")
+    assert plan is not None and [op.dst for op in plan.moves] == [cow.src]
+    assert m.free_blocks("p") == (0, 1)
+    assert not m.can_swap_in(["x"])
+    before = m.to_snapshot()
+    with pytest.raises(OutOfBlocks, match="swap-in needs 1 blocks"):
+        m.swap_in(["x"])
+    assert m.to_snapshot() == before and m.get_defrag_plan("p") is not None
+    out = m.close_step("p")
+    assert out is not None and _conflicts(out) == set()
+    m.settle_steps("p", out.step_id)                 # the plan commits: block 5 is free now
+    assert m.can_swap_in(["x"])
+    m.swap_in(["x"])
+    assert m.fsck() == []
+
+
+def test_an_allocation_with_host_hits_counts_out_the_blocks_the_open_step_copies_from() -> None:
+    """3 blocks free, 2 of them freed copy-on-write sources: a prompt of 3 blocks whose first 2
+    come from host does not fit (the 2 onboards need blocks outside the copies) until the step
+    is handed out; the allocation changes nothing meanwhile."""
+    m = one_pool(9, host=8)
+    prompt = list(range(1, 2 * BS + 2))              # 2 full hashed blocks + 1
+    m.allocate("h", "p", prompt)
+    run_step(m)
+    m.free(["h"])
+    m.evict("p", 2)
+    run_step(m)
+    m.allocate("a1", "p", num_tokens=BS + 1)
+    m.allocate("a2", "p", num_tokens=BS + 1)
+    run_step(m)
+    m.fork("a1", ["b1"])
+    m.fork("a2", ["b2"])
+    _close(m)
+    m.append_tokens(["a1", "a2"], [1, 1])            # two copies on write
+    m.allocate("f", "p", num_tokens=2 * BS)          # 1 block left
+    m.free(["b1", "b2"])                             # 3 free: the 2 copy sources and 1 other
+    before = m.to_snapshot()
+    with pytest.raises(OutOfBlocks, match="2 of them moved in from host"):
+        m.allocate("z", "p", prompt)
+    assert m.to_snapshot() == before
+    run_step(m)
+    r = m.allocate("z", "p", prompt)
+    assert r.num_cached_tokens == 2 * BS and m.fsck() == []
