@@ -182,6 +182,7 @@ class Router:
 
         def give_up(attempt: Attempt) -> None:
             self.metrics.give_up(attempt)
+            self.fleet.failed(attempt.url)
             log.warning("engine did not answer; trying the next", engine=attempt.url, reason=attempt.reason,
                         detail=attempt.detail)
 

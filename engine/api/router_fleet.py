@@ -13,11 +13,17 @@ engines to try for one request.
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
 from block_manager.client.types import PoolRoute
+
+# An engine that failed before the first byte (refused, dropped, 5xx) is tried last for this
+# long: a dead replica costs one failed attempt, not one per request, until its lease lapses.
+COOLDOWN_S = 5.0
 
 
 class RoutedBy(str, Enum):
@@ -41,10 +47,14 @@ class EngineView:
     num_waiting: int = 0
     num_in_flight: int = 0
     static: bool = False
+    cooldown_until: float = 0.0
 
     @property
     def load(self) -> int:
         return self.num_running + self.num_waiting + self.num_in_flight
+
+    def cooling(self, now: float) -> bool:
+        return now < self.cooldown_until
 
 
 @dataclass(slots=True, frozen=True)
@@ -73,6 +83,7 @@ class Fleet:
     static_urls: Sequence[str] = ()
     members: dict[str, EngineView] = field(default_factory=dict)
     statics: dict[str, EngineView] = field(init=False, default_factory=dict)
+    _turns: itertools.count[int] = field(init=False, default_factory=itertools.count)
 
     def __post_init__(self) -> None:
         self.statics = {u: EngineView(u, static=True) for u in map(normalize_url, self.static_urls)}
@@ -106,16 +117,29 @@ class Fleet:
     def view(self, url: str) -> EngineView | None:
         return self.members.get(url) or self.statics.get(url)
 
+    def failed(self, url: str) -> None:
+        """`url` failed before its first byte: try it last for a while (`COOLDOWN_S`)."""
+        view = self.view(url)
+        if view is not None:
+            view.cooldown_until = time.monotonic() + COOLDOWN_S
+
     def by_load(self, views: Iterable[EngineView]) -> list[str]:
-        return [v.url for v in sorted(views, key=lambda v: (v.load, v.url))]
+        """Engines cooling down last, then least loaded first; equal loads take turns (a new
+        prefix lands on each idle engine in turn, not always on the same one)."""
+        ordered = sorted(views, key=lambda v: v.url)
+        if ordered:
+            turn = next(self._turns) % len(ordered)
+            ordered = ordered[turn:] + ordered[:turn]
+        now = time.monotonic()
+        return [v.url for v in sorted(ordered, key=lambda v: (v.cooling(now), v.load))]
 
     def plan(self, entries: Sequence[PoolRoute] | None) -> RoutePlan:
         """The order to try engines in for a prompt the block manager ranked as `entries`
         (None: it did not answer; the last known members are used, by load).
 
-        The owner of the pool holding the longest cached prefix comes first; every other member
-        follows by load (the retry order). Only when no member is known at all do the static
-        engines serve, by this router's own in-flight count."""
+        The owner of the pool holding the longest cached prefix comes first (unless it failed
+        moments ago); every other member follows by load (the retry order). Only when no member
+        is known at all do the static engines serve, by this router's own in-flight count."""
         if entries is not None:
             self.observe(entries)
         if not self.members:
@@ -125,6 +149,8 @@ class Fleet:
         if best is None or best.num_cached_tokens == 0:
             return RoutePlan(tuple(by_load), RoutedBy.LOAD)
         first = normalize_url(best.scheduler_address)
+        if self.members[first].cooling(time.monotonic()):
+            return RoutePlan(tuple(by_load), RoutedBy.LOAD)       # its owner failed moments ago: tried last
         return RoutePlan((first, *(u for u in by_load if u != first)), RoutedBy.PREFIX, best.num_cached_tokens)
 
 

@@ -186,7 +186,8 @@ def test_prompt_of_reads_requests_as_the_engine_does(tokenizer: Tokenizer) -> No
 def test_a_dead_owner_is_retried_on_the_other_member(
         model_dir: Path, tokenizer: Tokenizer, bm: BlockManagerThread, engines: tuple[FakeEngine, FakeEngine]) -> None:
     """The owner of the cached prefix refuses connections (its process died, its lease has not
-    lapsed yet): the request is served by the other member, not failed."""
+    lapsed yet): the request is served by the other member, not failed, and the next one goes
+    there directly."""
     _, b = engines
     down = dead_url()
     dead, alive = Member(bm, "engine-dead", down, "n1"), Member(bm, "engine-b", b.url, "n2")
@@ -197,6 +198,10 @@ def test_a_dead_owner_is_retried_on_the_other_member(
             assert len(b.received) == 1
             assert rt.metric("pagedkv_router_routed_by_prefix_total") == 1
             assert rt.metric("pagedkv_router_engine_failures_total", engine=down, reason="connect") == 1
+            assert rt.metric("pagedkv_router_retries_total") == 1
+            _complete(rt, SYSTEM + "cached on the dead one")   # its owner cools down: no second failed attempt
+            assert len(b.received) == 2
+            assert rt.metric("pagedkv_router_routed_by_load_total") == 1
             assert rt.metric("pagedkv_router_retries_total") == 1
     finally:
         dead.close()

@@ -84,23 +84,35 @@ def test_a_client_leaving_mid_stream_closes_the_engines_stream(model_dir: Path) 
 
 
 def test_a_refused_connection_is_retried_on_the_next_engine(model_dir: Path, engine_a: FakeEngine) -> None:
-    down = next(u for u in iter(dead_url, None) if u < engine_a.url)   # idle engines are tried in URL order
+    """Idle engines take turns, so the dead one comes first within two requests; once it failed
+    it cools down (tried last), so three requests cost exactly one refused connection."""
+    down = dead_url()
     with RouterThread(model_dir, engines=[engine_a.url, down]) as rt:
-        for _ in range(2):
+        for _ in range(3):
             assert _stream(rt.url, COMPLETION) == (200, engine_a.stream_bytes())
-        assert len(engine_a.received) == 2
-        assert rt.metric("pagedkv_router_engine_failures_total", engine=down, reason="connect") == 2
-        assert rt.metric("pagedkv_router_retries_total") == 2
+        assert len(engine_a.received) == 3
+        assert rt.metric("pagedkv_router_engine_failures_total", engine=down, reason="connect") == 1
+        assert rt.metric("pagedkv_router_retries_total") == 1
+        assert rt.router.fleet.statics[down].cooling(time.monotonic())
+
+
+def test_idle_engines_take_turns(model_dir: Path) -> None:
+    """Equal loads: new prompts are spread over the engines, not all sent to the first one."""
+    with FakeEngine("a") as a, FakeEngine("b") as b, RouterThread(model_dir, engines=[a.url, b.url]) as rt:
+        for _ in range(4):
+            httpx.post(rt.url + "/v1/completions", json=COMPLETION, timeout=20)
+        assert (len(a.received), len(b.received)) == (2, 2)
 
 
 def test_a_5xx_before_the_first_byte_is_retried_and_the_last_one_passed_on(model_dir: Path,
                                                                            engine_a: FakeEngine) -> None:
     with FakeEngine("sick", fail_status=503) as sick:
-        with RouterThread(model_dir, engines=[sick.url, engine_a.url]) as rt:   # tried in URL order: sick first or not
+        with RouterThread(model_dir, engines=[sick.url, engine_a.url]) as rt:
             for _ in range(3):
                 assert _stream(rt.url, COMPLETION) == (200, engine_a.stream_bytes())
-            assert rt.metric("pagedkv_router_engine_failures_total", engine=sick.url, reason="status_5xx") == len(
-                sick.received)
+            assert len(sick.received) == 1                   # then it cools down
+            assert rt.metric("pagedkv_router_engine_failures_total", engine=sick.url, reason="status_5xx") == 1
+            assert rt.metric("pagedkv_router_retries_total") == 1
         with RouterThread(model_dir, engines=[sick.url]) as rt:
             status, body = _stream(rt.url, COMPLETION)
             assert status == 503 and b"sick fails" in body        # the only engine's answer, as it is
