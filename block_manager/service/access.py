@@ -68,7 +68,8 @@ def authorize(method: str, principal: Principal, request: Any) -> str | None:
 
 
 __all__ = [
-    "ADMIN_PREFIX", "DATA_PREFIX", "NAMED_SCHEDULER_METHODS", "NODE_METHODS", "SCHEDULER_METHODS", "SESSION_METHODS", "SUBSCRIBER_METHODS",
+    "ADMIN_PREFIX", "DATA_PREFIX", "NAMED_SCHEDULER_METHODS", "NODE_METHODS", "SCHEDULER_METHODS",
+    "SESSION_METHODS", "SUBSCRIBER_METHODS",
     "authorize",
     "is_admin_method",
 ]

@@ -3,7 +3,8 @@ leases, registry, journaled ops) and the real membership core (`Fleet`) driven t
 join / heartbeat / leave / lapse / node register / fence / drain / non-member step sequences,
 each round applied as the runtime applies it (`plan_ops`: release_pool ops, then grant_pools).
 
-Checked after every rule:
+Checked after every rule (and at the end, that replaying the journaled ops gives the same state:
+ownership survives a restart):
 - never two owners, in the sense that matters: a pool a live member held before the rule is
   still its own after it, unless that member released it, left or lapsed, or the node itself
   went away or re-registered (a member never loses a pool it may still be running sequences on);
@@ -52,10 +53,21 @@ class FleetMachine(RuleBasedStateMachine):
         self.before: dict[str, str] = {}            # pool -> live member holding it before the rule
         self.excused: set[tuple[str, str]] = set()  # (member, pool) it may lose in this rule
         self.round_ran = False
+        self.journal: list[tuple[str, dict[str, Any]]] = []
+
+    def teardown(self) -> None:
+        """A recovery replays the journal into the same state: ownership survives a restart."""
+        replayed = ServiceState(self.state.config)
+        for op, payload in self.journal:
+            replayed.apply(op, payload, 0.0)
+        assert replayed.to_snapshot() == self.state.to_snapshot()
 
     # ---- the runtime's round, synchronously --------------------------------------------
     def apply(self, op: str, payload: dict[str, Any]) -> dict[str, Any]:
-        return self.state.apply(op, payload, self.now).result
+        applied = self.state.apply(op, payload, self.now)
+        if applied.mutated:   # what the runtime journals
+            self.journal.append((op, payload))
+        return applied.result
 
     def run_round(self, plan: FleetPlan) -> None:
         for op, _rid, payload in plan_ops(plan):

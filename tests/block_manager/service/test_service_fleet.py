@@ -327,7 +327,9 @@ async def test_ownership_survives_a_restart(start_server: Callable[..., Any], tm
         await cl.close()
 
 
-async def test_list_schedulers_and_the_cli(start_server: Callable[..., Any], capsys: pytest.CaptureFixture[str]) -> None:
+async def test_list_schedulers_and_the_cli(
+    start_server: Callable[..., Any], capsys: pytest.CaptureFixture[str]
+) -> None:
     h = await start_server(scheduler_lease_ttl_s=30.0)
     await register(h, "n1", "n2")
     a = client(h, "sched-a")
