@@ -57,7 +57,7 @@ log = get_logger(__name__)
 # Only a prefix can be cached: longer prompts are routed on their first tokens (the block
 # manager refuses a Route beyond its `max_route_tokens`).
 MAX_ROUTED_TOKENS = 1 << 16
-_PROMPT_PATHS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+_PROMPT_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
 @dataclass(slots=True)
@@ -145,7 +145,10 @@ class Router:
     async def _refresh_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.refresh_s)
-            await self.refresh()
+            try:
+                await self.refresh()
+            except Exception as exc:  # noqa: BLE001 - the refresh must outlive any one failure
+                log.error("fleet refresh failed", error=repr(exc))
 
     async def _route(self, token_ids: Sequence[int], salt: str | None) -> list[PoolRoute] | None:
         if self._bm is None:
@@ -183,8 +186,8 @@ class Router:
         def give_up(attempt: Attempt) -> None:
             self.metrics.give_up(attempt)
             self.fleet.failed(attempt.url)
-            log.warning("engine did not answer; trying the next", engine=attempt.url, reason=attempt.reason,
-                        detail=attempt.detail)
+            log.warning("engine failed before the first byte", engine=attempt.url, reason=attempt.reason,
+                        detail=attempt.detail, retried=attempt.retried)
 
         try:
             url, upstream = await open_upstream(self._http, request.method, path, forward_headers(request.headers),
