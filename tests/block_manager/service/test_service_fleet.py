@@ -360,3 +360,29 @@ def test_only_the_named_scheduler_may_heartbeat_as_itself() -> None:
     assert authorize(method, Principal("scheduler", ""), req) is None
     assert authorize(method, Principal("scheduler", "sched-b"), req) is not None
     assert authorize(method, Principal("node", "sched-a"), req) is not None
+
+
+async def test_after_a_restart_the_pools_of_a_member_that_never_returns_go_to_the_others(
+    start_server: Callable[..., Any], tmp_path: Path
+) -> None:
+    url = f"sqlite:///{tmp_path / 'bm.db'}"
+    h = await start_server(scheduler_lease_ttl_s=TTL, database_url=url)
+    await register(h, "n1", "n2")
+    a, b = client(h, "sched-a"), client(h, "sched-b")
+    await a.scheduler_heartbeat()
+    await b.scheduler_heartbeat()
+    before = await settle((a, ""), (b, ""))
+    assert len(owned(before["sched-a"])) == 1
+    await a.close()
+    await b.close()
+    await h.channel.close()
+    await h.server.stop(0)
+    h2 = await start_server(scheduler_lease_ttl_s=TTL, database_url=url)
+    b = client(h2, "sched-b")
+    assert owned(await b.scheduler_heartbeat()) == owned(before["sched-b"])   # a's lease still lives
+    t0 = time.monotonic()
+    while owned(await b.scheduler_heartbeat()) != {"n1", "n2"}:
+        assert time.monotonic() - t0 < TTL + 1.5, "a's lapsed lease was not reassigned"
+        await asyncio.sleep(TTL / 4)
+    await b.close()
+    assert await h2.fsck() == []
