@@ -314,3 +314,34 @@ def test_a_paused_member_drops_the_node_it_lost_and_finishes_elsewhere(  # type:
         compare_greedy(out[rid], hf_greedy(hf, prompt, params.max_tokens), f"{rid} after the lost node")
     with AdminClient(services.bm.address) as admin:
         assert admin.fsck().get("ok") is True
+
+
+def test_a_lone_member_paused_past_the_ttl_gets_its_nodes_back_under_new_leases(  # type: ignore[no-untyped-def]
+        services, members, hf_models) -> None:
+    """The only member pauses past the TTL: its membership lapses and its leases are released
+    (its sequences dropped). Back, it is granted the same nodes under new lease epochs: it keeps
+    driving them, but re-queues what it had there (nothing to free) and finishes with
+    transformers' tokens."""
+    a = members.start("engine-a")
+    assert a.fleet is not None and a.fleet_pools is not None
+    epochs = dict(a.fleet_pools.epochs)
+    batch = prompts(3, 10, 10)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    rids = [a.add_request(p, params) for p in batch]
+    for _ in range(3):
+        a.step()
+    held = {s.node_id for s in a.running}
+    assert held
+    with a.fleet._beat_lock:                 # paused (see the test above)
+        eventually_sync(lambda: not owners(services), timeout_s=3 * TTL_S, what="the membership lapsed")
+        recomputed = a.stats.recomputed_tokens
+        a.step()                             # rejoins first, granted both nodes anew
+        assert set(a.nodes) == {"node-0", "node-1"} and a.fleet_pools.num_lost == 2   # both, under new leases
+        assert all(a.fleet_pools.epochs[p] > epochs[p] for p in a.nodes)
+    out = finish(a, rids)
+    assert a.stats.recomputed_tokens > recomputed
+    hf = hf_models[MODEL]
+    for rid, prompt in zip(rids, batch):
+        compare_greedy(out[rid], hf_greedy(hf, prompt, params.max_tokens), f"{rid} under the new lease")
+    with AdminClient(services.bm.address) as admin:
+        assert admin.fsck().get("ok") is True
