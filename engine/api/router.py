@@ -15,8 +15,9 @@ Per request (`POST /v1/completions`, `POST /v1/chat/completions`):
    the engine will cache (a request the router cannot read is sent by load; the engine answers
    its error);
 2. `Route(token_ids, salt=cache_salt)` at the block manager, which names each pool's owner;
-3. `Fleet.plan`: the owner with the longest cached prefix, else the least loaded member, else
-   (no member known) the static `--engines`;
+3. `Fleet.plan`: the owner with the longest cached prefix (unless it is far busier than the
+   least loaded member), else the least loaded member, else (no member known) the static
+   `--engines`;
 4. forward (`engine.api.router_forward`): retried on the next engine before the first byte,
    relayed as it arrives after it.
 
@@ -64,7 +65,9 @@ _PROMPT_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 class RouterConfig:
     """`block_manager`: HOST:PORT (None: only the static `engines`). `refresh_s`: how often the
     fleet is re-read in the background (who owns pools, their loads). `route_timeout_s`: a
-    Route the block manager does not answer in time sends the request by load instead."""
+    Route the block manager does not answer in time sends the request by load instead.
+    `max_imbalance`: requests the prefix owner may have beyond the least loaded member before
+    the latter serves instead (`Fleet.plan`)."""
 
     block_manager: str | None = None
     engines: Sequence[str] = ()
@@ -74,6 +77,7 @@ class RouterConfig:
     refresh_s: float = 2.0
     route_timeout_s: float = 2.0
     connect_timeout_s: float = 3.0
+    max_imbalance: int = 16
 
 
 def prompt_of(path: str, body: bytes, tokenizer: Tokenizer) -> tuple[list[int], str | None] | None:
@@ -104,7 +108,7 @@ class Router:
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.fleet = Fleet(tuple(config.engines))
+        self.fleet = Fleet(tuple(config.engines), max_imbalance=config.max_imbalance)
         self.metrics = RouterMetrics(self.fleet)
         self._bm: AsyncBlockManagerClient | None = None
         self._http: httpx.AsyncClient | None = None

@@ -25,7 +25,7 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pagedkv.cli import ArgumentParser, fail, port_number, seconds, seconds_or_zero
+from pagedkv.cli import ArgumentParser, fail, int_in, port_number, seconds, seconds_or_zero
 
 EXIT_START_FAILED = 1
 EXIT_USAGE = 2
@@ -51,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="re-read the fleet (owners, loads) from the block manager this often (default 2)")
     p.add_argument("--route-timeout-s", type=seconds, default=2.0,
                    help="a Route unanswered this long routes the request by load (default 2)")
+    p.add_argument("--max-imbalance", type=int_in(0, 1 << 20), default=16,
+                   help="requests the owner of a cached prefix may have beyond the least loaded engine before that "
+                        "one serves instead, fetching the prefix (default 16)")
     p.add_argument("--connect-timeout-s", type=seconds, default=3.0,
                    help="an engine that does not accept the connection this fast is skipped (default 3)")
     p.add_argument("--shutdown-grace-s", type=seconds_or_zero, default=5.0,
@@ -117,7 +120,7 @@ async def _serve(args: argparse.Namespace, tokenizer: Tokenizer, engines: list[s
     config = RouterConfig(block_manager=args.block_manager or None, engines=engines, api_key=args.api_key or None,
                           tls=tls_from_args(args), token=args.scheduler_token or None, refresh_s=float(args.refresh_s),
                           route_timeout_s=float(args.route_timeout_s),
-                          connect_timeout_s=float(args.connect_timeout_s))
+                          connect_timeout_s=float(args.connect_timeout_s), max_imbalance=int(args.max_imbalance))
     router = Router(config, tokenizer)
     host = f"[{args.host}]" if ":" in args.host else args.host
     if not args.api_key and not is_loopback(f"{host}:{args.port}"):

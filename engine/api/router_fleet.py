@@ -31,6 +31,7 @@ class RoutedBy(str, Enum):
 
     PREFIX = "prefix"     # the owner of the pool with the longest cached prefix
     LOAD = "load"         # nothing cached anywhere (or the block manager did not answer): least loaded
+    BALANCE = "balance"   # the prefix owner is far busier than the least loaded member, which serves
     STATIC = "static"     # the block manager names no owner: the static --engines, least loaded
 
 
@@ -81,6 +82,7 @@ class Fleet:
     the static fallback list."""
 
     static_urls: Sequence[str] = ()
+    max_imbalance: int = 16
     members: dict[str, EngineView] = field(default_factory=dict)
     statics: dict[str, EngineView] = field(init=False, default_factory=dict)
     _turns: itertools.count[int] = field(init=False, default_factory=itertools.count)
@@ -137,8 +139,11 @@ class Fleet:
         """The order to try engines in for a prompt the block manager ranked as `entries`
         (None: it did not answer; the last known members are used, by load).
 
-        The owner of the pool holding the longest cached prefix comes first (unless it failed
-        moments ago); every other member follows by load (the retry order). Only when no member
+        The owner of the pool holding the longest cached prefix comes first, unless it failed
+        moments ago or has more than `max_imbalance` requests beyond the least loaded member
+        (that one then serves, its node fetching the prefix: a hot prefix must not pin its
+        traffic to one replica while others idle); every other member follows by load (the
+        retry order). Only when no member
         is known at all do the static engines serve, by this router's own in-flight count."""
         if entries is not None:
             self.observe(entries)
@@ -149,8 +154,11 @@ class Fleet:
         if best is None or best.num_cached_tokens == 0:
             return RoutePlan(tuple(by_load), RoutedBy.LOAD)
         first = normalize_url(best.scheduler_address)
-        if self.members[first].cooling(time.monotonic()):
+        owner = self.members[first]
+        if owner.cooling(time.monotonic()):
             return RoutePlan(tuple(by_load), RoutedBy.LOAD)       # its owner failed moments ago: tried last
+        if owner.load > self.members[by_load[0]].load + self.max_imbalance:
+            return RoutePlan(tuple(by_load), RoutedBy.BALANCE)    # the least loaded fetches the prefix instead
         return RoutePlan((first, *(u for u in by_load if u != first)), RoutedBy.PREFIX, best.num_cached_tokens)
 
 

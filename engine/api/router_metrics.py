@@ -2,7 +2,8 @@
 
 How requests were placed: `pagedkv_router_routed_by_prefix_total` (the owner of the longest
 cached prefix), `..._routed_by_load_total` (nothing cached: the least loaded member),
-`..._routed_static_total` (no member known: the static `--engines`); the prompt tokens the
+`..._routed_static_total` (no member known: the static `--engines`), `..._routed_by_balance_total`
+(the prefix owner was too busy: the least loaded member fetches the prefix); the prompt tokens the
 chosen pool already held (`..._prefix_cached_tokens_total`, against `..._prompt_tokens_total`).
 What the engines did: requests relayed per engine, engines given up on per reason (`connect`,
 `disconnected`, `status_5xx` before the first byte: retried; `broken` mid-answer: passed on),
@@ -54,6 +55,9 @@ class RouterMetrics:
                                    "Route answer), sent to the least loaded member.", registry=r),
             RoutedBy.STATIC: Counter("pagedkv_router_routed_static", "Requests sent to a static --engines entry (the "
                                      "block manager named no owner).", registry=r),
+            RoutedBy.BALANCE: Counter("pagedkv_router_routed_by_balance", "Requests whose prefix owner had more than "
+                                      "--max-imbalance requests beyond the least loaded member, which got them.",
+                                      registry=r),
         }
         self.prompt_tokens = Counter("pagedkv_router_prompt_tokens", "Prompt tokens of routed requests (the first "
                                      "prompt of each).", registry=r)

@@ -106,7 +106,7 @@ def test_requests_go_to_the_owner_of_the_longest_cached_prefix(
         members: tuple[Member, Member]) -> None:
     (a, b), (ma, mb) = engines, members
     ma.heartbeat(num_running=0)
-    mb.heartbeat(num_running=20)             # by load the router would pick a: the prefix must win
+    mb.heartbeat(num_running=10)             # by load the router would pick a: the prefix must win
     on_b, on_a = SYSTEM + "What is a paged KV cache?", SYSTEM[::-1] + "Name three prime numbers."
     mb.cache(tokenizer.encode(on_b))
     ma.cache(tokenizer.encode(on_a))
@@ -120,6 +120,25 @@ def test_requests_go_to_the_owner_of_the_longest_cached_prefix(
         assert rt.metric("pagedkv_router_routed_by_load_total") == 0
         cached = rt.metric("pagedkv_router_prefix_cached_tokens_total")
         assert 0 < cached <= rt.metric("pagedkv_router_prompt_tokens_total")
+
+
+def test_a_prefix_owner_far_busier_than_the_least_loaded_member_gives_way(
+        model_dir: Path, tokenizer: Tokenizer, bm: BlockManagerThread, engines: tuple[FakeEngine, FakeEngine],
+        members: tuple[Member, Member]) -> None:
+    """Beyond `max_imbalance` requests more than the least loaded member, the prefix owner's
+    traffic goes there (its node fetches the prefix) instead of queueing behind the owner."""
+    (a, b), (_, mb) = engines, members
+    prompt = SYSTEM + "A hot system prompt."
+    mb.cache(tokenizer.encode(prompt))
+    mb.heartbeat(num_running=6, num_waiting=3)                 # 9 more than a
+    with RouterThread(model_dir, block_manager=bm.address, max_imbalance=9) as rt:
+        _complete(rt, prompt)
+        assert (len(a.received), len(b.received)) == (0, 1)    # 9 is not more than 9: the owner serves
+    with RouterThread(model_dir, block_manager=bm.address, max_imbalance=8) as rt:
+        _complete(rt, prompt)
+        assert (len(a.received), len(b.received)) == (1, 1)
+        assert rt.metric("pagedkv_router_routed_by_balance_total") == 1
+        assert rt.metric("pagedkv_router_routed_by_prefix_total") == 0
 
 
 def test_without_a_cached_prefix_the_least_loaded_member_serves(
