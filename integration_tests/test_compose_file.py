@@ -155,6 +155,26 @@ def test_router_command_is_accepted_by_its_cli(tmp_path: Path) -> None:
     assert set(stack.specs["router"].depends_on) == {"model-init", "block-manager", "api-server", "api-server-2"}
 
 
+def test_the_mtls_override_gives_the_new_services_the_scheduler_certificate(tmp_path: Path) -> None:
+    """The second replica and the router talk to the block manager with the scheduler's
+    certificate under docker-compose.mtls.yml (the router may then Route)."""
+    from demo.localstack import MTLS_COMPOSE_FILE
+    from engine.api.cli import _parser as serve_parser
+    from engine.api.router_cli import _parser as router_parser
+    from pagedkv.tls import tls_from_args
+
+    certs = tmp_path / "certs"
+    stack = LocalStack(tmp_path, interp_env={"PAGEDKV_CERTS_DIR": str(certs)}, override_files=[MTLS_COMPOSE_FILE])
+    stack.ports[("block-manager", 50051)] = 50999
+    for name, parser in (("api-server-2", serve_parser), ("router", router_parser)):
+        argv, env = stack.command(name)
+        with mock.patch.dict(os.environ, {k: v for k, v in env.items() if k.startswith("PAGEDKV_")}, clear=False):
+            tls = tls_from_args(parser().parse_args(argv[1:]))
+        assert tls is not None and tls.active, name
+        assert (tls.cert_file, tls.key_file, tls.ca_file) == (
+            certs / "scheduler.pem", certs / "scheduler-key.pem", certs / "ca.pem"), name
+
+
 def test_one_shot_services_run_to_completion_first(tmp_path: Path) -> None:
     compose = tmp_path / "compose.yml"
     compose.write_text(yaml.safe_dump({"services": {
