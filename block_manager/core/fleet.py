@@ -137,11 +137,24 @@ class Fleet:
                 member.release_pool_ids.add(pool_id)
 
     def forget_requests(self, pools: Sequence[PoolView]) -> None:
-        """Drop release requests for pools the member no longer holds (released, handed over,
-        gone): a request is pending only while its pool is the member's."""
+        """Drop release requests that no longer stand: for pools the member no longer holds
+        (released, handed over, gone), and for pools no other member could take (the member it
+        was meant for left) unless outside the holder's pins."""
         held = {(p.holder, p.pool_id) for p in pools if p.holder is not None}
         for member in self._members.values():
-            member.release_pool_ids = {p for p in member.release_pool_ids if (member.scheduler_id, p) in held}
+            sid = member.scheduler_id
+            member.release_pool_ids = {
+                p for p in member.release_pool_ids
+                if (sid, p) in held and (not member.can_own(p) or any(
+                    m.can_own(p) for m in self._members.values() if m.scheduler_id != sid))
+            }
+
+    def released(self, scheduler_id: str, pool_ids: Iterable[str]) -> None:
+        """The member reported these pools released: their requests are answered (a pool that
+        comes back to it later is not asked for again by the old request)."""
+        member = self._members.get(scheduler_id)
+        if member is not None:
+            member.release_pool_ids.difference_update(pool_ids)
 
     # ---- one round -----------------------------------------------------------------------
     def plan(

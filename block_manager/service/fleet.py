@@ -127,7 +127,11 @@ class FleetService:
             if joined:
                 log.info("fleet member joined", scheduler=sid[:64], address=clip(address, 128))
             plan = self.fleet.plan(views, released={sid: set(released_pool_ids)})
+            self.fleet.released(sid, released_pool_ids)
         await self._apply(plan)
+        # the answer may describe another round's grants or releases still being committed:
+        # it leaves once they are durable (the runtime's rule for answers that change nothing)
+        await rt.writer.barrier()
         self.arm()
         return self.assignment(sid)
 

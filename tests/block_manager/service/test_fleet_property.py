@@ -109,7 +109,9 @@ class FleetMachine(RuleBasedStateMachine):
         views = self.views()
         self.fleet.heartbeat(sid, self.now, address=f"http://{sid}:8000", pin_pool_ids=pins)
         self.state.leases.renew_holder(sid, self.now)
-        self.run_round(self.fleet.plan(views, released={sid: released}))
+        plan = self.fleet.plan(views, released={sid: released})
+        self.fleet.released(sid, released)
+        self.run_round(plan)
 
     @rule(sid=st.sampled_from(SIDS))
     def leave(self, sid: str) -> None:
@@ -218,6 +220,7 @@ class FleetMachine(RuleBasedStateMachine):
                 self.fleet.heartbeat(m.scheduler_id, self.now, pin_pool_ids=m.pin_pool_ids)
                 self.state.leases.renew_holder(m.scheduler_id, self.now)
                 plan = self.fleet.plan(views, released={m.scheduler_id: released})
+                self.fleet.released(m.scheduler_id, released)
                 moved |= bool(plan)
                 self.run_round(plan)
                 self.check()
@@ -291,3 +294,19 @@ def test_fleet_balance_after_releases() -> None:
 @pytest.mark.slow
 def test_fleet_assignment_properties_long() -> None:
     run_machine(max_examples=400, steps=60, derandomize=False)
+
+
+def test_a_release_asked_for_a_member_that_left_is_dropped() -> None:
+    """Found by the long run: b was asked to release a pool for a, a left, and b kept releasing
+    the pool and getting it back (the stale request stood) — the fleet never settled."""
+    m = FleetMachine()
+    m.heartbeat(extra_release=None, honour=False, pin_index=0, sid="b")
+    m.register(node="n1", num_blocks=8)
+    m.register(node="n2", num_blocks=8)
+    m.heartbeat(extra_release=None, honour=False, pin_index=0, sid="a")
+    member = m.fleet.get("b")
+    assert member is not None and len(member.release_pool_ids) == 1
+    m.leave(sid="a")
+    m.settle()
+    m.check()
+    m.teardown()
