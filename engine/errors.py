@@ -24,6 +24,13 @@ class EngineFailure(Exception):
     fails the same way."""
 
 
+class NoNodeOwned(EngineError):
+    """A fleet member that owns no model node (its nodes went to other engines, or away) for
+    longer than a membership TTL refuses requests, and fails those it queued, rather than hold
+    them until a node comes back: another engine can serve them now (the API answers 503, which
+    the router retries elsewhere)."""
+
+
 class EpochDropped(Exception):
     """The block manager dropped a sequence the engine held (running or swapped) with its node's
     epoch: the step that wrote it failed, or its node registered anew. Made by the scheduler
@@ -89,4 +96,4 @@ class NodeRefused(NodeError):
 
 
 __all__ = ["EngineError", "EngineFailure", "EpochDropped", "NodeError", "NodeMovedOn", "NodeOutOfPlacement",
-           "NodeRefused", "NodeUnreachable", "PoolLost", "PoolReleasing"]
+           "NodeRefused", "NodeUnreachable", "NoNodeOwned", "PoolLost", "PoolReleasing"]

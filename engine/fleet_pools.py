@@ -14,13 +14,19 @@ to the nodes the engine drives, between two runs of its nodes.
   engine's sequences there, so they are re-queued with nothing to free (HELD / PoolLost), and
   the node is no longer driven (or, same pool again, driven afresh).
 
+A member that owns no node for a TTL (its nodes died or went to others, and none came back)
+refuses new requests and fails the ones it queued (`NoNodeOwned`: 503, the router retries them on
+another engine) rather than hold them until a node comes back.
+
 Dropping and releasing need the nodes idle (nothing of the pool in flight), so `LLMEngine` drains
 the step in flight first when `needs_idle_nodes` says so; adoption does not.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from block_manager.client import BlockManagerClient
 from engine.bm_steps import StepSender
@@ -32,6 +38,7 @@ from engine.scheduler import Scheduler
 from engine.step_plan import NodeView
 from pagedkv.logging import get_logger
 
+FIRST_TTL_S = 30.0    # the block manager's default membership TTL, until the first answer says it
 log = get_logger("engine.fleet_pools")
 
 
@@ -48,6 +55,9 @@ class FleetPools:
     lending_sent: int = 0                                         # the last `FleetView.lending` a Step answered
     num_released: int = 0
     num_lost: int = 0
+    nodeless_since: float | None = None                           # monotonic time it last owned no node from
+    NO_NODE: ClassVar[str] = ("this engine owns no model node now (fleet mode: its nodes went to other engines or "
+                              "away); retry on another engine")
 
     def adopted(self, pool_id: str) -> None:
         """`pool_id` is driven from now on (at start, or found by the discovery)."""
@@ -89,6 +99,21 @@ class FleetPools:
                 self.num_released += 1
                 log.info("fleet_pool_released", pool_id=pool_id)
         self.view.releasing = frozenset(self.releasing)
+        if self.gave_up():
+            for seq in list(self.scheduler.queues.waiting):
+                seq.request.unavailable = True
+                self.scheduler.fail_request(seq.request, self.NO_NODE)
+
+    def gave_up(self) -> bool:
+        """Whether the engine owns no node, and has owned none for a membership TTL (long enough
+        for a handover or an adoption under way): its requests are better served elsewhere."""
+        now = time.monotonic()
+        if self.view.nodes:
+            self.nodeless_since = None
+            return False
+        if self.nodeless_since is None:
+            self.nodeless_since = now
+        return now - self.nodeless_since >= (self.member.ttl_s or FIRST_TTL_S)
 
     def _lost(self, fleet: FleetView) -> list[str]:
         """Driven pools the assignment no longer gives this engine, or gives under a new lease."""

@@ -49,7 +49,7 @@ from engine.async_policy import ASYNC_SCHEDULING_ENV
 from engine.bm_steps import UNREACHABLE, StepSender
 from engine.config import MAX_NUM_SEQS, PREEMPTION_MODES, EngineConfig, async_scheduling_default
 from engine.discovery import BackgroundDiscovery, NodeDiscovery, node_problem
-from engine.errors import EngineError, EngineFailure
+from engine.errors import EngineError, EngineFailure, NoNodeOwned
 from engine.fleet import FleetMember
 from engine.fleet_pools import FleetPools
 from engine.health import NodeHealth
@@ -195,7 +195,10 @@ class LLMEngine:
         prompt: str | None = None,
         request_id: str | None = None,
     ) -> str:
-        """Queue a request; `EngineError` / `InvalidParams` when it can never be served."""
+        """Queue a request; `EngineError` / `InvalidParams` when it can never be served
+        (`NoNodeOwned`: not by this engine now, a fleet member without a node)."""
+        if self.fleet_pools is not None and self.fleet_pools.gave_up():
+            raise NoNodeOwned(self.fleet_pools.NO_NODE)
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise InvalidParams("the prompt is empty")
@@ -375,7 +378,7 @@ class LLMEngine:
             done = req.finished
             scored = req.prompt_logprobs if not req.scoring_prompt else None
             outs.append(RequestOutput(rid, req.prompt, req.prompt_token_ids, req.outputs,
-                                      req.num_cached_tokens, done, req.error, scored))
+                                      req.num_cached_tokens, done, req.error, scored, req.unavailable))
             if done:
                 del self.requests[rid]
                 self.stats.num_finished += 1

@@ -149,6 +149,7 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: None until the whole prompt is scored, then per
     # prompt token None (the first) or {token_id: Logprob}
     prompt_logprobs: PromptLogprobs | None = None
+    unavailable: bool = False           # the error is this engine's state, not the request's (retry elsewhere)
 
 
 __all__ = ["MAX_CACHE_SALT_CHARS", "MAX_N", "CompletionOutput", "InvalidParams", "Logprob", "PromptLogprobs",

@@ -87,6 +87,7 @@ class Request:
     first_token_s: float | None = None
     aborted: bool = False
     error: str | None = None       # why the engine could not serve it (its completions end with "error")
+    unavailable: bool = False      # the error is this engine's state, not the request's: another may serve it
     detok_offsets: list[int] = field(default_factory=list)   # per completion: chars already emitted
     # SamplingParams.prompt_logprobs: per prompt position, None until scored (the first always
     # None); filled by position as chunks come back (engine.prompt_scores)

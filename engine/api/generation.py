@@ -20,7 +20,7 @@ from typing import Any
 from engine.api.metrics import ApiMetrics
 from engine.api.protocol import Prompt
 from engine.async_engine import AsyncLLMEngine
-from engine.errors import EngineError
+from engine.errors import EngineError, NoNodeOwned
 from engine.params import CompletionOutput, PromptLogprobs, RequestOutput, SamplingParams
 
 
@@ -174,8 +174,8 @@ class Generation:
         try:
             while (item := await fan.next()) is not None:
                 i, out = item
-                if out.error is not None:   # the engine could not serve it (a refusal: 400)
-                    raise EngineError(out.error)
+                if out.error is not None:   # the engine could not serve it (a refusal: 400; or 503 now)
+                    raise NoNodeOwned(out.error) if out.unavailable else EngineError(out.error)
                 now = time.perf_counter()
                 self.cached_tokens[i] = out.num_cached_tokens
                 if out.prompt_logprobs is not None:

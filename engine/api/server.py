@@ -15,7 +15,8 @@ completion that hits a stop string ends its engine request once its siblings are
 client that goes away mid-request or mid-stream aborts all of it (its blocks are freed with the
 engine's next step). Errors are OpenAI's JSON (`{"error": {"message", "type", "param",
 "code"}}`): 400 for bad parameters and prompts too long for the context or the KV memory, 401
-for a wrong API key, 404 for an unknown model or route, 503 once the engine has stopped.
+for a wrong API key, 404 for an unknown model or route, 503 once the engine has stopped, or
+while a fleet member owns no model node (`NoNodeOwned`: another engine can serve it).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from engine.api.protocol import (
     stop_strings,
 )
 from engine.async_engine import AsyncLLMEngine
+from engine.errors import NoNodeOwned
 from engine.llm_engine import EngineError
 from engine.params import InvalidParams
 from engine.tokenizer import Tokenizer, TokenizerError
@@ -226,6 +228,8 @@ class _Server:
         """The API error for a failed generation (engine refusals are the client's: 400)."""
         if isinstance(exc, APIError):
             return exc
+        if isinstance(exc, NoNodeOwned):     # this engine's state, not the request's: another engine may serve it
+            return APIError(503, str(exc), type="server_error", code="no_node")
         if isinstance(exc, (InvalidParams, EngineError)):
             return bad_request(str(exc))
         self.metrics.failure("engine_error")

@@ -345,3 +345,25 @@ def test_a_lone_member_paused_past_the_ttl_gets_its_nodes_back_under_new_leases(
         compare_greedy(out[rid], hf_greedy(hf, prompt, params.max_tokens), f"{rid} under the new lease")
     with AdminClient(services.bm.address) as admin:
         assert admin.fsck().get("ok") is True
+
+
+def test_a_member_owning_no_node_for_a_ttl_fails_its_queue_and_refuses(services, members) -> None:  # type: ignore[no-untyped-def]
+    """A member pinned to a node that does not exist owns none: what it queued fails after a
+    TTL (an error another engine may not have: `unavailable`, 503 at the API) and new requests
+    are refused, instead of waiting for a node that may never come."""
+    from engine.errors import NoNodeOwned
+
+    idle = members.start("engine-idle", pins=("node-9",))
+    assert not idle.nodes and not idle.ready
+    rid = idle.add_request(prompts(1, 6, 11)[0], GREEDY)        # a moment without a node is no reason yet
+    failed: list[RequestOutput] = []
+    t0 = time.monotonic()
+    while not failed:
+        assert time.monotonic() - t0 < 3 * TTL_S, "the queued request was not given up"
+        failed += [o for o in idle.step() if o.request_id == rid and o.finished]
+    assert time.monotonic() - t0 >= TTL_S * 0.9
+    (out,) = failed
+    assert out.unavailable and out.error is not None and "owns no model node" in out.error
+    assert out.outputs[0].finish_reason == "error"
+    with pytest.raises(NoNodeOwned):
+        idle.add_request([1, 2, 3], GREEDY)

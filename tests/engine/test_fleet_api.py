@@ -9,6 +9,7 @@ import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -20,6 +21,7 @@ from engine.async_engine import AsyncLLMEngine
 from engine.fleet import FleetSettings
 from engine.llm import LLM
 from tests.engine.services import Services
+from tests.support.polling import eventually_sync
 
 MODEL = "llama-gqa4-hd64"
 
@@ -80,6 +82,11 @@ def test_a_member_without_a_node_is_not_ready(tmp_path: Path) -> None:
     assert asyncio.run(node_health_check(None, {})()) == (True, "ok")
 
 
+def _refused(url: str) -> dict[str, Any] | None:
+    r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2}, timeout=30)
+    return r.json() if r.status_code == 503 else None
+
+
 def test_health_and_metrics_say_what_each_member_owns(model_dirs) -> None:  # type: ignore[no-untyped-def]
     """Two servers over one block manager with two nodes: one owns both and is ready, the other
     is pinned to a node that does not exist, owns none and answers /health 503; the block
@@ -101,6 +108,10 @@ def test_health_and_metrics_say_what_each_member_owns(model_dirs) -> None:  # ty
                     assert httpx.get(srv.url + "/health", timeout=30).status_code == status
                     metrics = httpx.get(srv.url + "/metrics", timeout=30).text
                     assert f'pagedkv_owned_nodes{{model_name="m"}} {float(owned)}' in metrics
+                    if not owned:   # after a TTL without a node it refuses: 503, for a router to retry elsewhere
+                        refused = eventually_sync(lambda: _refused(srv.url), timeout_s=10, interval_s=0.2,
+                                                  what="a nodeless member refuses")
+                        assert refused["error"]["code"] == "no_node", refused
             finally:
                 aeng.shutdown()
         with AdminClient(bm) as admin:
