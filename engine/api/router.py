@@ -218,6 +218,12 @@ class Router:
         async def _api_error(_: Request, exc: APIError) -> JSONResponse:
             return JSONResponse(exc.body(), exc.status)
 
+        @app.exception_handler(Exception)
+        async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+            log.error("unhandled error", error=repr(exc))
+            err = APIError(500, "internal error (logged on the router)", type="server_error")
+            return JSONResponse(err.body(), 500)
+
         @app.exception_handler(StarletteHTTPException)
         async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
             kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"

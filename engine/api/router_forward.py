@@ -57,7 +57,7 @@ async def open_upstream(client: httpx.AsyncClient, method: str, path: str, heade
         except httpx.ConnectError as exc:
             on_give_up(Attempt(url, "connect", _detail(exc), more))
             continue
-        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ConnectTimeout) as exc:
+        except httpx.TransportError as exc:      # dropped, timed out connecting or writing, a bad address
             on_give_up(Attempt(url, "disconnected", _detail(exc), more))
             continue
         if response.status_code >= 500 and more:
