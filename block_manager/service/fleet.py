@@ -22,11 +22,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from block_manager.core.errors import InvalidRequest
 from block_manager.core.fleet import Fleet, FleetPlan, Member, check_address
 from block_manager.core.leases import check_scheduler_id
+from block_manager.core.nodes import check_node_id
 from block_manager.core.types import PoolId
 from block_manager.service.request_index import internal_request_id
-from block_manager.service.state_codec import check_count, check_ids
+from block_manager.service.state_codec import check_count
 from pagedkv.logging import get_logger
 from pagedkv.rpc import Backoff, clip
 
@@ -109,7 +111,10 @@ class FleetService:
         max_batch = rt.state.config.max_batch
         for name, ids in (("pin_pool_ids", pin_pool_ids), ("released_pool_ids", released_pool_ids)):
             check_count(f"number of {name}", len(ids), 0, max_batch)
-            check_ids(name, list(ids))
+            for pool_id in ids:
+                check_node_id(pool_id)   # pool ids are node ids
+            if len(set(ids)) != len(ids):
+                raise InvalidRequest(f"duplicate {name}")
         for name, n in (("num_running", num_running), ("num_waiting", num_waiting)):
             check_count(name, n, 0, 1 << 32)
         now = rt.clock()

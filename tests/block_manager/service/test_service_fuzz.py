@@ -172,6 +172,24 @@ def _cases(rng: random.Random, epoch: int) -> list[tuple[str, str, Callable[[], 
             ),
             INVALID,
         ),
+        (
+            "d",
+            "SchedulerHeartbeat",
+            lambda: pb.SchedulerHeartbeatRequest(scheduler_id=rng.choice(["", "x" * 129, "\u00e9t\u00e9", "tab\tid"])),
+            INVALID,
+        ),
+        (
+            "d",
+            "SchedulerHeartbeat",
+            lambda: pb.SchedulerHeartbeatRequest(
+                scheduler_id="fz", **rng.choice([
+                    {"address": rng.choice(["x" * 300, "bad\naddress"])},
+                    {"pin_pool_ids": [g() or "x" * 300]},
+                    {"released_pool_ids": ["n1", "n1"]},
+                ]),
+            ),
+            INVALID,
+        ),
         ("a", "ListSequences", lambda: pb.ListSequencesRequest(pool_id=g() or "q"), {C.NOT_FOUND, C.INVALID_ARGUMENT}),
         ("a", "DescribeSequence", lambda: pb.DescribeSequenceRequest(seq_id=rng.choice(["", "d" * 300])), INVALID),
         ("a", "DescribeSequence", lambda: pb.DescribeSequenceRequest(seq_id="ghost"), {C.NOT_FOUND}),
@@ -212,11 +230,11 @@ async def test_malformed_requests_every_rpc(harness: Harness) -> None:
     before = await _observable(harness)
     cases = _cases(rng, reg.epoch)
     methods = {(svc, m) for svc, m, _, _ in cases}
-    # every unary RPC that takes input (Status, ListNodes and Fsck take none; the
+    # every unary RPC that takes input (Status, ListNodes, ListSchedulers and Fsck take none; the
     # SubscribeKvEvents stream has its own malformed-input checks: test_kv_events_stream.py)
     all_methods = {m.name for svc in pb.DESCRIPTOR.services_by_name.values() for m in svc.methods
                    if not m.server_streaming}
-    assert {m for _, m in methods} == all_methods - {"Status", "ListNodes", "Fsck"}
+    assert {m for _, m in methods} == all_methods - {"Status", "ListNodes", "Fsck", "ListSchedulers"}
     for _ in range(NUM_CASES):
         svc, method, make, allowed = rng.choice(cases)
         request = make()
