@@ -143,8 +143,8 @@ class Fleet:
         moments ago or has more than `max_imbalance` requests beyond the least loaded member
         (that one then serves, its node fetching the prefix: a hot prefix must not pin its
         traffic to one replica while others idle); every other member follows by load (the
-        retry order). Only when no member
-        is known at all do the static engines serve, by this router's own in-flight count."""
+        retry order). Only when no member is known at all do the static engines serve, by this
+        router's own in-flight count."""
         if entries is not None:
             self.observe(entries)
         if not self.members:
