@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypedDict
 
 from compute_node.errors import InvalidForward, PeerFetchFailed
@@ -29,7 +30,7 @@ from compute_node.model import (
     StepResult,
 )
 from compute_node.tables import NodeTable, SeqId, TableCache, check_tail, stage
-from compute_node.transfer import BlockPuller, PullStats, pull_all
+from compute_node.transfer import BlockPuller, PullStats, pull_all, pull_all_staged
 from pagedkv.limits import seq_id_problem
 from pagedkv.v1 import compute_node_pb2 as pb
 
@@ -81,26 +82,34 @@ class Generator:
             work.append(SeqWork(s.seq_id, s.token_ids, start, list(table.block_table), s.sampling,
                                 s.num_output_tokens, s.prompt_logprobs))
         fetch_work = self._check_fetches(staged.fetches, work) if staged.fetches else {}
-        orphans = [f for f in staged.fetches if f.fetch_id not in fetch_work]
-        if orphans:
-            # no sequence of this step can recompute them: pulled before anything is applied,
-            # and a failure fails the step whole (PeerFetchFailed, ABORTED)
-            pull_all(self.puller, runner.pool, orphans, self._orphan_failed)
+        # A fetch's blocks are written after its step's tier moves and copies (which may still
+        # read or write its destination blocks) and before any later step's. When every fetch
+        # can be recomputed and comes after every move and copy of the request (one step, the
+        # usual case), it is pulled straight into the pool once they have run. Otherwise each
+        # is pulled into a host buffer first, before anything is applied — a failed one is
+        # recomputed in this step, or fails the step whole when no sequence of the step can
+        # recompute it (PeerFetchFailed, ABORTED) — and landed in step order by apply_moves.
+        direct = all(f.fetch_id in fetch_work and staged.lands_last(i) for i, f in enumerate(staged.fetches))
+        pulled = PullStats()
+        landings: list[tuple[tuple[int, int], Callable[[], None]]] = []
+        if staged.fetches and not direct:
+            pulled, got = pull_all_staged(self.puller, runner.geometry, staged.fetches,
+                                          lambda op, why: self._fetch_failed(fetch_work, op, why))
+            marks = {f.fetch_id: mark for f, mark in zip(staged.fetches, staged.fetch_marks)}
+            landings = [(marks[g.op.fetch_id], partial(g.land, runner.pool)) for g in got]
         # ---- everything is checked: apply ----
         if staged.serves and self.on_serves is not None:
             self.on_serves(staged.serves)   # granted blocks are written and pinned: serve them now
         t0 = time.perf_counter()
-        if staged.tier_moves:
-            apply_moves(runner.pool, host, staged, disk)   # tier moves and copies, in step order
+        if staged.tier_moves or landings:
+            apply_moves(runner.pool, host, staged, disk, landings)   # moves, copies and fetches, in step order
         elif staged.copy_pairs:
             runner.copy_blocks(staged.copy_pairs)
         copy_s = time.perf_counter() - t0
-        pulled = PullStats()
-        if staged.fetches:
-            # pulled before the Forward reads them; a failed pull is recomputed in this very step
-            pulled = pull_all(self.puller, runner.pool, [f for f in staged.fetches if f.fetch_id in fetch_work],
+        if staged.fetches and direct:
+            # pulled before the step reads them; a failed pull is recomputed in this very step
+            pulled = pull_all(self.puller, runner.pool, staged.fetches,
                               lambda op, why: self._recompute(fetch_work[op.fetch_id], op, why))
-            pulled.fetched_blocks += sum(len(f.dst_blocks) for f in orphans)
         self.tables.commit(staged)
         for s in seqs:
             table = tables[s.seq_id]
@@ -169,10 +178,14 @@ class Generator:
             out[f.fetch_id] = w
         return out
 
-    @staticmethod
-    def _orphan_failed(op: Any, why: str) -> None:
-        raise PeerFetchFailed(f"{why}; sequence {op.seq_id!r} is not computed in this step, so the step "
-                              "cannot recompute it: report the step failed and recompute")
+    def _fetch_failed(self, fetch_work: dict[str, SeqWork], op: Any, why: str) -> None:
+        """A failed pull: recomputed by its sequence in this step; where the step does not
+        compute that sequence, the step fails whole (nothing of it applied yet)."""
+        w = fetch_work.get(op.fetch_id)
+        if w is None:
+            raise PeerFetchFailed(f"{why}; sequence {op.seq_id!r} is not computed in this step, so the step "
+                                  "cannot recompute it: report the step failed and recompute")
+        self._recompute(w, op, why)
 
     def _recompute(self, w: SeqWork, op: Any, why: str) -> None:
         """A failed pull: the sequence computes the fetched positions itself, in this step."""

@@ -4,7 +4,8 @@ Same block layout per layer as the device pool (`[host_num_blocks, num_kv_heads,
 head_dim]` K and V tensors), pinned when the device is CUDA so transfers are asynchronous DMA.
 The block manager decides every move; the node runs a step's moves before anything of the step
 reads or writes the device pool: all device->host moves (swap-out, offload), then all
-host->device moves (swap-in, onboard), then the step's copy ops. Moves are batched: one gather
+host->device moves (swap-in, onboard), then the step's copy ops, then the blocks it fetched from
+another node (`apply_moves`, step by step for several steps). Moves are batched: one gather
 and one transfer per layer and direction per step (`index_select` / `index_copy_`), never one
 per block. On CUDA they run on a side stream: it waits for the work already queued on the
 compute stream (the device blocks a swap-out reads were written there), and the compute stream
@@ -13,7 +14,7 @@ waits for it in turn before the step's kernels read the swapped-in blocks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -95,18 +96,42 @@ class HostKvPool:
         self.num_blocks_to_device += len(pairs)
 
 
-def apply_moves(pool: KvPool, host: HostKvPool | None, staged: Any, disk: Any = None) -> None:
+def apply_moves(pool: KvPool, host: HostKvPool | None, staged: Any, disk: Any = None,
+                landings: Sequence[tuple[tuple[int, int], Callable[[], None]]] = ()) -> None:
     """A Forward's staged tier moves and copy ops, in step order: for each step, its copies
     staged before it, then its host->disk moves (`disk`: compute_node.disk_tier.DiskKvStore),
     device->host moves, disk->host moves and host->device moves; the copies of the last steps
-    after that."""
+    after that.
+
+    `landings`: prefix-fetched blocks to write into the pool, in step order, each as its step's
+    mark (`StagedSteps.fetch_marks`) and the write. A fetch lands after its own step's moves and
+    copies and before any later step's: its destination blocks may be ones its step (or an
+    earlier one) still swaps out, offloads or copies from, freed in that very step, and a later
+    step may move or copy the fetched blocks themselves (docs/prefix_fetch.md)."""
     pairs = staged.copy_pairs
     done = 0
+
+    def copy_through(n: int) -> None:
+        nonlocal done
+        if n > done:
+            pool.copy_blocks(pairs[done:n])
+            done = n
+
+    landed = 0
+
+    def land_through(num_moves: int) -> None:
+        """The landings of steps with at most `num_moves` tier_moves entries through them."""
+        nonlocal landed
+        while landed < len(landings) and landings[landed][0][1] <= num_moves:
+            (num_copies, _), write = landings[landed]
+            copy_through(num_copies)
+            write()
+            landed += 1
+
     disk_moves = getattr(staged, "disk_moves", None) or [((), ())] * len(staged.tier_moves)
-    for (offset, to_host, to_device), (to_disk, from_disk) in zip(staged.tier_moves, disk_moves):
-        if offset > done:
-            pool.copy_blocks(pairs[done:offset])
-            done = offset
+    for j, ((offset, to_host, to_device), (to_disk, from_disk)) in enumerate(zip(staged.tier_moves, disk_moves)):
+        land_through(j)   # fetches of the steps before this one
+        copy_through(offset)
         if host is None:
             raise RuntimeError("internal: tier moves staged for a node without a host tier")
         if (to_disk or from_disk) and disk is None:
@@ -117,8 +142,8 @@ def apply_moves(pool: KvPool, host: HostKvPool | None, staged: Any, disk: Any = 
         if from_disk:
             disk.read(host, from_disk)
         host.to_device(pool, to_device)
-    if len(pairs) > done:
-        pool.copy_blocks(pairs[done:])
+    land_through(len(staged.tier_moves))
+    copy_through(len(pairs))
 
 
 __all__ = ["HostKvPool", "apply_moves", "host_blocks_for_budget"]

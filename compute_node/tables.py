@@ -50,6 +50,20 @@ class StagedSteps:
     # grants to serve from it on (docs/prefix_fetch.md)
     fetches: list[Any] = field(default_factory=list)
     serves: list[Any] = field(default_factory=list)
+    # per fetch op (index for index): where its step ends in the order the node runs the
+    # Forward's work, `(copy pairs staged through its step, tier_moves entries staged through
+    # it)`; its blocks land there, after its step's moves and copies, before any later step's
+    fetch_marks: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def end_mark(self) -> tuple[int, int]:
+        """The mark after every move and copy of the Forward."""
+        return len(self.copy_pairs), len(self.tier_moves)
+
+    def lands_last(self, i: int) -> bool:
+        """Fetch op `i` comes after every tier move and copy the Forward carries (its step is
+        the last with any): pulling it after they have all run keeps the step order."""
+        return self.fetch_marks[i] == self.end_mark
 
     def table(self, cache: TableCache, seq_id: SeqId) -> NodeTable | None:
         if seq_id in self.changed:
@@ -149,6 +163,7 @@ def _stage_fetches(staged: StagedSteps, m: Any, i: int, num_blocks: int, host_nu
             raise InvalidForward(f"steps[{i}]: fetch {f.fetch_id!r} names block {max(f.dst_blocks)}; "
                                  f"the pool has {num_blocks} blocks")
         staged.fetches.append(f)
+        staged.fetch_marks.append(staged.end_mark)   # staged after the step's moves and copies
     for g in m.serves:
         host = list(g.host) or [False] * len(g.blocks)
         if (not g.fetch_id or not g.blocks or len(host) != len(g.blocks)

@@ -4,11 +4,14 @@ serves, the byte layout of blocks on the wire, and the destination's pull.
 The block manager plans a fetch (its source blocks pinned on the source pool); the scheduler
 hands the source its grant in the source's step (`PoolStep.serves`) and the destination its
 fetch op in the destination's step (`PoolStep.fetches`). The destination pulls inside that
-step, after the step's tier moves and copy ops and before its writes and attention
-(`ComputeNode.FetchBlocks`, a server stream), and writes the blocks into its fresh
-destination blocks. Anything that goes wrong — the source unreachable or dead mid-stream, no
-grant before the wait ends, a checksum mismatch, a layout that differs, a timeout — is a
-`FetchFailed`, and the caller recomputes those positions in the same step instead.
+step (`ComputeNode.FetchBlocks`, a server stream) and writes the blocks into its destination
+blocks after the step's tier moves and copy ops, which may still read those blocks, and before
+its writes and attention: straight into the pool once they have run (`pull`), or into a host
+buffer first (`pull_staged`) where the pull must come before anything of the step is applied
+or a later step of the same call still moves or copies blocks (docs/prefix_fetch.md). Anything
+that goes wrong — the source unreachable or dead mid-stream, no grant before the wait ends, a
+checksum mismatch, a layout that differs, a timeout — is a `FetchFailed`, and the caller
+recomputes those positions in the same step instead (or fails the step whole, where it cannot).
 
 Wire layout: the blocks in request order, each block every layer's K then V
 (`[num_kv_heads, block_size, head_dim]` each, the pool's dtype, C order) — `block_bytes` per
@@ -356,6 +359,23 @@ class PullStats:
     num_bytes: int = 0
 
 
+@dataclass(slots=True)
+class StagedFetch:
+    """A fetch op's verified blocks held on the host (`BlockPuller.pull_staged`), in wire
+    layout, until its step's turn to write them into the destination blocks."""
+
+    op: Any
+    data: bytearray
+
+    @property
+    def num_bytes(self) -> int:
+        return len(self.data)
+
+    def land(self, pool: KvPool) -> None:
+        """Write the blocks into the op's destination blocks of `pool`."""
+        unpack_into(pool, list(self.op.dst_blocks), memoryview(self.data))
+
+
 class BlockPuller:
     """Pulls granted blocks from other nodes: one channel per source address (TLS and this
     node's identity as on every channel: its certificate under mTLS, else `token`)."""
@@ -385,25 +405,55 @@ class BlockPuller:
             return entry[1]
 
     def pull(self, pool: KvPool, op: Any) -> int:
-        """Pull one fetch op's blocks into its destination blocks; the bytes moved.
+        """Pull one fetch op's blocks straight into its destination blocks; the bytes moved.
         `FetchFailed` when anything is missing, late or corrupt (nothing is trusted then: the
-        caller recomputes every position of the op)."""
+        caller recomputes every position of the op). Only where nothing of the step still to
+        run reads or writes those blocks: otherwise `pull_staged`, landed in step order."""
+        block_bytes = pool.geometry.bytes_per_block
+        # a verified chunk's blocks are written on the scatter thread while the next chunk is
+        # received (one write in flight); every write has finished before this returns or raises
+        pending: Future[None] | None = None
+        try:
+            for first, data in self._verified_blocks(pool.geometry, op):
+                if pending is not None:
+                    pending.result()
+                blocks = list(op.dst_blocks[first:first + len(data) // block_bytes])
+                pending = self._scatter.submit(unpack_into, pool, blocks, data)
+            if pending is not None:
+                pending.result()
+        finally:
+            if pending is not None:
+                wait([pending])
+        return len(op.dst_blocks) * block_bytes
+
+    def pull_staged(self, geometry: PoolGeometry, op: Any) -> StagedFetch:
+        """Pull one fetch op's blocks into a host buffer, not into the pool: the caller lands
+        them (`StagedFetch.land`) once the step's tier moves and copies that still read or write
+        the destination blocks have run. `FetchFailed` as `pull`, before any block of the pool
+        changed (so a failed pull can still fail its step whole)."""
+        block_bytes = geometry.bytes_per_block
+        buf = bytearray(len(op.dst_blocks) * block_bytes)
+        for first, data in self._verified_blocks(geometry, op):
+            buf[first * block_bytes:first * block_bytes + len(data)] = data
+        return StagedFetch(op, buf)
+
+    def _verified_blocks(self, geometry: PoolGeometry, op: Any) -> Iterator[tuple[int, memoryview]]:
+        """The op's stream as `(index of the first destination block, whole blocks' bytes)`,
+        each chunk's layout, offset, size and checksum checked before its bytes are handed on;
+        `FetchFailed` for anything wrong, the stream's end included (short of every block)."""
         if not op.src_address:
             raise FetchFailed(f"fetch {op.fetch_id}: the source {op.src_pool_id!r} has no address")
-        layout = layout_of(pool.geometry)
-        block_bytes = pool.geometry.bytes_per_block
+        layout = layout_of(geometry)
+        block_bytes = geometry.bytes_per_block
         n = len(op.dst_blocks)
         if n != len(op.src_blocks) or n == 0:
             raise FetchFailed(f"fetch {op.fetch_id}: {len(op.src_blocks)} source blocks for {n} destinations")
         total = n * block_bytes
         got = 0
-        done = 0                  # destination blocks written so far
+        done = 0                  # destination blocks handed on so far
         carry: bytes | memoryview = b""   # the start of a block split across chunks
         req = pb.FetchBlocksRequest(fetch_id=op.fetch_id, dst_pool_id=self.node_id, blocks=op.src_blocks,
                                     max_chunk_bytes=self.chunk_bytes, host=getattr(op, "src_host", ()))
-        # a verified chunk's blocks are written on the scatter thread while the next chunk is
-        # received (one write in flight); every write has finished before this returns or raises
-        pending: Future[None] | None = None
         try:
             stream = self._fetch_blocks(op.src_address)(req, timeout=self.timeout_s, metadata=self.metadata)
             for message in stream:
@@ -417,28 +467,19 @@ class BlockPuller:
                 if checksum(chunk.data) != chunk.checksum:
                     raise FetchFailed(f"fetch {op.fetch_id}: checksum mismatch in the chunk at {chunk.offset}")
                 got += size
-                # whole blocks are written as they arrive (the destination blocks are this
+                # whole blocks are handed on as they arrive (the destination blocks are this
                 # sequence's alone: a pull that fails later is recomputed over all of them)
                 data = bytes(carry) + chunk.data if carry else chunk.data
                 whole = len(data) // block_bytes
                 if whole:
-                    if pending is not None:
-                        pending.result()
-                    pending = self._scatter.submit(unpack_into, pool, list(op.dst_blocks[done:done + whole]),
-                                                   memoryview(data)[:whole * block_bytes])
+                    yield done, memoryview(data)[:whole * block_bytes]
                     done += whole
                 carry = data[whole * block_bytes:]
-            if pending is not None:
-                pending.result()
         except grpc.RpcError as exc:
             raise FetchFailed(
                 f"fetch {op.fetch_id} from {op.src_pool_id!r}: {exc.code().name}: {exc.details()}") from None
-        finally:
-            if pending is not None:
-                wait([pending])
         if got != total or done != n:
             raise FetchFailed(f"fetch {op.fetch_id}: the stream ended after {got} of {total} bytes")
-        return got
 
     def close(self) -> None:
         with self._lock:
@@ -466,5 +507,31 @@ def pull_all(puller: BlockPuller | None, pool: KvPool, ops: Sequence[Any],
     return stats
 
 
-__all__ = ["BlockPuller", "ChunkView", "FetchFailed", "Grant", "GrantBook", "PullStats", "block_chunks", "chunks",
-           "encode_chunk", "encoded_chunks", "layout_of", "pack_blocks", "parse_chunk", "pull_all", "unpack_into"]
+
+def pull_all_staged(puller: BlockPuller | None, geometry: PoolGeometry, ops: Sequence[Any],
+                    on_failure: Callable[[Any, str], None]) -> tuple[PullStats, list[StagedFetch]]:
+    """`pull_all` into host buffers (`BlockPuller.pull_staged`): the pool is not touched; the
+    caller lands the staged blocks in step order. A failed op is handed to `on_failure` and has
+    no staged blocks."""
+    stats = PullStats()
+    staged: list[StagedFetch] = []
+    t0 = time.perf_counter()
+    for op in ops:
+        try:
+            if puller is None:
+                raise FetchFailed(f"fetch {op.fetch_id}: this node cannot pull from other nodes (embedded)")
+            got = puller.pull_staged(geometry, op)
+        except FetchFailed as exc:
+            on_failure(op, str(exc))
+            stats.recomputed_tokens += len(op.token_ids)
+            continue
+        staged.append(got)
+        stats.num_bytes += got.num_bytes
+        stats.fetched_blocks += len(op.dst_blocks)
+    stats.seconds = time.perf_counter() - t0
+    return stats, staged
+
+
+__all__ = ["BlockPuller", "ChunkView", "FetchFailed", "Grant", "GrantBook", "PullStats", "StagedFetch", "block_chunks",
+           "chunks", "encode_chunk", "encoded_chunks", "layout_of", "pack_blocks", "parse_chunk", "pull_all",
+           "pull_all_staged", "unpack_into"]

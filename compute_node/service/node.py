@@ -35,6 +35,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,7 @@ from compute_node.service.metrics import NodeMetrics
 from compute_node.service.step_thread import StepThread
 from compute_node.tables import NodeTable, SeqId, StagedSteps, TableCache, stage
 from compute_node.threads import apply_thread_budget, thread_budget
-from compute_node.transfer import BlockPuller, FetchFailed, GrantBook
+from compute_node.transfer import BlockPuller, FetchFailed, GrantBook, StagedFetch
 from pagedkv.logging import get_logger
 from pagedkv.rpc import Backoff
 from pagedkv.v1 import compute_node_pb2 as pb
@@ -448,12 +449,16 @@ class ComputeNode:
             plan = plan_attention(batch, tables, pool.geometry)
             if staged.serves:
                 self.grants.add(staged.serves)
+            landings: list[tuple[tuple[int, int], Callable[[], None]]] = []
             if staged.fetches:
-                # before anything of the step is applied: a failed pull fails the Forward whole
-                await self.step_thread.run(self._pull_for_forward, pool, staged.fetches)
+                # pulled into host buffers before anything of the step is applied (a failed pull
+                # fails the Forward whole), landed in the pool in step order: after the moves and
+                # copies of the fetch's step, which may still read or write its destination blocks
+                pulled = await self.step_thread.run(self._pull_for_forward, pool, staged.fetches)
+                landings = [(mark, partial(got.land, pool)) for mark, got in zip(staged.fetch_marks, pulled)]
             t0 = time.perf_counter()
-            if staged.tier_moves:   # host tier moves and copies, in step order (as Generate does)
-                await self.step_thread.run(apply_moves, pool, self.host_pool, staged)
+            if staged.tier_moves or landings:   # tier moves, copies and fetches, in step order (as Generate)
+                await self.step_thread.run(apply_moves, pool, self.host_pool, staged, None, landings)
             elif staged.copy_pairs:
                 await self.step_thread.run(pool.copy_blocks, staged.copy_pairs)
             t1 = time.perf_counter()
@@ -479,16 +484,20 @@ class ComputeNode:
         self._observe(batch, stats)
         return ForwardResult([(step.layer, out) for step, out in zip(batch.layers, outputs)], stats)
 
-    def _pull_for_forward(self, pool: KvPool, fetches: list) -> None:
-        """An attention-only node's pulls: it cannot recompute (the scheduler brings K/V), so a
-        failed pull fails the Forward (PeerFetchFailed) and the scheduler recomputes."""
+    def _pull_for_forward(self, pool: KvPool, fetches: list[Any]) -> list[StagedFetch]:
+        """An attention-only node's pulls, into host buffers (the pool is not touched): it
+        cannot recompute (the scheduler brings K/V), so a failed pull fails the Forward
+        (PeerFetchFailed) before anything of it is applied, and the scheduler recomputes."""
+        pulled: list[StagedFetch] = []
         for op in fetches:
             try:
-                n = self.puller.pull(pool, op)
+                got = self.puller.pull_staged(pool.geometry, op)
             except FetchFailed as exc:
                 raise PeerFetchFailed(str(exc)) from None
+            pulled.append(got)
             self.metrics.fetched_blocks.inc(len(op.dst_blocks))
-            self.metrics.fetch_bytes.inc(n)
+            self.metrics.fetch_bytes.inc(got.num_bytes)
+        return pulled
 
     async def _cold_tables(self, batch: ForwardBatch, staged: StagedSteps, epoch: int) -> dict[SeqId, NodeTable]:
         """Tables of sequences the node does not hold (a cold cache: not on the hot path).

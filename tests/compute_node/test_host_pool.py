@@ -1,5 +1,5 @@
 """The compute node's host tier (compute_node/host_pool.py): batched device<->host moves equal
-block-by-block copies in every layer, a Forward's moves and copies apply in step order, and a
+block-by-block copies in every layer, a Forward's moves, copies and fetched blocks apply in step order, and a
 step naming a block outside either tier, or an unknown kind, is refused before anything moves."""
 
 from __future__ import annotations
@@ -56,6 +56,37 @@ def test_moves_and_copies_apply_in_step_order() -> None:
     staged = StagedSteps(copy_pairs=[(1, 2)], tier_moves=[(1, [(2, 3)], [])])
     apply_moves(pool, host, staged)
     assert torch.equal(host.key_caches[0][3], src)
+
+
+def test_fetched_blocks_land_between_their_steps_moves_and_copies_and_the_next_steps() -> None:
+    """Step 1 swaps block 0 out and fetches into it; step 2 copies it to block 1 and fetches
+    into block 2; step 3 swaps block 1 out and copies block 2 to 3. Each fetch lands after its
+    own step's moves and copies and before the next step's: the swap-out of step 1 keeps block
+    0's old bytes, every later reader sees the fetched ones."""
+    pool, host = _pools(3)
+    old0 = pool.key_caches[0][0].clone()
+    steps = [
+        common_pb2.PoolStep(pool_id="n", epoch=1, step_id=1, tier_kind=[1], tier_src=[0], tier_dst=[0],
+                            fetches=[common_pb2.KvFetch(fetch_id="f1", src_blocks=[9], dst_blocks=[0])]),
+        common_pb2.PoolStep(pool_id="n", epoch=1, step_id=2, base_step_id=1, copy_src=[0], copy_dst=[1],
+                            copy_is_defrag=[False],
+                            fetches=[common_pb2.KvFetch(fetch_id="f2", src_blocks=[9], dst_blocks=[2])]),
+        common_pb2.PoolStep(pool_id="n", epoch=1, step_id=3, base_step_id=2, tier_kind=[1], tier_src=[1],
+                            tier_dst=[1], copy_src=[2], copy_dst=[3], copy_is_defrag=[False]),
+    ]
+    staged = stage(TableCache(), steps, "n", 1, GEOM.num_blocks, 7)
+    assert staged.fetch_marks == [(0, 1), (1, 1)] and not staged.lands_last(0) and not staged.lands_last(1)
+
+    def write(block: int, value: float) -> None:
+        for t in (*pool.key_caches, *pool.value_caches):
+            t[block] = value
+
+    apply_moves(pool, host, staged, None, [(staged.fetch_marks[0], lambda: write(0, 1.0)),
+                                           (staged.fetch_marks[1], lambda: write(2, 2.0))])
+    assert torch.equal(host.key_caches[0][0], old0)
+    for block, value in ((0, 1.0), (1, 1.0), (2, 2.0), (3, 2.0)):
+        assert bool((pool.key_caches[0][block] == value).all()) and bool((pool.value_caches[2][block] == value).all())
+    assert bool((host.key_caches[1][1] == 1.0).all())
 
 
 def _step(**cols: list[int]) -> common_pb2.PoolStep:

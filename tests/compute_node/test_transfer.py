@@ -311,7 +311,7 @@ def test_a_fetch_must_sit_right_before_its_sequences_new_tokens_and_a_failed_one
     assert gen._check_fetches([_op()], work) == {"f": work[0]}
     assert gen._check_fetches([_op(seq_id="other")], work) == {}   # pulled up front, no fallback
     with pytest.raises(PeerFetchFailed):
-        gen._orphan_failed(_op(seq_id="other"), "source gone")
+        gen._fetch_failed({}, _op(seq_id="other"), "source gone")   # no sequence to recompute it
     for bad in (dict(first_token=0), dict(dst_blocks=(8, 7)), dict(token_ids=(1,) * 7),
                 dict(token_ids=(100,) * 8)):
         with pytest.raises(InvalidForward):
