@@ -53,7 +53,7 @@ from engine.errors import EngineError, EngineFailure, NoNodeOwned
 from engine.fleet import FleetMember
 from engine.fleet_pools import FleetPools
 from engine.health import NodeHealth
-from engine.node_api import NodeExecutor
+from engine.node_api import NodeExecutor, NodeInfo
 from engine.params import CompletionOutput, InvalidParams, RequestOutput, SamplingParams
 from engine.pipeline import NodePipeline
 from engine.prompt_scores import Detokenize, start_scoring
@@ -328,7 +328,7 @@ class LLMEngine:
         if result.pool_free:
             self.view.pool_free = {pool: free for pool, free in result.pool_free.items()}
             self.view.host_pools = set(result.host_usable)
-        steps: dict[str, PoolStepInfo] = {pool: info for pool, info in result.steps.items()}
+        steps = self._deliverable({pool: info for pool, info in result.steps.items()})
         return steps, self.scheduler.apply(result, plan, flight)
 
     def _probe(self, node_id: str) -> str | None:
@@ -345,21 +345,46 @@ class LLMEngine:
         if self._discovery is None:
             return
         for pool_id, node, info in self._discovery.take():
-            if self.fleet is not None and not self.fleet.may_drive(pool_id):
-                node.close()   # owned when it was found, not any more
-                continue
-            self.client.tracker.set_block_size(pool_id, info.block_size)
-            self.pool_blocks[pool_id] = (info.num_blocks, info.block_size)
-            self.view.max_model_len = min(self.view.max_model_len, info.max_model_len)
-            previous = self.nodes.get(pool_id)
-            if previous is not None:
-                previous.close()
-            self.nodes[pool_id] = node
-            self.health.readmit(pool_id)   # it just answered GetNodeInfo with the engine's model
-            self.view.down = self.view.down - {pool_id}
-            self.max_kv_slots = max(self.max_kv_slots, info.num_blocks * info.block_size)
-            if self.fleet_pools is not None:
-                self.fleet_pools.adopted(pool_id)
+            self._adopt(pool_id, node, info)
+
+    def _adopt(self, pool_id: str, node: NodeExecutor, info: NodeInfo) -> None:
+        if self.fleet is not None and not self.fleet.may_drive(pool_id):
+            node.close()   # owned when it was found, not any more
+            return
+        previous = self.nodes.get(pool_id)
+        if previous is not None and getattr(previous, "address", None) == getattr(node, "address", None):
+            node.close()   # found twice (the discovery, and `_deliverable`'s adoption at once)
+            return
+        self.client.tracker.set_block_size(pool_id, info.block_size)
+        self.pool_blocks[pool_id] = (info.num_blocks, info.block_size)
+        self.view.max_model_len = min(self.view.max_model_len, info.max_model_len)
+        if previous is not None:
+            previous.close()
+        self.nodes[pool_id] = node
+        self.health.readmit(pool_id)   # it just answered GetNodeInfo with the engine's model
+        self.view.down = self.view.down - {pool_id}
+        self.max_kv_slots = max(self.max_kv_slots, info.num_blocks * info.block_size)
+        if self.fleet_pools is not None:
+            self.fleet_pools.adopted(pool_id)
+
+    def _deliverable(self, steps: dict[str, PoolStepInfo]) -> dict[str, PoolStepInfo]:
+        """`steps` without the PoolSteps of pools the engine does not drive, never handed to a
+        node it has no executor for. A guard: a fleet member's Step closes the steps of every
+        pool it owns that lends to another member's fetch, and an owned pool the discovery has
+        not adopted yet could be one (the block manager lets a handed-over pool lend only once
+        its new owner stepped on it, so it should not be). Such a pool is adopted now (probed on
+        this thread) so its node gets the serve grant; one that cannot be is reported failed,
+        as a node left out of a step (the borrower's node then recomputes the prefix)."""
+        for pool_id in [p for p in steps if p not in self.nodes]:
+            owned = self.fleet.view().owned.get(pool_id) if self.fleet is not None else None
+            if owned is not None and self._discovery is not None and self.fleet is not None \
+                    and self.fleet.may_drive(pool_id):
+                for found in self._discovery.discovery.find([owned], self.nodes):
+                    self._adopt(*found)
+            if pool_id not in self.nodes:
+                log.warning("pool_step_undeliverable", pool_id=pool_id)
+                self.client.report(steps.pop(pool_id), False)
+        return steps
 
     def _fleet_changes(self) -> bool:
         return self.fleet_pools is not None and self.fleet_pools.needs_idle_nodes()
@@ -401,15 +426,17 @@ class LLMEngine:
             self.sender.drain(wait=False)
             batch = self.client.step()
             lending = fleet.lending_due() if fleet is not None else 0
-            if self.scheduler.add_frees(batch) or lending:
+            # a fleet member's Step may close its lending pools' steps, reports alone too: their
+            # PoolSteps go to the nodes (`_run_grants`), so its reports go this way as well
+            if self.scheduler.add_frees(batch) or lending or (fleet is not None and self.client.pending_reports):
                 batch.force = bool(lending)
                 batch.flush = True
                 result = self.sender.commit(batch, wait=False)
                 if result.pool_free:
                     self.view.pool_free = {pool: free for pool, free in result.pool_free.items()}
-                if fleet is not None and lending:
-                    fleet.lending_sent = lending
-                    self._run_grants({pool: info for pool, info in result.steps.items()})
+                if fleet is not None:
+                    fleet.lending_sent = max(fleet.lending_sent, lending)
+                    self._run_grants(self._deliverable({pool: info for pool, info in result.steps.items()}))
             elif self.client.pending_reports:
                 self.client.flush_reports()
         except UNREACHABLE as exc:

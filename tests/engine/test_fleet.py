@@ -367,3 +367,24 @@ def test_a_member_owning_no_node_for_a_ttl_fails_its_queue_and_refuses(services,
     assert out.outputs[0].finish_reason == "error"
     with pytest.raises(NoNodeOwned):
         idle.add_request([1, 2, 3], GREEDY)
+
+
+
+def test_a_pool_step_for_an_owned_node_not_adopted_yet_adopts_it(services, members) -> None:  # type: ignore[no-untyped-def]
+    """The guard of `LLMEngine._deliverable`: a PoolStep for a pool the engine owns but has not
+    adopted (its discovery did not get to it) adopts the pool on the spot, so the step reaches
+    its node; one for a pool it cannot drive is reported failed, never handed to a missing node."""
+    from block_manager.client import PoolStepInfo
+
+    def step_of(pool_id: str) -> PoolStepInfo:
+        return PoolStepInfo(pool_id, 1, 1, (), (), (), None, False, 0, None)   # type: ignore[arg-type]
+
+    a = members.start("engine-a")
+    b = members.start("engine-b", pins=("node-1",))
+    assert b._discovery is not None and b.fleet is not None
+    b._discovery.close()                     # B adopts nothing in the background from here on
+    settle(a, until=lambda: b.fleet is not None and b.fleet.may_drive("node-1"), what="node-1 handed to B")
+    assert not b.nodes
+    kept = b._deliverable({"node-1": step_of("node-1"), "node-9": step_of("node-9")})
+    assert set(kept) == {"node-1"} and set(b.nodes) == {"node-1"}
+    assert b.client.pending_reports["node-9"] == (1, 0, 1)     # reported failed, never sent to a node
