@@ -98,11 +98,12 @@ class Fleet:
     ) -> Member:
         """Join, or renew and update the member's address, pins and load."""
         sid = check_scheduler_id(scheduler_id)
+        address = check_address(address)   # checked before anything changes
         member = self._members.get(sid)
         if member is None:
             member = self._members[sid] = Member(sid, now + self.ttl_s)
         member.deadline = now + self.ttl_s
-        member.address = check_address(address)
+        member.address = address
         member.pin_pool_ids = frozenset(pin_pool_ids)
         member.num_running, member.num_waiting = int(num_running), int(num_waiting)
         return member
