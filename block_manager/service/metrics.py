@@ -56,6 +56,8 @@ class _StateCollector(Collector):
             "session_answers": rt.sessions.num_answers,
             "session_refusals": rt.sessions.num_expired_refusals,
             "kv_events": rt.kv_events,
+            # fleet mode: each member and how many pools it owns
+            "fleet": [(m.scheduler_id, len(rt.state.leases.held_by(m.scheduler_id))) for m in rt.fleet.fleet.members()],
         }
 
     async def _read_async(self) -> dict[str, Any]:
@@ -146,6 +148,13 @@ class _StateCollector(Collector):
             value=snap["session_refusals"],
         )
         yield from _kv_event_families(snap["kv_events"])
+        members = snap.get("fleet", [])
+        yield GaugeMetricFamily("pagedkv_fleet_members", "Live fleet members (schedulers that heartbeat).",
+                                value=len(members))
+        owned = GaugeMetricFamily("pagedkv_fleet_owned_pools", "Pools each fleet member owns.", labels=["scheduler"])
+        for sid, n in members:
+            owned.add_metric([sid], n)
+        yield owned
 
 
 def _kv_event_families(hub: Any) -> Iterator[Metric]:

@@ -89,6 +89,10 @@ async def test_heartbeat_assigns_every_pool_once_and_balances(start_server: Call
     got = await b.scheduler_heartbeat(address="http://b:8000")
     assert owned(got) == {moving} and got.pools[0].lease_epoch == 2   # a new lease epoch
     assert owned(after) | owned(got) == {"n1", "n2", "n3"} and not owned(after) & owned(got)
+    text = (await asyncio.to_thread(h.server.metrics.render)).decode()
+    assert "pagedkv_fleet_members 2.0" in text
+    assert 'pagedkv_fleet_owned_pools{scheduler="sched-a"} 2.0' in text
+    assert 'pagedkv_fleet_owned_pools{scheduler="sched-b"} 1.0' in text
     # a new node goes to the least loaded member at once (a round follows the registration)
     await register(h, "n4")
     assert owned(await b.scheduler_heartbeat(address="http://b:8000")) == {moving, "n4"}
