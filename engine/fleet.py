@@ -2,7 +2,8 @@
 nodes the block manager assigns it.
 
 An engine in the fleet is a *member*: it heartbeats the block manager (`SchedulerHeartbeat`)
-every third of the membership TTL on its own thread, never on the step path, with its load
+every third of the membership TTL (at most every second) on its own thread, never on the step
+path, with its load
 (running and waiting sequences, for routers and balancing), its API address (where routers
 send requests), its pins (`--nodes`) and the pools it finished handing over. Each answer is its
 *assignment*: the pools it owns now (it steps on those and no others; ownership is the pool's
@@ -29,7 +30,11 @@ from block_manager.client import BlockManagerClient
 from block_manager.client.types import FleetAssignment, OwnedPool
 from pagedkv.logging import get_logger
 
-FIRST_INTERVAL_S = 1.0   # between heartbeats until the first answer says the TTL
+# Between two heartbeats: a third of the TTL, at most MAX_INTERVAL_S. The answer also says which
+# owned pools hold a serve grant for another member's prefix fetch, whose node waits for it
+# (`fetch_grant_wait_s`, 10 s by default): an idle engine learns of it only from a heartbeat, so
+# it beats often enough for the grant to arrive well in time, whatever the TTL.
+MAX_INTERVAL_S = 1.0
 log = get_logger("engine.fleet")
 
 Load = Callable[[], tuple[int, int]]   # (running, waiting) sequences now
@@ -155,7 +160,7 @@ class FleetMember:
             self._beat(raise_errors=False)
 
     def _interval_s(self) -> float:
-        return FIRST_INTERVAL_S if self.ttl_s is None else self.ttl_s / 3
+        return MAX_INTERVAL_S if self.ttl_s is None else min(self.ttl_s / 3, MAX_INTERVAL_S)
 
     def _timeout_s(self) -> float | None:
         """A heartbeat's deadline: within the interval, so a slow one does not delay the next."""
