@@ -27,8 +27,8 @@ from block_manager.core.errors import (
 )
 from block_manager.core.pool import Pool
 from block_manager.core.sequence import Sequence, late_pending
-from block_manager.core.step_work import note_created
 from block_manager.core.step_order import BlockTaker, busy_blocks, early_room
+from block_manager.core.step_work import note_created
 from block_manager.core.steps import drop_sequence
 from block_manager.core.tiers import HostTier, SwappedSeq
 from block_manager.core.types import PoolId, SeqId, SequenceView
