@@ -163,7 +163,8 @@ class FleetMember:
         return MAX_INTERVAL_S if self.ttl_s is None else min(self.ttl_s / 3, MAX_INTERVAL_S)
 
     def _timeout_s(self) -> float | None:
-        """A heartbeat's deadline: within the interval, so a slow one does not delay the next."""
+        """A heartbeat attempt's deadline: a third of the TTL, so a slow block manager delays
+        the next heartbeat but never past the membership."""
         return None if self.ttl_s is None else max(self.ttl_s / 3, 0.5)
 
     def _beat(self, *, raise_errors: bool) -> bool:
@@ -174,8 +175,8 @@ class FleetMember:
             self._tried_at = time.monotonic()
             with self._lock:
                 released = tuple(sorted(self._released))
-            num_running, num_waiting = self._load()
             try:
+                num_running, num_waiting = self._load()
                 answer = self.client.scheduler_heartbeat(
                     address=self.settings.address, pin_pool_ids=self.settings.pin_pool_ids,
                     num_running=num_running, num_waiting=num_waiting, released_pool_ids=released,
