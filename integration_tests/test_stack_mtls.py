@@ -3,8 +3,10 @@ from scripts/gen-dev-certs.sh made in the test's temp dir): the mixed workload p
 call authenticated by certificate, the OpenAI server generates through the block manager and the
 nodes with its scheduler certificate, and the stack refuses what it must.
 
-One stack for the module: each test leaves it as it found it (everything freed, pool leases
-handed back), so they pass in any order.
+One stack for the module, started without the API replicas and the router: the mixed workload's
+scheduler is not a fleet member, and a replica joining the fleet owns the pools at once. The
+OpenAI test starts a replica and the router and stops them (a graceful stop leaves the fleet and
+hands the pools back), so each test leaves the stack as it found it and they pass in any order.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def mtls_stack(tmp_path_factory: pytest.TempPathFactory, certs: DevCerts,
     stack = LocalStack(Path(tmp_path_factory.mktemp("mtls-stack")), interp_env=env,
                        override_files=[MTLS_COMPOSE_FILE])
     try:
-        stack.up()          # health checks dial each service with its own certificate
+        # health checks dial each service with its own certificate
+        stack.up(["block-manager", "compute-node-0", "compute-node-1"])
         yield stack
     finally:
         stack.down()
@@ -94,9 +97,11 @@ def test_openai_server_generates_over_mutual_tls(mtls_stack: LocalStack, certs: 
     import httpx
     import openai
 
-    assert "api-server" in mtls_stack.running and mtls_stack.completed == {"model-init"}
-    url = "http://" + mtls_stack.address("api-server")
-    # /health probes the block manager and both nodes with the server's scheduler certificate
+    assert mtls_stack.completed == {"model-init"}
+    mtls_stack.start("api-server")   # healthy: it owns both nodes, and /health probes the block
+    mtls_stack.start("router")       # manager and both nodes with its scheduler certificate
+    url = "http://" + mtls_stack.address("router")   # the router routes with its own certificate
+    assert httpx.get("http://" + mtls_stack.address("api-server") + "/health", timeout=30).status_code == 200
     assert httpx.get(url + "/health", timeout=30).status_code == 200
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
     out = client.completions.create(model=TEST_MODEL_NAME, prompt=["a paged cache", "over mutual TLS"],
@@ -104,6 +109,7 @@ def test_openai_server_generates_over_mutual_tls(mtls_stack: LocalStack, certs: 
     assert [c.finish_reason for c in out.choices] == ["length", "length"]
     assert out.usage is not None and out.usage.completion_tokens == 12
     # a graceful stop frees what is left and hands the pools back for the other tests' scheduler
+    assert mtls_stack.stop("router") == 0
     assert mtls_stack.stop("api-server") == 0
     with AdminClient(mtls_stack.address("block-manager"), tls=certs.client("admin"), timeout_s=20) as admin:
         assert not admin.list_sequences().get("sequences") and admin.fsck().get("ok") is True
