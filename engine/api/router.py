@@ -190,7 +190,7 @@ class Router:
         def give_up(attempt: Attempt) -> None:
             self.metrics.give_up(attempt)
             self.fleet.failed(attempt.url)
-            log.warning("engine failed before the first byte", engine=attempt.url, reason=attempt.reason,
+            log.warning("engine failed before the first byte", engine=attempt.url, failure=attempt.failure,
                         detail=attempt.detail, retried=attempt.retried)
 
         try:

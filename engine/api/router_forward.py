@@ -34,7 +34,7 @@ class Attempt:
     """One engine tried and given up on before the first byte (for metrics and logs)."""
 
     url: str
-    reason: str          # "connect" (refused, unreachable), "disconnected" (dropped before answering), "status_5xx",
+    failure: str         # "connect" (refused, unreachable), "disconnected" (dropped before answering), "status_5xx",
     detail: str          # "broken" (went away mid-answer: passed on, not retried)
     retried: bool = False  # the request went on to the next engine
 

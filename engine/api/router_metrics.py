@@ -79,7 +79,7 @@ class RouterMetrics:
         self.cached_tokens.inc(plan.num_cached_tokens)
 
     def give_up(self, attempt: Attempt) -> None:
-        self.engine_failures.labels(attempt.url, attempt.reason).inc()
+        self.engine_failures.labels(attempt.url, attempt.failure).inc()
         if attempt.retried:
             self.retries.inc()
 
