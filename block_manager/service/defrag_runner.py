@@ -48,7 +48,7 @@ class DefragRunner:
         runtime.on_applied(self._after_apply)
 
     # ---- hooks ----------------------------------------------------------------------
-    def _after_apply(self, op: str, payload: dict[str, Any], result: dict[str, Any]) -> None:
+    def _after_apply(self, op: str, result: dict[str, Any]) -> None:
         if op in _PLAN_OPS and result.get("plan"):
             self._arm(result["plan"]["plan_id"])
         elif op == "trigger_defrag":

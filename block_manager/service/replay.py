@@ -8,11 +8,18 @@ from typing import Any
 from block_manager.service.errors import RecoveryError
 from block_manager.service.sessions import SESSION_OPS, SessionTable
 from block_manager.service.state import Applied, ServiceState
+from block_manager.service.step_codec import ReceivedStep
 from block_manager.store.records import JournalRecord
 
 
-def apply_op(state: ServiceState, sessions: SessionTable, op: str, payload: dict[str, Any], now: float) -> Applied:
-    """The one dispatch of a journaled op: session bookkeeping or the state machine."""
+def apply_op(
+    state: ServiceState, sessions: SessionTable, op: str, payload: dict[str, Any] | ReceivedStep, now: float,
+) -> Applied:
+    """The one dispatch of a journaled op: session bookkeeping or the state machine. A live
+    Step arrives as its `ReceivedStep` (decoded straight from the message); a journaled one
+    as its payload."""
+    if isinstance(payload, ReceivedStep):
+        return state.apply_step(payload.decode(state.config.max_batch), now)
     if op in SESSION_OPS:
         result, mutated = sessions.apply(op, payload, now)
         return Applied(result, mutated)

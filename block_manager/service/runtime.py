@@ -53,7 +53,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from block_manager.core.errors import PoolLeased
 from block_manager.service.config import BlockManagerConfig
@@ -84,12 +84,15 @@ from block_manager.service.sessions import (
     session_request_id,
 )
 from block_manager.service.state import ServiceState
-from block_manager.service.step_codec import StepInput
+from block_manager.service.step_codec import ReceivedStep
 from block_manager.store import InvalidRecord, NewRecord, Store, canonical_json
 from block_manager.store.records import JournalRecord, RetainedRequest, check_record_fields
 from pagedkv.lifecycle import TaskSet
 from pagedkv.logging import get_logger
 from pagedkv.rpc import Backoff, clip
+
+if TYPE_CHECKING:
+    from pagedkv.v1 import block_manager_pb2 as pb
 
 log = get_logger(__name__)
 
@@ -131,7 +134,7 @@ class ServiceRuntime:
         # A lease expiry that fails is retried with a growing delay, not at once (the timer
         # would otherwise fire every millisecond while the failure lasts).
         self._expiry_backoff = Backoff(initial_s=0.05, max_s=5.0)
-        self._listeners: list[Callable[[str, dict[str, Any], dict[str, Any]], None]] = []
+        self._listeners: list[Callable[[str, dict[str, Any]], None]] = []
         self._phase_listeners: list[Callable[[Phase], None]] = []
         self.writer = JournalWriter(
             store,
@@ -170,8 +173,8 @@ class ServiceRuntime:
     def on_phase(self, listener: Callable[[Phase], None]) -> None:
         self._phase_listeners.append(listener)
 
-    def on_applied(self, listener: Callable[[str, dict[str, Any], dict[str, Any]], None]) -> None:
-        """`listener(op, payload, result)` after every journaled op (defrag runner, timers)."""
+    def on_applied(self, listener: Callable[[str, dict[str, Any]], None]) -> None:
+        """`listener(op, result)` after every journaled op (defrag runner, timers)."""
         self._listeners.append(listener)
 
     def _set_phase(self, phase: Phase) -> None:
@@ -334,7 +337,7 @@ class ServiceRuntime:
         self._set_phase("stopped")
         await self.writer.close(final_snapshot=final)
 
-    def _after_apply(self, op: str, payload: dict[str, Any], result: dict[str, Any]) -> None:
+    def _after_apply(self, op: str, result: dict[str, Any]) -> None:
         if op == "register_node":
             self.schedule_lease_check()
             self.fleet.poke()   # a new pool goes to a member now, not at the next heartbeat
@@ -405,8 +408,8 @@ class ServiceRuntime:
         return await self._recorded(request_id, digest)
 
     async def mutate(
-        self, op: str, request_id: str, digest: str, payload: dict[str, Any], *, internal: bool = False,
-        session: SessionRef | None = None,
+        self, op: str, request_id: str, digest: str, payload: dict[str, Any] | ReceivedStep, *,
+        internal: bool = False, session: SessionRef | None = None,
     ) -> dict[str, Any]:
         """Apply + journal one op idempotently; see the module docstring.
 
@@ -419,6 +422,9 @@ class ServiceRuntime:
         id (which then only names it in logs): it is journaled under
         `session_request_id(session, seq)` and its answer is held by the session table for
         the session window, whatever the request-id window does meanwhile.
+
+        `payload`: the op's journal form, or for a live Step its `ReceivedStep`, whose journal
+        form is built only when it is journaled (the state machine reads the message).
         """
         if internal:
             self.check_readable()
@@ -442,8 +448,9 @@ class ServiceRuntime:
             recorded = await self._known(request_id, digest, session)
             if recorded is not None:
                 return recorded
+        journal_form = payload.payload() if isinstance(payload, ReceivedStep) else payload
         try:
-            payload_json = canonical_json(payload)  # what the store writes; no await until it has it
+            payload_json = canonical_json(journal_form)  # what the store writes; no await until it has it
         except InvalidRecord as exc:
             raise RecordRejected(f"cannot journal this request: {exc}") from None
         try:
@@ -457,7 +464,7 @@ class ServiceRuntime:
             await self.writer.barrier()   # likewise an answer that changed nothing
             return applied.result
         kv_ticket = self._stage_kv_changes()
-        record = NewRecord(request_id, op, payload, applied.result, digest, payload_json)
+        record = NewRecord(request_id, op, journal_form, applied.result, digest, payload_json)
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         entry = Recorded(digest, applied.result, fut)
         if session is not None:
@@ -465,7 +472,7 @@ class ServiceRuntime:
         else:
             self._requests.put(request_id, entry)
         for listener in self._listeners:
-            listener(op, payload, applied.result)
+            listener(op, applied.result)
         try:
             entry.seq_no = await self.writer.commit(record, self._kv_on_commit(kv_ticket))
             fut.set_result(entry.seq_no)
@@ -476,7 +483,8 @@ class ServiceRuntime:
         return applied.result
 
     def _apply_volatile(
-        self, op: str, request_id: str, digest: str, payload: dict[str, Any], session: SessionRef | None,
+        self, op: str, request_id: str, digest: str, payload: dict[str, Any] | ReceivedStep,
+        session: SessionRef | None,
     ) -> dict[str, Any]:
         """In-memory mode: same state machine, request-id index and sessions, no journal."""
         applied = apply_op(self.state, self.sessions, op, payload, self.clock())
@@ -489,7 +497,7 @@ class ServiceRuntime:
             self.writer.last_seq_no += 1
             self.writer.num_records += 1
             for listener in self._listeners:
-                listener(op, payload, applied.result)
+                listener(op, applied.result)
         return applied.result
 
     def _unexpected_kv_changes(self, op: str) -> None:
@@ -501,7 +509,7 @@ class ServiceRuntime:
             self.kv_events.commit(ticket)
 
     async def mutate_step(
-        self, request_id: str, digest: str, payload: dict[str, Any], session: SessionRef | None = None,
+        self, request_id: str, digest: str, request: pb.StepRequest, session: SessionRef | None = None,
     ) -> dict[str, Any]:
         """One scheduler step. A pool held by another scheduler whose lease has lapsed is
         handed over first (a journaled `release_pool`: the old holder's sequences are
@@ -509,8 +517,7 @@ class ServiceRuntime:
 
         A fleet member's step is marked as such in its journaled payload (`fleet`): it drives
         only the pools the fleet gave it and takes no other (service/fleet.py)."""
-        if self.fleet.is_member(payload.get("scheduler_id")):
-            payload = {**payload, "fleet": True}
+        payload = ReceivedStep(request, fleet=self.fleet.is_member(request.scheduler_id))
         try:
             return await self.mutate("step", request_id, digest, payload, session=session)
         except PoolLeased:
@@ -555,10 +562,10 @@ class ServiceRuntime:
             log.error("session expiry failed", error=clip(repr(exc)))
         self._arm_session_sweep()
 
-    async def _release_lapsed(self, payload: dict[str, Any]) -> bool:
+    async def _release_lapsed(self, received: ReceivedStep) -> bool:
         state = self.state
         try:
-            step = StepInput.from_json(payload, state.config.max_batch)
+            step = received.decode(state.config.max_batch)
         except Exception:  # noqa: BLE001 - the step itself reports its malformed payload
             return False
         if step.fleet:

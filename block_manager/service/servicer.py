@@ -172,7 +172,7 @@ class BlockManagerServicer(MutatingServicer, pb_grpc.BlockManagerServicer):
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
         rid = check_request_id(request.request_id)
         session = session_of(request)
-        r = await self.runtime.mutate_step(rid, request_digest("Step", request), step_payload(request), session)
+        r = await self.runtime.mutate_step(rid, request_digest("Step", request), request, session)
         return step_response(r)
 
     # ---- client sessions ------------------------------------------------------------

@@ -313,10 +313,18 @@ class ServiceState:
             errors.append(ItemError.of("late", i, err))
 
     def _step(self, p: dict[str, Any], now: float) -> Applied:
-        sched = check_scheduler_id(p.get("scheduler_id"))
-        step = StepInput.from_json(p, self.config.max_batch)
-        checked = self._check_step(step, sched, now)   # fails the request as a whole: nothing changed
-        answer, mutated = self._apply_step(checked, now)
+        check_scheduler_id(p.get("scheduler_id"))
+        return self.apply_step(StepInput.from_json(p, self.config.max_batch), now)
+
+    def apply_step(self, step: StepInput, now: float) -> Applied:
+        """The `step` op on an already decoded request (`StepInput.from_pb` on the live path,
+        `from_json` on a journaled payload): what `apply("step", payload)` does after decoding."""
+        sched = check_scheduler_id(step.scheduler_id)
+        try:
+            checked = self._check_step(step, sched, now)   # fails the request as a whole: nothing changed
+            answer, mutated = self._apply_step(checked, now)
+        except (KeyError, TypeError, ValueError) as exc:   # as `apply` maps them
+            raise InvalidRequest(f"malformed step payload: {exc!r}") from exc
         return Applied(answer.to_json(), mutated)
 
     def _check_step(self, step: StepInput, sched: str, now: float) -> _CheckedStep:

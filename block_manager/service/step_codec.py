@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from block_manager.core.errors import InvalidRequest
+from block_manager.core.leases import check_scheduler_id
 from block_manager.core.types import PoolId, SeqId
 from block_manager.service.state_codec import MAX_ID_LEN
 from block_manager.service.step_answer import pool_step_dict
@@ -181,6 +182,43 @@ class StepInput:
                    decode_swap_ids(p, "swap_in", max_batch), bool(p.get("release")), p.get("fleet") is True)
 
 
+    @classmethod
+    def from_pb(cls, request: pb.StepRequest, max_batch: int, *, fleet: bool = False) -> StepInput:
+        """The request's columns read straight from the message: the same value, checks and
+        errors as `from_json(step_payload(request))` (a section counts only when its ids are
+        given, as there), without the payload in between. The message's types are known
+        (strings, unsigned ints), so only what they do not guarantee is checked: id lengths,
+        counts >= 1, salt length and index range, column shapes."""
+        reports = []
+        for r in request.reports:
+            reports.append(Report(PoolId(_pb_ids("report pool", [r.pool_id])[0]), r.epoch, r.completed_up_to,
+                                  r.failed_from or None))
+        _distinct("report pools", [r.pool_id for r in reports])
+        free_ids = cast(list[SeqId], _pb_ids("free_seq_ids", request.free_seq_ids))
+        _distinct("free_seq_ids", free_ids)
+        if request.alloc_seq_ids:
+            allocs, placement = _decode_allocs_pb(request)
+        else:
+            allocs, placement = [], Placement([], 0)
+        _distinct("allocation seq_ids", [a.seq_id for a in allocs])
+        written = _appends_pb("written", request.written_seq_ids, request.written_num_tokens,
+                              request.written_token_ids, ())
+        appends = _appends_pb("append", request.append_seq_ids, request.append_num_tokens,
+                              request.append_token_ids, request.append_num_late)
+        late = _check_late(_appends_pb("late", request.late_seq_ids, request.late_num_tokens,
+                                       request.late_token_ids, ()))
+        forks = _forks_pb(request) if request.fork_parent_ids else []
+        children = [c for _, cs in forks for c in cs]
+        _distinct("fork child ids", children)
+        for name, n in (("frees", len(free_ids)), ("allocations", len(allocs)), ("written reports", len(written)),
+                        ("forks", len(children)), ("appends", len(appends)), ("late-id items", len(late))):
+            if n > max_batch:
+                raise InvalidRequest(f"a step may carry at most {max_batch} {name}, got {n}")
+        return cls(request.scheduler_id, dict(request.pool_epochs), reports, free_ids, allocs, written, forks,
+                   appends, placement, late, _swap_ids_pb("swap_out", request.swap_out_seq_ids, max_batch),
+                   _swap_ids_pb("swap_in", request.swap_in_seq_ids, max_batch), request.release_leases, fleet)
+
+
 def _decode_allocs(a: Mapping[str, Any]) -> tuple[list[Alloc], Placement]:
     seq_ids = _seq_ids("alloc_seq_ids", a.get("seq_ids", []))
     n = len(seq_ids)
@@ -245,7 +283,10 @@ def _decode_appends(section: str, a: Mapping[str, Any]) -> AppendColumns:
 def _decode_late(a: Mapping[str, Any]) -> AppendColumns:
     """The late-ids section: per sequence, all the ids it awaits (at least one): shaped like
     an append section whose ids are required."""
-    late = _decode_appends("late", a)
+    return _check_late(_decode_appends("late", a))
+
+
+def _check_late(late: AppendColumns) -> AppendColumns:
     if late.seq_ids and late.token_ids is None:
         raise InvalidRequest(f"late: no token ids for {sum(late.counts)} tokens")
     if late.num_late:
@@ -274,6 +315,133 @@ def decode_swap_ids(p: Mapping[str, Any], key: str, max_batch: int) -> list[SeqI
     if len(ids) > max_batch:
         raise InvalidRequest(f"a step may carry at most {max_batch} {key} items, got {len(ids)}")
     return ids
+
+
+# ---- straight from the message (`StepInput.from_pb`) ---------------------------------------
+# The same checks as the journal form's decoders above, in the same order and with the same
+# messages, minus the type checks the message's schema already guarantees.
+def _pb_ids(name: str, col: Sequence[str]) -> list[str]:
+    ids = list(col)
+    if ids and not 0 < min(map(len, ids)) <= max(map(len, ids)) <= MAX_ID_LEN:
+        raise InvalidRequest(f"{name} entries must be non-empty strings of at most {MAX_ID_LEN} characters")
+    return ids
+
+
+def _pb_counts(name: str, col: Sequence[int]) -> list[int]:
+    """Unsigned counts that must be >= 1."""
+    counts = list(col)
+    if counts and min(counts) < 1:
+        raise InvalidRequest(f"{name} must hold integers >= 1")
+    return counts
+
+
+def _decode_allocs_pb(r: pb.StepRequest) -> tuple[list[Alloc], Placement]:
+    seq_ids = cast(list[SeqId], _pb_ids("alloc_seq_ids", r.alloc_seq_ids))
+    n = len(seq_ids)
+    pools = _pb_ids("pool_ids", r.pool_ids)
+    salts = list(r.salts)
+    if any(len(s) > 1024 for s in salts):
+        raise InvalidRequest("salts must be strings of at most 1024 characters")
+    pool_index, salt_index = list(r.alloc_pool_index), list(r.alloc_salt_index)
+    num_token_ids, num_tokens = list(r.alloc_num_token_ids), list(r.alloc_num_tokens)
+    num_compute = list(r.alloc_num_compute)
+    for name, col in (("alloc_pool_index", pool_index), ("alloc_salt_index", salt_index),
+                      ("alloc_num_token_ids", num_token_ids), ("alloc_num_tokens", num_tokens),
+                      ("alloc_num_compute", num_compute)):
+        if len(col) != n:
+            raise InvalidRequest(f"{name} has {len(col)} entries for {n} allocations")
+    place = list(r.alloc_place)
+    if place and len(place) != n:
+        raise InvalidRequest(f"alloc_place must be empty or hold one bool per allocation ({n})")
+    place_pools = _pb_ids("place_pool_ids", r.place_pool_ids) if place else []
+    admit_budget = r.admit_budget if place else 0
+    token_ids = list(r.alloc_token_ids)
+    if len(token_ids) != sum(num_token_ids):
+        raise InvalidRequest(f"alloc_token_ids has {len(token_ids)} ids, the counts say {sum(num_token_ids)}")
+    out: list[Alloc] = []
+    pos = 0
+    for i in range(n):
+        placed = bool(place) and place[i]
+        if not placed and pool_index[i] >= len(pools):
+            raise InvalidRequest(f"allocation {i}: pool index {pool_index[i]} out of range")
+        si = salt_index[i]
+        if not -1 <= si < len(salts):
+            raise InvalidRequest(f"allocation {i}: salt index {si!r} out of range")
+        k = num_token_ids[i]
+        toks = token_ids[pos : pos + k] if k else None
+        pos += k
+        if (toks is None) == (num_tokens[i] == 0):
+            raise InvalidRequest(f"allocation {i}: give token ids or a token count, exactly one")
+        out.append(Alloc(seq_ids[i], "" if placed else pools[pool_index[i]], toks, num_tokens[i] or None,
+                         salts[si] if si >= 0 else None, num_compute[i] or None, placed))
+    return out, Placement(place_pools, admit_budget)
+
+
+def _appends_pb(section: str, seq_col: Sequence[str], count_col: Sequence[int], token_col: Sequence[int],
+                late_col: Sequence[int]) -> AppendColumns:
+    """A section's columns (all ignored when it names no sequence, as `step_payload` drops them)."""
+    if not seq_col:
+        return AppendColumns([], [], None)
+    seq_ids = cast(list[SeqId], _pb_ids(f"{section}_seq_ids", seq_col))
+    counts = _pb_counts(f"{section}_num_tokens", count_col)
+    if len(counts) != len(seq_ids):
+        raise InvalidRequest(f"{section}_num_tokens has {len(counts)} entries for {len(seq_ids)} sequences")
+    _distinct(f"{section} seq_ids", seq_ids)
+    token_ids = list(token_col)
+    if token_ids and len(token_ids) != sum(counts):
+        raise InvalidRequest(f"{section}: {len(token_ids)} token ids for {sum(counts)} tokens (give all or none)")
+    num_late = list(late_col)
+    if num_late and len(num_late) != len(seq_ids):
+        raise InvalidRequest(f"{section}_num_late has {len(num_late)} entries for {len(seq_ids)} sequences")
+    return AppendColumns(seq_ids, counts, token_ids or None, num_late or None)
+
+
+def _forks_pb(r: pb.StepRequest) -> list[tuple[SeqId, list[SeqId]]]:
+    parents = cast(list[SeqId], _pb_ids("fork_parent_ids", r.fork_parent_ids))
+    counts = _pb_counts("fork_num_children", r.fork_num_children)
+    children = cast(list[SeqId], _pb_ids("fork_child_ids", r.fork_child_ids))
+    if len(counts) != len(parents) or sum(counts) != len(children):
+        raise InvalidRequest("fork columns disagree: one child count per parent, one id per child")
+    out = []
+    pos = 0
+    for parent, n in zip(parents, counts):
+        out.append((parent, children[pos : pos + n]))
+        pos += n
+    return out
+
+
+def _swap_ids_pb(key: str, col: Sequence[str], max_batch: int) -> list[SeqId]:
+    ids = cast(list[SeqId], _pb_ids(key, col))
+    _distinct(key, ids)
+    if len(ids) > max_batch:
+        raise InvalidRequest(f"a step may carry at most {max_batch} {key} items, got {len(ids)}")
+    return ids
+
+
+@dataclass(slots=True)
+class ReceivedStep:
+    """A Step request as the servicer received it, on its way into the runtime: the state
+    machine gets it decoded once (`decode`, straight from the message), and its journal form
+    (`payload`, frozen: what replay reads) is built only where something journals it, never on
+    an in-memory server. `fleet`: a fleet member's step (journaled with the payload)."""
+
+    request: pb.StepRequest
+    fleet: bool = False
+
+    @property
+    def scheduler_id(self) -> str:
+        return self.request.scheduler_id
+
+    def decode(self, max_batch: int) -> StepInput:
+        """The `StepInput` that `StepInput.from_json(self.payload())` gives, with the same
+        checks in the same order (the scheduler id first, as the state machine checks it)."""
+        check_scheduler_id(self.request.scheduler_id)
+        return StepInput.from_pb(self.request, max_batch, fleet=self.fleet)
+
+    def payload(self) -> dict[str, Any]:
+        """The journal form: `step_payload`, marked `fleet` for a member's step."""
+        p = step_payload(self.request)
+        return {**p, "fleet": True} if self.fleet else p
 
 
 def step_payload(request: pb.StepRequest) -> dict[str, Any]:
@@ -332,4 +500,6 @@ def _token_section(seq_ids: Sequence[str], num_tokens: Sequence[int], token_ids:
     return {"seq_ids": list(seq_ids), "num_tokens": list(num_tokens), "token_ids": list(token_ids)}
 
 
-__all__ = ["SECTIONS", "Alloc", "AppendColumns", "Report", "StepInput", "pool_step_dict", "step_payload"]
+__all__ = [
+    "SECTIONS", "Alloc", "AppendColumns", "ReceivedStep", "Report", "StepInput", "pool_step_dict", "step_payload",
+]
