@@ -24,11 +24,11 @@ from block_manager.service.servicer import (
     register_payload,
     register_response,
     route_response,
-    step_payload,
     step_response,
 )
 from block_manager.service.state import ServiceState
 from block_manager.service.status import clip, status_for
+from block_manager.service.step_codec import ReceivedStep
 from pagedkv.v1 import block_manager_pb2 as pb
 
 
@@ -90,7 +90,8 @@ class LocalBlockManagerClient(BlockManagerClient):
         return register_response(self.state.apply("register_node", register_payload(request), time.monotonic()).result)
 
     def _step(self, request: pb.StepRequest) -> pb.StepResponse:
-        return step_response(self.state.apply("step", step_payload(request), time.monotonic()).result)
+        step = ReceivedStep(request).decode(self.state.config.max_batch)   # no journal: no payload dict
+        return step_response(self.state.apply_step(step, time.monotonic()).result)
 
     def _route(self, request: pb.RouteRequest) -> pb.RouteResponse:
         return route_response(self.state, request)
