@@ -13,7 +13,7 @@ import numpy as np
 from block_manager.core.append_item import AppendOutcome, append_one, hash_full_row, stop_hashing
 from block_manager.core.errors import CoreError
 from block_manager.core.hashing import hash_encoded, salt_bytes
-from block_manager.core.pool import BlockMeta, Pool
+from block_manager.core.pool import BlockMeta, FreeRun, Pool
 from block_manager.core.sequence import Sequence
 from block_manager.core.step_work import touch
 from block_manager.core.types import SeqId
@@ -89,14 +89,40 @@ def append_pool(
     elif todo or filled is not None:
         if filled is not None:
             todo = (per_item | filled).nonzero()[0].tolist()
-        if _run_items(pool, seqs, seq_ids, req, todo, c, st, simple, lt, toks, tk is None, mark, out, num_tokens):
-            any_ok = True
+        expected = _expected_takes(pool, nt0, c, off, last, per_item)
+        run = FreeRun(pool, expected) if expected >= RUN_MIN_BLOCKS else None
+        try:
+            if _run_items(pool, seqs, seq_ids, req, todo, c, st, simple, lt, toks, tk is None, mark, out,
+                          num_tokens, run):
+                any_ok = True
+        finally:
+            if run is not None:
+                run.close()
     if req is None:
         out.num_tokens = num_tokens
     else:
         for j, i in enumerate(req):
             out.num_tokens[i] = num_tokens[j]
     return any_ok
+
+
+# Below this many blocks taken item by item, the items take them one `take_block` at a time:
+# popping them up front is one compiled call plus the bookkeeping of a `FreeRun` (pool.py).
+RUN_MIN_BLOCKS = 4
+
+
+def _expected_takes(pool: Pool, nt0: np.ndarray, c: np.ndarray, off: np.ndarray, last: np.ndarray,
+                    per_item: np.ndarray) -> int:
+    """Blocks the items `per_item` take if none fails: new blocks at block boundaries plus a
+    copy-on-write destination each for a shared partial last block (a table covers exactly its
+    tokens, so its length follows from the token count)."""
+    if not per_item.any():
+        return 0
+    bs = pool.block_size
+    n0, k = nt0[per_item], c[per_item]
+    new = (n0 + k + bs - 1) // bs - (n0 + bs - 1) // bs
+    cow = (off[per_item] != 0) & (pool.ref_np[last[per_item]] > 1)
+    return int(new.sum() + np.count_nonzero(cow))
 
 
 def _masks(pool: Pool, rows: np.ndarray, nt0: np.ndarray, c: np.ndarray, ones: bool,
@@ -183,10 +209,10 @@ def _scatter_tails(pool: Pool, rows: np.ndarray, c: np.ndarray, st: np.ndarray, 
 
 def _run_items(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[SeqId], req: list[int] | None, todo: list[int],
                c: np.ndarray, st: np.ndarray, simple: np.ndarray, lt: np.ndarray | None, toks: array | None,
-               no_ids: bool, mark: bool, out: AppendOutcome, num_tokens: list[int]) -> bool:
+               no_ids: bool, mark: bool, out: AppendOutcome, num_tokens: list[int], run: FreeRun | None) -> bool:
     """The items `todo` one by one in request order: an array item whose block filled gets
-    hashed (or stops hashing without ids), any other runs `append_one`. Whether one of the
-    latter succeeded."""
+    hashed (or stops hashing without ids), any other runs `append_one`, taking its blocks from
+    `run` when given. Whether one of the latter succeeded."""
     any_ok = False
     cl, sl, fl = c.tolist(), st.tolist(), simple.tolist()
     ll = lt.tolist() if lt is not None else None
@@ -202,7 +228,7 @@ def _run_items(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[SeqId], req
         k, p = cl[j], sl[j]
         try:
             _, op = append_one(pool, seq, k, None if toks is None else toks[p : p + k], mark,
-                               0 if ll is None else ll[j])
+                               0 if ll is None else ll[j], run)
         except CoreError as exc:
             out.failures.append((i, exc))
             num_tokens[j] = 0
@@ -227,23 +253,19 @@ def _cross(
     wrote their counts and writing step."""
     step = pool.step
     dirty = step.dirty
-    take = pool.take_block
     version = pool.last_version
     req = sel.tolist() if sel is not None else None
-    new_blocks = []
-    for j in cross:
+    blocks = pool.take_free_many(len(cross))   # in request order, as `take_block` would
+    for j, b in zip(cross, blocks.tolist()):
         seq = seqs[seq_ids[j if req is None else req[j]]]
         if seq.seq_id not in dirty:
             touch(step, seq)
-        b = take()
         seq.block_table.append(b)
-        new_blocks.append(b)
         version += 1
         seq.version = version
         seq.last_step = step_id
     pool.last_version = version
     step.has_writes = True
-    blocks = np.array(new_blocks, np.int64)
     pool.cols.last_block_np[rows[cross]] = blocks
     pool.write_step_np[blocks] = step_id
 
@@ -285,4 +307,4 @@ def _hash_filled(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[SeqId], i
         hashes.append(h)
 
 
-__all__ = ["append_pool", "decode_arrays"]
+__all__ = ["RUN_MIN_BLOCKS", "append_pool", "decode_arrays"]

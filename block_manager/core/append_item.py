@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from block_manager.core.errors import CoreError, InvalidRequest, OutOfBlocks, PendingWrite
 from block_manager.core.hashing import hash_block_bytes, salt_bytes
-from block_manager.core.pool import Pool
+from block_manager.core.pool import FreeRun, Pool
 from block_manager.core.sequence import Sequence, late_pending
 from block_manager.core.step_work import touch
 from block_manager.core.types import CopyOp, PoolId, SeqId
@@ -129,9 +129,10 @@ def resolve_late(pool: Pool, seq: Sequence, token_ids: Seq[int]) -> None:
         hash_full_row(pool, seq, _registrations_of(pool, pool.write_step[block]))
 
 
-def _grow(pool: Pool, seq: Sequence, n: int) -> CopyOp | None:
+def _grow(pool: Pool, seq: Sequence, n: int, run: FreeRun | None = None) -> CopyOp | None:
     """The general append: new blocks at block boundaries, copy-on-write of a shared partial
-    last block (only once the step that wrote it is settled). Raises with nothing changed."""
+    last block (only once the step that wrote it is settled). Raises with nothing changed.
+    `run`: the batch's blocks taken up front (pool.py), used in place of `take_block`."""
     bs = pool.block_size
     table = seq.block_table
     cols = pool.cols
@@ -141,10 +142,11 @@ def _grow(pool: Pool, seq: Sequence, n: int) -> CopyOp | None:
     off = old % bs
     num_new_blocks = (new + bs - 1) // bs - len(table)
     cow = off != 0 and pool.ref_cnt[table[-1]] > 1
-    if num_new_blocks + cow > pool.num_available:
+    available = pool.num_available if run is None else run.available
+    if num_new_blocks + cow > available:
         raise OutOfBlocks(
             f"pool {seq.pool_id!r}: sequence {seq.seq_id!r} needs {num_new_blocks + cow} blocks, "
-            f"{pool.num_available} available"
+            f"{available} available"
         )
     write_step = pool.write_step
     if cow and write_step[table[-1]] > pool.settled_step:
@@ -153,16 +155,16 @@ def _grow(pool: Pool, seq: Sequence, n: int) -> CopyOp | None:
     step_id = step.step_id
     dirty = touch(step, seq)
     op = None
+    take = pool.take_block if run is None else run.take
     if cow:
         src = table[-1]
-        dst = pool.take_block()
+        dst = take()
         table[-1] = dst
         pool.release_block(src)
         op = pool.add_copy_op(src, dst, "cow")
         pool.cow_copies += 1
         if len(table) - 1 < dirty.base_len and not dirty.created:
             dirty.replaced.add(len(table) - 1)
-    take = pool.take_block
     for _ in range(num_new_blocks):
         table.append(take())
     cols.last_block[row] = table[-1]
@@ -176,7 +178,7 @@ def _grow(pool: Pool, seq: Sequence, n: int) -> CopyOp | None:
 
 
 def append_one(pool: Pool, seq: Sequence, n: int, toks: Seq[int] | None, mark: bool,
-               late: int = 0) -> tuple[int, CopyOp | None]:
+               late: int = 0, run: FreeRun | None = None) -> tuple[int, CopyOp | None]:
     """One item of a batch, alone: the sequence's token count after it and its copy-on-write
     op; its last `late` tokens' ids come later (module docstring; their entries in `toks` are
     placeholders). Raises a `CoreError` with nothing changed. Reads and writes the columns'
@@ -199,7 +201,7 @@ def append_one(pool: Pool, seq: Sequence, n: int, toks: Seq[int] | None, mark: b
             pool.write_step[last] = step_id
             cols.last_write_step[row] = step_id
     else:
-        op = _grow(pool, seq, n)
+        op = _grow(pool, seq, n, run)
         nt += n
     if cols.hashing[row]:
         if toks is None:

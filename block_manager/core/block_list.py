@@ -3,12 +3,19 @@
 Blocks are small integers, so the links live in two flat lists indexed by block id
 (plus one sentinel slot) instead of in node objects: push, pop and removal of an
 arbitrary member are O(1) with no allocation, which is what keeps allocation and release
-constant-time however large the pool is (a `deque.remove` would scan).
+constant-time however large the pool is (a `deque.remove` would scan). The links are int64
+arrays (indexed per item like lists) with numpy views over the same memory, so a batch can
+pop or put back many blocks in one compiled loop (`pop_front_many`, compiled.py).
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator
+
+import numpy as np
+
+from block_manager.core import compiled as _compiled
 
 _NIL = -1
 
@@ -20,14 +27,16 @@ class BlockList:
     it without a `__len__` call.
     """
 
-    __slots__ = ("_prev", "_next", "_head", "length")
+    __slots__ = ("_prev", "_next", "_head", "length", "_prev_np", "_next_np")
 
     def __init__(self, num_blocks: int) -> None:
         # Slot `num_blocks` is the sentinel: _next[head] is the first member,
         # _prev[head] the last. Non-members have _prev == _NIL.
         self._head = num_blocks
-        self._prev = [_NIL] * (num_blocks + 1)
-        self._next = [_NIL] * (num_blocks + 1)
+        self._prev = array("q", [_NIL]) * (num_blocks + 1)
+        self._next = array("q", [_NIL]) * (num_blocks + 1)
+        self._prev_np = np.frombuffer(self._prev, dtype=np.int64)
+        self._next_np = np.frombuffer(self._next, dtype=np.int64)
         self._prev[num_blocks] = num_blocks
         self._next[num_blocks] = num_blocks
         self.length = 0
@@ -89,6 +98,22 @@ class BlockList:
         self._prev[block_id] = _NIL
         self._next[block_id] = _NIL
         self.length -= 1
+
+    def pop_front_many(self, n: int, ref_cnt: np.ndarray) -> np.ndarray:
+        """The first `n` members, popped in order, each given `ref_cnt` 1 (one compiled loop;
+        the caller checked `n <= length`)."""
+        out = np.empty(n, np.int64)
+        if n:
+            _compiled.kernels().pop_front_n(self._prev_np, self._next_np, self._head, ref_cnt, out)
+            self.length -= n
+        return out
+
+    def push_front_many(self, blocks: np.ndarray, ref_cnt: np.ndarray) -> None:
+        """Undo `pop_front_many` for `blocks` (popped in that order): back at the front in the
+        same order, ref_cnt 0."""
+        if len(blocks):
+            _compiled.kernels().push_front_rev(self._prev_np, self._next_np, self._head, ref_cnt, blocks)
+            self.length += len(blocks)
 
     def check(self) -> list[str]:
         """Linkage consistency (for fsck): forward and backward walks agree with the count."""

@@ -130,6 +130,13 @@ class Pool(TierLedger):
         self.num_used += 1
         return b
 
+    def take_free_many(self, n: int) -> np.ndarray:
+        """`n` plain free blocks for new owners at once, in the order `take_block` would give
+        them (one compiled loop; the caller checked `n <= free_list.length`: no eviction)."""
+        blocks = self.free_list.pop_front_many(n, self.ref_np)
+        self.num_used += n
+        return blocks
+
     def share_block(self, b: int) -> None:
         """One more table holds `b` (a prefix hit or a fork); a cached block leaves the
         eviction queue in O(1)."""
@@ -268,6 +275,44 @@ class Pool(TierLedger):
         """1 + the highest id of a block with ref_cnt > 0 (0 when none is used)."""
         used = np.flatnonzero(self.ref_np)
         return int(used[-1]) + 1 if len(used) else 0
+
+
+class FreeRun:
+    """A batch's block takes, served in request order from blocks popped off the free list up
+    front (`expected` of them, at most what the free list holds) and then from `take_block`.
+
+    The blocks come out exactly as successive `take_block` calls would give them, provided
+    nothing puts a block back on the free list while the run is open: the batched append only
+    releases copy-on-write sources, which another table still holds. `close` puts what was not
+    used back at the front, in order, as if it had never been taken. `available` is what
+    `num_available` would say without the run."""
+
+    __slots__ = ("pool", "blocks", "pos")
+
+    def __init__(self, pool: Pool, expected: int) -> None:
+        self.pool = pool
+        self.blocks = pool.take_free_many(min(expected, pool.free_list.length)).tolist()
+        self.pos = 0
+
+    @property
+    def available(self) -> int:
+        return self.pool.num_available + len(self.blocks) - self.pos
+
+    def take(self) -> int:
+        if self.pos < len(self.blocks):
+            b: int = self.blocks[self.pos]
+            self.pos += 1
+            return b
+        return self.pool.take_block()
+
+    def close(self) -> None:
+        left = self.blocks[self.pos:]
+        self.blocks = []
+        self.pos = 0
+        if left:
+            pool = self.pool
+            pool.free_list.push_front_many(np.array(left, np.int64), pool.ref_np)
+            pool.num_used -= len(left)
 
 
 def _check_geometry(num_blocks: int, block_size: int, host_num_blocks: int, disk_num_blocks: int,

@@ -1,0 +1,222 @@
+"""The compiled free-list loops (core/compiled.py) and the batch's block takes served from them
+(`FreeRun`, pool.py): block for block what `take_block` one at a time gives, at the boundaries
+between the compiled and the Python paths (batch sizes around `VECTOR_MIN_ITEMS`, runs around
+`RUN_MIN_BLOCKS`), and the kernels when Numba cannot cache on disk."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+from array import array
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import block_manager.core.append as append_mod
+import block_manager.core.append_batch as batch_mod
+from block_manager.core import BlockManager, compiled
+from block_manager.core.block_list import BlockList
+from block_manager.core.pool import FreeRun, Pool
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _members(bl: BlockList) -> list[int]:
+    return list(bl)
+
+
+@given(st.integers(1, 40), st.data())
+@settings(max_examples=60, deadline=None)
+def test_pop_and_push_many_match_one_at_a_time(num_blocks: int, data: st.DataObject) -> None:
+    order = data.draw(st.permutations(range(num_blocks)))
+    a, b = BlockList(num_blocks), BlockList(num_blocks)
+    for x in order:
+        a.push_back(x)
+        b.push_back(x)
+    n = data.draw(st.integers(0, num_blocks))
+    ref = np.zeros(num_blocks, np.int64)
+    got = a.pop_front_many(n, ref).tolist()
+    want = [b.pop_front() for _ in range(n)]
+    assert got == want
+    assert _members(a) == _members(b) and a.length == b.length and a.check() == []
+    assert ref.tolist() == [1 if x in want else 0 for x in range(num_blocks)]
+    k = data.draw(st.integers(0, n))
+    a.push_front_many(np.array(got[n - k:], np.int64), ref)   # the unused tail goes back
+    for back in reversed(got[n - k:]):
+        b.push_front(back)
+    assert _members(a) == _members(b) and a.length == b.length and a.check() == []
+    assert sum(ref.tolist()) == n - k
+
+
+def _pool_with_cache(num_blocks: int, num_cached: int, rng: random.Random) -> Pool:
+    """A pool whose free list holds the plain blocks and whose cached list `num_cached` hashed ones."""
+    m: Any = BlockManager(watermark=0.0)
+    m.add_pool("p", num_blocks, 2)
+    for i in range(num_cached):
+        m.allocate(f"c{i}", "p", [i, rng.randrange(9), 7])   # one full block, hashed
+    if m.close_step("p") is not None:
+        m.settle_steps("p", 1)
+    m.free([f"c{i}" for i in range(num_cached)])
+    return m._pools["p"]   # noqa: SLF001 - the pool itself is what is under test
+
+
+@given(st.integers(0, 12), st.integers(0, 16), st.integers(0, 20), st.randoms(use_true_random=False))
+@settings(max_examples=60, deadline=None)
+def test_free_run_takes_what_take_block_would(num_cached: int, expected: int, num_takes: int,
+                                              rng: random.Random) -> None:
+    """Whatever the run expected (too few, exactly, too many): the same blocks in the same order,
+    evictions included, and after `close` the same free and cached queues and counters."""
+    a = _pool_with_cache(40, num_cached, rng)
+    b = _pool_with_cache(40, num_cached, random.Random(0))
+    num_takes = min(num_takes, a.num_available)
+    run = FreeRun(a, expected)
+    assert run.available == b.num_available
+    got = [run.take() for _ in range(num_takes)]
+    run.close()
+    want = [b.take_block() for _ in range(num_takes)]
+    assert got == want
+    assert list(a.free_list) == list(b.free_list) and list(a.cached_list) == list(b.cached_list)
+    assert (a.num_used, a.evictions, a.num_available) == (b.num_used, b.evictions, b.num_available)
+    assert list(a.ref_cnt) == list(b.ref_cnt)
+
+
+# ---- the batched append: compiled runs vs one take_block at a time ---------------------------
+
+def _trace(seed: int, batch_sizes: list[int]) -> list[Any]:
+    """Answers and snapshots of a trace of Steps of the given batch sizes: admissions with shared
+    prefixes, forks (copy-on-write, some pending), frees, decode and multi-token appends that
+    cross or fill blocks, late ids, a pool small enough to evict."""
+    rng = random.Random(seed)
+    m: Any = BlockManager(watermark=0.0)   # (plain str ids: the NewTypes are for the core's own code)
+    m.add_pool("p", 420, 4)
+    prefixes = [[rng.randrange(30) for _ in range(12)] for _ in range(3)]
+    live: list[str] = []
+    late: set[str] = set()
+    nxt = 0
+    seen: list[Any] = []
+    for size in batch_sizes:
+        out = m.close_step("p")
+        if out is not None:
+            fail = rng.random() < 0.05
+            seen.append(m.settle_steps("p", out.step_id - fail, out.step_id if fail else None))
+        live = [s for s in live if m.has_sequence(s)]
+        late &= set(live)
+        if late:
+            ids = sorted(late)
+            ids_late = [rng.randrange(30) for _ in ids]
+            seen.append([(i, repr(e)) for i, e in m.resolve_late(ids, [1] * len(ids), ids_late)])
+            late.clear()
+        for sid in rng.sample(live, min(len(live), rng.randint(0, 3))):
+            try:
+                m.free([sid])
+                live.remove(sid)
+            except Exception as exc:  # noqa: BLE001 - the answer is what is compared
+                seen.append(repr(exc))
+        while len(live) < size:
+            sid = f"s{nxt}"
+            nxt += 1
+            prompt = rng.choice(prefixes)[: rng.randint(1, 12)] + [rng.randrange(30) for _ in range(rng.randint(0, 5))]
+            try:
+                m.allocate(sid, "p", prompt)
+                live.append(sid)
+            except Exception as exc:  # noqa: BLE001
+                seen.append(repr(exc))
+                break
+        for parent in rng.sample(live, min(len(live), rng.randint(0, 2))):
+            child = f"s{nxt}"
+            nxt += 1
+            try:
+                m.fork(parent, [child])
+                live.append(child)
+            except Exception as exc:  # noqa: BLE001
+                seen.append(repr(exc))
+        ids = live[:size]
+        counts = [1 if rng.random() < 0.7 else rng.randint(1, 9) for _ in ids]
+        num_late = [1 if rng.random() < 0.1 else 0 for _ in ids]
+        toks = array("q", [rng.randrange(30) for _ in range(sum(counts))])
+        res = m.append_tokens(ids, counts, toks, num_late=num_late)
+        seen.append((res.num_tokens, [(i, repr(e)) for i, e in res.failures], sorted(res.copy_ops.items())))
+        late |= {sid for sid, k, n, f in zip(ids, num_late, res.num_tokens, counts) if k and n}
+        seen.append(m.to_snapshot())
+    assert m.fsck() == []
+    return seen
+
+
+@pytest.mark.parametrize("run_min", [0, 1, batch_mod.RUN_MIN_BLOCKS, 10**9])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_batched_append_equals_item_by_item(monkeypatch: pytest.MonkeyPatch, run_min: int, seed: int) -> None:
+    """Batches around the vector threshold (63, 64, 65 items, and small ones), runs of every
+    length: the same answers and the same state, step after step, as the item-by-item path."""
+    sizes = [1, 5, 63, 64, 65, 64, 30, 65, 63, 64, 64, 70, 64, 65]
+    monkeypatch.setattr(append_mod, "VECTOR_MIN_ITEMS", 10**9)
+    want = _trace(seed, sizes)
+    monkeypatch.setattr(append_mod, "VECTOR_MIN_ITEMS", 64)
+    monkeypatch.setattr(batch_mod, "RUN_MIN_BLOCKS", run_min)
+    assert _trace(seed, sizes) == want
+    monkeypatch.setattr(append_mod, "VECTOR_MIN_ITEMS", 1)
+    assert _trace(seed, sizes) == want
+
+
+def test_kernels_without_a_disk_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Numba refuses `cache=True` where no cache directory is writable: the kernels are then
+    compiled in memory and work the same."""
+    import numba
+
+    real = numba.njit
+
+    def no_cache(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("cache"):
+            raise RuntimeError("cannot cache function: no locator available")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(numba, "njit", no_cache)
+    monkeypatch.setattr(compiled, "_KERNELS", None)
+    k = compiled.kernels()
+    assert not k.cached
+    bl = BlockList(5)
+    for x in (3, 1, 4, 0, 2):
+        bl.push_back(x)
+    ref = np.zeros(5, np.int64)
+    out = np.empty(3, np.int64)
+    k.pop_front_n(bl._prev_np, bl._next_np, bl._head, ref, out)   # noqa: SLF001
+    assert out.tolist() == [3, 1, 4]
+
+
+def test_read_only_install_compiles_in_memory(tmp_path: Path) -> None:
+    """A real read-only tree and cache home: the first batched Step still runs (and says its
+    kernels are not cached)."""
+    tree = tmp_path / "tree"
+    shutil.copytree(REPO / "block_manager", tree / "block_manager", ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(["chmod", "-R", "a-w", str(tree)], check=True)
+    home = tmp_path / "home"
+    home.mkdir()
+    home.chmod(0o555)
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "from block_manager.core import BlockManager, compiled\n"
+        "m = BlockManager(watermark=0.0); m.add_pool('p', 400, 4)\n"
+        "ids = [f's{i}' for i in range(80)]\n"
+        "[m.allocate(s, 'p', [1, 2, 3, 4]) for s in ids]\n"
+        "r = m.append_tokens(ids, [1] * 80, [5] * 80)\n"
+        "print(r.failures, compiled.kernels().cached)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
+    env.update(HOME=str(home), XDG_CACHE_HOME=str(home / "cache"), PYTHONDONTWRITEBYTECODE="1")
+    try:
+        done = subprocess.run([sys.executable, "-c", code, str(tree)], capture_output=True, text=True, env=env,
+                              timeout=300, cwd=tmp_path)
+    finally:
+        subprocess.run(["chmod", "-R", "u+w", str(tree)], check=False)
+        home.chmod(0o755)
+    if os.geteuid() == 0:   # root writes through read-only modes: only the run is checked
+        assert done.returncode == 0, done.stderr
+        return
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[]", "False"]
