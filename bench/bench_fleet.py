@@ -13,10 +13,11 @@ unless --model-dir names another model directory).
     round-robin over the engines, fresh system prompts for each: the engines' prefix hit rate
     (prompt tokens cached / prompt tokens; fetched tokens count as cached, see the fetch
     column), tokens/s, and node-to-node fetched blocks per request.
-(c) Adoption after SIGKILL: a client keeps the engine to be killed and the survivor busy; the
-    time from the kill to the block manager naming the survivor owner of the victim's node
-    (the scheduler lease lapsing, then a heartbeat), and from that to the survivor's first
-    step on it (the node's first Forward/Generate answered OK).
+(c) Adoption after SIGKILL: clients keep the engine to be killed and the survivor busy; from
+    the kill, and from the moment the victim's lease lapses (its `remaining_s` in ListSchedulers
+    just before the kill), to the block manager naming the survivor owner of the victim's node
+    (a heartbeat of the survivor after the lapse) and to the survivor's first step on it (the
+    node's first Generate answered OK after the kill).
 
 Prints numbers, asserts nothing about time.
 
@@ -138,26 +139,31 @@ def bench_adoption(fleet: Fleet, args: argparse.Namespace, rng: random.Random) -
     for t in clients:
         t.start()
     time.sleep(1.0)
+    with fleet.admin() as admin:
+        left = next(m.remaining_s for m in admin.list_schedulers() if m.scheduler_id == victim.name)
+    lapse = time.perf_counter() + left           # when its lease lapses, as the block manager said
     victim.kill()
     killed = time.perf_counter()
+    forwards_before = fleet.node_counter(adopted, "pagedkv_cn_forwards", code="OK")   # none from the victim now
     owned_at: float | None = None
     stepped_at: float | None = None
-    forwards_before = 0.0
     deadline = killed + args.ttl * 6 + 60
-    while time.perf_counter() < deadline and stepped_at is None:
+    while time.perf_counter() < deadline and (owned_at is None or stepped_at is None):
         if owned_at is None and fleet.owners().get(adopted) == survivor.name:
             owned_at = time.perf_counter()
-            forwards_before = fleet.node_counter(adopted, "pagedkv_cn_forwards", code="OK")
-        elif owned_at is not None and fleet.node_counter(adopted, "pagedkv_cn_forwards", code="OK") > forwards_before:
+        if stepped_at is None and fleet.node_counter(adopted, "pagedkv_cn_forwards", code="OK") > forwards_before:
             stepped_at = time.perf_counter()
         time.sleep(0.02)
     stop.set()
     for t in clients:
         t.join(timeout=120)
-    return {"scheduler_lease_ttl_s": args.ttl,
-            "kill_to_owned_s": None if owned_at is None else owned_at - killed,
-            "owned_to_first_step_s": None if owned_at is None or stepped_at is None else stepped_at - owned_at,
-            "kill_to_first_step_s": None if stepped_at is None else stepped_at - killed}
+
+    def since(t0: float, t1: float | None) -> float | None:
+        return None if t1 is None else t1 - t0
+
+    return {"scheduler_lease_ttl_s": args.ttl, "lease_left_at_kill_s": lapse - killed,
+            "kill_to_owned_s": since(killed, owned_at), "kill_to_first_step_s": since(killed, stepped_at),
+            "lapse_to_owned_s": since(lapse, owned_at), "lapse_to_first_step_s": since(lapse, stepped_at)}
 
 
 def _env(args: argparse.Namespace, workdir: Path) -> dict[str, str]:
@@ -196,9 +202,12 @@ def _print(results: dict[str, Any]) -> None:
         def s(v: float | None) -> str:
             return "n/a" if v is None else f"{v:.2f} s"
 
-        print(f"(c) adoption after SIGKILL (scheduler lease {a['scheduler_lease_ttl_s']} s): kill -> owned "
-              f"{s(a['kill_to_owned_s'])}, owned -> first step {s(a['owned_to_first_step_s'])}, "
-              f"kill -> first step {s(a['kill_to_first_step_s'])}")
+        print(f"(c) adoption after SIGKILL (scheduler lease {a['scheduler_lease_ttl_s']} s, "
+              f"{a['lease_left_at_kill_s']:.2f} s of it left at the kill)")
+        print(f"    kill -> owned by the survivor {s(a['kill_to_owned_s'])}, kill -> its first step there "
+              f"{s(a['kill_to_first_step_s'])}")
+        print(f"    lease lapse -> owned {s(a['lapse_to_owned_s'])}, lease lapse -> first step "
+              f"{s(a['lapse_to_first_step_s'])}")
 
 
 def main() -> int:
