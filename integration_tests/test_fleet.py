@@ -3,6 +3,9 @@
 (`pagedkv-serve --block-manager`, each joining the fleet as a scheduler and owning one node's
 pool) and `pagedkv-router` in front.
 
+- An engine joining under load: the other hands it a node while requests run on both; prefixes
+  cross between the nodes both ways (the joining engine's node lends from its first step on),
+  every answer's tokens equal transformers', both keep serving.
 - Round-robin straight to the engines: a prompt whose prefix was computed on the other engine's
   node is served on this engine's own node with the prefix fetched node to node (counted by the
   node and the block manager; not recomputed), and every answer's greedy tokens equal
@@ -12,6 +15,10 @@ pool) and `pagedkv-router` in front.
 - SIGKILL of one engine under load: its streams end in a closed connection, the router retries
   the requests that had not started on the survivor, the survivor adopts the dead engine's node
   within a lease, nothing is answered twice, fsck is clean and both nodes serve new requests.
+
+The block manager's scheduler lease is FLEET_TTL_S (3 s) here, so adoption is quick; a test's
+answers name their tokens as text (`logprobs`), compared with transformers by
+`fleet_support.check_greedy_texts`.
 
 The module shares one fleet (`FleetSlot`); the killing test comes last and takes it over (or
 starts its own when run alone), so no test depends on another having run.
