@@ -68,31 +68,35 @@ def append_pool(
     nt0 = pool.cols.num_tokens_np[rows]
     off, last, end, fast, odd = _masks(pool, rows, nt0, c, ones, lt)
     nt1 = nt0 + c
-    simple, cross, num_fast = _apply_simple(pool, seqs, seq_ids, sel, rows, c, off, last, fast, odd, nt1, ones, mark)
+    simple, cross, light, num_fast = _apply_simple(pool, seqs, seq_ids, sel, rows, nt0, c, off, last, fast, odd,
+                                                   nt1, ones, mark)
     hf = simple & (pool.cols.hashing_np[rows] != 0)
     per_item = ~simple
     filled: np.ndarray | None = None
     if tk is None:
-        per_item |= hf
+        post = hf   # array items that stop hashing (no ids), in request order with the rest
     elif hf.any():
         _scatter_tails(pool, rows, c, st, off, hf, tk, ones)
-        filled = hf & (end == pool.block_size)
+        post = filled = hf & (end == pool.block_size)
+    else:
+        post = hf
     num_tokens = nt1.tolist()
-    any_ok = num_fast > 0 or bool(cross)
-    todo = per_item.nonzero()[0].tolist()
+    any_ok = num_fast > 0 or bool(cross) or light is not None
     req = sel.tolist() if sel is not None else None
-    if filled is not None and not todo:
+    todo_mask = per_item | post if light is None else per_item | post | light
+    if filled is not None and not per_item.any() and light is None:
         # Only blocks that filled inside their tails: hash them straight from the columns.
         f = filled.nonzero()[0]
         if len(f):
             _hash_filled(pool, seqs, seq_ids, f.tolist() if req is None else [req[j] for j in f.tolist()], rows[f])
-    elif todo or filled is not None:
-        if filled is not None:
-            todo = (per_item | filled).nonzero()[0].tolist()
+    elif todo_mask.any():
+        todo = todo_mask.nonzero()[0].tolist()
         expected = _expected_takes(pool, nt0, c, off, last, per_item)
+        if light is not None:
+            expected += int(np.count_nonzero(light))
         run = FreeRun(pool, expected) if expected >= RUN_MIN_BLOCKS else None
         try:
-            if _run_items(pool, seqs, seq_ids, req, todo, c, st, simple, lt, toks, tk is None, mark, out,
+            if _run_items(pool, seqs, seq_ids, req, todo, c, st, post, light, lt, toks, tk is None, mark, out,
                           num_tokens, run):
                 any_ok = True
         finally:
@@ -151,34 +155,47 @@ def _masks(pool: Pool, rows: np.ndarray, nt0: np.ndarray, c: np.ndarray, ones: b
 
 
 def _apply_simple(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[SeqId], sel: np.ndarray | None,
-                  rows: np.ndarray, c: np.ndarray, off: np.ndarray, last: np.ndarray, fast: np.ndarray,
-                  odd: np.ndarray | None, nt1: np.ndarray, ones: bool,
-                  mark: bool) -> tuple[np.ndarray, list[int], int]:
-    """Apply the in-block appends, and the plain crossings when every other item is in-block:
-    (the items done as arrays, the crossings' positions, the number of in-block items)."""
+                  rows: np.ndarray, nt0: np.ndarray, c: np.ndarray, off: np.ndarray, last: np.ndarray,
+                  fast: np.ndarray, odd: np.ndarray | None, nt1: np.ndarray, ones: bool,
+                  mark: bool) -> tuple[np.ndarray, list[int], np.ndarray | None, int]:
+    """Apply the in-block appends, and the plain crossings' columns: (the items done as arrays,
+    the crossings done here, the crossings left to the request-ordered loop, the number of
+    in-block items).
+
+    Crossings take their blocks in request order. When every other item is in-block they take
+    them here, in one compiled pop. When other items take blocks too, the crossings' counts,
+    writing steps and tails are still written here, but their blocks are taken in the
+    request-ordered loop with the others (`light`: a table append each, no `append_one`) — as
+    long as every block of the batch comes from the plain free list: an eviction drops a hash,
+    which must happen in request order relative to the registrations of blocks that fill."""
     cols = pool.cols
     num = len(rows)
     step_id = pool.step.step_id
     num_fast = int(np.count_nonzero(fast))
     simple = fast
     cross: list[int] = []
+    light: np.ndarray | None = None
     if num_fast < num:
         crossing = (off == 0) if ones else (off == 0) & (c <= pool.block_size)
         if odd is not None:
             crossing &= ~odd
         num_cross = int(np.count_nonzero(crossing))
-        # Only from plain free blocks: an eviction drops a hash, which must happen in request
-        # order relative to the registrations of blocks that fill in this batch.
         if num_cross and num_fast + num_cross == num and num_cross <= pool.free_list.length:
             simple = fast | crossing
             cross = crossing.nonzero()[0].tolist()
-    if num_fast == num or cross:
-        # Every item is in-block or a plain crossing: one scatter each for all of them (a
-        # crossing's new count and writing step are the same; only its block differs).
-        cols.num_tokens_np[rows] = nt1
+        elif num_cross:
+            rest = ~(fast | crossing)
+            if num_cross + _expected_takes(pool, nt0, c, off, last, rest) <= pool.free_list.length:
+                simple = fast | crossing
+                light = crossing
+    if num_fast == num or cross or light is not None:
+        # Every item done here: one scatter each for all of them (a crossing's new count and
+        # writing step are the same; only its block differs).
+        rs = rows if light is None else rows[simple]
+        cols.num_tokens_np[rs] = nt1 if light is None else nt1[simple]
         if mark:
             pool.write_step_np[last if num_fast == num else last[fast]] = step_id
-            cols.last_write_step_np[rows] = step_id
+            cols.last_write_step_np[rs] = step_id
         if cross:
             _cross(pool, seqs, seq_ids, sel, rows, cross, step_id)
     elif num_fast:
@@ -187,7 +204,7 @@ def _apply_simple(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[SeqId], 
         if mark:
             pool.write_step_np[last[fast]] = step_id
             cols.last_write_step_np[rs] = step_id
-    return simple, cross, num_fast
+    return simple, cross, light, num_fast
 
 
 def _scatter_tails(pool: Pool, rows: np.ndarray, c: np.ndarray, st: np.ndarray, off: np.ndarray, hf: np.ndarray,
@@ -208,18 +225,36 @@ def _scatter_tails(pool: Pool, rows: np.ndarray, c: np.ndarray, st: np.ndarray, 
 
 
 def _run_items(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[SeqId], req: list[int] | None, todo: list[int],
-               c: np.ndarray, st: np.ndarray, simple: np.ndarray, lt: np.ndarray | None, toks: array | None,
-               no_ids: bool, mark: bool, out: AppendOutcome, num_tokens: list[int], run: FreeRun | None) -> bool:
-    """The items `todo` one by one in request order: an array item whose block filled gets
-    hashed (or stops hashing without ids), any other runs `append_one`, taking its blocks from
-    `run` when given. Whether one of the latter succeeded."""
+               c: np.ndarray, st: np.ndarray, post: np.ndarray, light: np.ndarray | None, lt: np.ndarray | None,
+               toks: array | None, no_ids: bool, mark: bool, out: AppendOutcome, num_tokens: list[int],
+               run: FreeRun | None) -> bool:
+    """The items `todo` one by one in request order: a crossing left to this loop (`light`)
+    takes its block; an array item whose block filled (`post`) gets hashed (or stops hashing
+    without ids); any other runs `append_one`. Blocks come from `run` when given. Whether one
+    of the `append_one` items succeeded."""
     any_ok = False
-    cl, sl, fl = c.tolist(), st.tolist(), simple.tolist()
+    cl, sl, pl = c.tolist(), st.tolist(), post.tolist()
     ll = lt.tolist() if lt is not None else None
+    lm = light.tolist() if light is not None else None
+    take = pool.take_block if run is None else run.take
+    step = pool.step
+    dirty = step.dirty
+    step_id = step.step_id
     for j in todo:
         i = j if req is None else req[j]
         seq = seqs[seq_ids[i]]
-        if fl[j]:
+        if lm is not None and lm[j]:   # a plain crossing: one new block (its columns are written)
+            if seq.seq_id not in dirty:
+                touch(step, seq)
+            b = take()
+            seq.block_table.append(b)
+            seq.version = pool.new_version()
+            seq.last_step = step_id
+            pool.cols.last_block[seq.row] = b
+            pool.write_step[b] = step_id
+            if not pl[j]:
+                continue
+        if pl[j]:
             if no_ids:
                 stop_hashing(seq)
             else:   # its block filled: hash it
