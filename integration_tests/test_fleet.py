@@ -65,7 +65,7 @@ Reference = Callable[..., int]   # (tokens, prompt, label, near_tie_rel=None) ->
 ENGINES = ENGINE_SERVICES       # api-server, api-server-2: also their scheduler ids
 # A killed engine's nodes go to the survivor once its lease lapsed (FLEET_TTL_S after its last
 # heartbeat) at the survivor's next heartbeat (every third of it); the rest is this host's slack.
-ADOPTION_BOUND_S = 2 * FLEET_TTL_S + 4
+ADOPTION_BOUND_S = FLEET_TTL_S + FLEET_TTL_S / 3 + 4
 
 
 def _start_fleet(workdir: Path, env: dict[str, str]) -> Fleet:
