@@ -423,8 +423,9 @@ class ServiceRuntime:
         `session_request_id(session, seq)` and its answer is held by the session table for
         the session window, whatever the request-id window does meanwhile.
 
-        `payload`: the op's journal form, or for a live Step its `ReceivedStep`, whose journal
-        form is built only when it is journaled (the state machine reads the message).
+        `payload`: the op's journal form, or for a live Step its `ReceivedStep`: an in-memory
+        server decodes the message straight into the state machine's columns; a journaling one
+        builds the journal form (it must write it anyway) and applies that, as replay will.
         """
         if internal:
             self.check_readable()
@@ -454,7 +455,8 @@ class ServiceRuntime:
         except InvalidRecord as exc:
             raise RecordRejected(f"cannot journal this request: {exc}") from None
         try:
-            applied = apply_op(self.state, self.sessions, op, payload, self.clock())
+            # the journal form, now that it is built: decoding it costs less than the message again
+            applied = apply_op(self.state, self.sessions, op, journal_form, self.clock())
         except Exception:
             self._unexpected_kv_changes(op)
             await self.writer.barrier()   # the refusal may read state not yet durable

@@ -420,10 +420,11 @@ def _swap_ids_pb(key: str, col: Sequence[str], max_batch: int) -> list[SeqId]:
 
 @dataclass(slots=True)
 class ReceivedStep:
-    """A Step request as the servicer received it, on its way into the runtime: the state
-    machine gets it decoded once (`decode`, straight from the message), and its journal form
-    (`payload`, frozen: what replay reads) is built only where something journals it, never on
-    an in-memory server. `fleet`: a fleet member's step (journaled with the payload)."""
+    """A Step request as the servicer received it, on its way into the runtime. Decoded once,
+    one way or the other: an in-memory server (and embedded mode) decodes the message straight
+    into the state machine's columns (`decode`) and never builds the journal form; a journaling
+    server must build the journal form (`payload`, frozen: what replay reads) anyway, and
+    applies that. `fleet`: a fleet member's step (journaled with the payload)."""
 
     request: pb.StepRequest
     fleet: bool = False
