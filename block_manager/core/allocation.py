@@ -173,7 +173,11 @@ def take_blocks(pool: Pool, hits: PrefixHits, num_new: int) -> list[int]:
     taker = BlockTaker(pool, busy_blocks(pool.step) if num_early else set())
     early = [taker.take() for _ in range(num_early)]
     taker.done()
-    table = hits.device + early + [pool.take_block() for _ in range(num_new - num_early)]
+    num_rest = num_new - num_early
+    # the rest in one pop when the plain free list has them (the same blocks, in the same order)
+    rest = (pool.take_free_many(num_rest) if num_rest <= pool.free_list.length
+            else [pool.take_block() for _ in range(num_rest)])
+    table = hits.device + early + rest
     if hits.host:
         _onboard(pool, hits.host, table[n_dev:n_dev + len(hits.host)], count_hits=True)
     if staged:

@@ -291,7 +291,7 @@ def _cross(
     version = pool.last_version
     req = sel.tolist() if sel is not None else None
     blocks = pool.take_free_many(len(cross))   # in request order, as `take_block` would
-    for j, b in zip(cross, blocks.tolist()):
+    for j, b in zip(cross, blocks):
         seq = seqs[seq_ids[j if req is None else req[j]]]
         if seq.seq_id not in dirty:
             touch(step, seq)

@@ -21,6 +21,12 @@ import numpy as np
 
 _NIL = -1
 
+# Runs shorter than this stay in Python (block_list.py): per block the compiled loop saves a
+# fraction of a µs, and the first compiled call of a process costs ~0.5-1 s (importing Numba,
+# initialising LLVM, loading the cached machine code; measured on a 2-core VM). A decode step
+# takes a few blocks; an admission of a long prompt, or a large batch of them, many.
+COMPILED_MIN_BLOCKS = 64
+
 
 def pop_front_n(prev: np.ndarray, nxt: np.ndarray, head: int, ref: np.ndarray, out: np.ndarray) -> None:
     """Pop `len(out)` blocks off the front of the list `(prev, nxt, head)` into `out`, in list
@@ -82,4 +88,15 @@ def kernels() -> Kernels:
     return _KERNELS
 
 
-__all__ = ["Kernels", "kernels", "pop_front_n", "push_front_rev"]
+def warm_up() -> Kernels:
+    """Load (or compile) the kernels now: a server calls this at start so that its first long
+    run of blocks does not pay Numba's start-up."""
+    k = kernels()
+    empty = np.empty(0, np.int64)
+    links = np.full(2, -1, np.int64)
+    k.pop_front_n(links, links.copy(), 1, empty.copy(), empty)
+    k.push_front_rev(links, links.copy(), 1, empty.copy(), empty)
+    return k
+
+
+__all__ = ["COMPILED_MIN_BLOCKS", "Kernels", "kernels", "pop_front_n", "push_front_rev", "warm_up"]

@@ -130,9 +130,10 @@ class Pool(TierLedger):
         self.num_used += 1
         return b
 
-    def take_free_many(self, n: int) -> np.ndarray:
+    def take_free_many(self, n: int) -> list[int]:
         """`n` plain free blocks for new owners at once, in the order `take_block` would give
-        them (one compiled loop; the caller checked `n <= free_list.length`: no eviction)."""
+        them (a long run in one compiled loop; the caller checked `n <= free_list.length`: no
+        eviction)."""
         blocks = self.free_list.pop_front_many(n, self.ref_np)
         self.num_used += n
         return blocks
@@ -291,7 +292,7 @@ class FreeRun:
 
     def __init__(self, pool: Pool, expected: int) -> None:
         self.pool = pool
-        self.blocks = pool.take_free_many(min(expected, pool.free_list.length)).tolist()
+        self.blocks = pool.take_free_many(min(expected, pool.free_list.length))
         self.pos = 0
 
     @property
@@ -311,7 +312,7 @@ class FreeRun:
         self.pos = 0
         if left:
             pool = self.pool
-            pool.free_list.push_front_many(np.array(left, np.int64), pool.ref_np)
+            pool.free_list.push_front_many(left, pool.ref_np)
             pool.num_used -= len(left)
 
 

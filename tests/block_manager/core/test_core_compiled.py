@@ -32,9 +32,19 @@ def _members(bl: BlockList) -> list[int]:
     return list(bl)
 
 
-@given(st.integers(1, 40), st.data())
+@pytest.mark.parametrize("compiled_min", [0, compiled.COMPILED_MIN_BLOCKS])
+@given(num_blocks=st.integers(1, 100), data=st.data())
 @settings(max_examples=60, deadline=None)
-def test_pop_and_push_many_match_one_at_a_time(num_blocks: int, data: st.DataObject) -> None:
+def test_pop_and_push_many_match_one_at_a_time(compiled_min: int, num_blocks: int, data: st.DataObject) -> None:
+    """Both sides of the compiled/Python threshold (runs up to 100 blocks, threshold 64 and 0)."""
+    compiled.COMPILED_MIN_BLOCKS, saved = compiled_min, compiled.COMPILED_MIN_BLOCKS
+    try:
+        _pop_and_push(num_blocks, data)
+    finally:
+        compiled.COMPILED_MIN_BLOCKS = saved
+
+
+def _pop_and_push(num_blocks: int, data: st.DataObject) -> None:
     order = data.draw(st.permutations(range(num_blocks)))
     a, b = BlockList(num_blocks), BlockList(num_blocks)
     for x in order:
@@ -42,13 +52,13 @@ def test_pop_and_push_many_match_one_at_a_time(num_blocks: int, data: st.DataObj
         b.push_back(x)
     n = data.draw(st.integers(0, num_blocks))
     ref = np.zeros(num_blocks, np.int64)
-    got = a.pop_front_many(n, ref).tolist()
+    got = a.pop_front_many(n, ref)
     want = [b.pop_front() for _ in range(n)]
     assert got == want
     assert _members(a) == _members(b) and a.length == b.length and a.check() == []
     assert ref.tolist() == [1 if x in want else 0 for x in range(num_blocks)]
     k = data.draw(st.integers(0, n))
-    a.push_front_many(np.array(got[n - k:], np.int64), ref)   # the unused tail goes back
+    a.push_front_many(got[n - k:], ref)   # the unused tail goes back
     for back in reversed(got[n - k:]):
         b.push_front(back)
     assert _members(a) == _members(b) and a.length == b.length and a.check() == []
@@ -149,11 +159,16 @@ def _trace(seed: int, batch_sizes: list[int]) -> list[Any]:
     return seen
 
 
-@pytest.mark.parametrize("run_min", [0, 1, batch_mod.RUN_MIN_BLOCKS, 10**9])
+@pytest.mark.parametrize(("run_min", "compiled_min"), [(0, 0), (1, 10**9), (batch_mod.RUN_MIN_BLOCKS, 8),
+                                                       (batch_mod.RUN_MIN_BLOCKS, compiled.COMPILED_MIN_BLOCKS),
+                                                       (10**9, 0)])
 @pytest.mark.parametrize("seed", [1, 2])
-def test_batched_append_equals_item_by_item(monkeypatch: pytest.MonkeyPatch, run_min: int, seed: int) -> None:
+def test_batched_append_equals_item_by_item(monkeypatch: pytest.MonkeyPatch, run_min: int, compiled_min: int,
+                                            seed: int) -> None:
     """Batches around the vector threshold (63, 64, 65 items, and small ones), runs of every
-    length: the same answers and the same state, step after step, as the item-by-item path."""
+    length, compiled or Python pops: the same answers and the same state, step after step, as
+    the item-by-item path."""
+    monkeypatch.setattr(compiled, "COMPILED_MIN_BLOCKS", compiled_min)
     sizes = [1, 5, 63, 64, 65, 64, 30, 65, 63, 64, 64, 70, 64, 65]
     monkeypatch.setattr(append_mod, "VECTOR_MIN_ITEMS", 10**9)
     want = _trace(seed, sizes)
