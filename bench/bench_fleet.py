@@ -115,7 +115,7 @@ def bench_prefix_routing(fleet: Fleet, args: argparse.Namespace, rng: random.Ran
         run["fetched_blocks_per_request"] = fetched / len(prompts)
         results[mode] = run
     results["router_metrics"] = {name: router.counter(f"pagedkv_router_{name}")
-                                 for name in ("routed_by_prefix", "routed_by_load", "retries")}
+                                 for name in ("routed_by_prefix", "routed_by_load", "routed_by_balance", "retries")}
     return results
 
 
