@@ -12,6 +12,7 @@ pool) and `pagedkv-router` in front.
   transformers'.
 - Through the router: requests sharing a prefix all land on the engine whose node holds it (no
   fetch needed), streamed answers equal non-streamed ones.
+- SIGKILL and restart of the block manager: the members own the same nodes afterwards.
 - SIGKILL of one engine under load: its streams end in a closed connection, the router retries
   the requests that had not started on the survivor, the survivor adopts the dead engine's node
   within a lease, nothing is answered twice, fsck is clean and both nodes serve new requests.
@@ -265,6 +266,25 @@ def test_router_keeps_a_shared_prefix_on_one_engine(
     whole = complete(router.url, fleet.model_name, prompt, MAX_TOKENS)
     streamed = collect_stream(stream_chunks(router.url, fleet.model_name, prompt, MAX_TOKENS))
     assert streamed.done and streamed.tokens == whole.tokens and streamed.text == whole.text
+
+
+def test_the_block_manager_sigkilled_and_restarted_the_fleet_keeps_its_owners(
+        fleet: Fleet, reference: Reference) -> None:
+    """Pool ownership is journaled (the scheduler leases), membership is not: after a SIGKILL
+    and a restart on the same SQLite file, the members heartbeat again and own the same nodes,
+    and both serve with transformers' tokens."""
+    owners = fleet.wait_owners({name: 1 for name in ENGINES}, timeout_s=FLEET_TTL_S * 4)
+    fleet.stack.kill("block-manager")
+    fleet.stack.start("block-manager")
+    assert fleet.wait_owners({name: 1 for name in ENGINES}, timeout_s=FLEET_TTL_S * 4) == owners
+    rng = random.Random(4605)
+    for engine in (fleet.engines[name] for name in ENGINES):
+        prompt = _prefix(rng) + _suffix(rng)
+        out = complete(engine.url, fleet.model_name, prompt, MAX_TOKENS)
+        assert out.finish_reason == "length"
+        reference(out.tokens, prompt, f"on {engine.name} after the restart")
+    with fleet.admin() as admin:
+        assert admin.fsck().get("ok") is True
 
 
 @dataclass(slots=True)
