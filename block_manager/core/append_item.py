@@ -314,8 +314,16 @@ def hash_full_row(pool: Pool, seq: Sequence, registrations: list[tuple[int, byte
     """The sequence's tail fills its last block: hash and register that block (in the open
     step, or in `registrations`: see `_hash_tail`)."""
     cols = pool.cols
-    base = seq.row * pool.block_size
-    _hash_tail(pool, seq, cols.tail[base : base + pool.block_size].tolist(), registrations=registrations)
+    bs = pool.block_size
+    base = seq.row * bs
+    block = cols.tail[base : base + bs]   # (an int64 array: hashed as it is, no list in between)
+    hashes = seq.block_hashes
+    parent = hashes[-1] if hashes else None
+    h = hash_block_bytes(parent, block, salt_bytes(seq.salt))
+    b = seq.block_table[len(hashes)]
+    if pool.register(b, h, parent, seq.salt, tuple(block)):
+        (pool.step.registrations if registrations is None else registrations).append((b, h))
+    hashes.append(h)
     cols.tail_len[seq.row] = 0
 
 

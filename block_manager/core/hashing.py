@@ -79,9 +79,23 @@ def hash_prefix(
     """Chained hashes of every full block of `token_ids` (a trailing partial block is
     not hashed: its content is still changing)."""
     tokens = token_ids if isinstance(token_ids, array) else token_array(token_ids)
+    num_full = len(tokens) // block_size
+    if not num_full:
+        return []
+    if _BIG_ENDIAN:
+        tokens = array("q", tokens[: num_full * block_size])
+        tokens.byteswap()
+    # One buffer for the whole prompt, sliced per block: the same bytes `hash_block_bytes`
+    # hashes, without an array and a length encoding per block.
+    data = tokens.tobytes()
     salt_enc = salt_bytes(salt)
+    size = block_size.to_bytes(4, "little")
+    width = 8 * block_size
+    blake2b = hashlib.blake2b
     hashes: list[BlockHash] = []
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash_block_bytes(parent, tokens[start : start + block_size], salt_enc)
+    for start in range(0, num_full * width, width):
+        head = _NO_PARENT if parent is None else _HAS_PARENT + parent
+        parent = blake2b(b"".join((head, salt_enc, size, data[start : start + width])), digest_size=HASH_BYTES,
+                         person=_PERSON).digest()
         hashes.append(parent)
     return hashes

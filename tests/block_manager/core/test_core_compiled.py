@@ -235,3 +235,19 @@ def test_read_only_install_compiles_in_memory(tmp_path: Path) -> None:
         return
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["[]", "False"]
+
+
+@given(st.lists(st.integers(-(1 << 63), (1 << 63) - 1), max_size=60), st.integers(1, 9),
+       st.sampled_from([None, "", "salt", "é"]), st.sampled_from([None, b"\x07" * 32]))
+@settings(max_examples=100, deadline=None)
+def test_hash_prefix_is_the_chain_of_block_hashes(tokens: list[int], block_size: int, salt: str | None,
+                                                  parent: bytes | None) -> None:
+    """The prompt hashed from one buffer equals the definition, block by block."""
+    from block_manager.core.hashing import hash_block, hash_prefix
+
+    want: list[bytes] = []
+    chain = parent
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        chain = hash_block(chain, tokens[start:start + block_size], salt)
+        want.append(chain)
+    assert hash_prefix(tokens, block_size, salt, parent) == want
