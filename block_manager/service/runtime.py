@@ -53,7 +53,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from block_manager.core.errors import PoolLeased
 from block_manager.service.config import BlockManagerConfig
@@ -90,9 +90,6 @@ from block_manager.store.records import JournalRecord, RetainedRequest, check_re
 from pagedkv.lifecycle import TaskSet
 from pagedkv.logging import get_logger
 from pagedkv.rpc import Backoff, clip
-
-if TYPE_CHECKING:
-    from pagedkv.v1 import block_manager_pb2 as pb
 
 log = get_logger(__name__)
 
@@ -511,7 +508,7 @@ class ServiceRuntime:
             self.kv_events.commit(ticket)
 
     async def mutate_step(
-        self, request_id: str, digest: str, request: pb.StepRequest, session: SessionRef | None = None,
+        self, request_id: str, digest: str, received: ReceivedStep, session: SessionRef | None = None,
     ) -> dict[str, Any]:
         """One scheduler step. A pool held by another scheduler whose lease has lapsed is
         handed over first (a journaled `release_pool`: the old holder's sequences are
@@ -519,13 +516,13 @@ class ServiceRuntime:
 
         A fleet member's step is marked as such in its journaled payload (`fleet`): it drives
         only the pools the fleet gave it and takes no other (service/fleet.py)."""
-        payload = ReceivedStep(request, fleet=self.fleet.is_member(request.scheduler_id))
+        received.fleet = self.fleet.is_member(received.scheduler_id)
         try:
-            return await self.mutate("step", request_id, digest, payload, session=session)
+            return await self.mutate("step", request_id, digest, received, session=session)
         except PoolLeased:
-            if not await self._release_lapsed(payload):
+            if not await self._release_lapsed(received):
                 raise
-            return await self.mutate("step", request_id, digest, payload, session=session)
+            return await self.mutate("step", request_id, digest, received, session=session)
 
     # ---- client sessions ------------------------------------------------------------
     async def open_session(self, client_name: str) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from block_manager.service.sessions import MAX_CLIENT_NAME_LEN
 from block_manager.service.state import ServiceState
 from block_manager.service.state_codec import check_count, check_ids
 from block_manager.service.step_answer import StepAnswer, fill_pool_step
-from block_manager.service.step_codec import step_payload
+from block_manager.service.step_codec import ReceivedStep, step_payload
 from pagedkv.logging import get_logger
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
@@ -172,7 +172,7 @@ class BlockManagerServicer(MutatingServicer, pb_grpc.BlockManagerServicer):
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
         rid = check_request_id(request.request_id)
         session = session_of(request)
-        r = await self.runtime.mutate_step(rid, request_digest("Step", request), request, session)
+        r = await self.runtime.mutate_step(rid, request_digest("Step", request), ReceivedStep(request), session)
         return step_response(r)
 
     # ---- client sessions ------------------------------------------------------------
