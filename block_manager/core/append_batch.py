@@ -91,7 +91,7 @@ def append_pool(
             _hash_filled(pool, seqs, seq_ids, f.tolist() if req is None else [req[j] for j in f.tolist()], rows[f])
     elif todo_mask.any():
         todo = todo_mask.nonzero()[0].tolist()
-        expected = _expected_takes(pool, nt0, c, off, last, per_item)
+        expected = _expected_takes(pool.block_size, c, per_item, ones)
         if light is not None:
             expected += int(np.count_nonzero(light))
         run = FreeRun(pool, expected) if expected >= RUN_MIN_BLOCKS else None
@@ -115,18 +115,14 @@ def append_pool(
 RUN_MIN_BLOCKS = 4
 
 
-def _expected_takes(pool: Pool, nt0: np.ndarray, c: np.ndarray, off: np.ndarray, last: np.ndarray,
-                    per_item: np.ndarray) -> int:
-    """Blocks the items `per_item` take if none fails: new blocks at block boundaries plus a
-    copy-on-write destination each for a shared partial last block (a table covers exactly its
-    tokens, so its length follows from the token count)."""
-    if not per_item.any():
+def _expected_takes(bs: int, c: np.ndarray, per_item: np.ndarray, ones: bool) -> int:
+    """At most the blocks the items `per_item` take: an item of `k` tokens gains at most
+    `k // bs + 1` blocks, plus a copy-on-write destination. (A bound, cheap to compute: the
+    blocks a `FreeRun` pops beyond what is used go back, in order.)"""
+    k = int(np.count_nonzero(per_item))
+    if not k:
         return 0
-    bs = pool.block_size
-    n0, k = nt0[per_item], c[per_item]
-    new = (n0 + k + bs - 1) // bs - (n0 + bs - 1) // bs
-    cow = (off[per_item] != 0) & (pool.ref_np[last[per_item]] > 1)
-    return int(new.sum() + np.count_nonzero(cow))
+    return 2 * k if ones else 2 * k + int((c[per_item] // bs).sum())
 
 
 def _masks(pool: Pool, rows: np.ndarray, nt0: np.ndarray, c: np.ndarray, ones: bool,
@@ -185,7 +181,7 @@ def _apply_simple(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[SeqId], 
             cross = crossing.nonzero()[0].tolist()
         elif num_cross:
             rest = ~(fast | crossing)
-            if num_cross + _expected_takes(pool, nt0, c, off, last, rest) <= pool.free_list.length:
+            if num_cross + _expected_takes(pool.block_size, c, rest, ones) <= pool.free_list.length:
                 simple = fast | crossing
                 light = crossing
     if num_fast == num or cross or light is not None:
@@ -290,8 +286,8 @@ def _cross(
     dirty = step.dirty
     version = pool.last_version
     req = sel.tolist() if sel is not None else None
-    blocks = pool.take_free_many(len(cross))   # in request order, as `take_block` would
-    for j, b in zip(cross, blocks):
+    taken = pool.take_free_many(len(cross))   # in request order, as `take_block` would
+    for j, b in zip(cross, taken):
         seq = seqs[seq_ids[j if req is None else req[j]]]
         if seq.seq_id not in dirty:
             touch(step, seq)
@@ -301,6 +297,7 @@ def _cross(
         seq.last_step = step_id
     pool.last_version = version
     step.has_writes = True
+    blocks = np.array(taken, np.int64)
     pool.cols.last_block_np[rows[cross]] = blocks
     pool.write_step_np[blocks] = step_id
 

@@ -99,13 +99,14 @@ class BlockList:
         self._next[block_id] = _NIL
         self.length -= 1
 
-    def pop_front_many(self, n: int, ref_cnt: np.ndarray) -> list[int]:
+    def pop_front_many(self, n: int, ref_cnt: array) -> list[int]:
         """The first `n` members, popped in order, each given `ref_cnt` 1 (the caller checked
         `n <= length`). A long run is one compiled loop; a short one (a decode step's few
         crossings) a Python loop, which costs less than loading Numba for it (compiled.py)."""
         if n >= _compiled.COMPILED_MIN_BLOCKS:
             out = np.empty(n, np.int64)
-            _compiled.kernels().pop_front_n(self._prev_np, self._next_np, self._head, ref_cnt, out)
+            _compiled.kernels().pop_front_n(self._prev_np, self._next_np, self._head,
+                                            np.frombuffer(ref_cnt, dtype=np.int64), out)
             self.length -= n
             return out.tolist()
         prv, nxt, head = self._prev, self._next, self._head
@@ -115,25 +116,25 @@ class BlockList:
             after = nxt[b]
             prv[b] = _NIL
             nxt[b] = _NIL
+            ref_cnt[b] = 1
             blocks.append(b)
             b = after
         nxt[head] = b
         prv[b] = head
-        ref_cnt[blocks] = 1
         self.length -= n
         return blocks
 
-    def push_front_many(self, blocks: list[int], ref_cnt: np.ndarray) -> None:
+    def push_front_many(self, blocks: list[int], ref_cnt: array) -> None:
         """Undo `pop_front_many` for `blocks` (popped in that order): back at the front in the
         same order, ref_cnt 0."""
         if len(blocks) >= _compiled.COMPILED_MIN_BLOCKS:
-            _compiled.kernels().push_front_rev(self._prev_np, self._next_np, self._head, ref_cnt,
-                                               np.array(blocks, np.int64))
+            _compiled.kernels().push_front_rev(self._prev_np, self._next_np, self._head,
+                                               np.frombuffer(ref_cnt, dtype=np.int64), np.array(blocks, np.int64))
             self.length += len(blocks)
             return
         for b in reversed(blocks):
             self.push_front(b)
-        ref_cnt[blocks] = 0
+            ref_cnt[b] = 0
 
     def check(self) -> list[str]:
         """Linkage consistency (for fsck): forward and backward walks agree with the count."""

@@ -134,7 +134,7 @@ class Pool(TierLedger):
         """`n` plain free blocks for new owners at once, in the order `take_block` would give
         them (a long run in one compiled loop; the caller checked `n <= free_list.length`: no
         eviction)."""
-        blocks = self.free_list.pop_front_many(n, self.ref_np)
+        blocks = self.free_list.pop_front_many(n, self.ref_cnt)
         self.num_used += n
         return blocks
 
@@ -312,7 +312,7 @@ class FreeRun:
         self.pos = 0
         if left:
             pool = self.pool
-            pool.free_list.push_front_many(left, pool.ref_np)
+            pool.free_list.push_front_many(left, pool.ref_cnt)
             pool.num_used -= len(left)
 
 
