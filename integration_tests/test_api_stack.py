@@ -18,7 +18,6 @@ from block_manager.client.admin import AdminClient
 from demo.localstack import LocalStack
 from integration_tests.conftest import TEST_MODEL_NAME, StackSlot
 
-
 # A replica left without a node answers 503 after one scheduler lease (the router then retries
 # on the other): short here, so the node-killing test does not wait compose's 30 s.
 SCHEDULER_LEASE_TTL_S = 4.0
