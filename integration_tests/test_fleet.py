@@ -203,6 +203,7 @@ def test_round_robin_engines_fetch_each_others_prefixes_tokens_equal_transformer
     a, b = (fleet.engines[name] for name in ENGINES)
     owners = fleet.wait_owners({name: 1 for name in ENGINES}, timeout_s=FLEET_TTL_S * 4)
     node_of = {owner: pool for pool, owner in owners.items()}
+    assert a.counter("pagedkv_owned_nodes") == b.counter("pagedkv_owned_nodes") == 1   # as the engines see it
     rng = random.Random(4601)
     p0, p1 = _prefix(rng), _prefix(rng)
     # round robin A, B, A, B: the last two are each engine's first request on a prefix that the
@@ -376,6 +377,8 @@ def _kill_one_engine_under_load(fleet: Fleet) -> None:
     # the survivor owns both nodes within a lease (plus a heartbeat period and this host's slack)
     adopted_s = adoption_done.result() - killed_at
     adoption.shutdown()
+    eventually_sync(lambda: survivor.counter("pagedkv_owned_nodes") == 2, timeout_s=10,
+                    what="the survivor driving both nodes")
     assert adopted_s < ADOPTION_BOUND_S, f"adopted {adopted_s:.1f} s after the kill"
     # new requests, on both nodes: the hot prefix on the adopted node (where it is cached), others
     # wherever the survivor places them
