@@ -111,7 +111,7 @@ def append_pool(
 
 
 # Below this many blocks taken item by item, the items take them one `take_block` at a time:
-# popping them up front is one compiled call plus the bookkeeping of a `FreeRun` (pool.py).
+# popping them up front costs the bookkeeping of a `FreeRun` (pool.py) for little gain.
 RUN_MIN_BLOCKS = 4
 
 
@@ -159,7 +159,7 @@ def _apply_simple(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[SeqId], 
     in-block items).
 
     Crossings take their blocks in request order. When every other item is in-block they take
-    them here, in one compiled pop. When other items take blocks too, the crossings' counts,
+    them here, in one pop. When other items take blocks too, the crossings' counts,
     writing steps and tails are still written here, but their blocks are taken in the
     request-ordered loop with the others (`light`: a table append each, no `append_one`) — as
     long as every block of the batch comes from the plain free list: an eviction drops a hash,

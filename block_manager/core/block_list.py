@@ -3,19 +3,16 @@
 Blocks are small integers, so the links live in two flat lists indexed by block id
 (plus one sentinel slot) instead of in node objects: push, pop and removal of an
 arbitrary member are O(1) with no allocation, which is what keeps allocation and release
-constant-time however large the pool is (a `deque.remove` would scan). The links are int64
-arrays (indexed per item like lists) with numpy views over the same memory, so a batch can
-pop or put back many blocks in one compiled loop (`pop_front_many`, compiled.py).
+constant-time however large the pool is (a `deque.remove` would scan). A batch pops or
+puts back many blocks in one call (`pop_front_many`): the links stay Python lists because
+per-block operations on them are what every take and release does (int64 arrays with numpy
+views, for a compiled loop, made those ~2x slower and a decode step ~10% dearer: issue 45).
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Iterator
-
-import numpy as np
-
-from block_manager.core import compiled as _compiled
 
 _NIL = -1
 
@@ -27,16 +24,14 @@ class BlockList:
     it without a `__len__` call.
     """
 
-    __slots__ = ("_prev", "_next", "_head", "length", "_prev_np", "_next_np")
+    __slots__ = ("_prev", "_next", "_head", "length")
 
     def __init__(self, num_blocks: int) -> None:
         # Slot `num_blocks` is the sentinel: _next[head] is the first member,
         # _prev[head] the last. Non-members have _prev == _NIL.
         self._head = num_blocks
-        self._prev = array("q", [_NIL]) * (num_blocks + 1)
-        self._next = array("q", [_NIL]) * (num_blocks + 1)
-        self._prev_np = np.frombuffer(self._prev, dtype=np.int64)
-        self._next_np = np.frombuffer(self._next, dtype=np.int64)
+        self._prev = [_NIL] * (num_blocks + 1)
+        self._next = [_NIL] * (num_blocks + 1)
         self._prev[num_blocks] = num_blocks
         self._next[num_blocks] = num_blocks
         self.length = 0
@@ -100,15 +95,8 @@ class BlockList:
         self.length -= 1
 
     def pop_front_many(self, n: int, ref_cnt: array) -> list[int]:
-        """The first `n` members, popped in order, each given `ref_cnt` 1 (the caller checked
-        `n <= length`). A long run is one compiled loop; a short one (a decode step's few
-        crossings) a Python loop, which costs less than loading Numba for it (compiled.py)."""
-        if n >= _compiled.COMPILED_MIN_BLOCKS:
-            out = np.empty(n, np.int64)
-            _compiled.kernels().pop_front_n(self._prev_np, self._next_np, self._head,
-                                            np.frombuffer(ref_cnt, dtype=np.int64), out)
-            self.length -= n
-            return out.tolist()
+        """The first `n` members, popped in order, each given `ref_cnt` 1 (what `n` calls of
+        `pop_front` give; the caller checked `n <= length`)."""
         prv, nxt, head = self._prev, self._next, self._head
         blocks: list[int] = []
         b = nxt[head]
@@ -127,11 +115,6 @@ class BlockList:
     def push_front_many(self, blocks: list[int], ref_cnt: array) -> None:
         """Undo `pop_front_many` for `blocks` (popped in that order): back at the front in the
         same order, ref_cnt 0."""
-        if len(blocks) >= _compiled.COMPILED_MIN_BLOCKS:
-            _compiled.kernels().push_front_rev(self._prev_np, self._next_np, self._head,
-                                               np.frombuffer(ref_cnt, dtype=np.int64), np.array(blocks, np.int64))
-            self.length += len(blocks)
-            return
         for b in reversed(blocks):
             self.push_front(b)
             ref_cnt[b] = 0

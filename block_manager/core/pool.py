@@ -132,8 +132,7 @@ class Pool(TierLedger):
 
     def take_free_many(self, n: int) -> list[int]:
         """`n` plain free blocks for new owners at once, in the order `take_block` would give
-        them (a long run in one compiled loop; the caller checked `n <= free_list.length`: no
-        eviction)."""
+        them (the caller checked `n <= free_list.length`: no eviction)."""
         blocks = self.free_list.pop_front_many(n, self.ref_cnt)
         self.num_used += n
         return blocks

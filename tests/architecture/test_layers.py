@@ -5,8 +5,7 @@ Imports only run downward:
    stats) imports nothing of ours; its `__init__` may re-export entry points lazily, from
    inside a function, never at import time;
 2. `kernels/` (numba, numpy, torch) and `block_manager/core/` (stdlib and numpy: its
-   per-sequence and per-block state are arrays, issue 20; numba in `core/compiled.py` alone,
-   the compiled loops over those arrays, issue 45);
+   per-sequence and per-block state are arrays, issue 20);
 3. `block_manager/{store,service,client,cli,trace}` and `compute_node/` — `compute_node`
    never imports `block_manager`, the client never imports the server side;
 4. `engine/` (the scheduler side): nothing below imports it; within it, the OpenAI server
@@ -91,8 +90,6 @@ def _core(rel: str, module: str, top: bool) -> str | None:
         return None
     if module.startswith("block_manager.core"):
         return None
-    if rel == "block_manager/core/compiled.py" and _root(module) == "numba":
-        return None   # the core's compiled loops (issue 45), imported lazily on first use
     if _root(module) not in sys.stdlib_module_names and _root(module) != "numpy":
         return "the core imports only the standard library and numpy"
     return None

@@ -1,50 +1,33 @@
-"""The compiled free-list loops (core/compiled.py) and the batch's block takes served from them
-(`FreeRun`, pool.py): block for block what `take_block` one at a time gives, at the boundaries
-between the compiled and the Python paths (batch sizes around `VECTOR_MIN_ITEMS`, runs around
-`RUN_MIN_BLOCKS`), and the kernels when Numba cannot cache on disk."""
+"""A batch's block takes served from one pop of the free list (`BlockList.pop_front_many`,
+`FreeRun` in pool.py) and the crossings that take them in the request-ordered loop
+(append_batch.py): block for block what `take_block` one at a time gives, at the boundaries
+between the array and the per-item paths (batch sizes around `VECTOR_MIN_ITEMS`, runs around
+`RUN_MIN_BLOCKS`)."""
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
-import subprocess
-import sys
 from array import array
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import block_manager.core.append as append_mod
 import block_manager.core.append_batch as batch_mod
-from block_manager.core import BlockManager, compiled
+from block_manager.core import BlockManager
 from block_manager.core.block_list import BlockList
 from block_manager.core.pool import FreeRun, Pool
-
-REPO = Path(__file__).resolve().parents[3]
 
 
 def _members(bl: BlockList) -> list[int]:
     return list(bl)
 
 
-@pytest.mark.parametrize("compiled_min", [0, compiled.COMPILED_MIN_BLOCKS])
 @given(num_blocks=st.integers(1, 100), data=st.data())
 @settings(max_examples=60, deadline=None)
-def test_pop_and_push_many_match_one_at_a_time(compiled_min: int, num_blocks: int, data: st.DataObject) -> None:
-    """Both sides of the compiled/Python threshold (runs up to 100 blocks, threshold 64 and 0)."""
-    compiled.COMPILED_MIN_BLOCKS, saved = compiled_min, compiled.COMPILED_MIN_BLOCKS
-    try:
-        _pop_and_push(num_blocks, data)
-    finally:
-        compiled.COMPILED_MIN_BLOCKS = saved
-
-
-def _pop_and_push(num_blocks: int, data: st.DataObject) -> None:
+def test_pop_and_push_many_match_one_at_a_time(num_blocks: int, data: st.DataObject) -> None:
     order = data.draw(st.permutations(range(num_blocks)))
     a, b = BlockList(num_blocks), BlockList(num_blocks)
     for x in order:
@@ -97,7 +80,7 @@ def test_free_run_takes_what_take_block_would(num_cached: int, expected: int, nu
     assert list(a.ref_cnt) == list(b.ref_cnt)
 
 
-# ---- the batched append: compiled runs vs one take_block at a time ---------------------------
+# ---- the batched append: runs popped up front vs one take_block at a time --------------------
 
 def _trace(seed: int, batch_sizes: list[int]) -> list[Any]:
     """Answers and snapshots of a trace of Steps of the given batch sizes: admissions with shared
@@ -159,16 +142,11 @@ def _trace(seed: int, batch_sizes: list[int]) -> list[Any]:
     return seen
 
 
-@pytest.mark.parametrize(("run_min", "compiled_min"), [(0, 0), (1, 10**9), (batch_mod.RUN_MIN_BLOCKS, 8),
-                                                       (batch_mod.RUN_MIN_BLOCKS, compiled.COMPILED_MIN_BLOCKS),
-                                                       (10**9, 0)])
-@pytest.mark.parametrize("seed", [1, 2])
-def test_batched_append_equals_item_by_item(monkeypatch: pytest.MonkeyPatch, run_min: int, compiled_min: int,
-                                            seed: int) -> None:
+@pytest.mark.parametrize("run_min", [0, 1, batch_mod.RUN_MIN_BLOCKS, 10**9])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_batched_append_equals_item_by_item(monkeypatch: pytest.MonkeyPatch, run_min: int, seed: int) -> None:
     """Batches around the vector threshold (63, 64, 65 items, and small ones), runs of every
-    length, compiled or Python pops: the same answers and the same state, step after step, as
-    the item-by-item path."""
-    monkeypatch.setattr(compiled, "COMPILED_MIN_BLOCKS", compiled_min)
+    length: the same answers and the same state, step after step, as the item-by-item path."""
     sizes = [1, 5, 63, 64, 65, 64, 30, 65, 63, 64, 64, 70, 64, 65]
     monkeypatch.setattr(append_mod, "VECTOR_MIN_ITEMS", 10**9)
     want = _trace(seed, sizes)
@@ -177,64 +155,6 @@ def test_batched_append_equals_item_by_item(monkeypatch: pytest.MonkeyPatch, run
     assert _trace(seed, sizes) == want
     monkeypatch.setattr(append_mod, "VECTOR_MIN_ITEMS", 1)
     assert _trace(seed, sizes) == want
-
-
-def test_kernels_without_a_disk_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Numba refuses `cache=True` where no cache directory is writable: the kernels are then
-    compiled in memory and work the same."""
-    import numba
-
-    real = numba.njit
-
-    def no_cache(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("cache"):
-            raise RuntimeError("cannot cache function: no locator available")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(numba, "njit", no_cache)
-    monkeypatch.setattr(compiled, "_KERNELS", None)
-    k = compiled.kernels()
-    assert not k.cached
-    bl = BlockList(5)
-    for x in (3, 1, 4, 0, 2):
-        bl.push_back(x)
-    ref = np.zeros(5, np.int64)
-    out = np.empty(3, np.int64)
-    k.pop_front_n(bl._prev_np, bl._next_np, bl._head, ref, out)   # noqa: SLF001
-    assert out.tolist() == [3, 1, 4]
-
-
-def test_read_only_install_compiles_in_memory(tmp_path: Path) -> None:
-    """A real read-only tree and cache home: the first batched Step still runs (and says its
-    kernels are not cached)."""
-    tree = tmp_path / "tree"
-    shutil.copytree(REPO / "block_manager", tree / "block_manager", ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run(["chmod", "-R", "a-w", str(tree)], check=True)
-    home = tmp_path / "home"
-    home.mkdir()
-    home.chmod(0o555)
-    code = (
-        "import sys; sys.path.insert(0, sys.argv[1])\n"
-        "from block_manager.core import BlockManager, compiled\n"
-        "m = BlockManager(watermark=0.0); m.add_pool('p', 400, 4)\n"
-        "ids = [f's{i}' for i in range(80)]\n"
-        "[m.allocate(s, 'p', [1, 2, 3, 4]) for s in ids]\n"
-        "r = m.append_tokens(ids, [1] * 80, [5] * 80)\n"
-        "print(r.failures, compiled.kernels().cached)\n"
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
-    env.update(HOME=str(home), XDG_CACHE_HOME=str(home / "cache"), PYTHONDONTWRITEBYTECODE="1")
-    try:
-        done = subprocess.run([sys.executable, "-c", code, str(tree)], capture_output=True, text=True, env=env,
-                              timeout=300, cwd=tmp_path)
-    finally:
-        subprocess.run(["chmod", "-R", "u+w", str(tree)], check=False)
-        home.chmod(0o755)
-    if os.geteuid() == 0:   # root writes through read-only modes: only the run is checked
-        assert done.returncode == 0, done.stderr
-        return
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["[]", "False"]
 
 
 @given(st.lists(st.integers(-(1 << 63), (1 << 63) - 1), max_size=60), st.integers(1, 9),
