@@ -184,12 +184,16 @@ class SequenceTracker:
         if bs is not None:
             self._seqs[seq_id] = TrackedSequence(seq_id, pool_id, bs, num_tokens, tail_exclusive)
 
+    def reset_pool(self, pool_id: str) -> None:
+        """Forget every sequence mirrored on `pool_id` (its step says the pool was reset: it
+        changed hands, so nothing mirrored before this step still holds)."""
+        for sid in [s for s, t in self._seqs.items() if t.pool_id == pool_id]:
+            del self._seqs[sid]
+            self.late_ids.pop(sid, None)
+
     def apply_step(self, step: PoolStepInfo) -> None:
-        """Apply a closed step's deltas, drops and reset to the mirrored tables."""
-        if step.reset:
-            for sid in [s for s, t in self._seqs.items() if t.pool_id == step.pool_id]:
-                del self._seqs[sid]
-                self.late_ids.pop(sid, None)
+        """Apply a closed step's deltas and drops to the mirrored tables (its reset, if any,
+        was applied before the step's own admissions were mirrored: `reset_pool`)."""
         for sid in step.dropped_seq_ids:
             self._seqs.pop(sid, None)
             self.late_ids.pop(sid, None)
@@ -470,6 +474,9 @@ class StepBatch:
             res.dropped.update(settled.dropped_seq_ids)
             for sid in settled.dropped_seq_ids:
                 tracker.forget(sid)
+        for ps in m.steps:   # a reset drops what was mirrored BEFORE this step, not its admissions
+            if ps.reset:
+                tracker.reset_pool(ps.pool_id)
         for i, (sid, pool_id, _ids, _n, _salt, _nc) in enumerate(self._allocs):
             err = errors.get(("alloc", i))
             if err is not None:

@@ -324,3 +324,26 @@ def test_a_step_cancelled_by_a_stopping_server_is_retried_under_its_request_id(b
         assert step.resend().allocations["t"].num_tokens == 3
         assert bm.state.core.metrics("n1").num_used_blocks == 2  # each allocated once
     assert bm.fsck() == []
+
+
+def test_an_admission_in_the_step_that_resets_its_pool_is_mirrored(bm):
+    """A pool that changed hands comes back with a reset step: the new driver's mirror drops what
+    it held there before, but the admissions of that very step stay mirrored (and agree with the
+    server's tables), so its appends keep being answered locally."""
+    with BlockManagerClient(bm.address, scheduler_id="first") as first:
+        first.register_node("n1", 64, block_size=BS)
+        admit(first, {"old": list(range(5))})
+        first.release()                      # hands the pool back: "old" is dropped with it
+    with BlockManagerClient(bm.address, scheduler_id="second") as second:
+        second.tracker.set_block_size("n1", BS)
+        step = second.step()
+        step.allocate("new", "n1", list(range(100, 111)))
+        res = step.commit()
+        assert res.steps["n1"].reset and not res.failures
+        mirror = second.tracker.get("new")
+        assert mirror is not None and mirror.num_tokens == 11
+        assert tables_of(second, res.steps["n1"].epoch, ["new"])["new"] == tuple(mirror.block_table)
+        second.report(res.steps["n1"], True)
+        step = second.step()
+        step.append("new", [7])
+        assert step.commit().num_rpcs == 0   # in-block: answered from the mirror
