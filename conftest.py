@@ -143,7 +143,8 @@ START_FIRST = ("tests/kernels/test_cuda_simulator.py::", "tests/kernels/test_cud
 # From the wall column of `python -m tools.suite_cpu DIR --files 20`; an entry that is out of
 # date costs only balance, and tests/test_suite_kinds.py checks that each still names a file.
 HEAVY_FIRST = (
-    "integration_tests/test_stack.py", "integration_tests/test_defrag_stress.py", "tests/test_readme.py",
+    "integration_tests/test_stack.py", "integration_tests/test_fleet.py", "integration_tests/test_defrag_stress.py",
+    "tests/test_readme.py", "tests/engine/test_fleet.py",
     "tests/engine/test_prefix_fetch.py", "tests/engine/test_engine_remote.py", "tests/engine/test_api_server.py",
     "integration_tests/test_stack_mtls.py", "integration_tests/test_api_stack.py",
     "tests/block_manager/service/test_service_sessions.py",
