@@ -231,11 +231,7 @@ def _decode_allocs(a: Mapping[str, Any]) -> tuple[list[Alloc], Placement]:
     num_token_ids = _ints("alloc_num_token_ids", a.get("num_token_ids", []))
     num_tokens = _ints("alloc_num_tokens", a.get("num_tokens", []))
     num_compute = _ints("alloc_num_compute", a.get("num_compute", []))
-    for name, col in (("alloc_pool_index", pool_index), ("alloc_salt_index", salt_index),
-                      ("alloc_num_token_ids", num_token_ids), ("alloc_num_tokens", num_tokens),
-                      ("alloc_num_compute", num_compute)):
-        if len(col) != n:
-            raise InvalidRequest(f"{name} has {len(col)} entries for {n} allocations")
+    _check_alloc_columns(n, pool_index, salt_index, num_token_ids, num_tokens, num_compute)
     place = a.get("place", [])
     if not isinstance(place, list) or (place and (len(place) != n or not set(map(type, place)) <= {bool})):
         raise InvalidRequest(f"alloc_place must be empty or hold one bool per allocation ({n})")
@@ -244,11 +240,30 @@ def _decode_allocs(a: Mapping[str, Any]) -> tuple[list[Alloc], Placement]:
     if type(admit_budget) is not int or admit_budget < 0:
         raise InvalidRequest("admit_budget must be an integer >= 0")
     token_ids = _ints("alloc_token_ids", a.get("token_ids", []))
+    out = _build_allocs(seq_ids, pools, salts, place, pool_index, salt_index, num_token_ids, num_tokens, num_compute,
+                        token_ids)
+    return out, Placement(place_pools, admit_budget)
+
+
+def _check_alloc_columns(n: int, *cols: Sequence[object]) -> None:
+    """Every per-allocation column (pool index, salt index, token-id count, token count, compute
+    budget) holds one entry per allocation."""
+    names = ("alloc_pool_index", "alloc_salt_index", "alloc_num_token_ids", "alloc_num_tokens", "alloc_num_compute")
+    for name, col in zip(names, cols, strict=True):
+        if len(col) != n:
+            raise InvalidRequest(f"{name} has {len(col)} entries for {n} allocations")
+
+
+def _build_allocs(seq_ids: Sequence[SeqId], pools: Sequence[str], salts: Sequence[str], place: Sequence[bool],
+                  pool_index: Sequence[int], salt_index: Sequence[object], num_token_ids: Sequence[int],
+                  num_tokens: Sequence[int], num_compute: Sequence[int], token_ids: list[int]) -> list[Alloc]:
+    """The allocations of columns already checked for type and length (both decoders end here,
+    so the JSON journal and the protobuf request are refused alike)."""
     if len(token_ids) != sum(num_token_ids):
         raise InvalidRequest(f"alloc_token_ids has {len(token_ids)} ids, the counts say {sum(num_token_ids)}")
     out: list[Alloc] = []
     pos = 0
-    for i in range(n):
+    for i in range(len(seq_ids)):
         placed = bool(place) and place[i]
         if not placed and pool_index[i] >= len(pools):
             raise InvalidRequest(f"allocation {i}: pool index {pool_index[i]} out of range")
@@ -262,7 +277,7 @@ def _decode_allocs(a: Mapping[str, Any]) -> tuple[list[Alloc], Placement]:
             raise InvalidRequest(f"allocation {i}: give token ids or a token count, exactly one")
         out.append(Alloc(seq_ids[i], "" if placed else pools[pool_index[i]], toks, num_tokens[i] or None,
                          salts[si] if si >= 0 else None, num_compute[i] or None, placed))
-    return out, Placement(place_pools, admit_budget)
+    return out
 
 
 def _decode_appends(section: str, a: Mapping[str, Any]) -> AppendColumns:
@@ -345,35 +360,15 @@ def _decode_allocs_pb(r: pb.StepRequest) -> tuple[list[Alloc], Placement]:
     pool_index, salt_index = list(r.alloc_pool_index), list(r.alloc_salt_index)
     num_token_ids, num_tokens = list(r.alloc_num_token_ids), list(r.alloc_num_tokens)
     num_compute = list(r.alloc_num_compute)
-    for name, col in (("alloc_pool_index", pool_index), ("alloc_salt_index", salt_index),
-                      ("alloc_num_token_ids", num_token_ids), ("alloc_num_tokens", num_tokens),
-                      ("alloc_num_compute", num_compute)):
-        if len(col) != n:
-            raise InvalidRequest(f"{name} has {len(col)} entries for {n} allocations")
+    _check_alloc_columns(n, pool_index, salt_index, num_token_ids, num_tokens, num_compute)
     place = list(r.alloc_place)
     if place and len(place) != n:
         raise InvalidRequest(f"alloc_place must be empty or hold one bool per allocation ({n})")
     place_pools = _pb_ids("place_pool_ids", r.place_pool_ids) if place else []
     admit_budget = r.admit_budget if place else 0
     token_ids = list(r.alloc_token_ids)
-    if len(token_ids) != sum(num_token_ids):
-        raise InvalidRequest(f"alloc_token_ids has {len(token_ids)} ids, the counts say {sum(num_token_ids)}")
-    out: list[Alloc] = []
-    pos = 0
-    for i in range(n):
-        placed = bool(place) and place[i]
-        if not placed and pool_index[i] >= len(pools):
-            raise InvalidRequest(f"allocation {i}: pool index {pool_index[i]} out of range")
-        si = salt_index[i]
-        if not -1 <= si < len(salts):
-            raise InvalidRequest(f"allocation {i}: salt index {si!r} out of range")
-        k = num_token_ids[i]
-        toks = token_ids[pos : pos + k] if k else None
-        pos += k
-        if (toks is None) == (num_tokens[i] == 0):
-            raise InvalidRequest(f"allocation {i}: give token ids or a token count, exactly one")
-        out.append(Alloc(seq_ids[i], "" if placed else pools[pool_index[i]], toks, num_tokens[i] or None,
-                         salts[si] if si >= 0 else None, num_compute[i] or None, placed))
+    out = _build_allocs(seq_ids, pools, salts, place, pool_index, salt_index, num_token_ids, num_tokens, num_compute,
+                        token_ids)
     return out, Placement(place_pools, admit_budget)
 
 
