@@ -14,7 +14,7 @@ This module is transport-free at run time: the protobuf types appear in annotati
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -283,13 +283,22 @@ def _build_allocs(seq_ids: Sequence[SeqId], pools: Sequence[str], salts: Sequenc
 def _decode_appends(section: str, a: Mapping[str, Any]) -> AppendColumns:
     seq_ids = _seq_ids(f"{section}_seq_ids", a.get("seq_ids", []))
     counts = _ints(f"{section}_num_tokens", a.get("num_tokens", []), minimum=1)
+    return _append_columns(section, seq_ids, counts, lambda: _ints(f"{section}_token_ids", a.get("token_ids", [])),
+                           lambda: _ints(f"{section}_num_late", a.get("num_late", [])))
+
+
+def _append_columns(section: str, seq_ids: list[SeqId], counts: list[int], token_ids_of: Callable[[], list[int]],
+                    num_late_of: Callable[[], list[int]]) -> AppendColumns:
+    """An append-shaped section from its decoded ids and counts; its token ids and late counts
+    are decoded (`*_of`) only after the checks before them passed, so both decoders (JSON of the
+    journal, the protobuf request) refuse a malformed section with the same message."""
     if len(counts) != len(seq_ids):
         raise InvalidRequest(f"{section}_num_tokens has {len(counts)} entries for {len(seq_ids)} sequences")
     _distinct(f"{section} seq_ids", seq_ids)
-    token_ids = _ints(f"{section}_token_ids", a.get("token_ids", []))
+    token_ids = token_ids_of()
     if token_ids and len(token_ids) != sum(counts):
         raise InvalidRequest(f"{section}: {len(token_ids)} token ids for {sum(counts)} tokens (give all or none)")
-    num_late = _ints(f"{section}_num_late", a.get("num_late", []))
+    num_late = num_late_of()
     if num_late and len(num_late) != len(seq_ids):
         raise InvalidRequest(f"{section}_num_late has {len(num_late)} entries for {len(seq_ids)} sequences")
     return AppendColumns(seq_ids, counts, token_ids or None, num_late or None)
@@ -379,16 +388,7 @@ def _appends_pb(section: str, seq_col: Sequence[str], count_col: Sequence[int], 
         return AppendColumns([], [], None)
     seq_ids = cast(list[SeqId], _pb_ids(f"{section}_seq_ids", seq_col))
     counts = _pb_counts(f"{section}_num_tokens", count_col)
-    if len(counts) != len(seq_ids):
-        raise InvalidRequest(f"{section}_num_tokens has {len(counts)} entries for {len(seq_ids)} sequences")
-    _distinct(f"{section} seq_ids", seq_ids)
-    token_ids = list(token_col)
-    if token_ids and len(token_ids) != sum(counts):
-        raise InvalidRequest(f"{section}: {len(token_ids)} token ids for {sum(counts)} tokens (give all or none)")
-    num_late = list(late_col)
-    if num_late and len(num_late) != len(seq_ids):
-        raise InvalidRequest(f"{section}_num_late has {len(num_late)} entries for {len(seq_ids)} sequences")
-    return AppendColumns(seq_ids, counts, token_ids or None, num_late or None)
+    return _append_columns(section, seq_ids, counts, lambda: list(token_col), lambda: list(late_col))
 
 
 def _forks_pb(r: pb.StepRequest) -> list[tuple[SeqId, list[SeqId]]]:
