@@ -318,10 +318,8 @@ def _check_late(late: AppendColumns) -> AppendColumns:
     return late
 
 
-def _decode_forks(f: Mapping[str, Any]) -> list[tuple[SeqId, list[SeqId]]]:
-    parents = _seq_ids("fork_parent_ids", f.get("parents", []))
-    counts = _ints("fork_num_children", f.get("num_children", []), minimum=1)
-    children = _seq_ids("fork_child_ids", f.get("children", []))
+def _fork_pairs(parents: list[SeqId], counts: list[int], children: list[SeqId]) -> list[tuple[SeqId, list[SeqId]]]:
+    """Each parent with its children (both decoders: one refusal for columns that disagree)."""
     if len(counts) != len(parents) or sum(counts) != len(children):
         raise InvalidRequest("fork columns disagree: one child count per parent, one id per child")
     out = []
@@ -330,6 +328,13 @@ def _decode_forks(f: Mapping[str, Any]) -> list[tuple[SeqId, list[SeqId]]]:
         out.append((parent, children[pos : pos + n]))
         pos += n
     return out
+
+
+def _decode_forks(f: Mapping[str, Any]) -> list[tuple[SeqId, list[SeqId]]]:
+    parents = _seq_ids("fork_parent_ids", f.get("parents", []))
+    counts = _ints("fork_num_children", f.get("num_children", []), minimum=1)
+    children = _seq_ids("fork_child_ids", f.get("children", []))
+    return _fork_pairs(parents, counts, children)
 
 
 def decode_swap_ids(p: Mapping[str, Any], key: str, max_batch: int) -> list[SeqId]:
@@ -395,14 +400,7 @@ def _forks_pb(r: pb.StepRequest) -> list[tuple[SeqId, list[SeqId]]]:
     parents = cast(list[SeqId], _pb_ids("fork_parent_ids", r.fork_parent_ids))
     counts = _pb_counts("fork_num_children", r.fork_num_children)
     children = cast(list[SeqId], _pb_ids("fork_child_ids", r.fork_child_ids))
-    if len(counts) != len(parents) or sum(counts) != len(children):
-        raise InvalidRequest("fork columns disagree: one child count per parent, one id per child")
-    out = []
-    pos = 0
-    for parent, n in zip(parents, counts):
-        out.append((parent, children[pos : pos + n]))
-        pos += n
-    return out
+    return _fork_pairs(parents, counts, children)
 
 
 def _swap_ids_pb(key: str, col: Sequence[str], max_batch: int) -> list[SeqId]:
