@@ -12,7 +12,11 @@ kernels use nothing newer), then disassembled with `nvdisasm` — and reported:
   and instructions per 16 bytes of K/V each thread loads per trip (bytes from the variant's
   geometry: tokens per warp step x head_dim x element size x 2 (K and V) / 32 lanes; for the
   FA2-class prefill, the block's tile x head_dim x element size x 2 / threads — there every
-  staged byte then serves 64 query rows, so its count is not comparable with decode's).
+  staged byte then serves 64 query rows, so its count is not comparable with decode's);
+- in that loop, SASS instructions and FMULs per HMMA (tensor-core variants): the work around
+  each tensor-core instruction, the prefill loop's own measure (issue 43; FA2's ≈ 3). An
+  instruction inside a loop nested in the tile loop counts once per trip of it (the FA2
+  prefill's slices per tile), so the figure is per executed trip, not a lower bound.
 
     .venv/bin/python bench/kernel_sass.py [--json OUT.json] [--quick] [--only NAME]
 
@@ -86,6 +90,9 @@ class Report:
     blocks_per_sm_ptxas: int = 0
     instr_per_16b_ptxas: float | None = None
     query_rows_per_cta: int | None = None  # attention kernels: query rows one block holds
+    hmma_per_trip: float | None = None  # tensor-core loops: HMMA per tile-loop trip (inner loops x trips)
+    instr_per_hmma: float | None = None  # SASS instructions per HMMA in the tile loop, same weights
+    fmul_per_hmma: float | None = None  # FMUL per HMMA there (the O rescale is most of them)
 
     @property
     def production_registers(self) -> int:
@@ -345,6 +352,39 @@ def nested_loops(code: list[str], first: int, last: int) -> int:
     return sum(1 for a, b in loops(code) if first <= a and b <= last and (a, b) != (first, last))
 
 
+def opcode(instr: str) -> str:
+    """The mnemonic of a SASS instruction: predicate guard and modifiers stripped."""
+    return re.sub(r"^@!?U?P[T0-9]+ ", "", instr).split(" ")[0].split(".")[0]
+
+
+def weighted_mix(code: list[str], first: int, last: int, inner_trips: int) -> dict[str, float]:
+    """Opcode counts of one trip of the loop [first, last], an instruction inside k nested
+    loops counted inner_trips**k times (their trip count: the kernel's geometry knows it)."""
+    inner = [(a, b) for a, b in loops(code) if first <= a and b <= last and (a, b) != (first, last)]
+    mix: dict[str, float] = {}
+    for i in range(first, last + 1):
+        line = code[i]
+        if line.endswith(":") or line.startswith("@!PT "):
+            continue
+        depth = sum(1 for a, b in inner if a <= i <= b)
+        op = opcode(line)
+        mix[op] = mix.get(op, 0) + inner_trips ** depth
+    return mix
+
+
+def hmma_figures(code: list[str], loop: tuple[int, int] | None,
+                 inner_trips: int | None) -> tuple[float | None, float | None, float | None]:
+    """(HMMA per trip, instructions per HMMA, FMUL per HMMA) of the tile loop; Nones when it
+    has no HMMA, or has inner loops of unknown trip count."""
+    if loop is None or (nested_loops(code, *loop) and inner_trips is None):
+        return None, None, None
+    mix = weighted_mix(code, *loop, inner_trips or 1)
+    hmma = mix.get("HMMA", 0)
+    if not hmma:
+        return None, None, None
+    return hmma, round(sum(mix.values()) / hmma, 2), round(mix.get("FMUL", 0) / hmma, 2)
+
+
 def instructions(code: list[str], first: int, last: int) -> int:
     """SASS instructions in code[first:last+1]; labels and never-executed `@!PT` slots (ptxas
     pads `LDGSTS` with them) are not instructions that issue."""
@@ -423,6 +463,17 @@ def build(variant: Variant) -> tuple[Any, tuple[Any, ...], int, int | None, Any]
             block_copy.COPY_SIGNATURE, block_copy.THREADS, None, (block_copy.THREADS, 1))
 
 
+def inner_trips(variant: Variant) -> int | None:
+    """Trip count of the loops nested in a variant's tile loop, when its geometry fixes one:
+    the FA2-class prefill's slices per tile (the only tensor-core loop that may keep one)."""
+    spec = _spec_of(variant)
+    if spec is None or spec.mode != "prefill" or spec.path != "tc":
+        return None
+    from kernels.cuda._fa2_prefill import fa2_geometry
+
+    return fa2_geometry(spec)[2]
+
+
 def spec_simt_tokens(spec: Any) -> int:
     from kernels.cuda._simt_attend import step_tokens
 
@@ -430,7 +481,7 @@ def spec_simt_tokens(spec: Any) -> int:
 
 
 def _machine_code(cubin: Path, info: dict[str, int], nvdisasm: str | None, kv_bytes: int | None,
-                  threads: int) -> dict[str, Any]:
+                  threads: int, trips: int | None = None) -> dict[str, Any]:
     """The SASS figures of one build."""
     code = disassemble(cubin, nvdisasm) if nvdisasm else []
     loop = steady_loop(code) if code else None
@@ -441,7 +492,9 @@ def _machine_code(cubin: Path, info: dict[str, int], nvdisasm: str | None, kv_by
         notes.append("no steady-state K/V loop found")
     if loop and nested_loops(code, *loop):
         notes.append("step loop not fully unrolled: instructions per 16 B is a lower bound")
+    hmma, per_hmma, fmul = hmma_figures(code, loop, trips) if code else (None, None, None)
     return {"code": code, "loop_instr": loop_instr, "notes": notes,
+            "hmma": hmma, "per_hmma": per_hmma, "fmul_per_hmma": fmul,
             "per_16b": round(per_16b, 2) if per_16b else None,
             "blocks": blocks_per_sm(info["registers"], info["shared_bytes"], threads)}
 
@@ -455,11 +508,12 @@ def analyze(variant: Variant, ptxas: str, nvdisasm: str | None,
     use_jitlink = nvjitlink_version() is not None if nvjitlink is None else nvjitlink
     with tempfile.TemporaryDirectory() as tmp:
         cubin, info = assemble(ptx, ptxas, Path(tmp))
-        by_ptxas = _machine_code(cubin, info, nvdisasm, kv_bytes, threads)
+        trips = inner_trips(variant)
+        by_ptxas = _machine_code(cubin, info, nvdisasm, kv_bytes, threads, trips)
         prod_info, prod = info, by_ptxas
         if use_jitlink:
             jit_cubin, prod_info = link_nvjitlink(ptx, Path(tmp))
-            prod = _machine_code(jit_cubin, prod_info, nvdisasm, kv_bytes, threads)
+            prod = _machine_code(jit_cubin, prod_info, nvdisasm, kv_bytes, threads, trips)
     notes = list(prod["notes"])
     if re.search(r"\.f64\b", ptx):
         notes.append("float64 instructions in PTX")
@@ -474,7 +528,9 @@ def analyze(variant: Variant, ptxas: str, nvdisasm: str | None,
         toolchain="nvjitlink" if use_jitlink else "ptxas",
         registers_nvjitlink=prod_info["registers"] if use_jitlink else None,
         spill_bytes_ptxas=info["spill_bytes"], blocks_per_sm_ptxas=by_ptxas["blocks"],
-        instr_per_16b_ptxas=by_ptxas["per_16b"], query_rows_per_cta=query_rows_of(variant))
+        instr_per_16b_ptxas=by_ptxas["per_16b"], query_rows_per_cta=query_rows_of(variant),
+        hmma_per_trip=prod["hmma"], instr_per_hmma=prod["per_hmma"],
+        fmul_per_hmma=prod["fmul_per_hmma"])
 
 
 def query_rows_of(variant: Variant) -> int | None:
@@ -533,8 +589,8 @@ def check(report: Report) -> list[str]:
 def table(reports: list[Report]) -> str:
     header = ("| variant | regs ptxas / nvJitLink | spill B | smem B | threads | rows/CTA | "
               "blocks/SM ptxas / nvJitLink | global loads | K/V loads | loop instr | "
-              "K/V B/trip/thread | instr / 16 B ptxas / nvJitLink |")
-    lines = [header, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "K/V B/trip/thread | instr / 16 B ptxas / nvJitLink | instr / HMMA | FMUL / HMMA |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     # ">=": the step loop keeps an inner loop, so its static count is a lower bound
     for r in reports:
         bound = ">=" if any("lower bound" in n for n in r.notes) else ""
@@ -547,7 +603,8 @@ def table(reports: list[Report]) -> str:
                    f"{(bound + str(r.instr_per_16b or '-')) if jit else '-'}")
         lines.append(f"| {r.name} | {regs} | {r.spill_bytes} | {r.shared_bytes} | "
                      f"{r.threads} | {r.query_rows_per_cta or '-'} | {blocks} | {widths} | {kv} | "
-                     f"{r.loop_instructions or '-'} | {r.kv_bytes_per_trip or '-'} | {per_16b} |")
+                     f"{r.loop_instructions or '-'} | {r.kv_bytes_per_trip or '-'} | {per_16b} | "
+                     f"{r.instr_per_hmma or '-'} | {r.fmul_per_hmma or '-'} |")
     return "\n".join(lines)
 
 
@@ -577,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
             failures.append(f"{v.name}: {'; '.join(problems)}")
         print(f"{v.name}: {report.registers} regs ptxas, {report.registers_nvjitlink} regs "
               f"nvJitLink, {report.spill_bytes} B spill, {report.blocks_per_sm} blocks/SM, "
-              f"{report.instr_per_16b} instr/16 B", flush=True)
+              f"{report.instr_per_16b} instr/16 B, {report.instr_per_hmma} instr/HMMA", flush=True)
     print()
     print(table(reports))
     if args.json:

@@ -77,6 +77,7 @@ def test_variant_within_budget(name: str) -> None:
     if name == KS.PREFILL_BENCH:
         assert report.query_rows_per_cta >= 64 and report.blocks_per_sm >= 2
         assert report.spill_bytes == 0 and report.instr_per_16b is not None
+        assert report.instr_per_hmma is not None and report.hmma_per_trip >= 32
         assert set(report.kv_load_widths) == {"128-bit"}
 
 
@@ -109,6 +110,30 @@ def test_budgets_apply_to_the_production_build() -> None:
     assert KS.check(fa2) == []
 
 
+def test_per_hmma_counts_inner_loops_per_trip() -> None:
+    """A tile loop with an inner loop of 2 trips: its instructions count twice, the outer
+    ones once; guards and modifiers are stripped from the mnemonics."""
+    code = [
+        ".L_x_0:",
+        "LDGSTS.E.BYPASS.128 [R2], desc[UR4][R4.64]",   # outer: 2 instructions
+        "BAR.SYNC.DEFER_BLOCKING 0x0",
+        ".L_x_1:",
+        "HMMA.16816.F32 R8, R12, R16, R8",             # inner: 4 instructions, 2 trips
+        "@P1 FMUL R9, R9, R10",
+        "@!P2 FMUL R11, R11, R10",
+        "@P0 BRA `(.L_x_1)",
+        "@P3 BRA `(.L_x_0)",                           # outer
+        "EXIT",
+    ]
+    assert KS.opcode("@!P2 FMUL R11, R11, R10") == "FMUL"
+    assert KS.opcode("@UP0 HMMA.16816.F32 R8, R12, R16, R8") == "HMMA"
+    assert KS.weighted_mix(code, 0, 8, 2) == {"LDGSTS": 1, "BAR": 1, "HMMA": 2, "FMUL": 4,
+                                              "BRA": 3}
+    # 11 instructions per trip of the tile loop, 2 HMMA: 5.5 per HMMA, 2 FMUL per HMMA
+    assert KS.hmma_figures(code, (0, 8), 2) == (2, 5.5, 2.0)
+    assert KS.hmma_figures(code, (0, 8), None) == (None, None, None)  # trips unknown: no figure
+
+
 def test_analysis_reads_machine_code() -> None:
     """The gate's own parsing, on hand-written SASS: loops, K/V loads, widths, occupancy."""
     code = [
@@ -134,5 +159,6 @@ def test_analysis_reads_machine_code() -> None:
     assert KS.blocks_per_sm(96, 35328, 128) == 5
     assert KS.blocks_per_sm(240, 19360, 128) == 2
     assert KS.blocks_per_sm(160, 35648, 512) == 0  # the seed's head_dim 256 prefill
+    assert KS.hmma_figures(code, (1, 6), None) == (1, 4.0, 0.0)  # no inner loop: trips unused
     narrow = KS.Report("x", 64, 0, 0, 0, 128, 8, {}, {"16-bit": 4}, 10, 64, 2.5)
     assert any("narrower" in p for p in KS.check(narrow))
