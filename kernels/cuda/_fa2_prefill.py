@@ -10,8 +10,11 @@ flight while tile t is computed, with one `wait_group 1` + block barrier before 
 and one barrier after (its buffer is then free for tile t+2).
 
 Per warp and 16-token slice the step is `_tc_attend.make_tc_step`'s: Sᵀ = K·Qᵀ and
-Oᵀ += Vᵀ·Pᵀ with `mma.m16n8k16`, online softmax in registers (causal limits per row; a slice
-entirely past the warp's last visible position is skipped, warp-uniformly). Each warp owns its
+Oᵀ += Vᵀ·Pᵀ with `mma.m16n8k16`, online softmax in registers. The causal mask runs only on
+the diagonal: tiles wholly at or before the block's first row's last visible position (all
+but the last one to three of a long prompt) take a loop of their own with no mask code; the
+diagonal tiles mask per row, and a slice entirely past the warp's last visible position is
+skipped, warp-uniformly. Each warp owns its
 rows to the end, so there is no cross-warp merge: each row is divided by its sum, staged as
 float32 in the (then free) tile buffer and stored in 16-byte chunks.
 """
@@ -96,6 +99,35 @@ def make_fa2_prefill(spec: AttentionSpec, row_source: Any, row_target: Any) -> A
         return win, cur, nxt
 
     @device_function
+    def tile(tbl_ptr: Any, src: Any, smem: Any, t: Any, num_tiles: Any, end: Any, last_blk: Any,
+             win: Any, cur: Any, nxt: Any, warp_real: Any, warp_last: Any, lims: Any,
+             last_pos: Any, scale_log2: Any, qf: Any, st: Any, sc: Any, pf: Any, rs: Any,
+             o: Any, mask: Any) -> Any:
+        """One trip of the block's tile loop: stage tile t+1, wait for tile t, compute it
+        (causal mask when `mask`: a constant at each call site). Returns the table window."""
+        tile0 = int32(t * tile_tokens)
+        if t + 1 < num_tiles:  # the next tile in flight while this one is computed
+            win, cur, nxt = stage_tile(tbl_ptr, src, smem, (t + 1) & 1,
+                                       int32(tile0 + tile_tokens), end, last_blk, win, cur, nxt)
+        cp_async_commit()  # (an empty group after the last tile)
+        cp_async_wait1()  # this thread's copies of tile t landed
+        # Why: every warp reads the slices all warps copied.
+        cuda.syncthreads()
+        if warp_real:
+            for s in range(slices):
+                tok0 = int32(tile0 + STEP * s)
+                # warp-uniform: a slice the warp sees at least part of (always, unmasked)
+                if not mask or tok0 <= warp_last:
+                    k_tile = smem + int32(((t & 1) * 2 * slices + s) * tile_bytes)
+                    v_tile = k_tile + int32(slices * tile_bytes)
+                    scores_softmax(k_tile, tok0, mask, lims, last_pos, scale_log2, qf, st,
+                                   sc, pf, rs)
+                    pv(v_tile, o, pf, rs)
+        # Why: tile t's buffer is refilled with tile t+2 next trip; all warps must be done.
+        cuda.syncthreads()
+        return win, cur, nxt
+
+    @device_function
     def run(k_ptr: Any, v_ptr: Any, tbl_ptr: Any, kv_head: Any, end: Any, scale_log2: Any,
             s0: Any, s1: Any, s2: Any, s3: Any, s4: Any, s5: Any,
             t0: Any, t1: Any, t2: Any, t3: Any, t4: Any, t5: Any) -> None:
@@ -122,6 +154,8 @@ def make_fa2_prefill(spec: AttentionSpec, row_source: Any, row_target: Any) -> A
         # The warp's last visible position (its last row's; rows are in position order) and
         # whether it has a real row at all: both warp-uniform.
         _q, warp_real, _lim = row_source(r0, s0, s1, s2, s3, s4, s5)
+        _q, _real, first_lim = row_source(0, s0, s1, s2, s3, s4, s5)  # the block's first row
+        first_lim = min(first_lim, end - 1)
         _q, _real, warp_last = row_source(r0 + rows_w - 1, s0, s1, s2, s3, s4, s5)
         warp_last = min(warp_last, end - 1)
         for i in range(num_acc):
@@ -136,27 +170,19 @@ def make_fa2_prefill(spec: AttentionSpec, row_source: Any, row_target: Any) -> A
         num_tiles = (end + tile_tokens - 1) // tile_tokens
         win, cur, nxt = stage_tile(tbl_ptr, src, smem, 0, 0, end, last_blk, win, cur, nxt)
         cp_async_commit()
-        for t in range(num_tiles):
-            tile0 = int32(t * tile_tokens)
-            if t + 1 < num_tiles:  # the next tile in flight while this one is computed
-                win, cur, nxt = stage_tile(tbl_ptr, src, smem, (t + 1) & 1,
-                                           int32(tile0 + tile_tokens), end, last_blk,
-                                           win, cur, nxt)
-            cp_async_commit()  # (an empty group after the last tile)
-            cp_async_wait1()  # this thread's copies of tile t landed
-            # Why: every warp reads the slices all warps copied.
-            cuda.syncthreads()
-            if warp_real:
-                for s in range(slices):
-                    tok0 = int32(tile0 + STEP * s)
-                    if tok0 <= warp_last:  # warp-uniform: a slice the warp sees at least part of
-                        k_tile = smem + int32(((t & 1) * 2 * slices + s) * tile_bytes)
-                        v_tile = k_tile + int32(slices * tile_bytes)
-                        scores_softmax(k_tile, tok0, True, lims, last_pos, scale_log2, qf, st,
-                                       sc, pf, rs)
-                        pv(v_tile, o, pf, rs)
-            # Why: tile t's buffer is refilled with tile t+2 next trip; all warps must be done.
-            cuda.syncthreads()
+        # Tiles wholly at or before the block's first row's last visible position need no
+        # causal mask for any row (nor the range's end: they lie before it): they run
+        # unmasked; the rest (the diagonal: the block's 16-64 query positions span one to
+        # three tiles) are masked. Two loops, so the unmasked one carries no mask code.
+        num_full = min(num_tiles, (first_lim + 1) // tile_tokens)
+        for t in range(num_full):
+            win, cur, nxt = tile(tbl_ptr, src, smem, t, num_tiles, end, last_blk, win, cur, nxt,
+                                 warp_real, warp_last, lims, last_pos, scale_log2, qf, st, sc,
+                                 pf, rs, o, False)
+        for t in range(num_full, num_tiles):
+            win, cur, nxt = tile(tbl_ptr, src, smem, t, num_tiles, end, last_blk, win, cur, nxt,
+                                 warp_real, warp_last, lims, last_pos, scale_log2, qf, st, sc,
+                                 pf, rs, o, True)
         cp_async_wait0()  # (only empty groups remain: no copy outlives the loop)
         # Each row's sum over the warp's 8 token lanes g; then Oᵀ / sum → buf [row, dim].
         for i in range(1, state_len, 2):

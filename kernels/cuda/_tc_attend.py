@@ -121,8 +121,11 @@ def make_tc_step(spec: AttentionSpec) -> tuple[Any, Any]:
             x9 = x9 if tok + 8 <= lim_b else NEG_INF
         ma = max(st[si], row_max(x0, x8))
         mb = max(st[si + 2], row_max(x1, x9))
-        ua = ma if ma != NEG_INF else float32(0.0)  # no visible token yet
-        ub = mb if mb != NEG_INF else float32(0.0)
+        ua = ma  # unmasked, every token is visible: the maxima are finite
+        ub = mb
+        if mask:  # no visible token yet: -inf, and exp2(-inf - 0) = 0
+            ua = ma if ma != NEG_INF else float32(0.0)
+            ub = mb if mb != NEG_INF else float32(0.0)
         ra = ex2(st[si] - ua)
         rb = ex2(st[si + 2] - ub)
         p0 = ex2(x0 - ua)
