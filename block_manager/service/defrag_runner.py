@@ -25,6 +25,7 @@ from block_manager.core.errors import CoreError
 from block_manager.service.config import DefragSettings
 from block_manager.service.runtime import ServiceRuntime, internal_request_id
 from block_manager.service.sessions import SessionRef
+from block_manager.store.records import Body
 from pagedkv.lifecycle import TaskSet
 from pagedkv.logging import get_logger
 
@@ -48,12 +49,9 @@ class DefragRunner:
         runtime.on_applied(self._after_apply)
 
     # ---- hooks ----------------------------------------------------------------------
-    def _after_apply(self, op: str, result: dict[str, Any]) -> None:
-        if op in _PLAN_OPS and result.get("plan"):
-            self._arm(result["plan"]["plan_id"])
-        elif op == "trigger_defrag":
-            for plan in result["plans"]:
-                self._arm(plan["plan_id"])
+    def _after_apply(self, op: str, result: Body) -> None:
+        if isinstance(result, dict):   # not a Step's packed answer (steps are only counted below)
+            self._track_plans(op, result)
         elif op in _END_OPS:
             self._disarm_finished()
         if op == "step" and self.settings.enabled:
@@ -62,6 +60,15 @@ class DefragRunner:
                 self._steps_since_check = 0
                 self._checking = True
                 self.tasks.spawn(self._policy_check(), name="defrag-policy-check")
+
+    def _track_plans(self, op: str, result: dict[str, Any]) -> None:
+        if op in _PLAN_OPS and result.get("plan"):
+            self._arm(result["plan"]["plan_id"])
+        elif op == "trigger_defrag":
+            for plan in result["plans"]:
+                self._arm(plan["plan_id"])
+        elif op in _END_OPS:
+            self._disarm_finished()
 
     def arm_outstanding(self) -> None:
         """Give plans that survived a restart a fresh timeout."""

@@ -6,11 +6,11 @@ into the runtime, and the builders of messages both planes return.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from typing import Any
 
 from block_manager.core.errors import InvalidRequest
+from block_manager.service.request_index import body_digest, message_body
 from block_manager.service.runtime import ServiceRuntime
 from block_manager.service.sessions import SessionRef, check_session_ref
 from block_manager.service.state import DEFRAG_KINDS
@@ -21,21 +21,9 @@ MAX_REQUEST_ID_LEN = 128
 
 def request_digest(method: str, request: Any) -> str:
     """sha256 of `method` + the request's deterministic encoding without its request_id and
-    session (a resend may carry a newer ack; the session number is the key, not the content)."""
-    rid = request.request_id
-    session = None
-    if request.HasField("session"):
-        session = type(request.session)()
-        session.CopyFrom(request.session)
-        request.ClearField("session")
-    request.request_id = ""
-    try:
-        data = request.SerializeToString(deterministic=True)
-    finally:
-        request.request_id = rid
-        if session is not None:
-            request.session.CopyFrom(session)
-    return hashlib.sha256(method.encode() + b"\0" + data).hexdigest()
+    session (`request_index.message_body`; a Step computes it once with its journal form,
+    `ReceivedStep.digest`)."""
+    return body_digest(method, message_body(request))
 
 
 def session_of(request: Any) -> SessionRef | None:

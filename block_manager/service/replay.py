@@ -5,21 +5,29 @@ from __future__ import annotations
 
 from typing import Any
 
+from block_manager.core.errors import InvalidRequest
 from block_manager.service.errors import RecoveryError
 from block_manager.service.sessions import SESSION_OPS, SessionTable
 from block_manager.service.state import Applied, ServiceState
 from block_manager.service.step_codec import ReceivedStep
-from block_manager.store.records import JournalRecord
+from block_manager.store.records import JournalRecord, Packed
+from pagedkv.v1 import block_manager_pb2 as pb
 
 
 def apply_op(
-    state: ServiceState, sessions: SessionTable, op: str, payload: dict[str, Any] | ReceivedStep, now: float,
+    state: ServiceState, sessions: SessionTable, op: str, payload: dict[str, Any] | ReceivedStep | Packed, now: float,
 ) -> Applied:
     """The one dispatch of a journaled op: session bookkeeping or the state machine. A live
-    Step arrives as its `ReceivedStep` (decoded straight from the message); a journaled one
-    as its payload."""
+    Step arrives as its `ReceivedStep` (decoded straight from the message, its answer recorded
+    by it); a journaled one as its packed request (`step-request/1`, decoded the same way) or,
+    written before that format, as its JSON payload."""
+    if isinstance(payload, Packed):
+        if op != "step":
+            raise InvalidRequest(f"a packed payload ({payload.format!r}) for op {op!r}")
+        payload = ReceivedStep.from_packed(payload, pb.StepRequest.FromString)
     if isinstance(payload, ReceivedStep):
-        return state.apply_step(payload.decode(state.config.max_batch), now)
+        answer, mutated = state.step_answer(payload.decode(state.config.max_batch), now)
+        return Applied(payload.record(answer), mutated)
     if op in SESSION_OPS:
         result, mutated = sessions.apply(op, payload, now)
         return Applied(result, mutated)

@@ -34,7 +34,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
-from block_manager.store.records import MAX_DIGEST_LEN, MAX_REQUEST_ID_LEN
+from block_manager.store.records import MAX_DIGEST_LEN, MAX_REQUEST_ID_LEN, Body, Packed
 
 INTERNAL_MARK = "\x1f"   # ASCII unit separator: starts and separates the parts of an internal id
 HASHED_MARK = "\x1e"     # ASCII record separator: starts an internal id too long to keep verbatim
@@ -79,6 +79,30 @@ def is_internal_request_id(request_id: str) -> bool:
     return request_id[:1] in (INTERNAL_MARK, HASHED_MARK)
 
 
+def message_body(request: Any) -> bytes:
+    """A request message's deterministic encoding without its `request_id` and `session` (a
+    resend may carry a newer ack; the session number is the key, not the content): what its
+    digest is taken over, and for a Step what the journal stores (`ReceivedStep.body`)."""
+    rid = request.request_id
+    session = None
+    if request.HasField("session"):
+        session = type(request.session)()
+        session.CopyFrom(request.session)
+        request.ClearField("session")
+    request.request_id = ""
+    try:
+        return bytes(request.SerializeToString(deterministic=True))
+    finally:
+        request.request_id = rid
+        if session is not None:
+            request.session.CopyFrom(session)
+
+
+def body_digest(method: str, body: bytes) -> str:
+    """sha256 of `method` + a request's `message_body`: what a retry is compared against."""
+    return hashlib.sha256(method.encode() + b"\0" + body).hexdigest()
+
+
 def fit_digest(digest: str) -> str:
     """A digest the journal's column holds: longer ones (a caller's composite digest) are
     replaced by their sha256. Digests are only ever compared for equality, so this keeps
@@ -91,13 +115,16 @@ def fit_digest(digest: str) -> str:
 @dataclass(slots=True)
 class Recorded:
     digest: str
-    result: dict[str, Any] | None         # None: evicted from memory (ask the store)
+    result: Body | None                   # None: evicted from memory (ask the store)
     committed: asyncio.Future[int] | None  # None: known committed (replayed / looked up)
     seq_no: int = 0                        # journal position; 0 while not yet committed
 
 
-def result_weight(result: dict[str, Any]) -> int:
-    """Rough size of a result in outcome items (batched results dominate)."""
+def result_weight(result: Body) -> int:
+    """Rough size of a result in outcome items (batched results dominate; a packed one counts
+    an item per 8 bytes, about what a packed column entry takes)."""
+    if isinstance(result, Packed):
+        return 1 + len(result.data) // 8
     weight = 1
     for value in result.values():
         if isinstance(value, (list, tuple)):

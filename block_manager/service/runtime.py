@@ -28,8 +28,9 @@ everything the store could refuse because of one request is settled before `appl
 
 - the record's columns (`store.records.check_record_fields`: request id 1..256 characters,
   digest <= 64, no NUL) — else `RecordRejected` (INVALID_ARGUMENT), nothing applied;
-- its payload is encoded to canonical JSON (what the store writes, handed to it as is) —
-  else `RecordRejected`, nothing applied;
+- its payload is encoded (`store.records.encode_body`: canonical JSON, or a Step's packed
+  request bytes; what the store writes, handed to it as is) — else `RecordRejected`, nothing
+  applied;
 - its request id is not journaled yet: the request index holds every id the journal holds
   (`RequestIndex`, durable mode), so a retry is answered from the index or the journal,
   never applied again; an id the index still knows whose result is gone everywhere is
@@ -37,7 +38,8 @@ everything the store could refuse because of one request is settled before `appl
 - the op's own checks (`ServiceState.apply` validates the whole request before it mutates
   anything, and raises with the state unchanged).
 
-The result is produced by the state machine (ints, strings, lists) and always encodes. After
+The result is produced by the state machine (ints, strings, lists; a Step's is its packed
+response) and always encodes. After
 these checks a store refusal can only be the store's fault, and fail-stop stays the answer.
 The server's own decisions use ids from `internal_request_id` (a namespace clients cannot
 reach); `mutate(..., internal=True)` moves any id it is given into that namespace.
@@ -85,8 +87,8 @@ from block_manager.service.sessions import (
 )
 from block_manager.service.state import ServiceState
 from block_manager.service.step_codec import ReceivedStep
-from block_manager.store import InvalidRecord, NewRecord, Store, canonical_json
-from block_manager.store.records import JournalRecord, RetainedRequest, check_record_fields
+from block_manager.store import InvalidRecord, NewRecord, Store
+from block_manager.store.records import Body, JournalRecord, RetainedRequest, check_record_fields, encode_body
 from pagedkv.lifecycle import TaskSet
 from pagedkv.logging import get_logger
 from pagedkv.rpc import Backoff, clip
@@ -131,7 +133,7 @@ class ServiceRuntime:
         # A lease expiry that fails is retried with a growing delay, not at once (the timer
         # would otherwise fire every millisecond while the failure lasts).
         self._expiry_backoff = Backoff(initial_s=0.05, max_s=5.0)
-        self._listeners: list[Callable[[str, dict[str, Any]], None]] = []
+        self._listeners: list[Callable[[str, Body], None]] = []
         self._phase_listeners: list[Callable[[Phase], None]] = []
         self.writer = JournalWriter(
             store,
@@ -170,7 +172,7 @@ class ServiceRuntime:
     def on_phase(self, listener: Callable[[Phase], None]) -> None:
         self._phase_listeners.append(listener)
 
-    def on_applied(self, listener: Callable[[str, dict[str, Any]], None]) -> None:
+    def on_applied(self, listener: Callable[[str, Body], None]) -> None:
         """`listener(op, result)` after every journaled op (defrag runner, timers)."""
         self._listeners.append(listener)
 
@@ -334,7 +336,7 @@ class ServiceRuntime:
         self._set_phase("stopped")
         await self.writer.close(final_snapshot=final)
 
-    def _after_apply(self, op: str, result: dict[str, Any]) -> None:
+    def _after_apply(self, op: str, result: Body) -> None:
         if op == "register_node":
             self.schedule_lease_check()
             self.fleet.poke()   # a new pool goes to a member now, not at the next heartbeat
@@ -368,7 +370,7 @@ class ServiceRuntime:
             raise ServerUnavailable("block manager lost its leadership lease; another one may lead now")
 
     # ---- mutations ------------------------------------------------------------------
-    async def _recorded(self, request_id: str, digest: str) -> dict[str, Any] | None:
+    async def _recorded(self, request_id: str, digest: str) -> Body | None:
         """The recorded result of a known request id (None: never seen, or forgotten by both
         the index and the journal)."""
         rec = self._requests.get(request_id)
@@ -389,7 +391,7 @@ class ServiceRuntime:
             "send the request again with a new id if it is still wanted"
         )
 
-    async def _session_answer(self, session: SessionRef, digest: str) -> dict[str, Any] | None:
+    async def _session_answer(self, session: SessionRef, digest: str) -> Body | None:
         """The recorded answer of a sessioned request (None: a new number); raises when the
         session or the number expired (see `service/sessions.py`)."""
         answer = self.sessions.lookup(session, digest, self.wall_clock(), self.clock())
@@ -399,15 +401,27 @@ class ServiceRuntime:
             await asyncio.shield(answer.committed)
         return answer.result
 
-    async def _known(self, request_id: str, digest: str, session: SessionRef | None) -> dict[str, Any] | None:
+    async def _known(self, request_id: str, digest: str, session: SessionRef | None) -> Body | None:
         if session is not None:
             return await self._session_answer(session, digest)
         return await self._recorded(request_id, digest)
 
     async def mutate(
-        self, op: str, request_id: str, digest: str, payload: dict[str, Any] | ReceivedStep, *,
+        self, op: str, request_id: str, digest: str, payload: dict[str, Any], *,
         internal: bool = False, session: SessionRef | None = None,
     ) -> dict[str, Any]:
+        """Apply + journal one op idempotently (every op but a live Step: `mutate_step`); see
+        `_mutate`. Its answer is a dict: a recorded packed answer (a Step's) under the same
+        request id means the id was used for a different request."""
+        result = await self._mutate(op, request_id, digest, payload, internal=internal, session=session)
+        if not isinstance(result, dict):
+            raise RequestIdConflict(f"request id {clip(request_id, 160)!r} was used for a different request")
+        return result
+
+    async def _mutate(
+        self, op: str, request_id: str, digest: str, payload: dict[str, Any] | ReceivedStep, *,
+        internal: bool = False, session: SessionRef | None = None,
+    ) -> Body:
         """Apply + journal one op idempotently; see the module docstring.
 
         `internal=True` marks the server's own decisions: they run while draining too, and
@@ -420,9 +434,11 @@ class ServiceRuntime:
         `session_request_id(session, seq)` and its answer is held by the session table for
         the session window, whatever the request-id window does meanwhile.
 
-        `payload`: the op's journal form, or for a live Step its `ReceivedStep`: an in-memory
-        server decodes the message straight into the state machine's columns; a journaling one
-        builds the journal form (it must write it anyway) and applies that, as replay will.
+        `payload`: the op's journal form, or for a live Step its `ReceivedStep`: decoded
+        straight from the message into the state machine's columns, journaled as the request's
+        bytes (those its digest was taken over) and answered with the response it records
+        (`ReceivedStep.record`: its bytes are the journaled result); replay decodes the same
+        bytes with the same decoder.
         """
         if internal:
             self.check_readable()
@@ -446,14 +462,13 @@ class ServiceRuntime:
             recorded = await self._known(request_id, digest, session)
             if recorded is not None:
                 return recorded
-        journal_form = payload.payload() if isinstance(payload, ReceivedStep) else payload
+        journal_form: Body = payload.journal_form() if isinstance(payload, ReceivedStep) else payload
         try:
-            payload_json = canonical_json(journal_form)  # what the store writes; no await until it has it
+            payload_text = encode_body(journal_form)  # what the store writes; no await until it has it
         except InvalidRecord as exc:
             raise RecordRejected(f"cannot journal this request: {exc}") from None
         try:
-            # the journal form, now that it is built: decoding it costs less than the message again
-            applied = apply_op(self.state, self.sessions, op, journal_form, self.clock())
+            applied = apply_op(self.state, self.sessions, op, payload, self.clock())
         except Exception:
             self._unexpected_kv_changes(op)
             await self.writer.barrier()   # the refusal may read state not yet durable
@@ -463,7 +478,7 @@ class ServiceRuntime:
             await self.writer.barrier()   # likewise an answer that changed nothing
             return applied.result
         kv_ticket = self._stage_kv_changes()
-        record = NewRecord(request_id, op, journal_form, applied.result, digest, payload_json)
+        record = NewRecord(request_id, op, journal_form, applied.result, digest, payload_text)
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         entry = Recorded(digest, applied.result, fut)
         if session is not None:
@@ -484,7 +499,7 @@ class ServiceRuntime:
     def _apply_volatile(
         self, op: str, request_id: str, digest: str, payload: dict[str, Any] | ReceivedStep,
         session: SessionRef | None,
-    ) -> dict[str, Any]:
+    ) -> Body:
         """In-memory mode: same state machine, request-id index and sessions, no journal."""
         applied = apply_op(self.state, self.sessions, op, payload, self.clock())
         self.kv_events.commit(self._stage_kv_changes())
@@ -509,7 +524,7 @@ class ServiceRuntime:
 
     async def mutate_step(
         self, request_id: str, digest: str, received: ReceivedStep, session: SessionRef | None = None,
-    ) -> dict[str, Any]:
+    ) -> Body:
         """One scheduler step. A pool held by another scheduler whose lease has lapsed is
         handed over first (a journaled `release_pool`: the old holder's sequences are
         dropped), then the step runs; a live lease of another scheduler refuses it.
@@ -518,11 +533,11 @@ class ServiceRuntime:
         only the pools the fleet gave it and takes no other (service/fleet.py)."""
         received.fleet = self.fleet.is_member(received.scheduler_id)
         try:
-            return await self.mutate("step", request_id, digest, received, session=session)
+            return await self._mutate("step", request_id, digest, received, session=session)
         except PoolLeased:
             if not await self._release_lapsed(received):
                 raise
-            return await self.mutate("step", request_id, digest, received, session=session)
+            return await self._mutate("step", request_id, digest, received, session=session)
 
     # ---- client sessions ------------------------------------------------------------
     async def open_session(self, client_name: str) -> dict[str, Any]:

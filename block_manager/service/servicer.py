@@ -5,10 +5,12 @@ sha256 of the deterministic protobuf encoding of the request with its `request_i
 (plus the method name), which is what a retry is compared against. Errors are not handled
 here: they propagate to `ErrorMappingInterceptor`.
 
-`Step` is the hot path: its columns are copied into the payload as lists (`list(repeated)`
-runs in C) and the result's columns are `extend`ed into the response; nothing is built per
-item in Python except the per-item errors, which are rare. Both conversions live with their
-typed values: `step_codec.py` (the request) and `step_answer.py` (the answer).
+`Step` is the hot path and has no payload dict: the message is decoded once into the state
+machine's columns, encoded once (its digest and its journal record share those bytes), and the
+answer's columns are `extend`ed into the response once, whose bytes are the journaled answer;
+nothing is built per item in Python except the per-item errors, which are rare. The conversions
+live with their typed values: `step_codec.py` (the request, `ReceivedStep`) and `step_answer.py`
+(the answer).
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ from block_manager.service.defrag_runner import DefragRunner
 from block_manager.service.disk_codec import disk_register_payload
 from block_manager.service.fleet import Assignment
 from block_manager.service.kv_events_codec import frame_bytes
-from block_manager.service.protocol import MutatingServicer, check_request_id, request_digest, session_of
+from block_manager.service.protocol import MutatingServicer, check_request_id, session_of
 from block_manager.service.runtime import ServiceRuntime
 from block_manager.service.sessions import MAX_CLIENT_NAME_LEN
 from block_manager.service.state import ServiceState
 from block_manager.service.state_codec import check_count, check_ids
 from block_manager.service.step_answer import StepAnswer, fill_pool_step
-from block_manager.service.step_codec import ReceivedStep, step_payload
+from block_manager.service.step_codec import STEP_ANSWER_FORMAT, ReceivedStep, step_payload
+from block_manager.store.records import Body, Packed
 from pagedkv.logging import get_logger
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
@@ -41,8 +44,15 @@ log = get_logger(__name__)
 MAX_ROUTE_TOKENS = 1 << 17   # the default of the `max_route_tokens` setting
 
 
-def step_response(r: dict[str, Any]) -> pb.StepResponse:
-    """A recorded Step answer (`StepAnswer`'s journal form) as the response."""
+def step_response(r: Body | StepAnswer) -> pb.StepResponse:
+    """A Step answer as the response: a recorded one (packed: its `StepResponse` bytes; or the
+    JSON form journaled before those), or a `StepAnswer` (embedded mode)."""
+    if isinstance(r, StepAnswer):
+        return r.fill(pb.StepResponse())
+    if isinstance(r, Packed):
+        if r.format != STEP_ANSWER_FORMAT:
+            raise InvalidRequest(f"the recorded answer is not a Step's ({r.format!r})")
+        return pb.StepResponse.FromString(r.data)
     return StepAnswer.from_json(r).fill(pb.StepResponse())
 
 
@@ -170,9 +180,15 @@ class BlockManagerServicer(MutatingServicer, pb_grpc.BlockManagerServicer):
 
     # ---- the scheduler step ---------------------------------------------------------
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
+        """One message each way: the request's bytes are digested and journaled as they are
+        encoded once (`ReceivedStep.body`), the response is filled once from the answer and its
+        bytes journaled; a retry gets the recorded bytes back."""
         rid = check_request_id(request.request_id)
         session = session_of(request)
-        r = await self.runtime.mutate_step(rid, request_digest("Step", request), ReceivedStep(request), session)
+        received = ReceivedStep(request, new_response=pb.StepResponse)
+        r = await self.runtime.mutate_step(rid, received.digest(), received, session)
+        if r is received.recorded and received.response is not None:
+            return received.response
         return step_response(r)
 
     # ---- client sessions ------------------------------------------------------------

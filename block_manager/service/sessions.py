@@ -40,6 +40,7 @@ from typing import Any
 from block_manager.core.errors import InvalidRequest
 from block_manager.service.errors import RequestExpired, RequestIdConflict, SessionExpired, TooManySessions
 from block_manager.service.request_index import INTERNAL_MARK, internal_request_id
+from block_manager.store.records import Body, Packed
 
 SESSION_OPS = ("open_session", "expire_sessions")
 MAX_SESSION_ID_LEN = 64
@@ -60,7 +61,7 @@ class SessionRef:
 @dataclass(slots=True)
 class Answer:
     digest: str
-    result: dict[str, Any]
+    result: Body                            # a Step's packed answer, or the op's dict
     applied_at: float                       # wall clock (seconds since the epoch)
     committed: asyncio.Future[int] | None   # None: known committed
 
@@ -174,7 +175,7 @@ class SessionTable:
             return
         self._put(sess, ref.seq, answer)
 
-    def replay(self, request_id: str, digest: str, result: dict[str, Any], applied_at: float) -> bool:
+    def replay(self, request_id: str, digest: str, result: Body, applied_at: float) -> bool:
         """A journal record of a sessioned request, at recovery (False: not one)."""
         parsed = parse_session_request_id(request_id)
         if parsed is None:
@@ -246,7 +247,9 @@ class SessionTable:
     def to_snapshot(self) -> list[list[Any]]:
         out = []
         for s in self._sessions.values():
-            answers = [[q, a.digest, a.result, a.applied_at] for q, a in s.answers.items()]
+            # a packed answer as its stored text (a string: JSON answers are objects)
+            answers = [[q, a.digest, a.result.to_text() if isinstance(a.result, Packed) else a.result, a.applied_at]
+                       for q, a in s.answers.items()]
             out.append([s.session_id, s.client_name, s.floor, answers])
         return out
 
@@ -254,7 +257,8 @@ class SessionTable:
         for sid, name, floor, answers in data or []:
             sess = ClientSession(sid, name, mono_now, floor)
             for seq, digest, result, applied_at in answers:
-                sess.answers[seq] = Answer(digest, result, applied_at, None)
+                body = Packed.from_text(result) if isinstance(result, str) else result
+                sess.answers[seq] = Answer(digest, body, applied_at, None)
             self._sessions[sid] = sess
 
 

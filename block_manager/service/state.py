@@ -47,6 +47,7 @@ from block_manager.service.errors import NotPlaced
 from block_manager.service.state_codec import check_count, check_optional_str, plan_dict
 from block_manager.service.step_answer import ItemError, PoolFree, SettledPool, StepAnswer, pool_step_dict
 from block_manager.service.step_codec import Alloc, AppendColumns, Report, StepInput
+from block_manager.store.records import Body
 
 SNAPSHOT_FORMAT = 2
 DEFRAG_KINDS: tuple[DefragKind, ...] = ("compaction", "contiguity")
@@ -72,7 +73,10 @@ class StateConfig:
 
 @dataclass(slots=True, frozen=True)
 class Applied:
-    result: dict[str, Any]
+    """An op's answer (a live Step's packed by its `ReceivedStep`, every other a dict) and
+    whether it changed the state (only then is it journaled)."""
+
+    result: Body
     mutated: bool
 
 
@@ -317,15 +321,21 @@ class ServiceState:
         return self.apply_step(StepInput.from_json(p, self.config.max_batch), now)
 
     def apply_step(self, step: StepInput, now: float) -> Applied:
-        """The `step` op on an already decoded request (`StepInput.from_pb` on the live path,
-        `from_json` on a journaled payload): what `apply("step", payload)` does after decoding."""
+        """The `step` op on an already decoded request, its answer in the JSON form: what
+        `apply("step", payload)` does after decoding."""
+        answer, mutated = self.step_answer(step, now)
+        return Applied(answer.to_json(), mutated)
+
+    def step_answer(self, step: StepInput, now: float) -> tuple[StepAnswer, bool]:
+        """The `step` op on an already decoded request (`StepInput.from_pb` on the live path and
+        for a packed journal record, `from_json` for a JSON one): the typed answer, and whether
+        anything changed."""
         sched = check_scheduler_id(step.scheduler_id)
         try:
             checked = self._check_step(step, sched, now)   # fails the request as a whole: nothing changed
-            answer, mutated = self._apply_step(checked, now)
+            return self._apply_step(checked, now)
         except (KeyError, TypeError, ValueError) as exc:   # as `apply` maps them
             raise InvalidRequest(f"malformed step payload: {exc!r}") from exc
-        return Applied(answer.to_json(), mutated)
 
     def _check_step(self, step: StepInput, sched: str, now: float) -> _CheckedStep:
         """Everything that fails a step as a whole, checked before anything changes; placed

@@ -1,14 +1,16 @@
 """The `step` operation's answer: one typed value, its journal form and its protobuf form.
 
-`ServiceState._step` builds a `StepAnswer`; the journal stores `to_json()` (the recorded
-answer a retried request gets back, also across restarts) and the servicer sends
-`StepAnswer.from_json(recorded).fill(pb.StepResponse())`. Both forms live here, next to each
-other, so a field cannot be added to one and forgotten in the other.
+`ServiceState.step_answer` builds a `StepAnswer`; a live Step fills its response once
+(`fill`) and the journal stores that response's bytes (`step_codec.ReceivedStep.record`: the
+recorded answer a retried request gets back, also across restarts). Journals written before
+that hold `to_json()`, which the servicer still serves (`StepAnswer.from_json(recorded).fill`).
+Both forms live here, next to each other, so a field cannot be added to one and forgotten in
+the other.
 
-The journal form is frozen: journals written before this module existed must replay and their
-recorded answers must still be served, so `to_json` writes exactly the lists and keys the
-service always wrote (in the same order), and `from_json` accepts the answers of older
-servers (no `pool_free`, `alloc_pool_ids`, swaps). A closed pool step stays in its columnar
+The JSON form is frozen: journals written with it must replay and their recorded answers must
+still be served, so `to_json` writes exactly the lists and keys the service always wrote (in the
+same order), and `from_json` accepts the answers of older servers (no `pool_free`,
+`alloc_pool_ids`, swaps). A closed pool step stays in its columnar
 journal form (`pool_step_dict`): it is copied column by column into `PoolStep`, never read item
 by item on the server.
 

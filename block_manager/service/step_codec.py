@@ -1,15 +1,19 @@
-"""The `step` operation's request: one typed value (`StepInput`), its journal form and its
+"""The `step` operation's request: one typed value (`StepInput`), its journal forms and its
 protobuf form.
 
-A Step request travels as parallel lists (the protobuf's packed columns, copied as-is into the
-journaled payload by `step_payload`), so neither the servicer nor the journal builds one object
-per item. `StepInput.from_json` checks every list's shape before the state machine touches
-anything: a malformed request fails as a whole with nothing changed. The answer is
-`step_answer.StepAnswer`.
+A Step request travels as parallel lists (the protobuf's packed columns), read straight into
+`StepInput` by `StepInput.from_pb`, so neither the servicer nor the journal builds one object
+per item. The decoders check every list's shape before the state machine touches anything: a
+malformed request fails as a whole with nothing changed. The answer is `step_answer.StepAnswer`.
 
-The journal form is frozen (journals written by earlier versions must replay): `step_payload`
-writes the keys and lists it always wrote, and `from_json` reads every older payload.
-This module is transport-free at run time: the protobuf types appear in annotations only.
+Journal forms. Since version 1 (`STEP_REQUEST_FORMAT`) a Step is journaled as the bytes of its
+request (`ReceivedStep.journal_form`: the same bytes its digest is taken over) and its answer as
+the bytes of its `StepResponse` (`ReceivedStep.record`); replay parses the bytes and decodes
+them with `from_pb`, the live path's decoder. Before, it was a JSON dict (`step_payload`, its
+answer `StepAnswer.to_json`); those forms are frozen, because journals written by earlier
+versions must replay: `from_json` reads every older payload.
+This module is transport-free at run time: the protobuf types appear in annotations only (the
+transport hands in `new_response`, replay the request type's parser).
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ from typing import TYPE_CHECKING, Any, cast
 from block_manager.core.errors import InvalidRequest
 from block_manager.core.leases import check_scheduler_id
 from block_manager.core.types import PoolId, SeqId
+from block_manager.service.request_index import body_digest, message_body
 from block_manager.service.state_codec import MAX_ID_LEN
-from block_manager.service.step_answer import pool_step_dict
+from block_manager.service.step_answer import StepAnswer, pool_step_dict
+from block_manager.store.records import Body, Packed
 
 if TYPE_CHECKING:
     from pagedkv.v1 import block_manager_pb2 as pb
@@ -411,16 +417,45 @@ def _swap_ids_pb(key: str, col: Sequence[str], max_batch: int) -> list[SeqId]:
     return ids
 
 
+# The Step's binary journal forms (the `Packed` formats of `store/records.py`). Version 1: the
+# request's `message_body` (its deterministic protobuf encoding without request_id and session)
+# after one flags byte; the answer's `StepResponse` encoding. A journal's meaning then rests on
+# the proto's field numbers, which protobuf's own compatibility rules already freeze.
+STEP_REQUEST_FORMAT = "step-request/1"
+STEP_ANSWER_FORMAT = "step-answer/1"
+_FLAG_FLEET = 1
+
+
 @dataclass(slots=True)
 class ReceivedStep:
-    """A Step request as the servicer received it, on its way into the runtime. Decoded once,
-    one way or the other: an in-memory server (and embedded mode) decodes the message straight
-    into the state machine's columns (`decode`) and never builds the journal form; a journaling
-    server must build the journal form (`payload`, frozen: what replay reads) anyway, and
-    applies that. `fleet`: a fleet member's step (journaled with the payload)."""
+    """A Step request as the servicer received it, on its way into the runtime (or a packed
+    journal record of one, `from_packed`). Decoded once, straight from the message into the
+    state machine's columns (`decode`), whether or not the server journals.
+
+    Its representations are built at most once each: `body()` (the deterministic encoding
+    without request_id and session) is what the digest is taken over *and* what the journal
+    stores (`journal_form`), and `record(answer)` fills the response message once
+    (`new_response`, given by the transport) and keeps both it (`response`, what the servicer
+    returns) and its bytes (the recorded answer a retry gets back). Without `new_response`
+    (replay, tests) the answer is recorded in its JSON form. `fleet`: a fleet member's step
+    (journaled with the request)."""
 
     request: pb.StepRequest
     fleet: bool = False
+    new_response: Callable[[], pb.StepResponse] | None = None
+    response: pb.StepResponse | None = None
+    recorded: Packed | None = None
+    _body: bytes | None = None
+
+    @classmethod
+    def from_packed(cls, packed: Packed, parse: Callable[[bytes], pb.StepRequest]) -> ReceivedStep:
+        """A journaled `STEP_REQUEST_FORMAT` record (`parse`: the message type's `FromString`)."""
+        if packed.format != STEP_REQUEST_FORMAT or not packed.data:
+            raise InvalidRequest(f"not a packed step request ({packed.format!r})")
+        flags, body = packed.data[0], packed.data[1:]
+        if flags & ~_FLAG_FLEET:
+            raise InvalidRequest(f"packed step request with unknown flags {flags:#x}")
+        return cls(parse(body), fleet=bool(flags & _FLAG_FLEET), _body=body)
 
     @property
     def scheduler_id(self) -> str:
@@ -432,8 +467,30 @@ class ReceivedStep:
         check_scheduler_id(self.request.scheduler_id)
         return StepInput.from_pb(self.request, max_batch, fleet=self.fleet)
 
+    def body(self) -> bytes:
+        if self._body is None:
+            self._body = message_body(self.request)
+        return self._body
+
+    def digest(self) -> str:
+        """What a retry is compared against: `protocol.request_digest("Step", request)`."""
+        return body_digest("Step", self.body())
+
+    def journal_form(self) -> Packed:
+        """The journaled payload (`STEP_REQUEST_FORMAT`)."""
+        return Packed(STEP_REQUEST_FORMAT, bytes((_FLAG_FLEET if self.fleet else 0,)) + self.body())
+
+    def record(self, answer: StepAnswer) -> Body:
+        """The recorded form of this step's answer (see the class docstring)."""
+        if self.new_response is None:
+            return answer.to_json()
+        self.response = answer.fill(self.new_response())
+        self.recorded = Packed(STEP_ANSWER_FORMAT, self.response.SerializeToString())
+        return self.recorded
+
     def payload(self) -> dict[str, Any]:
-        """The journal form: `step_payload`, marked `fleet` for a member's step."""
+        """The JSON journal form written before version 1 (`step_payload`, marked `fleet` for
+        a member's step): what `StepInput.from_json` reads; no longer journaled."""
         p = step_payload(self.request)
         return {**p, "fleet": True} if self.fleet else p
 
@@ -495,5 +552,6 @@ def _token_section(seq_ids: Sequence[str], num_tokens: Sequence[int], token_ids:
 
 
 __all__ = [
-    "SECTIONS", "Alloc", "AppendColumns", "ReceivedStep", "Report", "StepInput", "pool_step_dict", "step_payload",
+    "SECTIONS", "STEP_ANSWER_FORMAT", "STEP_REQUEST_FORMAT", "Alloc", "AppendColumns", "ReceivedStep", "Report",
+    "StepInput", "pool_step_dict", "step_payload",
 ]

@@ -36,8 +36,10 @@ from block_manager.store.errors import (
 )
 from block_manager.store.memory import MemoryStore
 from block_manager.store.records import (
+    Body,
     JournalRecord,
     NewRecord,
+    Packed,
     Recovered,
     RetainedRequest,
     canonical_json,
@@ -46,12 +48,14 @@ from block_manager.store.records import (
 from block_manager.store.sql import SqlStore
 
 __all__ = [
+    "Body",
     "DuplicateRequestId",
     "InvalidRecord",
     "InvalidSnapshot",
     "JournalRecord",
     "MemoryStore",
     "NewRecord",
+    "Packed",
     "Recovered",
     "RetainedRequest",
     "SchemaOutdated",

@@ -2,7 +2,7 @@
 
 For the in-memory mode of the service and as the baseline of the benchmarks. It keeps the
 exact semantics of the durable backends (seq_no assignment, request-id uniqueness,
-snapshot pruning, JSON round-trip of payloads and results) so the service behaves the same
+snapshot pruning, the stored text's round-trip of payloads and results) so the service behaves the same
 whichever store it runs on; only durability is missing.
 """
 
@@ -22,6 +22,7 @@ from block_manager.store.records import (
     canonical_json,
     check_records_after_args,
     check_request_id,
+    decode_body,
     decode_json,
     encode_records,
 )
@@ -149,8 +150,8 @@ def _to_journal_record(seq_no: int, rec: EncodedRecord, created_at: float) -> Jo
         seq_no=seq_no,
         request_id=rec.request_id,
         op=rec.op,
-        payload=decode_json(rec.payload),
-        result=decode_json(rec.result),
+        payload=decode_body(rec.payload),
+        result=decode_body(rec.result),
         payload_digest=rec.payload_digest,
         created_at=created_at,
     )

@@ -1,13 +1,22 @@
-"""Journal record types and the canonical JSON codec shared by every backend.
+"""Journal record types and the codecs of their payload and result columns, shared by every
+backend.
 
-Canonical JSON (sorted keys, no whitespace, no NaN/Infinity) makes the encoding of a
-request a pure function of its content. That is what lets the service compare a retried
-request with the recorded one by digest, and keeps journal rows small on the hot path
-(an AppendSlots batch of 512 sequences is journaled once per scheduler step).
+A payload or result is one of two forms, told apart by the stored text's first character:
+
+- a dict, stored as canonical JSON (sorted keys, no whitespace, no NaN/Infinity: the encoding
+  is a pure function of the content). Every op but a live Step, and every record written
+  before Steps were packed; JSON of an object always starts with `{`.
+- `Packed`: bytes in a binary format the service names (with its version, e.g.
+  `step-request/1`), stored as `packed:<format>:<base64>`. The service packs a Step's request
+  and answer this way (its protobuf bytes, `service/step_journal.py`): no dict and no JSON on
+  the hot path. The store never looks inside; base64 keeps the column TEXT on both databases,
+  so no migration and an older database reads as before.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
 from collections.abc import Sequence
@@ -42,6 +51,65 @@ def decode_json(text: str | bytes) -> Any:
     return json.loads(text)
 
 
+PACKED_PREFIX = "packed:"
+MAX_FORMAT_LEN = 64
+
+
+@dataclass(slots=True, frozen=True)
+class Packed:
+    """A payload or result in a binary format of the service's: `format` names it and its
+    version (`[a-z0-9/.-]`, no `:`), `data` is opaque to the store."""
+
+    format: str
+    data: bytes
+
+    def to_text(self) -> str:
+        """The stored text: `packed:<format>:<base64 of data>`."""
+        return f"{PACKED_PREFIX}{self.format}:{base64.b64encode(self.data).decode('ascii')}"
+
+    @classmethod
+    def from_text(cls, text: str) -> Packed:
+        """`InvalidRecord` when `text` is not a packed body."""
+        if not text.startswith(PACKED_PREFIX):
+            raise InvalidRecord("not a packed body")
+        fmt, sep, data = text[len(PACKED_PREFIX):].partition(":")
+        if not sep or not fmt:
+            raise InvalidRecord("packed body without a format")
+        try:
+            return cls(fmt, base64.b64decode(data, validate=True))
+        except (binascii.Error, ValueError) as exc:
+            raise InvalidRecord(f"packed {fmt} body is not base64: {exc}") from None
+
+
+# What a record's payload or result is: a JSON-shaped dict, or bytes the service packed.
+Body = dict[str, Any] | Packed
+
+
+def encode_body(body: Body) -> str:
+    """The stored text of a payload or result; `InvalidRecord` if it cannot be stored."""
+    if isinstance(body, Packed):
+        if not 0 < len(body.format) <= MAX_FORMAT_LEN or ":" in body.format or not body.format.isascii():
+            raise InvalidRecord(f"bad packed format name {body.format[:80]!r}")
+        return body.to_text()
+    if not isinstance(body, dict):
+        raise InvalidRecord(f"payload and result must be dicts or Packed, got {type(body).__name__}")
+    return canonical_json(body)
+
+
+def decode_body(text: str) -> Body:
+    """A stored payload or result back: JSON (`{...}`) or packed; `InvalidRecord` when it is
+    neither."""
+    if text.startswith(PACKED_PREFIX):
+        return Packed.from_text(text)
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise InvalidRecord(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidRecord("a stored payload or result is not a JSON object")
+    return value
+
+
 @dataclass(slots=True, frozen=True)
 class NewRecord:
     """One mutation as the service hands it to the store.
@@ -52,10 +120,10 @@ class NewRecord:
 
     request_id: str
     op: str
-    payload: dict
-    result: dict
+    payload: Body
+    result: Body
     payload_digest: str
-    # `canonical_json(payload)` when the caller already encoded it (the service does, before
+    # `encode_body(payload)` when the caller already encoded it (the service does, before
     # it applies the op, so that a payload the store cannot hold fails only its request).
     payload_json: str | None = None
 
@@ -75,15 +143,16 @@ class JournalRecord:
     """A journaled mutation: a `NewRecord` plus the store-assigned, strictly increasing
     `seq_no`.
 
-    `payload` and `result` come back JSON-decoded, i.e. tuples read back as lists, the
-    same on every backend (the memory store round-trips through JSON too).
+    `payload` and `result` come back decoded (`decode_body`): JSON ones as dicts (tuples
+    read back as lists), packed ones as `Packed`, the same on every backend (the memory store
+    round-trips through the stored text too).
     """
 
     seq_no: int
     request_id: str
     op: str
-    payload: dict
-    result: dict
+    payload: Body
+    result: Body
     payload_digest: str
     created_at: float
 
@@ -100,8 +169,8 @@ class Recovered:
 
 @dataclass(slots=True, frozen=True)
 class EncodedRecord:
-    """A validated `NewRecord` with its JSON already encoded (done before any I/O, so a
-    bad record fails the batch before a transaction starts)."""
+    """A validated `NewRecord` with its payload and result already encoded (done before any
+    I/O, so a bad record fails the batch before a transaction starts)."""
 
     request_id: str
     op: str
@@ -135,8 +204,8 @@ def encode_records(records: Sequence[NewRecord]) -> list[EncodedRecord]:
         if not isinstance(record, NewRecord):
             raise InvalidRecord(f"expected NewRecord, got {type(record).__name__}")
         check_record_fields(record.request_id, record.op, record.payload_digest)
-        if not isinstance(record.payload, dict) or not isinstance(record.result, dict):
-            raise InvalidRecord("payload and result must be dicts")
+        if not isinstance(record.payload, dict | Packed) or not isinstance(record.result, dict | Packed):
+            raise InvalidRecord("payload and result must be dicts or Packed")
         if record.request_id in seen:
             raise DuplicateRequestId(f"request id {record.request_id!r} repeated in one batch")
         seen.add(record.request_id)
@@ -144,8 +213,8 @@ def encode_records(records: Sequence[NewRecord]) -> list[EncodedRecord]:
             EncodedRecord(
                 request_id=record.request_id,
                 op=record.op,
-                payload=canonical_json(record.payload) if record.payload_json is None else record.payload_json,
-                result=canonical_json(record.result),
+                payload=encode_body(record.payload) if record.payload_json is None else record.payload_json,
+                result=encode_body(record.result),
                 payload_digest=record.payload_digest,
             )
         )

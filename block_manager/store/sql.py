@@ -23,7 +23,7 @@ from sqlalchemy import Connection, Engine, delete, func, or_, select, text, upda
 from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
 
 from block_manager.store.base import StoreOptions, StoreStats, prune_bounds
-from block_manager.store.errors import DuplicateRequestId, StoreError
+from block_manager.store.errors import DuplicateRequestId, InvalidRecord, StoreError
 from block_manager.store.locks import release_pg_advisory_lock
 from block_manager.store.migrate import check_schema
 from block_manager.store.records import (
@@ -33,7 +33,7 @@ from block_manager.store.records import (
     RetainedRequest,
     check_records_after_args,
     check_request_id,
-    decode_json,
+    decode_body,
     encode_records,
 )
 from block_manager.store.schema import journal, leadership, snapshots
@@ -316,11 +316,9 @@ class _DbErrors:
 
 def _row_to_record(row: Any) -> JournalRecord:
     try:
-        payload, result = decode_json(row.payload), decode_json(row.result)
-    except ValueError as exc:
+        payload, result = decode_body(row.payload), decode_body(row.result)
+    except InvalidRecord as exc:
         raise StoreError(f"journal record {row.seq_no} is unreadable: {exc}") from exc
-    if not isinstance(payload, dict) or not isinstance(result, dict):
-        raise StoreError(f"journal record {row.seq_no} is not a JSON object")
     return JournalRecord(
         seq_no=int(row.seq_no),
         request_id=row.request_id,

@@ -5,6 +5,7 @@ answers and snapshots do)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import pytest
@@ -17,6 +18,7 @@ from block_manager.service.sessions import (
     parse_session_request_id,
     session_request_id,
 )
+from block_manager.store.records import Packed, canonical_json
 
 SID = "ab" * 16
 
@@ -118,3 +120,17 @@ def test_sessions_are_capped_expire_when_idle_and_ids_round_trip() -> None:
     t.can_open()
     assert parse_session_request_id(session_request_id(SID, 12)) == (SID, 12)
     assert parse_session_request_id("plain-request-id") is None
+
+
+def test_a_packed_answer_survives_a_snapshot_as_text() -> None:
+    """A Step's answer is held packed (its response bytes): the snapshot carries it as its
+    stored text (JSON-encodable), and a restart holds the same bytes again."""
+    t = table()
+    answer = Packed("step-answer/1", b"\0\xff resp")
+    t.record(SessionRef(SID, 1), Answer("d1", answer, 0.0, None))
+    put(t, 2)
+    snap = json.loads(canonical_json(t.to_snapshot()))
+    restarted = table()
+    restarted.load_snapshot(snap, 0.0)
+    assert restarted.lookup(SessionRef(SID, 1), "d1", 1.0, 0.0).result == answer   # type: ignore[union-attr]
+    assert restarted.lookup(SessionRef(SID, 2), "d2", 1.0, 0.0).result == {"seq": 2}   # type: ignore[union-attr]

@@ -1,5 +1,6 @@
-"""The Step's typed codec (`step_codec.StepInput`, `step_answer.StepAnswer`): its journal form
-is frozen, byte for byte, and its protobuf form carries every named field."""
+"""The Step's typed codec (`step_codec.StepInput`, `step_answer.StepAnswer`): its journal forms
+are frozen, byte for byte (the JSON one written before version 1, which old journals hold, and
+the packed `step-request/1` one), and its protobuf form carries every named field."""
 
 from __future__ import annotations
 
@@ -8,10 +9,19 @@ from pathlib import Path
 
 import pytest
 
+from block_manager.core.errors import InvalidRequest
+from block_manager.service.protocol import request_digest
+from block_manager.service.servicer import step_response
 from block_manager.service.state import ServiceState, StateConfig
 from block_manager.service.step_answer import ItemError, PoolFree, SettledPool, StepAnswer
-from block_manager.service.step_codec import StepInput, step_payload
-from block_manager.store.records import canonical_json
+from block_manager.service.step_codec import (
+    STEP_ANSWER_FORMAT,
+    STEP_REQUEST_FORMAT,
+    ReceivedStep,
+    StepInput,
+    step_payload,
+)
+from block_manager.store.records import Packed, canonical_json, encode_body
 from pagedkv.tiers import TierKind
 from pagedkv.v1 import block_manager_pb2 as pb
 from tests.block_manager.service.step_scenario import SCENARIO, full_request
@@ -86,3 +96,42 @@ def test_pool_room_keeps_its_host_column_only_for_a_pool_with_a_host_tier(row: l
     free = PoolFree.from_json(row)
     assert free.to_json() == row
     assert free.host_usable_blocks == (row[3] if len(row) > 3 else None)
+
+
+# ---- the binary journal forms (version 1) ---------------------------------------------------
+def test_the_packed_request_is_the_digested_body_after_a_flags_byte() -> None:
+    """The journal's `step-request/1` text of a full request is frozen (golden), holds no
+    request id and no session, and its body is exactly what the request digest is taken over."""
+    req = full_request()
+    req.session.session_id, req.session.seq, req.session.acked = "b" * 32, 4, 3
+    received = ReceivedStep(req)
+    text = encode_body(received.journal_form())
+    assert text == (GOLDEN / "step_request_v1.txt").read_text().strip()
+    packed = Packed.from_text(text)
+    assert packed.format == STEP_REQUEST_FORMAT == "step-request/1"
+    assert packed.data[0] == 0 and b"r1" not in packed.data and b"b" * 32 not in packed.data
+    assert received.digest() == request_digest("Step", req)
+    assert ReceivedStep(req, fleet=True).journal_form().data[0] == 1
+    assert req.request_id == "r1" and req.session.seq == 4   # the request itself is left whole
+
+
+def test_a_recorded_answer_is_the_response_bytes_and_serves_byte_for_byte() -> None:
+    answers = [StepAnswer.from_json(r) for r in _golden_answers()]
+    for answer in answers:
+        received = ReceivedStep(full_request(), new_response=pb.StepResponse)
+        recorded = received.record(answer)
+        assert isinstance(recorded, Packed) and recorded.format == STEP_ANSWER_FORMAT
+        assert received.response == answer.fill(pb.StepResponse())
+        stored = Packed.from_text(encode_body(recorded))
+        assert step_response(stored) == received.response == step_response(answer.to_json())
+    assert ReceivedStep(full_request()).record(answers[0]) == answers[0].to_json()   # no transport: JSON
+
+
+@pytest.mark.parametrize("packed, message", [
+    (Packed("step-request/2", b"\0"), "not a packed step request"),
+    (Packed(STEP_REQUEST_FORMAT, b""), "not a packed step request"),
+    (Packed(STEP_REQUEST_FORMAT, b"\x02"), "unknown flags"),
+])
+def test_a_packed_request_of_another_version_is_refused(packed: Packed, message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message):
+        ReceivedStep.from_packed(packed, pb.StepRequest.FromString)

@@ -13,11 +13,14 @@ from block_manager.store import (
     InvalidRecord,
     InvalidSnapshot,
     NewRecord,
+    Packed,
     Recovered,
     StoreError,
     StoreOptions,
+    canonical_json,
     payload_digest,
 )
+from block_manager.store.records import decode_body
 
 
 def test_empty_store_recovers_nothing(store_url: str, opened) -> None:
@@ -261,3 +264,32 @@ def test_records_after_pages_through_retained_records(store_url: str, opened) ->
 def test_bad_options_are_refused(kwargs: dict) -> None:
     with pytest.raises(StoreError):
         StoreOptions(**kwargs)
+
+
+def test_packed_bodies_round_trip_beside_json_ones(store_url: str, opened) -> None:
+    """A payload or result the service packed (bytes in its own format: a Step's protobuf)
+    comes back as the same `Packed`, NUL bytes and all, next to JSON records of the same batch;
+    a format name the stored text could not carry is refused before any I/O."""
+    store = opened(store_url)
+    data = bytes(range(256)) * 3
+    packed = NewRecord("p1", "step", Packed("step-request/1", b"\0" + data), Packed("step-answer/1", data[::-1]), "d")
+    store.append([make_record("j1"), packed, make_record("j2")])
+    recovered = store.recover()
+    assert [type(r.payload) for r in recovered.records] == [dict, Packed, dict]
+    got = recovered.records[1]
+    assert (got.payload, got.result) == (packed.payload, packed.result)
+    found = store.lookup_request("p1")
+    assert found is not None and found.result == Packed("step-answer/1", data[::-1])
+    assert store.records_after(1, 1)[0].payload == packed.payload
+    for bad in ("", "a:b", "x" * 65, "é"):
+        with pytest.raises(InvalidRecord, match="packed format"):
+            store.append([NewRecord("p2", "step", Packed(bad, b"x"), {}, "d")])
+    assert store.last_seq_no == 3
+
+
+def test_stored_text_that_is_neither_json_nor_packed_is_unreadable() -> None:
+    for text in ("packed:step-request/1:not base64!", "packed:nocolon", "[1, 2]", "{oops"):
+        with pytest.raises(InvalidRecord):
+            decode_body(text)
+    assert decode_body(Packed("f/1", b"\0\1").to_text()) == Packed("f/1", b"\0\1")
+    assert decode_body(canonical_json({"a": [1]})) == {"a": [1]}
