@@ -16,7 +16,9 @@ kernels use nothing newer), then disassembled with `nvdisasm` — and reported:
 - in that loop, SASS instructions and FMULs per HMMA (tensor-core variants): the work around
   each tensor-core instruction, the prefill loop's own measure (issue 43; FA2's ≈ 3). An
   instruction inside a loop nested in the tile loop counts once per trip of it (the FA2
-  prefill's slices per tile), so the figure is per executed trip, not a lower bound.
+  prefill's slices per tile), so the figure is per executed trip, not a lower bound. A block
+  of FMULs that a branch jumps over (the O rescale, skipped by a warp vote when no row maximum
+  rose) is counted in the first figure and left out of the second, "(no rescale)".
 
     .venv/bin/python bench/kernel_sass.py [--json OUT.json] [--quick] [--only NAME]
 
@@ -93,6 +95,8 @@ class Report:
     hmma_per_trip: float | None = None  # tensor-core loops: HMMA per tile-loop trip (inner loops x trips)
     instr_per_hmma: float | None = None  # SASS instructions per HMMA in the tile loop, same weights
     fmul_per_hmma: float | None = None  # FMUL per HMMA there (the O rescale is most of them)
+    instr_per_hmma_skip: float | None = None  # the same on trips whose O rescale a vote skips
+    fmul_per_hmma_skip: float | None = None
 
     @property
     def production_registers(self) -> int:
@@ -357,14 +361,16 @@ def opcode(instr: str) -> str:
     return re.sub(r"^@!?U?P[T0-9]+ ", "", instr).split(" ")[0].split(".")[0]
 
 
-def weighted_mix(code: list[str], first: int, last: int, inner_trips: int) -> dict[str, float]:
+def weighted_mix(code: list[str], first: int, last: int, inner_trips: int,
+                 skip: list[tuple[int, int]] | None = None) -> dict[str, float]:
     """Opcode counts of one trip of the loop [first, last], an instruction inside k nested
-    loops counted inner_trips**k times (their trip count: the kernel's geometry knows it)."""
+    loops counted inner_trips**k times (their trip count: the kernel's geometry knows it);
+    instructions in the `skip` ranges left out."""
     inner = [(a, b) for a, b in loops(code) if first <= a and b <= last and (a, b) != (first, last)]
     mix: dict[str, float] = {}
     for i in range(first, last + 1):
         line = code[i]
-        if line.endswith(":") or line.startswith("@!PT "):
+        if line.endswith(":") or line.startswith("@!PT ") or any(a <= i <= b for a, b in skip or ()):
             continue
         depth = sum(1 for a, b in inner if a <= i <= b)
         op = opcode(line)
@@ -372,17 +378,50 @@ def weighted_mix(code: list[str], first: int, last: int, inner_trips: int) -> di
     return mix
 
 
+def skippable_rescales(code: list[str], first: int, last: int) -> list[tuple[int, int]]:
+    """Ranges of the loop that a forward conditional branch jumps over and that are a block
+    of FMULs (>= 16, >= 3/4 of the range): the O rescale a warp vote skips when no row
+    maximum rose (the FA2-class prefill, issue 43)."""
+    labels = {line[:-1]: i for i, line in enumerate(code) if line.endswith(":")}
+    found = []
+    for i in range(first, last + 1):
+        m = re.match(r"@!?U?P\d BRA `\((\.L_x_\d+)\)", code[i])
+        target = labels.get(m.group(1), -1) if m else -1
+        if not i < target <= last:
+            continue
+        body = [opcode(x) for x in code[i + 1:target] if not x.endswith(":")]
+        fmul = body.count("FMUL")
+        if fmul >= 16 and 4 * fmul >= 3 * len(body):
+            found.append((i + 1, target - 1))
+    return found
+
+
+@dataclass(frozen=True)
+class HmmaFigures:
+    """Per-HMMA figures of a tile loop (one trip, inner loops weighted by their trips); the
+    `*_skip` ones on the trips where the warp vote skips the O rescale (equal to the others
+    when the loop has no skippable rescale)."""
+
+    hmma: float
+    instr: float
+    fmul: float
+    instr_skip: float
+    fmul_skip: float
+
+
 def hmma_figures(code: list[str], loop: tuple[int, int] | None,
-                 inner_trips: int | None) -> tuple[float | None, float | None, float | None]:
-    """(HMMA per trip, instructions per HMMA, FMUL per HMMA) of the tile loop; Nones when it
-    has no HMMA, or has inner loops of unknown trip count."""
+                 inner_trips: int | None) -> HmmaFigures | None:
+    """The loop's per-HMMA figures; None when it has no HMMA, or inner loops of unknown trip
+    count."""
     if loop is None or (nested_loops(code, *loop) and inner_trips is None):
-        return None, None, None
+        return None
     mix = weighted_mix(code, *loop, inner_trips or 1)
     hmma = mix.get("HMMA", 0)
     if not hmma:
-        return None, None, None
-    return hmma, round(sum(mix.values()) / hmma, 2), round(mix.get("FMUL", 0) / hmma, 2)
+        return None
+    fast = weighted_mix(code, *loop, inner_trips or 1, skippable_rescales(code, *loop))
+    return HmmaFigures(hmma, round(sum(mix.values()) / hmma, 2), round(mix.get("FMUL", 0) / hmma, 2),
+                       round(sum(fast.values()) / hmma, 2), round(fast.get("FMUL", 0) / hmma, 2))
 
 
 def instructions(code: list[str], first: int, last: int) -> int:
@@ -492,9 +531,8 @@ def _machine_code(cubin: Path, info: dict[str, int], nvdisasm: str | None, kv_by
         notes.append("no steady-state K/V loop found")
     if loop and nested_loops(code, *loop):
         notes.append("step loop not fully unrolled: instructions per 16 B is a lower bound")
-    hmma, per_hmma, fmul = hmma_figures(code, loop, trips) if code else (None, None, None)
     return {"code": code, "loop_instr": loop_instr, "notes": notes,
-            "hmma": hmma, "per_hmma": per_hmma, "fmul_per_hmma": fmul,
+            "hmma": hmma_figures(code, loop, trips) if code else None,
             "per_16b": round(per_16b, 2) if per_16b else None,
             "blocks": blocks_per_sm(info["registers"], info["shared_bytes"], threads)}
 
@@ -529,8 +567,15 @@ def analyze(variant: Variant, ptxas: str, nvdisasm: str | None,
         registers_nvjitlink=prod_info["registers"] if use_jitlink else None,
         spill_bytes_ptxas=info["spill_bytes"], blocks_per_sm_ptxas=by_ptxas["blocks"],
         instr_per_16b_ptxas=by_ptxas["per_16b"], query_rows_per_cta=query_rows_of(variant),
-        hmma_per_trip=prod["hmma"], instr_per_hmma=prod["per_hmma"],
-        fmul_per_hmma=prod["fmul_per_hmma"])
+        **_hmma_fields(prod["hmma"]))
+
+
+def _hmma_fields(fig: HmmaFigures | None) -> dict[str, float | None]:
+    return {"hmma_per_trip": fig.hmma if fig else None,
+            "instr_per_hmma": fig.instr if fig else None,
+            "fmul_per_hmma": fig.fmul if fig else None,
+            "instr_per_hmma_skip": fig.instr_skip if fig else None,
+            "fmul_per_hmma_skip": fig.fmul_skip if fig else None}
 
 
 def query_rows_of(variant: Variant) -> int | None:
@@ -589,7 +634,8 @@ def check(report: Report) -> list[str]:
 def table(reports: list[Report]) -> str:
     header = ("| variant | regs ptxas / nvJitLink | spill B | smem B | threads | rows/CTA | "
               "blocks/SM ptxas / nvJitLink | global loads | K/V loads | loop instr | "
-              "K/V B/trip/thread | instr / 16 B ptxas / nvJitLink | instr / HMMA | FMUL / HMMA |")
+              "K/V B/trip/thread | instr / 16 B ptxas / nvJitLink | instr / HMMA (no rescale) | "
+              "FMUL / HMMA (no rescale) |")
     lines = [header, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     # ">=": the step loop keeps an inner loop, so its static count is a lower bound
     for r in reports:
@@ -604,8 +650,16 @@ def table(reports: list[Report]) -> str:
         lines.append(f"| {r.name} | {regs} | {r.spill_bytes} | {r.shared_bytes} | "
                      f"{r.threads} | {r.query_rows_per_cta or '-'} | {blocks} | {widths} | {kv} | "
                      f"{r.loop_instructions or '-'} | {r.kv_bytes_per_trip or '-'} | {per_16b} | "
-                     f"{r.instr_per_hmma or '-'} | {r.fmul_per_hmma or '-'} |")
+                     f"{_pair(r.instr_per_hmma, r.instr_per_hmma_skip)} | "
+                     f"{_pair(r.fmul_per_hmma, r.fmul_per_hmma_skip)} |")
     return "\n".join(lines)
+
+
+def _pair(every: float | None, skip: float | None) -> str:
+    """'x' or 'x (y)' when skipping the rescale changes it."""
+    if every is None:
+        return "-"
+    return f"{every}" if skip in (None, every) else f"{every} ({skip})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,9 @@ Oᵀ += Vᵀ·Pᵀ with `mma.m16n8k16`, online softmax in registers. The causal 
 the diagonal: tiles wholly at or before the block's first row's last visible position (all
 but the last one to three of a long prompt) take a loop of their own with no mask code; the
 diagonal tiles mask per row, and a slice entirely past the warp's last visible position is
-skipped, warp-uniformly. Each warp owns its
+skipped, warp-uniformly. Oᵀ is rescaled only when a warp vote says some row's factor is
+not exactly 1 (a row maximum rose): past a prompt's first tiles the running maxima rarely
+rise, and multiplying by 1 changes nothing, so skipping it is exact. Each warp owns its
 rows to the end, so there is no cross-warp merge: each row is divided by its sum, staged as
 float32 in the (then free) tile buffer and stored in 16-byte chunks.
 """
@@ -72,7 +74,7 @@ def make_fa2_prefill(spec: AttentionSpec, row_source: Any, row_target: Any) -> A
     locate, start, block_div = paging.locate, paging.start, paging.block_div
     per_token = paging.per_token
     stage = make_stager(row_bytes, STEP, paging.half, paging.token_off)
-    scores_softmax, pv = make_tc_step(spec)
+    scores_softmax, pv, rescale, must_rescale = make_tc_step(spec)
     load_queries = make_tc_load_queries(spec)
     chunk = chunk_dims(head_dim)
     chunks_per_row = head_dim // chunk
@@ -122,7 +124,9 @@ def make_fa2_prefill(spec: AttentionSpec, row_source: Any, row_target: Any) -> A
                     v_tile = k_tile + int32(slices * tile_bytes)
                     scores_softmax(k_tile, tok0, mask, lims, last_pos, scale_log2, qf, st,
                                    sc, pf, rs)
-                    pv(v_tile, o, pf, rs)
+                    if must_rescale(rs):  # warp-uniform; past the first tiles, rarely
+                        rescale(o, rs)
+                    pv(v_tile, o, pf, rs, False)
         # Why: tile t's buffer is refilled with tile t+2 next trip; all warps must be done.
         cuda.syncthreads()
         return win, cur, nxt

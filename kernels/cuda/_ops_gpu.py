@@ -242,6 +242,12 @@ def syncwarp() -> None:
     cuda.syncwarp(_FULL_MASK)
 
 
+@cuda.jit(device=True, forceinline=True)
+def any_sync(predicate: Any) -> Any:
+    """Whether `predicate` holds in any lane of the (converged) warp: `vote.sync.any`."""
+    return cuda.any_sync(_FULL_MASK, predicate) != 0
+
+
 def _ldmatrix(trans: bool) -> Any:
     suffix = ".trans" if trans else ""
     text = f"ldmatrix.sync.aligned.m8n8.x4{suffix}.shared.b16 {{$0,$1,$2,$3}}, [$4];"

@@ -381,6 +381,10 @@ def syncwarp() -> None:
     _all_gather(None)
 
 
+def any_sync(predicate: Any) -> bool:
+    return any(bool(p) for p in _all_gather(predicate))
+
+
 def lds_v4(addr: SimPtr) -> Any:
     return _words(addr, 4)
 

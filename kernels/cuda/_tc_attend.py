@@ -35,6 +35,7 @@ from numba import cuda, float32, int32, int64, uint32
 
 from kernels.cuda._merge import make_row_stats
 from kernels.cuda._ops import (
+    any_sync,
     bf16x2_to_f32,
     cp_async_commit,
     cp_async_wait0,
@@ -63,10 +64,11 @@ STEP = TC_STEP_TOKENS
 
 
 @cache
-def make_tc_step(spec: AttentionSpec) -> tuple[Any, Any]:
-    """Device functions `(scores_softmax, pv)`: one 16-token step of a warp's rows on K and V
-    tiles already in shared memory (steps 1-3 of the module docstring). Shared by the
-    per-warp token streams below and the FA2-class prefill (`_fa2_prefill.py`)."""
+def make_tc_step(spec: AttentionSpec) -> tuple[Any, Any, Any, Any]:
+    """Device functions `(scores_softmax, pv, rescale, must_rescale)`: one 16-token step of a
+    warp's rows on K and V tiles already in shared memory (steps 1-3 of the module docstring).
+    Shared by the per-warp token streams below (Oᵀ rescaled inside `pv`) and the FA2-class
+    prefill (`_fa2_prefill.py`: `rescale` only when `must_rescale`, a warp vote)."""
     head_dim, row_tiles = spec.head_dim, spec.row_tiles
     row_bytes = 2 * head_dim
     k_words = head_dim // 8  # query words per row per lane
@@ -146,8 +148,10 @@ def make_tc_step(spec: AttentionSpec) -> tuple[Any, Any]:
             pf[si + 3] = movmatrix(pack(p8 - h8, p9 - h9))
 
     @device_function
-    def pv(v_tile: Any, o: Any, pf: Any, rs: Any) -> None:
-        """Oᵀ[:, rows 2c, 2c+1 of every row tile] = rescaled Oᵀ + Vᵀ·Pᵀ."""
+    def pv(v_tile: Any, o: Any, pf: Any, rs: Any, scaled: Any) -> None:
+        """Oᵀ[:, rows 2c, 2c+1 of every row tile] = rescaled Oᵀ + Vᵀ·Pᵀ (`scaled`, a constant at
+        each call site: the rows' factors rs applied here, on the MMA's C input; else Oᵀ is
+        taken as it is, `rescale` applied before when needed)."""
         lane = cuda.laneid
         # ldmatrix.trans rows: lanes 0-7 tokens 0-7 dims 16j..; 8-15: dims +8; 16-31: tokens +8
         row = v_tile + int32(((lane & 7) + 8 * (lane >> 4)) * stride + 16 * ((lane >> 3) & 1))
@@ -157,12 +161,37 @@ def make_tc_step(spec: AttentionSpec) -> tuple[Any, Any]:
                 i = 4 * (k_steps * rt + j)
                 ra = rs[2 * rt]
                 rb = rs[2 * rt + 1]
+                if not scaled:
+                    ra = rb = float32(1.0)  # x * 1.0 folds away
                 c0, c1, c2, c3 = mma(a[0], a[1], a[2], a[3], pf[4 * rt], pf[4 * rt + 1],
                                      o[i] * ra, o[i + 1] * rb, o[i + 2] * ra, o[i + 3] * rb)
                 if p_split:
                     c0, c1, c2, c3 = mma(a[0], a[1], a[2], a[3], pf[4 * rt + 2],
                                          pf[4 * rt + 3], c0, c1, c2, c3)
                 o[i], o[i + 1], o[i + 2], o[i + 3] = c0, c1, c2, c3
+
+    @device_function
+    def rescale(o: Any, rs: Any) -> None:
+        """Oᵀ of every row tile times its rows' factors rs (what `pv(..., True)` does inline)."""
+        for rt in range(row_tiles):
+            ra = rs[2 * rt]
+            rb = rs[2 * rt + 1]
+            for j in range(k_steps):
+                i = 4 * (k_steps * rt + j)
+                o[i] *= ra
+                o[i + 1] *= rb
+                o[i + 2] *= ra
+                o[i + 3] *= rb
+
+    @device_function
+    def must_rescale(rs: Any) -> Any:
+        """Whether any lane's row factor differs from 1 (a row maximum rose, or a row saw no
+        token yet: factor 0 on an Oᵀ of zeros), warp-uniformly; when not, `rescale` would
+        multiply by exactly 1 (ex2(+0) = +1 in PTX's table and here) and can be skipped."""
+        need = False
+        for i in range(2 * row_tiles):
+            need = need or rs[i] != float32(1.0)
+        return any_sync(need)
 
     @device_function
     def scores_softmax(k_tile: Any, tok0: Any, mask: Any, lims: Any, last_pos: Any,
@@ -176,7 +205,7 @@ def make_tc_step(spec: AttentionSpec) -> tuple[Any, Any]:
             else:  # every row sees the whole range: the limit is its end
                 softmax(s, tok, last_pos, last_pos, mask, scale_log2, st, rt, pf, rs)
 
-    return scores_softmax, pv
+    return scores_softmax, pv, rescale, must_rescale
 
 
 @cache
@@ -193,7 +222,7 @@ def make_tc_attend(spec: AttentionSpec) -> Any:
     block_div, locate, offsets, start = paging.block_div, paging.locate, paging.offsets, paging.start
     per_token = paging.per_token
     stage = make_stager(row_bytes, STEP, paging.half, paging.token_off)
-    scores_softmax, pv = make_tc_step(spec)
+    scores_softmax, pv, _rescale, _must = make_tc_step(spec)
 
     @device_function
     def attend(k_ptr: Any, v_ptr: Any, tbl_ptr: Any, kv_head: Any, begin: Any, end: Any,
@@ -241,7 +270,7 @@ def make_tc_attend(spec: AttentionSpec) -> Any:
             cp_async_commit()  # (an empty group when there is no next full step)
             cp_async_wait1()  # this step's V landed
             syncwarp()  # every lane's V copies visible before any lane reads the tile
-            pv(v_tile, o, pf, rs)
+            pv(v_tile, o, pf, rs, True)
             syncwarp()  # V tile read: free
             if more:  # offsets again rather than hold them over the step (registers)
                 lo, hi = offsets(nt, win, cur, nxt)
@@ -257,7 +286,7 @@ def make_tc_attend(spec: AttentionSpec) -> Any:
             cp_async_wait0()
             syncwarp()  # every lane's copies visible before any lane reads the tiles
             scores_softmax(smem, tok0, True, lims, last_pos, scale_log2, qf, st, s, pf, rs)
-            pv(v_tile, o, pf, rs)
+            pv(v_tile, o, pf, rs, True)
         cp_async_wait0()  # no copy may outlive the loop: the merge reuses the buffer
         for i in range(1, 8, 2):  # each row's sum over the warp's 8 token lanes g
             total = st[i]

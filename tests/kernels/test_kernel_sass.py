@@ -130,8 +130,32 @@ def test_per_hmma_counts_inner_loops_per_trip() -> None:
     assert KS.weighted_mix(code, 0, 8, 2) == {"LDGSTS": 1, "BAR": 1, "HMMA": 2, "FMUL": 4,
                                               "BRA": 3}
     # 11 instructions per trip of the tile loop, 2 HMMA: 5.5 per HMMA, 2 FMUL per HMMA
-    assert KS.hmma_figures(code, (0, 8), 2) == (2, 5.5, 2.0)
-    assert KS.hmma_figures(code, (0, 8), None) == (None, None, None)  # trips unknown: no figure
+    assert KS.hmma_figures(code, (0, 8), 2) == KS.HmmaFigures(2, 5.5, 2.0, 5.5, 2.0)
+    assert KS.hmma_figures(code, (0, 8), None) is None  # trips unknown: no figure
+
+
+def test_per_hmma_without_the_skipped_rescale() -> None:
+    """A block of 16 FMULs a warp-uniform branch jumps over (the O rescale a vote skips) is
+    counted in the figure and left out of its `_skip` twin; a short block is not a rescale."""
+    rescale = [f"FMUL R{i}, R{i}, R200" for i in range(16)]
+    code = [
+        ".L_x_0:",
+        "HMMA.16816.F32 R8, R12, R16, R8",
+        "VOTE.ANY P1, P1",
+        "@!P1 BRA `(.L_x_1)",
+        *rescale,
+        ".L_x_1:",
+        "HMMA.16816.F32 R8, R12, R16, R8",
+        "@P2 BRA `(.L_x_2)",
+        "FMUL R4, R4, R5",  # one FMUL skipped: not a rescale block
+        ".L_x_2:",
+        "@P3 BRA `(.L_x_0)",
+        "EXIT",
+    ]
+    last = len(code) - 2
+    assert KS.skippable_rescales(code, 0, last) == [(4, 19)]
+    # 23 instructions, 2 HMMA, 17 FMUL; without the rescale block 7 and 1
+    assert KS.hmma_figures(code, (0, last), None) == KS.HmmaFigures(2, 11.5, 8.5, 3.5, 0.5)
 
 
 def test_analysis_reads_machine_code() -> None:
@@ -159,6 +183,6 @@ def test_analysis_reads_machine_code() -> None:
     assert KS.blocks_per_sm(96, 35328, 128) == 5
     assert KS.blocks_per_sm(240, 19360, 128) == 2
     assert KS.blocks_per_sm(160, 35648, 512) == 0  # the seed's head_dim 256 prefill
-    assert KS.hmma_figures(code, (1, 6), None) == (1, 4.0, 0.0)  # no inner loop: trips unused
+    assert KS.hmma_figures(code, (1, 6), None) == KS.HmmaFigures(1, 4.0, 0.0, 4.0, 0.0)
     narrow = KS.Report("x", 64, 0, 0, 0, 128, 8, {}, {"16-bit": 4}, 10, 64, 2.5)
     assert any("narrower" in p for p in KS.check(narrow))

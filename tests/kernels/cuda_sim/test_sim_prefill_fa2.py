@@ -76,3 +76,29 @@ def test_fa2_prefill_bf16_and_float32_output() -> None:
     ref = reference.paged_prefill_attention(q, kc, vc, case.block_tables, case.seq_lens, starts,
                                             case.scale)
     assert_close(out.double().numpy(), ref, 8e-3)
+
+
+def test_fa2_prefill_rescale_only_when_a_maximum_rises() -> None:
+    """The O rescale is skipped when the warp vote says no row maximum rose (issue 43): keys
+    built so that the maximum rises late (one dominant key at position 35 of 40), never after
+    the first slice (position 0 dominant), and on every slice (logits growing with position),
+    each after a cached prefix, against the float64 reference. A missed rescale leaves O at
+    the old scale and fails here (checked by making the vote always skip)."""
+    rng = np.random.default_rng(43)
+    head_dim, group = 32, 2
+    case = make_case(rng, [40, 44, 36], num_kv_heads=1, block_size=16, head_dim=head_dim)
+    for seq, (n, spike) in enumerate(zip(case.seq_lens, (35, 0, None))):
+        for pos in range(int(n)):
+            block, off = case.block_tables[seq, pos // 16], pos % 16
+            rise = 0.25 * pos if spike is None else (8.0 if pos == spike else 0.0)
+            case.key_cache[block, 0, off, 0] = rise
+    starts = np.array([0, 24, 44, 64], dtype=np.int32)  # chunks of 24 / 20 / 20 after prefixes
+    q = (rng.standard_normal((64, group, head_dim)) * 0.5).astype(np.float16)
+    q[:, :, 0] = 4.0  # the built key dimension dominates every logit
+    out = np.full(q.shape, np.nan, dtype=np.float16)
+    kernels.paged_prefill_attention(
+        q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, starts,
+        case.scale, out=out, backend="cuda", max_query_len=24)
+    ref = reference.paged_prefill_attention(
+        q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, starts, case.scale)
+    assert_close(out, ref, 1e-3)
