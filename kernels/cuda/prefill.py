@@ -2,7 +2,8 @@
 
 One thread block per (row tile, KV head, sequence): grid (tiles of the longest chunk,
 num_kv_heads, sequences), planned on the host by `plan_prefill_launches` from the longest
-chunk's length, which the caller knows (`max_query_len`). Row tiles go in grid.x (up to
+chunk's length, which the caller knows (`max_query_len`). Row tiles run in reverse grid.x
+order, the longest causal ranges first (`heaviest_first`). Row tiles go in grid.x (up to
 2^31 - 1, so a 1M-token prompt at any GQA group fits), KV heads in grid.y and sequences in
 grid.z (both <= 65,535): a batch of more sequences is launched in several grids, each with its
 first sequence as an argument, so no grid dimension can exceed its CUDA limit.
@@ -54,6 +55,15 @@ def query_rows_per_cta(spec: AttentionSpec) -> int:
     return fa2_geometry(spec)[1] if spec.path == "tc" else spec.rows
 
 
+@device_function
+def heaviest_first(block_x: Any, grid_x: Any) -> Any:
+    """The row tile of block `block_x`: the last (longest causal range) first. Blocks start
+    in grid.x order, so the heaviest tiles of each KV head start early and the light ones
+    fill the last wave's gaps, instead of the longest tiles starting last and setting the
+    tail (a longest-processing-time order, as FlashAttention's LPT scheduler)."""
+    return int32(grid_x - 1 - block_x)
+
+
 @cache
 def build_prefill_kernel(spec: AttentionSpec) -> Any:
     head_dim, group, num_heads = spec.head_dim, spec.group_size, spec.num_heads
@@ -93,7 +103,7 @@ def build_prefill_kernel(spec: AttentionSpec) -> Any:
     def prefill_kernel(out_ptr: Any, q_ptr: Any, k_ptr: Any, v_ptr: Any, tbl_ptr: Any,
                        lens_ptr: Any, starts_ptr: Any, tbl_stride: Any, scale_log2: Any,
                        seq0: Any) -> None:
-        row0 = int32(cuda.blockIdx.x * rows)
+        row0 = int32(heaviest_first(cuda.blockIdx.x, cuda.gridDim.x) * rows)
         kv_head = cuda.blockIdx.y
         seq = int32(seq0 + cuda.blockIdx.z)
         q_begin = ld_s32(starts_ptr + 4 * seq)

@@ -19,7 +19,7 @@ from sim_cases import assert_close, make_case, queries
 import kernels
 from kernels import reference
 from kernels.cuda._host import spec_for
-from kernels.cuda.prefill import query_rows_per_cta
+from kernels.cuda.prefill import heaviest_first, query_rows_per_cta
 
 
 @pytest.mark.parametrize(
@@ -102,3 +102,10 @@ def test_fa2_prefill_rescale_only_when_a_maximum_rises() -> None:
     ref = reference.paged_prefill_attention(
         q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, starts, case.scale)
     assert_close(out, ref, 1e-3)
+
+
+def test_heaviest_row_tiles_start_first() -> None:
+    """Block x of a grid of n row tiles computes row tile n - 1 - x: the longest causal
+    ranges start in the first wave (issue 43); every tile is still computed once."""
+    order = [heaviest_first(x, 5) for x in range(5)]
+    assert order == [4, 3, 2, 1, 0]
