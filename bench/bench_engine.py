@@ -65,8 +65,9 @@ def run_engine(llm: LLM, workload: list[tuple[list[int], int]]) -> dict[str, obj
     return {"seconds": seconds, "cpu_s": cpu_s, "outputs": [outs[i] for i in ids], "peak_blocks": peak}
 
 
-def decode_split(llm: LLM, batch: int, steps: int) -> dict[str, float]:
-    """Decode steps at `batch` running sequences, split by phase (seconds per step)."""
+def decode_split(llm: LLM, batch: int, steps: int, prompt_len: int = 64) -> dict[str, float]:
+    """Decode steps at `batch` running sequences of `prompt_len`-token prompts, split by phase
+    (seconds per step)."""
     engine = llm.engine
     node = next(iter(engine.nodes.values()))
     runner = node.runner   # type: ignore[attr-defined]
@@ -74,9 +75,10 @@ def decode_split(llm: LLM, batch: int, steps: int) -> dict[str, float]:
     # puts back the flag it found when it ends, which would undo a flip made meanwhile.
     runner.profile = True
     for i in range(batch):
-        engine.add_request([5 + (i * 7 + j) % 4000 for j in range(64)],
+        engine.add_request([5 + (i * 7 + j) % 4000 for j in range(prompt_len)],
                            SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
-    for _ in range(4):            # admissions and prefill, then steady decode
+    prefill_steps = -(-batch * prompt_len // engine.config.max_num_batched_tokens)
+    for _ in range(4 + prefill_steps):   # admissions and prefill, then steady decode
         engine.step()
     acc = {"step": 0.0, "bm": 0.0, "node": 0.0}
     phases = {"dense": 0.0, "attention": 0.0, "sample": 0.0, "prepare": 0.0}

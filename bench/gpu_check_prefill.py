@@ -1,13 +1,18 @@
-"""Prefill timing for bench/gpu_check.py (issue 22): the paged FA2-class prefill vs torch SDPA.
+"""Prefill cells of the GPU check (review §4.3 items 10-11): the paged FA2-class prefill vs
+torch SDPA (flash), kernel-only.
 
-One layer of an 8k-token prompt (32 query / 8 KV heads, head dim 128, fp16, block size 16,
-shuffled table): the paged kernel over the whole prompt as one chunk; torch SDPA (flash
-backend where torch offers it for these inputs) over the same K/V gathered into contiguous
-`[1, heads, tokens, head_dim]` tensors outside the timing, causal; their ratio (goal: paged
-<= 1.2x SDPA). Then the chunked-prefill path: the same prompt in chunks of 512 tokens, each
-attending to the cached prefix plus itself, as the engine schedules it; its tokens/s.
-The pure parts (chunking, FLOP count, the row and its markdown) run without a GPU and are
-tested in tests/kernels/test_cuda_gpu_check.py.
+1. One layer of an 8k-token prompt as one chunk (32 query / 8 KV heads, block 16, shuffled
+   table) in fp16 d128, bf16 d128 and fp16 / bf16 d64; SDPA flash (native GQA where torch has
+   it, else K/V heads repeated) over the same K/V gathered into contiguous tensors outside the
+   timing, causal; their ratio (issue 43's goal: <= 1.0x). Plus the chunked path: the same
+   prompt in chunks of 512, each attending to the cached prefix plus itself.
+2. A short chunk after a cached prefix (chunked prefill, prefix hits, speculative decode):
+   q_len in {16, 64, 512} after 8k and 32k tokens, B in {1, 16}; SDPA flash non-causal over
+   the whole prefix + chunk (an upper bound of the work: q_len^2 / 2 pairs more than causal;
+   `sdpa_kind` says which call ran).
+
+Times are `gpu_timing.time_call`'s (kernel-only, back-to-back, host µs). The pure parts
+(chunking, FLOP counts) are tested in tests/kernels/test_cuda_gpu_check.py.
 """
 
 from __future__ import annotations
@@ -15,10 +20,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-PROMPT_TOKENS = 8192
+from gpu_sizes import Sizes
+from gpu_timing import Timer, time_call
+
 CHUNK_TOKENS = 512
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
-GOAL_RATIO = 1.2
 
 
 def chunk_bounds(prompt: int, chunk: int) -> list[tuple[int, int]]:
@@ -35,97 +40,133 @@ def causal_flops(tokens: int, heads: int, head_dim: int, prefix: int = 0) -> flo
     return 4.0 * heads * head_dim * pairs
 
 
-def prefill_row(paged_ms: float, sdpa_ms: float | None, chunked_ms: float,
-                prompt: int = PROMPT_TOKENS, chunk: int = CHUNK_TOKENS) -> dict[str, Any]:
-    """The report row of one measurement."""
-    flops = causal_flops(prompt, NUM_HEADS, HEAD_DIM)
-    return {"prompt_tokens": prompt, "paged_ms": paged_ms,
-            "paged_tflops": flops / (paged_ms * 1e-3) / 1e12,
-            "sdpa_ms": sdpa_ms,
-            "ratio_vs_sdpa": paged_ms / sdpa_ms if sdpa_ms else None,
-            "goal_ratio": GOAL_RATIO, "chunk_tokens": chunk, "chunked_ms": chunked_ms,
-            "chunked_tokens_per_s": prompt / (chunked_ms * 1e-3)}
+class PrefillBench:
+    def __init__(self, torch: Any, timer: Timer, device: str, sizes: Sizes) -> None:
+        self.torch, self.timer, self.device, self.sizes = torch, timer, device, sizes
 
+    def inputs(self, batch: int, prefix: int, q_len: int, dtype: str, head_dim: int) -> dict[str, Any]:
+        """Paged K/V for `batch` sequences of prefix + q_len tokens (shuffled tables), the
+        chunk's queries, and the same K/V contiguous for SDPA."""
+        torch, s, dev = self.torch, self.sizes, self.device
+        total = prefix + q_len
+        per_seq = -(-total // s.block_size)
+        tdtype = getattr(torch, dtype)
+        shape = (batch * per_seq, s.kv_heads, s.block_size, head_dim)
+        kc = torch.randn(shape, device=dev, dtype=tdtype)
+        vc = torch.randn(shape, device=dev, dtype=tdtype)
+        table = torch.randperm(batch * per_seq, device=dev).to(torch.int32).view(batch, per_seq)
+        q = torch.randn((batch * q_len, s.heads, head_dim), device=dev, dtype=tdtype)
+        starts = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=dev)
+        lens = torch.full((batch,), total, dtype=torch.int32, device=dev)
 
-def prefill_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """Markdown section of the prefill rows (empty when none)."""
-    if not rows:
-        return []
-    lines = [f"## Prefill attention, one layer, fp16, {NUM_HEADS} q / {NUM_KV_HEADS} KV heads, "
-             f"head dim {HEAD_DIM}, block {BLOCK_SIZE}", "",
-             "| prompt | paged ms | paged TFLOP/s | SDPA ms | paged ÷ SDPA (goal <= 1.2) | "
-             "chunk | chunked ms | chunked tokens/s |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        sdpa = "-" if r["sdpa_ms"] is None else f"{r['sdpa_ms']:.3f}"
-        ratio = "-" if r["ratio_vs_sdpa"] is None else f"{r['ratio_vs_sdpa']:.2f}"
-        lines.append(f"| {r['prompt_tokens']} | {r['paged_ms']:.3f} | {r['paged_tflops']:.0f} | "
-                     f"{sdpa} | {ratio} | {r['chunk_tokens']} | {r['chunked_ms']:.3f} | "
-                     f"{r['chunked_tokens_per_s']:.0f} |")
-    lines.append("")
-    return lines
+        def contiguous(cache: Any) -> Any:  # [B, kv_heads, total, d]
+            rows = cache[table.long()]  # [B, per_seq, kv, bs, d]
+            return rows.permute(0, 2, 1, 3, 4).reshape(batch, s.kv_heads, -1, head_dim)[:, :, :total]
 
+        return {"kc": kc, "vc": vc, "table": table, "q": q, "out": torch.empty_like(q),
+                "starts": starts, "lens": lens, "k": contiguous(kc).contiguous(),
+                "v": contiguous(vc).contiguous(),
+                "qs": q.view(batch, q_len, s.heads, head_dim).transpose(1, 2).contiguous()}
 
-def bench_prefill(torch: Any, time_events: Any, max_reps: int, log: Any) -> list[dict[str, Any]]:
-    """Time the paged prefill, SDPA and the chunked path on the GPU (see the module doc)."""
-    import torch.nn.functional as F
+    def paged(self, x: dict[str, Any], q_len: int, head_dim: int) -> Any:
+        import kernels
 
-    import kernels
+        scale = 1.0 / math.sqrt(head_dim)
+        return time_call(self.timer, lambda _: kernels.paged_prefill_attention(
+            x["q"], x["kc"], x["vc"], x["table"], x["lens"], x["starts"], scale, out=x["out"],
+            backend="cuda", max_query_len=q_len), min(10, self.sizes.max_reps), b2b_calls=5)
 
-    n, bs = PROMPT_TOKENS, BLOCK_SIZE
-    num_blocks = n // bs
-    scale = 1.0 / math.sqrt(HEAD_DIM)
-    shape = (num_blocks, NUM_KV_HEADS, bs, HEAD_DIM)
-    kc = torch.randn(shape, device="cuda", dtype=torch.float16)
-    vc = torch.randn(shape, device="cuda", dtype=torch.float16)
-    table = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(1, num_blocks)
-    q = torch.randn((n, NUM_HEADS, HEAD_DIM), device="cuda", dtype=torch.float16)
-    out = torch.empty_like(q)
-    lens = torch.tensor([n], dtype=torch.int32, device="cuda")
-    starts = torch.tensor([0, n], dtype=torch.int32, device="cuda")
-    reps = max(3, min(max_reps, 20))
-    paged_ms = time_events(torch, lambda _: kernels.paged_prefill_attention(
-        q, kc, vc, table, lens, starts, scale, out=out, backend="cuda", max_query_len=n), reps)
-    # Chunked: chunk c's queries after the c * 512 cached tokens, its own K/V already written.
-    chunk_args = []
-    for begin, end in chunk_bounds(n, CHUNK_TOKENS):
-        chunk_args.append((q[begin:end], torch.tensor([end], dtype=torch.int32, device="cuda"),
-                           torch.tensor([0, end - begin], dtype=torch.int32, device="cuda"),
-                           out[begin:end], end - begin))
+    def sdpa(self, x: dict[str, Any], q_len: int, total: int, head_dim: int) -> tuple[Any, str]:
+        """(times, kind) of the best SDPA call torch accepts for this shape (module doc)."""
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    def chunked(_: int) -> None:
-        for cq, clen, cstarts, cout, m in chunk_args:
-            kernels.paged_prefill_attention(cq, kc, vc, table, clen, cstarts, scale, out=cout,
-                                            backend="cuda", max_query_len=m)
+        s = self.sizes
+        scale = 1.0 / math.sqrt(head_dim)
+        qs, k, v = x["qs"], x["k"], x["v"]
+        group = s.heads // s.kv_heads
+        attempts: list[tuple[str, Any]] = []  # (kind, make the call): built only if tried
+        if q_len == total:
+            attempts.append(("flash causal, GQA", lambda: lambda _: F.scaled_dot_product_attention(
+                qs, k, v, is_causal=True, scale=scale, enable_gqa=True)))
+        else:
+            # Non-causal over prefix + chunk: at most q_len^2 / 2 pairs more than the lower-right
+            # causal mask (3% at 512 after 8k). torch's lower-right CausalBias would import
+            # torch._dynamo (~4 s of the run) and is_causal means upper-left for q_len < kv_len.
+            attempts.append(("flash non-causal (all of prefix + chunk), GQA",
+                             lambda: lambda _: F.scaled_dot_product_attention(qs, k, v, scale=scale,
+                                                                              enable_gqa=True)))
+        def repeated() -> Any:
+            kr, vr = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            return lambda _: F.scaled_dot_product_attention(qs, kr, vr, is_causal=q_len == total,
+                                                            scale=scale)
 
-    chunked_ms = time_events(torch, chunked, max(3, reps // 4))
-    # The same K/V, contiguous: [1, kv_heads, tokens, head_dim], gathered once (not timed).
-    order = table[0].long()
-    k = kc[order].permute(1, 0, 2, 3).reshape(1, NUM_KV_HEADS, n, HEAD_DIM).contiguous()
-    v = vc[order].permute(1, 0, 2, 3).reshape(1, NUM_KV_HEADS, n, HEAD_DIM).contiguous()
-    qs = q.permute(1, 0, 2).unsqueeze(0).contiguous()  # [1, heads, tokens, head_dim]
-    group = NUM_HEADS // NUM_KV_HEADS
+        attempts.append(("flash, K/V heads repeated" + ("" if q_len == total else ", non-causal"),
+                         repeated))
+        errors = []
+        backends = [SDPBackend.FLASH_ATTENTION] if self.device == "cuda" else [SDPBackend.MATH]
+        for kind, make in attempts:
+            try:
+                with sdpa_kernel(backends):
+                    return time_call(self.timer, make(), min(10, s.max_reps), b2b_calls=5), kind
+            except (TypeError, RuntimeError, ValueError) as exc:
+                errors.append(f"{kind}: {type(exc).__name__}: {str(exc)[:80]}")
+        raise RuntimeError("no SDPA variant ran: " + "; ".join(errors))
 
-    def sdpa(k_in: Any, v_in: Any, **kw: Any) -> Any:
-        return lambda _: F.scaled_dot_product_attention(qs, k_in, v_in, is_causal=True,
-                                                        scale=scale, **kw)
-
-    # Flash with native GQA (torch >= 2.5) reads each KV head once; else the heads repeated.
-    attempts = [("flash, GQA", sdpa(k, v, enable_gqa=True)),
-                ("flash, K/V heads repeated", sdpa(k.repeat_interleave(group, dim=1),
-                                                   v.repeat_interleave(group, dim=1)))]
-    sdpa_ms, sdpa_kind = None, "unavailable"
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    for kind, fn in attempts:
+    def cell(self, batch: int, prefix: int, q_len: int, dtype: str, head_dim: int) -> dict[str, Any]:
+        s = self.sizes
+        total = prefix + q_len
+        x = self.inputs(batch, prefix, q_len, dtype, head_dim)
+        paged = self.paged(x, q_len, head_dim)
+        row: dict[str, Any] = {"batch": batch, "prefix": prefix, "q_len": q_len, "dtype": dtype,
+                               "head_dim": head_dim, **paged.as_row("paged_")}
+        flops = batch * causal_flops(q_len, s.heads, head_dim, prefix=prefix)
+        row["paged_tflops"] = flops / (paged.kernel_us * 1e-6) / 1e12
         try:
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                sdpa_ms = time_events(torch, fn, reps)
-            sdpa_kind = kind
-            break
-        except (TypeError, RuntimeError) as exc:
-            log(f"SDPA {kind} unavailable: {exc}")
-    row = {**prefill_row(paged_ms, sdpa_ms, chunked_ms), "sdpa_kind": sdpa_kind}
-    log(f"prefill {n} tokens: paged {paged_ms:.3f} ms ({row['paged_tflops']:.0f} TFLOP/s), "
-        f"SDPA ({sdpa_kind}) {sdpa_ms} ms, ratio {row['ratio_vs_sdpa']} (goal <= {GOAL_RATIO}); "
-        f"chunked x{CHUNK_TOKENS}: {chunked_ms:.3f} ms, {row['chunked_tokens_per_s']:.0f} tok/s")
-    return [row]
+            sdpa, kind = self.sdpa(x, q_len, total, head_dim)
+            row.update({**sdpa.as_row("sdpa_"), "sdpa_kind": kind,
+                        "sdpa_tflops": flops / (sdpa.kernel_us * 1e-6) / 1e12,
+                        "paged_vs_sdpa": paged.kernel_us / sdpa.kernel_us})
+        except RuntimeError as exc:
+            row["sdpa_kind"] = str(exc)[:300]
+        if prefix == 0 and dtype == "float16" and head_dim == s.head_dim:
+            row.update(self.chunked(x, q_len, head_dim))
+        del x
+        if self.device == "cuda":
+            self.torch.cuda.empty_cache()
+        return row
+
+    def chunked(self, x: dict[str, Any], n: int, head_dim: int) -> dict[str, Any]:
+        """The prompt in CHUNK_TOKENS chunks, each after the cached part (the engine's path)."""
+        import kernels
+
+        torch, dev = self.torch, self.device
+        scale = 1.0 / math.sqrt(head_dim)
+        args = []
+        for begin, end in chunk_bounds(n, min(CHUNK_TOKENS, n)):
+            args.append((x["q"][begin:end], torch.tensor([end], dtype=torch.int32, device=dev),
+                         torch.tensor([0, end - begin], dtype=torch.int32, device=dev),
+                         x["out"][begin:end], end - begin))
+
+        def run(_: int) -> None:
+            for cq, clen, cstarts, cout, m in args:
+                kernels.paged_prefill_attention(cq, x["kc"], x["vc"], x["table"][:1], clen, cstarts,
+                                                scale, out=cout, backend="cuda", max_query_len=m)
+
+        t = time_call(self.timer, run, 3, warmup=1, b2b_calls=3)
+        return {"chunk": min(CHUNK_TOKENS, n), "chunked_kernel_us": t.kernel_us,
+                "chunked_b2b_us": t.back_to_back_us, "chunked_host_us_per_chunk": t.host_us / len(args)}
+
+
+def phase_prefill(ctx: Any, bench: PrefillBench) -> None:
+    s = bench.sizes
+    n = s.prefill_tokens
+    for dtype, head_dim in (("float16", s.head_dim), ("bfloat16", s.head_dim),
+                            ("float16", 64), ("bfloat16", 64)):
+        ctx.cell(f"prompt {n} {dtype} d{head_dim}",
+                 lambda dtype=dtype, head_dim=head_dim: bench.cell(1, 0, n, dtype, head_dim))
+    for prefix in s.prefix_lens:
+        for batch in s.prefix_batches:
+            for q_len in s.prefix_q_lens:
+                ctx.cell(f"chunk {q_len} after {prefix} B={batch}",
+                         lambda p=prefix, b=batch, q=q_len: bench.cell(b, p, q, "float16", s.head_dim))

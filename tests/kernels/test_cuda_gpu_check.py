@@ -1,10 +1,12 @@
-"""bench/gpu_check: argument parsing, the no-GPU exit, and the report it writes."""
+"""bench/gpu_check: arguments, the no-GPU exit, the phase table, the pure parts of every phase
+(sizes, tables, floors, the random model), and the whole script on the CPU (--cpu-smoke)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,10 +18,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _load_bench(name: str = "gpu_check"):
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """A bench module by its top-level name (bench/ on sys.path, as gpu_check.py puts it)."""
+    bench = str(REPO / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    return importlib.import_module(name)
 
 
 def test_out_is_required(capsys) -> None:
@@ -28,8 +31,11 @@ def test_out_is_required(capsys) -> None:
         gpu_check.parse_args([])
     assert exc.value.code == 2
     assert "--out" in capsys.readouterr().err
-    args = gpu_check.parse_args(["--out", "x", "--block-sizes", "16,32", "--max-reps", "7"])
-    assert args.out == Path("x") and args.block_sizes == "16,32" and args.max_reps == 7
+    args = gpu_check.parse_args(["--out", "x", "--deadline-s", "100", "--max-reps", "7",
+                                 "--skip", "engine_8b"])
+    assert args.out == Path("x") and args.deadline_s == 100 and args.max_reps == 7
+    assert args.skip == "engine_8b" and not args.cpu_smoke
+    assert gpu_check.parse_args(["--out", "x"]).deadline_s == gpu_check.DEFAULT_DEADLINE_S
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the real check applies")
@@ -38,8 +44,9 @@ def test_script_exits_clearly_without_gpu(tmp_path: Path) -> None:
     proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), str(tmp_path / "r")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
                           check=False)
-    assert proc.returncode == 2, proc.stderr
-    assert "no CUDA GPU visible" in proc.stderr
+    # the wrapper merges the script's stderr into its (tee'd) stdout
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "no CUDA GPU visible" in proc.stdout + proc.stderr
     assert not (tmp_path / "r").exists()
 
 
@@ -55,41 +62,165 @@ def test_wrapper_requires_results_dir() -> None:
     assert proc.returncode == 64 and "usage" in proc.stderr
 
 
-def test_report_files(tmp_path: Path) -> None:
+def _phases():
     gpu_check = _load_bench()
-    checks = [{"check": "decode fp16", "error": 1e-4, "tolerance": 1e-3, "ok": True},
-              {"check": "prefill bf16", "error": float("inf"), "tolerance": 8e-3, "ok": False}]
-    base = {"block_size": 16, "batch": 1, "context": 512, "path": "one-pass", "reps": 50,
-            "kv_sets": 32, "kv_mb": 2.1, "paged_us": 10.0, "paged_gbs": 210.0,
-            "copy_gbs": 4000.0, "ratio_to_copy": 0.05, "sdpa_us": 20.0, "sdpa_gbs": 105.0,
-            "speed_vs_sdpa": 2.0, "graph_us": None, "graph_ratio_to_copy": None}
-    rows = [base, {**base, "batch": 64, "context": 4096, "graph_us": 55.0,
-                   "graph_ratio_to_copy": 0.85}]
-    host = {"public API (validation + dispatch)": 31.4, "DecodeGraphs.run (copy q + replay)": 9.0}
-    import gpu_check_prefill  # importable once gpu_check is loaded (its sibling)
+    args = gpu_check.parse_args(["--out", "unused", "--cpu-smoke"])
+    return gpu_check.build_phases(args, torch, "cpu", {})
 
-    prefill = [gpu_check_prefill.prefill_row(0.8, 0.7, 4.0)]
-    gpu_check.write_report(tmp_path, "Test GPU", checks, 4000.0, rows, 12.0, host,
-                           prefill=prefill)
-    md = (tmp_path / "gpu_check.md").read_text()
-    assert "| 8192 | 0.800 |" in md and "| 0.700 | 1.14 | 512 | 4.000 | 2048000 |" in md
-    assert "| decode fp16 | 1.00e-04 | 1e-03 | yes |" in md
-    assert "| prefill bf16 | inf | 8e-03 | **NO** |" in md
-    assert "| 16 | 1 | 512 | one-pass | 10.0 | 210 | 0.05 | 20.0 | 105 | 2.00 | - | - |" in md
-    assert "| 16 | 64 | 4096 | one-pass | 10.0 | 210 | 0.05 | 20.0 | 105 | 2.00 | 55.0 | 0.85 |" in md
-    assert "| DecodeGraphs.run (copy q + replay) | 9.0 |" in md
-    data = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert data["device"] == "Test GPU" and data["decode"][0]["paged_gbs"] == 210.0
-    assert data["checks"][1]["error"] is None  # strict JSON for a non-finite error
-    assert data["host_path_us"]["public API (validation + dispatch)"] == 31.4
-    assert data["prefill"][0]["ratio_vs_sdpa"] == pytest.approx(0.8 / 0.7)
+
+def test_the_docstring_budget_table_is_the_phase_table() -> None:
+    """Budgets and skip thresholds in gpu_check.py's docstring are the ones the run uses, in
+    its order, and the estimates fit the 5-minute command (review §4.3; issue 43 item 4)."""
+    gpu_check = _load_bench()
+    table = [line.split("|")[1:-1] for line in gpu_check.__doc__.splitlines()
+             if re.match(r"\| \d+ \|", line)]
+    args = gpu_check.parse_args(["--out", "unused"])
+    phases = gpu_check.build_phases(args, torch, "cpu", {})
+    assert [cells[1].strip() for cells in table] == [p.name for p in phases]
+
+    def seconds(cell: str) -> float:
+        return float(cell.strip().removesuffix(" s")) if cell.strip() != "-" else 0.0
+
+    for cells, phase in zip(table, phases, strict=True):
+        assert seconds(cells[5]) == phase.budget_s, phase.name
+        assert seconds(cells[6]) == phase.min_s, phase.name
+        assert phase.min_s <= phase.budget_s
+    estimates = [seconds(cells[4]) for cells in table]
+    assert sum(estimates[:-1]) <= gpu_check.DEFAULT_DEADLINE_S < 300
+    assert [p.name for p in phases if p.gate] == ["correctness", "million"]
+
+
+def test_select_phases_keeps_the_order_and_refuses_unknown_names() -> None:
+    gpu_check = _load_bench()
+    phases = _phases()
+    names = [p.name for p in gpu_check.select(phases, "prefill,setup", "")]
+    assert names == ["setup", "prefill"]
+    assert "engine_8b" not in [p.name for p in gpu_check.select(phases, "", "engine_8b")]
+    with pytest.raises(SystemExit, match="unknown phase"):
+        gpu_check.select(phases, "decod", "")
+
+
+def test_jit_variants_cover_what_the_timing_phases_launch() -> None:
+    variants = _load_bench().jit_variants(smoke=False)
+    assert len(variants) == len(set(variants)) == 18
+    for kind, head_dim in (("f16", 128), ("bf16", 128), ("f16", 64), ("bf16", 64)):
+        for mode in ("decode", "split", "prefill"):
+            assert (mode, kind, head_dim, 16) in variants
+    assert {b for m, k, d, b in variants} == {8, 16, 32, 64}
+
+
+def test_decode_grid_and_ragged_batch() -> None:
+    sizes = _load_bench("gpu_sizes")
+    grid = sizes.decode_grid(sizes.FULL)
+    assert len(grid) == 12 and (64, 32768) in grid and (1, 512) in grid
+    # B=256 stops at 8192: its 32768 cell would need 34 GB of paged K/V plus SDPA's copy
+    assert [c for b, c in grid if b == 256] == [512, 4096, 8192]
+    lens = sizes.ragged_lengths(sizes.FULL)
+    assert len(lens) == 65 and lens[-1] == 131072
+    assert all(256 <= n <= 32768 for n in lens[:-1]) and len(set(lens)) > 40
+    assert lens == sizes.ragged_lengths(sizes.FULL)  # seeded: one run's batch is the next's
+
+
+def test_decode_tables_and_bytes() -> None:
+    dec = _load_bench("gpu_check_decode")
+    # fp16, 8 KV heads x 128: 4096 bytes of K + V per token
+    assert dec.kv_bytes([512, 1000], 8, 128, "float16") == 1512 * 4096
+    assert dec.kv_bytes([10], 8, 64, "float32") == 10 * 8 * 64 * 2 * 4
+    assert dec.num_sets(kv=10 << 20, l2_bytes=50 << 20, factor=4) == 20
+    assert dec.num_sets(kv=1, l2_bytes=50 << 20, factor=4) == 32
+    assert dec.num_sets(kv=8 << 30, l2_bytes=50 << 20, factor=4) == 1
+    order = list(range(100))
+    tables = dec.table_rows([20, 5], block_size=8, sets=2, order=order)
+    assert tables[0] == [[0, 1, 2], [3, 0, 0]] and tables[1] == [[4, 5, 6], [7, 0, 0]]
+    shuffled = list(reversed(range(8)))
+    used = [b for s in dec.table_rows([20, 5], 8, 2, shuffled) for row in s for b in row[:3]]
+    assert sorted(set(used) - {0}) == list(range(1, 8))  # disjoint sets, every block once
+    with pytest.raises(ValueError):
+        dec.table_rows([20, 5], 8, 3, order[:8])
+
+
+def test_float64_reference_rows() -> None:
+    dec = _load_bench("gpu_check_decode")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, generator=gen) for s in ((3, 8), (50, 8), (50, 8)))
+    ref = dec.reference_rows(torch, q, k, v, 0.5)
+    expected = torch.softmax(q.double() @ k.double().T * 0.5, dim=-1) @ v.double()
+    assert ref.dtype == torch.float64 and torch.allclose(ref, expected)
+
+
+def test_model_shapes_and_the_floor() -> None:
+    gm = _load_bench("gpu_model")
+    one_b = gm.LLAMA_1B
+    per_layer = 2048 * 2048 * 2 + 2 * 512 * 2048 + 3 * 2048 * 8192 + 2 * 2048
+    assert one_b.num_params() == 16 * per_layer + 2 * 32000 * 2048 + 2048
+    assert 1.0e9 < one_b.num_params() < 1.3e9
+    # a step reads everything but the embedding table (only one row per sequence is gathered)
+    assert one_b.weight_bytes_per_step() == 2 * (one_b.num_params() - 32000 * 2048)
+    assert one_b.kv_bytes_per_token() == 16 * 2 * 8 * 64 * 2  # 32 KiB
+    eight = gm.LLAMA_8B_LAYERS
+    assert (eight.head_dim, eight.hidden, eight.intermediate) == (128, 4096, 14336)
+    assert eight.kv_bytes_per_token() == 4 * 2 * 8 * 128 * 2
+    # 4000 GB/s = 4e3 bytes per ns = 4e6 bytes per µs
+    weights = one_b.weight_bytes_per_step()
+    assert gm.step_floor_us(one_b, 4000.0, []) == pytest.approx(weights / 4e6)
+    with_kv = gm.step_floor_us(one_b, 4000.0, [1000] * 64)
+    assert with_kv == pytest.approx((weights + 64_000 * 32768) / 4e6)
+    tied = gm.ModelShape("t", 1, 64, 4, 2, 16, 128, 300, tie_embeddings=True)
+    assert "lm_head.weight" not in tied.weight_shapes()
+    assert tied.weight_bytes_per_step("float32") == 4 * tied.num_params()
+
+
+def test_random_model_loads_in_transformers_with_every_weight(tmp_path: Path) -> None:
+    """The directory the engine phase builds is a complete checkpoint: transformers finds the
+    shape in its config and every parameter in the safetensors (none missing, none unused)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    gm = _load_bench("gpu_model")
+    shape = gm.SMOKE_MODEL
+    out = gm.build_random_model(tmp_path / "m", shape, "cpu")
+    config = AutoConfig.from_pretrained(out)
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+            config.num_key_value_heads, config.head_dim, config.intermediate_size,
+            config.vocab_size) == (shape.num_layers, shape.hidden, shape.heads, shape.kv_heads,
+                                   shape.head_dim, shape.intermediate, shape.vocab)
+    model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16,
+                                                       output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert sum(p.numel() for p in model.parameters()) == shape.num_params()
+    proj = model.model.layers[0].mlp.down_proj.weight.float()
+    assert 0.5 < proj.std().item() * shape.intermediate ** 0.5 < 2.0  # N(0, 1/fan_in)
+    requests = gm.workload(5, (3, 9), (2, 4), shape.vocab, seed=1)
+    assert len(requests) == 5 and requests == gm.workload(5, (3, 9), (2, 4), shape.vocab, seed=1)
+    assert all(3 <= len(p) <= 9 and 2 <= n <= 4 and min(p) >= 4 for p, n in requests)
+
+
+def test_percentile_and_reps() -> None:
+    eng = _load_bench("gpu_check_engine")
+    assert eng.percentile([], 0.5) is None
+    assert eng.percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert eng.percentile([float(i) for i in range(101)], 0.99) == 99.0
+    timing = _load_bench("gpu_timing")
+    assert timing.reps_for(1000.0) == 20 and timing.reps_for(10.0) == 30
+    assert timing.reps_for(1e7) == 5 and timing.reps_for(0.0) == 30
+    assert timing.gbs(4e9, 1e6) == pytest.approx(4.0) and timing.gbs(1.0, None) is None
+
+
+def test_time_call_on_the_cpu_counts_every_call() -> None:
+    """Warm-up, the timed repetitions and the back-to-back loop each call fn; on the CPU the
+    spin cannot run, so no number claims to be kernel-only."""
+    timing = _load_bench("gpu_timing")
+    seen = []
+    times = timing.time_call(timing.Timer(torch, "cpu"), seen.append, reps=4, warmup=2,
+                             b2b_calls=6)
+    assert seen == [0, 1, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5]
+    assert times.reps == 4 and not times.primed
+    assert times.kernel_us >= 0 and times.back_to_back_us >= 0 and times.host_us >= 0
+    assert set(times.as_row("x_")) == {"x_kernel_us", "x_b2b_us", "x_host_us", "x_primed"}
 
 
 def test_prefill_cpu_parts() -> None:
-    """Chunking, the causal FLOP count and the report row of the prefill timing."""
-    _load_bench()
-    import gpu_check_prefill as gp
-
+    """Chunking and the causal FLOP count of the prefill timing."""
+    gp = _load_bench("gpu_check_prefill")
     assert gp.chunk_bounds(1100, 512) == [(0, 512), (512, 1024), (1024, 1100)]
     assert gp.chunk_bounds(0, 512) == []
     with pytest.raises(ValueError):
@@ -101,16 +232,12 @@ def test_prefill_cpu_parts() -> None:
     whole = gp.causal_flops(1100, 4, 64)
     parts = sum(gp.causal_flops(e - b, 4, 64, prefix=b) for b, e in gp.chunk_bounds(1100, 512))
     assert parts == pytest.approx(whole)
-    row = gp.prefill_row(2.0, None, 10.0, prompt=4096, chunk=256)
-    assert row["ratio_vs_sdpa"] is None and row["chunked_tokens_per_s"] == pytest.approx(409600)
-    assert row["paged_tflops"] == pytest.approx(gp.causal_flops(4096, 32, 128) / 2e-3 / 1e12)
-    assert "| 4096 | 2.000 |" in "\n".join(gp.prefill_lines([row]))
 
 
 def test_a_crashing_check_group_is_a_failed_check() -> None:
     """An exception inside a group of checks is recorded as a failure (exit status 1), so
     one broken variant cannot hide the others' results."""
-    checks = _load_bench().Checks()
+    checks = _load_bench("gpu_check_correct").Checks()
     checks.record("fine", 0.0, 1e-3)
 
     def boom() -> None:
@@ -119,6 +246,66 @@ def test_a_crashing_check_group_is_a_failed_check() -> None:
     checks.guarded("decode", boom)
     assert [c["ok"] for c in checks.results] == [True, False]
     assert "decode: RuntimeError: no kernel image" in checks.results[1]["check"]
+
+
+def test_render_lists_failures_and_rows() -> None:
+    gpu_check = _load_bench()
+    gr = _load_bench("gpu_run")
+    result = gr.PhaseResult("correctness", "done", 3.0, [{"check": "a", "ok": False}],
+                            ["a"], ["b: RuntimeError: x"], True)
+    text = "\n".join(gpu_check.render(result))
+    assert "## correctness — done (3.0 s)" in text
+    assert "- a" in text and "- b: RuntimeError: x" in text and "| a | False |" in text
+
+
+def _smoke(out: Path, *options: str) -> tuple[list[dict], dict[str, dict]]:
+    """Run bench/gpu_check.sh --cpu-smoke; (its result rows, its phases' end records)."""
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), str(out), "--cpu-smoke",
+                           *options], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    records = [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
+    ends = {r["phase"]: r for r in records if r.get("event") == "end"}
+    assert all(e["status"] == "done" and e["num_errors"] == 0 for e in ends.values()), ends
+    summary = json.loads((out / "gpu_check.json").read_text())
+    assert [p["name"] for p in summary["phases"]] == list(ends)
+    assert f"phase {list(ends)[-1]}: done" in (out / "gpu_check.log").read_text()
+    return [r for r in records if r.get("event") == "row"], ends
+
+
+def test_cpu_smoke_runs_every_kernel_phase(tmp_path: Path) -> None:
+    """The script end to end on the CPU (tiny sizes, launches stubbed in Numba's simulator),
+    as the GPU run will walk it: every phase ends without a cell raising, and the results are
+    in all three files. The engine phases are the next test (slow: transformers and the
+    engine take longer than the rest together)."""
+    rows, ends = _smoke(tmp_path / "r", "--skip", "engine_1b,engine_8b")
+    assert list(ends) == ["setup", "jit", "correctness", "decode", "decode_ab", "million",
+                          "prefill", "host"]
+    cells = {(r["phase"], r.get("cell")) for r in rows}
+    for cell in (("decode", "B=4 ctx=256"), ("decode_ab", "ragged"), ("decode_ab", "block 8 B=2 ctx=128"),
+                 ("decode_ab", "paging identity B=4 ctx=256"), ("million", "1M decode"),
+                 ("million", "1M prefill chunk"), ("prefill", "prompt 32 bfloat16 d64"),
+                 ("prefill", "chunk 16 after 128 B=1"), ("host", "DecodeGraphs.run (copy q + replay)")):
+        assert cell in cells, cell
+    decode = next(r for r in rows if r.get("cell") == "B=4 ctx=256")
+    for key in ("direct_kernel_us", "direct_b2b_us", "direct_host_us", "graph_kernel_us",
+                "sdpa_kernel_us", "graph_of_copy", "graph_vs_sdpa"):
+        assert key in decode, key
+    assert "## decode_ab — done" in (tmp_path / "r" / "gpu_check.md").read_text()
+
+
+@pytest.mark.slow
+def test_cpu_smoke_engine_phases(tmp_path: Path) -> None:
+    """The engine phases on the CPU with a tiny model: ours, transformers, the floors."""
+    rows, ends = _smoke(tmp_path / "r", "--phases", "setup,engine_1b,engine_8b")
+    assert list(ends) == ["setup", "engine_1b", "engine_8b"]
+    engine = {r["cell"]: r for r in rows if r["phase"] == "engine_1b"}
+    assert list(engine) == ["start-up", "serve", "batch-1 step", "big-batch step", "transformers"]
+    assert engine["serve"]["requests_done"] == 3 and engine["serve"]["tokens_per_s"] > 0
+    assert engine["transformers"]["ours_vs_hf_throughput"] > 0
+    assert engine["big-batch step"]["floor_ms"] > 0 and engine["batch-1 step"]["vs_floor"] > 0
 
 
 def test_judge_forced_allows_a_flip_only_at_a_near_tie() -> None:
