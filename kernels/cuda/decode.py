@@ -4,7 +4,8 @@ The block's rows are the query heads of one GQA group (up to 16; larger groups t
 row blocks), so each K/V byte of the group is read from global memory once. Its warps split
 the sequence into interleaved 16-token steps with no barrier in the loop and merge at the end
 (`_attention_kernel`). Few long sequences leave SMs idle in this layout: the dispatch rule
-(`decode_split.choose_num_partitions`) then routes to the split-K kernel.
+(`decode_policy.split_parts`) then routes to the split-K kernel, judging each kernel by its
+own resident blocks (`resident_blocks`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kernels.cuda._host import (
     launch_bounds,
     output_for,
     scale_log2,
+    spec_for,
 )
 from kernels.cuda._ops import ld_s32
 from kernels.cuda._runtime import (
@@ -37,6 +39,7 @@ from kernels.cuda._runtime import (
     stream_for,
 )
 from kernels.cuda._spec import KIND_BYTES, AttentionSpec
+from kernels.cuda.decode_policy import Occupancy
 
 
 @cache
@@ -86,16 +89,35 @@ def decode_kernel(spec: AttentionSpec) -> Any:
     return cuda.jit(DECODE_SIGNATURE, **jit_options(launch_bounds(spec)))(build_decode_kernel(spec))
 
 
-@cache
-def resident_blocks(spec: AttentionSpec) -> int:
-    """Thread blocks of this variant the whole GPU keeps resident: the occupancy of the
-    compiled kernel (registers, shared memory) times the SMs. The split-K kernel shares the
-    one-pass kernel's body; it is bounded to 5 blocks per SM where the one-pass kernel has 6
-    (`_host.launch_bounds`), so this overstates its occupancy by at most a sixth."""
+def split_spec(spec: AttentionSpec) -> AttentionSpec:
+    """The split-K variant of a decode variant (same geometry and dtypes)."""
+    return spec_for(spec.head_dim, spec.block_size, spec.num_kv_heads, spec.group_size,
+                    spec.q_kind, spec.kv_kind, spec.out_kind, "split")
+
+
+SIM_RESIDENT_BLOCKS = 4  # the simulator's pretend GPU: one SM holding 4 blocks
+
+
+def kernel_resident_blocks(kernel: Any, signature: tuple[Any, ...], threads: int) -> int:
+    """Blocks of one compiled kernel the whole GPU keeps resident: its occupancy per SM
+    (registers, shared memory, as the driver computes it) times the SMs."""
     if SIMULATOR:
-        return 4
-    kernel = decode_kernel(spec)
-    return int(kernel.overloads[DECODE_SIGNATURE].max_cooperative_grid_blocks(spec.num_threads))
+        return SIM_RESIDENT_BLOCKS
+    return int(kernel.overloads[signature].max_cooperative_grid_blocks(threads))
+
+
+@cache
+def resident_blocks(spec: AttentionSpec) -> Occupancy:
+    """Resident blocks of each decode kernel of this variant, each from the kernel that
+    launches: the one-pass kernel (6 blocks per SM on sm_90 for the tensor-core variants at
+    head_dim <= 128) and the split-K kernel (5: it needs ~95 registers). Counting the split
+    grid against the one-pass figure overfilled it by a tail wave (issue 43);
+    tests/kernels/test_decode_policy.py fails if either field comes from the other kernel."""
+    split = split_spec(spec)
+    return Occupancy(
+        one_pass=kernel_resident_blocks(decode_kernel(spec), DECODE_SIGNATURE, spec.num_threads),
+        split=kernel_resident_blocks(decode_split.split_kernel(split),
+                                     decode_split.SPLIT_SIGNATURE, split.num_threads))
 
 
 def paged_attention_decode(
@@ -104,19 +126,19 @@ def paged_attention_decode(
 ) -> Any:
     """Decode attention on the CUDA backend (arguments already validated); returns `out`.
 
-    `split` forces the split-K (True) or one-pass (False) kernel; None applies
-    `choose_num_partitions`.
+    `split` forces the split-K (True) or one-pass (False) kernel; None applies the policy
+    (`decode_policy.split_parts`).
     """
     out = output_for(query, out)
     num_seqs = int(query.shape[0])
     if num_seqs == 0:
         return out
     spec = attention_spec(query, key_cache, kind_of(out), "decode")
-    parts = decode_split.partitions_for(spec, num_seqs, block_tables, seq_lens, split,
-                                        resident_blocks(spec))
-    if parts > 1:
+    parts = decode_split.parts_for(spec, num_seqs, block_tables, seq_lens, split,
+                                   resident_blocks(spec) if split is None else None)
+    if parts is not None:
         return decode_split.paged_attention_decode_split(
-            query, key_cache, value_cache, block_tables, seq_lens, scale, out, num_parts=parts)
+            query, key_cache, value_cache, block_tables, seq_lens, scale, out, parts=parts)
     keep: list[Any] = []
     ptrs = attention_ptrs(query, key_cache, value_cache, out)
     tables = index_ptr(block_tables, key_cache, keep)

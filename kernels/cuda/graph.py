@@ -2,16 +2,25 @@
 
 A decode step launches attention once per layer for a batch whose size changes from step to
 step. `DecodeGraphs` rounds the batch up to a bucket (1, 2, 4, …, 256 by default), keeps static
-input/output buffers per bucket, and captures one CUDA graph per (layer, bucket) around a
-`DecodePlan` launch: a step then costs one copy of the block tables and lengths into the
-bucket's buffers, and per layer one copy of the queries and one graph replay — no Python
-launch path, no allocation. Rows past the batch get length 0 (their output is zeros) and are
-never returned.
+input/output buffers per bucket, and captures CUDA graphs per (layer, bucket) around a
+`DecodePlan` launch, one per kernel (one-pass, split-K): a step then costs one copy of the
+block tables and lengths (and of the split-K work list) into the bucket's buffers, and per
+layer one copy of the queries and one graph replay — no Python launch path, no allocation.
+Rows past the batch get length 0 (their output is zeros) and are never returned.
+
+Which kernel a step replays, and how its sequences are partitioned, is decided once per step
+in `prepare` from the lengths when they are on the host (or passed as `host_seq_lens`): a
+ragged batch gets a common chunk size, so its long sequences get more partitions
+(`decode_policy`). The bucket's split-K grid and buffers are sized for its worst case
+(`DecodePlan`), so any step's partitioning replays in the same graph. With device-only
+lengths the bucket's design point applies (every row taken at the table capacity).
 
     graphs = DecodeGraphs(key_caches, value_caches, num_heads=32, max_blocks_per_seq=256,
                           scale=128 ** -0.5)
     graphs.capture()                      # optional: capture every graph up front
     graphs.prepare(block_tables, seq_lens)            # once per step (host or device arrays)
+    # or, lengths on the device and their host copy for the partitioning:
+    graphs.prepare(block_tables, seq_lens_dev, host_seq_lens=seq_lens_host)
     out = graphs.run(layer, query)                    # per layer: [num_seqs, heads, head_dim]
 
 `run` returns a view of the bucket's static output buffer: the next `run` of any layer in that
@@ -25,7 +34,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kernels._validate import KernelInputError, is_torch
+import numpy as np
+
+from kernels._validate import KernelInputError, is_torch, to_host_numpy
 from kernels.cuda._runtime import SIMULATOR
 from kernels.cuda.plan import DecodePlan
 
@@ -105,9 +116,10 @@ class DecodeGraphs:
         dtype = dtype or first.dtype
         self._dtype = dtype
         self._state: dict[int, _Bucket] = {}
-        self._graphs: dict[tuple[int, int], Any] = {}
+        self._graphs: dict[tuple[int, int, bool], Any] = {}
         self._pool: Any = None
-        self._current: tuple[int, int] | None = None  # (num_seqs, bucket) of the last prepare
+        # (num_seqs, bucket, split-K?) of the last prepare
+        self._current: tuple[int, int, bool] | None = None
 
     def bucket_for(self, num_seqs: int) -> int:
         for b in self.buckets:
@@ -122,8 +134,8 @@ class DecodeGraphs:
                                                  self.max_blocks, self._dtype, self._dtype)
         return state
 
-    def _graph(self, layer: int, batch: int) -> Any:
-        key = (layer, batch)
+    def _graph(self, layer: int, batch: int, split: bool = False) -> Any:
+        key = (layer, batch, split)
         graph = self._graphs.get(key)
         if graph is None:
             state = self._bucket(batch)
@@ -135,21 +147,26 @@ class DecodeGraphs:
 
             def launch() -> None:
                 state.plan.launch(state.query, kc, vc, state.tables, state.lens, self.scale,
-                                  state.out)
+                                  state.out, split=split)
 
             graph = self._graphs[key] = _capture(launch, self._pool)
         return graph
 
     def capture(self, layers: Sequence[int] | None = None,
                 buckets: Sequence[int] | None = None) -> None:
-        """Capture graphs up front (otherwise each is captured at its first `run`)."""
+        """Capture graphs up front, both kernels where the bucket's plan has both (otherwise
+        each is captured at its first `run`)."""
         for batch in buckets or self.buckets:
+            plan = self._bucket(batch).plan
+            kinds = [s for s in (False, True) if not s or plan.max_items]
             for layer in layers if layers is not None else range(len(self.key_caches)):
-                self._graph(layer, batch)
+                for split in kinds:
+                    self._graph(layer, batch, split)
 
-    def prepare(self, block_tables: Any, seq_lens: Any) -> int:
+    def prepare(self, block_tables: Any, seq_lens: Any, *, host_seq_lens: Any = None) -> int:
         """Load this step's tables ([num_seqs, <= max_blocks_per_seq] int32) and lengths
-        ([num_seqs] int32) into their bucket's buffers; returns the bucket."""
+        ([num_seqs] int32) into their bucket's buffers and choose its kernel and partitions
+        (from `host_seq_lens`, or `seq_lens` when on the host); returns the bucket."""
         import torch
 
         num_seqs = int(seq_lens.shape[0])
@@ -167,17 +184,23 @@ class DecodeGraphs:
         state.tables[:num_seqs, :width].copy_(tables, non_blocking=non_blocking)
         state.lens[:num_seqs].copy_(lens, non_blocking=non_blocking)
         state.lens[num_seqs:].zero_()  # padded rows attend to nothing and yield zeros
-        self._current = (num_seqs, batch)
+        host = to_host_numpy(seq_lens) if host_seq_lens is None else to_host_numpy(host_seq_lens)
+        padded = None
+        if host is not None:
+            padded = np.zeros(batch, np.int64)
+            padded[:num_seqs] = host
+        split = state.plan.schedule(padded)
+        self._current = (num_seqs, batch, split)
         return batch
 
     def query_buffer(self) -> Any:
         """The current bucket's static query rows [:num_seqs]: write q here to skip a copy."""
-        num_seqs, batch = self._require_prepared()
+        num_seqs, batch, _ = self._require_prepared()
         return self._bucket(batch).query[:num_seqs]
 
     def run(self, layer: int, query: Any, out: Any | None = None) -> Any:
         """Attention of layer `layer` for the prepared batch: [num_seqs, heads, head_dim]."""
-        num_seqs, batch = self._require_prepared()
+        num_seqs, batch, split = self._require_prepared()
         if not 0 <= layer < len(self.key_caches):
             raise KernelInputError(f"layer {layer} out of range")
         state = self._bucket(batch)
@@ -185,7 +208,7 @@ class DecodeGraphs:
             raise KernelInputError(f"query must have shape {(num_seqs, *state.query.shape[1:])}")
         if query.data_ptr() != state.query.data_ptr():
             state.query[:num_seqs].copy_(query)
-        self._graph(layer, batch).replay()
+        self._graph(layer, batch, split).replay()
         result = state.out[:num_seqs]
         if out is not None:
             out.copy_(result)
@@ -194,17 +217,18 @@ class DecodeGraphs:
 
     def static_bytes(self) -> int:
         """Device bytes held by the buckets built so far: static query, output, table and
-        length buffers, plus split-K scratch where a bucket's plan splits (the graphs
-        themselves hold kernel launches only: a plan allocates nothing inside a capture)."""
+        length buffers, plus split-K scratch and work list where a bucket's plan has them (the
+        graphs themselves hold kernel launches only: a plan allocates nothing inside a
+        capture)."""
         total = 0
         for state in self._state.values():
             tensors = [state.query, state.out, state.tables, state.lens]
             if state.plan.scratch is not None:
-                tensors.append(state.plan.scratch)
+                tensors += [state.plan.scratch, state.plan.work]
             total += sum(int(t.numel()) * t.element_size() for t in tensors)
         return total
 
-    def _require_prepared(self) -> tuple[int, int]:
+    def _require_prepared(self) -> tuple[int, int, bool]:
         if self._current is None:
             raise KernelInputError("call prepare(block_tables, seq_lens) first")
         return self._current

@@ -1,6 +1,6 @@
 """Host-side logic of the CUDA backend that needs no GPU and no simulator.
 
-Wave planning for copy_blocks, the split-K dispatch rule, variant specs and their launch
+Wave planning for copy_blocks, the split-K dispatch entry points, variant specs and their launch
 bounds, reused scratch, memoised launch configurations, and the no-GPU behaviour of argument
 conversion.
 """
@@ -27,7 +27,8 @@ from kernels.cuda._host import Scratch, launch_bounds, spec_for
 from kernels.cuda._runtime import SIMULATOR, check_aligned, device_ptr, launcher
 from kernels.cuda._spec import AttentionSpec, simt_vec
 from kernels.cuda.block_copy import plan_waves
-from kernels.cuda.decode_split import MAX_PARTS, choose_num_partitions, partitions_for
+from kernels.cuda.decode_policy import MAX_PARTS, Occupancy
+from kernels.cuda.decode_split import choose_num_partitions, parts_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,25 +71,29 @@ def test_plan_waves_equals_sequential_copies(seed: int) -> None:
 
 
 def test_split_dispatch_rule() -> None:
-    resident = 132 * 5  # an H200 at 5 blocks per SM
+    """`choose_num_partitions` (uniform batches; the policy itself is
+    tests/kernels/test_decode_policy.py's): each kernel's own resident blocks."""
+    occupancy = Occupancy(one_pass=132 * 6, split=132 * 5)  # an H200
     # B=64 x 8 KV heads = 512 blocks: most of the GPU already, one pass
-    assert choose_num_partitions(512, 4096, resident) == 1
-    # B=16: 128 blocks → 5 partitions fill it (not more than the length allows)
-    assert choose_num_partitions(128, 4096, resident) == 5
-    assert choose_num_partitions(128, 600, resident) == 3  # ceil(600 / 256)
-    # one sequence, long context: capped by MAX_PARTS
-    assert choose_num_partitions(8, 32768, resident) == MAX_PARTS
+    assert choose_num_partitions(512, 4096, occupancy) == 1
+    # B=16: 128 blocks -> 5 partitions fill the split kernel's 660 slots in one wave
+    assert choose_num_partitions(128, 4096, occupancy) == 5
+    assert choose_num_partitions(128, 1200, occupancy) == 5  # 256-token partitions
+    # one sequence, long context: up to MAX_PARTS, the fewest within 85% of the best
+    assert 48 <= choose_num_partitions(8, 32768, occupancy) <= MAX_PARTS
     # short contexts never split
-    assert choose_num_partitions(8, 200, resident) == 1
+    assert choose_num_partitions(8, 1000, occupancy) == 1
 
 
 def test_partitions_follow_host_lengths_else_capacity() -> None:
     spec = spec_for(128, 16, 8, 4, "f16", "f16", "f16", "decode")
+    occupancy = Occupancy(660, 660)
     tables = np.zeros((1, 2048), np.int32)  # capacity 32768 tokens
     short = np.array([300], np.int32)
-    assert partitions_for(spec, 1, tables, short, None, 660) == 2  # sized by seq_lens
-    assert partitions_for(spec, 1, tables, short, False, 660) == 1
-    assert partitions_for(spec, 1, tables, short, True, 660) == 5  # forced: 64-token parts
+    assert parts_for(spec, 1, tables, short, None, occupancy) is None  # sized by seq_lens
+    assert parts_for(spec, 1, tables, short, False, occupancy) is None
+    forced = parts_for(spec, 1, tables, short, True, occupancy)  # forced: 64-token parts
+    assert forced is not None and forced.tolist() == [5]
 
     class DeviceLens:  # device-resident lengths are never read back
         shape, dtype = (1,), np.dtype(np.int32)
@@ -97,7 +102,8 @@ def test_partitions_follow_host_lengths_else_capacity() -> None:
         def __cuda_array_interface__(self) -> dict[str, tuple[int, ...]]:
             return {"shape": (1,)}
 
-    assert partitions_for(spec, 1, tables, DeviceLens(), None, 660) == MAX_PARTS
+    capacity = parts_for(spec, 1, tables, DeviceLens(), None, occupancy)
+    assert capacity is not None and 48 <= int(capacity[0]) <= MAX_PARTS
 
 
 def test_spec_paths_rows_and_warps() -> None:

@@ -131,8 +131,8 @@ def test_prepare_step_passes_the_longest_prefill_chunk_on_the_host() -> None:
 def test_split_k_plans_a_million_token_sequence_within_limits_and_scratch() -> None:
     """A 1M-token sequence (62,500 blocks of 16) decoded split-K: partitions <= MAX_PARTS, the
     grid within CUDA's limits, scratch at its documented bound, every token in a partition."""
-    from kernels.cuda.decode_reduce import PART_ALIGN
-    from kernels.cuda.decode_split import MAX_PARTS, partitions_for, split_launch
+    from kernels.cuda.decode_policy import MAX_PARTS, PART_ALIGN, Occupancy
+    from kernels.cuda.decode_split import parts_for, split_launch
 
     tables = np.zeros((1, 62_500), np.int32)
     lens = np.array([1_000_000], np.int32)
@@ -149,14 +149,16 @@ def test_split_k_plans_a_million_token_sequence_within_limits_and_scratch() -> N
         for kind in KINDS:
             for group in GROUPS:
                 spec = spec_for(head_dim, 16, 8, group, kind, kind, kind, "split")
-                for resident in (132 * 6, 8):  # an H100/H200's resident blocks; a tiny GPU
+                # an H100/H200's resident blocks; a tiny GPU
+                for occupancy in (Occupancy(132 * 6, 132 * 5), Occupancy(8, 8)):
                     for forced in (None, True):
-                        parts = partitions_for(spec, 1, tables, lens, forced, resident)
-                        assert parts == partitions_for(spec, 1, tables, DeviceLens(), forced,
-                                                       resident)
+                        found = parts_for(spec, 1, tables, lens, forced, occupancy)
+                        on_device = parts_for(spec, 1, tables, DeviceLens(), forced, occupancy)
+                        parts = 1 if found is None else int(found[0])
+                        assert parts == (1 if on_device is None else int(on_device[0]))
                         assert 1 <= parts <= MAX_PARTS
-                        (x, y, z), words = split_launch(spec, 1, parts)
-                        assert x <= MAX_GRID_X and y <= MAX_GRID_YZ and z <= MAX_GRID_YZ
+                        (x, y), words = split_launch(spec, parts)
+                        assert x <= MAX_GRID_X and y <= MAX_GRID_YZ
                         assert words <= MAX_PARTS * spec.num_heads * (head_dim + 2)
                         per = -(-1_000_000 // parts)
                         per = -(-per // PART_ALIGN) * PART_ALIGN  # as decode_reduce.part_tokens
@@ -164,7 +166,7 @@ def test_split_k_plans_a_million_token_sequence_within_limits_and_scratch() -> N
                         checked += 1
     assert checked == 3 * len(KINDS) * len(GROUPS) * 4
     spec = spec_for(128, 16, 8, 4, "f16", "f16", "f16", "split")
-    _, words = split_launch(spec, 1, MAX_PARTS)
+    _, words = split_launch(spec, MAX_PARTS)
     assert words * 4 == 64 * 32 * 130 * 4  # 1.06 MB for one 1M-token sequence, 32 heads
-    with pytest.raises(KernelInputError, match="exceed one split-K grid"):
-        split_launch(spec, MAX_GRID_YZ + 1, 2)
+    with pytest.raises(KernelInputError, match="exceed one grid"):
+        split_launch(spec, MAX_GRID_YZ + 1)

@@ -21,7 +21,7 @@ from sim_cases import assert_close, make_case, queries
 
 import kernels
 from kernels import reference
-from kernels.cuda import decode, decode_split
+from kernels.cuda import decode, decode_policy, decode_split
 from kernels.cuda._host import scale_log2, spec_for
 from kernels.cuda._ops_sim import sim_ptr
 
@@ -140,24 +140,26 @@ def test_split_decode_matches_reference(dtype, block_size, lens, num_parts) -> N
 
 
 def test_public_decode_routes_small_grids_to_split(monkeypatch) -> None:
-    """One sequence x one KV head fills less than half of what the (pretend) GPU keeps
-    resident, so the rule picks split-K, as many partitions as the length allows."""
+    """One sequence x one KV head fills a small part of what the (pretend) GPU keeps
+    resident, so the policy (issue 43: wave efficiency, a common chunk size) picks split-K
+    with the chunk that fills it best: 64-token partitions (thresholds scaled down)."""
     calls = []
     real = decode_split.paged_attention_decode_split
 
     def spy(*args, **kwargs):
-        calls.append(kwargs["num_parts"])
+        calls.append(kwargs["parts"].tolist())
         return real(*args, **kwargs)
 
     monkeypatch.setattr(decode_split, "paged_attention_decode_split", spy)
-    monkeypatch.setattr(decode_split, "MIN_PART_TOKENS", 32)
-    monkeypatch.setattr(decode, "resident_blocks", lambda spec: 8)
+    monkeypatch.setattr(decode_policy, "MIN_PART_TOKENS", 32)
+    monkeypatch.setattr(decode_policy, "MIN_SPLIT_TOKENS", 64)
+    monkeypatch.setattr(decode, "resident_blocks", lambda spec: decode_policy.Occupancy(8, 8))
     rng = np.random.default_rng(2)
-    case = make_case(rng, [90], num_kv_heads=1, block_size=8, head_dim=16)
+    case = make_case(rng, [200], num_kv_heads=1, block_size=8, head_dim=16)
     q = queries(rng, (1, 2, 16), np.float16)
     out = kernels.paged_attention_decode(q, case.key_cache, case.value_cache, case.block_tables,
                                          case.seq_lens, case.scale, backend="cuda")
-    assert calls == [3]  # min(8 resident // 1 block, ceil(90 / 32), 64)
+    assert calls == [[4]]  # ceil(200 / 64): 4 of 8 slots busy beats 2 (128-token parts)
     assert_close(out, _reference(case, q), 1e-3)
 
 

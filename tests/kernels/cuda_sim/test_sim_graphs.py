@@ -16,12 +16,15 @@ import torch
 from sim_cases import assert_close, make_case, queries
 
 from kernels import KernelInputError, reference
-from kernels.cuda import decode
+from kernels.cuda import decode, decode_policy
 from kernels.cuda.graph import DecodeGraphs
 
 
 def test_graphs_per_bucket_and_layer(monkeypatch) -> None:
-    monkeypatch.setattr(decode, "resident_blocks", lambda spec: 8)  # bucket 1 splits
+    # bucket 1 splits at its design point (thresholds scaled to the simulator's sizes)
+    monkeypatch.setattr(decode, "resident_blocks", lambda spec: decode_policy.Occupancy(8, 8))
+    monkeypatch.setattr(decode_policy, "MIN_SPLIT_TOKENS", 64)
+    monkeypatch.setattr(decode_policy, "MIN_PART_TOKENS", 64)
     rng = np.random.default_rng(0)
     first = make_case(rng, [40, 9, 23], num_kv_heads=1, block_size=8, head_dim=16, pad_blocks=30)
     second = copy.deepcopy(first)  # a second layer: same block ids, other values (NaN kept)
