@@ -7,14 +7,19 @@
 # tokenizers, transformers); downloads nothing.
 #
 # Usage: bench/gpu_check.sh RESULTS_DIR [gpu_check.py options]
-#   On the device tool: bench/gpu_check.sh "$OUT/gpu_check"  (what is under $OUT comes back)
+#   On the device tool (carry [".whl"], built here by bench/gpu_wheels.sh; what is under $OUT
+#   comes back):  WHEELS_DIR=.whl PYTHON=python3 bench/gpu_check.sh "$OUT/gpu_check"
 #   Dry run without a GPU: bench/gpu_check.sh RESULTS_DIR --cpu-smoke
+# WHEELS_DIR: install those wheels (no network, no dependencies) into a fresh directory put
+# first on PYTHONPATH: the H200 image's numpy 2.5 compiles no kernel under numba-cuda 0.30.4,
+# and the engine imports packages the image lacks.
 # Results: RESULTS_DIR/gpu_check.jsonl (one line per measurement, written as measured),
 # gpu_check.json and gpu_check.md (rewritten after every phase), gpu_check.log (stdout+stderr).
 # The caller's PYTHONPATH is kept after the repository (packages carried to a GPU host).
 # DEADLINE_S (default 295) is the script's own deadline: phases that would not fit are skipped;
 # HARD_LIMIT_S (default DEADLINE_S + 40) kills it if a phase overruns anyway, and what it wrote
-# until then stays. Exit status: 0 ok, 1 a correctness check failed, 2 no GPU, 124 killed.
+# until then stays. Exit status: 0 ok, 1 a correctness check failed, 2 no GPU, 3 WHEELS_DIR
+# would not install, 124 killed.
 set -uo pipefail
 if [ "$#" -lt 1 ]; then
     echo "usage: $0 RESULTS_DIR [gpu_check.py options]" >&2
@@ -24,6 +29,12 @@ out="$1"
 shift
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
+if [ -n "${WHEELS_DIR:-}" ]; then
+    site="$(mktemp -d)/site"
+    "${PYTHON:-python}" -m pip install -q --no-index --no-deps --no-compile --target "$site" \
+        "$WHEELS_DIR"/*.whl || { echo "gpu_check: installing $WHEELS_DIR failed" >&2; exit 3; }
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 deadline="${DEADLINE_S:-295}"

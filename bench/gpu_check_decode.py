@@ -166,9 +166,15 @@ class DecodeBench:
             g.capture()
             graphs.append(g)
         times = time_call(self.timer, lambda i: graphs[i % len(graphs)].run(0, p.q), self.reps(p))
-        parts = graphs[0]._bucket(p.batch).plan.num_parts
+        plan = graphs[0]._bucket(p.batch).plan
+        row: dict[str, Any] = {"graph_parts": plan.num_parts}
+        step_parts = getattr(plan, "parts", None)  # this step's partitions (ragged policy)
+        if step_parts is not None:
+            row["graph_parts_min_max"] = f"{int(min(step_parts))}-{int(max(step_parts))}"
+        if hasattr(plan, "split"):
+            row["graph_split"] = bool(plan.split)
         graphs.clear()
-        return {"graph_parts": parts, **self.row(p, "graph", times)}
+        return {**row, **self.row(p, "graph", times)}
 
     def time_sdpa(self, batch: int, ctx: int, sets: int, dtype: str = "float16",
                   head_dim: int | None = None) -> dict[str, Any]:
@@ -214,7 +220,7 @@ def phase_grid(ctx: Any, bench: DecodeBench) -> None:
             del p
             bench.free()
             row.update(bench.time_sdpa(batch, context, sets))
-            row["graph_vs_sdpa"] = row["sdpa_kernel_us"] / row["graph_kernel_us"]
+            row["graph_speed_vs_sdpa"] = row["sdpa_kernel_us"] / row["graph_kernel_us"]
             bench.free()
             return row
 

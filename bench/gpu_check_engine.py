@@ -4,8 +4,9 @@ items 14-15; issue 43's engine targets).
 One model per call (`gpu_model.LLAMA_1B`, or `LLAMA_8B_LAYERS` for the d128 kernels), random
 weights, built in a temporary directory. Ours: `pagedkv.LLM` (embedded block manager, CUDA
 graphs for decode attention, async scheduling as `LLM` picks it on a GPU) on `num_requests`
-requests, prompts U[256, 2048], outputs U[64, 256], greedy, EOS ignored; throughput, time to
-first token and inter-token latency p50/p99 from the steps' outputs. Theirs: transformers
+requests, prompts U[256, 2048], outputs U[64, 256], greedy, EOS ignored, all submitted at
+once; throughput, time to first token (from submission, so it includes queueing behind the
+other requests' prefill) and inter-token latency p50/p99 from the steps' outputs. Theirs: transformers
 `generate` (bf16, SDPA) over the same requests left-padded in one batch (in slices of 32 if
 one batch does not fit). Then:
 

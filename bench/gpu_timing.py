@@ -93,17 +93,22 @@ class CallTimes:
                 f"{prefix}host_us": self.host_us, f"{prefix}primed": self.primed}
 
 
+MAX_SPIN_US = 20_000.0  # a first call that compiled a kernel must not set a seconds-long spin
+
+
 def time_call(timer: Timer, fn: Callable[[int], Any], reps: int, *, warmup: int = 2,
               b2b_calls: int | None = None, spin_us: float = 1000.0) -> CallTimes:
     """Measure `fn(i)` (i = repetition index, to rotate inputs) the three ways of the module
-    doc. The spin is lengthened to 3x the slowest warm-up call's host time when that is longer."""
+    doc. The spin is lengthened to 3x the last warm-up call's host time when that is longer
+    (the first may include a JIT compile), up to MAX_SPIN_US; `primed` says whether it held."""
     host = []
     for i in range(warmup):
         t0 = time.perf_counter()
         fn(i)
         host.append((time.perf_counter() - t0) * 1e6)
     timer.sync()
-    spin = max(spin_us, 3 * max(host, default=0.0))
+    spin = min(MAX_SPIN_US, max(spin_us, 3 * host[-1] if host else 0.0))
+    host = host[1:]  # the first call's JIT and allocations are not the path's cost
     pairs, primed = [], True
     for i in range(reps):
         timer.spin(spin)
