@@ -7,7 +7,14 @@ in one transaction. Reports records/s and p50/p99 commit latency on memory://, S
 Snapshot: write and recover the core's state with 100k blocks in use (with and without
 prefix-cache token ids).
 
+`--step`: instead, the CPU a durable Step spends on its representations around the state
+machine (digest, journal payload, decode, answer, journal result, response), the JSON forms
+journaled before `step-request/1` against the packed ones, for a decode Step of `--seqs`
+sequences (one token each with its id, the previous step reported, 1/16 crossing a block);
+interleaved per step, in one process, with the bytes each journals.
+
     .venv/bin/python bench/bench_store.py [--appends 300] [--no-postgres] [--json]
+    .venv/bin/python bench/bench_store.py --step [--seqs 256] [--iters 400]
 """
 
 from __future__ import annotations
@@ -177,12 +184,79 @@ def bench_snapshot(url: str, options: StoreOptions, state: dict) -> dict:
     return {"write_s": write_s, "recover_s": recover_s}
 
 
+def step_journal_cost(num_seqs: int, iters: int) -> None:
+    """Per Step, µs of the representations around the state machine, JSON forms vs packed."""
+    import hashlib
+
+    from block_manager.service.state import ServiceState, StateConfig
+    from block_manager.service.step_answer import StepAnswer
+    from block_manager.service.step_codec import ReceivedStep, StepInput
+    from block_manager.store.records import encode_body
+    from pagedkv.v1 import block_manager_pb2 as pb
+
+    state = ServiceState(StateConfig(default_block_size=BLOCK_SIZE, max_blocks=1 << 20))
+    state.apply("register_node", {"node_id": "p", "num_blocks": num_seqs * (iters // BLOCK_SIZE + 4),
+                                  "block_size": BLOCK_SIZE, "geometry": {}, "address": "h:1"}, 1.0)
+    seq_ids = [f"seq-{i:06d}" for i in range(num_seqs)]
+    alloc = pb.StepRequest(request_id="a", scheduler_id="bench", alloc_seq_ids=seq_ids, pool_ids=["p"],
+                           alloc_pool_index=[0] * num_seqs, alloc_salt_index=[-1] * num_seqs,
+                           alloc_num_token_ids=[BLOCK_SIZE + i % BLOCK_SIZE for i in range(num_seqs)],
+                           alloc_num_tokens=[0] * num_seqs, alloc_num_compute=[0] * num_seqs)
+    alloc.alloc_token_ids.extend(i % 97 for i in range(num_seqs) for _ in range(BLOCK_SIZE + i % BLOCK_SIZE))
+    answer, _ = state.step_answer(StepInput.from_pb(alloc, 4096), 1.0)
+    last = answer.steps[0]["step_id"]
+    times: dict[str, list[float]] = {"json": [], "packed": []}
+    sizes: dict[str, int] = {}
+    for k in range(iters):
+        req = pb.StepRequest(request_id=f"s{k}", scheduler_id="bench", append_seq_ids=seq_ids,
+                             append_num_tokens=[1] * num_seqs, append_token_ids=[7 + k % 1000] * num_seqs)
+        req.reports.add(pool_id="p", epoch=1, completed_up_to=last)
+        answer, _ = state.step_answer(StepInput.from_pb(req, 4096), 1.0)   # the state machine: not timed
+        last = answer.steps[0]["step_id"] if answer.steps else last
+
+        def json_forms() -> int:   # before step-request/1 (d9bd5ee's durable path)
+            received = ReceivedStep(req)
+            hashlib.sha256(b"Step\0" + received.body()).hexdigest()
+            payload = canonical_json(received.payload())
+            StepInput.from_json(json.loads(payload), 4096)   # it applied the journal form
+            result = canonical_json(answer.to_json())
+            StepAnswer.from_json(json.loads(result)).fill(pb.StepResponse())
+            return len(payload) + len(result)
+
+        def packed_forms() -> int:
+            received = ReceivedStep(req, new_response=pb.StepResponse)
+            received.digest()
+            payload = encode_body(received.journal_form())
+            received.decode(4096)
+            result = encode_body(received.record(answer))
+            return len(payload) + len(result)
+
+        for name, fn in (("json", json_forms), ("packed", packed_forms)) if k % 2 else (
+                ("packed", packed_forms), ("json", json_forms)):
+            t0 = time.perf_counter()
+            sizes[name] = fn()
+            times[name].append(time.perf_counter() - t0)
+    print(f"# durable Step representations, {num_seqs} sequences, {iters} steps interleaved (µs per Step)")
+    print(f"{'form':<8} {'p50 us':>8} {'mean us':>8} {'journaled bytes':>16}")
+    for name, ts in times.items():
+        ts = sorted(ts[iters // 10:])
+        print(f"{name:<8} {percentile(ts, 50) * 1e6:>8.1f} {sum(ts) / len(ts) * 1e6:>8.1f} {sizes[name]:>16}")
+    j, p = (percentile(sorted(times[n]), 50) for n in ("json", "packed"))
+    print(f"packed / json: {p / j:.2f}x time, {sizes['packed'] / sizes['json']:.2f}x bytes")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--appends", type=int, default=300, help="commits per cell")
     parser.add_argument("--no-postgres", action="store_true")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--step", action="store_true", help="a durable Step's representations, JSON vs packed")
+    parser.add_argument("--seqs", type=int, default=256, help="--step: sequences per Step")
+    parser.add_argument("--iters", type=int, default=400, help="--step: Steps")
     args = parser.parse_args(argv)
+    if args.step:
+        step_journal_cost(args.seqs, args.iters)
+        return
     # (sequences per record, records per transaction, columnar)
     shapes = [(1, 1, True), (64, 1, True), (256, 1, True), (512, 1, True), (256, 1, False), (1, 16, True)]
     states = {"ids only": snapshot_state(False), "with tokens": snapshot_state(True)}
