@@ -36,6 +36,11 @@ class SessionExpired(ServiceError):
     opened): refused, never applied (`service/sessions.py`)."""
 
 
+class PredecessorFailed(ServiceError):
+    """A pipelined request (`ClientSession.after`) whose predecessor in its session failed, or
+    did not arrive in time: refused, never applied (`service/sessions.py`, "Pipelining")."""
+
+
 class TooManySessions(ServiceError):
     """`max_sessions` client sessions are open: no new one until some expire."""
 
@@ -68,6 +73,7 @@ class NotPlaced(OutOfBlocks):
 __all__ = [
     "JournalFailure",
     "NotPlaced",
+    "PredecessorFailed",
     "RecordRejected",
     "RecoveryError",
     "RequestExpired",

@@ -31,7 +31,7 @@ def session_of(request: Any) -> SessionRef | None:
     if not request.HasField("session"):
         return None
     s = request.session
-    return check_session_ref(s.session_id, s.seq, s.acked)
+    return check_session_ref(s.session_id, s.seq, s.acked, s.after)
 
 
 def check_request_id(request_id: str) -> str:

@@ -60,6 +60,7 @@ from typing import Any, Literal
 from block_manager.core.errors import PoolLeased
 from block_manager.service.config import BlockManagerConfig
 from block_manager.service.errors import (
+    PredecessorFailed,
     RecordRejected,
     RecoveryError,
     RequestExpired,
@@ -420,7 +421,7 @@ class ServiceRuntime:
 
     async def _mutate(
         self, op: str, request_id: str, digest: str, payload: dict[str, Any] | ReceivedStep, *,
-        internal: bool = False, session: SessionRef | None = None,
+        internal: bool = False, session: SessionRef | None = None, lease_retry: bool = False,
     ) -> Body:
         """Apply + journal one op idempotently; see the module docstring.
 
@@ -432,7 +433,11 @@ class ServiceRuntime:
         `session`: the request is deduplicated by its session number instead of its request
         id (which then only names it in logs): it is journaled under
         `session_request_id(session, seq)` and its answer is held by the session table for
-        the session window, whatever the request-id window does meanwhile.
+        the session window, whatever the request-id window does meanwhile. A number pipelined
+        after another (`session.after`) is applied only once that one was, and refused when it
+        was (`service/sessions.py`, "Pipelining"); a new number's outcome, applied or refused,
+        is what releases the numbers pipelined after it (`lease_retry`: a `PoolLeased`
+        refusal is not final yet, the caller retries after a lease handover).
 
         `payload`: the op's journal form, or for a live Step its `ReceivedStep`: decoded
         straight from the message into the state machine's columns, journaled as the request's
@@ -455,6 +460,50 @@ class ServiceRuntime:
         recorded = await self._known(request_id, digest, session)
         if recorded is not None:
             return recorded
+        if session is None:
+            return await self._apply_new(op, request_id, digest, payload, None)
+        try:
+            if session.after:
+                await self._await_predecessor(session)
+                recorded = await self._known(request_id, digest, session)   # a resend of it went first
+                if recorded is not None:
+                    return recorded
+            return await self._apply_new(op, request_id, digest, payload, session)
+        except PoolLeased:
+            if not lease_retry:   # else the caller settles it after its retry
+                self.sessions.settle(session, False)
+            raise
+        except BaseException:
+            self.sessions.settle(session, False)   # what is pipelined after it fails too
+            raise
+
+    async def _await_predecessor(self, session: SessionRef) -> None:
+        """Return once the request this one is pipelined after (`session.after`) was applied;
+        `PredecessorFailed` when it was refused or does not arrive within the wait (see
+        `service/sessions.py`, "Pipelining")."""
+        applied = self.sessions.predecessor(session)
+        if applied is None:
+            fut = self.sessions.wait_for(session)
+            try:
+                applied = await asyncio.wait_for(asyncio.shield(fut), self.sessions.pipeline_wait_s)
+            except TimeoutError:
+                raise PredecessorFailed(
+                    f"session {session.session_id!r} number {session.seq}: its predecessor {session.after} did not "
+                    f"arrive within {self.sessions.pipeline_wait_s:g} s; not applied"
+                ) from None
+            finally:
+                self.sessions.forget_waiter(session, fut)
+        if not applied:
+            raise PredecessorFailed(
+                f"session {session.session_id!r} number {session.seq}: its predecessor {session.after} failed; "
+                "not applied"
+            )
+
+    async def _apply_new(
+        self, op: str, request_id: str, digest: str, payload: dict[str, Any] | ReceivedStep,
+        session: SessionRef | None,
+    ) -> Body:
+        """Apply a request not seen before, journal it, answer once durable."""
         if not self.writer.journal:
             return self._apply_volatile(op, request_id, digest, payload, session)
         while not self.writer.gate_open:
@@ -475,6 +524,8 @@ class ServiceRuntime:
             raise
         if not applied.mutated:
             self._unexpected_kv_changes(op)
+            if session is not None:
+                self.sessions.settle(session, True)   # what is pipelined after it may go
             await self.writer.barrier()   # likewise an answer that changed nothing
             return applied.result
         kv_ticket = self._stage_kv_changes()
@@ -503,6 +554,8 @@ class ServiceRuntime:
         """In-memory mode: same state machine, request-id index and sessions, no journal."""
         applied = apply_op(self.state, self.sessions, op, payload, self.clock())
         self.kv_events.commit(self._stage_kv_changes())
+        if not applied.mutated and session is not None:
+            self.sessions.settle(session, True)
         if applied.mutated:
             if session is not None:
                 self.sessions.record(session, Answer(digest, applied.result, self.wall_clock(), None))
@@ -533,9 +586,15 @@ class ServiceRuntime:
         only the pools the fleet gave it and takes no other (service/fleet.py)."""
         received.fleet = self.fleet.is_member(received.scheduler_id)
         try:
-            return await self._mutate("step", request_id, digest, received, session=session)
+            return await self._mutate("step", request_id, digest, received, session=session, lease_retry=True)
         except PoolLeased:
-            if not await self._release_lapsed(received):
+            released = False
+            try:
+                released = await self._release_lapsed(received)
+            finally:
+                if not released and session is not None:
+                    self.sessions.settle(session, False)   # its refusal is final now
+            if not released:
                 raise
             return await self._mutate("step", request_id, digest, received, session=session)
 

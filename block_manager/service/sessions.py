@@ -27,6 +27,26 @@ each session's answers from the records (with their `created_at` as the applied 
 the snapshot carries the table (floor + held answers). Deadlines (TTL) restart at recovery,
 like node leases. `window_s` must be at least the clients' resend window (the engine resends an
 unanswered step for `bm_unavailable_timeout_s`, 120 s by default): the default is 300 s.
+
+Pipelining. A client may send request `seq` before the answer of an earlier one arrived, naming
+it as `after` (`ClientSession.after`): gRPC may hand the two to the server in either order, so
+the server applies `seq` only once `after` was applied, and refuses it (`PredecessorFailed`,
+FAILED_PRECONDITION) when `after` was refused or does not arrive within `pipeline_wait_s`. The
+guarantees (docs/durability.md "Pipelined Steps"):
+
+- order: `seq` is applied after `after`, so it is journaled after it: in the same group commit
+  or a later one. Its answer leaves only once its record is durable, hence `after`'s too; the
+  two share one fsync when they arrive within one commit, which is what pipelining buys;
+- failure: `seq` is never applied when `after` failed; a refusal of `seq` (for this or any
+  reason) fails whatever names `seq` as its `after` in turn;
+- a refused `seq` changed nothing: the client replans it (new number) after resending or
+  giving up `after`; it must not resend `seq` itself once `after` failed.
+
+What a number's op ended as (applied and answered, or refused) is kept per session
+(`outcomes`, the newest `MAX_OUTCOMES`, not durable): after a restart a predecessor is known
+applied from its journaled answer or the floor; one whose fate was lost with the process
+(applied but not journaled because it changed nothing, or refused) is waited for and then
+refused, which is the safe side.
 """
 
 from __future__ import annotations
@@ -45,6 +65,8 @@ from block_manager.store.records import Body, Packed
 SESSION_OPS = ("open_session", "expire_sessions")
 MAX_SESSION_ID_LEN = 64
 MAX_CLIENT_NAME_LEN = 128
+MAX_OUTCOMES = 256         # per session: the newest unanswered outcomes kept for pipelined requests
+PIPELINE_WAIT_S = 5.0      # how long a pipelined request waits for its predecessor to arrive
 _SESSION_KIND = "session"
 
 
@@ -56,6 +78,7 @@ class SessionRef:
     session_id: str
     seq: int
     acked: int = 0
+    after: int = 0    # pipelining: apply only after this number of the session (0: none)
 
 
 @dataclass(slots=True)
@@ -73,6 +96,10 @@ class ClientSession:
     last_used: float                        # monotonic; for the TTL
     floor: int = 0
     answers: OrderedDict[int, Answer] = field(default_factory=OrderedDict)
+    # Pipelining (not durable): numbers whose op ended without a held answer (True: applied but
+    # not journaled, it changed nothing; False: refused), and the requests waiting on a number.
+    outcomes: OrderedDict[int, bool] = field(default_factory=OrderedDict)
+    waiters: dict[int, list[asyncio.Future[bool]]] = field(default_factory=dict)
 
     @property
     def highest_seq(self) -> int:
@@ -94,18 +121,22 @@ def parse_session_request_id(request_id: str) -> tuple[str, int] | None:
         return None
 
 
-def check_session_ref(session_id: str, seq: int, acked: int) -> SessionRef:
+def check_session_ref(session_id: str, seq: int, acked: int, after: int = 0) -> SessionRef:
     if not 0 < len(session_id) <= MAX_SESSION_ID_LEN or not session_id.isascii() or not session_id.isalnum():
         raise InvalidRequest(f"session_id must be 1..{MAX_SESSION_ID_LEN} ASCII letters and digits")
     if seq < 1:
         raise InvalidRequest("a sessioned request needs seq >= 1")
     if acked > seq:
         raise InvalidRequest(f"acked ({acked}) cannot exceed the request's own seq ({seq})")
-    return SessionRef(session_id, seq, acked)
+    if after >= seq:
+        raise InvalidRequest(f"after ({after}) must name an earlier number than the request's own ({seq})")
+    return SessionRef(session_id, seq, acked, after)
 
 
 class SessionTable:
-    def __init__(self, *, window_s: float, ttl_s: float, max_sessions: int, max_answers: int) -> None:
+    def __init__(self, *, window_s: float, ttl_s: float, max_sessions: int, max_answers: int,
+                 pipeline_wait_s: float = PIPELINE_WAIT_S) -> None:
+        self.pipeline_wait_s = pipeline_wait_s
         self.window_s = window_s
         self.ttl_s = ttl_s
         self.max_sessions = max_sessions
@@ -170,10 +201,63 @@ class SessionTable:
         return None
 
     def record(self, ref: SessionRef, answer: Answer) -> None:
+        """`ref` was applied (its answer in flight to the journal): held, and the requests
+        pipelined after it may go (they are journaled after it)."""
         sess = self._sessions.get(ref.session_id)
         if sess is None:   # expired while the op was applied: nothing to record into
             return
         self._put(sess, ref.seq, answer)
+        self._ended(sess, ref.seq, True)
+
+    # ---- pipelining -----------------------------------------------------------------
+    def settle(self, ref: SessionRef, applied: bool) -> None:
+        """`ref`'s op ended without a held answer: applied but not journaled (it changed
+        nothing), or refused (`applied=False`). Wakes the requests pipelined after it."""
+        sess = self._sessions.get(ref.session_id)
+        if sess is None:
+            return
+        sess.outcomes[ref.seq] = applied
+        sess.outcomes.move_to_end(ref.seq)
+        while len(sess.outcomes) > MAX_OUTCOMES:
+            sess.outcomes.popitem(last=False)
+        self._ended(sess, ref.seq, applied)
+
+    @staticmethod
+    def _ended(sess: ClientSession, seq: int, applied: bool) -> None:
+        if applied and seq in sess.answers:
+            sess.outcomes.pop(seq, None)   # a resend applied after an earlier refusal
+        for fut in sess.waiters.pop(seq, ()):
+            if not fut.done():
+                fut.set_result(applied)
+
+    def predecessor(self, ref: SessionRef) -> bool | None:
+        """Whether `ref.after` was applied (True), refused (False), or is not known yet (None)."""
+        sess = self._sessions.get(ref.session_id)
+        if sess is None:
+            return False
+        known = sess.outcomes.get(ref.after)
+        if known is not None:
+            return known
+        if ref.after in sess.answers or ref.after <= sess.floor:
+            return True
+        return None
+
+    def wait_for(self, ref: SessionRef) -> asyncio.Future[bool]:
+        """Done with `ref.after`'s outcome (True: applied) once it ends."""
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        sess = self._sessions.get(ref.session_id)
+        if sess is None:
+            fut.set_result(False)
+        else:
+            sess.waiters.setdefault(ref.after, []).append(fut)
+        return fut
+
+    def forget_waiter(self, ref: SessionRef, fut: asyncio.Future[bool]) -> None:
+        sess = self._sessions.get(ref.session_id)
+        if sess is not None and fut in sess.waiters.get(ref.after, ()):
+            sess.waiters[ref.after].remove(fut)
+            if not sess.waiters[ref.after]:
+                del sess.waiters[ref.after]
 
     def replay(self, request_id: str, digest: str, result: Body, applied_at: float) -> bool:
         """A journal record of a sessioned request, at recovery (False: not one)."""

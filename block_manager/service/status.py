@@ -26,6 +26,7 @@ from block_manager.core.errors import (
 )
 from block_manager.service.errors import (
     JournalFailure,
+    PredecessorFailed,
     RecordRejected,
     RecoveryError,
     RequestExpired,
@@ -53,6 +54,7 @@ _CODES: dict[type[Exception], grpc.StatusCode] = {
     RecordRejected: grpc.StatusCode.INVALID_ARGUMENT,
     RequestExpired: grpc.StatusCode.FAILED_PRECONDITION,
     SessionExpired: grpc.StatusCode.FAILED_PRECONDITION,
+    PredecessorFailed: grpc.StatusCode.FAILED_PRECONDITION,
     TooManySessions: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     JournalFailure: grpc.StatusCode.UNAVAILABLE,

@@ -180,22 +180,31 @@ class ClientSession(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     SEQ_FIELD_NUMBER: _builtins.int
     ACKED_FIELD_NUMBER: _builtins.int
+    AFTER_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """from OpenSessionResponse"""
     seq: _builtins.int
     """>= 1, strictly increasing per session; a resend repeats it"""
     acked: _builtins.int
     """the client holds the answers of every number below this one (0: none said)"""
+    after: _builtins.int
+    """Pipelining (docs/durability.md "Pipelined Steps"): apply this request only after this
+    session's number `after` (< seq) was applied, and refuse it (FAILED_PRECONDITION,
+    "PredecessorFailed") when that one failed or does not arrive in time. Two requests of one
+    channel may be handled in either order; this one is journaled after `after` and answered
+    only once durable, which makes `after` durable too. 0: no predecessor.
+    """
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
         seq: _builtins.int = ...,
         acked: _builtins.int = ...,
+        after: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked", b"acked", "seq", b"seq", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked", b"acked", "after", b"after", "seq", b"seq", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
