@@ -24,10 +24,13 @@ at ~3 s each; decode kernels at 0.85-0.94 of a 4.2 TB/s copy; an 8k prefill laye
 | 6 | prefill | 10-11 | 8k prompt fp16/bf16 x d128/d64; chunks 16-512 after 8k/32k, B 1/16 | 15 s | 30 s | 10 s |
 | 7 | engine_1b | 14 | bf16 Llama-3.2-1B shape, 128 requests vs transformers; floors | 70 s | 100 s | 60 s |
 | 8 | host | 13 | Python µs per launch path (decode API, plan, graph, prefill, write) | 4 s | 10 s | 4 s |
-| 9 | engine_8b | 15 | the same on 4 Llama-3-8B layers (d128), 64 requests | 55 s | 70 s | 50 s |
+| 9 | prefill_ab | 12 | 8k prefill per prepared kernel version, one process each (if any) | 35 s | 45 s | 15 s |
+| 10 | engine_8b | 15 | the same on 4 Llama-3-8B layers (d128), 64 requests | 55 s | 70 s | 50 s |
 
-Estimated total 300 s with phase 9, 245 s without: phase 9 runs only when the others were
-quicker than estimated. The README's blocks (item 17) stay a separate call:
+Estimated total 335 s with phase 10, 280 s without (245 s without prepared prefill versions):
+phase 10 runs only when the others were quicker than estimated. Prefill versions are prepared
+on the host beforehand (`bench/gpu_check_prefill_ab.py prepare COMMIT...`, carried as
+`.prefill_ab`). The README's blocks (item 17) stay a separate call:
 `PAGEDKV_README_TIMEOUT_S=150 bench/gpu_readme.sh -x`.
 
 `--cpu-smoke`: the same phases and cells with tiny sizes on the CPU, under Numba's simulator
@@ -71,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated phase names to run (default: all, in order)")
     p.add_argument("--skip", default="", help="comma-separated phase names to skip")
     p.add_argument("--max-reps", type=int, default=None, help="timed repetitions per case (cap)")
+    p.add_argument("--prefill-ab", type=Path, default=None,
+                   help="prepared kernel versions to time (default: .prefill_ab in the repository)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny sizes on the CPU, kernel launches stubbed (see the module doc)")
     p.add_argument("--host-path-cpu", action="store_true",
@@ -292,6 +297,7 @@ def build_phases(args: argparse.Namespace, torch: Any, device: str, state: dict[
     from gpu_check_decode import DecodeBench, phase_ab, phase_grid, phase_million
     from gpu_check_engine import SMOKE_ENGINE, EngineSizes, engine_cells
     from gpu_check_prefill import PrefillBench, phase_prefill
+    from gpu_check_prefill_ab import AB_DIR, phase_prefill_ab
     from gpu_model import LLAMA_1B, LLAMA_8B_LAYERS, SMOKE_MODEL
     from gpu_sizes import FULL, SMOKE
     from gpu_timing import Timer, copy_gbs
@@ -342,6 +348,9 @@ def build_phases(args: argparse.Namespace, torch: Any, device: str, state: dict[
                   about="bf16 Llama-3.2-1B shape vs transformers and the floor"),
         PhaseSpec("host", 10, lambda ctx: phase_host(ctx, torch, timer, device, sizes.max_reps), min_s=4,
                   about="Python µs per launch path"),
+        PhaseSpec("prefill_ab", 45, lambda ctx: phase_prefill_ab(
+            ctx, sizes.prefill_tokens, smoke, args.prefill_ab or AB_DIR), min_s=15,
+            about="8k prefill per prepared kernel version"),
         PhaseSpec("engine_8b", 70, engine(LLAMA_8B_LAYERS, engine_8b_sizes),
                   min_s=0 if smoke else 50, about="4 Llama-3-8B layers (d128) vs transformers"),
     ]

@@ -95,7 +95,7 @@ def test_the_docstring_budget_table_is_the_phase_table() -> None:
         assert seconds(cells[6]) == phase.min_s, phase.name
         assert phase.min_s <= phase.budget_s
     estimates = [seconds(cells[4]) for cells in table]
-    assert sum(estimates[:-1]) <= gpu_check.DEFAULT_DEADLINE_S < 300
+    assert sum(estimates[:-1]) <= gpu_check.DEFAULT_DEADLINE_S < 300  # all but engine_8b
     assert [p.name for p in phases if p.gate] == ["correctness", "million"]
 
 
@@ -326,7 +326,7 @@ def test_cpu_smoke_runs_every_kernel_phase(tmp_path: Path) -> None:
     engine take longer than the rest together)."""
     rows, ends = _smoke(tmp_path / "r", "--skip", "engine_1b,engine_8b")
     assert list(ends) == ["setup", "jit", "correctness", "decode", "decode_ab", "million",
-                          "prefill", "host"]
+                          "prefill", "host", "prefill_ab"]
     cells = {(r["phase"], r.get("cell")) for r in rows}
     for cell in (("decode", "B=4 ctx=256"), ("decode_ab", "ragged"), ("decode_ab", "block 8 B=2 ctx=128"),
                  ("decode_ab", "paging identity B=4 ctx=256"), ("million", "1M decode"),
@@ -338,6 +338,23 @@ def test_cpu_smoke_runs_every_kernel_phase(tmp_path: Path) -> None:
                 "sdpa_kernel_us", "graph_of_copy", "graph_speed_vs_sdpa"):
         assert key in decode, key
     assert "## decode_ab — done" in (tmp_path / "r" / "gpu_check.md").read_text()
+
+
+@pytest.mark.slow
+def test_cpu_smoke_prefill_versions(tmp_path: Path) -> None:
+    """Two prepared kernel versions (HEAD's kernels/, twice) and this tree, each timed in its
+    own process, as the GPU run's prefill_ab phase does."""
+    ab = _load_bench("gpu_check_prefill_ab")
+    dest = tmp_path / "ab"
+    paths = ab.prepare(["HEAD", "HEAD"], dest)
+    assert [p.name for p in paths] == ["01-HEAD", "02-HEAD"]
+    assert (paths[0] / "kernels" / "cuda" / "prefill.py").is_file()
+    assert [label for label, _ in ab.versions(dest)] == ["01-HEAD", "02-HEAD", ab.TREE]
+    rows, ends = _smoke(tmp_path / "r", "--phases", "prefill_ab", "--prefill-ab", str(dest))
+    timed = [r for r in rows if r.get("version")]
+    assert [r["version"] for r in timed] == ["01-HEAD", "02-HEAD", ab.TREE]
+    assert all(r["paged_kernel_us"] >= 0 and r["tokens"] == 32 for r in timed)
+    assert "speed vs the first version" in rows[-1]["note"]
 
 
 @pytest.mark.slow
