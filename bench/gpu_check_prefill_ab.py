@@ -73,11 +73,11 @@ def time_version(kernels_root: Path, tokens: int, reps: int, smoke: bool) -> dic
 
         use_stubbed_simulator()
     import torch
-
-    import kernels
     from gpu_check_prefill import PrefillBench, causal_flops
     from gpu_sizes import FULL, SMOKE
     from gpu_timing import Timer
+
+    import kernels
 
     origin = Path(kernels.__file__).resolve()
     if not origin.is_relative_to(kernels_root.resolve()):
