@@ -39,10 +39,18 @@ def jit_options(launch_bounds: tuple[int, ...] | None = None) -> dict[str, Any]:
     want an approximation say so explicitly (`ex2.approx` in `_ops_gpu.py`).
     `launch_bounds` (threads per block, min resident blocks per SM) goes into the PTX, so
     ptxas fits the registers to what the launch needs.
+
+    No link-time optimisation (`lto=False`; numba-cuda turns it on whenever nvJitLink is
+    installed): the kernels are self-contained (every device function is inlined by NVVM),
+    so LTO has nothing to optimise across, yet it costs a second NVVM pass per variant
+    (~1-1.5 s of each ~5-7 s JIT, issue 43) and builds other machine code than the static gate
+    measures — for sm_90a the one-pass decode kernel gets 8 bytes of spill through LTO-IR,
+    none through PTX (both 80 registers; split-K 93 vs 95). Through PTX, production links
+    exactly what `bench/kernel_sass.py` gates.
     """
     if SIMULATOR:
         return {}
-    options: dict[str, Any] = {"lineinfo": True}
+    options: dict[str, Any] = {"lineinfo": True, "lto": False}
     if launch_bounds:
         options["launch_bounds"] = launch_bounds
     return options

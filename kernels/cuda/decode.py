@@ -29,11 +29,11 @@ from kernels.cuda._host import (
     scale_log2,
     spec_for,
 )
+from kernels.cuda._kernel_cache import compile_kernel
 from kernels.cuda._ops import ld_s32
 from kernels.cuda._runtime import (
     SIMULATOR,
     device_function,
-    jit_options,
     kind_of,
     launcher,
     stream_for,
@@ -86,7 +86,8 @@ DECODE_SIGNATURE = (ADDR, ADDR, ADDR, ADDR, ADDR, ADDR, I32, F32)
 
 @cache
 def decode_kernel(spec: AttentionSpec) -> Any:
-    return cuda.jit(DECODE_SIGNATURE, **jit_options(launch_bounds(spec)))(build_decode_kernel(spec))
+    return compile_kernel(build_decode_kernel(spec), DECODE_SIGNATURE, launch_bounds(spec),
+                          f"decode {spec!r}")
 
 
 def split_spec(spec: AttentionSpec) -> AttentionSpec:

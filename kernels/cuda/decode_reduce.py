@@ -23,9 +23,10 @@ from numba import cuda, float32, int64
 
 from kernels.cuda import decode_policy
 from kernels.cuda._host import ADDR
+from kernels.cuda._kernel_cache import compile_kernel
 from kernels.cuda._merge import make_store_chunk
 from kernels.cuda._ops import ex2, ld_f32, ld_f32x4, ld_s32, shfl_idx, shfl_xor
-from kernels.cuda._runtime import device_function, jit_options, launcher
+from kernels.cuda._runtime import device_function, launcher
 from kernels.cuda._spec import KIND_BYTES, NUM_WARPS, TC_STEP_TOKENS, WARP, AttentionSpec
 
 NEG_INF = float32(-math.inf)
@@ -113,8 +114,8 @@ REDUCE_SIGNATURE = (ADDR, ADDR, ADDR, ADDR, ADDR)
 
 @cache
 def reduce_kernel(head_dim: int, num_heads: int, out_kind: str) -> Any:
-    return cuda.jit(REDUCE_SIGNATURE, **jit_options((THREADS, 1)))(
-        build_reduce_kernel(head_dim, num_heads, out_kind))
+    return compile_kernel(build_reduce_kernel(head_dim, num_heads, out_kind), REDUCE_SIGNATURE,
+                          (THREADS, 1), f"reduce {head_dim} {num_heads} {out_kind}")
 
 
 def launch_reduce(spec: AttentionSpec, num_seqs: int, out: Any, tmp_o: Any, tmp_ml: Any,

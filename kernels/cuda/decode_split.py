@@ -37,11 +37,11 @@ from kernels.cuda._host import (
     output_for,
     scale_log2,
 )
+from kernels.cuda._kernel_cache import compile_kernel
 from kernels.cuda._ops import ld_s32
 from kernels.cuda._runtime import (
     device_function,
     device_ptr,
-    jit_options,
     kind_of,
     launcher,
     stream_for,
@@ -112,7 +112,8 @@ SPLIT_SIGNATURE = (ADDR, ADDR, ADDR, ADDR, ADDR, ADDR, ADDR, ADDR, ADDR, I32, F3
 
 @cache
 def split_kernel(spec: AttentionSpec) -> Any:
-    return cuda.jit(SPLIT_SIGNATURE, **jit_options(launch_bounds(spec)))(build_split_kernel(spec))
+    return compile_kernel(build_split_kernel(spec), SPLIT_SIGNATURE, launch_bounds(spec),
+                          f"split {spec!r}")
 
 
 def parts_for(spec: AttentionSpec, num_seqs: int, block_tables: Any, seq_lens: Any,
