@@ -2,8 +2,9 @@
 
 What users run, measured in one command under 5 minutes (issue 43 item 4; the review's §4.3
 plan, `../shared/reviews/kernels.md`). Phases run in priority order against a global deadline
-(`--deadline-s`, default 295 s); each has a time budget; a phase that would not fit is skipped
-and logged, one that runs out stops after its current cell. Every result is a JSON line in
+(`--deadline-s`, default 280 s: with the wheels' install and the imports the command ends near
+300 s); each has a time budget; a phase that would not fit is skipped and logged, one that runs
+out stops after its current cell. Every result is a JSON line in
 RESULTS_DIR/gpu_check.jsonl, flushed as it is measured, and RESULTS_DIR/gpu_check.{json,md} are
 rewritten after every phase, so a run stopped at any point keeps what it measured
 (`gpu_run.py`). Kernel times are kernel-only (`gpu_timing.py`: a spin kernel ahead of the
@@ -26,6 +27,15 @@ at ~3 s each; decode kernels at 0.85-0.94 of a 4.2 TB/s copy; an 8k prefill laye
 | 8 | host | 13 | Python µs per launch path (decode API, plan, graph, prefill, write) | 4 s | 10 s | 4 s |
 | 9 | prefill_ab | 12 | 8k prefill per prepared kernel version, one process each (if any) | 35 s | 45 s | 15 s |
 | 10 | engine_8b | 15 | the same on 4 Llama-3-8B layers (d128), 64 requests | 55 s | 70 s | 50 s |
+
+How the estimates were made: JIT ~2-3 s per variant (18 in phase 1; the correctness matrix's
+~17 others: fp32, MHA, MQA, d256, mixed types, reduce, write, copy); the node graph check
+~30 s (gpu_check_graphs.py); a timing cell is its allocation (<= 2 x 8.6 GB of randn), <= 30
+repetitions of (1 ms spin + kernel) per launch path, as many back to back, and up to 32
+graph captures for the small cells: 0.3-1.5 s; the 1M cell 4.3 GB of K/V, a float64 reference
+of one KV head and 7 prefill calls of ~55 ms; the engine: a 2.2 GB random model written to disk
+(~5 s), LLM start-up with its bf16 d64 graphs (~15 s), 128 requests (~10 s; transformers ~15 s
+more), the batch-1 / batch-64 steps (~10 s); one prefill version ~7 s (import, JIT, timing).
 
 Estimated total 335 s with phase 10, 280 s without (245 s without prepared prefill versions):
 phase 10 runs only when the others were quicker than estimated. Prefill versions are prepared
@@ -61,7 +71,7 @@ from gpu_check_log import log  # noqa: E402
 from gpu_run import PhaseContext, PhaseResult, PhaseSpec, ResultsLog, Runner, rows_table, write_summary  # noqa: E402
 
 EXIT_NO_GPU = 2
-DEFAULT_DEADLINE_S = 295.0
+DEFAULT_DEADLINE_S = 280.0
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 
 

@@ -16,7 +16,7 @@
 # Results: RESULTS_DIR/gpu_check.jsonl (one line per measurement, written as measured),
 # gpu_check.json and gpu_check.md (rewritten after every phase), gpu_check.log (stdout+stderr).
 # The caller's PYTHONPATH is kept after the repository (packages carried to a GPU host).
-# DEADLINE_S (default 295) is the script's own deadline: phases that would not fit are skipped;
+# DEADLINE_S (default 280) is the script's own deadline: phases that would not fit are skipped;
 # HARD_LIMIT_S (default DEADLINE_S + 40) kills it if a phase overruns anyway, and what it wrote
 # until then stays. Exit status: 0 ok, 1 a correctness check failed, 2 no GPU, 3 WHEELS_DIR
 # would not install, 124 killed.
@@ -37,7 +37,7 @@ if [ -n "${WHEELS_DIR:-}" ]; then
 fi
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-deadline="${DEADLINE_S:-295}"
+deadline="${DEADLINE_S:-280}"
 hard="${HARD_LIMIT_S:-$((${deadline%.*} + 40))}"
 status=0
 # stdout goes to the terminal (the device tool returns its tail) and to the results directory;
