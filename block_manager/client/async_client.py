@@ -6,19 +6,21 @@ Create it inside the event loop that uses it (a `grpc.aio` channel is bound to i
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
 
 from block_manager.client.base import DEFAULT_TIMEOUT_S, ClientBase, Operation, T
-from block_manager.client.errors import BlockManagerError, error_from_rpc
+from block_manager.client.errors import BlockManagerError, FailedPreconditionError, UnavailableError, error_from_rpc
 from block_manager.client.retry import RetryPolicy
 from block_manager.client.step import StepBatch, StepResult
 from block_manager.client.types import FleetAssignment, HeartbeatResult, NodeRegistration, PoolRoute, TablesUpdate
 from pagedkv.endpoints import DEFAULT_FAILOVER_S
 from pagedkv.rpc import acall_with_retry
 from pagedkv.tls import TlsSettings
+from pagedkv.v1 import block_manager_pb2 as pb
 
 
 class AsyncBlockManagerClient(ClientBase):
@@ -36,15 +38,19 @@ class AsyncBlockManagerClient(ClientBase):
         token: str | None = None,
         sessions: bool = True,
         failover_s: float = DEFAULT_FAILOVER_S,
+        pipeline_steps: bool = False,
     ) -> None:
         """Connect to `target` (host:port); `scheduler_id` defaults to a fresh unique name; `tls`
         and `token`: see `ClientBase` (plaintext without credentials when neither is given);
-        `sessions`: see `ClientBase`."""
+        `sessions`: see `ClientBase`. `pipeline_steps`: a step may be committed while earlier
+        ones are still in flight (`commit`; needs sessions)."""
         super().__init__(
             target, channel, True, timeout_s=timeout_s, retry=retry, block_sizes=block_sizes,
             seed=seed, scheduler_id=scheduler_id, tls=tls, token=token, sessions=sessions,
             failover_s=failover_s,
         )
+        self.session.pipelined = pipeline_steps
+        self._last_commit: asyncio.Future[None] | None = None   # the newest pipelined commit's apply
 
     async def close(self) -> None:
         """Close the channel (if this client created it)."""
@@ -181,8 +187,43 @@ class AsyncBlockManagerClient(ClientBase):
     async def commit(
         self, batch: StepBatch, *, request_id: str | None = None, timeout_s: float | None = None
     ) -> StepResult:
-        """Send `batch` (at most one RPC) and return what every item got (`step.commit()`)."""
-        return await self._run(self._commit_op(batch, request_id, timeout_s))
+        """Send `batch` (at most one RPC) and return what every item got (`step.commit()`).
+
+        With `pipeline_steps`, commits may overlap: each is sent at once, stamped after the one
+        before it (the server applies them in the order they were committed and refuses one
+        whose predecessor failed), and its answer is applied only after the one before it was
+        (answers may arrive in any order). When the one before failed, this one raises
+        `FailedPreconditionError` too and keeps its request for `resend` (its outcome on the
+        server is the server's to say: resend the one before first). A batch committed before
+        an earlier one's answer is in must only touch sequences the client already holds."""
+        if not self.session.pipelined:
+            return await self._run(self._commit_op(batch, request_id, timeout_s))
+        before, mine = self._last_commit, asyncio.get_running_loop().create_future()
+        self._last_commit = mine
+        try:
+            sent = await self._run(self._send_op(batch, request_id, timeout_s))
+            if before is not None and sent is not None:   # nothing sent: nothing waits on it
+                await self._predecessor_applied(before, batch, sent)
+            result = batch.result if sent is None else self._apply_reply(batch, *sent)
+        except BaseException as exc:   # the next commit fails with its own error (cancelled: an unknown outcome)
+            mine.set_exception(exc if isinstance(exc, Exception) else UnavailableError(f"commit cancelled: {exc!r}"))
+            mine.exception()   # retrieved
+            raise
+        mine.set_result(None)
+        return result
+
+    @staticmethod
+    async def _predecessor_applied(
+        before: asyncio.Future[None], batch: StepBatch, sent: tuple[pb.StepRequest, pb.StepResponse],
+    ) -> None:
+        try:
+            await asyncio.shield(before)
+        except Exception as exc:   # noqa: BLE001 - any failure of the one before fails this one
+            batch.distrust(sent[0])
+            raise FailedPreconditionError(
+                f"the step committed before this one failed ({exc}); resend that one, then this one",
+                reason="PredecessorFailed", method="Step",
+            ) from exc
 
     async def resend(self, batch: StepBatch, *, timeout_s: float | None = None) -> StepResult:
         """Send the request of `batch`'s failed commit again (`step.resend()`)."""

@@ -126,6 +126,7 @@ class ClientBase:
     def _after_mutating(self, request: Any, exc: BlockManagerError | None) -> None:
         """The outcome of a stamped request: definite (answer or refusal) settles its number;
         UNAVAILABLE / deadline leave it open for a resend."""
+        self.session.returned(request)
         if exc is None or exc.code not in RETRYABLE_CODES:
             self.session.settle(request)
         if exc is not None:
@@ -215,14 +216,26 @@ class ClientBase:
     def _commit_op(self, batch: StepBatch, request_id: str | None, timeout_s: float | None) -> Operation[StepResult]:
         """Send `batch` (at most one RPC) and apply its answer; an error leaves the batch
         distrusted (its request kept for `resend`)."""
+        sent = yield from self._send_op(batch, request_id, timeout_s)
+        if sent is None:
+            return batch.result
+        return self._apply_reply(batch, *sent)
+
+    def _send_op(
+        self, batch: StepBatch, request_id: str | None, timeout_s: float | None,
+    ) -> Operation[tuple[pb.StepRequest, pb.StepResponse] | None]:
+        """`_commit_op` up to the answer: the request and its reply (None: nothing to send)."""
         request = self._begin(batch, request_id or new_request_id())
         if request is None:
-            return batch.result
+            return None
         try:
             reply = yield from self._mutating(Call("Step", request, timeout_s))
         except BlockManagerError:
             batch.distrust(request)
             raise
+        return request, reply
+
+    def _apply_reply(self, batch: StepBatch, request: pb.StepRequest, reply: pb.StepResponse) -> StepResult:
         self._sent(request, reply)
         return batch.apply(reply)
 

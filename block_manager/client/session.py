@@ -13,6 +13,12 @@ an extra session from a lost answer is harmless, it just expires unused), and re
 new one when it has been idle for half its TTL or the server says it expired. A server without
 `OpenSession` (UNIMPLEMENTED: an older server, the engine's in-process block manager) turns
 sessions off for this client: requests are then deduplicated by request id alone.
+
+`pipelined`: every new number is stamped `after` the newest number still in flight (sent, no
+outcome yet), so the server applies it only after that one and refuses it when that one failed
+(`ClientSession.after`, docs/durability.md "Pipelined Steps"). A number whose outcome stayed
+unknown (UNAVAILABLE) is not waited on by later ones: the caller resends it first, as without
+pipelining.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ class ClientSessionState:
     last_used: float = 0.0
     # numbers sent whose outcome is unknown (in flight, or failed as UNAVAILABLE / deadline)
     unsettled: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    pipelined: bool = False   # stamp `after`: see the module docstring
+    in_flight: set[int] = field(default_factory=set)   # new numbers sent, no outcome yet
 
     def needs_open(self, now: float | None = None) -> bool:
         if not self.enabled:
@@ -50,6 +58,7 @@ class ClientSessionState:
         self.ttl_s, self.window_s = reply.ttl_s, reply.window_s
         self.next_seq = 1
         self.unsettled.clear()
+        self.in_flight.clear()
         self.last_used = time.monotonic()
 
     def disable(self) -> None:
@@ -70,6 +79,9 @@ class ClientSessionState:
             return
         seq = self.next_seq
         self.next_seq += 1
+        if self.pipelined:
+            request.session.after = max(self.in_flight, default=0)
+            self.in_flight.add(seq)
         self.unsettled[seq] = None
         while len(self.unsettled) > MAX_UNSETTLED:
             self.unsettled.popitem(last=False)
@@ -77,6 +89,11 @@ class ClientSessionState:
         request.session.seq = seq
         request.session.acked = self.acked
         self.last_used = time.monotonic()
+
+    def returned(self, request: Any) -> None:
+        """`request`'s call ended, with an answer or an error of any kind."""
+        if request.HasField("session"):
+            self.in_flight.discard(request.session.seq)
 
     def settle(self, request: Any) -> None:
         """`request` got a definite outcome (an answer, or an error other than UNAVAILABLE /
