@@ -74,11 +74,13 @@ def decode_split(llm: LLM, batch: int, steps: int, prompt_len: int = 64) -> dict
     # Turned on while no step is in flight: with async scheduling a step running on the node
     # puts back the flag it found when it ends, which would undo a flip made meanwhile.
     runner.profile = True
+    # the warm-up: admissions and every prompt's prefill, then steady decode; outputs long
+    # enough that no sequence finishes (and the batch shrinks) inside the timed steps
+    warm = 4 + -(-batch * prompt_len // engine.config.max_num_batched_tokens)
     for i in range(batch):
         engine.add_request([5 + (i * 7 + j) % 4000 for j in range(prompt_len)],
-                           SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
-    prefill_steps = -(-batch * prompt_len // engine.config.max_num_batched_tokens)
-    for _ in range(4 + prefill_steps):   # admissions and prefill, then steady decode
+                           SamplingParams(temperature=0, max_tokens=warm + steps + 8, ignore_eos=True))
+    for _ in range(warm):
         engine.step()
     acc = {"step": 0.0, "bm": 0.0, "node": 0.0}
     phases = {"dense": 0.0, "attention": 0.0, "sample": 0.0, "prepare": 0.0}

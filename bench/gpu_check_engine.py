@@ -100,10 +100,14 @@ def steady_step_s(llm: Any, batch: int, prompt_len: int, steps: int) -> float:
     from engine.params import SamplingParams
 
     engine = llm.engine
+    # warm-up: admissions and every prompt's prefill; outputs long enough that no sequence
+    # finishes (and the batch shrinks) inside the timed steps
+    warm = 4 + -(-batch * prompt_len // engine.config.max_num_batched_tokens)
     for i in range(batch):
         engine.add_request([5 + (i * 13 + j) % 4000 for j in range(prompt_len)],
-                           SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
-    for _ in range(4 + -(-batch * prompt_len // engine.config.max_num_batched_tokens)):
+                           SamplingParams(temperature=0, max_tokens=warm + steps + 8,
+                                          ignore_eos=True))
+    for _ in range(warm):
         engine.step()
     times = []
     for _ in range(steps):
@@ -117,7 +121,7 @@ def steady_step_s(llm: Any, batch: int, prompt_len: int, steps: int) -> float:
 
 
 def transformers_run(model_dir: Path, device: str, requests: list[tuple[list[int], int]],
-                     sizes: EngineSizes) -> dict[str, Any]:
+                     warm_up: list[tuple[list[int], int]], sizes: EngineSizes) -> dict[str, Any]:
     """transformers bf16 `generate` (SDPA) over the requests, and its batch-1 per-token time."""
     import torch
     from bench_model import decode_latency_transformers, run_transformers
@@ -128,7 +132,7 @@ def transformers_run(model_dir: Path, device: str, requests: list[tuple[list[int
     hf_logging.disable_progress_bar()
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
                                               attn_implementation="sdpa").eval().to(device)
-    run_transformers(hf, requests[:2], 1)  # warm-up
+    run_transformers(hf, warm_up, 1)
     slices = [requests]
     try:
         runs = [run_transformers(hf, requests, 1)]
@@ -156,6 +160,7 @@ def engine_cells(ctx: Any, shape: ModelShape, device: str, copy_gbs: float,
     from engine.llm import LLM
 
     requests = workload(sizes.num_requests, sizes.prompt_range, sizes.output_range, shape.vocab)
+    warm_up = [(p[:256], 8) for p, _ in requests[:2]]  # short: compiles, captures, loads
     max_len = max(len(p) + n for p, n in requests)
     max_len = max(max_len, sizes.big_context + sizes.big_steps + 16,
                   sizes.b1_context + sizes.b1_steps + 8)
@@ -176,7 +181,7 @@ def engine_cells(ctx: Any, shape: ModelShape, device: str, copy_gbs: float,
                                max_num_batched_tokens=sizes.budget_tokens, max_model_len=max_len)
             init_s = time.perf_counter() - t0
             t0 = time.perf_counter()
-            run_timed(state["llm"], requests[:2])  # first steps: JIT, graph captures
+            run_timed(state["llm"], warm_up)  # first steps: JIT, graph captures
             return {**info, "what": "start-up", "build_s": build_s, "llm_init_s": init_s,
                     "first_requests_s": time.perf_counter() - t0}
 
@@ -210,7 +215,7 @@ def engine_cells(ctx: Any, shape: ModelShape, device: str, copy_gbs: float,
             state.pop("llm").close()
             if device == "cuda":
                 torch.cuda.empty_cache()
-            hf = transformers_run(state["dir"], device, requests, sizes)
+            hf = transformers_run(state["dir"], device, requests, warm_up, sizes)
             row = {**info, "what": "transformers bf16 generate (SDPA)", **hf}
             if "ours" in state:
                 row["ours_vs_hf_throughput"] = state["ours"]["tokens_per_s"] / hf["hf_tokens_per_s"]
