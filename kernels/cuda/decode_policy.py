@@ -40,6 +40,7 @@ MIN_PART_TOKENS = 256  # a partition's K/V outweighs its partial write and reduc
 MIN_SPLIT_TOKENS = 1024  # shorter sequences are never split
 NEAR_BEST = 0.85  # FA2/FA3: the fewest partitions within 85% of the best efficiency
 ONE_PASS_FILL = 0.5  # one pass when its grid fills this much of the one-pass slots
+MAX_WAVES = 4  # candidates beyond 4 waves of the split kernel are not considered (below)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +106,14 @@ def split_parts(seq_lens: np.ndarray, heads_grid: int, occupancy: Occupancy,
     if one_pass >= ONE_PASS_FILL:
         return None
     chunks = _chunk_candidates(int(lens.max()))
+    # A chunk so small that the grid passes MAX_WAVES waves of the split kernel never wins:
+    # efficiency is within ~1/waves of 1 from two waves on, so a larger chunk already came
+    # within NEAR_BEST. Dropping them by a lower bound on the items (no rounding up) keeps
+    # the host cost per step small.
+    smallest = float(lens.sum()) * heads_grid / (MAX_WAVES * occupancy.split)
+    chunks = chunks[chunks >= smallest]
+    if chunks.size == 0:
+        return None
     parts = parts_for_chunk(lens[None, :], chunks[:, None])  # [candidates, num_seqs]
     split = parts.max(axis=1) > 1  # not split at all: the one-pass kernel does it better
     if max_items is not None:
