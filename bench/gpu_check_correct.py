@@ -5,7 +5,8 @@ Random ragged inputs with shuffled block tables and NaN in every slot past a seq
 decode one-pass and split-K (fp16 / bf16 / fp32; GQA 4, MHA, MQA; head dim 64 / 128 / 256;
 block size 8 / 16 / 32; split x64; the public API), prefill (fp16 / bf16 / fp32, mixed types,
 head dim 256), write_slots, copy_blocks, `DecodePlan` + `DecodeGraphs` (captured, a padded
-bucket and a split bucket, two layers); determinism (the same call twice, compared bitwise).
+bucket and a split bucket, two layers); a ragged batch partitioned by the split policy from
+host lengths (public API and graph); determinism (the same call twice, compared bitwise).
 Any failed check makes gpu_check's exit status 1.
 """
 
@@ -200,6 +201,36 @@ def check_graphs(torch: Any, gen: Any, checks: Checks) -> None:
                           rel_error(out, ref), TOL["float16"])
 
 
+def check_ragged(torch: Any, gen: Any, checks: Checks) -> None:
+    """A ragged batch whose lengths the split policy sees (host lengths: a common chunk size,
+    more partitions for the long sequences, a device work list), through the public API and
+    through a graph prepared with host lengths, against the float64 reference."""
+    import kernels
+    from kernels import reference
+    from kernels.cuda.graph import DecodeGraphs
+
+    lens = [1, 64, 700, 3000, 12000, 5000, 17, 1024]
+    scale = 1.0 / math.sqrt(HEAD_DIM)
+    for dtype_name in ("float16", "bfloat16"):
+        inp = paged_inputs(torch, gen, lens, 16, getattr(torch, dtype_name))
+        q = (torch.randn((len(lens), NUM_HEADS, HEAD_DIM), generator=gen, device=DEVICE) * 3)
+        q = q.to(getattr(torch, dtype_name))
+        ref = reference.paged_attention_decode(q, scale=scale, **inp)
+        host = {**inp, "block_tables": inp["block_tables"].cpu(), "seq_lens": inp["seq_lens"].cpu()}
+        out = kernels.paged_attention_decode(q, scale=scale, backend="cuda", **host)
+        checks.record(f"decode ragged {dtype_name}, host lengths (policy's partitions)",
+                      rel_error(out, ref), TOL[dtype_name])
+        graphs = DecodeGraphs([inp["key_cache"]], [inp["value_cache"]], NUM_HEADS,
+                              int(inp["block_tables"].shape[1]), scale, buckets=(8,))
+        try:
+            graphs.prepare(inp["block_tables"], inp["seq_lens"], host_seq_lens=host["seq_lens"])
+        except TypeError:  # a graph path without per-step partitioning
+            graphs.prepare(inp["block_tables"], inp["seq_lens"])
+        out = graphs.run(0, q).clone()
+        checks.record(f"graph ragged {dtype_name}, host lengths", rel_error(out, ref),
+                      TOL[dtype_name])
+
+
 def check_determinism(torch: Any, gen: Any, checks: Checks) -> None:
     """The same inputs twice must give bitwise the same output (a shared-memory race or a
     wrong cp.async group count shows as non-determinism long before it shows as error,
@@ -251,13 +282,16 @@ def phase_correctness(ctx: Any, torch: Any, smoke: bool) -> None:
 
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     checks = Checks(ctx)
+    # in priority order: a phase out of budget keeps the groups that ran
     groups: list[tuple[str, Any]] = [
+        ("decode", lambda: check_decode(torch, gen, checks)),
+        ("prefill", lambda: check_prefill(torch, gen, checks)),
         ("determinism", lambda: check_determinism(torch, gen, checks)),
-        ("graphs", lambda: check_graphs(torch, gen, checks))]
-    if not smoke:
-        groups += [("decode", lambda: check_decode(torch, gen, checks)),
-                   ("prefill", lambda: check_prefill(torch, gen, checks)),
-                   ("cache ops", lambda: check_cache_ops(torch, gen, checks))]
+        ("ragged", lambda: check_ragged(torch, gen, checks)),
+        ("graphs", lambda: check_graphs(torch, gen, checks)),
+        ("cache ops", lambda: check_cache_ops(torch, gen, checks))]
+    if smoke:  # the float64 references of the others take the smoke run's CPU too long
+        groups = [g for g in groups if g[0] in ("determinism", "graphs")]
     for name, fn in groups:
         ctx.cell(name, lambda fn=fn, name=name: checks.guarded(name, fn))
     if not smoke:
