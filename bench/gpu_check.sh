@@ -10,9 +10,12 @@
 #   On the device tool (carry [".whl"], built here by bench/gpu_wheels.sh; what is under $OUT
 #   comes back):  WHEELS_DIR=.whl PYTHON=python3 bench/gpu_check.sh "$OUT/gpu_check"
 #   Dry run without a GPU: bench/gpu_check.sh RESULTS_DIR --cpu-smoke
-# WHEELS_DIR: install those wheels (no network, no dependencies) into a fresh directory put
-# first on PYTHONPATH: the H200 image's numpy 2.5 compiles no kernel under numba-cuda 0.30.4,
-# and the engine imports packages the image lacks.
+# WHEELS_DIR: install those wheels (no network, no dependencies) into SITE_DIR (default: a
+# fresh temporary directory) put first on PYTHONPATH: the H200 image's numpy 2.5 compiles no
+# kernel under numba-cuda 0.30.4, and the engine imports packages the image lacks. A README run
+# after it in the same call reuses them:
+#   SITE_DIR=/tmp/site WHEELS_DIR=.whl PYTHON=python3 bench/gpu_check.sh "$OUT/gpu_check";
+#   PYTHONPATH=/tmp/site PAGEDKV_README_TIMEOUT_S=150 PYTHON=python3 bench/gpu_readme.sh -x
 # Results: RESULTS_DIR/gpu_check.jsonl (one line per measurement, written as measured),
 # gpu_check.json and gpu_check.md (rewritten after every phase), gpu_check.log (stdout+stderr).
 # The caller's PYTHONPATH is kept after the repository (packages carried to a GPU host).
@@ -30,7 +33,7 @@ shift
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 if [ -n "${WHEELS_DIR:-}" ]; then
-    site="$(mktemp -d)/site"
+    site="${SITE_DIR:-$(mktemp -d)/site}"
     "${PYTHON:-python}" -m pip install -q --no-index --no-deps --no-compile --target "$site" \
         "$WHEELS_DIR"/*.whl || { echo "gpu_check: installing $WHEELS_DIR failed" >&2; exit 3; }
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"

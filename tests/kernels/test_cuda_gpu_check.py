@@ -340,6 +340,39 @@ def test_cpu_smoke_runs_every_kernel_phase(tmp_path: Path) -> None:
     assert "## decode_ab — done" in (tmp_path / "r" / "gpu_check.md").read_text()
 
 
+def test_a_killed_run_keeps_every_finished_phase(tmp_path: Path) -> None:
+    """SIGTERM (what the wrapper's time limit sends) in the middle of a phase: exit 124, a
+    `killed` line, the finished phases' summary intact, the running phase's start on disk."""
+    import signal
+    import time
+
+    env = dict(os.environ)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    out = tmp_path / "r"
+    proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--out", str(out),
+                             "--cpu-smoke", "--phases", "setup,decode,engine_1b"], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = out / "gpu_check.jsonl"
+    deadline = time.monotonic() + 180
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if log.exists() and '"phase": "engine_1b", "event": "start"' in log.read_text():
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 124
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert records[-1]["event"] == "killed" and records[-1]["phases_done"] == ["setup", "decode"]
+    assert not any(r.get("phase") == "engine_1b" and r.get("event") == "end" for r in records)
+    summary = json.loads((out / "gpu_check.json").read_text())
+    assert [p["name"] for p in summary["phases"]] == ["setup", "decode"]
+    assert len(summary["phases"][1]["rows"]) == 4
+
+
 @pytest.mark.slow
 def test_cpu_smoke_prefill_versions(tmp_path: Path) -> None:
     """Two prepared kernel versions (HEAD's kernels/, twice) and this tree, each timed in its
