@@ -112,7 +112,8 @@ def test_plan_replays_changing_partitions_in_one_grid(monkeypatch) -> None:
 
 def test_graphs_pick_the_kernel_per_step(monkeypatch) -> None:
     """DecodeGraphs: a ragged step replays the bucket's split-K graph with its own
-    partitions, a short step the one-pass graph of the same bucket; both match."""
+    partitions, a short step the one-pass graph of the same bucket (chosen from the host
+    copy of the lengths); both match."""
     _small_thresholds(monkeypatch)
     rng = np.random.default_rng(8)
     case = make_case(rng, [280, 30, 12], num_kv_heads=1, block_size=8, head_dim=16)
@@ -121,8 +122,10 @@ def test_graphs_pick_the_kernel_per_step(monkeypatch) -> None:
                           scale=case.scale, buckets=(4,))
     q = torch.from_numpy(queries(rng, (3, 4, 16), np.float16))
     for rows, split in ((slice(0, 3), True), (slice(1, 3), False)):
+        # lengths the kernels read (on the device in production) and their host copy
         graphs.prepare(torch.from_numpy(case.block_tables[rows]),
-                       torch.from_numpy(case.seq_lens[rows]))
+                       torch.from_numpy(case.seq_lens[rows]),
+                       host_seq_lens=case.seq_lens[rows].tolist())
         assert graphs._current is not None and graphs._current[2] is split
         out = graphs.run(0, q[rows])
         assert_close(out.numpy(), _reference(case, q.numpy(), rows), 1e-3)
