@@ -17,6 +17,7 @@ copy bandwidth measured in the same run.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -207,6 +208,15 @@ class DecodeBench:
 # ------------------------------------------------------------------------------------------
 
 
+def attempt(row: dict[str, Any], name: str, fn: Any) -> None:
+    """Add `fn()`'s columns to `row`, or `{name}_error` when it raises: one path failing (a
+    graph capture, SDPA out of memory) keeps the cell's other paths."""
+    try:
+        row.update(fn())
+    except Exception as exc:  # noqa: BLE001 - recorded in the row; the next path still runs
+        row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+
+
 def phase_grid(ctx: Any, bench: DecodeBench) -> None:
     """Item 2: B x context, direct / graph / SDPA."""
     for batch, context in decode_grid(bench.sizes):
@@ -214,13 +224,14 @@ def phase_grid(ctx: Any, bench: DecodeBench) -> None:
             p = bench.pool([context] * batch)
             row: dict[str, Any] = {"batch": batch, "context": context, "kv_mb": p.bytes() / 1e6,
                                    "sets": p.sets}
-            row.update(bench.time_direct(p))
-            row.update(bench.time_graph(p))
+            attempt(row, "direct", functools.partial(bench.time_direct, p))
+            attempt(row, "graph", functools.partial(bench.time_graph, p))
             sets = p.sets
             del p
             bench.free()
-            row.update(bench.time_sdpa(batch, context, sets))
-            row["graph_speed_vs_sdpa"] = row["sdpa_kernel_us"] / row["graph_kernel_us"]
+            attempt(row, "sdpa", lambda: bench.time_sdpa(batch, context, sets))
+            if "sdpa_kernel_us" in row and "graph_kernel_us" in row:
+                row["graph_speed_vs_sdpa"] = row["sdpa_kernel_us"] / row["graph_kernel_us"]
             bench.free()
             return row
 
@@ -273,9 +284,9 @@ def phase_ab(ctx: Any, bench: DecodeBench) -> None:
         p = bench.pool(lens)
         row = {"ab": "ragged", "batch": len(lens), "context": max(lens),
                "mean_context": sum(lens) / len(lens), "kv_mb": p.bytes() / 1e6}
-        row.update(bench.time_direct(p))
-        row.update(bench.time_plan(p, schedule=True))
-        row.update(bench.time_graph(p))
+        attempt(row, "direct", lambda: bench.time_direct(p))
+        attempt(row, "plan", lambda: bench.time_plan(p, schedule=True))
+        attempt(row, "graph", lambda: bench.time_graph(p))
         return row
 
     ctx.cell("ragged", ragged)

@@ -325,6 +325,7 @@ def test_cpu_smoke_runs_every_kernel_phase(tmp_path: Path) -> None:
     in all three files. The engine phases are the next test (slow: transformers and the
     engine take longer than the rest together)."""
     rows, ends = _smoke(tmp_path / "r", "--skip", "engine_1b,engine_8b")
+    assert not [(r.get("cell"), k) for r in rows for k in r if k.endswith("_error")]
     assert list(ends) == ["setup", "jit", "correctness", "decode", "decode_ab", "million",
                           "prefill", "host", "prefill_ab"]
     cells = {(r["phase"], r.get("cell")) for r in rows}
