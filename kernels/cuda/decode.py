@@ -86,6 +86,8 @@ DECODE_SIGNATURE = (ADDR, ADDR, ADDR, ADDR, ADDR, ADDR, I32, F32)
 
 @cache
 def decode_kernel(spec: AttentionSpec) -> Any:
+    """The one-pass kernel of a variant: compiled at its first use in a process, or loaded
+    from the disk cache of compiled variants (`_kernel_cache`: ~5-17 s of JIT each)."""
     return compile_kernel(build_decode_kernel(spec), DECODE_SIGNATURE, launch_bounds(spec),
                           f"decode {spec!r}")
 

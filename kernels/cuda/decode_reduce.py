@@ -114,6 +114,7 @@ REDUCE_SIGNATURE = (ADDR, ADDR, ADDR, ADDR, ADDR)
 
 @cache
 def reduce_kernel(head_dim: int, num_heads: int, out_kind: str) -> Any:
+    """The reduce kernel of a geometry (compiled or loaded as `decode.decode_kernel`)."""
     return compile_kernel(build_reduce_kernel(head_dim, num_heads, out_kind), REDUCE_SIGNATURE,
                           (THREADS, 1), f"reduce {head_dim} {num_heads} {out_kind}")
 

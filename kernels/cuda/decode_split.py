@@ -112,6 +112,7 @@ SPLIT_SIGNATURE = (ADDR, ADDR, ADDR, ADDR, ADDR, ADDR, ADDR, ADDR, ADDR, I32, F3
 
 @cache
 def split_kernel(spec: AttentionSpec) -> Any:
+    """The split-K kernel of a variant (compiled or loaded as `decode.decode_kernel`)."""
     return compile_kernel(build_split_kernel(spec), SPLIT_SIGNATURE, launch_bounds(spec),
                           f"split {spec!r}")
 
