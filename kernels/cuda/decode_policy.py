@@ -22,9 +22,14 @@ Why each rule (issue 43, review `kernels.md` §1.2):
 - **No split below `MIN_SPLIT_TOKENS`.** A sequence that short is a few microseconds of
   K/V; a second kernel and a merge cost more than they save (FA3 never splits 512 keys at
   d128). A batch whose longest sequence is that short runs one pass.
-- **One pass once it keeps half the GPU busy.** Decode is memory-bound: with >= half of the
-  one-pass slots filled (3 blocks per SM) the one-pass grid streams near copy bandwidth
-  (0.85-0.91 measured at B=64 on an H200), and splitting would only add the merge.
+- **One pass once it keeps half the GPU busy.** Decode is memory-bound: when the one-pass
+  grid's efficiency is >= `ONE_PASS_FILL` (a uniform batch filling half of the one-pass slots,
+  3 blocks per SM) it streams near copy bandwidth (0.85-0.91 of copy measured at B=64 on an
+  H200), and more waves would only add the merge. A ragged batch whose longest sequence
+  dominates has a low one-pass efficiency whatever its size, so it is split.
+
+Graph buckets run a fixed split grid (`graph_items`), so `max_items` bounds the candidates;
+lengths known only on the device are taken at the table capacity (`uniform_parts`).
 """
 
 from __future__ import annotations
