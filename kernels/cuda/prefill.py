@@ -160,9 +160,26 @@ def plan_prefill_launches(spec: AttentionSpec, num_seqs: int,
             for seq0 in range(0, num_seqs, MAX_GRID_YZ)]
 
 
+# Resident blocks the FA2-class body promises per SM, by head_dim: 16 warps at 64 (<= 128
+# registers), 12 at 128 (<= 168; 128 registers spill 612 bytes) and at 256 (2-warp blocks).
+FA2_MIN_BLOCKS = {64: 4, 128: 3, 256: 6}
+
+
+def prefill_launch_bounds(spec: AttentionSpec) -> tuple[int, int]:
+    """(threads, min resident blocks per SM) for the register allocator. The FA2-class body
+    promises 12-16 warps per SM (`FA2_MIN_BLOCKS`), which nvJitLink 13.5 meets with 0 spills
+    for every shipped variant (bench/kernel_sass.py), where the unbounded build took 194-226
+    registers at head_dim >= 128 and held 8 warps, 2 per scheduler, to hide the serial softmax
+    chain of a slice. The SIMT body promises its threads only (`_host.launch_bounds`)."""
+    if spec.path != "tc":
+        return launch_bounds(spec)
+    dim = min(d for d in FA2_MIN_BLOCKS if d >= spec.head_dim)
+    return spec.num_threads, FA2_MIN_BLOCKS[dim]
+
+
 @cache
 def prefill_kernel(spec: AttentionSpec) -> Any:
-    return cuda.jit(PREFILL_SIGNATURE, **jit_options(launch_bounds(spec)))(
+    return cuda.jit(PREFILL_SIGNATURE, **jit_options(prefill_launch_bounds(spec)))(
         build_prefill_kernel(spec))
 
 
