@@ -187,6 +187,8 @@ class DecodeGraphs:
         host = to_host_numpy(seq_lens) if host_seq_lens is None else to_host_numpy(host_seq_lens)
         padded = None
         if host is not None:
+            if host.shape != (num_seqs,):
+                raise KernelInputError(f"host_seq_lens must have shape ({num_seqs},)")
             padded = np.zeros(batch, np.int64)
             padded[:num_seqs] = host
         split = state.plan.schedule(padded)

@@ -73,6 +73,9 @@ def test_graphs_reject_bad_use() -> None:
         graphs.prepare(torch.zeros((3, 2), dtype=torch.int32), torch.ones(3, dtype=torch.int32))
     with pytest.raises(KernelInputError, match="block_tables"):
         graphs.prepare(torch.zeros((1, 4), dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+    with pytest.raises(KernelInputError, match="host_seq_lens"):
+        graphs.prepare(torch.from_numpy(case.block_tables), torch.from_numpy(case.seq_lens),
+                       host_seq_lens=[5, 5])
     graphs.prepare(torch.from_numpy(case.block_tables), torch.from_numpy(case.seq_lens))
     with pytest.raises(KernelInputError, match="query"):
         graphs.run(0, torch.zeros((2, 2, 16), dtype=torch.float16))
