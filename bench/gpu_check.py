@@ -69,6 +69,8 @@ if _BENCH_DIR not in sys.path:
 
 from gpu_check_log import log  # noqa: E402
 from gpu_run import PhaseContext, PhaseResult, PhaseSpec, ResultsLog, Runner, rows_table, write_summary  # noqa: E402
+from gpu_targets import judge  # noqa: E402
+from gpu_targets import lines as target_lines  # noqa: E402
 
 EXIT_NO_GPU = 2
 DEFAULT_DEADLINE_S = 280.0
@@ -410,8 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     state: dict[str, Any] = {}
 
     def summary(results: list[PhaseResult]) -> None:
+        targets = judge({r.name: r.rows for r in results})
         write_summary(args.out, {**header, "wall_s": round(time.time() - started, 1)}, results,
-                      render)
+                      render, preface=target_lines(targets), extra={"targets": targets})
         last = results[-1]
         log(f"phase {last.name}: {last.status} in {last.seconds:.1f} s, {len(last.rows)} rows, "
             f"{len(last.failures)} failed checks, {len(last.errors)} errors {last.message}")

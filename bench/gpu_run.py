@@ -223,10 +223,12 @@ class Runner:
 
 
 def write_summary(out_dir: Path, header: dict[str, Any], results: list[PhaseResult],
-                  render: Callable[[PhaseResult], list[str]]) -> None:
-    """gpu_check.json (every phase's status and rows) and gpu_check.md (`render` per phase),
-    each written to a temporary name and renamed, so a kill mid-write leaves the previous one."""
-    payload = {**header, "phases": [
+                  render: Callable[[PhaseResult], list[str]], preface: list[str] | None = None,
+                  extra: dict[str, Any] | None = None) -> None:
+    """gpu_check.json (every phase's status and rows, plus `extra`) and gpu_check.md (the
+    phase table, `preface`, then `render` per phase), each written to a temporary name and
+    renamed, so a kill mid-write leaves the previous one."""
+    payload = {**header, **(extra or {}), "phases": [
         {"name": r.name, "status": r.status, "seconds": round(r.seconds, 2), "message": r.message,
          "failures": r.failures, "errors": r.errors, "rows": r.rows} for r in results]}
     _replace(out_dir / "gpu_check.json", json.dumps(strict_json(payload), indent=1, default=str))
@@ -237,6 +239,7 @@ def write_summary(out_dir: Path, header: dict[str, Any], results: list[PhaseResu
     lines += [f"| {r.name} | {r.status} | {r.seconds:.1f} | {len(r.rows)} | {len(r.failures)} | "
               f"{len(r.errors)} | {r.message[:120]} |" for r in results]
     lines.append("")
+    lines += preface or []
     for r in results:
         lines += render(r)
     _replace(out_dir / "gpu_check.md", "\n".join(lines) + "\n")

@@ -262,6 +262,46 @@ def test_a_compiling_first_call_does_not_set_a_long_spin() -> None:
     assert timer.spins == [1000.0, 1000.0]
 
 
+def test_issue_targets_are_judged_from_the_rows() -> None:
+    """Each target reads its own cells; a target whose cells are missing is "not measured",
+    never met."""
+    targets_mod = _load_bench("gpu_targets")
+    rows = {
+        "correctness": [{"check": "a", "ok": True}, {"check": "b", "ok": True}],
+        "million": [{"what": "decode", "ok": True}],
+        "prefill": [{"prefix": 0, "dtype": "float16", "head_dim": 128, "paged_vs_sdpa": 0.95},
+                    {"prefix": 0, "dtype": "bfloat16", "head_dim": 128, "paged_vs_sdpa": 1.2},
+                    {"prefix": 0, "dtype": "float16", "head_dim": 64, "paged_vs_sdpa": 9.0},
+                    {"prefix": 32768, "q_len": 64, "dtype": "float16", "paged_vs_sdpa": 2.0}],
+        "decode": [{"batch": 64, "context": 32768, "kv_mb": 8590.0, "graph_of_copy": 0.93,
+                    "graph_speed_vs_sdpa": 1.02},
+                   {"batch": 1, "context": 512, "kv_mb": 2.1, "graph_of_copy": 0.01},
+                   {"batch": 16, "context": 32768, "kv_mb": 2147.0, "graph_of_copy": 0.85}],
+        "engine_1b": [{"what": "batch-1 step at 1024", "vs_floor": 1.25},
+                      {"what": "batch-64 step at 1024", "vs_floor": 1.6, "engine_share": 0.05},
+                      {"what": "transformers", "ours_vs_hf_throughput": 3.4}],
+    }
+    got = {t["target"]: (t["measured"], t["met"]) for t in targets_mod.judge(rows)}
+    assert got["correctness: every check within tolerance, repeats bitwise equal"] == ("3/3", True)
+    assert got["prefill 8k float16 d128: paged time / SDPA flash"] == ("0.95", True)
+    assert got["prefill 8k bfloat16 d128: paged time / SDPA flash"] == ("1.20", False)
+    assert got["prefill chunk 64 after 32k: speed / SDPA's"] == ("0.50", False)
+    # the 2 MB cell does not count; the 2.1 GB one at 0.85 misses
+    assert got["decode graph path / copy bandwidth, cells with K/V >= 256 MB"] == ("0.93, 0.85", False)
+    assert got["decode B=64 x 32768 graph: speed / SDPA's"] == ("1.02", True)
+    assert got["decode ragged batch, graph path / copy bandwidth"] == ("not measured", None)
+    assert got["engine_1b: throughput / transformers'"] == ("3.40", True)
+    assert got["engine_1b: batch-1 decode step / weights floor"] == ("1.25", True)
+    assert got["engine_1b: batch-64 decode step / weights + K/V floor"] == ("1.60", False)
+    assert got["engine_1b: host (engine) share of a decode step"] == ("0.05", True)
+    assert got["engine_8b: throughput / transformers'"] == ("not measured", None)
+    text = "\n".join(targets_mod.lines(targets_mod.judge(rows)))
+    assert "| decode B=64 x 32768 graph: speed / SDPA's | >= 1.0 | 1.02 | met |" in text
+    assert "| 1.20 | **not met** |" in text
+    empty = targets_mod.judge({})
+    assert all(t["met"] is None and t["measured"] == "not measured" for t in empty)
+
+
 def test_prefill_cpu_parts() -> None:
     """Chunking and the causal FLOP count of the prefill timing."""
     gp = _load_bench("gpu_check_prefill")
@@ -315,6 +355,7 @@ def _smoke(out: Path, *options: str) -> tuple[list[dict], dict[str, dict]]:
     assert all(e["status"] == "done" and e["num_errors"] == 0 for e in ends.values()), ends
     summary = json.loads((out / "gpu_check.json").read_text())
     assert [p["name"] for p in summary["phases"]] == list(ends)
+    assert len(summary["targets"]) == 15 and "## Issue 43 targets" in (out / "gpu_check.md").read_text()
     assert f"phase {list(ends)[-1]}: done" in (out / "gpu_check.log").read_text()
     return [r for r in records if r.get("event") == "row"], ends
 
