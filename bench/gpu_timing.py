@@ -2,7 +2,7 @@
 
 The 2026-12-04 run timed each call as `start.record(); fn(); end.record()` from an idle stream,
 so the start event fired before the Python of `fn` had launched anything and every direct cell
-carried 80–260 µs of host time. Here each call is measured three ways:
+carried 80–260 µs of host time. Here each call is measured four ways:
 
 - `kernel_us`: the GPU time of the call's launches only. The stream is first given a spin
   kernel (`torch.cuda._sleep`) longer than the call's Python, then the start event, the call,
@@ -11,7 +11,9 @@ carried 80–260 µs of host time. Here each call is measured three ways:
   spin outlasted the host is checked per call (`primed`: False means the number includes host).
 - `back_to_back_us`: N calls between one event pair, per call: the throughput a caller that
   never synchronises sees (the kernel time when the host keeps ahead, else the host's pace).
-- `host_us`: Python microseconds per call measured on the CPU (no synchronisation).
+- `host_us`: Python microseconds per call measured on the CPU (no synchronisation);
+- `latency_us`: one call from an idle stream to the end of its kernels, synchronised: what a
+  synchronous caller waits (the old method, host and kernel together).
 
 On the CPU (`Timer(torch, "cpu")`, the --cpu-smoke run) events are wall-clock stand-ins and the
 spin is a no-op, so the same code runs end to end without a GPU.
@@ -87,10 +89,12 @@ class CallTimes:
     host_us: float
     primed: bool  # the spin outlasted the host in every kernel_us repetition
     reps: int
+    latency_us: float = 0.0  # one call from an idle stream to its end (a synchronous caller)
 
     def as_row(self, prefix: str = "") -> dict[str, Any]:
         return {f"{prefix}kernel_us": self.kernel_us, f"{prefix}b2b_us": self.back_to_back_us,
-                f"{prefix}host_us": self.host_us, f"{prefix}primed": self.primed}
+                f"{prefix}host_us": self.host_us, f"{prefix}latency_us": self.latency_us,
+                f"{prefix}primed": self.primed}
 
 
 MAX_SPIN_US = 20_000.0  # a first call that compiled a kernel must not set a seconds-long spin
@@ -98,7 +102,7 @@ MAX_SPIN_US = 20_000.0  # a first call that compiled a kernel must not set a sec
 
 def time_call(timer: Timer, fn: Callable[[int], Any], reps: int, *, warmup: int = 2,
               b2b_calls: int | None = None, spin_us: float = 1000.0) -> CallTimes:
-    """Measure `fn(i)` (i = repetition index, to rotate inputs) the three ways of the module
+    """Measure `fn(i)` (i = repetition index, to rotate inputs) the four ways of the module
     doc. The spin is lengthened to 3x the last warm-up call's host time when that is longer
     (the first may include a JIT compile), up to MAX_SPIN_US; `primed` says whether it held."""
     host = []
@@ -134,7 +138,16 @@ def time_call(timer: Timer, fn: Callable[[int], Any], reps: int, *, warmup: int 
     timer.sync()
     b2b = start.elapsed_time(end) * 1e3 / calls
     host_us = min(statistics.median(host), loop_us / calls)
-    return CallTimes(kernel_us, b2b, host_us, primed and timer.can_spin(), reps)
+    latency = []  # the 2026-12-04 method: host and kernel together, from an idle stream
+    for i in range(min(reps, 5)):
+        start, end = timer.event(), timer.event()
+        start.record()
+        fn(i)
+        end.record()
+        timer.sync()
+        latency.append(start.elapsed_time(end) * 1e3)
+    return CallTimes(kernel_us, b2b, host_us, primed and timer.can_spin(), reps,
+                     statistics.median(latency) if latency else 0.0)
 
 
 def reps_for(est_us: float, target_us: float = 20_000.0, lo: int = 5, hi: int = 30) -> int:

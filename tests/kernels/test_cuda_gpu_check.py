@@ -221,10 +221,13 @@ def test_time_call_on_the_cpu_counts_every_call() -> None:
     seen = []
     times = timing.time_call(timing.Timer(torch, "cpu"), seen.append, reps=4, warmup=2,
                              b2b_calls=6)
-    assert seen == [0, 1, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5]
+    # warm-up, timed repetitions, back to back, then the synchronous latency calls
+    assert seen == [0, 1, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3]
     assert times.reps == 4 and not times.primed
     assert times.kernel_us >= 0 and times.back_to_back_us >= 0 and times.host_us >= 0
-    assert set(times.as_row("x_")) == {"x_kernel_us", "x_b2b_us", "x_host_us", "x_primed"}
+    assert times.latency_us >= 0
+    assert set(times.as_row("x_")) == {"x_kernel_us", "x_b2b_us", "x_host_us", "x_latency_us",
+                                       "x_primed"}
 
 
 def test_a_compiling_first_call_does_not_set_a_long_spin() -> None:
