@@ -6,9 +6,10 @@ concurrent clients on their own pools): block managers on memory://, on SQLite
 (WAL, synchronous=FULL, the default) from this tree, and on SQLite FULL from the `--before`
 revision (extracted with `git archive`). All servers run at once and short rounds alternate
 between them, so the machine's load drift hits all alike; medians per server, ratio to
-memory:// of the same round set. With `--normal`, SQLite synchronous=NORMAL (no fsync per
-commit) from this tree too: the difference FULL - NORMAL is the fsync, NORMAL - memory is
-the journal's CPU.
+memory:// of the same round set; and each server's CPU per Step (from /proc, every thread,
+over all rounds; the Step count is rate x wall time, setup included: indicative). With
+`--normal`, SQLite synchronous=NORMAL (no fsync per commit) from this tree too: the
+difference FULL - NORMAL is the fsync, NORMAL - memory is the journal's CPU.
 
 `--pipeline`: instead, pipelined Steps (`ClientSession.after`, docs/durability.md "Pipelined
 Steps") against one at a time, on memory:// and SQLite FULL of this tree: a decode-only
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import statistics
 import subprocess
 import sys
@@ -210,22 +212,35 @@ def main() -> None:
         normal = {"PAGEDKV_SQLITE_SYNCHRONOUS": "NORMAL"}
         servers.append(("SQLite NORMAL (this tree)", f"sqlite:///{tmp / 'normal.db'}", bs.REPO, normal))
     samples: dict[tuple[str, int], list[float]] = {(name, n): [] for name, *_ in servers for n in (1, 8)}
+    cpu: dict[str, list[float]] = {name: [0.0, 0.0] for name, *_ in servers}   # server CPU-s, Steps
     print(f"# bench_durability  rounds {args.rounds} x {args.seconds:g}s  64 sequences per client", flush=True)
     with contextlib.ExitStack() as stack:
         targets = [
-            (name, stack.enter_context(bs.bm_server(url, tree=tree, PAGEDKV_SNAPSHOT_INTERVAL_S="3600", **env))[0])
+            (name, *stack.enter_context(bs.bm_server(url, tree=tree, PAGEDKV_SNAPSHOT_INTERVAL_S="3600", **env)))
             for name, url, tree, env in servers
         ]
         for r in range(args.rounds):
             for n in (1, 8):
-                for name, target in targets:
-                    samples[(name, n)].append(asyncio.run(bs._async_steps(target, f"r{r}c{n}", n, 64, args.seconds)))
+                for name, target, proc in targets:
+                    cpu0, t0 = _cpu_s(proc.pid), time.perf_counter()
+                    rate = asyncio.run(bs._async_steps(target, f"r{r}c{n}", n, 64, args.seconds))
+                    cpu[name][0] += _cpu_s(proc.pid) - cpu0
+                    cpu[name][1] += rate * (time.perf_counter() - t0)   # Steps, about (setup included)
+                    samples[(name, n)].append(rate)
     base = {n: statistics.median(samples[(servers[0][0], n)]) for n in (1, 8)}
-    print("| server | 1 client steps/s | vs memory | 8 clients steps/s | vs memory |")
-    print("|---|---:|---:|---:|---:|")
+    print("| server | 1 client steps/s | vs memory | 8 clients steps/s | vs memory | server CPU ms/Step |")
+    print("|---|---:|---:|---:|---:|---:|")
     for name, *_ in servers:
         one, eight = (statistics.median(samples[(name, n)]) for n in (1, 8))
-        print(f"| {name} | {one:.0f} | {one / base[1]:.2f}x | {eight:.0f} | {eight / base[8]:.2f}x |", flush=True)
+        ms = 1e3 * cpu[name][0] / max(cpu[name][1], 1.0)
+        print(f"| {name} | {one:.0f} | {one / base[1]:.2f}x | {eight:.0f} | {eight / base[8]:.2f}x | {ms:.2f} |",
+              flush=True)
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid`, every thread (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":
