@@ -47,7 +47,6 @@ from block_manager.service.errors import NotPlaced
 from block_manager.service.state_codec import check_count, check_optional_str, plan_dict
 from block_manager.service.step_answer import ItemError, PoolFree, SettledPool, StepAnswer, pool_step_dict
 from block_manager.service.step_codec import Alloc, AppendColumns, Report, StepInput
-from block_manager.store.records import Body
 
 SNAPSHOT_FORMAT = 2
 DEFRAG_KINDS: tuple[DefragKind, ...] = ("compaction", "contiguity")
@@ -73,10 +72,9 @@ class StateConfig:
 
 @dataclass(slots=True, frozen=True)
 class Applied:
-    """An op's answer (a live Step's packed by its `ReceivedStep`, every other a dict) and
-    whether it changed the state (only then is it journaled)."""
+    """An op's answer and whether it changed the state (only then is it journaled)."""
 
-    result: Body
+    result: dict[str, Any]
     mutated: bool
 
 
