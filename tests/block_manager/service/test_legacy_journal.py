@@ -1,12 +1,14 @@
-"""A journal written before the Step records became binary still recovers: the fixture
-`golden/legacy_json_journal/` was written by revision d9bd5ee (every record canonical JSON;
-`golden/make_legacy_journal.py` regenerates it from a checkout of that revision). Replayed by
-this tree it gives the state that server held, the same prefix hits, and its recorded answers
-(a sessioned retry gets the recorded response byte for byte); new (binary) records appended
-after it replay together with the old ones."""
+"""A journal and a snapshot written before the Step records became binary still recover: the
+fixture `golden/legacy_json_journal/` was written by revision d9bd5ee (every record canonical
+JSON, session answers in the snapshot as JSON; `golden/make_legacy_journal.py` regenerates it
+from a checkout of that revision). Replayed by this tree, or loaded from that snapshot, it gives
+the state that server held, the same prefix hits, and its recorded answers (a sessioned retry
+gets the recorded response byte for byte); new (binary) records appended after it replay
+together with the old ones."""
 
 from __future__ import annotations
 
+import base64
 import json
 import sqlite3
 import time
@@ -28,9 +30,9 @@ def _expected() -> dict[str, Any]:
     return json.loads((FIXTURE / "expected.json").read_text())
 
 
-def _legacy_db(tmp_path: Path) -> str:
+def _legacy_db(tmp_path: Path, *, with_snapshot: bool = False) -> str:
     """A fresh SQLite store holding the fixture's rows verbatim (their times moved to now, so the
-    session window and the request retention still cover them)."""
+    session window and the request retention still cover them), and its snapshot if asked."""
     url = f"sqlite:///{tmp_path / 'legacy.db'}"
     open_store(url).close()   # the schema
     rows = [json.loads(line) for line in (FIXTURE / "journal.jsonl").read_text().splitlines()]
@@ -43,6 +45,10 @@ def _legacy_db(tmp_path: Path) -> str:
             [(r["seq_no"], r["request_id"], r["op"], r["payload"], r["result"], r["payload_digest"],
               r["created_at"] + shift) for r in rows],
         )
+        if with_snapshot:
+            snap = json.loads((FIXTURE / "snapshot.json").read_text())
+            con.execute("INSERT INTO snapshots (seq_no, encoding, state, created_at) VALUES (?, ?, ?, ?)",
+                        (snap["seq_no"], snap["encoding"], base64.b64decode(snap["state"]), time.time()))
     con.close()
     return url
 
@@ -72,6 +78,22 @@ async def test_a_json_journal_of_the_old_format_recovers_state_hits_and_answers(
     resp = await h.stub.Step(again)
     assert resp.SerializeToString(deterministic=True).hex() == expected["responses"]["session"]
     assert runtime.state.to_snapshot() == expected["snapshot"]   # answered, not applied again
+
+
+async def test_a_snapshot_of_the_old_format_recovers_state_hits_and_answers(
+    start_server: Callable[..., Any], tmp_path: Path,
+) -> None:
+    expected = _expected()
+    h: Harness = await start_server(database_url=_legacy_db(tmp_path, with_snapshot=True))
+    runtime = h.server.runtime
+    assert runtime is not None and runtime.num_replayed == 0   # all of it from the snapshot
+    assert runtime.state.to_snapshot() == expected["snapshot"]
+    assert await _routes(h, expected["route_prompts"]) == expected["routes"]
+    again = pb.StepRequest.FromString(bytes.fromhex(expected["responses"]["session_request"]))
+    again.session.acked = 1
+    resp = await h.stub.Step(again)   # answered from the snapshot's session table (a JSON answer)
+    assert resp.SerializeToString(deterministic=True).hex() == expected["responses"]["session"]
+    assert runtime.state.to_snapshot() == expected["snapshot"]
 
 
 async def test_old_and_new_records_replay_together(start_server: Callable[..., Any], tmp_path: Path) -> None:

@@ -10,13 +10,16 @@ Run it from a checkout of that revision (the imports resolve there, not here):
         /work/main/tests/block_manager/service/golden/legacy_json_journal
 
 Written: `journal.jsonl` (one journal row per line, the stored text of its payload and result
-verbatim) and `expected.json` (the live state's snapshot, the routes' prefix hits and the
-responses of the Steps, as that server gave them).
+verbatim), `snapshot.json` (the snapshot row that server wrote when it stopped, its blob in
+base64: the state and the client sessions, their answers in the JSON form) and
+`expected.json` (the live state's snapshot, the routes' prefix hits and the responses of the
+Steps, as that server gave them).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import sqlite3
@@ -80,11 +83,17 @@ async def main(out: Path) -> None:
                        "FROM journal ORDER BY seq_no").fetchall()
     con.close()
     await channel.close()
-    await server.stop(0)
+    await server.stop(0)   # writes the final snapshot
+    con = sqlite3.connect(db)
+    snap = con.execute("SELECT seq_no, encoding, state, created_at FROM snapshots").fetchone()
+    con.close()
     out.mkdir(parents=True, exist_ok=True)
     keys = ("seq_no", "request_id", "op", "payload", "result", "payload_digest", "created_at")
     (out / "journal.jsonl").write_text("".join(json.dumps(dict(zip(keys, row)), sort_keys=True) + "\n" for row in rows))
     expected = {"snapshot": snapshot, "routes": routes, "route_prompts": ROUTES, "responses": responses}
+    (out / "snapshot.json").write_text(json.dumps(
+        {"seq_no": snap[0], "encoding": snap[1], "state": base64.b64encode(snap[2]).decode(), "created_at": snap[3]},
+        sort_keys=True) + "\n")
     (out / "expected.json").write_text(json.dumps(expected, sort_keys=True, indent=1) + "\n")
     print(f"{len(rows)} records -> {out}")
 
