@@ -7,6 +7,13 @@ long. `kernels.DecodeGraphs` replays one captured CUDA graph per (layer, batch-s
 instead: one copy of the step's tables and lengths (`prepare`), then per layer one query copy
 and one replay.
 
+Host lengths: the caller passes the step's lengths twice, on the device (what the kernels
+read) and as the host array it built them from (`host_seq_lens`). From the host copy
+`prepare` chooses each step's kernel and partitions (`kernels/cuda/decode_policy.py`): no
+split below 1024 tokens, a ragged batch cut by a common chunk size. Without it, lengths that
+live only on the device are taken at the table capacity (the bucket's design point: every
+row split alike), and reading them back would synchronise the step.
+
 One helper serves both callers, the model path (`model/attention.py`) and the attention-only
 `Forward` path (`forward.py`): `pool.begin_decode(...)` once per step returns a `DecodeStep`,
 whose `run(layer, query, out)` is called per layer whichever way it launches.
@@ -47,6 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -146,8 +154,11 @@ class DecodePath:
         self._bound: StepShape | None = None
         self._generation = 0
 
-    def begin(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, shape: StepShape) -> DecodeStep:
-        """Choose this step's path; for graphs, load its tables and lengths (once per step)."""
+    def begin(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, shape: StepShape,
+              host_seq_lens: np.ndarray | None = None) -> DecodeStep:
+        """Choose this step's path; for graphs, load its tables and lengths (once per step).
+        `host_seq_lens`: the same lengths on the host (int [num_seqs]), from which the graphs
+        partition the step (module doc); None leaves the bucket's design point."""
         self._generation += 1
         if not self.enabled:
             return DecodeStep(self, block_tables, seq_lens, shape.scale, None)
@@ -160,7 +171,7 @@ class DecodePath:
         # later steps, and an inference tensor may only be updated inside inference mode
         # (the model path runs in it, the Forward path does not).
         with torch.inference_mode():
-            self._bind(shape).prepare(block_tables, seq_lens)
+            self._bind(shape).prepare(block_tables, seq_lens, host_seq_lens=host_seq_lens)
         self.stats.graph_steps += 1
         return DecodeStep(self, block_tables, seq_lens, shape.scale, self._generation)
 

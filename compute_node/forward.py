@@ -242,7 +242,11 @@ def execute(pool: KvPool, batch: ForwardBatch, plan: AttentionPlan) -> tuple[lis
     if plan.decode_tables is not None:   # every layer's query has one dtype and shape (parse_forward)
         first = batch.layers[0].query
         shape = StepShape(int(first.shape[1]), first.dtype, batch.scale)
-        decode = pool.begin_decode(_dev(plan.decode_tables, device), _dev(plan.decode_lens, device), shape)
+        # the lengths' host copy too: the decode graphs partition the step by it
+        decode = pool.begin_decode(
+            _dev(plan.decode_tables, device), _dev(plan.decode_lens, device), shape,
+            host_seq_lens=_host(plan.decode_lens),
+        )
     outputs = [_attend(pool, step, plan, decode, batch.scale, device) for step in batch.layers]
     _sync(device)
     t2 = time.perf_counter()
@@ -282,6 +286,13 @@ def _decode(step: DecodeStep | None) -> DecodeStep:
     if step is None:  # plan_attention made a decode group, so execute began it: a bug (INTERNAL)
         raise RuntimeError("missing decode step")
     return step
+
+
+def _host(x: torch.Tensor | None) -> np.ndarray:
+    """A host index tensor of the plan as NumPy (no copy: `plan_attention` builds them on the CPU)."""
+    if x is None:  # the caller checked the group exists; reaching this is a bug (INTERNAL)
+        raise RuntimeError("missing attention index tensor")
+    return x.numpy()
 
 
 def _dev(x: torch.Tensor | None, device: torch.device) -> torch.Tensor:

@@ -136,10 +136,15 @@ class KvPool:
             key, value, self.key_caches[layer], self.value_caches[layer], slot_mapping, backend=self.backend
         )
 
-    def begin_decode(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, shape: StepShape) -> DecodeStep:
+    def begin_decode(
+        self, block_tables: torch.Tensor, seq_lens: torch.Tensor, shape: StepShape,
+        host_seq_lens: np.ndarray | None = None,
+    ) -> DecodeStep:
         """The decode group of one step (tables int32 `[num_seqs, width]`, lengths int32
-        `[num_seqs]`, on the pool's device); call once per step, then `run` it per layer."""
-        return self.decode_path.begin(block_tables, seq_lens, shape)
+        `[num_seqs]`, on the pool's device); call once per step, then `run` it per layer.
+        `host_seq_lens`: the lengths' host copy, which the CUDA graphs partition the step by
+        (`decode_path.py`); pass it whenever the caller has it."""
+        return self.decode_path.begin(block_tables, seq_lens, shape, host_seq_lens)
 
     def begin_cpu_step(
         self,

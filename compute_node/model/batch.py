@@ -98,6 +98,9 @@ class StepInputs:
     sample_seqs: list[int]         # batch index of each sampled sequence, aligned with sample_rows
     row_order: list[int]           # batch index of the sequence of each row group, in row order
     row_starts: np.ndarray         # int64 [num_seqs + 1]: first row of each sequence (row order)
+    # int32 [num_decode_seqs]: meta.decode_seq_lens on the host, from which the decode graphs
+    # partition the step (KvPool.begin_decode); None without decode sequences
+    decode_seq_lens_host: np.ndarray | None = None
 
 
 def prepare_step(
@@ -164,6 +167,7 @@ def prepare_step(
         sample_seqs=[order[j] for j in sampled],
         row_order=order,
         row_starts=row_starts,
+        decode_seq_lens_host=lens32[:num_dec] if num_dec else None,
     )
 
 

@@ -240,7 +240,9 @@ class ModelRunner:
             )
         elif meta.decode_block_tables is not None and meta.decode_seq_lens is not None:
             shape = StepShape(cfg.num_heads, self.model.dtype, meta.scale)
-            meta.decode = self.pool.begin_decode(meta.decode_block_tables, meta.decode_seq_lens, shape)
+            meta.decode = self.pool.begin_decode(
+                meta.decode_block_tables, meta.decode_seq_lens, shape, host_seq_lens=inputs.decode_seq_lens_host
+            )
         return inputs
 
     def _sync_time(self) -> float:

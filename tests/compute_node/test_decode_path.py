@@ -49,11 +49,13 @@ class FakeGraphs:
     def __init__(self, key_caches, value_caches, num_heads, max_blocks_per_seq, scale, dtype=None) -> None:
         self.args = (num_heads, max_blocks_per_seq, scale, dtype)
         self.prepared: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.host_lens: list[object] = []   # host_seq_lens of each prepare
         self.static = torch.zeros(0)
         FakeGraphs.instances.append(self)
 
-    def prepare(self, block_tables, seq_lens) -> int:
+    def prepare(self, block_tables, seq_lens, *, host_seq_lens=None) -> int:
         self.prepared.append((block_tables, seq_lens))
+        self.host_lens.append(host_seq_lens)
         return 4
 
     def run(self, layer, query, out=None):
@@ -150,3 +152,44 @@ def test_config_switch_and_metrics(monkeypatch) -> None:
     assert 'pagedkv_cn_decode_steps_total{path="graph"} 3.0' in text
     assert 'pagedkv_cn_decode_steps_total{path="fallback_batch"} 1.0' in text
     assert "pagedkv_cn_decode_graph_bytes 4096.0" in text
+
+
+def test_host_lengths_reach_the_graphs(graphed_pool: KvPool) -> None:
+    """The graphs partition a step from the host copy of its lengths (issue 43): it is passed
+    through untouched; a caller without one passes None (the bucket's design point)."""
+    tables, lens = _tables(3, 2)
+    host = lens.numpy().copy()
+    graphed_pool.begin_decode(tables, lens, SHAPE, host_seq_lens=host)
+    graphed_pool.begin_decode(tables, lens, SHAPE)
+    (graphs,) = FakeGraphs.instances
+    assert graphs.host_lens[0] is host and graphs.host_lens[1] is None
+
+
+def test_model_step_inputs_carry_host_decode_lengths() -> None:
+    from compute_node.model import SeqWork
+    from compute_node.model.batch import prepare_step
+
+    batch = [SeqWork("p", [1, 2, 3], 0, [0]), SeqWork("a", [4], 9, [1, 2, 3]), SeqWork("b", [5], 2, [4])]
+    inputs = prepare_step(batch, GEOMETRY, vocab_size=10, max_model_len=20, head_dim=16, device=torch.device("cpu"))
+    host, dev = inputs.decode_seq_lens_host, inputs.meta.decode_seq_lens
+    assert host is not None and dev is not None
+    assert host.tolist() == [10, 3] == dev.tolist()
+    only_prefill = prepare_step(batch[:1], GEOMETRY, vocab_size=10, max_model_len=20, head_dim=16,
+                                device=torch.device("cpu"))
+    assert only_prefill.decode_seq_lens_host is None
+
+
+def test_forward_passes_its_host_lengths(graphed_pool: KvPool) -> None:
+    """The attention-only Forward path: the plan's lengths (built on the host) go with the step."""
+    from compute_node.forward import AttentionPlan, ForwardBatch, LayerStep, execute
+
+    graphed_pool.backend = "cpu"   # K/V writes on the CPU kernels (no simulator in this process)
+    q = torch.randn((2, 4, 16), dtype=torch.float16)
+    kv = torch.zeros((2, 2, 16), dtype=torch.float16)
+    batch = ForwardBatch("r", [], [], [LayerStep(0, q, kv, kv)], 0.125, 2, torch.tensor([0, 5]))
+    lens = torch.tensor([1, 2], dtype=torch.int32)
+    plan = AttentionPlan(torch.tensor([0, 1]), torch.tensor([[0], [1]], dtype=torch.int32), lens,
+                         None, None, None, None, 0)
+    (out,), _ = execute(graphed_pool, batch, plan)
+    (graphs,) = FakeGraphs.instances
+    assert torch.equal(torch.as_tensor(graphs.host_lens[0]), lens) and torch.equal(out, q)
