@@ -24,11 +24,11 @@ from numba import cuda
 
 from kernels._validate import KernelInputError, is_device_array, is_torch
 from kernels.cuda._host import ADDR, index_ptr
+from kernels.cuda._kernel_cache import compile_kernel
 from kernels.cuda._ops import ld_s64
 from kernels.cuda._runtime import (
     SIMULATOR,
     device_ptr,
-    jit_options,
     kind_of,
     launcher,
     max_grid_blocks,
@@ -96,8 +96,10 @@ COPY_SIGNATURE = (ADDR, ADDR, ADDR, ADDR)
 
 @cache
 def copy_kernel(num_kv_heads: int, block_size: int, head_dim: int, kind: str) -> Any:
-    return cuda.jit(COPY_SIGNATURE, **jit_options((THREADS, 1)))(
-        build_copy_kernel(num_kv_heads, block_size, head_dim, kind))
+    """The compiled kernel of one geometry: JIT once per process, or loaded from the disk cache
+    (`_kernel_cache`: keyed by this variant and every kernel source)."""
+    return compile_kernel(build_copy_kernel(num_kv_heads, block_size, head_dim, kind), COPY_SIGNATURE,
+                          (THREADS, 1), f"copy {num_kv_heads} {block_size} {head_dim} {kind}")
 
 
 def _host_pairs(block_mapping: Any) -> np.ndarray:

@@ -16,12 +16,12 @@ from typing import Any
 from numba import cuda, int32, int64
 
 from kernels.cuda._host import ADDR, index_ptr
+from kernels.cuda._kernel_cache import compile_kernel
 from kernels.cuda._ops import ld_s64, ld_u32, ld_v2, ld_v4, st_u32, st_v2, st_v4
 from kernels.cuda._runtime import (
     check_aligned,
     device_function,
     device_ptr,
-    jit_options,
     kind_of,
     launcher,
     max_grid_blocks,
@@ -86,8 +86,10 @@ WRITE_SIGNATURE = (ADDR, ADDR, ADDR, ADDR, ADDR, ADDR)
 
 @cache
 def write_kernel(num_kv_heads: int, block_size: int, head_dim: int, kind: str) -> Any:
-    return cuda.jit(WRITE_SIGNATURE, **jit_options((THREADS, 1)))(
-        build_write_kernel(num_kv_heads, block_size, head_dim, kind))
+    """The compiled kernel of one geometry: JIT once per process, or loaded from the disk cache
+    (`_kernel_cache`: keyed by this variant and every kernel source)."""
+    return compile_kernel(build_write_kernel(num_kv_heads, block_size, head_dim, kind), WRITE_SIGNATURE,
+                          (THREADS, 1), f"write {num_kv_heads} {block_size} {head_dim} {kind}")
 
 
 def write_slots(

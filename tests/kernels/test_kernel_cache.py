@@ -2,8 +2,9 @@
 
 No GPU here: one process builds a variant for sm_90a the offline way (NVVM, nvJitLink) into
 a fresh cache directory; a second process must find it without compiling anything (NVVM
-made to fail there), both through `build_offline` and through the production entry point
-`decode_reduce.reduce_kernel` (which is what a GPU process calls at first use).
+made to fail there), both through `build_offline` and through the production entry points
+(`decode_reduce.reduce_kernel`, `slot_write.write_kernel`, `block_copy.copy_kernel`: what a GPU
+process calls at first use).
 """
 
 from __future__ import annotations
@@ -25,22 +26,39 @@ from kernels.cuda._kernel_cache import CACHE_ENV, cache_dir, entry_key, target_c
 
 REPO = Path(__file__).resolve().parents[2]
 
-BUILD = textwrap.dedent("""
+# Each kernel the cache serves: (variant as its production entry point names it, kernel function,
+# signature, launch bounds, the production entry point's call). Decode and split-K are left out
+# here for time (~20 s each to compile); `python -m kernels.cuda._kernel_cache` builds those.
+KERNELS = textwrap.dedent("""
+    from kernels.cuda import block_copy, decode_reduce, slot_write
+    KERNELS = {
+        "reduce": ("reduce 64 8 f16", lambda: decode_reduce.build_reduce_kernel(64, 8, "f16"),
+                   decode_reduce.REDUCE_SIGNATURE, (decode_reduce.THREADS, 1),
+                   lambda: decode_reduce.reduce_kernel(64, 8, "f16")),
+        "write": ("write 2 16 64 f16", lambda: slot_write.build_write_kernel(2, 16, 64, "f16"),
+                  slot_write.WRITE_SIGNATURE, (slot_write.THREADS, 1),
+                  lambda: slot_write.write_kernel(2, 16, 64, "f16")),
+        "copy": ("copy 2 16 64 f16", lambda: block_copy.build_copy_kernel(2, 16, 64, "f16"),
+                 block_copy.COPY_SIGNATURE, (block_copy.THREADS, 1),
+                 lambda: block_copy.copy_kernel(2, 16, 64, "f16")),
+    }
+""")
+
+BUILD = KERNELS + textwrap.dedent("""
     import json, sys
-    from kernels.cuda import _kernel_cache as kc, decode_reduce
-    if sys.argv[1] == "second":  # nothing may compile in this process
+    from kernels.cuda import _kernel_cache as kc
+    stage, name = sys.argv[1], sys.argv[2]
+    if stage == "second":  # nothing may compile in this process
         from numba.cuda.cudadrv import nvvm
         def refuse(*args, **kwargs):
             raise RuntimeError("NVVM called: the cache was missed")
         nvvm.compile_ir = refuse
-    variant = "reduce 64 8 f16"
-    func = decode_reduce.build_reduce_kernel(64, 8, "f16")
-    hit, seconds = kc.build_offline(func, decode_reduce.REDUCE_SIGNATURE, (decode_reduce.THREADS, 1),
-                                    variant)
+    variant, build, signature, bounds, production = KERNELS[name]
+    hit, seconds = kc.build_offline(build(), signature, bounds, variant)
     result = {"offline_hit": hit, "seconds": seconds}
-    if sys.argv[1] == "second":  # the production entry point, on a pretend sm_90 device
+    if stage == "second":  # the production entry point, on a pretend sm_90 device
         with kc.offline_target((9, 0)):
-            kernel = decode_reduce.reduce_kernel(64, 8, "f16")
+            kernel = production()
         (compiled,) = kernel.overloads.values()
         result["cubins"] = [list(cc) for cc in compiled._codelibrary._cubin_cache]
     result["stats"] = kc.stats
@@ -48,25 +66,26 @@ BUILD = textwrap.dedent("""
 """)
 
 
-def _run(stage: str, cache: Path) -> dict:
+def _run(stage: str, kernel: str, cache: Path) -> dict:
     import json
 
     env = dict(os.environ, PYTHONPATH=str(REPO), **{CACHE_ENV: str(cache)})
     env.pop("NUMBA_ENABLE_CUDASIM", None)
-    proc = subprocess.run([sys.executable, "-c", BUILD, stage], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-c", BUILD, stage, kernel], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_a_second_process_loads_the_compiled_kernel(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kernel", ["reduce", "write", "copy"])
+def test_a_second_process_loads_the_compiled_kernel(kernel: str, tmp_path: Path) -> None:
     cache = tmp_path / "kernels"
-    first = _run("first", cache)
+    first = _run("first", kernel, cache)
     assert first["offline_hit"] is False and first["stats"] == {"hits": 0, "misses": 1}
     assert len(list(cache.glob("*.nbk"))) == 1
-    second = _run("second", cache)
+    second = _run("second", kernel, cache)
     assert second["offline_hit"] is True
-    assert second["stats"] == {"hits": 2, "misses": 0}  # build_offline, then reduce_kernel
+    assert second["stats"] == {"hits": 2, "misses": 0}  # build_offline, then the entry point
     assert second["cubins"] == [[9, 0, "a"]]  # the cubin a Hopper GPU loads, no link needed
     assert second["seconds"] < first["seconds"]
 
