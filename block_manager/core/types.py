@@ -36,7 +36,7 @@ class CopyOp:
     kind: CopyKind
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, unsafe_hash=True)
 class TableDelta:
     """How one sequence's block table changed during one step: what a compute node applies to
     its cached copy (whose version must be `base_version`) to get `version`.
@@ -46,6 +46,9 @@ class TableDelta:
     the node's first write for the sequence starts there. Otherwise `replaced` lists
     `(position, block)` entries rewritten below the old length (copy-on-write of the last
     block, defrag moves) and `appended` the blocks added at the end.
+
+    Not frozen (but hashable, by value) only because a step builds one per table it changed
+    (frozen init costs ~9k instructions against ~1k: issue 45, callgrind); treat it as read-only.
     """
 
     seq_id: SeqId
@@ -56,7 +59,7 @@ class TableDelta:
     appended: tuple[BlockId, ...]
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, unsafe_hash=True)
 class StepOutput:
     """One closed step of one pool: everything its compute node must apply, in order, inside
     the scheduler's Forward for the step — the copy ops first (copy-on-write and defrag
@@ -65,6 +68,9 @@ class StepOutput:
     The scheduler reports the Forward back with `settle_steps`; only then do the step's writes
     count as done (a block may become a defrag source or a copy-on-write source only once the
     Forward that wrote it is known complete).
+
+    Not frozen (hashable by value) for the same reason as `TableDelta`: one per closed step,
+    on every Step's path; treat it as read-only.
     """
 
     pool_id: PoolId
@@ -84,11 +90,13 @@ class StepOutput:
     serves: tuple = ()
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, unsafe_hash=True)
 class SettleResult:
     """What settling a pool's steps did: plans whose moves are now known copied (committed,
     their tables rewritten in the next step), plans aborted because their step failed, and the
-    sequences dropped because a step that wrote them failed."""
+    sequences dropped because a step that wrote them failed.
+
+    Not frozen (hashable by value), like `StepOutput`: one per report; treat it as read-only."""
 
     pool_id: PoolId
     settled_step: StepId
