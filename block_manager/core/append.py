@@ -56,16 +56,23 @@ def _screen(
     counts: Seq[int],
     token_ids: Seq[int] | None,
     already_written: bool,
-) -> tuple[array | None, dict[int, CoreError]]:
-    """The token ids as an int64 array and the items that are invalid on their own.
+) -> tuple[array | None, dict[int, CoreError], np.ndarray | None]:
+    """The token ids as an int64 array, the items that are invalid on their own, and (for a
+    clean batch of `VECTOR_MIN_ITEMS` or more on one pool) the items' rows in its columns.
 
     One pass of C-level checks decides whether the batch is clean (the common case); only
-    a batch that is not gets the precise per-item validation."""
-    if len(counts) != len(seq_ids):
-        raise InvalidRequest(f"{len(counts)} token counts for {len(seq_ids)} sequences")
+    a batch that is not gets the precise per-item validation. A decode batch (every count 1)
+    skips the passes its counts make moot, and a large batch of one pool proves its ids known
+    and distinct through the row lookup it needs anyway (issue 45: the screen was half the
+    cost of an in-block step)."""
+    n = len(seq_ids)
+    if len(counts) != n:
+        raise InvalidRequest(f"{len(counts)} token counts for {n} sequences")
     toks: array | None = None
-    clean = not already_written and len(set(seq_ids)) == len(seq_ids) and set(map(type, counts)) <= {int}
-    clean = clean and (not counts or min(counts) > 0)
+    ones = isinstance(counts, (list, tuple)) and counts.count(1) == n
+    # (`count(1)` also counts True: the type pass still runs)
+    clean = not already_written and set(map(type, counts)) <= {int}
+    clean = clean and (ones or not counts or min(counts) > 0)
     if token_ids is not None:
         if isinstance(token_ids, array) and token_ids.typecode == "q":
             toks = token_ids
@@ -75,11 +82,33 @@ def _screen(
                     toks = array("q", token_ids)
             except OverflowError:
                 pass
-        if toks is None or (clean and len(toks) != sum(counts)):
+        if toks is None or (clean and len(toks) != (n if ones else sum(counts))):
             clean = False
-    if clean and all(map(seqs.__contains__, seq_ids)):
-        return toks, {}
-    return _validate_items(seqs, pools, seq_ids, counts, token_ids, already_written)
+    if clean:
+        rows = _known_rows(seqs, pools, seq_ids) if n >= VECTOR_MIN_ITEMS else None
+        if rows is not None:
+            return toks, {}, rows
+        if len(set(seq_ids)) == n and all(map(seqs.__contains__, seq_ids)):
+            return toks, {}, None
+    toks, bad = _validate_items(seqs, pools, seq_ids, counts, token_ids, already_written)
+    return toks, bad, None
+
+
+def _known_rows(seqs: dict[SeqId, Sequence], pools: dict[PoolId, Pool], seq_ids: Seq[SeqId]) -> np.ndarray | None:
+    """The rows of `seq_ids` in their pool's columns when every id is a distinct sequence of
+    the first one's pool (a row exists only for a live sequence of that pool); None otherwise
+    (unknown ids, duplicates, several pools: the caller checks the slow way)."""
+    first = seqs.get(seq_ids[0])
+    if first is None:
+        return None
+    cols = pools[first.pool_id].cols
+    try:
+        rows = np.fromiter(map(cols.row_of.__getitem__, seq_ids), np.intp, len(seq_ids))
+    except KeyError:
+        return None
+    seen = np.zeros(cols.capacity, np.bool_)
+    seen[rows] = True
+    return rows if int(np.count_nonzero(seen)) == len(seq_ids) else None
 
 
 def _validate_items(
@@ -168,9 +197,9 @@ def append_columns(
     blocks be hashed; the last `num_late[i]` of item i's ids come later. See
     `BlockManager.append_tokens`."""
     late = _late_counts(num_late, len(seq_ids), token_ids is not None, already_written)
-    toks, bad = _screen(seqs, pools, seq_ids, counts, token_ids, already_written)
+    toks, bad, rows = _screen(seqs, pools, seq_ids, counts, token_ids, already_written)
     if not bad:
-        return _append_valid(pools, seqs, seq_ids, counts, toks, already_written, late)
+        return _append_valid(pools, seqs, seq_ids, counts, toks, already_written, late, rows)
     # Some items are invalid on their own: run the valid ones, then put the answers back in
     # request order (an invalid item's token ids are skipped in the flat list).
     keep = [i for i in range(len(seq_ids)) if i not in bad]
@@ -222,13 +251,15 @@ def _append_valid(
     toks: array | None,
     already_written: bool,
     late: list[int] | None = None,
+    known_rows: np.ndarray | None = None,
 ) -> AppendOutcome:
     """The screened items (every sequence exists once, counts are positive ints, `toks` has
     exactly their ids), in request order as far as anyone can observe: per pool, the in-block
     appends and the plain block crossings of the batch run as array operations over the pool's
     sequence columns, the rest (copy-on-write, several blocks at once, blocks that fill and
     get hashed) item by item in request order. Items of different pools share no state, so
-    pools run one after another."""
+    pools run one after another. `known_rows`: the items' rows when the screen found them all
+    in one pool."""
     n = len(seq_ids)
     mark = not already_written
     if n < VECTOR_MIN_ITEMS:
@@ -245,7 +276,8 @@ def _append_valid(
     tk = None if toks is None else np.frombuffer(toks, dtype=np.int64) if len(toks) else np.zeros(0, np.int64)
     pool = pools[seqs[seq_ids[0]].pool_id]
     try:
-        rows = np.fromiter(map(pool.cols.row_of.__getitem__, seq_ids), np.intp, n)
+        rows = known_rows if known_rows is not None else np.fromiter(map(pool.cols.row_of.__getitem__, seq_ids),
+                                                                     np.intp, n)
     except KeyError:   # several pools in one batch
         col = [seqs[sid].pool_id for sid in seq_ids]
         groups: list[tuple[PoolId, np.ndarray | None]] = [
