@@ -36,13 +36,15 @@ the device) and the static buffers of buckets never used. The price of laziness 
 per bucket: the first step of a new size also captures one graph per layer.
 
 Memory (bounded, allocated per bucket at its first use): for bucket b, a query and an output
-buffer of b·heads·head_dim elements, a b × max_blocks_per_seq int32 table and b int32 lengths;
-a bucket whose plan splits (small batches) adds float32 scratch of
-b·heads·parts·(head_dim + 2), where b·parts is capped by the GPU's resident blocks, not by the
-context. Buckets double, so their buffers total under twice the largest bucket's: for 32 query /
-8 KV heads of 128 in fp16 with 512-block tables, about 8.4 MB of query and output buffers,
-1 MB of tables and (on an H200) about 6.5 MB of split scratch over buckets 1–32 — some 16 MB
-per pool. The graphs hold kernel launches only (a plan allocates nothing inside a capture).
+buffer of b·heads·head_dim elements, a b × max_blocks_per_seq int32 table and b int32 lengths,
+and the split-K scratch of its plan's worst case, items·heads·(head_dim + 2) float32, where
+items (`decode_policy.graph_items`: the design point's partitions, or the batch plus one more
+wave of the split kernel, so that a ragged step can split in any bucket) is bounded by the GPU's
+resident blocks, not by the context. Buckets double, so their buffers total under twice the
+largest bucket's: for 32 query / 8 KV heads of 128 in fp16 with 512-block tables, about 8.4 MB
+of query and output buffers, 1 MB of tables and (on an H200: 660 split-K slots) about 21 MB of
+split scratch over the nine buckets — some 31 MB per pool. The graphs hold kernel launches only
+(a plan allocates nothing inside a capture).
 `DecodePath.static_bytes` gives the real figure (metric `pagedkv_cn_decode_graph_bytes`).
 
 The graphs' static output is overwritten by the next replay (the next layer), so `run` always

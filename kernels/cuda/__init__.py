@@ -20,10 +20,17 @@ Design (issue 13; machine-code budgets checked by `bench/kernel_sass.py`):
   block (warps split the rows), K/V tiles of 32 tokens staged once per block with
   double-buffered `cp.async`; its grid comes from the longest chunk (a host value) with row
   tiles in grid.x, so no grid dimension can overflow (`prefill.plan_prefill_launches`).
-- Split-K (`decode_split`) when the one-pass grid fills less than half the GPU, partitions
-  sized by each sequence's length; a warp-parallel reduce (`decode_reduce`).
+- Split-K decode (`decode_split`, over a device work list; a warp-parallel reduce,
+  `decode_reduce`) chosen by `decode_policy` (issue 43): each kernel judged by its own resident
+  blocks (`decode.resident_blocks`: 6 one-pass vs 5 split-K blocks per SM on sm_90); one pass
+  when its grid fills half the GPU or no sequence reaches 1024 tokens, else the fewest
+  partitions within 85% of the best wave efficiency (FA2/FA3), with a ragged batch cut by a
+  common chunk size (FlashInfer), so its longest sequence gets the most partitions. Graph
+  buckets keep a split grid sized for their worst case and re-partition each step from the
+  host lengths (`DecodeGraphs.prepare(..., host_seq_lens=)`).
 - Host path (`_host.py`, `graph.py`): memoised specs, kernels and launch configurations, reused
-  scratch, and `DecodeGraphs` to replay decode from CUDA graphs per batch-size bucket.
+  scratch, and `DecodeGraphs` to replay decode from CUDA graphs per batch-size bucket. Compiled
+  kernels are kept on disk across processes (`_kernel_cache.py`, `$PAGEDKV_KERNEL_CACHE`).
 - `_ops.py` picks the machine-level operations: inline PTX on a GPU (`_ops_gpu.py`), Python
   twins with per-warp exchanges under the simulator (`_ops_sim.py`). One kernel source. The
   simulator's `cp.async` lands a copy only at the wait that covers it (NaN until then), and
