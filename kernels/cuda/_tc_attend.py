@@ -148,10 +148,11 @@ def make_tc_step(spec: AttentionSpec) -> tuple[Any, Any, Any, Any]:
             pf[si + 3] = movmatrix(pack(p8 - h8, p9 - h9))
 
     @device_function
-    def pv(v_tile: Any, o: Any, pf: Any, rs: Any, scaled: Any) -> None:
+    def pv(v_tile: Any, o: Any, pf: Any, rs: Any, scaled: Any, p0: Any) -> None:
         """Oᵀ[:, rows 2c, 2c+1 of every row tile] = rescaled Oᵀ + Vᵀ·Pᵀ (`scaled`, a constant at
         each call site: the rows' factors rs applied here, on the MMA's C input; else Oᵀ is
-        taken as it is, `rescale` applied before when needed)."""
+        taken as it is, `rescale` applied before when needed). The Pᵀ fragments are
+        pf[p0 + 4rt : p0 + 4rt + 4] (p0 a constant: the FA2 prefill keeps two slices')."""
         lane = cuda.laneid
         # ldmatrix.trans rows: lanes 0-7 tokens 0-7 dims 16j..; 8-15: dims +8; 16-31: tokens +8
         row = v_tile + int32(((lane & 7) + 8 * (lane >> 4)) * stride + 16 * ((lane >> 3) & 1))
@@ -163,11 +164,12 @@ def make_tc_step(spec: AttentionSpec) -> tuple[Any, Any, Any, Any]:
                 rb = rs[2 * rt + 1]
                 if not scaled:
                     ra = rb = float32(1.0)  # x * 1.0 folds away
-                c0, c1, c2, c3 = mma(a[0], a[1], a[2], a[3], pf[4 * rt], pf[4 * rt + 1],
+                f = p0 + 4 * rt
+                c0, c1, c2, c3 = mma(a[0], a[1], a[2], a[3], pf[f], pf[f + 1],
                                      o[i] * ra, o[i + 1] * rb, o[i + 2] * ra, o[i + 3] * rb)
                 if p_split:
-                    c0, c1, c2, c3 = mma(a[0], a[1], a[2], a[3], pf[4 * rt + 2],
-                                         pf[4 * rt + 3], c0, c1, c2, c3)
+                    c0, c1, c2, c3 = mma(a[0], a[1], a[2], a[3], pf[f + 2], pf[f + 3],
+                                         c0, c1, c2, c3)
                 o[i], o[i + 1], o[i + 2], o[i + 3] = c0, c1, c2, c3
 
     @device_function
@@ -270,7 +272,7 @@ def make_tc_attend(spec: AttentionSpec) -> Any:
             cp_async_commit()  # (an empty group when there is no next full step)
             cp_async_wait1()  # this step's V landed
             syncwarp()  # every lane's V copies visible before any lane reads the tile
-            pv(v_tile, o, pf, rs, True)
+            pv(v_tile, o, pf, rs, True, 0)
             syncwarp()  # V tile read: free
             if more:  # offsets again rather than hold them over the step (registers)
                 lo, hi = offsets(nt, win, cur, nxt)
@@ -286,7 +288,7 @@ def make_tc_attend(spec: AttentionSpec) -> Any:
             cp_async_wait0()
             syncwarp()  # every lane's copies visible before any lane reads the tiles
             scores_softmax(smem, tok0, True, lims, last_pos, scale_log2, qf, st, s, pf, rs)
-            pv(v_tile, o, pf, rs, True)
+            pv(v_tile, o, pf, rs, True, 0)
         cp_async_wait0()  # no copy may outlive the loop: the merge reuses the buffer
         for i in range(1, 8, 2):  # each row's sum over the warp's 8 token lanes g
             total = st[i]

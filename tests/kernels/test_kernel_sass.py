@@ -6,7 +6,7 @@ needs more registers than its launch can hold (the head_dim 256 prefill case of 
 loads its K/V stream in pieces narrower than 8 bytes, and when the decode benchmark variant
 misses its budgets (issue 22: <= 88 registers, 0 spills, <= 16 SASS instructions per 16 bytes
 of K/V in the steady-state loop) or the prefill benchmark variant its own (>= 64 query rows
-per block, >= 3 blocks/SM, 0 spills, <= 9.5 SASS instructions per HMMA in its tile loop: a
+per block, >= 3 blocks/SM, 0 spills, <= 7 SASS instructions per HMMA in its tile loop: a
 ceiling that only moves down, issue 43). Needs `ptxas`, `nvdisasm` and the `nvidia-nvjitlink`
 wheel (skipped otherwise, with the reason); `bench/kernel_sass.py` prints the full table.
 """
@@ -102,13 +102,13 @@ def test_budgets_apply_to_the_production_build() -> None:
     assert any("96 registers (nvjitlink) > 88" in p for p in KS.check(decode))
     assert KS.check(KS.Report(KS.DECODE_BENCH, registers=96, registers_nvjitlink=80, **base)) == []
     small = KS.Report(KS.PREFILL_BENCH, registers=170, registers_nvjitlink=170,
-                      query_rows_per_cta=16, instr_per_hmma=9.6, **dict(base, blocks_per_sm=2))
+                      query_rows_per_cta=16, instr_per_hmma=7.2, **dict(base, blocks_per_sm=2))
     problems = KS.check(small)
     assert any("16 query rows" in p for p in problems)
     assert any("2 blocks/SM < 3" in p for p in problems)
-    assert any("9.6 instructions per HMMA" in p for p in problems)
+    assert any("7.2 instructions per HMMA" in p for p in problems)
     fa2 = KS.Report(KS.PREFILL_BENCH, registers=160, registers_nvjitlink=160,
-                    query_rows_per_cta=64, instr_per_hmma=9.0, **dict(base, blocks_per_sm=3))
+                    query_rows_per_cta=64, instr_per_hmma=6.5, **dict(base, blocks_per_sm=3))
     assert KS.check(fa2) == []
 
 
