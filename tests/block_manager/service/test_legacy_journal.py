@@ -20,6 +20,7 @@ from block_manager.service.replay import replay_record
 from block_manager.service.runtime import ServiceRuntime
 from block_manager.service.state import ServiceState
 from block_manager.store import open_store
+from block_manager.store.snapshot import decode_snapshot, encode_snapshot
 from pagedkv.v1 import block_manager_pb2 as pb
 from tests.block_manager.service.service_helpers import Harness, service_config
 
@@ -47,8 +48,13 @@ def _legacy_db(tmp_path: Path, *, with_snapshot: bool = False) -> str:
         )
         if with_snapshot:
             snap = json.loads((FIXTURE / "snapshot.json").read_text())
+            state = decode_snapshot(snap["encoding"], base64.b64decode(snap["state"]))
+            for session in state["sessions"]:   # its answers' times moved to now too (the window)
+                for answer in session[3]:
+                    answer[3] += shift
+            blob = encode_snapshot(state, 1)
             con.execute("INSERT INTO snapshots (seq_no, encoding, state, created_at) VALUES (?, ?, ?, ?)",
-                        (snap["seq_no"], snap["encoding"], base64.b64decode(snap["state"]), time.time()))
+                        (snap["seq_no"], snap["encoding"], blob, time.time()))
     con.close()
     return url
 
