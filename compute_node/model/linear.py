@@ -20,6 +20,17 @@ step (`MIN_PACKED_ELEMENTS`; the 135M model's smallest, o_proj, is 576 × 576).
 
 A packed weight is an opaque oneDNN tensor: it can only be multiplied (`linear`), not indexed,
 so a tied LM head is packed as a copy beside the embedding it shares values with.
+
+On an AVX2 CPU without AVX-512 float32 weights are packed for the project's own GEMM instead
+(`kernels.cpu.gemm`: 16-column panels, a 6 x 16 register tile, one contiguous share of the
+panels per thread), which runs decode-sized matmuls faster than oneDNN does there: oneDNN's
+small-M path reaches ~60% of the FMA peak on 16-64 rows where its prefill-sized path reaches
+~100%. Measured on the 2-vCPU AMD EPYC host (`bench/bench_linear.py --no-head`, 30 layers of
+the 135M shape, 2026-12-07, a host loaded 6-9 by other work, so in CPU time): one thread
+1.1-1.6x oneDNN's rate at 16-64 rows, 1.3x at one row, 1.0-1.1x at 512; two threads 1.3-2.2x
+at 16-64 rows, 1.9x at one row, 1.07x at 512. With AVX-512 oneDNN computes twice as wide as
+the 8-float tile, so it keeps the weights there. A panel-packed weight is a plain 3-D float32
+tensor `[out / 16, in, 16]` (`is_packed`, `unpack` tell the two kinds apart).
 """
 
 from __future__ import annotations
@@ -27,8 +38,11 @@ from __future__ import annotations
 import functools
 import platform
 
+import llvmlite.binding as llvm
 import torch
 import torch.nn.functional as F
+
+from kernels.cpu import gemm as panel_gemm
 
 # The dtypes oneDNN runs on x86 CPUs: float32 everywhere; bfloat16 only with AVX-512 (BW, VL,
 # DQ; AVX512_BF16 natively) or AVX-NE-CONVERT; on a plain AVX2 CPU its reorder refuses bfloat16,
@@ -53,31 +67,80 @@ def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
         return False
     try:
         w = torch.ones(4, 4, dtype=dtype)
-        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 4, dtype=dtype), pack(w), None, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 4, dtype=dtype), pack_onednn(w), None, "none", [], "")
     except (RuntimeError, AttributeError, NotImplementedError):
         return False
     return bool(torch.equal(out.float(), torch.full((1, 4), 4.0)))
 
 
+@functools.cache
+def panels_preferred() -> bool:
+    """Whether float32 weights go to the panel GEMM rather than oneDNN: an x86-64 CPU with AVX2
+    and FMA but no AVX-512 (the host Numba compiles the tile for; module docstring)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    features = llvm.get_host_cpu_features()
+    return bool(features.get("avx2") and features.get("fma") and not features.get("avx512f"))
+
+
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether weights of `dtype` on `device` are worth packing: the CPU, float32/bfloat16 (the
-    latter where this CPU has oneDNN's bfloat16 path)."""
-    return device.type == "cpu" and dtype in PACKED_DTYPES and onednn_available(dtype)
+    """Whether weights of `dtype` on `device` are worth packing: the CPU, float32 (panels or
+    oneDNN) or bfloat16 (where this CPU has oneDNN's bfloat16 path)."""
+    if device.type != "cpu" or dtype not in PACKED_DTYPES:
+        return False
+    return (dtype == torch.float32 and panels_preferred()) or onednn_available(dtype)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` `[out_features, in_features]` reordered for oneDNN (an opaque tensor)."""
+    """`weight` `[out_features, in_features]` packed for the faster of the two GEMMs here: panels
+    (`panels_preferred`, float32, `out_features` a multiple of the panel width) or oneDNN's
+    layout (an opaque tensor); `weight` itself where neither applies."""
+    if weight.dtype == torch.float32 and panels_preferred() and weight.shape[0] % panel_gemm.PANEL == 0:
+        return pack_panels(weight)
+    return pack_onednn(weight) if onednn_available(weight.dtype) else weight
+
+
+def pack_onednn(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` reordered for oneDNN (an opaque tensor)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), BATCH_HINT)
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """float32 `weight` with `out_features` a multiple of 16 as the panel GEMM's
+    `[out / 16, in, 16]` (a plain tensor: `is_packed` knows it by its three dims)."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[0] % panel_gemm.PANEL:
+        raise ValueError(f"panels take a float32 [out, in] weight with out a multiple of {panel_gemm.PANEL}, "
+                         f"got {weight.dtype} {tuple(weight.shape)}")
+    return panel_gemm.pack(weight)
+
+
+def is_packed(weight: torch.Tensor) -> bool:
+    """Whether `weight` was packed (`pack`): oneDNN's opaque tensor or the panels' 3-D one."""
+    return weight.is_mkldnn or weight.dim() == 3
+
+
+def unpack(weight: torch.Tensor) -> torch.Tensor:
+    """The plain `[out_features, in_features]` weight of a packed one (values unchanged), or
+    `weight` itself when it is plain."""
+    if weight.is_mkldnn:
+        return weight.to_dense()
+    if weight.dim() == 3:
+        num_panels, in_features, width = weight.shape
+        return weight.transpose(1, 2).reshape(num_panels * width, in_features).contiguous()
+    return weight
 
 
 def pack_if_large(weight: torch.Tensor) -> torch.Tensor:
     """`pack(weight)` when it has at least `MIN_PACKED_ELEMENTS` elements (and is not packed
     yet), else `weight`."""
-    return pack(weight) if not weight.is_mkldnn and weight.numel() >= MIN_PACKED_ELEMENTS else weight
+    return pack(weight) if not is_packed(weight) and weight.numel() >= MIN_PACKED_ELEMENTS else weight
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ weight.T + bias`, through oneDNN when `weight` was packed, else `F.linear`."""
+    """`x @ weight.T + bias`, through the panel GEMM or oneDNN when `weight` was packed, else
+    `F.linear`."""
+    if weight.dim() == 3:
+        return panel_gemm.gemm(x, weight, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

@@ -110,12 +110,13 @@ class DecoderModel:
 
     @property
     def packed_linear(self) -> bool:
-        """Whether any matmul weight is packed for oneDNN (the LM head is the largest one)."""
-        return self.lm_head.is_mkldnn or any(
-            getattr(layer, name).is_mkldnn for layer in self.layers for name in _MATMUL_WEIGHTS)
+        """Whether any matmul weight is packed (`dense.pack`: panels or oneDNN's layout; the LM
+        head is the largest one)."""
+        return dense.is_packed(self.lm_head) or any(
+            dense.is_packed(getattr(layer, name)) for layer in self.layers for name in _MATMUL_WEIGHTS)
 
     def pack_linear_weights(self) -> None:
-        """Reorder the matmul weights for oneDNN, in place: those of at least
+        """Pack the matmul weights (`dense.pack`), in place: those of at least
         `dense.MIN_PACKED_ELEMENTS` (a tiny model keeps F.linear). Each plain weight is dropped
         once its packed copy exists, so the model's memory stays the same, except for a tied LM
         head: the embedding stays for the lookup and the head is packed as a copy. Nothing
@@ -132,12 +133,11 @@ class DecoderModel:
         switch one model both ways)."""
         for layer in self.layers:
             for name in _MATMUL_WEIGHTS:
-                weight = getattr(layer, name)
-                setattr(layer, name, weight.to_dense() if weight.is_mkldnn else weight)
+                setattr(layer, name, dense.unpack(getattr(layer, name)))
         if self.config.tie_word_embeddings:
             self.lm_head = self.embed
-        elif self.lm_head.is_mkldnn:
-            self.lm_head = self.lm_head.to_dense()
+        else:
+            self.lm_head = dense.unpack(self.lm_head)
 
     def forward(
         self,
