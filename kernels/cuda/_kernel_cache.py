@@ -4,7 +4,7 @@ Why: every kernel variant is compiled at its first use in each process — Numba
 lowering of the device functions, NVVM to PTX, nvJitLink to a cubin. Measured offline for
 sm_90a, one fresh process per variant on a busy 2-core VM: decode 18 s, split-K 22 s, prefill
 20 s, reduce 3.7 s, slot write 2.4 s, block copy 2.0 s (`python -m kernels.cuda._kernel_cache`
-prints a geometry's decode family); a model needs all six per dtype and geometry. The README
+builds and times all six of a geometry); a model needs all six per dtype and geometry. The README
 examples did not finish in 200 s on the first GPU host; per-process JIT is the first suspect
 (issue 43). A cached entry loads in 10 ms or less.
 
@@ -211,9 +211,30 @@ def decode_variants(head_dim: int, block_size: int, num_kv_heads: int, group: in
     ]
 
 
+def geometry_variants(head_dim: int, block_size: int, num_kv_heads: int, group: int,
+                      kind: str) -> list[tuple[str, Any, tuple[Any, ...], tuple[int, ...] | None]]:
+    """Every kernel a model of one geometry launches, named as their entry points cache them:
+    the decode family, slot write, block copy and prefill (`prefill_launch_bounds`)."""
+    from kernels.cuda import block_copy, prefill, slot_write
+    from kernels.cuda._host import spec_for
+
+    spec = spec_for(head_dim, block_size, num_kv_heads, group, kind, kind, kind, "prefill")
+    cache_shape = f"{num_kv_heads} {block_size} {head_dim} {kind}"
+    return [
+        *decode_variants(head_dim, block_size, num_kv_heads, group, kind),
+        (f"write {cache_shape}", slot_write.build_write_kernel(num_kv_heads, block_size, head_dim, kind),
+         slot_write.WRITE_SIGNATURE, (slot_write.THREADS, 1)),
+        (f"copy {cache_shape}", block_copy.build_copy_kernel(num_kv_heads, block_size, head_dim, kind),
+         block_copy.COPY_SIGNATURE, (block_copy.THREADS, 1)),
+        (f"prefill {spec!r}", prefill.build_prefill_kernel(spec), prefill.PREFILL_SIGNATURE,
+         prefill.prefill_launch_bounds(spec)),
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Build a geometry's decode kernels for sm_90a into the cache, without a GPU, and print
-    the seconds each took (a miss compiles, a hit reads the entry)."""
+    """Build a geometry's kernels (decode, split-K, reduce, slot write, block copy, prefill)
+    for sm_90a into the cache, without a GPU, and print the seconds each took (a miss
+    compiles, a hit reads the entry)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
@@ -224,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("f16", "bf16", "f32"), default="f16")
     args = parser.parse_args(argv)
     total = 0.0
-    for variant, pyfunc, signature, bounds in decode_variants(
+    for variant, pyfunc, signature, bounds in geometry_variants(
             args.head_dim, args.block_size, args.kv_heads, args.group, args.dtype):
         hit, seconds = build_offline(pyfunc, signature, bounds, variant)
         total += seconds

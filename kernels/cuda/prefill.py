@@ -43,8 +43,9 @@ from kernels.cuda._host import (
     output_for,
     scale_log2,
 )
+from kernels.cuda._kernel_cache import compile_kernel
 from kernels.cuda._ops import ld_s32
-from kernels.cuda._runtime import device_function, jit_options, kind_of, launcher, stream_for
+from kernels.cuda._runtime import device_function, kind_of, launcher, stream_for
 from kernels.cuda._spec import KIND_BYTES, AttentionSpec
 
 
@@ -179,8 +180,11 @@ def prefill_launch_bounds(spec: AttentionSpec) -> tuple[int, int]:
 
 @cache
 def prefill_kernel(spec: AttentionSpec) -> Any:
-    return cuda.jit(PREFILL_SIGNATURE, **jit_options(prefill_launch_bounds(spec)))(
-        build_prefill_kernel(spec))
+    """The kernel of a variant: compiled at its first use in a process (~20 s of JIT), or
+    loaded from the disk cache of compiled variants (`_kernel_cache`; its key holds the
+    launch bounds, so a change of `FA2_MIN_BLOCKS` builds a new entry)."""
+    return compile_kernel(build_prefill_kernel(spec), PREFILL_SIGNATURE,
+                          prefill_launch_bounds(spec), f"prefill {spec!r}")
 
 
 def paged_prefill_attention(

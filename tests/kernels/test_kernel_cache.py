@@ -3,8 +3,8 @@
 No GPU here: one process builds a variant for sm_90a the offline way (NVVM, nvJitLink) into
 a fresh cache directory; a second process must find it without compiling anything (NVVM
 made to fail there), both through `build_offline` and through the production entry points
-(`decode_reduce.reduce_kernel`, `slot_write.write_kernel`, `block_copy.copy_kernel`: what a GPU
-process calls at first use).
+(`decode_reduce.reduce_kernel`, `slot_write.write_kernel`, `block_copy.copy_kernel`,
+`prefill.prefill_kernel` with its launch bounds: what a GPU process calls at first use).
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ REPO = Path(__file__).resolve().parents[2]
 # signature, launch bounds, the production entry point's call). Decode and split-K are left out
 # here for time (~20 s each to compile); `python -m kernels.cuda._kernel_cache` builds those.
 KERNELS = textwrap.dedent("""
-    from kernels.cuda import block_copy, decode_reduce, slot_write
+    from kernels.cuda import block_copy, decode_reduce, prefill, slot_write
+    from kernels.cuda._host import spec_for
+    PREFILL = spec_for(64, 16, 2, 4, "f16", "f16", "f16", "prefill")
     KERNELS = {
         "reduce": ("reduce 64 8 f16", lambda: decode_reduce.build_reduce_kernel(64, 8, "f16"),
                    decode_reduce.REDUCE_SIGNATURE, (decode_reduce.THREADS, 1),
@@ -41,6 +43,9 @@ KERNELS = textwrap.dedent("""
         "copy": ("copy 2 16 64 f16", lambda: block_copy.build_copy_kernel(2, 16, 64, "f16"),
                  block_copy.COPY_SIGNATURE, (block_copy.THREADS, 1),
                  lambda: block_copy.copy_kernel(2, 16, 64, "f16")),
+        "prefill": (f"prefill {PREFILL!r}", lambda: prefill.build_prefill_kernel(PREFILL),
+                    prefill.PREFILL_SIGNATURE, prefill.prefill_launch_bounds(PREFILL),
+                    lambda: prefill.prefill_kernel(PREFILL)),
     }
 """)
 
@@ -77,7 +82,7 @@ def _run(stage: str, kernel: str, cache: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("kernel", ["reduce", "write", "copy"])
+@pytest.mark.parametrize("kernel", ["reduce", "write", "copy", "prefill"])
 def test_a_second_process_loads_the_compiled_kernel(kernel: str, tmp_path: Path) -> None:
     cache = tmp_path / "kernels"
     first = _run("first", kernel, cache)
