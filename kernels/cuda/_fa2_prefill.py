@@ -14,7 +14,8 @@ with `mma.m16n8k16`, online softmax in registers), with one softmax update per t
 than per 16-token slice (`make_tile_softmax`): the scores of all S slices first (one
 `ldmatrix` of K per k-step for both row tiles, 2-4 independent accumulator chains), then one
 row-maximum reduction, one set of rescale factors and one vote per tile, then P·V slice by
-slice (variants that split P in two 16-bit parts keep one update per slice: registers). The causal mask runs only on the diagonal: tiles wholly at or before the block's first
+slice (variants that split P in two 16-bit parts keep one update per slice: registers).
+The causal mask runs only on the diagonal: tiles wholly at or before the block's first
 row's last visible position (all but the last one to three of a long prompt) take a loop of
 their own with no mask code; the diagonal tiles mask per row, and a tile entirely past the
 warp's last visible position is skipped, warp-uniformly. Oᵀ is rescaled only when a warp vote
