@@ -122,9 +122,10 @@ class DecodeStep:
     """One step's decode group, bound to the path chosen for it by `DecodePath.begin`."""
 
     def __init__(self, path: DecodePath, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                 scale: float, generation: int | None) -> None:
+                 scale: float, generation: int | None, host_seq_lens: np.ndarray | None = None) -> None:
         self._path = path
         self.block_tables, self.seq_lens, self.scale = block_tables, seq_lens, scale
+        self.host_seq_lens = host_seq_lens  # the direct launch partitions from these
         self._generation = generation   # None: the direct launch (holds its own tables)
 
     @property
@@ -134,7 +135,8 @@ class DecodeStep:
     def run(self, layer: int, query: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of `layer` for the step's sequences, into `out` when given (returned)."""
         if self._generation is None:
-            return self._path.pool.decode(layer, query, self.block_tables, self.seq_lens, self.scale, out=out)
+            return self._path.pool.decode(layer, query, self.block_tables, self.seq_lens, self.scale, out=out,
+                                          host_seq_lens=self.host_seq_lens)
         return self._path.replay(self._generation, layer, query, torch.empty_like(query) if out is None else out)
 
 
@@ -160,15 +162,16 @@ class DecodePath:
               host_seq_lens: np.ndarray | None = None) -> DecodeStep:
         """Choose this step's path; for graphs, load its tables and lengths (once per step).
         `host_seq_lens`: the same lengths on the host (int [num_seqs]), from which the graphs
-        partition the step (module doc); None leaves the bucket's design point."""
+        partition the step (module doc), and the direct launch too; None leaves the bucket's
+        design point (graphs) or every sequence at the tables' capacity (direct)."""
         self._generation += 1
         if not self.enabled:
-            return DecodeStep(self, block_tables, seq_lens, shape.scale, None)
+            return DecodeStep(self, block_tables, seq_lens, shape.scale, None, host_seq_lens)
         reason = graph_fallback(self.limits, self._bound, int(block_tables.shape[0]), int(block_tables.shape[1]),
                                 shape)
         if reason is not None:
             self.stats.fallbacks[reason] = self.stats.fallbacks.get(reason, 0) + 1
-            return DecodeStep(self, block_tables, seq_lens, shape.scale, None)
+            return DecodeStep(self, block_tables, seq_lens, shape.scale, None, host_seq_lens)
         # Inference mode throughout: buffers a bucket creates here are updated in place by
         # later steps, and an inference tensor may only be updated inside inference mode
         # (the model path runs in it, the Forward path does not).

@@ -183,12 +183,15 @@ class KvPool:
         seq_lens: torch.Tensor,
         scale: float,
         out: torch.Tensor | None = None,
+        host_seq_lens: np.ndarray | None = None,
     ) -> torch.Tensor:
         """One query token per sequence over its whole paged context (into `out` when given):
-        one direct launch (what a `DecodeStep` falls back to)."""
+        one direct launch (what a `DecodeStep` falls back to). `host_seq_lens`: the same
+        lengths on the host, from which the CUDA kernels choose their split-K partitions
+        (device lengths are not read back; without them every sequence counts as full)."""
         return kernels.paged_attention_decode(
             query, self.key_caches[layer], self.value_caches[layer], block_tables, seq_lens, scale,
-            out=out, backend=self.backend,
+            out=out, backend=self.backend, host_seq_lens=host_seq_lens,
         )
 
     def prefill(

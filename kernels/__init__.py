@@ -87,20 +87,55 @@ def paged_attention_decode(
     scale: float,
     out: Any | None = None,
     backend: Backend = "auto",
+    *,
+    host_seq_lens: Any = None,
 ) -> Any:
     """Attention of one query token per sequence over its paged context.
 
     query/out `[num_seqs, num_heads, head_dim]`; `num_heads` is a multiple of `num_kv_heads`
     (query head h reads KV head `h // (num_heads // num_kv_heads)`). Accumulates in float32;
     the output has the query's dtype unless `out` is given. Returns `out`.
+
+    `host_seq_lens`: the same lengths on the host (integers `[num_seqs]`), when `seq_lens`
+    lives on the GPU. The CUDA backend chooses its split-K partitions from them; without
+    them it cannot read device lengths (a synchronisation) and takes every sequence at the
+    table's capacity. The CPU backend reads `seq_lens` itself and ignores them.
     """
     scale = _validate.check_decode(
         query, key_cache, value_cache, block_tables, seq_lens, scale, out
     )
     module = _backend_module(backend, (query, key_cache, value_cache, out))
+    extra: dict[str, Any] = {}
+    if host_seq_lens is not None:
+        lens = _check_host_seq_lens(host_seq_lens, seq_lens, block_tables, key_cache)
+        if module.__name__ == "kernels.cuda":  # the CPU kernels read seq_lens themselves
+            extra["host_seq_lens"] = lens
     return module.paged_attention_decode(
-        query, key_cache, value_cache, block_tables, seq_lens, scale, out
+        query, key_cache, value_cache, block_tables, seq_lens, scale, out, **extra
     )
+
+
+def _check_host_seq_lens(host_seq_lens: Any, seq_lens: Any, block_tables: Any,
+                         key_cache: Any) -> Any:
+    """`host_seq_lens` as int64 NumPy `[num_seqs]`, each in `[1, table capacity]` and equal to
+    `seq_lens` where those are on the host too; `KernelInputError` otherwise."""
+    import numpy as np
+
+    num_seqs = int(block_tables.shape[0])
+    lens = _validate.to_host_numpy(host_seq_lens)
+    if lens is None:
+        raise KernelInputError("host_seq_lens must be on the host (a device copy is seq_lens)")
+    if lens.shape != (num_seqs,) or (num_seqs and lens.dtype.kind not in "iu"):
+        raise KernelInputError(
+            f"host_seq_lens must be integers of shape ({num_seqs},), got {lens.dtype} {lens.shape}")
+    lens = lens.astype(np.int64)
+    capacity = int(block_tables.shape[1]) * int(key_cache.shape[2])
+    if num_seqs and (lens.min() < 1 or lens.max() > capacity):
+        raise KernelInputError(f"host_seq_lens outside [1, {capacity}] (the tables' capacity)")
+    device = _validate.to_host_numpy(seq_lens)
+    if device is not None and not np.array_equal(device, lens):
+        raise KernelInputError("host_seq_lens differ from seq_lens")
+    return lens
 
 
 def paged_prefill_attention(

@@ -126,18 +126,21 @@ def resident_blocks(spec: AttentionSpec) -> Occupancy:
 def paged_attention_decode(
     query: Any, key_cache: Any, value_cache: Any, block_tables: Any, seq_lens: Any,
     scale: float, out: Any | None = None, *, split: bool | None = None,
+    host_seq_lens: Any = None,
 ) -> Any:
     """Decode attention on the CUDA backend (arguments already validated); returns `out`.
 
     `split` forces the split-K (True) or one-pass (False) kernel; None applies the policy
-    (`decode_policy.split_parts`).
+    (`decode_policy.split_parts`), on `host_seq_lens` (validated, `[num_seqs]`) when given,
+    else on `seq_lens` when they are on the host, else at the tables' capacity.
     """
     out = output_for(query, out)
     num_seqs = int(query.shape[0])
     if num_seqs == 0:
         return out
     spec = attention_spec(query, key_cache, kind_of(out), "decode")
-    parts = decode_split.parts_for(spec, num_seqs, block_tables, seq_lens, split,
+    policy_lens = seq_lens if host_seq_lens is None else host_seq_lens
+    parts = decode_split.parts_for(spec, num_seqs, block_tables, policy_lens, split,
                                    resident_blocks(spec) if split is None else None)
     if parts is not None:
         return decode_split.paged_attention_decode_split(

@@ -193,3 +193,34 @@ def test_forward_passes_its_host_lengths(graphed_pool: KvPool) -> None:
     (out,), _ = execute(graphed_pool, batch, plan)
     (graphs,) = FakeGraphs.instances
     assert torch.equal(torch.as_tensor(graphs.host_lens[0]), lens) and torch.equal(out, q)
+
+
+def test_host_lengths_reach_the_direct_launch(graphed_pool: KvPool, monkeypatch) -> None:
+    """A step that falls back launches per layer with device lengths; the host copy goes with
+    them, so the split policy partitions from the real lengths (issue 43), not the capacity."""
+    seen: list[object] = []
+
+    def launch(query, key_cache, value_cache, block_tables, seq_lens, scale, out=None, backend="auto", *,
+               host_seq_lens=None):
+        seen.append(host_seq_lens)
+        return query
+
+    monkeypatch.setattr(kernels, "paged_attention_decode", launch)
+    tables, lens = _tables(3, 9)                            # wider than the graphs hold: fallback
+    host = lens.numpy().copy()
+    q = torch.randn((3, 4, 16), dtype=torch.float16)
+    graphed_pool.begin_decode(tables, lens, SHAPE, host_seq_lens=host).run(0, q)
+    graphed_pool.begin_decode(tables, lens, SHAPE).run(1, q)
+    assert seen[0] is host and seen[1] is None
+    assert graphed_pool.decode_path.stats.counts() == {"graph": 0, "fallback_table_width": 2}
+
+
+def test_the_cpu_backend_checks_and_ignores_host_lengths() -> None:
+    pool = KvPool(GEOMETRY, torch.device("cpu"), cuda_graphs=False)
+    tables, lens = torch.tensor([[3, 1], [2, 0]], dtype=torch.int32), torch.tensor([6, 3], dtype=torch.int32)
+    q = torch.randn((2, 4, 16), dtype=torch.float16)
+    step = pool.begin_decode(tables, lens, SHAPE, host_seq_lens=lens.numpy().copy())
+    assert torch.equal(step.run(1, q), pool.decode(1, q, tables, lens, SHAPE.scale))
+    for bad in ([6], [6, 4], [6, 0], [6, 9]):   # short, not the device lengths, < 1, > capacity
+        with pytest.raises(kernels.KernelInputError, match="host_seq_lens"):
+            pool.decode(1, q, tables, lens, SHAPE.scale, host_seq_lens=torch.tensor(bad))
