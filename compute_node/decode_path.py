@@ -165,13 +165,15 @@ class DecodePath:
         partition the step (module doc), and the direct launch too; None leaves the bucket's
         design point (graphs) or every sequence at the tables' capacity (direct)."""
         self._generation += 1
+        # the CPU kernels read the lengths themselves: no check of a host copy at every layer
+        direct_lens = None if self.pool.backend == "cpu" else host_seq_lens
         if not self.enabled:
-            return DecodeStep(self, block_tables, seq_lens, shape.scale, None, host_seq_lens)
+            return DecodeStep(self, block_tables, seq_lens, shape.scale, None, direct_lens)
         reason = graph_fallback(self.limits, self._bound, int(block_tables.shape[0]), int(block_tables.shape[1]),
                                 shape)
         if reason is not None:
             self.stats.fallbacks[reason] = self.stats.fallbacks.get(reason, 0) + 1
-            return DecodeStep(self, block_tables, seq_lens, shape.scale, None, host_seq_lens)
+            return DecodeStep(self, block_tables, seq_lens, shape.scale, None, direct_lens)
         # Inference mode throughout: buffers a bucket creates here are updated in place by
         # later steps, and an inference tensor may only be updated inside inference mode
         # (the model path runs in it, the Forward path does not).

@@ -220,7 +220,10 @@ def test_the_cpu_backend_checks_and_ignores_host_lengths() -> None:
     tables, lens = torch.tensor([[3, 1], [2, 0]], dtype=torch.int32), torch.tensor([6, 3], dtype=torch.int32)
     q = torch.randn((2, 4, 16), dtype=torch.float16)
     step = pool.begin_decode(tables, lens, SHAPE, host_seq_lens=lens.numpy().copy())
+    assert step.host_seq_lens is None                      # not checked again at every layer
     assert torch.equal(step.run(1, q), pool.decode(1, q, tables, lens, SHAPE.scale))
+    good = pool.decode(1, q, tables, lens, SHAPE.scale, host_seq_lens=lens.numpy().copy())
+    assert torch.equal(good, pool.decode(1, q, tables, lens, SHAPE.scale))
     for bad in ([6], [6, 4], [6, 0], [6, 9]):   # short, not the device lengths, < 1, > capacity
         with pytest.raises(kernels.KernelInputError, match="host_seq_lens"):
             pool.decode(1, q, tables, lens, SHAPE.scale, host_seq_lens=torch.tensor(bad))
