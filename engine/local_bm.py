@@ -91,7 +91,8 @@ class LocalBlockManagerClient(BlockManagerClient):
 
     def _step(self, request: pb.StepRequest) -> pb.StepResponse:
         step = ReceivedStep(request).decode(self.state.config.max_batch)   # no journal: no payload dict
-        return step_response(self.state.apply_step(step, time.monotonic()).result)
+        answer, _ = self.state.step_answer(step, time.monotonic())   # typed answer: no JSON form either
+        return step_response(answer)
 
     def _route(self, request: pb.RouteRequest) -> pb.RouteResponse:
         return route_response(self.state, request)
