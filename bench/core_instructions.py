@@ -4,7 +4,16 @@ Timing on a shared machine is noisy; instruction counts are not. Run this twice 
 callgrind, with N and with 0 timed steps, and divide the difference by N:
 
     valgrind --tool=callgrind --callgrind-out-file=/dev/null .venv/bin/python \\
-        bench/core_instructions.py TREE N [columns|slots] [--aligned]
+        bench/core_instructions.py TREE N [columns|slots] [--aligned] [--no-gc]
+
+Make the two runs identical but for N, or the difference is noise of several million
+instructions: a fixed hash seed, no address randomisation, trees compiled beforehand (a run
+that writes a .pyc counts the compile), and N large enough (200) that the garbage collector's
+full collections, which land in different steps of the two runs, average out (`--no-gc`
+switches it off after the setup: the steps' own work alone):
+
+    PYTHONHASHSEED=0 setarch -R valgrind --tool=callgrind --callgrind-out-file=/dev/null \
+        .venv/bin/python bench/core_instructions.py TREE 200      # and with 0; divide by 200
 
 TREE is a source tree whose `block_manager` is imported (`.` for this one; another
 revision extracted with `git archive REV block_manager pagedkv | tar -x -C DIR`). Each of the
@@ -24,6 +33,7 @@ def main() -> None:
     tree, steps = sys.argv[1], int(sys.argv[2])
     api = sys.argv[3] if len(sys.argv) > 3 and not sys.argv[3].startswith("--") else "columns"
     aligned = "--aligned" in sys.argv
+    no_gc = "--no-gc" in sys.argv
     sys.path.insert(0, tree)
     from block_manager.core import AppendRequest, BlockManager
 
@@ -34,6 +44,10 @@ def main() -> None:
         m.allocate(f"s{i}", "p", [i] * (97 + (0 if aligned else i % bs)))
     ids = [f"s{i}" for i in range(n)]
     ones = [1] * n
+    if no_gc:
+        import gc
+
+        gc.disable()
     for s in range(total):
         out = m.close_step("p")
         if out is not None:

@@ -12,7 +12,7 @@ import numpy as np
 
 from block_manager.core.append_item import AppendOutcome, append_one, hash_full_row, stop_hashing
 from block_manager.core.errors import CoreError
-from block_manager.core.hashing import hash_rows, salt_bytes
+from block_manager.core.hashing import hash_encoded, salt_bytes
 from block_manager.core.pool import BlockMeta, FreeRun, Pool
 from block_manager.core.sequence import Sequence
 from block_manager.core.step_work import touch
@@ -312,27 +312,31 @@ def _hash_filled(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[SeqId], i
         return
     cols = pool.cols
     blocks = cols.tail_np[rows]
+    data = blocks.tobytes()
     token_lists = blocks.tolist()
     cols.tail_len_np[rows] = 0
-    seq_list = [seqs[seq_ids[i]] for i in items]
-    parents = [seq.block_hashes[-1] if seq.block_hashes else None for seq in seq_list]
-    salts = [seq.salt for seq in seq_list]
-    salt_encs = [_NO_SALT if salt is None else salt_bytes(salt) for salt in salts]
-    hashes = hash_rows(parents, salt_encs, pool.block_size.to_bytes(4, "little"), blocks.tobytes())
+    bs = pool.block_size
+    width = 8 * bs
+    size = bs.to_bytes(4, "little")
     regs = pool.step.registrations
     index = pool.prefix_index
     meta = pool.meta
     kv_log = pool.kv_log
-    for seq, h, parent, salt, toks in zip(seq_list, hashes, parents, salts, token_lists):
-        chain = seq.block_hashes
-        b = seq.block_table[len(chain)]
+    for j, i in enumerate(items):
+        seq = seqs[seq_ids[i]]
+        hashes = seq.block_hashes
+        parent = hashes[-1] if hashes else None
+        salt = seq.salt
+        h = hash_encoded(parent, _NO_SALT if salt is None else salt_bytes(salt), size,
+                         data[j * width : (j + 1) * width])
+        b = seq.block_table[len(hashes)]
         if h not in index and meta[b] is None:   # `Pool.register`, inlined: the first block keeps a hash
             index[h] = b
-            m = meta[b] = BlockMeta(h, parent, salt, tuple(toks))
+            m = meta[b] = BlockMeta(h, parent, salt, tuple(token_lists[j]))
             regs.append((b, h))
             if kv_log is not None:
                 kv_log.stored(m)
-        chain.append(h)
+        hashes.append(h)
 
 
 __all__ = ["RUN_MIN_BLOCKS", "append_pool", "decode_arrays"]

@@ -31,8 +31,8 @@ class BlockMeta(NamedTuple):
     A named tuple, not an object with slots (issue 45): one is built per filled block on the
     append hot path and the prefix index keeps millions of them. Its fields are bytes, None,
     a str and a tuple of ints, so the garbage collector untracks it after its first pass
-    instead of traversing every cached block's identity in each full collection (callgrind:
-    ~20k instructions per 256-sequence decode step, more as the index grows). Never mutated."""
+    instead of traversing every cached block's identity in each full collection (a cost that
+    grows with the index, paid by every step that triggers one). Never mutated."""
 
     block_hash: BlockHash
     parent_hash: BlockHash | None

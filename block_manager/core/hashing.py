@@ -65,20 +65,6 @@ def hash_encoded(parent: BlockHash | None, salt_enc: bytes, size: bytes, data: b
     return hashlib.blake2b(b"".join((head, salt_enc, size, data)), digest_size=HASH_BYTES, person=_PERSON).digest()
 
 
-def hash_rows(parents: list[BlockHash | None], salt_encs: list[bytes], size: bytes, data: bytes) -> list[BlockHash]:
-    """The hashes of `len(parents)` blocks of one size whose tokens lie back to back in `data`
-    (little-endian int64, `size` the token count as 4 little-endian bytes): the blocks a
-    batched append filled, each chained from its own parent. One comprehension, no call per
-    block but BLAKE2b's own (issue 45); the same bytes `hash_encoded` hashes."""
-    if not parents:
-        return []
-    width = len(data) // len(parents)
-    blake2b = hashlib.blake2b
-    return [blake2b(b"".join((_NO_PARENT if parent is None else _HAS_PARENT + parent, salt_enc, size,
-                              data[start : start + width])), digest_size=HASH_BYTES, person=_PERSON).digest()
-            for parent, salt_enc, start in zip(parents, salt_encs, range(0, len(data), width))]
-
-
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: str | None) -> BlockHash:
     """Public form of the block hash: `H(parent_hash, token_ids, salt)`."""
     return hash_block_bytes(parent, token_array(token_ids), salt_bytes(salt))
