@@ -12,28 +12,22 @@ are `test_kernel_sass.py`'s.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import re
 import sys
-from pathlib import Path
 
 import pytest
 
 if sys.platform != "linux":   # pyproject's [dev] installs NVVM / NVRTC (Linux-only wheels) on Linux alone
     pytest.skip("compiling PTX needs NVVM and NVRTC, installed by [dev] on Linux only", allow_module_level=True)
 
-from kernels.cuda import block_copy, decode_reduce, slot_write  # noqa: E402
+from bench_modules import load_bench  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+from kernels.cuda import block_copy, decode_reduce, slot_write  # noqa: E402
 
 
 def _kernel_sass():
-    spec = importlib.util.spec_from_file_location("kernel_sass", REPO / "bench" / "kernel_sass.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kernel_sass"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("kernel_sass")
 
 
 KS = _kernel_sass()

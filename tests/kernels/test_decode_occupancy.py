@@ -21,19 +21,16 @@ import pytest
 if sys.platform != "linux" or importlib.util.find_spec("numba_cuda") is None:
     pytest.skip("compiling kernels offline needs NVVM and nvJitLink (Linux wheels)", allow_module_level=True)
 
+from bench_modules import load_bench  # noqa: E402
+
 from kernels.cuda import decode, decode_policy, decode_split  # noqa: E402
 from kernels.cuda._host import spec_for  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 SMS = 132  # H100 SXM and H200
 
 
 def _kernel_sass():
-    spec = importlib.util.spec_from_file_location("kernel_sass", REPO / "bench" / "kernel_sass.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kernel_sass"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("kernel_sass")
 
 
 KS = _kernel_sass()

@@ -13,22 +13,14 @@ wheel (skipped otherwise, with the reason); `bench/kernel_sass.py` prints the fu
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
+from bench_modules import load_bench
 
 
 def _kernel_sass():
-    spec = importlib.util.spec_from_file_location("kernel_sass", REPO / "bench" / "kernel_sass.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kernel_sass"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("kernel_sass")
 
 
 KS = _kernel_sass()

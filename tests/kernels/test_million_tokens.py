@@ -8,25 +8,16 @@ kernels at this length is tested without a GPU in test_cuda_launch_limits.py.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
+from bench_modules import load_bench
 
 import kernels
 from kernels.cpu import decode as cpu_decode
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def _million_case():
-    spec = importlib.util.spec_from_file_location("million_case", REPO / "bench" / "million_case.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["million_case"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("million_case")
 
 
 MC = _million_case()
