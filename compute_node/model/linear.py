@@ -25,10 +25,10 @@ On an AVX2 CPU without AVX-512 float32 weights are packed for the project's own 
 (`kernels.cpu.gemm`: 16-column panels, a 6 x 16 register tile, one contiguous share of the
 panels per thread), which runs decode-sized matmuls faster than oneDNN does there: oneDNN's
 small-M path reaches ~60% of the FMA peak on 16-64 rows where its prefill-sized path reaches
-~100%. Measured on the 2-vCPU AMD EPYC host (`bench/bench_linear.py --no-head`, 30 layers of
-the 135M shape, 2026-12-07, a host loaded 6-9 by other work, so in CPU time): one thread
-1.1-1.6x oneDNN's rate at 16-64 rows, 1.3x at one row, 1.0-1.1x at 512; two threads 1.3-2.2x
-at 16-64 rows, 1.9x at one row, 1.07x at 512. With AVX-512 oneDNN computes twice as wide as
+~100%. Measured on the 2-vCPU AMD EPYC host (`bench/bench_linear.py --backends onednn,panels
+--no-head`, 30 layers of the 135M shape, two threads, quiet host, 2026-12-07 21:48): 1.32x
+oneDNN's speed at one row, 1.32-1.43x at 16-64 rows, 1.00x at 512 (BENCHMARKS.md, "The panel
+GEMM"). With AVX-512 oneDNN computes twice as wide as
 the 8-float tile, so it keeps the weights there. A panel-packed weight is a plain 3-D float32
 tensor `[out / 16, in, 16]` (`is_packed`, `unpack` tell the two kinds apart).
 """
