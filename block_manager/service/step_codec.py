@@ -18,7 +18,7 @@ transport hands in `new_response`, replay the request type's parser).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -60,6 +60,14 @@ def _seq_ids(name: str, value: object) -> list[SeqId]:
     """`_ids` of sequences: checked, they are sequence ids (`SeqId` is a `str`; no copy)."""
     return cast(list[SeqId], _ids(name, value))
 
+
+
+def _check_batch_limits(max_batch: int, **sections: Sized) -> None:
+    """Each section of a step carries at most `max_batch` items (both decoders' one check)."""
+    names = {"written": "written reports", "late": "late-id items"}
+    for key, items in sections.items():
+        if len(items) > max_batch:
+            raise InvalidRequest(f"a step may carry at most {max_batch} {names.get(key, key)}, got {len(items)}")
 
 def _distinct(name: str, ids: Sequence[str]) -> None:
     if len(set(ids)) != len(ids):
@@ -176,10 +184,8 @@ class StepInput:
         forks = _decode_forks(p.get("fork") or {})
         children = [c for _, cs in forks for c in cs]
         _distinct("fork child ids", children)
-        for name, n in (("frees", len(free_ids)), ("allocations", len(allocs)), ("written reports", len(written)),
-                        ("forks", len(children)), ("appends", len(appends)), ("late-id items", len(late))):
-            if n > max_batch:
-                raise InvalidRequest(f"a step may carry at most {max_batch} {name}, got {n}")
+        _check_batch_limits(max_batch, frees=free_ids, allocations=allocs, written=written, forks=children,
+                            appends=appends, late=late)
         epochs = p.get("pool_epochs") or {}
         if not isinstance(epochs, dict):
             raise InvalidRequest("pool_epochs must be a mapping")
@@ -216,10 +222,8 @@ class StepInput:
         forks = _forks_pb(request) if request.fork_parent_ids else []
         children = [c for _, cs in forks for c in cs]
         _distinct("fork child ids", children)
-        for name, n in (("frees", len(free_ids)), ("allocations", len(allocs)), ("written reports", len(written)),
-                        ("forks", len(children)), ("appends", len(appends)), ("late-id items", len(late))):
-            if n > max_batch:
-                raise InvalidRequest(f"a step may carry at most {max_batch} {name}, got {n}")
+        _check_batch_limits(max_batch, frees=free_ids, allocations=allocs, written=written, forks=children,
+                            appends=appends, late=late)
         return cls(request.scheduler_id, dict(request.pool_epochs), reports, free_ids, allocs, written, forks,
                    appends, placement, late, _swap_ids_pb("swap_out", request.swap_out_seq_ids, max_batch),
                    _swap_ids_pb("swap_in", request.swap_in_seq_ids, max_batch), request.release_leases, fleet)
