@@ -65,3 +65,19 @@ def assert_close(out: np.ndarray, ref: np.ndarray, rel: float) -> None:
     norm = np.linalg.norm(ref, axis=-1)
     worst = float((err / norm).max())
     assert worst <= rel, f"relative error {worst:.2e} > {rel:.0e}"
+
+
+def record_split_parts(monkeypatch) -> list[list[int]]:
+    """Patch the split-K launch to record each call's partitions per sequence (then launch as
+    before): the list the policy tests compare with what the policy should pick."""
+    from kernels.cuda import decode_split  # only under the simulator, as the tests importing this
+
+    calls: list[list[int]] = []
+    real = decode_split.paged_attention_decode_split
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["parts"].tolist())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decode_split, "paged_attention_decode_split", spy)
+    return calls

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from sim_cases import assert_close, make_case, queries
+from sim_cases import assert_close, make_case, queries, record_split_parts
 
 import kernels
 from kernels import reference
@@ -143,14 +143,7 @@ def test_public_decode_routes_small_grids_to_split(monkeypatch) -> None:
     """One sequence x one KV head fills a small part of what the (pretend) GPU keeps
     resident, so the policy (issue 43: wave efficiency, a common chunk size) picks split-K
     with the chunk that fills it best: 64-token partitions (thresholds scaled down)."""
-    calls = []
-    real = decode_split.paged_attention_decode_split
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs["parts"].tolist())
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(decode_split, "paged_attention_decode_split", spy)
+    calls = record_split_parts(monkeypatch)
     monkeypatch.setattr(decode_policy, "MIN_PART_TOKENS", 32)
     monkeypatch.setattr(decode_policy, "MIN_SPLIT_TOKENS", 64)
     monkeypatch.setattr(decode, "resident_blocks", lambda spec: decode_policy.Occupancy(8, 8))

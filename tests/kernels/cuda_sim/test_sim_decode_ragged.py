@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from sim_cases import assert_close, make_case, queries
+from sim_cases import assert_close, make_case, queries, record_split_parts
 
 import kernels
 from kernels import reference
@@ -51,14 +51,7 @@ def _small_thresholds(monkeypatch) -> None:
 
 def test_public_decode_partitions_a_ragged_batch_by_a_common_chunk(monkeypatch) -> None:
     _small_thresholds(monkeypatch)
-    calls = []
-    real = decode_split.paged_attention_decode_split
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs["parts"].tolist())
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(decode_split, "paged_attention_decode_split", spy)
+    calls = record_split_parts(monkeypatch)
     rng = np.random.default_rng(6)
     case = make_case(rng, [300, 40, 70], num_kv_heads=1, block_size=8, head_dim=16)
     q = queries(rng, (3, 4, 16), np.float16)
