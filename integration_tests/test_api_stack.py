@@ -109,20 +109,26 @@ def test_requests_survive_a_node_killed_mid_generation(api_slot: StackSlot) -> N
             return client.completions.create(model=TEST_MODEL_NAME, prompt=f"request {i}: " + "tok " * (i % 7),
                                              max_tokens=160, temperature=0, extra_body={"ignore_eos": True})
 
-        def counter(name: str) -> float:
-            total = 0.0
+        def per_replica(name: str) -> list[float]:
+            values = []
             for replica in replicas:
                 m = re.search(rf"^pagedkv_{name}_total\S* (\S+)$", httpx.get(replica + "/metrics").text, re.M)
-                total += float(m.group(1)) if m else 0.0
-            return total
+                values.append(float(m.group(1)) if m else 0.0)
+            return values
+
+        def counter(name: str) -> float:
+            return sum(per_replica(name))
 
         # the stack may have served the module's other tests: count from here
-        generated_before, failed_before = counter("generation_tokens"), counter("failed_node_steps")
+        generated_before, failed_before = per_replica("generation_tokens"), counter("failed_node_steps")
         with ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(complete, i) for i in range(8)]
             deadline = time.monotonic() + 60
-            while counter("generation_tokens") < generated_before + 16 and time.monotonic() < deadline:
-                time.sleep(0.02)                                      # admitted on both nodes, decoding
+            # each replica (one node each) decoding: the kill then hits steps in flight, whichever
+            # replica's node it is (a total over both could be reached by one replica alone)
+            while (any(now < before + 8 for now, before in zip(per_replica("generation_tokens"), generated_before))
+                   and time.monotonic() < deadline):
+                time.sleep(0.02)
             stack.kill("compute-node-1")
             outs = [f.result() for f in futures]
         assert counter("failed_node_steps") > failed_before          # the kill hit steps in flight
