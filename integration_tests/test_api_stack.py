@@ -119,15 +119,23 @@ def test_requests_survive_a_node_killed_mid_generation(api_slot: StackSlot) -> N
         def counter(name: str) -> float:
             return sum(per_replica(name))
 
+        # Both replicas and their nodes warm first: the module's other tests used one replica, and a
+        # cold one's first steps (kernel JIT on a loaded machine) can outlast the warm one's whole
+        # batch, so the kill would find that replica idle, with no step in flight.
+        for replica in replicas:
+            openai.OpenAI(base_url=replica + "/v1", api_key="unused", max_retries=0, timeout=300).completions.create(
+                model=TEST_MODEL_NAME, prompt="warm up", max_tokens=2, temperature=0)
         # the stack may have served the module's other tests: count from here
         generated_before, failed_before = per_replica("generation_tokens"), counter("failed_node_steps")
         with ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(complete, i) for i in range(8)]
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + 120
             # each replica (one node each) decoding: the kill then hits steps in flight, whichever
             # replica's node it is (a total over both could be reached by one replica alone)
-            while (any(now < before + 8 for now, before in zip(per_replica("generation_tokens"), generated_before))
-                   and time.monotonic() < deadline):
+            while min(since := [now - before for now, before in zip(per_replica("generation_tokens"),
+                                                                     generated_before)]) < 8:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"both replicas should decode before the kill; tokens per replica: {since}")
                 time.sleep(0.02)
             stack.kill("compute-node-1")
             outs = [f.result() for f in futures]
