@@ -39,6 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from profile_split import start_profile, stop_profile  # noqa: E402  (stdlib only, as below)
+from roofline import Machine, measure_machine, roofline_tok_per_s  # noqa: E402
 from vllm_workloads import (  # noqa: E402  (stdlib only: vLLM's venv imports this file too)
     SHAPES,
     WORKLOADS,
@@ -234,11 +235,15 @@ def run_worker(python: str, side: str, model: Path, workloads: str, repeat: int,
     return json.loads(out.read_text())
 
 
-def report(shape: str, workloads: list[str], sides: list[str], runs: dict[str, list[dict]]) -> list[dict]:
-    """Print one table per shape; medians over repeats, ratios against vLLM's best mode."""
+def report(shape: str, workloads: list[str], sides: list[str], runs: dict[str, list[dict]],
+           machine: Machine | None = None) -> list[dict]:
+    """Print one table per shape; medians over repeats, ratios against vLLM's best mode, and
+    each side's share of the roofline (`roofline.py`) when `machine` is given."""
     rows = []
     print(f"\n## {shape}")
     head = ["workload"] + [f"{SIDES[s]} tok/s" for s in sides] + ["ours ÷ best vLLM"]
+    if machine is not None:
+        head += ["roofline tok/s"] + [f"{SIDES[s]} ÷ roofline" for s in sides]
     head += [f"{SIDES[s]} TTFT p50 s" for s in sides] + ["greedy identical"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
@@ -256,10 +261,16 @@ def report(shape: str, workloads: list[str], sides: list[str], runs: dict[str, l
                 same[0] += eq
                 same[1] += n
         cells = [w] + [f"{tps[s]:.1f}" for s in sides] + [f"{ratio:.2f}x" if ratio else "-"]
+        roof = None
+        if machine is not None:
+            vocab = SHAPES[shape].vocab_size     # each repeat drew its own prompts: its own roofline
+            roof = statistics.median(roofline_tok_per_s(SHAPES[shape], make_workload(w, r, vocab), machine)
+                                     for r in range(len(runs["ours"])))
+            cells += [f"{roof:.1f}"] + [f"{tps[s] / roof:.2f}" for s in sides]
         cells += [f"{ttft[s]:.2f}" for s in sides] + [f"{same[0]}/{same[1]}" if same[1] else "-"]
         print("| " + " | ".join(cells) + " |")
         rows.append({"shape": shape, "workload": w, "tok_per_s": tps, "ttft_p50_s": ttft, "ratio": ratio,
-                     "identical": same})
+                     "identical": same, "roofline_tok_per_s": roof})
     mem = {s: statistics.median(r["peak_rss_mib"] for r in runs[s]) for s in sides}
     print("peak RSS MiB: " + ", ".join(f"{SIDES[s]} {mem[s]:.0f}" for s in sides))
     return rows
@@ -299,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--workloads: unknown {w!r} (choose from {', '.join(WORKLOADS)})")
     print(f"# pagedkv vs vLLM, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, "
           f"repeats {args.repeats}, KV {KV_GIB} GiB each")
+    machine = measure_machine()
+    print(f"# this machine (roofline.py): float32 matmul peak {machine.peak_flops / 1e9:.0f} GFLOP/s, "
+          f"one-row weight reads {machine.read_bytes_per_s / 1e9:.1f} GB/s")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes.split(","):
@@ -311,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                     profile = (["--profile", str(Path(args.profile).resolve() / f"{shape}-r{r}"),
                                 "--py-spy", args.py_spy] if args.profile else [])
                     runs[s].append(run_worker(python, s, model, ",".join(workloads), r, Path(tmp), profile))
-            rows += report(shape, workloads, sides, runs)
+            rows += report(shape, workloads, sides, runs, machine)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

@@ -14,6 +14,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 
 import bench_vs_vllm as bvv  # noqa: E402
+import roofline as rl  # noqa: E402
 import vllm_workloads as wl  # noqa: E402
 
 
@@ -73,6 +74,50 @@ def test_report_takes_the_best_vllm_mode_and_counts_identical_outputs(capsys: py
     assert row["ratio"] == pytest.approx(1.1)                                      # ÷ the best vLLM mode
     assert row["identical"] == [7, 8]
     assert "| shared | 110.0 | 85.0 | 100.0 | 1.10x |" in capsys.readouterr().out
+
+
+def test_report_gives_each_side_its_share_of_the_roofline(capsys: pytest.CaptureFixture[str]) -> None:
+    runs = {"ours": [_run(60.0, [[1]])], "compiled": [_run(40.0, [[1]])]}
+    machine = rl.Machine(peak_flops=100e9, read_bytes_per_s=20e9)
+    (row,) = bvv.report("smollm-135m", ["shared"], ["ours", "compiled"], runs, machine)
+    roof = rl.roofline_tok_per_s(wl.SHAPES["smollm-135m"], wl.make_workload("shared", 0, 49152), machine)
+    assert row["roofline_tok_per_s"] == pytest.approx(roof)
+    assert f"| {roof:.1f} | {60 / roof:.2f} | {40 / roof:.2f} |" in capsys.readouterr().out
+
+
+TINY = wl.Shape("tiny", "llama", num_layers=2, hidden_size=4, num_heads=2, num_kv_heads=1, head_dim=2,
+                intermediate_size=8, vocab_size=10, tie_word_embeddings=True)
+# per layer q 4x4, k and v 4x2 each, o 4x4, gate/up/down 3 x 4x8 -> 144; two layers; head 4x10
+TINY_DENSE, TINY_HEAD = 2 * 144, 40
+TINY_ATTN = 4 * 2 * 2 * 2        # QK^T and PV, 2 multiply-adds each, per key: layers x heads x head_dim
+
+
+def test_roofline_counts_a_shared_prefix_once() -> None:
+    assert rl.trie_positions([[1, 2, 3], [1, 2, 4], [5]]) == [1, 2, 3, 3, 1]
+    shared = rl.count_work(TINY, [([1, 2, 3], 1), ([1, 2, 4], 1)])
+    alone = rl.count_work(TINY, [([1, 2, 3], 1), ([6, 7, 4], 1)])
+    # positions 1 and 2 are computed once when the prompts share them
+    assert alone.prefill_flops - shared.prefill_flops == 2 * TINY_DENSE * 2 + TINY_ATTN * (1 + 2)
+    # one position: its matmuls, attention over one key; the LM head once per request
+    assert rl.count_work(TINY, [([3], 1)]).prefill_flops == 2 * TINY_DENSE + TINY_ATTN + 2 * TINY_HEAD
+    assert shared.decode_steps == () and shared.output_tokens == 2
+
+
+def test_roofline_decode_steps_follow_the_requests_that_still_run() -> None:
+    work = rl.count_work(TINY, [([1, 2], 3), ([1, 5], 2)])
+    assert [s.rows for s in work.decode_steps] == [2, 1]      # a request's first token is its prefill's
+    first = work.decode_steps[0]
+    # both rows: weights and the LM head, attention over their contexts (2 + 1 keys each)
+    assert first.flops == 2 * (2 * (TINY_DENSE + TINY_HEAD) + TINY_ATTN * 3)
+    # weights once; K/V of the distinct positions: prompts' trie (1, 2, 2) + one generated each
+    kv_per_pos = 2 * 2 * 1 * 2 * 4
+    assert first.bytes_read == (TINY_DENSE + TINY_HEAD) * 4 + (3 + 2) * kv_per_pos
+    fast_memory = rl.Machine(peak_flops=1e3, read_bytes_per_s=1e12)     # every step compute-bound
+    assert rl.roofline_seconds(work, fast_memory) == pytest.approx(
+        (work.prefill_flops + sum(s.flops for s in work.decode_steps)) / 1e3)
+    slow_memory = rl.Machine(peak_flops=1e15, read_bytes_per_s=1.0)     # decode memory-bound
+    assert rl.roofline_seconds(work, slow_memory) == pytest.approx(
+        work.prefill_flops / 1e15 + sum(s.bytes_read for s in work.decode_steps))
 
 
 def test_the_worker_file_imports_nothing_of_pagedkv() -> None:
