@@ -140,6 +140,26 @@ class DecodeStep:
         return self._path.replay(self._generation, layer, query, torch.empty_like(query) if out is None else out)
 
 
+class PlannedDecodeStep(DecodeStep):
+    """The decode group inside a whole-step graph (`compute_node/step_graph.py`): each layer
+    launches the bucket's `DecodePlan` over static tables and lengths, with the kernel
+    (one-pass or split-K) fixed when the step was captured. No per-layer graph here: CUDA
+    graphs do not nest, and the whole step is one capture already. The plan allocates, copies
+    and reads back nothing, so every layer's launch is capturable."""
+
+    def __init__(self, path: DecodePath, plan: Any, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 scale: float, split: bool) -> None:
+        super().__init__(path, block_tables, seq_lens, scale, None)
+        self._plan, self._split = plan, split
+
+    def run(self, layer: int, query: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.empty_like(query) if out is None else out
+        pool = self._path.pool
+        self._plan.launch(query, pool.key_caches[layer], pool.value_caches[layer], self.block_tables,
+                          self.seq_lens, self.scale, out, split=self._split)
+        return out
+
+
 class DecodePath:
     """The pool's choice, per step, between the graphs and the direct launch (module doc)."""
 

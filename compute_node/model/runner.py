@@ -31,6 +31,7 @@ from compute_node.model.model import DecoderModel
 from compute_node.model.sampling import Sampler, score_rows
 from compute_node.model.weights import Checkpoint
 from compute_node.pool import KvPool, PoolGeometry, blocks_for_budget, resolve_device
+from compute_node.step_graph import StepGraphs
 
 # Rows of prompt logits computed at once (prompt log-probabilities): 256 x a 152k vocabulary
 # is 155 MB of float32, bounded whatever the prompt's length.
@@ -69,7 +70,9 @@ class ModelRunner:
     caps positions below the model's `max_position_embeddings` (never above it).
     `cuda_graphs`: on a GPU, decode attention replays CUDA graphs (one per layer and batch-size
     bucket, sized for `max_model_len`) where a step fits them (`compute_node/decode_path.py`);
-    ignored on the CPU. `prepack_linear`: on the CPU (float32 / bfloat16), the matmul weights are
+    ignored on the CPU. `step_graphs` (opt-in until measured on a GPU): a pure-decode step that
+    fits replays one CUDA graph of the whole forward per batch-size bucket instead
+    (`compute_node/step_graph.py`); other steps run as without it. `prepack_linear`: on the CPU (float32 / bfloat16), the matmul weights are
     packed once for oneDNN (`compute_node.model.linear`: ~2x faster decode steps than plain
     `F.linear`); False keeps plain weights and `F.linear` (what transformers runs).
 
@@ -89,6 +92,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         cuda_graphs: bool = True,
         prepack_linear: bool = True,
+        step_graphs: bool = False,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.model_config = ModelConfig.from_dir(model_dir)
@@ -126,6 +130,8 @@ class ModelRunner:
         self.fused_cpu_attention = True
         self.profile = False
         self.last_timings: StepTimings | None = None
+        self.step_graphs = step_graphs
+        self._step_graphs: StepGraphs | None = None   # built at the first step that can use them
 
     @property
     def geometry(self) -> PoolGeometry:
@@ -164,13 +170,23 @@ class ModelRunner:
             return StepResult(outputs)
         timings = StepTimings() if self.profile else None
         started = time.perf_counter()
-        inputs = self._prepare(batch)
+        graphs = self._graphed_step(batch)
+        inputs = self._prepare(batch, graphs)
         prepared = time.perf_counter()
         timer = PhaseTimer() if timings is not None else None
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.pool, inputs.meta, timer)
+        all_logits = None
+        if graphs is not None and graphs.load(inputs):
+            hidden, all_logits = graphs.replay()   # the whole forward, logits of every row
+        else:
+            if graphs is not None:   # it did not fit: bind the per-layer decode path after all
+                self._bind_decode(inputs)
+            hidden = self.model.forward(inputs.input_ids, inputs.positions, self.pool, inputs.meta, timer)
         sampled_at = forwarded = self._sync_time()
         if inputs.sample_seqs:
-            logits = self.model.logits(hidden[inputs.sample_rows])   # float32 [num_sampled, vocab]
+            if all_logits is not None:
+                logits = all_logits[inputs.sample_rows]
+            else:
+                logits = self.model.logits(hidden[inputs.sample_rows])   # float32 [num_sampled, vocab]
             forwarded = self._sync_time()
             seqs = [batch[i] for i in inputs.sample_seqs]
             params = [s.sample for s in seqs if s.sample is not None]
@@ -221,10 +237,20 @@ class ModelRunner:
         hidden = hidden[torch.cat(rows).to(hidden.device)]
         return DebugForward(self.model.final_hidden(hidden), self.model.logits(hidden))
 
-    def _prepare(self, batch: Sequence[SeqWork]) -> StepInputs:
+    def _graphed_step(self, batch: Sequence[SeqWork]) -> StepGraphs | None:
+        """The whole-step graphs, when enabled and this is a pure-decode step on the CUDA
+        backend (they are built, for the pool the runner holds now, at the first such step)."""
+        if not self.step_graphs or self.pool.backend != "cuda" or any(len(w.token_ids) != 1 for w in batch):
+            return None
+        if self._step_graphs is None or self._step_graphs.pool is not self.pool:
+            self._step_graphs = StepGraphs(self.model, self.pool, max_context=self.max_model_len)
+        return self._step_graphs
+
+    def _prepare(self, batch: Sequence[SeqWork], graphs: StepGraphs | None = None) -> StepInputs:
         """The step's checked inputs, with its attention bound to the pool once (on the CPU the
         whole step's `StepAttention`; on a GPU the decode group, graph buffers loaded here), not
-        per layer."""
+        per layer. With `graphs` (a whole-step graph may run it) the decode group is left
+        unbound: `run_step` binds it only if the step does not fit them."""
         cfg = self.model_config
         inputs = prepare_step(
             batch, self.geometry, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len,
@@ -238,12 +264,17 @@ class ModelRunner:
                 prefill_block_tables=meta.prefill_block_tables, prefill_seq_lens=meta.prefill_seq_lens,
                 prefill_query_start_loc=meta.prefill_query_start_loc, scale=meta.scale,
             )
-        elif meta.decode_block_tables is not None and meta.decode_seq_lens is not None:
-            shape = StepShape(cfg.num_heads, self.model.dtype, meta.scale)
+        elif graphs is None:
+            self._bind_decode(inputs)
+        return inputs
+
+    def _bind_decode(self, inputs: StepInputs) -> None:
+        meta = inputs.meta
+        if meta.decode_block_tables is not None and meta.decode_seq_lens is not None:
+            shape = StepShape(self.model_config.num_heads, self.model.dtype, meta.scale)
             meta.decode = self.pool.begin_decode(
                 meta.decode_block_tables, meta.decode_seq_lens, shape, host_seq_lens=inputs.decode_seq_lens_host
             )
-        return inputs
 
     def _sync_time(self) -> float:
         if self.profile and self.device.type == "cuda":

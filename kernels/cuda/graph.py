@@ -53,8 +53,11 @@ class _EagerGraph:
         self._launch()
 
 
-def _capture(launch: Callable[[], Any], pool: Any) -> Any:
-    """A torch CUDA graph of `launch` (run once uncaptured first: compiles, loads modules)."""
+def capture_graph(launch: Callable[[], Any], pool: Any) -> Any:
+    """A torch CUDA graph of `launch` (run once uncaptured first: compiles, loads modules),
+    drawing its memory from `pool` (`new_graph_pool()`, shared by graphs never replayed at
+    once); under the simulator an `_EagerGraph` whose replay runs `launch`. Also used for
+    whole decode steps (`compute_node/step_graph.py`)."""
     if SIMULATOR:
         return _EagerGraph(launch)
     import torch
@@ -68,6 +71,15 @@ def _capture(launch: Callable[[], Any], pool: Any) -> Any:
     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         launch()
     return graph
+
+
+def new_graph_pool() -> Any:
+    """A memory pool for graphs that replay one at a time (None under the simulator)."""
+    if SIMULATOR:
+        return None
+    import torch
+
+    return torch.cuda.graph_pool_handle()
 
 
 class _Bucket:
@@ -140,16 +152,14 @@ class DecodeGraphs:
         if graph is None:
             state = self._bucket(batch)
             kc, vc = self.key_caches[layer], self.value_caches[layer]
-            if self._pool is None and not SIMULATOR:
-                import torch
-
-                self._pool = torch.cuda.graph_pool_handle()
+            if self._pool is None:
+                self._pool = new_graph_pool()
 
             def launch() -> None:
                 state.plan.launch(state.query, kc, vc, state.tables, state.lens, self.scale,
                                   state.out, split=split)
 
-            graph = self._graphs[key] = _capture(launch, self._pool)
+            graph = self._graphs[key] = capture_graph(launch, self._pool)
         return graph
 
     def capture(self, layers: Sequence[int] | None = None,
