@@ -17,7 +17,9 @@ import json
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
+from typing import cast
 
 from block_manager.core.types import SeqId
 
@@ -94,6 +96,21 @@ def _token_ids(line_no: int, value: object, what: str) -> TokenIds:
     return tuple(value)
 
 
+def _checked_append(seqs: dict[object, object]) -> tuple[tuple[SeqId, TokenIds], ...] | None:
+    """An append's items when every one is valid (non-empty string keys, non-empty lists of
+    non-negative ints), checked with whole-batch set and min operations, which run in C: the
+    per-item checks cost ~4 µs per sequence of a 200-sequence step, 4x the JSON decoding of
+    its line. None: some item is bad (the per-item checks then name it)."""
+    values = list(seqs.values())
+    if set(map(type, seqs)) != {str} or "" in seqs or set(map(type, values)) != {list} or not all(values):
+        return None
+    lists = cast("list[list[int]]", values)               # checked just above
+    tokens = list(chain.from_iterable(lists))
+    if set(map(type, tokens)) != {int} or min(tokens) < 0:
+        return None
+    return tuple(zip(cast("dict[SeqId, object]", seqs), map(tuple, lists)))
+
+
 def parse_line(text: str, line_no: int) -> TraceOp:
     """Parse one non-blank trace line."""
     try:
@@ -123,7 +140,10 @@ def parse_line(text: str, line_no: int) -> TraceOp:
         seqs = obj["seqs"]
         if not isinstance(seqs, dict) or not seqs:
             raise TraceError(line_no, "append: seqs must be a non-empty object {seq: [tokens]}")
-        return AppendOp(
+        checked = _checked_append(seqs)
+        if checked is not None:
+            return AppendOp(line_no, checked)
+        return AppendOp(   # some item is bad: checked one by one, the first one named
             line_no,
             tuple(
                 (_seq_id(line_no, k, "seqs key"), _token_ids(line_no, v, f"tokens of {k!r}"))

@@ -154,6 +154,13 @@ def test_prefix_hits_need_the_same_salt() -> None:
         ('{"op": "allocate", "seq": "a", "tokens": [1], "salt": 5}', "salt must be a string"),
         ('{"op": "append", "seqs": {}}', "non-empty object"),
         ('{"op": "append", "seqs": {"a": 3}}', "tokens of 'a'"),
+        # an append's items are checked as a whole batch first: a bad one among good ones is
+        # still named by the per-item checks
+        ('{"op": "append", "seqs": {"x": [1], "b": [2, true]}}', "tokens of 'b' must hold non-negative integers"),
+        ('{"op": "append", "seqs": {"x": [1], "b": [2, -1]}}', "tokens of 'b' must hold non-negative integers"),
+        ('{"op": "append", "seqs": {"x": [1], "b": [2.5]}}', "tokens of 'b' must hold non-negative integers"),
+        ('{"op": "append", "seqs": {"x": [1], "b": []}}', "tokens of 'b' must be a non-empty list"),
+        ('{"op": "append", "seqs": {"x": [1], "": [2]}}', "seqs key must be a non-empty string"),
         ('{"op": "fork", "parent": "a", "children": ["a"]}', "equals the parent"),
         ('{"op": "fork", "parent": "a", "children": ["b", "b"]}', "duplicate"),
         ('{"op": "free", "seqs": "a"}', "non-empty list"),
