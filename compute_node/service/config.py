@@ -91,6 +91,9 @@ class ComputeNodeConfig(ServiceSettings):
     # On a GPU, decode attention replays CUDA graphs (one per layer and batch-size bucket,
     # captured at first use) where a step fits them, instead of one launch per layer.
     cuda_graphs: bool = True
+    # On a GPU (model nodes), a pure-decode step replays one CUDA graph of the whole forward
+    # per batch-size bucket (compute_node/step_graph.py). Off until a GPU run has measured it.
+    step_graphs: bool = False
     # Deadline of each node -> block manager call. Registration is retried while the block
     # manager is unreachable, first after `retry_interval_s`, then with a doubling, jittered
     # delay capped at `max_retry_interval_s`.

@@ -186,7 +186,7 @@ class ComputeNode:
         self.runner = runner = ModelRunner(
             cfg.model, block_size=cfg.block_size or DEFAULT_MODEL_BLOCK_SIZE, num_blocks=num_blocks,
             kv_memory_bytes=budget, dtype=cfg.model_dtype, device=str(self.device), max_model_len=cfg.max_model_len,
-            cuda_graphs=cfg.cuda_graphs, prepack_linear=cfg.prepack_linear,
+            cuda_graphs=cfg.cuda_graphs, prepack_linear=cfg.prepack_linear, step_graphs=cfg.step_graphs,
         )
         self.pool = runner.pool
         if cfg.host_kv_blocks or cfg.host_kv_memory:
