@@ -25,8 +25,9 @@ at ~3 s each; decode kernels at 0.85-0.94 of a 4.2 TB/s copy; an 8k prefill laye
 | 6 | prefill | 10-11 | 8k prompt fp16/bf16 x d128/d64; chunks 16-512 after 8k/32k, B 1/16 | 15 s | 30 s | 10 s |
 | 7 | engine_1b | 14 | bf16 Llama-3.2-1B shape, 128 requests vs transformers; floors | 70 s | 100 s | 60 s |
 | 8 | host | 13 | Python µs per launch path (decode API, plan, graph, prefill, write) | 4 s | 10 s | 4 s |
-| 9 | prefill_ab | 12 | 8k prefill per prepared kernel version, one process each (if any) | 35 s | 45 s | 15 s |
-| 10 | engine_8b | 15 | the same on 4 Llama-3-8B layers (d128), 64 requests | 55 s | 70 s | 50 s |
+| 9 | step_graph | - | whole-step decode graphs vs eager, teacher-forced, B 64 → 1 (issue 43 item 3) | 12 s | 25 s | 12 s |
+| 10 | prefill_ab | 12 | 8k prefill per prepared kernel version, one process each (if any) | 23 s | 45 s | 15 s |
+| 11 | engine_8b | 15 | the same on 4 Llama-3-8B layers (d128), 64 requests | 55 s | 70 s | 50 s |
 
 How the estimates were made: JIT ~2-3 s per variant (18 in phase 1; the correctness matrix's
 ~17 others: fp32, MHA, MQA, d256, mixed types, reduce, write, copy); the node graph check
@@ -35,10 +36,13 @@ repetitions of (1 ms spin + kernel) per launch path, as many back to back, and u
 graph captures for the small cells: 0.3-1.5 s; the 1M cell 4.3 GB of K/V, a float64 reference
 of one KV head and 7 prefill calls of ~55 ms; the engine: a 2.2 GB random model written to disk
 (~5 s), LLM start-up with its bf16 d64 graphs (~15 s), 128 requests (~10 s; transformers ~15 s
-more), the batch-1 / batch-64 steps (~10 s); one prefill version ~7 s (import, JIT, timing).
+more), the batch-1 / batch-64 steps (~10 s); one prefill version ~7 s (import, JIT, timing:
+the estimate counts 3 prepared versions; more run while the budget lasts); the whole-step graph
+check (gpu_check_step_graph.py) a 0.8 GB fp16 model written and loaded (~3 s), a prefill of 64
+prompts and 48 decode steps of 8 layers, the graphs' captures (~1 s).
 
-Estimated total 335 s with phase 10, 280 s without (245 s without prepared prefill versions):
-phase 10 runs only when the others were quicker than estimated. Prefill versions are prepared
+Estimated total 335 s with phase 11, 280 s without (257 s without prepared prefill versions):
+phase 11 runs only when the others were quicker than estimated. Prefill versions are prepared
 on the host beforehand (`bench/gpu_check_prefill_ab.py prepare COMMIT...`, carried as
 `.prefill_ab`). The README's blocks (item 17) stay a separate call:
 `PAGEDKV_README_TIMEOUT_S=150 bench/gpu_readme.sh -x`.
@@ -310,6 +314,7 @@ def build_phases(args: argparse.Namespace, torch: Any, device: str, state: dict[
     from gpu_check_engine import SMOKE_ENGINE, EngineSizes, engine_cells
     from gpu_check_prefill import PrefillBench, phase_prefill
     from gpu_check_prefill_ab import AB_DIR, phase_prefill_ab
+    from gpu_check_step_graph import phase_step_graph
     from gpu_model import LLAMA_1B, LLAMA_8B_LAYERS, SMOKE_MODEL
     from gpu_sizes import FULL, SMOKE
     from gpu_timing import Timer, copy_gbs
@@ -360,6 +365,8 @@ def build_phases(args: argparse.Namespace, torch: Any, device: str, state: dict[
                   about="bf16 Llama-3.2-1B shape vs transformers and the floor"),
         PhaseSpec("host", 10, lambda ctx: phase_host(ctx, torch, timer, device, sizes.max_reps), min_s=4,
                   about="Python µs per launch path"),
+        PhaseSpec("step_graph", 25, lambda ctx: phase_step_graph(ctx, device, smoke), min_s=12,
+                  about="whole-step decode graphs vs eager, teacher-forced"),
         PhaseSpec("prefill_ab", 45, lambda ctx: phase_prefill_ab(
             ctx, sizes.prefill_tokens, smoke, args.prefill_ab or AB_DIR), min_s=15,
             about="8k prefill per prepared kernel version"),

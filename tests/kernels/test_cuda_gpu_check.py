@@ -371,12 +371,13 @@ def test_cpu_smoke_runs_every_kernel_phase(tmp_path: Path) -> None:
     rows, ends = _smoke(tmp_path / "r", "--skip", "engine_1b,engine_8b")
     assert not [(r.get("cell"), k) for r in rows for k in r if k.endswith("_error")]
     assert list(ends) == ["setup", "jit", "correctness", "decode", "decode_ab", "million",
-                          "prefill", "host", "prefill_ab"]
+                          "prefill", "host", "step_graph", "prefill_ab"]
     cells = {(r["phase"], r.get("cell")) for r in rows}
     for cell in (("decode", "B=4 ctx=256"), ("decode_ab", "ragged"), ("decode_ab", "block 8 B=2 ctx=128"),
                  ("decode_ab", "paging identity B=4 ctx=256"), ("million", "1M decode"),
                  ("million", "1M prefill chunk"), ("prefill", "prompt 32 bfloat16 d64"),
-                 ("prefill", "chunk 16 after 128 B=1"), ("host", "DecodeGraphs.run (copy q + replay)")):
+                 ("prefill", "chunk 16 after 128 B=1"), ("host", "DecodeGraphs.run (copy q + replay)"),
+                 ("step_graph", "teacher-forced steps"), ("step_graph", "step time B=1")):
         assert cell in cells, cell
     decode = next(r for r in rows if r.get("cell") == "B=4 ctx=256")
     for key in ("direct_kernel_us", "direct_b2b_us", "direct_host_us", "graph_kernel_us",
