@@ -141,7 +141,7 @@ def run_forced(ctx: Any, device: str, smoke: bool) -> None:
                         "first_graph_step_ms": round(times[(size, True)][0], 3)}
 
             ctx.cell(f"step time B={size}", timing)
-        del state["runner"], runner
+        state.clear()   # the model and its pool: freed before the next phase
 
 
 def phase_step_graph(ctx: Any, device: str, smoke: bool) -> None:

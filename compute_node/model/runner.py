@@ -72,9 +72,10 @@ class ModelRunner:
     bucket, sized for `max_model_len`) where a step fits them (`compute_node/decode_path.py`);
     ignored on the CPU. `step_graphs` (opt-in until measured on a GPU): a pure-decode step that
     fits replays one CUDA graph of the whole forward per batch-size bucket instead
-    (`compute_node/step_graph.py`); other steps run as without it. `prepack_linear`: on the CPU (float32 / bfloat16), the matmul weights are
-    packed once for oneDNN (`compute_node.model.linear`: ~2x faster decode steps than plain
-    `F.linear`); False keeps plain weights and `F.linear` (what transformers runs).
+    (`compute_node/step_graph.py`); other steps run as without it. `prepack_linear`: on the
+    CPU (float32 / bfloat16), the matmul weights are packed once for oneDNN
+    (`compute_node.model.linear`: ~2x faster decode steps than plain `F.linear`); False keeps
+    plain weights and `F.linear` (what transformers runs).
 
     One step at a time: the runner is not thread-safe (the scheduler is the one sequencer of a
     pool, so the servicer calls it from one thread or under a lock).

@@ -3,9 +3,10 @@
 Teacher forcing: three `ModelRunner`s over the same tiny random model and the same pool
 contents — two replaying whole-step graphs (the policy's one-pass kernel; split-K forced), one
 running the step eagerly (per-layer decode graphs) — get the same inputs every step (the graph
-run's greedy picks) and must give the same picks, logprobs and K/V. The steps change batch size across buckets (4, 8, 4, 1, 2), have ragged
-lengths crossing block boundaries, drop sequences that finished, and include a mixed
-prefill + decode step that the whole-step path must leave to the eager one. Under the
+run's greedy picks) and must give the same picks, logprobs and K/V. The steps change batch
+size across buckets (4, 8, 4, 1, 2), have ragged lengths crossing block boundaries, drop
+sequences that finished, and include a mixed prefill + decode step that the whole-step path
+must leave to the eager one. Under the
 simulator a "graph" replays its launch (no capture): what this checks is everything around
 the capture — static buffers shared by the buckets, padding rows that write and read nothing,
 the per-bucket plans and their split-K schedule, outputs read from the static rows.
