@@ -261,12 +261,8 @@ class TraceReplayer:
     def _waste_slots(self) -> int:
         """Empty slots of partial last blocks; a block shared by forks counts once."""
         bs = self.block_size
-        partial: dict[int, int] = {}
-        for seq in self.live.values():
-            fill = seq.num_tokens % bs
-            if fill:
-                partial[seq.block_table[-1]] = fill
-        return sum(bs - fill for fill in partial.values())
+        partial = {seq.block_table[-1]: fill for seq in self.live.values() if (fill := seq.num_tokens % bs)}
+        return bs * len(partial) - sum(partial.values())
 
     def _timed(self, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
         """Call into the core, adding the time to `core_ns` (failed calls count too)."""
@@ -304,11 +300,15 @@ class TraceReplayer:
         self._sample_usage()
 
     def _append(self, op: AppendOp) -> None:
-        requests = [
-            AppendRequest(seq_id, len(token_ids), token_ids)
-            for seq_id, token_ids in op.seqs
-            if self._check_live(op.line_no, seq_id)
-        ]
+        ids, toks = zip(*op.seqs) if op.seqs else ((), ())
+        if self.live.keys() >= set(ids):    # the common step: every sequence live (checked in C)
+            requests = list(map(AppendRequest, ids, map(len, toks), toks))
+        else:
+            requests = [
+                AppendRequest(seq_id, len(token_ids), token_ids)
+                for seq_id, token_ids in op.seqs
+                if self._check_live(op.line_no, seq_id)
+            ]
         if requests:
             start = time.perf_counter_ns()
             results = self.manager.append_slots(requests)
