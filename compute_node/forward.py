@@ -11,7 +11,9 @@
    (several), with the index tensors the kernels take;
 5. the node runs the steps' copy ops and commits their tables, then `execute` writes K/V into
    the slots and runs attention for every layer, scattering the groups' outputs into order
-   (the decode group begun once for all layers: `KvPool.begin_decode`, CUDA graphs on a GPU).
+   (the decode group begun once for all layers: `KvPool.begin_decode`, CUDA graphs on a GPU;
+   the writes and the prefill group bound once too: `prefill_path.StepKernels`, validated at
+   the first layer and launched with pre-bound arguments after it on a GPU).
 
 Only step 5 touches the pool, and it runs after steps 1–4 raised nothing, so a bad request
 never leaves a half-written pool behind.
@@ -30,6 +32,7 @@ import torch
 from compute_node.decode_path import DecodeStep, StepShape
 from compute_node.errors import InvalidForward
 from compute_node.pool import KvPool, PoolGeometry
+from compute_node.prefill_path import PrefillArgs, StepKernels
 from compute_node.tables import NodeTable, SeqId, check_tail
 from compute_node.wire import WireError, decode_tensor
 from pagedkv.limits import seq_id_problem
@@ -234,8 +237,14 @@ def execute(pool: KvPool, batch: ForwardBatch, plan: AttentionPlan) -> tuple[lis
         return [], ExecuteTimings(0.0, 0.0)
     slots = batch.slot_mapping.to(device)
     t0 = time.perf_counter()
+    prefill = None
+    if plan.prefill_start_loc is not None:
+        starts = _host(plan.prefill_start_loc)
+        prefill = PrefillArgs(_dev(plan.prefill_tables, device), _dev(plan.prefill_lens, device),
+                              _dev(plan.prefill_start_loc, device), batch.scale, int((starts[1:] - starts[:-1]).max()))
+    kernels = StepKernels(pool, slots, prefill)
     for step in batch.layers:
-        pool.write(step.layer, step.key.to(device), step.value.to(device), slots)
+        kernels.write(step.layer, step.key.to(device), step.value.to(device))
     _sync(device)
     t1 = time.perf_counter()
     decode = None
@@ -247,32 +256,26 @@ def execute(pool: KvPool, batch: ForwardBatch, plan: AttentionPlan) -> tuple[lis
             _dev(plan.decode_tables, device), _dev(plan.decode_lens, device), shape,
             host_seq_lens=_host(plan.decode_lens),
         )
-    outputs = [_attend(pool, step, plan, decode, batch.scale, device) for step in batch.layers]
+    outputs = [_attend(kernels, step, plan, decode, device) for step in batch.layers]
     _sync(device)
     t2 = time.perf_counter()
     return outputs, ExecuteTimings(write_s=t1 - t0, attention_s=t2 - t1)
 
 
 def _attend(
-    pool: KvPool, step: LayerStep, plan: AttentionPlan, decode: DecodeStep | None, scale: float, device: torch.device
+    kernels: StepKernels, step: LayerStep, plan: AttentionPlan, decode: DecodeStep | None, device: torch.device
 ) -> torch.Tensor:
     query = step.query.to(device)
     # A pure decode (or pure prefill) batch is already in request order: no gather/scatter.
     if plan.prefill_rows is None:
         return _decode(decode).run(step.layer, query)
     if plan.decode_rows is None:
-        return pool.prefill(
-            step.layer, query, _dev(plan.prefill_tables, device), _dev(plan.prefill_lens, device),
-            _dev(plan.prefill_start_loc, device), scale,
-        )
+        return kernels.prefill(step.layer, query)
     out = torch.empty_like(query)
     rows = plan.decode_rows.to(device)
     out[rows] = _decode(decode).run(step.layer, query[rows].contiguous())
     rows = plan.prefill_rows.to(device)
-    out[rows] = pool.prefill(
-        step.layer, query[rows].contiguous(), _dev(plan.prefill_tables, device), _dev(plan.prefill_lens, device),
-        _dev(plan.prefill_start_loc, device), scale,
-    )
+    out[rows] = kernels.prefill(step.layer, query[rows].contiguous())
     return out
 
 
