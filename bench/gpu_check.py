@@ -229,13 +229,15 @@ def phase_jit(ctx: PhaseContext, smoke: bool) -> None:
 
 def phase_host(ctx: PhaseContext, torch: Any, timer: Any, device: str, max_reps: int) -> None:
     """Python µs per call of each launch path (B=64 x 512 decode, a 512-token prefill chunk
-    after 3.5k tokens, a 64-token write), beside the kernel-only time of the same call."""
+    after 3.5k tokens, a 64-token write; the last two also through a step's plans), beside the
+    kernel-only time of the same call."""
     from gpu_check_correct import paged_inputs
     from gpu_timing import time_call
 
     import kernels
     from kernels.cuda.graph import DecodeGraphs
     from kernels.cuda.plan import DecodePlan
+    from kernels.cuda.prefill_plan import PrefillPlan, SlotWritePlan
 
     gen = torch.Generator(device=device).manual_seed(1)
     inp = paged_inputs(torch, gen, [512] * 64, 16, torch.float16)
@@ -264,7 +266,14 @@ def phase_host(ctx: PhaseContext, torch: Any, timer: Any, device: str, max_reps:
             **pin),
         "public write_slots (64 tokens)": lambda _: kernels.write_slots(
             kv, kv, inp["key_cache"], inp["value_cache"], slots, backend="cuda"),
+        # the same two calls through a step's plans, bound at their first call (issue 43 item 3)
+        "PrefillPlan.attend (512 after 3584)": lambda _: prefill_plan.attend(
+            qp, pin["key_cache"], pin["value_cache"], outp),
+        "SlotWritePlan.write (64 tokens)": lambda _: write_plan.write(
+            kv, kv, inp["key_cache"], inp["value_cache"]),
     }
+    prefill_plan = PrefillPlan(pin["block_tables"], pin["seq_lens"], starts, 0.1, max_query_len=512)
+    write_plan = SlotWritePlan(slots)
     reps = min(20, max_reps)
 
     def cell(name: str, fn: Callable[[int], Any]) -> dict[str, Any]:
