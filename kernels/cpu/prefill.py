@@ -21,7 +21,9 @@ LLVM's horizontal sum per dot product; register-blocked products need control ov
 registers that Numba does not give (torch's SDPA, with its own micro-kernels, measured from
 1.4x faster to 2.5x slower than this on these shapes, K/V gathered from the pages, on an AVX2
 host with an older torch). On an AVX-512 host with torch 2.13 SDPA is 3-4x faster, so float32
-caches take it (`prefill_sdpa.py`); fp16 and bf16 caches take these tiles.
+caches take it (`prefill_sdpa.py`) there; on an AVX2 host without AVX-512 they take the register-tile
+flash kernel (`prefill_flash.py`, the products through the GEMM's FMA tile); fp16 and bf16 caches
+take these tiles.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels.cpu import _host, _parallel
+from kernels.cpu import _host, _parallel, prefill_flash
 from kernels.cpu.attend import attend_prefill
 from kernels.cpu.prefill_sdpa import SdpaPrefill
 
@@ -87,7 +89,14 @@ def paged_prefill_attention(
         return out
     target = _host.f32_target(out)
     result = target if target is not None else np.empty(q.shape, np.float32)
-    if kv_kind == _host.KIND_F32:   # torch's SDPA (prefill_sdpa.py), as a model step does
+    if kv_kind == _host.KIND_F32 and prefill_flash.usable(kc.shape[3] // 2, kc.shape[2]) and prefill_flash.preferred():
+        # the AVX2 register-tile kernel (prefill_flash.py), as a model step does on this CPU
+        items = prefill_flash.flash_items(starts, lens, kc.shape[1], q.shape[1] // kc.shape[1])
+        serial = prefill_work(starts, lens, q.shape[1]) <= _parallel.SERIAL_MAX_ATTENTION_WORK
+        with _parallel.parallel_section(serial):
+            prefill_flash.flash_prefill(serial, q, kc.view(np.float32), vc.view(np.float32), tables, lens, starts,
+                                        items, np.float32(scale), result)
+    elif kv_kind == _host.KIND_F32:   # torch's SDPA (prefill_sdpa.py), as a model step does
         sdpa = SdpaPrefill(tables, lens, starts, kc.shape[2], scale)
         sdpa.run(torch.from_numpy(kc.view(np.float32)), torch.from_numpy(vc.view(np.float32)),
                  torch.from_numpy(q), torch.from_numpy(result))

@@ -40,6 +40,7 @@ from kernels.cpu._dense import f32_view
 from kernels.cpu.attend import NO_INDEX, NO_STARTS, NO_TABLES, attend_parallel, attend_serial
 from kernels.cpu.decode import use_split
 from kernels.cpu.decode_split import NO_PARTIALS, Partials
+from kernels.cpu import prefill_flash
 from kernels.cpu.prefill import prefill_work, query_tiles
 from kernels.cpu.prefill_sdpa import SdpaPrefill
 
@@ -94,7 +95,10 @@ class StepAttention:
     `serial` forces the one-thread (True) or all-threads (False) kernel; None decides by the
     step's attention work (`_parallel.SERIAL_MAX_ATTENTION_WORK`). `sdpa_prefill`: prefill rows
     through torch's SDPA (`prefill_sdpa.py`, float32 caches) rather than the Numba tiles; None
-    takes it wherever the caches are float32.
+    takes it wherever the caches are float32 and the flash kernel is not chosen. `flash_prefill`:
+    prefill rows through the AVX2 register-tile kernel (`prefill_flash.py`, float32 caches,
+    head_dim and block size multiples of 16); None takes it where those fit, the CPU prefers it
+    (`prefill_flash.preferred`: AVX2 without AVX-512) and `sdpa_prefill` is not True.
     """
 
     def __init__(
@@ -112,6 +116,7 @@ class StepAttention:
         scale: float,
         serial: bool | None = None,
         sdpa_prefill: bool | None = None,
+        flash_prefill: bool | None = None,
     ) -> None:
         self.caches = caches
         self.scale = np.float32(_validate.require_scale(scale))
@@ -144,9 +149,24 @@ class StepAttention:
         f32 = caches.f32_views
         if sdpa_prefill and f32 is None:
             raise KernelInputError(f"the SDPA prefill path takes float32 caches, not {caches.dtype}")
+        fits = prefill_flash.usable(caches.head_dim, caches.block_size)
+        if flash_prefill and (f32 is None or not fits):
+            raise KernelInputError(f"the flash prefill path takes float32 caches with head_dim and block size "
+                                   f"multiples of 16, not {caches.dtype}, {caches.head_dim}, {caches.block_size}")
+        if flash_prefill and sdpa_prefill:
+            raise KernelInputError("choose one of the SDPA and flash prefill paths, not both")
+        # the flash path: asked for, or by default on a CPU that prefers it unless SDPA is asked for
+        self.flash_items: np.ndarray | None = None
+        if num_prefill_rows and f32 is not None and fits and flash_prefill is not False and (
+                flash_prefill or (sdpa_prefill is None and prefill_flash.preferred())):
+            self.flash_items = prefill_flash.flash_items(self.pre_starts, self.pre_lens, caches.num_kv_heads,
+                                                         num_heads // caches.num_kv_heads)
+            work += prefill_work(self.pre_starts, self.pre_lens, num_heads)
         # the SDPA path with the float32 views it reads: asked for, or by default where they exist
         self.sdpa: tuple[SdpaPrefill, F32Views] | None = None
-        if num_prefill_rows and f32 is not None and sdpa_prefill is not False:
+        if self.flash_items is not None:
+            self.tile_seq = self.tile_row = self.tile_len = NO_INDEX
+        elif num_prefill_rows and f32 is not None and sdpa_prefill is not False:
             # prefill rows by torch's SDPA after the Numba call (which writes the K/V, decodes)
             prefill = SdpaPrefill(self.pre_tables, self.pre_lens, self.pre_starts, caches.block_size, scale)
             self.sdpa = (prefill, f32)
@@ -197,17 +217,26 @@ class StepAttention:
                 self.tile_row, self.tile_len, *self.partials.args(), self.scale, result)
         if self.serial:
             attend_serial(*args)
+            self._flash(kc, vc, q, result)
         else:
             with _parallel.parallel_section(False):
                 attend_parallel(*args)
                 if self.split:
                     self.partials.reduce(result[:self.num_decode_tokens])
+                self._flash(kc, vc, q, result)
         if self.sdpa is not None:
             prefill, f32 = self.sdpa
             prefill.run(f32.keys[layer], f32.values[layer], torch.from_numpy(q), torch.from_numpy(result))
         if result.dtype != _host_dtype(out):
             _host.store(out, result)
         return out
+
+    def _flash(self, kc: np.ndarray, vc: np.ndarray, q: np.ndarray, result: np.ndarray) -> None:
+        """The prefill rows by the flash kernel (after the fused call wrote the step's K/V), on
+        the threads the caller set."""
+        if self.flash_items is not None:
+            prefill_flash.flash_prefill(self.serial, q, kc.view(np.float32), vc.view(np.float32), self.pre_tables,
+                                        self.pre_lens, self.pre_starts, self.flash_items, self.scale, result)
 
     def _host_rows(self, name: str, x: Any, shape: tuple[int, int, int]) -> np.ndarray:
         """A checked NumPy view of a query-like array (bfloat16 as float32: a copy)."""

@@ -181,32 +181,64 @@ def test_split_decode_used_for_few_long_sequences(monkeypatch: pytest.MonkeyPatc
     assert_close_rel(step.run(0, case.query, case.keys[0], case.values[0]), want, REL["float32"])
 
 
-@pytest.mark.parametrize("sdpa", [True, False], ids=["sdpa", "tiles"])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3), (8, 1)], ids=["mha", "gqa3", "mqa"])
-def test_float32_prefill_paths_match_reference(sdpa: bool, num_heads: int, num_kv_heads: int) -> None:
-    """float32 caches: prefill rows through torch's SDPA (the default) or the Numba tiles, both
-    against float64 — whole prompts (square causal), chunks after a cached prefix (a bottom-right
-    mask), a one-token-longer chunk, shuffled tables, partial last blocks — with decode rows in
-    the same step; the SDPA path is refused for other cache dtypes."""
-    rng = np.random.default_rng(zlib.crc32(f"{sdpa}{num_heads}{num_kv_heads}".encode()))
+@pytest.mark.parametrize("prefill_path", ["sdpa", "tiles", "flash"])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3), (8, 1), (14, 2)],
+                         ids=["mha", "gqa3", "mqa", "gqa7"])
+def test_float32_prefill_paths_match_reference(prefill_path: str, num_heads: int, num_kv_heads: int) -> None:
+    """float32 caches: prefill rows through torch's SDPA, the Numba tiles or the AVX2 flash
+    kernel, each against float64 — whole prompts (square causal), chunks after a cached prefix
+    (a bottom-right mask), a one-token-longer chunk, shuffled tables, partial last blocks — with
+    decode rows in the same step; the SDPA and flash paths are refused for other cache dtypes."""
+    rng = np.random.default_rng(zlib.crc32(f"{prefill_path}{num_heads}{num_kv_heads}".encode()))
     case = make_step(rng, [5, 33], [(90, 30), (12, 12), (47, 2), (130, 129)], num_heads=num_heads,
                      num_kv_heads=num_kv_heads)
-    step = begin(case, sdpa_prefill=sdpa)
-    assert (step.sdpa is not None) == sdpa
+    flags = {"sdpa": dict(sdpa_prefill=True), "tiles": dict(sdpa_prefill=False),
+             "flash": dict(flash_prefill=True)}[prefill_path]
+    step = begin(case, **flags)
+    assert (step.sdpa is not None) == (prefill_path == "sdpa")
+    assert (step.flash_items is not None) == (prefill_path == "flash")
     for layer in range(2):
         want, want_k, _ = expected(case, layer)
         assert_close_rel(step.run(layer, case.query, case.keys[layer], case.values[layer]), want, REL["float32"])
         assert _equal(case.key_caches[layer], want_k)
     half = make_step(rng, [5], [(20, 4)], num_heads=num_heads, num_kv_heads=num_kv_heads, kv_dtype="float16",
                      query_dtype="float16")
-    assert begin(half).sdpa is None
+    assert begin(half).sdpa is None and begin(half).flash_items is None
     with pytest.raises(KernelInputError, match="float32 caches"):
-        begin(half, sdpa_prefill=True)
+        begin(half, **(flags if prefill_path != "tiles" else dict(sdpa_prefill=True)))
+
+
+@pytest.mark.parametrize("preferred", [True, False])
+def test_default_float32_prefill_path(preferred: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default float32 prefill takes the flash kernel where the CPU prefers it (AVX2 without
+    AVX-512) and torch's SDPA elsewhere; an explicit `sdpa_prefill` wins over the preference,
+    shapes the flash kernel cannot take (head_dim not a multiple of 16) fall back to SDPA, and
+    asking for both paths, or for flash on such a shape, is refused."""
+    from kernels.cpu import prefill_flash
+
+    monkeypatch.setattr(prefill_flash, "preferred", lambda: preferred)
+    rng = np.random.default_rng(11)
+    case = make_step(rng, [7], [(40, 9)], num_heads=6, num_kv_heads=2)
+    default = begin(case)
+    assert (default.flash_items is not None) == preferred and (default.sdpa is not None) == (not preferred)
+    want, _, _ = expected(case, 0)
+    assert_close_rel(default.run(0, case.query, case.keys[0], case.values[0]), want, REL["float32"])
+    assert begin(case, sdpa_prefill=True).flash_items is None
+    assert begin(case, sdpa_prefill=False).flash_items is None and begin(case, sdpa_prefill=False).sdpa is None
+    with pytest.raises(KernelInputError, match="not both"):
+        begin(case, sdpa_prefill=True, flash_prefill=True)
+    odd = make_step(rng, [3], [(20, 4)], num_heads=2, num_kv_heads=1, head_dim=24)
+    assert begin(odd).flash_items is None and begin(odd).sdpa is not None
+    with pytest.raises(KernelInputError, match="multiples of 16"):
+        begin(odd, flash_prefill=True)
+    decode_only = make_step(rng, [7, 20], [], num_heads=6, num_kv_heads=2)
+    assert begin(decode_only).flash_items is None
 
 
 def test_same_result_as_the_separate_kernels() -> None:
     """One fused call gives exactly what write_slots + decode + prefill give (same arithmetic:
-    for float32 caches both prefill through SDPA)."""
+    for float32 caches both prefill through the same path, the flash kernel on an AVX2 CPU
+    without AVX-512 and SDPA elsewhere)."""
     import kernels
 
     rng = np.random.default_rng(6)
