@@ -131,3 +131,22 @@ def test_config_switch_is_off_by_default(monkeypatch) -> None:
     assert load_config().step_graphs is False
     monkeypatch.setenv("PAGEDKV_CN_STEP_GRAPHS", "true")
     assert load_config().step_graphs is True
+
+
+def test_the_runner_ignores_the_switch_on_the_cpu_backend(tmp_path) -> None:
+    """`step_graphs=True` on a CPU pool: steps run as without it (the CPU has no graphs)."""
+    from compute_node.model import ModelRunner, SamplingParams
+    from compute_node.model.tiny import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "m", num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1,
+                                 head_dim=16, intermediate_size=64, vocab_size=300, max_position_embeddings=32)
+    greedy = SamplingParams(temperature=0.0)
+    picks = []
+    for on in (True, False):
+        runner = ModelRunner(model_dir, block_size=4, num_blocks=8, device="cpu", step_graphs=on)
+        first = runner.execute([SeqWork("a", [5, 6, 7], 0, [3, 1], greedy)])[0]
+        assert first is not None
+        second = runner.execute([SeqWork("a", [first.token_id], 3, [3, 1], greedy)])[0]
+        assert second is not None and runner._step_graphs is None
+        picks.append((first.token_id, second.token_id))
+    assert picks[0] == picks[1]
