@@ -5,7 +5,7 @@ is opt-in (`step_graphs`) until this phase has measured it on a GPU. One `ModelR
 an fp16 random Llama (8 layers, hidden 2048, 32 / 8 heads x 128 — the kernel variants phase
 `jit` already compiled — intermediate 4096, vocab 8192; ~0.8 GB), 64 prompts of 16-300
 tokens prefilled eagerly, then 24 decode steps whose batch shrinks 64 → 40 → 17 → 9 → 3 → 1
-(sequences finish; every bucket from 64 down to 1 but 32 is crossed; lengths ragged).
+(sequences finish; buckets 64, 64, 32, 16, 4, 1, the last five padded; lengths ragged).
 
 Teacher forcing: every step runs twice on the same runner and inputs, first eagerly (per-layer
 decode graphs, dense layers launched one by one), then through the whole-step graph; the next
