@@ -49,6 +49,10 @@ split scratch over the nine buckets — some 31 MB per pool. The graphs hold ker
 
 The graphs' static output is overwritten by the next replay (the next layer), so `run` always
 copies into `out`, a fresh tensor when none is given: nothing it returns aliases graph memory.
+
+Whole-step graphs (`step_graph.py`, opt-in) capture a pure-decode step's entire forward instead;
+inside that capture the decode group is a `PlannedDecodeStep`, which launches the bucket's
+`DecodePlan` directly (graphs do not nest), and this per-layer path is not used for the step.
 """
 
 from __future__ import annotations
