@@ -14,7 +14,9 @@ both runs, so each run attends over the same context (the graph run rewrites the
 Judged as the node-graph check judges graph vs direct (`gpu_check_graphs.judge_forced`): the
 picked token's logprob within fp16 noise, a pick differing only at a near-tie. Timing: each
 run's wall time of `execute` (host preparation, the forward, sampling; the sampled ids' copy
-to the host synchronises), median per batch size without the size's first step (it captures).
+to the host synchronises), median per batch size without the size's first step (it captures);
+and at B=64 and B=1 the host µs to enqueue the forward, eager vs replay, beside the forward's
+time to the GPU's end (`_host_cost`).
 
 `--cpu-smoke`: a 2-layer toy model on the simulator's pool with launches stubbed; numbers and
 checks meaningless, the path exercised end to end.
@@ -141,7 +143,47 @@ def run_forced(ctx: Any, device: str, smoke: bool) -> None:
                         "first_graph_step_ms": round(times[(size, True)][0], 3)}
 
             ctx.cell(f"step time B={size}", timing)
+        for size in (sizes[0], sizes[-1]):
+            ctx.cell(f"host per forward B={size}", lambda size=size: _host_cost(runner, size, last, computed, tables,
+                                                                                 pick, device, smoke))
         state.clear()   # the model and its pool: freed before the next phase
+
+
+def _host_cost(runner: Any, size: int, last: list[int], computed: list[int], tables: list[list[int]],
+               pick: Any, device: str, smoke: bool) -> dict[str, Any]:
+    """Host µs to enqueue one step's forward (embedding to logits) eagerly and as a graph
+    replay, beside the forward's time to the GPU's end: the issue's "host time per decode step
+    <= 10%" (the runner's preparation and sampling excluded, being the same on both paths).
+    The step re-writes the K/V of each sequence's next position, read by nothing after it."""
+    import torch
+
+    from compute_node.model import SeqWork
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    work = [SeqWork(f"s{i}", [last[i]], computed[i], tables[i], pick) for i in range(size)]
+    row: dict[str, Any] = {"batch": size}
+    with torch.inference_mode():
+        for name, graphed in (("eager", False), ("graph", True)):
+            runner.step_graphs = graphed
+            host, total = [], []
+            for _ in range(3 if smoke else 12):
+                graphs = runner._graphed_step(work)   # the runner's own per-step binding
+                inputs = runner._prepare(work, graphs)
+                sync()
+                t0 = time.perf_counter()
+                if graphs is not None and graphs.load(inputs):
+                    graphs.replay()
+                else:
+                    hidden = runner.model.forward(inputs.input_ids, inputs.positions, runner.pool, inputs.meta)
+                    runner.model.logits(hidden)
+                t1 = time.perf_counter()
+                sync()
+                host.append(t1 - t0)
+                total.append(time.perf_counter() - t0)
+            row[f"{name}_host_us"] = round(statistics.median(host[1:]) * 1e6, 1)
+            row[f"{name}_forward_us"] = round(statistics.median(total[1:]) * 1e6, 1)
+            row[f"{name}_host_share"] = round(row[f"{name}_host_us"] / max(row[f"{name}_forward_us"], 1e-3), 3)
+    return row
 
 
 def phase_step_graph(ctx: Any, device: str, smoke: bool) -> None:
