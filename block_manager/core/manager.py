@@ -283,11 +283,25 @@ class BlockManager:
     def pools_of(self, seq_ids: Seq[SeqId]) -> set[PoolId]:
         """The pools of the known sequences among `seq_ids` (unknown ones are skipped);
         cheap: no view is built (a Step asks this for every sequence it names)."""
-        pools = set(map(_POOL_ID, filter(None, map(self._seqs.get, seq_ids))))
+        pools = self._one_pool_of(seq_ids)
+        if pools is None:
+            pools = set(map(_POOL_ID, filter(None, map(self._seqs.get, seq_ids))))
         for pool in self._pools.values():
             if pool.host is not None and pool.host.swapped and not pool.host.swapped.keys().isdisjoint(seq_ids):
                 pools.add(pool.pool_id)
         return pools
+
+    def _one_pool_of(self, seq_ids: Seq[SeqId]) -> set[PoolId] | None:
+        """`{pool}` when every id names a sequence of the first one's pool (a Step's usual
+        case: one scheduler, one node), proved by one C-level superset test of the pool's
+        sequences (a third of the cost of looking every id up); None: look them up one by one."""
+        if not seq_ids:
+            return set()
+        first = self._seqs.get(seq_ids[0])
+        if first is None:
+            return None
+        pool_id = first.pool_id
+        return {pool_id} if self._pools[pool_id].seqs.keys() >= set(seq_ids) else None
 
     def get_tables(
         self, seq_ids: Seq[SeqId], known_versions: Mapping[SeqId, int] | None = None

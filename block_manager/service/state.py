@@ -255,19 +255,25 @@ class ServiceState:
         return Applied({"num_sequences": len(self.core.sequences(node.node_id))}, True)
 
     # ---- the scheduler step ---------------------------------------------------------
-    def pools_of(self, step: StepInput) -> list[PoolId]:
+    def pools_of(self, step: StepInput, item_pools: set[PoolId] | None = None) -> list[PoolId]:
         """Every live pool the step touches (reports, allocations, the pools of the sequences
         it names), sorted; unknown pools and sequences are skipped (their items fail on their
         own). A fleet member's step neither counts its fetch sources (they lend read-only, their
-        owner drives them) nor reports on pools it lost (moot: handed over with their sequences)."""
+        owner drives them) nor reports on pools it lost (moot: handed over with their sequences).
+        `item_pools`: `_item_pools(step)` when the caller has it already."""
         live = set(self.core.pool_ids)
         pools: set[str] = {r.pool_id for r in step.reports if r.pool_id in live and self._report_owned(step, r)}
         pools.update(a.pool_id for a in step.allocs if a.pool_id in live)
         if not step.fleet:
             pools.update(src for a in step.allocs for src in a.fetch_sources if src in live)
-        pools |= self.core.pools_of([*step.free_ids, *self._item_seq_ids(step), *step.swap_ids,
-                                     *step.late.seq_ids])
+        pools |= self._item_pools(step) if item_pools is None else item_pools
+        if step.free_ids or step.late.seq_ids:
+            pools |= self.core.pools_of([*step.free_ids, *step.late.seq_ids])
         return sorted(PoolId(p) for p in pools)
+
+    def _item_pools(self, step: StepInput) -> set[PoolId]:
+        """The pools of the existing sequences a step's items and swaps name."""
+        return self.core.pools_of([*self._item_seq_ids(step), *step.swap_ids])
 
     def _swap(self, key: str, ids: list[SeqId], errors: list[ItemError]) -> list[SeqId]:
         """Swap-outs or swap-ins of a Step: together (forks share host blocks), else one by
@@ -341,7 +347,8 @@ class ServiceState:
         core = self.core
         self._check_pool_epochs(step.pool_epochs)
         not_placed = self._place(step, sched, now)
-        pools = self.pools_of(step)
+        item_pools = self._item_pools(step)   # (the pools a Step names: one pass over its ids)
+        pools = self.pools_of(step, item_pools)
         for pid in pools:
             if step.fleet:
                 self._check_owned(pid, sched, now)
@@ -357,8 +364,8 @@ class ServiceState:
         for sid in step.free_ids:
             if SeqId(sid) not in to_drop and SeqId(sid) not in gone and not core.has_sequence(SeqId(sid)):
                 raise self._missing_seq_error(SeqId(sid))
-        has_items = {a.pool_id for a in step.allocs}
-        has_items |= core.pools_of([*self._item_seq_ids(step), *step.swap_ids])
+        has_items: set[str] = {a.pool_id for a in step.allocs}
+        has_items |= item_pools
         settled_after: dict[str, int] = {r.pool_id: r.failed_from or r.completed_up_to for r in reports}
         for pool in sorted(has_items & set(pools)):
             pending = [s for s in core.unsettled_step_ids(PoolId(pool)) if s > settled_after.get(pool, 0)]
