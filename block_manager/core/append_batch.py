@@ -20,6 +20,9 @@ from block_manager.core.types import SeqId
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
 _NO_SALT = salt_bytes(None)
+# A `BlockMeta` straight from its field tuple: the named tuple's own constructor is a Python
+# function (a frame per filled block); this is the C call it makes.
+_new_meta = tuple.__new__
 
 
 
@@ -332,7 +335,7 @@ def _hash_filled(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[SeqId], i
         b = seq.block_table[len(hashes)]
         if h not in index and meta[b] is None:   # `Pool.register`, inlined: the first block keeps a hash
             index[h] = b
-            m = meta[b] = BlockMeta(h, parent, salt, tuple(token_lists[j]))
+            m = meta[b] = _new_meta(BlockMeta, (h, parent, salt, tuple(token_lists[j])))
             regs.append((b, h))
             if kv_log is not None:
                 kv_log.stored(m)

@@ -26,6 +26,16 @@ _HAS_PARENT = b"\x01"
 _NO_SALT = b"\x00"
 _PERSON = b"pagedkv-blk-v1"
 _HAS_SALT = b"\x01"
+# Every block hash starts from this state: copying it is cheaper than a new `blake2b(...)`
+# with its keyword parameters (about 0.4 µs a block, most of a filled block's hash call).
+# Never updated itself, so sharing it between threads is safe.
+_BLAKE2B = hashlib.blake2b(digest_size=HASH_BYTES, person=_PERSON)
+
+
+def _blake2b(data: bytes) -> BlockHash:
+    h = _BLAKE2B.copy()
+    h.update(data)
+    return h.digest()
 
 
 def token_array(token_ids: Sequence[int]) -> array:
@@ -54,15 +64,14 @@ def hash_block_bytes(parent: BlockHash | None, tokens: array, salt_enc: bytes) -
         tokens = array("q", tokens)
         tokens.byteswap()
     head = _NO_PARENT if parent is None else _HAS_PARENT + parent
-    data = b"".join((head, salt_enc, len(tokens).to_bytes(4, "little"), tokens.tobytes()))
-    return hashlib.blake2b(data, digest_size=HASH_BYTES, person=_PERSON).digest()
+    return _blake2b(b"".join((head, salt_enc, len(tokens).to_bytes(4, "little"), tokens.tobytes())))
 
 
 def hash_encoded(parent: BlockHash | None, salt_enc: bytes, size: bytes, data: bytes) -> BlockHash:
     """The block hash from its encoded parts (`size`: the token count as 4 little-endian
     bytes; `data`: the tokens as little-endian int64 bytes)."""
     head = _NO_PARENT if parent is None else _HAS_PARENT + parent
-    return hashlib.blake2b(b"".join((head, salt_enc, size, data)), digest_size=HASH_BYTES, person=_PERSON).digest()
+    return _blake2b(b"".join((head, salt_enc, size, data)))
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: str | None) -> BlockHash:
@@ -91,11 +100,12 @@ def hash_prefix(
     salt_enc = salt_bytes(salt)
     size = block_size.to_bytes(4, "little")
     width = 8 * block_size
-    blake2b = hashlib.blake2b
+    copy = _BLAKE2B.copy
     hashes: list[BlockHash] = []
     for start in range(0, num_full * width, width):
         head = _NO_PARENT if parent is None else _HAS_PARENT + parent
-        parent = blake2b(b"".join((head, salt_enc, size, data[start : start + width])), digest_size=HASH_BYTES,
-                         person=_PERSON).digest()
+        h = copy()
+        h.update(b"".join((head, salt_enc, size, data[start : start + width])))
+        parent = h.digest()
         hashes.append(parent)
     return hashes
