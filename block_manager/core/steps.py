@@ -36,7 +36,7 @@ def build_output(pool_id: PoolId, step: StepWork, seqs: dict[SeqId, Sequence]) -
         if d.created:
             deltas.append(TableDelta(sid, 0, seq.version, d.covered, (), tuple(table)))  # type: ignore[arg-type]  # see above
         elif seq.version != d.base_version:
-            replaced = tuple((i, BlockId(table[i])) for i in sorted(d.replaced))
+            replaced = tuple([(i, BlockId(table[i])) for i in sorted(d.replaced)]) if d.replaced else ()
             deltas.append(TableDelta(sid, d.base_version, seq.version, 0, replaced,
                                      tuple(table[d.base_len:])))  # type: ignore[arg-type]  # see above
     return StepOutput(

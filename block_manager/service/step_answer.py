@@ -166,7 +166,9 @@ class StepAnswer:
         resp.alloc_num_cached_tokens.extend(self.alloc_num_cached_tokens)
         resp.alloc_num_tokens.extend(self.alloc_num_tokens)
         resp.append_num_tokens.extend(self.append_num_tokens)
-        resp.lease_epochs.update(self.lease_epochs)
+        epochs = resp.lease_epochs
+        for pool_id, epoch in self.lease_epochs.items():   # (the map's `update` is a Python loop anyway)
+            epochs[pool_id] = epoch
         resp.alloc_pool_ids.extend(self.alloc_pool_ids)
         for f in self.pool_free:
             resp.pool_free.add(pool_id=f.pool_id, num_free_blocks=f.num_free_blocks,
