@@ -73,39 +73,44 @@ def _tile_rows(left):
     return MAX_TILE_ROWS
 
 
-@njit_cached(parallel=True)
-def _gemm(a, panels, bias, out, num_chunks, row_block, k_block, prefetch_ahead):
+@njit_cached(inline="always")
+def gemm_share(a, panels, bias, out, first, stop, row_block, k_block, prefetch_ahead):
+    # Panels [first, stop) of `out = a @ weight.T + bias`: one thread's share, which the fused
+    # layer kernels (`fused_layer.py`) call inside their own parallel loops.
     # a: [m, k] float32; panels: [p, k, 16]; bias: [1, p * 16] or [1, 0]; out: [m, p * 16].
     # Prefetches past the last panel are harmless (a prefetch never faults).
     m, k = a.shape
-    num_panels = panels.shape[0]
-    n = num_panels * PANEL
+    n = panels.shape[0] * PANEL
     has_bias = bias.shape[1] != 0
-    for chunk in prange(num_chunks):
-        first = chunk * num_panels // num_chunks
-        stop = (chunk + 1) * num_panels // num_chunks
-        for m0 in range(0, m, row_block):
-            m1 = min(m, m0 + row_block)
-            for k0 in range(0, k, k_block):
-                k_len = min(k_block, k - k0)
-                for p in range(first, stop):
-                    col = p * PANEL
-                    b_off = p * k * PANEL + k0 * PANEL
-                    prefetch_off = prefetch_ahead * k * PANEL
-                    r = m0
-                    while r < m1:
-                        rows = _tile_rows(m1 - r)
-                        c_off = r * n + col
-                        if k0 > 0:      # a later K block: add to the partial sums in `out`
-                            src, src_off, src_stride, zero_init = out, c_off, n, False
-                        elif has_bias:  # the first: start from the bias (the same row for every row)
-                            src, src_off, src_stride, zero_init = bias, col, 0, False
-                        else:
-                            src, src_off, src_stride, zero_init = out, c_off, n, True
-                        _tile(rows, a, r * k + k0, k, panels, b_off, k_len, out, c_off, n,
-                              src, src_off, src_stride, zero_init, prefetch_off)
-                        r += rows
+    for m0 in range(0, m, row_block):
+        m1 = min(m, m0 + row_block)
+        for k0 in range(0, k, k_block):
+            k_len = min(k_block, k - k0)
+            for p in range(first, stop):
+                col = p * PANEL
+                b_off = p * k * PANEL + k0 * PANEL
+                prefetch_off = prefetch_ahead * k * PANEL
+                r = m0
+                while r < m1:
+                    rows = _tile_rows(m1 - r)
+                    c_off = r * n + col
+                    if k0 > 0:      # a later K block: add to the partial sums in `out`
+                        src, src_off, src_stride, zero_init = out, c_off, n, False
+                    elif has_bias:  # the first: start from the bias (the same row for every row)
+                        src, src_off, src_stride, zero_init = bias, col, 0, False
+                    else:
+                        src, src_off, src_stride, zero_init = out, c_off, n, True
+                    _tile(rows, a, r * k + k0, k, panels, b_off, k_len, out, c_off, n,
+                          src, src_off, src_stride, zero_init, prefetch_off)
+                    r += rows
 
+
+@njit_cached(parallel=True)
+def _gemm(a, panels, bias, out, num_chunks, row_block, k_block, prefetch_ahead):
+    num_panels = panels.shape[0]
+    for chunk in prange(num_chunks):
+        gemm_share(a, panels, bias, out, chunk * num_panels // num_chunks, (chunk + 1) * num_panels // num_chunks,
+                   row_block, k_block, prefetch_ahead)
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """float32 `weight` `[out_features, in_features]` as panels `[ceil(out / 16), in, 16]`:
@@ -120,13 +125,18 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(num_panels, PANEL, in_features).transpose(1, 2).contiguous()
 
 
-def _blocks(rows: int, in_features: int) -> tuple[int, int]:
+def blocks(rows: int, in_features: int) -> tuple[int, int]:
     """(row block, K block): blocks of about equal size, rows a multiple of the tile height."""
     row_blocks = -(-rows // ROW_BLOCK)
     row_block = -(-rows // row_blocks)
     row_block += -row_block % MAX_TILE_ROWS if row_blocks > 1 else 0
     k_blocks = -(-(row_block * in_features * 4) // BLOCK_BYTES)
     return row_block, -(-in_features // k_blocks)
+
+
+def prefetch_ahead(rows: int) -> int:
+    """The prefetch distance for `rows` input rows (`PREFETCH_AHEAD`: only past one tile)."""
+    return PREFETCH_AHEAD if rows > MAX_TILE_ROWS else 0
 
 
 def gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None,
@@ -156,9 +166,9 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None
         if n != width_out:
             bias_row = np.pad(bias_row, ((0, 0), (0, width_out - n)))
     if a.shape[0]:
-        row_block, k_block = _blocks(a.shape[0], in_features)
+        row_block, k_block = blocks(a.shape[0], in_features)
         _gemm(a.numpy(), panels.numpy(), np.ascontiguousarray(bias_row), out.numpy(),
-              numba.get_num_threads(), row_block, k_block, PREFETCH_AHEAD if a.shape[0] > MAX_TILE_ROWS else 0)
+              numba.get_num_threads(), row_block, k_block, prefetch_ahead(a.shape[0]))
     if n != width_out:
         out = out[:, :n].contiguous()
     return out.view(*lead, n)

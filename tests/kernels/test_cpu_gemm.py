@@ -46,11 +46,11 @@ def test_gemm_matches_float64(rows: int, in_features: int, out_features: int, wi
 
 
 def test_blocks_are_what_the_cases_above_exercise() -> None:
-    assert G._blocks(37, 1536) == (37, 1536)      # decode-sized: one block of each
-    assert G._blocks(97, 64)[0] == 54             # two row blocks, a multiple of the tile
-    row_block, k_block = G._blocks(96, 5000)
+    assert G.blocks(37, 1536) == (37, 1536)      # decode-sized: one block of each
+    assert G.blocks(97, 64)[0] == 54             # two row blocks, a multiple of the tile
+    row_block, k_block = G.blocks(96, 5000)
     assert row_block == 96 and k_block == 1250    # four K blocks
-    assert G._blocks(200, 1500) == (72, 1500)
+    assert G.blocks(200, 1500) == (72, 1500)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
