@@ -23,6 +23,8 @@ from compute_node.model.errors import WeightsError
 from compute_node.model.layers import apply_rope, rms_norm, rope_angles, rope_cos_sin
 from compute_node.model.weights import Checkpoint
 from compute_node.pool import KvPool
+from kernels._validate import KernelInputError
+from kernels.cpu.fused_layer import FusedLayers, LayerWeights
 from kernels.cpu.rms_norm import rms_norm as cpu_rms_norm
 from kernels.cpu.rope import rope_qkv
 
@@ -88,7 +90,12 @@ class DecoderModel:
         self.qkv_heads = (config.num_heads, config.num_kv_heads, config.num_kv_heads)
         self._fused = False
         self.fused_cpu_ops = True
+        # With panel-packed weights, each layer's dense work as two compiled calls
+        # (`kernels.cpu.fused_layer`); settable: benchmarks run one model both ways.
+        self.fused_layers = True
         self._norms_np: list[tuple[np.ndarray, np.ndarray]] | None = None
+        self._layer_weights: list[LayerWeights] | None = None   # `_fused_layer_weights`, once
+        self._layer_weights_checked = False
 
     @classmethod
     def load(cls, checkpoint: Checkpoint, config: ModelConfig, dtype: str, device: torch.device,
@@ -123,6 +130,7 @@ class DecoderModel:
         changes where this CPU cannot run packed weights of the model's dtype (`dense.can_pack`)."""
         if not dense.can_pack(self.lm_head.device, self.lm_head.dtype):
             return
+        self._layer_weights, self._layer_weights_checked = None, False
         for layer in self.layers:
             for name in _MATMUL_WEIGHTS:
                 setattr(layer, name, dense.pack_if_large(getattr(layer, name)))
@@ -131,6 +139,7 @@ class DecoderModel:
     def unpack_linear_weights(self) -> None:
         """Back to plain weights and `F.linear` (the values are unchanged by a pack: benchmarks
         switch one model both ways)."""
+        self._layer_weights, self._layer_weights_checked = None, False
         for layer in self.layers:
             for name in _MATMUL_WEIGHTS:
                 setattr(layer, name, dense.unpack(getattr(layer, name)))
@@ -156,6 +165,9 @@ class DecoderModel:
         num_tokens = input_ids.shape[0]
         rope = self._rope_tables(positions)
         hidden = F.embedding(input_ids, self.embed)   # [num_tokens, hidden], the residual stream
+        layer_weights = self._fused_layer_weights()
+        if layer_weights is not None:
+            return self._forward_fused(hidden, rope, layer_weights, pool, meta, timer)
         delta: torch.Tensor | None = None             # the last sublayer's output, not yet added
         bufs = self._step_buffers(hidden, rope)
         norms = self._norms_np if bufs is not None else None
@@ -171,6 +183,39 @@ class DecoderModel:
         if delta is not None:
             hidden += delta
         return hidden
+
+    def _forward_fused(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                       layer_weights: list[LayerWeights], pool: KvPool, meta: AttentionMetadata,
+                       timer: PhaseTimer | None) -> torch.Tensor:
+        """`forward` with each layer's dense work in two compiled calls around attention."""
+        cfg = self.config
+        step = FusedLayers(hidden, *rope, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                           cfg.rms_norm_eps)
+        for index, weights in enumerate(layer_weights):
+            q, k, v = step.attention_input(weights)
+            step.attention_output_mlp(weights, paged_attention(pool, index, q, k, v, meta, timer))
+        step.finish()
+        return hidden
+
+    def _fused_layer_weights(self) -> list[LayerWeights] | None:
+        """Every layer's weights for `kernels.cpu.fused_layer`, when the fused path applies:
+        fused CPU ops on (float32 on the CPU), no per-head q/k norms (Qwen3), and every matmul
+        weight of every layer in panels (`dense.pack` on an AVX2 CPU). Made once (pack and
+        unpack start over); None where it does not apply."""
+        if not (self._fused and self.fused_layers) or self.config.qk_norm:
+            return None
+        if not self._layer_weights_checked:
+            self._layer_weights_checked = True
+            try:
+                self._layer_weights = [
+                    LayerWeights.of(layer.input_norm, layer.qkv_weight, layer.qkv_bias, layer.o_weight, layer.o_bias,
+                                    layer.post_norm, layer.gate_up_weight, layer.gate_up_bias, layer.down_weight,
+                                    layer.down_bias)
+                    for layer in self.layers
+                ]
+            except KernelInputError:
+                self._layer_weights = None
+        return self._layer_weights
 
     # -- the elementwise steps: fused CPU kernels (float32 on the CPU), or torch ops ----------
 

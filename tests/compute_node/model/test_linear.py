@@ -14,7 +14,14 @@ import torch.nn.functional as F
 
 from compute_node.model import ModelRunner, SamplingParams
 from compute_node.model import linear as dense
-from tests.compute_node.model.model_helpers import Request, run_schedule, tiny_model_dir
+from tests.compute_node.model.model_helpers import (
+    Request,
+    compare_greedy,
+    hf_greedy,
+    load_hf,
+    run_schedule,
+    tiny_model_dir,
+)
 
 pytestmark = pytest.mark.skipif(not dense.onednn_available(),
                                 reason="packed matmuls need x86-64 and a torch build with oneDNN")
@@ -228,3 +235,34 @@ def test_packed_and_plain_runners_agree(model_dir: Path, dtype: str) -> None:
             values_a, values_b = dict(top_a), dict(top_b)
             for token in values_a.keys() & values_b.keys():   # a near-tie may swap the last of the top k
                 assert values_a[token] == pytest.approx(values_b[token], abs=tol)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])   # qwen2: q/k/v biases through the fused GEMM
+@pytest.mark.usefixtures("pack_every_weight")
+def test_fused_layers_give_transformers_greedy_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      arch: str) -> None:
+    """With every weight in panels each layer runs as two fused kernels (`kernels.cpu.fused_layer`):
+    greedy tokens are transformers' (near-tie rule) and the op-by-op path's, on a schedule with
+    chunked prefill, a shared prefix and decodes joining mid-way."""
+    monkeypatch.setattr(dense, "panels_preferred", lambda: True)
+    directory = tiny_model_dir(tmp_path, arch, seed=3, **SPEC)
+
+    def requests_of() -> list[Request]:   # fresh ones per run (a run records its progress in them)
+        return [
+            Request(list(range(10, 33)), 9, chunk_size=7),
+            Request(list(range(10, 26)) + [90, 91, 92], 6, admit_step=3, share_from=0, shared_blocks=4),
+            Request([7, 8, 9], 12, admit_step=1),
+        ]
+
+    outputs = []
+    for fused in (True, False):
+        runner = ModelRunner(directory, block_size=4, num_blocks=80, device="cpu")
+        runner.model.fused_layers = fused
+        assert (runner.model._fused_layer_weights() is not None) == fused
+        requests = requests_of()
+        outputs.append(run_schedule(runner, requests, seed=1))
+    assert outputs[0] == outputs[1]
+    hf = load_hf(directory)
+    matched = sum(compare_greedy(ours, hf_greedy(hf, r.prompt, r.max_new_tokens), f"{arch} seq {i}")
+                  for i, (r, ours) in enumerate(zip(requests, outputs[0])))
+    assert matched >= 0.8 * sum(r.max_new_tokens for r in requests)
