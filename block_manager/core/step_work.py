@@ -7,6 +7,7 @@ closes and settles steps is steps.py; these records sit below the pool, which ow
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from block_manager.core.fetch import FetchOp, ServeGrant
 from block_manager.core.sequence import Sequence
@@ -14,15 +15,22 @@ from block_manager.core.tiers import TierOp
 from block_manager.core.types import CopyOp, PlanId, SeqId, StepId
 
 
-@dataclass(slots=True)
-class DirtyTable:
-    """A table touched in the open step: how it looked when the step first touched it."""
+class DirtyTable(NamedTuple):
+    """A table touched in the open step: how it looked when the step first touched it.
+
+    A named tuple, not a slotted dataclass (issue 45): one is made for every table a step
+    changes — each block crossing of a decode batch — and `tuple.__new__` (`touch`) costs
+    no Python frame. Its fields are never reassigned; `replaced` grows in place, so every
+    instance gets its own set (there is no default)."""
 
     created: bool          # new in this step: its delta is the whole table
     base_version: int
     base_len: int
     covered: int           # created tables: positions already covered (cached prefix / parent's tokens)
-    replaced: set[int] = field(default_factory=set)   # positions < base_len rewritten
+    replaced: set[int]     # positions < base_len rewritten
+
+
+_new_dirty = tuple.__new__   # a `DirtyTable` from its field tuple, without the named tuple's Python constructor
 
 
 @dataclass(slots=True)
@@ -65,12 +73,12 @@ def touch(step: StepWork, seq: Sequence) -> DirtyTable:
     """Record the table of an existing sequence before the step changes it."""
     d = step.dirty.get(seq.seq_id)
     if d is None:
-        d = step.dirty[seq.seq_id] = DirtyTable(False, seq.version, len(seq.block_table), 0)
+        d = step.dirty[seq.seq_id] = _new_dirty(DirtyTable, (False, seq.version, len(seq.block_table), 0, set()))
     return d
 
 
 def note_created(step: StepWork, seq: Sequence, covered: int) -> None:
-    step.dirty[seq.seq_id] = DirtyTable(True, 0, 0, covered)
+    step.dirty[seq.seq_id] = DirtyTable(True, 0, 0, covered, set())
 
 
 def note_replaced(step: StepWork, seq: Sequence, position: int) -> None:

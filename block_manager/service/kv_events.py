@@ -268,12 +268,17 @@ class KvEventHub:
         events: list[Event] = []
         view = self.view
         last: Event | None = None
+        stored_key: tuple[str, str] | None = None   # the view entries of the last stored change's tier
+        stored_in: dict[bytes, HubInfo] = {}
         for c in changes:
             kind, node = c[0], c[1]
             if kind == STORED:
                 _, _, tier, h, parent, salt, n, tokens = c
                 sid = self._salt_id(salt)
-                view.setdefault((node, tier), {})[h] = (parent, sid, n, tokens)
+                if stored_key != (node, tier):
+                    stored_key = (node, tier)
+                    stored_in = view.setdefault(stored_key, {})
+                stored_in[h] = (parent, sid, n, tokens)
                 if (last is not None and last.kind == STORED and last.node_id == node and last.tier == tier
                         and last.salt_id == sid and last.block_hashes[-1] == parent):
                     last.block_hashes.append(h)
@@ -282,6 +287,7 @@ class KvEventHub:
                     continue
                 last = Event(self.head + 1, STORED, node, tier, [h], parent, n, sid, token_ids=[tokens])
             elif kind == REMOVED:
+                stored_key = None   # (the tier's entries may go from the view)
                 tier, h = c[2], c[3]
                 entries = view.get((node, tier))
                 if entries is not None:
@@ -293,6 +299,7 @@ class KvEventHub:
                     continue
                 last = Event(self.head + 1, REMOVED, node, tier, [h])
             else:
+                stored_key = None
                 tier = c[2]
                 dropped: list[bytes] = []
                 for key in [k for k in view if k[0] == node and (tier is None or k[1] == tier)]:
