@@ -6,6 +6,13 @@ matmuls are what a CPU or GPU runs fastest, and a fused weight's output rows are
 separate ones' (the same dot products), so the numbers do not change. On an x86-64 CPU the
 large matmul weights are then reordered once for oneDNN (`compute_node.model.linear`: ~2x faster
 decode steps than `F.linear`'s MKL path); `prepack_linear=False` keeps plain weights and `F.linear`.
+
+Where those weights are the panel GEMM's (float32 on an AVX2 CPU without AVX-512), each layer's
+dense work runs as two compiled calls around attention (`kernels.cpu.fused_layer`: norm, q/k/v,
+RoPE before; o, norm, gate/up, SiLU·mul, down after) instead of ~12 calls of torch ops and
+kernels from Python: on the SmolLM-135M shape, one thread, ~9 ms less CPU time a one-row
+decode step (45-50 -> 36-40 ms; `bench/bench_decode_parts.py`). Elsewhere the layer runs op
+by op, with the fused elementwise kernels where they apply (`fused_cpu_ops`).
 """
 
 from __future__ import annotations
@@ -289,6 +296,10 @@ class DecoderModel:
         return F.silu(gate) * up
 
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final RMSNorm of last-layer rows `[rows, hidden]` (one kernel call with the
+        fused CPU ops, instead of ~6 torch calls)."""
+        if self._fused and hidden.dim() == 2:
+            return cpu_rms_norm(hidden.contiguous(), self.final_norm, self.config.rms_norm_eps)
         return rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
