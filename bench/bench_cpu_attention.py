@@ -5,7 +5,9 @@ block tables drawn from a shuffled pool, prompts of the shared workload pointing
 prefix blocks), run through `StepAttention.run` for one layer. The prefill paths compared:
 `sdpa` (torch's SDPA after gathering each sequence's K/V, `prefill_sdpa.py`), `tiles` (the
 Numba tile kernel, `attend.prefill_tile`) and `flash` (the AVX2 register-tile kernel,
-`prefill_flash.py`). Decode-only cases run the one fused call (no prefill path to choose).
+`prefill_flash.py`). Decode-only cases compare `per-seq` (the fused call's decode items, one
+per sequence and KV head) with `cascade` (`decode_cascade.py`: blocks shared by several
+sequences read once for all of them, through the same register tiles).
 Paths alternate within each repeat; printed: median wall ms per layer over `--repeats` runs of
 `--calls` calls each (in brackets the process's CPU ms, every thread summed: the steadier measure
 when other processes share the cores), for each shape (smollm-135m: 9 / 3 heads, qwen2.5-0.5b: 14 / 2, head dim
@@ -59,7 +61,7 @@ def cases(rng: random.Random) -> list[Case]:
 
 
 def build(case: Case, heads: int, kv_heads: int, sdpa: bool | None, flash: bool | None,
-          rng: np.random.Generator, serial: bool | None = None) -> Callable[[], object]:
+          rng: np.random.Generator, serial: bool | None = None, cascade: bool | None = None) -> Callable[[], object]:
     lens = [ctx for ctx, _ in case.prefill] + case.decode
     shared_blocks = case.shared // BLOCK
     own_blocks = [-(-n // BLOCK) - shared_blocks for n in lens]
@@ -92,7 +94,7 @@ def build(case: Case, heads: int, kv_heads: int, sdpa: bool | None, flash: bool 
         prefill_seq_lens=torch.tensor([c for c, _ in case.prefill], dtype=torch.int32) if n_pre else None,
         prefill_query_start_loc=torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
         if n_pre else None,
-        scale=HEAD_DIM ** -0.5, sdpa_prefill=sdpa, serial=serial, **kwargs)
+        scale=HEAD_DIM ** -0.5, sdpa_prefill=sdpa, serial=serial, cascade_decode=cascade, **kwargs)
     return lambda: step.run(0, query, kv, kv, out)
 
 
@@ -119,7 +121,8 @@ def main() -> None:
             if case.prefill:
                 runs = {p: build(case, heads, kv_heads, *paths[p], rng, serial) for p in wanted}
             else:
-                runs = {"decode": build(case, heads, kv_heads, None, None, rng, serial)}
+                runs = {"per-seq": build(case, heads, kv_heads, None, None, rng, serial, False),
+                        "cascade": build(case, heads, kv_heads, None, None, rng, serial, True)}
             times: dict[str, list[float]] = {p: [] for p in runs}
             cpus: dict[str, list[float]] = {p: [] for p in runs}
             for fn in runs.values():

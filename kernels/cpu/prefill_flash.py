@@ -42,7 +42,7 @@ from kernels.cpu._gemm_tile import MAX_TILE_ROWS, PANEL, tile_1, tile_2, tile_3,
 from kernels.cpu._softmax_tile import softmax_row16
 
 KEY_TILE = PANEL     # keys per tile: one 16-column panel of S
-QUERY_ROWS = 96      # about this many query rows (tokens x group) share one packed K/V tile
+QUERY_ROWS = 128      # about this many query rows (tokens x group) share one packed K/V tile
 
 
 def query_tokens(group: int) -> int:
@@ -71,10 +71,13 @@ def flash_items(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_kv_heads:
                 group: int) -> np.ndarray:
     """int32 [items, 4]: (sequence, first row, token count, KV head) per work item, the items of
     the latest-position (heaviest) query tiles first so the dynamic scheduler starts them early."""
-    tokens = query_tokens(group)
     items = []
     for s in range(len(query_start_loc) - 1):
         begin, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        # the sequence's rows in equal items (40 tokens at 13 a piece: 4 x 10, not 13, 13, 13, 1:
+        # a 1-token item would pack every K/V tile for a single group of rows)
+        num_items = -(-(end - begin) // query_tokens(group))
+        tokens = -(-(end - begin) // num_items) if num_items else 1
         for row in range(begin, end, tokens):
             n = min(tokens, end - row)
             last_pos = int(seq_lens[s]) - (end - row - n)   # keys the tile's last token sees
@@ -134,35 +137,21 @@ def _pack_kv(key_cache, value_cache, block, kv_head, first, num_keys, kt, vp):
 
 
 @njit_cached()
-def flash_item(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, s, row0, num_tokens,
-               kv_head, scale, out):
-    """Attend query rows `row0 … row0 + num_tokens` of sequence `s`, the GQA group of `kv_head`,
-    over its paged context; write them into `out` (same row/head layout as `query`)."""
-    head_dim = query.shape[2]
-    group = query.shape[1] // key_cache.shape[1]
+def attend_keys(qs, key_cache, value_cache, table_row, kv_head, end_key, pos0, group, o, m, l):
+    """Fold keys `0 … end_key` of one sequence's paged context (KV head `kv_head`) into the
+    running state of every row of `qs` (pre-scaled queries `[rows, head_dim]`): `o` the
+    unnormalised accumulator, `m` the running max, `l` the running sum (m = -inf, l = 0, o = 0
+    to start). Row r is token r // group at position pos0 + r // group and sees keys 0 … that
+    position: pass pos0 >= end_key - 1 for rows that see every key (no causal mask)."""
+    rows, head_dim = qs.shape
     block_size = key_cache.shape[2]
-    rows = num_tokens * group
-    ctx = seq_lens[s]
-    q_len = query_start_loc[s + 1] - query_start_loc[s]
-    pos0 = ctx - q_len + (row0 - query_start_loc[s])     # position of the item's first token
-    qs = np.empty((rows, head_dim), np.float32)
-    for t in range(num_tokens):
-        for g in range(group):
-            src = query[row0 + t, kv_head * group + g]
-            dst = qs[t * group + g]
-            for d in range(head_dim):
-                dst[d] = src[d] * scale
-    o = np.zeros((rows, head_dim), np.float32)
-    m = np.full(rows, -np.inf, np.float32)
-    l = np.zeros(rows, np.float32)
     sc = np.empty((rows, KEY_TILE), np.float32)
     kt = np.empty((head_dim, KEY_TILE), np.float32)
     vp = np.empty((head_dim // PANEL, KEY_TILE, PANEL), np.float32)
-    end_key = pos0 + num_tokens                          # keys the last token sees
     num_panels = head_dim // PANEL
     for key0 in range(0, end_key, KEY_TILE):
         num_keys = min(KEY_TILE, end_key - key0)
-        block = block_tables[s, key0 // block_size]
+        block = table_row[key0 // block_size]
         _pack_kv(key_cache, value_cache, block, kv_head, key0 % block_size, num_keys, kt, vp)
         r = 0
         while r < rows:
@@ -189,6 +178,30 @@ def flash_item(query, key_cache, value_cache, block_tables, seq_lens, query_star
                 _tile(n, sc, np.int64(r * KEY_TILE), np.int64(KEY_TILE), vp, np.int64(pnl * KEY_TILE * PANEL),
                       np.int64(KEY_TILE), o, at, np.int64(head_dim), o, at, np.int64(0))
             r += n
+
+
+@njit_cached()
+def flash_item(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, s, row0, num_tokens,
+               kv_head, scale, out):
+    """Attend query rows `row0 … row0 + num_tokens` of sequence `s`, the GQA group of `kv_head`,
+    over its paged context; write them into `out` (same row/head layout as `query`)."""
+    head_dim = query.shape[2]
+    group = query.shape[1] // key_cache.shape[1]
+    rows = num_tokens * group
+    ctx = seq_lens[s]
+    q_len = query_start_loc[s + 1] - query_start_loc[s]
+    pos0 = ctx - q_len + (row0 - query_start_loc[s])     # position of the item's first token
+    qs = np.empty((rows, head_dim), np.float32)
+    for t in range(num_tokens):
+        for g in range(group):
+            src = query[row0 + t, kv_head * group + g]
+            dst = qs[t * group + g]
+            for d in range(head_dim):
+                dst[d] = src[d] * scale
+    o = np.zeros((rows, head_dim), np.float32)
+    m = np.full(rows, -np.inf, np.float32)
+    l = np.zeros(rows, np.float32)
+    attend_keys(qs, key_cache, value_cache, block_tables[s], kv_head, pos0 + num_tokens, pos0, group, o, m, l)
     for t in range(num_tokens):
         for g in range(group):
             r = t * group + g

@@ -40,7 +40,7 @@ from kernels.cpu._dense import f32_view
 from kernels.cpu.attend import NO_INDEX, NO_STARTS, NO_TABLES, attend_parallel, attend_serial
 from kernels.cpu.decode import use_split
 from kernels.cpu.decode_split import NO_PARTIALS, Partials
-from kernels.cpu import prefill_flash
+from kernels.cpu import decode_cascade, prefill_flash
 from kernels.cpu.prefill import prefill_work, query_tiles
 from kernels.cpu.prefill_sdpa import SdpaPrefill
 
@@ -99,6 +99,9 @@ class StepAttention:
     prefill rows through the AVX2 register-tile kernel (`prefill_flash.py`, float32 caches,
     head_dim and block size multiples of 16); None takes it where those fit, the CPU prefers it
     (`prefill_flash.preferred`: AVX2 without AVX-512) and `sdpa_prefill` is not True.
+    `cascade_decode`: decode rows through `decode_cascade.py` (float32 caches, the same shapes),
+    which reads blocks that several decode sequences share once for all of them; None takes it
+    where those fit, the CPU prefers the flash tiles and two decode sequences share a block.
     """
 
     def __init__(
@@ -117,6 +120,7 @@ class StepAttention:
         serial: bool | None = None,
         sdpa_prefill: bool | None = None,
         flash_prefill: bool | None = None,
+        cascade_decode: bool | None = None,
     ) -> None:
         self.caches = caches
         self.scale = np.float32(_validate.require_scale(scale))
@@ -175,12 +179,21 @@ class StepAttention:
             self.tile_seq, self.tile_row, self.tile_len = query_tiles(self.pre_starts, self.pre_lens)
             work += prefill_work(self.pre_starts, self.pre_lens, num_heads)
         self.serial = work <= _parallel.SERIAL_MAX_ATTENTION_WORK if serial is None else serial
-        self.split = bool(num_dec) and not self.serial and use_split(
+        if cascade_decode and (f32 is None or not fits):
+            raise KernelInputError(f"the cascade decode path takes float32 caches with head_dim and block size "
+                                   f"multiples of 16, not {caches.dtype}, {caches.head_dim}, {caches.block_size}")
+        # decode sequences sharing prefix blocks: attended by the cascade after the fused call
+        self.cascade: tuple[np.ndarray, np.ndarray] | None = None
+        if num_dec and f32 is not None and fits and cascade_decode is not False and (
+                cascade_decode or prefill_flash.preferred()):
+            self.cascade = decode_cascade.cascade_plan(self.dec_tables, self.dec_lens, caches.block_size,
+                                                       num_heads // caches.num_kv_heads, caches.num_kv_heads)
+        self.split = bool(num_dec) and self.cascade is None and not self.serial and use_split(
             num_dec, caches.num_kv_heads, int(self.dec_lens.max()), caches.block_size)
         self.num_decode_tokens = num_dec
         # Sequences the fused call attends in one item per KV head; split ones in partitions
         # (the same call), merged after it. One set of partials serves every layer.
-        self._fused_dec_seqs = 0 if self.split else num_dec
+        self._fused_dec_seqs = 0 if self.split or self.cascade is not None else num_dec
         self.partials = NO_PARTIALS
         if self.split:
             self.partials = Partials.new(num_dec, num_heads, caches.head_dim, int(self.dec_lens.max()),
@@ -217,13 +230,13 @@ class StepAttention:
                 self.tile_row, self.tile_len, *self.partials.args(), self.scale, result)
         if self.serial:
             attend_serial(*args)
-            self._flash(kc, vc, q, result)
+            self._after_fused(kc, vc, q, result)
         else:
             with _parallel.parallel_section(False):
                 attend_parallel(*args)
                 if self.split:
                     self.partials.reduce(result[:self.num_decode_tokens])
-                self._flash(kc, vc, q, result)
+                self._after_fused(kc, vc, q, result)
         if self.sdpa is not None:
             prefill, f32 = self.sdpa
             prefill.run(f32.keys[layer], f32.values[layer], torch.from_numpy(q), torch.from_numpy(result))
@@ -231,9 +244,12 @@ class StepAttention:
             _host.store(out, result)
         return out
 
-    def _flash(self, kc: np.ndarray, vc: np.ndarray, q: np.ndarray, result: np.ndarray) -> None:
-        """The prefill rows by the flash kernel (after the fused call wrote the step's K/V), on
-        the threads the caller set."""
+    def _after_fused(self, kc: np.ndarray, vc: np.ndarray, q: np.ndarray, result: np.ndarray) -> None:
+        """The decode rows by the cascade and the prefill rows by the flash kernel, where the
+        step takes them (after the fused call wrote the step's K/V), on the threads the caller set."""
+        if self.cascade is not None:
+            decode_cascade.cascade_decode(self.serial, q, kc, vc, self.dec_tables, self.dec_lens, self.cascade,
+                                          self.scale, result)
         if self.flash_items is not None:
             prefill_flash.flash_prefill(self.serial, q, kc.view(np.float32), vc.view(np.float32), self.pre_tables,
                                         self.pre_lens, self.pre_starts, self.flash_items, self.scale, result)
