@@ -5,8 +5,8 @@ add + RMSNorm, the q/k/v matmul, RoPE (before attention); the o matmul, residual
 the gate/up matmul, SiLU·mul, the down matmul (after). Run op by op from Python that is ~8
 calls a layer (4 GEMMs, 2 norms, RoPE, 3 torch ops for SiLU·mul), each paying argument
 checks, tensor-to-array conversions, an output allocation and a dispatch: ~10-15 µs apiece at
-one row, ~100 µs a layer, ~3 ms of a 135M model's ~40 ms decode step (measured on the 2-core
-AVX2 host, one thread, `bench/bench_decode_parts.py`). Here each side is one call into one
+one row (the norms, RoPE and SiLU·mul alone ~3 ms of CPU time in a 135M model's ~45 ms
+one-row decode step; 2-core AVX2 host, one thread, `bench/bench_decode_parts.py`). Here each side is one call into one
 Numba function (`attention_input`, `attention_output_mlp`) that runs the same kernels in
 sequence: the GEMMs' panel shares in `prange` loops (`gemm.gemm_share`, one parallel region
 per matmul as before), the norm, RoPE and SiLU·mul between them on the calling thread (or,
