@@ -4,6 +4,7 @@ hashed in one pass; everything else goes item by item (append_item.py), in reque
 
 from __future__ import annotations
 
+import struct
 import sys
 from array import array
 from collections.abc import Sequence as Seq
@@ -305,6 +306,17 @@ def _cross(
     pool.write_step_np[blocks] = step_id
 
 
+_BLOCK_STRUCTS: dict[int, struct.Struct] = {}
+
+
+def _block_struct(block_size: int) -> struct.Struct:
+    """The little-endian int64 layout of one block's token ids (cached per block size)."""
+    got = _BLOCK_STRUCTS.get(block_size)
+    if got is None:
+        got = _BLOCK_STRUCTS[block_size] = struct.Struct(f"<{block_size}q")
+    return got
+
+
 def _hash_filled(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[SeqId], items: list[int],
                  rows: np.ndarray) -> None:
     """Hash and register the blocks the items' tails just filled, in request order (no other
@@ -314,12 +326,11 @@ def _hash_filled(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[SeqId], i
             hash_full_row(pool, seqs[seq_ids[i]])
         return
     cols = pool.cols
-    blocks = cols.tail_np[rows]
-    data = blocks.tobytes()
-    token_lists = blocks.tolist()
+    data = cols.tail_np[rows].tobytes()
     cols.tail_len_np[rows] = 0
     bs = pool.block_size
     width = 8 * bs
+    tokens_at = _block_struct(bs).unpack_from   # a block's ids as the tuple its BlockMeta keeps
     size = bs.to_bytes(4, "little")
     regs = pool.step.registrations
     index = pool.prefix_index
@@ -335,7 +346,7 @@ def _hash_filled(pool: Pool, seqs: dict[SeqId, Sequence], seq_ids: Seq[SeqId], i
         b = seq.block_table[len(hashes)]
         if h not in index and meta[b] is None:   # `Pool.register`, inlined: the first block keeps a hash
             index[h] = b
-            m = meta[b] = _new_meta(BlockMeta, (h, parent, salt, tuple(token_lists[j])))
+            m = meta[b] = _new_meta(BlockMeta, (h, parent, salt, tokens_at(data, j * width)))
             regs.append((b, h))
             if kv_log is not None:
                 kv_log.stored(m)
