@@ -18,6 +18,7 @@ transport hands in `new_response`, replay the request type's parser).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -123,7 +124,7 @@ class AppendColumns:
 
     seq_ids: list[SeqId]
     counts: list[int]
-    token_ids: list[int] | None
+    token_ids: Sequence[int] | None     # an int64 array once decoded (`_int64s`)
     num_late: list[int] | None = None   # appends only: per item, its last tokens whose ids come later
 
     def __len__(self) -> int:
@@ -311,7 +312,17 @@ def _append_columns(section: str, seq_ids: list[SeqId], counts: list[int], token
     num_late = num_late_of()
     if num_late and len(num_late) != len(seq_ids):
         raise InvalidRequest(f"{section}_num_late has {len(num_late)} entries for {len(seq_ids)} sequences")
-    return AppendColumns(seq_ids, counts, token_ids or None, num_late or None)
+    return AppendColumns(seq_ids, counts, _int64s(token_ids) if token_ids else None, num_late or None)
+
+
+def _int64s(values: list[int]) -> Sequence[int]:
+    """Checked integers as an int64 array: the core's screen takes such a column without its
+    per-item type pass (issue 45). The list itself when one does not fit (only a hand-made
+    journal payload can hold one: the request's are uint32), for the core to refuse its item."""
+    try:
+        return array("q", values)
+    except OverflowError:
+        return values
 
 
 def _decode_late(a: Mapping[str, Any]) -> AppendColumns:
