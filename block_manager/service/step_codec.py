@@ -372,7 +372,8 @@ def decode_swap_ids(p: Mapping[str, Any], key: str, max_batch: int) -> list[SeqI
 # messages, minus the type checks the message's schema already guarantees.
 def _pb_ids(name: str, col: Sequence[str]) -> list[str]:
     ids = list(col)
-    if ids and ("" in ids or max(map(len, ids)) > MAX_ID_LEN):
+    lengths = set(map(len, ids))   # one pass (an `"" in ids` scan compares every string)
+    if ids and (0 in lengths or max(lengths) > MAX_ID_LEN):
         raise InvalidRequest(f"{name} entries must be non-empty strings of at most {MAX_ID_LEN} characters")
     return ids
 
