@@ -90,12 +90,18 @@ def paged_prefill_attention(
     target = _host.f32_target(out)
     result = target if target is not None else np.empty(q.shape, np.float32)
     if kv_kind == _host.KIND_F32 and prefill_flash.usable(kc.shape[3] // 2, kc.shape[2]) and prefill_flash.preferred():
-        # the AVX2 register-tile kernel (prefill_flash.py), as a model step does on this CPU
-        items = prefill_flash.flash_items(starts, lens, kc.shape[1], q.shape[1] // kc.shape[1])
+        # the AVX2 register-tile kernel (prefill_flash.py) for short contexts and SDPA for the
+        # long ones, as a model step does on this CPU
+        short = prefill_flash.short_contexts(lens)
+        items = prefill_flash.flash_items(starts, lens, kc.shape[1], q.shape[1] // kc.shape[1], short)
         serial = prefill_work(starts, lens, q.shape[1]) <= _parallel.SERIAL_MAX_ATTENTION_WORK
         with _parallel.parallel_section(serial):
             prefill_flash.flash_prefill(serial, q, kc.view(np.float32), vc.view(np.float32), tables, lens, starts,
                                         items, np.float32(scale), result)
+        if not short.all():
+            SdpaPrefill(tables, lens, starts, kc.shape[2], scale, ~short).run(
+                torch.from_numpy(kc.view(np.float32)), torch.from_numpy(vc.view(np.float32)),
+                torch.from_numpy(q), torch.from_numpy(result))
     elif kv_kind == _host.KIND_F32:   # torch's SDPA (prefill_sdpa.py), as a model step does
         sdpa = SdpaPrefill(tables, lens, starts, kc.shape[2], scale)
         sdpa.run(torch.from_numpy(kc.view(np.float32)), torch.from_numpy(vc.view(np.float32)),

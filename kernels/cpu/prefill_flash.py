@@ -43,6 +43,11 @@ from kernels.cpu._softmax_tile import softmax_row16
 
 KEY_TILE = PANEL     # keys per tile: one 16-column panel of S
 QUERY_ROWS = 128      # about this many query rows (tokens x group) share one packed K/V tile
+# Contexts longer than this take torch's SDPA by default (`short_contexts`): per layer of both
+# model shapes, one thread, loaded AVX2 host (bench/bench_cpu_attention.py and single-sequence
+# cases, 2026-12-08): flash / SDPA CPU time 0.73-0.83 at a 512-token prompt, 0.90-0.95 at 768,
+# 0.97-1.03 at 1,024, 0.94-1.23 at 1,536 and 1.03-1.06 for 512 rows after 1,536 cached keys.
+MAX_DEFAULT_CONTEXT = 1024
 
 
 def query_tokens(group: int) -> int:
@@ -67,12 +72,21 @@ def preferred() -> bool:
     return bool(features.get("avx2") and features.get("fma") and not features.get("avx512f"))
 
 
+def short_contexts(seq_lens: np.ndarray) -> np.ndarray:
+    """bool per sequence: whether its prefill rows take this kernel by default (context up to
+    `MAX_DEFAULT_CONTEXT`); the longer ones take torch's SDPA."""
+    return np.asarray(seq_lens) <= MAX_DEFAULT_CONTEXT
+
+
 def flash_items(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_kv_heads: int,
-                group: int) -> np.ndarray:
+                group: int, only: np.ndarray | None = None) -> np.ndarray:
     """int32 [items, 4]: (sequence, first row, token count, KV head) per work item, the items of
-    the latest-position (heaviest) query tiles first so the dynamic scheduler starts them early."""
+    the latest-position (heaviest) query tiles first so the dynamic scheduler starts them early;
+    `only`: bool per sequence, the sequences to cover (None: all)."""
     items = []
     for s in range(len(query_start_loc) - 1):
+        if only is not None and not only[s]:
+            continue
         begin, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
         # the sequence's rows in equal items (40 tokens at 13 a piece: 4 x 10, not 13, 13, 13, 1:
         # a 1-token item would pack every K/V tile for a single group of rows)

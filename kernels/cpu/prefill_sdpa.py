@@ -46,16 +46,16 @@ class SdpaPrefill:
     for every layer), run once per layer."""
 
     def __init__(self, tables: np.ndarray, seq_lens: np.ndarray, starts: np.ndarray, block_size: int,
-                 scale: float) -> None:
+                 scale: float, only: np.ndarray | None = None) -> None:
         """`tables` int32 `[num_seqs, max_blocks]`, `seq_lens` int32 `[num_seqs]`, `starts` int32
         `[num_seqs + 1]`: each sequence's first query row in the step (validated by the caller,
-        `StepAttention`)."""
+        `StepAttention`); `only`: bool `[num_seqs]`, the sequences to attend (None: all)."""
         self.scale = float(scale)
         self.seqs: list[_Seq] = []
         for s in range(len(seq_lens)):
             r0, r1 = int(starts[s]), int(starts[s + 1])
             q_len, ctx = r1 - r0, int(seq_lens[s])
-            if q_len == 0:
+            if q_len == 0 or (only is not None and not only[s]):
                 continue
             blocks = torch.from_numpy(tables[s, : -(-ctx // block_size)].astype(np.int64))
             mask = None

@@ -160,16 +160,24 @@ class StepAttention:
         if flash_prefill and sdpa_prefill:
             raise KernelInputError("choose one of the SDPA and flash prefill paths, not both")
         # the flash path: asked for, or by default on a CPU that prefers it unless SDPA is asked for
+        # by default only sequences of short context (the longer ones: SDPA, prefill_flash.py says why)
         self.flash_items: np.ndarray | None = None
+        long_seqs: np.ndarray | None = None
         if num_prefill_rows and f32 is not None and fits and flash_prefill is not False and (
                 flash_prefill or (sdpa_prefill is None and prefill_flash.preferred())):
+            short = None if flash_prefill else prefill_flash.short_contexts(self.pre_lens)
             self.flash_items = prefill_flash.flash_items(self.pre_starts, self.pre_lens, caches.num_kv_heads,
-                                                         num_heads // caches.num_kv_heads)
+                                                         num_heads // caches.num_kv_heads, short)
             work += prefill_work(self.pre_starts, self.pre_lens, num_heads)
-        # the SDPA path with the float32 views it reads: asked for, or by default where they exist
+            long_seqs = None if short is None or short.all() else ~short
+        # the SDPA path with the float32 views it reads: asked for, by default where they exist,
+        # or for the long sequences of a flash step
         self.sdpa: tuple[SdpaPrefill, F32Views] | None = None
         if self.flash_items is not None:
             self.tile_seq = self.tile_row = self.tile_len = NO_INDEX
+            if long_seqs is not None and f32 is not None:
+                self.sdpa = (SdpaPrefill(self.pre_tables, self.pre_lens, self.pre_starts, caches.block_size, scale,
+                                         long_seqs), f32)
         elif num_prefill_rows and f32 is not None and sdpa_prefill is not False:
             # prefill rows by torch's SDPA after the Numba call (which writes the K/V, decodes)
             prefill = SdpaPrefill(self.pre_tables, self.pre_lens, self.pre_starts, caches.block_size, scale)

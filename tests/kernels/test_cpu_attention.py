@@ -202,8 +202,9 @@ def test_prefill_nan_reaches_only_the_rows_that_see_it(num_heads: int) -> None:
     """A NaN value at position p poisons the queries at p and after, never an earlier one: the
     causal mask of the Numba tiles (fp16/bf16 caches) is not a multiplication by zero (0 * NaN
     is NaN), also where rows that see different numbers of keys share a product
-    (`_kv_block.accumulate_rows`). float32 caches prefill through torch's SDPA, whose masked
-    probabilities are zeros times V (`prefill_sdpa.py` says why that is acceptable)."""
+    (`_kv_block.accumulate_rows`). float32 caches prefill through torch's SDPA or the AVX2 flash
+    tiles, whose masked probabilities are zeros times V (`prefill_sdpa.py` says why that is
+    acceptable)."""
     rng = np.random.default_rng(15)
     case = make_case(rng, [100], num_heads=num_heads, num_kv_heads=1, head_dim=16,
                      query_lens=[100], kv_dtype="float16")

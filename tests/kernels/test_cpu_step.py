@@ -235,6 +235,37 @@ def test_default_float32_prefill_path(preferred: bool, monkeypatch: pytest.Monke
     assert begin(decode_only).flash_items is None
 
 
+@pytest.mark.parametrize("flash", [None, True], ids=["default", "flash-asked"])
+def test_long_contexts_take_sdpa_beside_flash(flash: bool | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the CPU prefers the flash kernel, a step's sequences with a context over
+    `MAX_DEFAULT_CONTEXT` prefill through SDPA and the others through flash, in the same step (both
+    against float64; the generic prefill entry point splits the same way, to the bit); asking
+    for flash takes every sequence through it."""
+    import kernels
+    from kernels.cpu import prefill_flash
+
+    monkeypatch.setattr(prefill_flash, "preferred", lambda: True)
+    rng = np.random.default_rng(12)
+    long = prefill_flash.MAX_DEFAULT_CONTEXT + 37
+    case = make_step(rng, [9], [(40, 9), (long, 20), (70, 70)], num_heads=6, num_kv_heads=2, as_torch=False,
+                     num_layers=1)
+    copies = (_clone(case.key_caches[0]), _clone(case.value_caches[0]))
+    step = begin(case, flash_prefill=flash)
+    covered = {int(s) for s in step.flash_items[:, 0]} if step.flash_items is not None else set()
+    assert covered == ({0, 1, 2} if flash else {0, 2})
+    assert (step.sdpa is not None) == (flash is None)
+    want, _, _ = expected(case, 0)
+    got = step.run(0, case.query, case.keys[0], case.values[0])
+    assert_close_rel(got, want, REL["float32"])
+    if flash is None:
+        kc, vc = copies
+        kernels.write_slots(case.keys[0], case.values[0], kc, vc, case.slot_mapping)
+        nd = case.num_decode
+        pre = kernels.paged_prefill_attention(case.query[nd:], kc, vc, case.pre_tables, case.pre_lens,
+                                              case.pre_starts, case.scale)
+        np.testing.assert_array_equal(got[nd:], pre)
+
+
 def test_same_result_as_the_separate_kernels() -> None:
     """One fused call gives exactly what write_slots + decode + prefill give (same arithmetic:
     for float32 caches both prefill through the same path, the flash kernel on an AVX2 CPU
