@@ -4,11 +4,19 @@ both products, S = Q·K^T and P·V, run by the GEMM's 6 x 16 FMA tile (`_gemm_ti
 Why: the Numba tile kernel (`attend.prefill_tile`) leaves each dot product to LLVM, which ends it
 in a horizontal sum, and torch's SDPA (`prefill_sdpa.py`) pays a gather of every sequence's
 context per layer plus one call per sequence (a step of the shared-prefix workload is two dozen
-short chunks, each over a 256-token prefix). On the project's 2-core AVX2 host, per layer of the
-135M shape (`bench/bench_cpu_attention.py`), both ran at ~35-45 GFLOP/s of the 157 peak.
+short chunks, each over a 256-token prefix). On the project's 2-core AVX2 host, one thread,
+both ran at ~30-45 GFLOP/s of a core's ~78 peak; this kernel at ~42 on a 1,024-token prompt
+(its parts per 16-key tile of 96 rows, measured alone: S 2.1 µs, P·V 2.9, softmax 2.2 — 8.4 as
+a plain Numba loop of `_tile.exp_f32`, which stayed scalar —, K/V packing 0.75).
 
-Work item = (sequence, query tile, KV head): the `QUERY_ROWS`-ish query rows of up to
-`query_tokens(group)` consecutive tokens times the GQA group, which share every K/V byte the
+Measured (`bench/bench_cpu_attention.py --one-thread`, per layer, CPU ms, loaded host, 2026-12-08
+00:07; flash / SDPA): a shared-prefix prefill step (a 296-token prompt + 23 chunks of 16-64
+after the cached 256) 20.7 / 21.5 at the 135M shape (9 / 3 heads), 34.2 / 36.9 at Qwen2.5-0.5B's
+(14 / 2); a step of 8 prompts of 16-512 tokens 28.1 / 34.6 and 37.6 / 59.9. At contexts of 1-2k
+it is at parity or behind (`MAX_DEFAULT_CONTEXT`), so those stay on SDPA by default.
+
+Work item = (sequence, query tile, KV head): up to `QUERY_ROWS` query rows, `query_tokens(group)`
+consecutive tokens (a sequence's rows cut into equal items) times the GQA group, which share every K/V byte the
 item reads. The item copies its queries, pre-scaled, into a row-major scratch `qs [rows,
 head_dim]`, then walks the context in key tiles of 16 keys (`KEY_TILE`, one 16-column panel):
   - packs the tile's K transposed into `kt [head_dim, 16]` and its V as head_dim / 16 panels
@@ -17,8 +25,8 @@ head_dim]`, then walks the context in key tiles of 16 keys (`KEY_TILE`, one 16-c
   - S = qs · kt through the tile, 6 rows at a time (`s [rows, 16]`);
   - masks keys past each row's causal limit (only on the diagonal tiles: a row at position p sees
     keys 0 … p; a chunk after a cached prefix sees the whole prefix), folds the tile into each
-    row's running max and sum (online softmax, `_softmax_tile.softmax_row16`), rescales the row's accumulator
-    when its max moved, and overwrites S with the probabilities;
+    row's running max and sum (online softmax, `_softmax_tile.softmax_row16`), rescales the
+    row's accumulator when its max moved, and overwrites S with the probabilities;
   - O += P · vp, one tile per 16 output columns, accumulating in `o` itself.
 At the end each row is divided by its sum and stored.
 

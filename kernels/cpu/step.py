@@ -22,6 +22,13 @@ it has written the K/V, and merged by the split-K reduce (`decode_split.py`).
 Arithmetic is the generic kernels' (the same items, `attend.decode_item` and
 `attend.prefill_tile`), so results are the same bits as `write_slots` followed by the two
 attention calls.
+
+float32 caches on a CPU with AVX2 and no AVX-512 (`prefill_flash.preferred`) take two more
+paths after the fused call, which then only writes the K/V (and attends what is left): prefill
+rows of contexts up to 1,024 tokens through the flash kernel's FMA tiles (`prefill_flash.py`;
+longer ones through SDPA), and, when decode sequences share leading blocks (prefix caching),
+every decode row through the cascade (`decode_cascade.py`), which reads a shared block once for
+all of them. Both are planned here once per step.
 """
 
 from __future__ import annotations
