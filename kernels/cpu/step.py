@@ -209,6 +209,8 @@ class StepAttention:
         # Sequences the fused call attends in one item per KV head; split ones in partitions
         # (the same call), merged after it. One set of partials serves every layer.
         self._fused_dec_seqs = 0 if self.split or self.cascade is not None else num_dec
+        # nothing for the fused call to attend: its K/V writes run on the calling thread
+        self._writes_only = not self._fused_dec_seqs and not self.split and len(self.tile_seq) == 0
         self.partials = NO_PARTIALS
         if self.split:
             self.partials = Partials.new(num_dec, num_heads, caches.head_dim, int(self.dec_lens.max()),
@@ -246,6 +248,13 @@ class StepAttention:
         if self.serial:
             attend_serial(*args)
             self._after_fused(kc, vc, q, result)
+        elif self._writes_only:
+            # the fused call only writes the K/V: on this thread, so that the step wakes the other
+            # threads once per layer (for the cascade / flash work), not twice (_parallel.py: a
+            # wake-up can cost a scheduler slice on a busy host)
+            attend_serial(*args)
+            with _parallel.parallel_section(False):
+                self._after_fused(kc, vc, q, result)
         else:
             with _parallel.parallel_section(False):
                 attend_parallel(*args)
