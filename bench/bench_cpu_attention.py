@@ -69,7 +69,7 @@ def build(case: Case, heads: int, kv_heads: int, sdpa: bool | None, flash: bool 
     pool = rng.permutation(num_blocks).astype(np.int32)
     prefix, cursor = pool[:shared_blocks], shared_blocks
     tables = np.zeros((len(lens), max(-(-n // BLOCK) for n in lens)), np.int32)
-    for i, n in enumerate(lens):
+    for i in range(len(lens)):
         row = np.concatenate([prefix, pool[cursor:cursor + own_blocks[i]]])
         cursor += own_blocks[i]
         tables[i, :len(row)] = row
@@ -105,7 +105,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--one-thread", action="store_true",
-                        help="every path on one thread (torch too): CPU time per path without waiting on the other core")
+                        help="every path on one thread (torch too): CPU time per path, no wait on the other core")
     args = parser.parse_args()
     serial = True if args.one_thread else None
     if args.one_thread:

@@ -42,12 +42,11 @@ import torch
 
 from kernels import _validate
 from kernels._validate import KernelInputError
-from kernels.cpu import _host, _parallel
+from kernels.cpu import _host, _parallel, decode_cascade, prefill_flash
 from kernels.cpu._dense import f32_view
 from kernels.cpu.attend import NO_INDEX, NO_STARTS, NO_TABLES, attend_parallel, attend_serial
 from kernels.cpu.decode import use_split
 from kernels.cpu.decode_split import NO_PARTIALS, Partials
-from kernels.cpu import decode_cascade, prefill_flash
 from kernels.cpu.prefill import prefill_work, query_tiles
 from kernels.cpu.prefill_sdpa import SdpaPrefill
 

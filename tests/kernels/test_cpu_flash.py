@@ -89,10 +89,10 @@ def test_usable_shapes() -> None:
 
 
 @njit
-def _softmax_rows(scores: np.ndarray, m: np.ndarray, l: np.ndarray) -> np.ndarray:
+def _softmax_rows(scores: np.ndarray, m: np.ndarray, sums: np.ndarray) -> np.ndarray:
     alpha = np.empty(scores.shape[0], np.float32)
     for r in range(scores.shape[0]):
-        alpha[r] = softmax_row16(scores, np.int64(r * 16), m, l, np.int64(r))
+        alpha[r] = softmax_row16(scores, np.int64(r * 16), m, sums, np.int64(r))
     return alpha
 
 
@@ -106,13 +106,13 @@ def test_softmax_row16_matches_float64() -> None:
     m_old = np.array([-np.inf, 5.0, -np.inf, 80.0, -30.0, 1.0], np.float32)
     l_old = np.array([0.0, 2.5, 0.0, 1.0, 7.0, 3.0], np.float32)
     s64 = scores.astype(np.float64)
-    m, l = m_old.copy(), l_old.copy()
-    alpha = _softmax_rows(scores, m, l)
+    m, sums = m_old.copy(), l_old.copy()
+    alpha = _softmax_rows(scores, m, sums)
     m_new = np.maximum(m_old.astype(np.float64), s64.max(axis=1))
     want_alpha = np.exp(m_old - m_new)
     want_p = np.exp(s64 - m_new[:, None])
     np.testing.assert_allclose(m, m_new, rtol=0, atol=0)
     np.testing.assert_allclose(alpha, want_alpha, rtol=2e-6, atol=1e-30)
     np.testing.assert_allclose(scores, want_p, rtol=2e-6, atol=1e-30)
-    np.testing.assert_allclose(l, l_old * want_alpha + want_p.sum(axis=1), rtol=2e-6)
+    np.testing.assert_allclose(sums, l_old * want_alpha + want_p.sum(axis=1), rtol=2e-6)
     assert alpha[3] == 1.0   # the max did not move: the accumulator is left as it is
