@@ -6,7 +6,9 @@ one client process, which became the bottleneck first).
    the previous step reported, lengths staggered so 1/16 cross a block per step) against this
    tree's block manager and against the `--before` revision's (extracted with `git archive`),
    with a same-size gRPC echo, all three servers up at once and called in turn (one call
-   each per iteration): p50/p99 and the ratios to the echo.
+   each per iteration): p50/p99, the ratios to the echo, and each server's CPU per Step (its
+   process's user + system time over the measured calls, /proc; clock-tick resolution, so
+   run a few hundred calls).
 2. `scale`: N = 1, 4, 16, 64 schedulers (each its own pool, 256 running sequences,
    continuous batching through the async client's step helper: frees, admissions with a
    shared system prompt, one token per running sequence, every PoolStep reported as if its
@@ -84,7 +86,8 @@ def _setup_pool(c: BlockManagerClient, pool: str, n: int, iters: int) -> tuple[i
 
 def bench_step_ab(trees: dict[str, Path], n: int, iters: int) -> None:
     with ExitStack() as stack:
-        targets = {name: stack.enter_context(bs.bm_server("memory://", tree=tree))[0] for name, tree in trees.items()}
+        servers = {name: stack.enter_context(bs.bm_server("memory://", tree=tree)) for name, tree in trees.items()}
+        targets = {name: target for name, (target, _) in servers.items()}
         echo_target = stack.enter_context(bs.echo_server())
         echo = stack.enter_context(grpc.insecure_channel(echo_target)).unary_unary(bs.ECHO_METHOD)
         runs = {}
@@ -92,9 +95,13 @@ def bench_step_ab(trees: dict[str, Path], n: int, iters: int) -> None:
             c = stack.enter_context(BlockManagerClient(target, scheduler_id="bench"))
             stub = pb_grpc.BlockManagerStub(stack.enter_context(grpc.insecure_channel(target)))
             epoch, seq_ids = _setup_pool(c, "p", n, iters)
-            runs[name] = {"stub": stub, "epoch": epoch, "seq_ids": seq_ids, "last": 0, "lat": [], "size": (0, 0)}
+            runs[name] = {"stub": stub, "epoch": epoch, "seq_ids": seq_ids, "last": 0, "lat": [], "size": (0, 0),
+                          "pid": servers[name][1].pid, "cpu": 0.0}
         echo_lat: list[float] = []
         for k in range(iters + 10):
+            if k == 10:   # each server's CPU over the measured calls (its own process: gRPC's work included)
+                for r in runs.values():
+                    r["cpu"] = -bs._proc_cpu_s(r["pid"])
             for r in runs.values():
                 req = bs._decode_step("p", r["epoch"], r["seq_ids"], k, r["last"])
                 t0 = time.perf_counter()
@@ -112,13 +119,15 @@ def bench_step_ab(trees: dict[str, Path], n: int, iters: int) -> None:
             echo(struct.pack("<I", resp_size) + b"\x00" * max(0, req_size - 4), timeout=30)
             if k >= 10:
                 echo_lat.append(time.perf_counter() - t0)
+        for r in runs.values():
+            r["cpu"] += bs._proc_cpu_s(r["pid"])
         e50, e99 = 1e3 * percentile(echo_lat, 50), 1e3 * percentile(echo_lat, 99)
         print(f"step: {n} seqs x 1 token (every append sent), {iters} calls each, interleaved; "
               f"echo p50 {e50:.3f} p99 {e99:.3f} ms", flush=True)
         for name, r in runs.items():
             p50, p99 = 1e3 * percentile(r["lat"], 50), 1e3 * percentile(r["lat"], 99)
             print(f"  {name:8s} Step p50 {p50:.3f} p99 {p99:.3f} ms  ratio to echo {p50 / e50:.2f}  "
-                  f"p99/p50 {p99 / p50:.1f}", flush=True)
+                  f"p99/p50 {p99 / p50:.1f}  server CPU {1e3 * r['cpu'] / iters:.2f} ms per Step", flush=True)
 
 
 # ---- 2. scale ----------------------------------------------------------------------------------
