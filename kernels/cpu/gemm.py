@@ -63,7 +63,7 @@ def _tile(rows, a, a_off, lda, b, b_off, k_len, c, c_off, ldc, src, src_off, src
 
 
 @njit_cached(inline="always")
-def _tile_rows(left):
+def tile_rows(left):
     # 7-11 rows left: two tiles of about half (8 = 4 + 4, not 6 + 2: a 1-2 row tile has too few
     # accumulators to hide the FMA latency); more than 11: a full tile.
     if left <= MAX_TILE_ROWS:
@@ -92,7 +92,7 @@ def gemm_share(a, panels, bias, out, first, stop, row_block, k_block, prefetch_a
                 prefetch_off = prefetch_ahead * k * PANEL
                 r = m0
                 while r < m1:
-                    rows = _tile_rows(m1 - r)
+                    rows = tile_rows(m1 - r)
                     c_off = r * n + col
                     if k0 > 0:      # a later K block: add to the partial sums in `out`
                         src, src_off, src_stride, zero_init = out, c_off, n, False

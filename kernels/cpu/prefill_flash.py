@@ -46,8 +46,9 @@ from llvmlite import binding as llvm
 from numba import prange
 
 from kernels.cpu._cache import njit_cached
-from kernels.cpu._gemm_tile import MAX_TILE_ROWS, PANEL, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6
+from kernels.cpu._gemm_tile import PANEL, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6
 from kernels.cpu._softmax_tile import softmax_row16
+from kernels.cpu.gemm import tile_rows
 
 KEY_TILE = PANEL     # keys per tile: one 16-column panel of S
 QUERY_ROWS = 128      # about this many query rows (tokens x group) share one packed K/V tile
@@ -127,16 +128,6 @@ def _tile(rows, a, a_off, lda, b, b_off, k_len, c, c_off, ldc, src, src_off, zer
         tile_1(a, a_off, lda, b, b_off, k_len, c, c_off, ldc, src, src_off, ldc, zero_init, 0)
 
 
-@njit_cached(inline="always")
-def _tile_rows(left):
-    # 7-11 rows left: two tiles of about half (a 1-2 row tile hides too little FMA latency)
-    if left <= MAX_TILE_ROWS:
-        return left
-    if left < 2 * MAX_TILE_ROWS:
-        return (left + 1) // 2
-    return MAX_TILE_ROWS
-
-
 @njit_cached()
 def _pack_kv(key_cache, value_cache, block, kv_head, first, num_keys, kt, vp):
     # kt[d, j] = K[first + j, d]; vp[d // 16, j, d % 16] = V[first + j, d]; j >= num_keys zeroed
@@ -177,7 +168,7 @@ def attend_keys(qs, key_cache, value_cache, table_row, kv_head, end_key, pos0, g
         _pack_kv(key_cache, value_cache, block, kv_head, key0 % block_size, num_keys, kt, vp)
         r = 0
         while r < rows:
-            n = _tile_rows(rows - r)
+            n = tile_rows(rows - r)
             _tile(n, qs, np.int64(r * head_dim), np.int64(head_dim), kt, np.int64(0), np.int64(head_dim),
                   sc, np.int64(r * KEY_TILE), np.int64(KEY_TILE), sc, np.int64(0), np.int64(1))
             r += n
@@ -194,7 +185,7 @@ def attend_keys(qs, key_cache, value_cache, table_row, kv_head, end_key, pos0, g
                     a[d] *= alpha
         r = 0
         while r < rows:
-            n = _tile_rows(rows - r)
+            n = tile_rows(rows - r)
             for pnl in range(num_panels):
                 at = np.int64(r * head_dim + pnl * PANEL)
                 _tile(n, sc, np.int64(r * KEY_TILE), np.int64(KEY_TILE), vp, np.int64(pnl * KEY_TILE * PANEL),
