@@ -311,8 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# pagedkv vs vLLM, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, "
           f"repeats {args.repeats}, KV {KV_GIB} GiB each")
     machine = measure_machine()
-    print(f"# this machine (roofline.py): float32 matmul peak {machine.peak_flops / 1e9:.0f} GFLOP/s, "
-          f"one-row weight reads {machine.read_bytes_per_s / 1e9:.1f} GB/s")
+    print(f"# this machine (roofline.py): float32 FMA peak {machine.peak_flops / 1e9:.0f} GFLOP/s, "
+          f"weight reads {machine.read_bytes_per_s / 1e9:.1f} GB/s")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes.split(","):
