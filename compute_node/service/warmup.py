@@ -5,10 +5,11 @@ on a cold cache, on a busy 2-core host even more). If that first call were a rea
 the node's event loop could not heartbeat meanwhile and the block manager would fence it for
 an expired lease. So the server runs one tiny call of every CPU kernel (decode single-pass
 and split-K, prefill, write_slots, copy_blocks, and the model step's fused kernel on one thread
-and on all) in a worker thread before it starts
-registering; health stays NOT_SERVING until then. With Numba's on-disk cache warm this takes
-well under a second. CUDA kernels are built per (head_dim, block_size, group, dtype) variant
-and compile in about a second each on the device, so the GPU path skips this.
+and on all, with its flash-prefill and cascade-decode paths where the CPU takes them) in a
+worker thread before it starts registering; health stays NOT_SERVING until then. With Numba's
+on-disk cache warm this takes well under a second. CUDA kernels are built per (head_dim,
+block_size, group, dtype) variant and compile in about a second each on the device, so the GPU
+path skips this.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 import kernels
 from compute_node.pool import TORCH_DTYPES
+from kernels.cpu import prefill_flash
 from kernels.cpu.decode import paged_attention_decode as cpu_decode
 from kernels.cpu.step import KvBits, StepAttention
 from pagedkv.logging import get_logger
@@ -56,6 +58,23 @@ def warm_up_cpu_kernels(num_kv_heads: int, head_dim: int, dtype: str, block_size
             prefill_query_start_loc=torch.tensor([0, 1], dtype=torch.int32), scale=1.0, serial=serial,
         )
         step.run(0, torch.ones(2, num_kv_heads, head_dim, dtype=kv_dtype), key, key)
+    # Where the step takes the flash tiles (float32 caches of whole 16-wide tiles on a CPU that
+    # prefers them, `prefill_flash.preferred`): a prefill row and two decode rows sharing their
+    # first block (the cascade), each variant; elsewhere this step runs the kernels above again.
+    if kv_dtype == torch.float32 and prefill_flash.usable(head_dim, block_size):
+        key_cache = torch.zeros(3, num_kv_heads, block_size, head_dim, dtype=kv_dtype)
+        caches = KvBits([key_cache], [torch.zeros_like(key_cache)])
+        shared = torch.tensor([[0, 1], [0, 2]], dtype=torch.int32)
+        rows = torch.ones(3, num_kv_heads, head_dim, dtype=kv_dtype)
+        for serial in (True, False):
+            step = StepAttention(
+                caches, num_heads=num_kv_heads, num_decode_tokens=2,
+                slot_mapping=torch.tensor([block_size, 2 * block_size, block_size + 1], dtype=torch.int64),
+                decode_block_tables=shared, decode_seq_lens=torch.tensor([block_size + 1] * 2, dtype=torch.int32),
+                prefill_block_tables=shared[:1], prefill_seq_lens=torch.tensor([block_size + 2], dtype=torch.int32),
+                prefill_query_start_loc=torch.tensor([0, 1], dtype=torch.int32), scale=1.0, serial=serial,
+            )
+            step.run(0, rows, rows, rows)
     seconds = time.perf_counter() - start
     log.info("kernels warm", seconds=round(seconds, 3), dtype=dtype)
     return seconds

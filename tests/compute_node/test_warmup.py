@@ -28,18 +28,24 @@ from compute_node.pool import KvPool, PoolGeometry
 from compute_node.service.warmup import warm_up_cpu_kernels
 from kernels.cpu.decode import paged_attention_decode as cpu_decode
 
-dtype = sys.argv[1]
+from kernels.cpu import prefill_flash
+
+dtype, bs = sys.argv[1], int(sys.argv[2])
 KERNELS = [("attend", "attend_serial"), ("attend", "attend_parallel"),
            ("decode_split", "_reduce_kernel"), ("write_slots", "_write_slots_kernel"),
            ("copy_blocks", "_copy_blocks_kernel")]
+flash = dtype == "float32" and prefill_flash.usable(32, bs) and prefill_flash.preferred()
+if flash:   # the step's flash-prefill and cascade-decode paths (AVX2 without AVX-512)
+    KERNELS += [("prefill_flash", "_flash_serial"), ("prefill_flash", "_flash_parallel"),
+                ("decode_cascade", "_cascade_serial"), ("decode_cascade", "_cascade_parallel")]
 
 def compiled():
     return {f"{m}.{k}": len(getattr(importlib.import_module(f"kernels.cpu.{m}"), k).signatures) for m, k in KERNELS}
 
 before = compiled()
-seconds = warm_up_cpu_kernels(2, 32, dtype, block_size=4)
+seconds = warm_up_cpu_kernels(2, 32, dtype, block_size=bs)
 after = compiled()
-pool = KvPool(PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=32, dtype=dtype, block_size=4, num_blocks=16),
+pool = KvPool(PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=32, dtype=dtype, block_size=bs, num_blocks=16),
               torch.device("cpu"))
 g = torch.Generator().manual_seed(0)
 kv = lambda n: torch.randn(n, 2, 32, generator=g).to(pool.key_caches[0].dtype)
@@ -59,13 +65,25 @@ for serial in (True, False):   # the model path's step kernel (what a model node
                                prefill_query_start_loc=torch.tensor([0, 2], dtype=torch.int32), scale=0.2)
     step.serial = serial
     step.run(0, torch.randn(3, 4, 32, generator=g).to(pool.key_caches[0].dtype), kv(3), kv(3))
-print(json.dumps({"before": before, "after": after, "final": compiled(), "seconds": seconds}))
+    # two decode rows sharing their first block (the cascade where the CPU takes it), a prefill row
+    shared = torch.tensor([[0, 1], [0, 2]], dtype=torch.int32)
+    step = pool.begin_cpu_step(num_heads=4, slot_mapping=torch.tensor([bs, 2 * bs, bs + 1], dtype=torch.int64),
+                               num_decode_tokens=2, decode_block_tables=shared,
+                               decode_seq_lens=torch.tensor([bs + 1, bs + 1], dtype=torch.int32),
+                               prefill_block_tables=shared[:1],
+                               prefill_seq_lens=torch.tensor([bs + 2], dtype=torch.int32),
+                               prefill_query_start_loc=torch.tensor([0, 1], dtype=torch.int32), scale=0.2)
+    step.serial = serial
+    step.run(0, torch.randn(3, 4, 32, generator=g).to(pool.key_caches[0].dtype), kv(3), kv(3))
+print(json.dumps({"before": before, "after": after, "final": compiled(), "seconds": seconds, "flash": flash}))
 """
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-def test_warm_up_compiles_what_a_forward_runs(dtype: str) -> None:
-    proc = fork_server.run([sys.executable, "-c", _SCRIPT, dtype], cwd=REPO, text=True, timeout=600)
+@pytest.mark.parametrize(("dtype", "block_size"), [("float16", 4), ("bfloat16", 4), ("float32", 4), ("float32", 16)])
+def test_warm_up_compiles_what_a_forward_runs(dtype: str, block_size: int) -> None:
+    """Block size 16 with float32: the flash-prefill and cascade-decode kernels too, on a CPU
+    that takes them (block size 4 fits no 16-key tile)."""
+    proc = fork_server.run([sys.executable, "-c", _SCRIPT, dtype, str(block_size)], cwd=REPO, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(out["before"].values()) == {0}, f"kernels compiled before the warm-up: {out['before']}"
