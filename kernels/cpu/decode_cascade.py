@@ -34,7 +34,7 @@ from numba import prange
 from kernels.cpu._cache import njit_cached
 from kernels.cpu._host import KIND_F32
 from kernels.cpu._tile import attend_blocks
-from kernels.cpu.prefill_flash import attend_keys
+from kernels.cpu.prefill_flash import attend_keys, scaled_group
 
 CHUNK_ROWS = 48   # query rows (sequences x group) per item: the prefix tile is read once for them
 
@@ -93,12 +93,7 @@ def cascade_item(query, key_cache, value_cache, key_bits, value_bits, block_tabl
     rows = count * group
     qs = np.empty((rows, head_dim), np.float32)
     for i in range(count):
-        s = order[first + i]
-        for g in range(group):
-            src = query[s, kv_head * group + g]
-            dst = qs[i * group + g]
-            for d in range(head_dim):
-                dst[d] = src[d] * scale
+        scaled_group(query, order[first + i], kv_head, group, scale, qs, i * group)
     o = np.zeros((rows, head_dim), np.float32)
     m = np.full(rows, -np.inf, np.float32)
     l = np.zeros(rows, np.float32)

@@ -193,6 +193,17 @@ def attend_keys(qs, key_cache, value_cache, table_row, kv_head, end_key, pos0, g
             r += n
 
 
+@njit_cached(inline="always")
+def scaled_group(query, row, kv_head, group, scale, qs, first):
+    """Query row `row`'s heads of `kv_head`'s GQA group, times `scale`, into `qs[first:first + group]`
+    (the tiles' A operand: one row per query head)."""
+    for g in range(group):
+        src = query[row, kv_head * group + g]
+        dst = qs[first + g]
+        for d in range(src.shape[0]):
+            dst[d] = src[d] * scale
+
+
 @njit_cached()
 def flash_item(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, s, row0, num_tokens,
                kv_head, scale, out):
@@ -206,11 +217,7 @@ def flash_item(query, key_cache, value_cache, block_tables, seq_lens, query_star
     pos0 = ctx - q_len + (row0 - query_start_loc[s])     # position of the item's first token
     qs = np.empty((rows, head_dim), np.float32)
     for t in range(num_tokens):
-        for g in range(group):
-            src = query[row0 + t, kv_head * group + g]
-            dst = qs[t * group + g]
-            for d in range(head_dim):
-                dst[d] = src[d] * scale
+        scaled_group(query, row0 + t, kv_head, group, scale, qs, t * group)
     o = np.zeros((rows, head_dim), np.float32)
     m = np.full(rows, -np.inf, np.float32)
     l = np.zeros(rows, np.float32)
